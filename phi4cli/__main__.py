@@ -1,0 +1,8 @@
+"""Entry point for ``python -m phi4cli`` (also how the daemon is spawned)."""
+
+from __future__ import annotations
+
+from phi4cli.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,379 @@
+"""The ``phi4`` command line: parse options, call the client, print. The only place that turns
+exceptions into exit codes. Imports nothing heavy at module level (no llama_cpp, numpy, hub).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Annotated, Any, NoReturn
+
+import click
+import typer
+
+from phi4cli import __version__, protocol
+from phi4cli.config import Settings, format_duration, load_settings
+from phi4cli.errors import DaemonUnavailableError, ExitStatus, Phi4Error, UsageError
+from phi4cli.paths import Paths, get_paths
+
+app = typer.Typer(
+    name="phi4",
+    help="A local math solver: Phi-4-mini-reasoning, resident in a background daemon.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+daemon_app = typer.Typer(
+    help="Start, stop, inspect or run the background daemon.", no_args_is_help=True
+)
+app.add_typer(daemon_app, name="daemon")
+
+ModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Model alias or path to a .gguf file [env PHI4_MODEL].",
+        show_default=False,
+    ),
+]
+KeepAliveOption = Annotated[
+    str | None,
+    typer.Option(
+        "--keep-alive",
+        help="How long the daemon stays resident when idle: 30m, 1h, "
+        "0 (exit when idle), -1 (forever) [env PHI4_KEEP_ALIVE; default 30m].",
+        show_default=False,
+    ),
+]
+NCtxOption = Annotated[
+    int | None,
+    typer.Option(
+        "--n-ctx",
+        help="Context window of a daemon this command starts [default 8192].",
+        show_default=False,
+    ),
+]
+ThreadsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        help="CPU threads for a daemon this command starts [default: physical cores].",
+        show_default=False,
+    ),
+]
+
+
+def _stderr(message: str) -> None:
+    print(f"phi4: {message}", file=sys.stderr, flush=True)
+
+
+def _settings(paths: Paths, **overrides: object) -> Settings:
+    return load_settings(paths.config_file, overrides)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        print(f"phi4 {__version__} (protocol {protocol.PROTOCOL_VERSION})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_version_callback,
+            is_eager=True,
+            help="Show the version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """A local math solver: Phi-4-mini-reasoning, resident in a background daemon."""
+
+
+def _read_prompt(prompt: str | None) -> str:
+    """Combine the argument and piped stdin (argument first), like ``llm``; ``-`` means stdin."""
+    parts: list[str] = []
+    if prompt is not None and prompt != "-":
+        parts.append(prompt)
+    if prompt == "-" or not sys.stdin.isatty():
+        piped = sys.stdin.read()
+        if piped.strip():
+            parts.append(piped.strip("\n"))
+    if not parts:
+        raise UsageError(
+            'no question given: phi4 solve "What is 12*13?" or echo ... | phi4 solve -'
+        )
+    text = "\n\n".join(parts)
+    if not text.strip():
+        raise UsageError("the question is empty")
+    return text
+
+
+@app.command()
+def solve(
+    prompt: Annotated[
+        str | None,
+        typer.Argument(
+            help="The problem to solve; '-' (or piped stdin) reads it from stdin.",
+            show_default=False,
+        ),
+    ] = None,
+    model: ModelOption = None,
+    system: Annotated[
+        str | None, typer.Option("--system", "-s", help="Extra system prompt.", show_default=False)
+    ] = None,
+    temperature: Annotated[
+        float | None,
+        typer.Option(
+            "--temperature",
+            "-t",
+            help="Sampling temperature; 0 is greedy [default 0.8].",
+            show_default=False,
+        ),
+    ] = None,
+    top_p: Annotated[
+        float | None,
+        typer.Option("--top-p", help="Nucleus sampling [default 0.95].", show_default=False),
+    ] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option("--seed", help="Random seed, for repeatable samples.", show_default=False),
+    ] = None,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--max-tokens", "-n", help="Stop after this many answer tokens.", show_default=False
+        ),
+    ] = None,
+    keep_alive: KeepAliveOption = None,
+    n_ctx: NCtxOption = None,
+    threads: ThreadsOption = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Print timing and cache statistics to stderr.")
+    ] = False,
+) -> None:
+    """Solve one problem, streaming the model's answer to stdout."""
+    from phi4cli.client import error_for, stream_solve
+    from phi4cli.models import resolve_model
+    from phi4cli.render import AnswerStream, format_stats
+
+    paths = get_paths()
+    settings = _settings(
+        paths,
+        model=model,
+        system=system,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        max_tokens=max_tokens,
+        keep_alive=keep_alive,
+        n_ctx=n_ctx,
+        threads=threads,
+    )
+    question = _read_prompt(prompt)
+    model_path = resolve_model(settings.model, paths)
+    params: dict[str, Any] = {
+        "prompt": question,
+        "model": str(model_path),
+        "system": settings.system,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "seed": settings.seed,
+        "max_tokens": settings.max_tokens,
+    }
+    if keep_alive is not None or "PHI4_KEEP_ALIVE" in os.environ:
+        params["keep_alive"] = settings.keep_alive
+    answer = AnswerStream(sys.stdout)
+    events = stream_solve(paths, settings, model_path, params, _stderr)
+    announced_loading = False
+    try:
+        for event in events:
+            kind = event.get("event")
+            if kind == "token":
+                answer.write(event.get("text", ""))
+            elif kind == "progress" and not announced_loading:
+                announced_loading = True
+                _stderr(f"loading {event.get('model', 'the model')}...")
+            elif kind == "accepted" and event.get("state") == "loading" and not announced_loading:
+                announced_loading = True
+                _stderr("waiting for the daemon to load the model...")
+            elif kind == "stats" and verbose:
+                answer.finish()
+                print(format_stats(event), file=sys.stderr, flush=True)
+            elif kind == "error":
+                answer.finish()
+                raise error_for(event)
+        answer.finish()
+    except BrokenPipeError:
+        # The reader went away (`| head -1`): closing the events below hangs up on the daemon,
+        # which stops the generation. Point stdout at /dev/null so the exit-time flush is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    finally:
+        events.close()
+
+
+def _print_status(status: dict[str, Any], as_json: bool) -> None:
+    from phi4cli.render import format_status
+
+    print(json.dumps(status, indent=2) if as_json else format_status(status))
+
+
+def _daemon_status(paths: Paths) -> dict[str, Any]:
+    from phi4cli.client import DaemonRestartRequired, try_connect
+
+    connection = try_connect(paths)
+    if connection is None:
+        raise DaemonUnavailableError("no daemon is running; `phi4 daemon start` starts one")
+    with connection:
+        try:
+            reply = connection.call("status")
+        except DaemonRestartRequired as exc:
+            raise DaemonUnavailableError(f"the running daemon is incompatible: {exc}") from None
+    result: dict[str, Any] = reply.get("result", {})
+    return result
+
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+@app.command()
+def status(as_json: JsonOption = False) -> None:
+    """Show the daemon's state, model, pid, uptime, memory, requests and idle time left."""
+    _print_status(_daemon_status(get_paths()), as_json)
+
+
+@app.command()
+def stop() -> None:
+    """Stop the daemon (same as `phi4 daemon stop`)."""
+    daemon_stop()
+
+
+@daemon_app.command("status")
+def daemon_status(as_json: JsonOption = False) -> None:
+    """Show the daemon's state (same as `phi4 status`)."""
+    status(as_json)
+
+
+@daemon_app.command("stop")
+def daemon_stop() -> None:
+    """Stop the daemon, also in the middle of a generation."""
+    from phi4cli.client import stop_daemon
+
+    pid = stop_daemon(get_paths())
+    print("no daemon was running" if pid is None else f"daemon stopped (pid {pid})")
+
+
+@daemon_app.command("start")
+def daemon_start(
+    model: ModelOption = None,
+    keep_alive: KeepAliveOption = None,
+    n_ctx: NCtxOption = None,
+    threads: ThreadsOption = None,
+) -> None:
+    """Start the daemon in the background and wait until its model is loaded."""
+    from phi4cli.client import ensure_daemon
+    from phi4cli.models import resolve_model
+
+    paths = get_paths()
+    settings = _settings(paths, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads)
+    model_path = resolve_model(settings.model, paths)
+    ensure_daemon(paths, settings, model_path, _stderr).close()
+    deadline = time.monotonic() + 600
+    while True:
+        current = _daemon_status(paths)
+        if current.get("state") == "ready":
+            load = current.get("load") or {}
+            print(
+                f"daemon ready (pid {current['pid']}, model {current.get('model')}, "
+                f"load {load.get('load_s', 0):.2f} s, keep_alive "
+                f"{format_duration(float(current.get('keep_alive_s', settings.keep_alive)))})"
+            )
+            return
+        if current.get("state") == "failed":
+            from phi4cli.errors import EngineError
+
+            raise EngineError(str(current.get("error") or "the daemon could not load the model"))
+        if time.monotonic() > deadline:
+            raise DaemonUnavailableError("the daemon did not become ready within 10 minutes")
+        time.sleep(0.05)
+
+
+@daemon_app.command("run")
+def daemon_run(
+    model: ModelOption = None,
+    keep_alive: KeepAliveOption = None,
+    n_ctx: NCtxOption = None,
+    threads: ThreadsOption = None,
+) -> None:
+    """Run the daemon in the foreground (for debugging and service managers)."""
+    from phi4cli.daemon.server import run_daemon
+    from phi4cli.models import resolve_model
+
+    paths = get_paths()
+    settings = _settings(paths, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads)
+    run_daemon(paths, settings, resolve_model(settings.model, paths))
+
+
+@app.command()
+def models() -> None:
+    """List model aliases and what is on disk."""
+    from phi4cli.models import list_models
+    from phi4cli.render import human_bytes
+
+    rows = list_models(get_paths())
+    width = max(len(row.name) for row in rows)
+    for row in rows:
+        state = human_bytes(row.size) if row.present else "not on disk"
+        print(f"{row.name:<{width}}  {state:>11}  {row.description}")
+        where = row.path if row.present else f"get it: {_fetch_hint(row.name, row.source)}"
+        print(f"{'':<{width}}  {'':>11}  {where}")
+
+
+def _fetch_hint(name: str, source: str) -> str:
+    return f"phi4 pull {name}" if source.startswith("hf:") else source
+
+
+@app.command()
+def pull(
+    name: Annotated[str, typer.Argument(help="Model alias to download.")] = "phi4-mini-reasoning",
+) -> None:
+    """Download a model (resumable, verified as GGUF) into the models directory."""
+    from phi4cli.models import pull_model
+
+    path = pull_model(name, get_paths())
+    print(f"{name}: {path}")
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Run the CLI and exit with the documented exit code for whatever happened."""
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="phi4", standalone_mode=False)
+        sys.stdout.flush()
+        sys.exit(code if isinstance(code, int) else ExitStatus.OK)
+    except click.exceptions.UsageError as exc:
+        exc.show()
+        sys.exit(ExitStatus.USAGE)
+    except click.exceptions.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        print(file=sys.stderr)
+        sys.exit(ExitStatus.INTERRUPTED)
+    except Phi4Error as exc:
+        if os.environ.get("PHI4_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        _stderr(f"error: {exc}")
+        sys.exit(exc.exit_status)
+    except Exception as exc:
+        if os.environ.get("PHI4_DEBUG"):
+            raise
+        _stderr(f"internal error: {type(exc).__name__}: {exc} (PHI4_DEBUG=1 shows the traceback)")
+        sys.exit(ExitStatus.ERROR)

@@ -1,0 +1,171 @@
+"""Settings: defaults < ``config.toml`` < environment (``PHI4_*``) < command-line flags.
+
+The result is one frozen :class:`Settings`; every other module reads settings from it and nothing
+else reads the environment or the config file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from phi4cli.errors import ConfigError
+
+DEFAULT_MODEL = "phi4-mini-reasoning"
+DEFAULT_KEEP_ALIVE = 30 * 60.0
+FOREVER = -1.0
+
+_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(value: object) -> float:
+    """Return seconds for ``30m``, ``1h``, ``90s``, ``250ms`` or a number; any negative is forever.
+
+    Raise ValueError when the value is none of those.
+    """
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if not match:
+            raise ValueError(value)
+        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    return FOREVER if seconds < 0 else seconds
+
+
+def format_duration(seconds: float) -> str:
+    if seconds < 0:
+        return "forever"
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{int(seconds // 3600)}h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{int(seconds // 60)}m"
+    return f"{seconds:g}s"
+
+
+def _positive_int(value: object) -> int:
+    if isinstance(value, bool):
+        raise ValueError(value)
+    number = int(str(value))
+    if number <= 0:
+        raise ValueError(value)
+    return number
+
+
+def _optional_positive_int(value: object) -> int | None:
+    if value is None or str(value).strip().lower() in {"", "none", "auto", "0"}:
+        return None
+    return _positive_int(value)
+
+
+def _unit_float(value: object) -> float:
+    number = float(str(value))
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(value)
+    return number
+
+
+def _temperature(value: object) -> float:
+    number = float(str(value))
+    if not 0.0 <= number <= 5.0:
+        raise ValueError(value)
+    return number
+
+
+def _optional_int(value: object) -> int | None:
+    if value is None or str(value).strip().lower() in {"", "none", "random"}:
+        return None
+    return int(str(value))
+
+
+def _optional_str(value: object) -> str | None:
+    text = None if value is None else str(value)
+    return text or None
+
+
+# key -> (parser, description of allowed values)
+_FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
+    "model": (lambda v: str(v).strip() or DEFAULT_MODEL, "a model alias or a path to a .gguf"),
+    "keep_alive": (
+        parse_duration,
+        "a duration such as 30m, 1h, 90s, 0 (unload now) or -1 (forever)",
+    ),
+    "n_ctx": (_positive_int, "a positive integer (tokens)"),
+    "threads": (_optional_positive_int, "a positive integer, or auto"),
+    "temperature": (_temperature, "a number from 0 to 5"),
+    "top_p": (_unit_float, "a number from 0 to 1"),
+    "max_tokens": (_optional_positive_int, "a positive integer, or none"),
+    "seed": (_optional_int, "an integer, or random"),
+    "system": (_optional_str, "text"),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = DEFAULT_MODEL
+    keep_alive: float = DEFAULT_KEEP_ALIVE
+    n_ctx: int = 8192
+    threads: int | None = None
+    temperature: float = 0.8
+    top_p: float = 0.95
+    max_tokens: int | None = None
+    seed: int | None = None
+    # None: the chat template's own default system prompt ("Your name is Phi, ...").
+    system: str | None = None
+
+
+def env_name(key: str) -> str:
+    return f"PHI4_{key.upper()}"
+
+
+def _parse(key: str, value: object, source: str) -> Any:
+    parser, allowed = _FIELDS[key]
+    try:
+        return parser(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: invalid {key} {value!r}: expected {allowed}") from None
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Return the parsed config file ({} when absent); raise ConfigError naming bad keys."""
+    try:
+        with path.open("rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        return {}
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(_FIELDS))}"
+        )
+    return data
+
+
+def load_settings(
+    config_file: Path,
+    overrides: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Merge defaults, the config file, ``PHI4_*`` variables and non-None flag overrides."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for key, value in read_config_file(config_file).items():
+        values[key] = _parse(key, value, str(config_file))
+    for field in fields(Settings):
+        name = env_name(field.name)
+        if name in environ:
+            values[field.name] = _parse(field.name, environ[name], name)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = _parse(key, value, f"--{key.replace('_', '-')}")
+    return Settings(**values)

@@ -1,0 +1,247 @@
+"""The inference engine: the ONLY module that imports llama_cpp.
+
+One ``llama_cpp.Llama`` holds the model and one context. Each request's prompt is rendered with the
+GGUF's own chat template and compared with the tokens already in the KV cache: the common prefix
+(system prompt, earlier turns) is kept and only the new tokens are evaluated.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import ctypes
+import logging
+import os
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+from llama_cpp import _internals as llama_internals
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+from phi4cli.daemon.scheduler import ContextOverflowError, ModelLoadError, SolveParams, TokenSink
+
+log = logging.getLogger("phi4.engine")
+
+# The model card samples with transformers' defaults besides temperature/top_p, i.e. top_k=50.
+TOP_K = 50
+# Used when a GGUF carries no chat template (rare): Phi-4-mini's own format.
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + "
+    "'<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def physical_cores() -> int:
+    """Return the number of physical cores this process may run on (hyperthreads count once)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    cores: set[tuple[str, str]] = set()
+    for cpu in allowed:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(
+                (
+                    (topology / "physical_package_id").read_text().strip(),
+                    (topology / "core_id").read_text().strip(),
+                )
+            )
+        except OSError:
+            return max(1, len(allowed))
+    return max(1, len(cores) or (os.cpu_count() or 1))
+
+
+class LlamaEngine:
+    """One model, one context, one request at a time (the scheduler serialises calls)."""
+
+    def __init__(self, n_ctx: int, threads: int | None = None, n_batch: int = 512) -> None:
+        self.n_ctx = n_ctx
+        self.threads = threads or physical_cores()
+        self.n_batch = n_batch
+        self._llm: llama_cpp.Llama | None = None
+        self._formatter: Jinja2ChatFormatter | None = None
+        self._vocab: Any = None
+        self._model_path: Path | None = None
+        self._piece_buffer = ctypes.create_string_buffer(64)
+
+    @property
+    def model_path(self) -> Path | None:
+        return self._model_path
+
+    @property
+    def cached_tokens(self) -> int:
+        return int(self._llm.n_tokens) if self._llm is not None else 0
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Load the GGUF at ``path`` (unloading any other); return timings.
+
+        Raise ModelLoadError with a message for the user when llama.cpp cannot load it.
+        """
+        self.close()
+        started = time.monotonic()
+        if not path.is_file():
+            raise ModelLoadError(f"model file {path} does not exist")
+        try:
+            llm = llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=self.n_ctx,
+                n_batch=self.n_batch,
+                n_threads=self.threads,
+                n_threads_batch=self.threads,
+                verbose=False,
+            )
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise ModelLoadError(_diagnose_load_failure(path, exc)) from None
+        load_s = time.monotonic() - started
+        template = llm.metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATE
+        model = llm._model
+        self._formatter = Jinja2ChatFormatter(
+            template=template,
+            eos_token=model.token_get_text(llm.token_eos()),
+            bos_token=model.token_get_text(llm.token_bos()),
+        )
+        self._vocab = llama_cpp.llama_model_get_vocab(model.model)
+        self._llm = llm
+        self._model_path = path
+        # Warm-up: evaluate the default system prompt now, so the first question finds it cached.
+        warm_started = time.monotonic()
+        self._llm.eval(self._system_prefix(None))
+        timings = {
+            "model": str(path),
+            "load_s": round(load_s, 4),
+            "prefill_s": round(time.monotonic() - warm_started, 4),
+            "system_tokens": int(self._llm.n_tokens),
+            "n_ctx": self.n_ctx,
+            "threads": self.threads,
+        }
+        log.info("loaded %s in %.2f s (threads %d)", path, load_s, self.threads)
+        return timings
+
+    def close(self) -> None:
+        if self._llm is not None:
+            with contextlib.suppress(Exception):
+                self._llm.close()
+        self._llm = None
+        self._formatter = None
+        self._vocab = None
+        self._model_path = None
+
+    def _render(self, system: str | None, prompt: str | None) -> str:
+        assert self._formatter is not None
+        messages: list[dict[str, str]] = []
+        if system:
+            messages.append({"role": "system", "content": system})
+        if prompt is not None:
+            messages.append({"role": "user", "content": prompt})
+        return self._formatter(messages=messages).prompt  # type: ignore[arg-type]
+
+    def _tokenize(self, text: str) -> list[int]:
+        assert self._llm is not None
+        return list(self._llm.tokenize(text.encode(), add_bos=True, special=True))
+
+    def _system_prefix(self, system: str | None) -> list[int]:
+        """Tokens every conversation with this system prompt starts with (cached at load)."""
+        marker = "\x00"
+        text = self._render(system, marker)
+        return self._tokenize(text[: text.index(marker)])
+
+    def _piece(self, token: int) -> bytes:
+        """Return the bytes of one token (special tokens render as nothing)."""
+        buffer = self._piece_buffer
+        size = llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, False)
+        if size < 0:  # the piece is longer than the buffer: llama.cpp returns -needed
+            self._piece_buffer = buffer = ctypes.create_string_buffer(-size)
+            size = llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, False)
+        return buffer.raw[:size]
+
+    def generate(
+        self, params: SolveParams, emit: TokenSink, cancelled: threading.Event
+    ) -> dict[str, Any]:
+        """Evaluate the prompt's new tokens and stream the answer; return the request's stats."""
+        llm = self._llm
+        assert llm is not None
+        request_started = time.monotonic()
+        tokens = self._tokenize(self._render(params.system, params.prompt))
+        if len(tokens) >= self.n_ctx:
+            raise ContextOverflowError(
+                f"the question is {len(tokens)} tokens but the context holds {self.n_ctx}; "
+                "shorten it or raise n_ctx"
+            )
+        cached = 0
+        for have, want in zip(llm.input_ids[: llm.n_tokens], tokens, strict=False):
+            if have != want:
+                break
+            cached += 1
+        # At least one prompt token is always evaluated: sampling needs fresh logits.
+        cached = min(cached, len(tokens) - 1)
+        llm.n_tokens = cached
+        for start in range(cached, len(tokens), self.n_batch):
+            if cancelled.is_set():
+                break
+            llm.eval(tokens[start : start + self.n_batch])
+        prompt_s = time.monotonic() - request_started
+
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        sampler = llama_internals.LlamaSampler()
+        if params.temperature <= 0.0:
+            sampler.add_greedy()
+        else:
+            sampler.add_top_k(TOP_K)
+            sampler.add_top_p(params.top_p, 1)
+            sampler.add_temp(params.temperature)
+            sampler.add_dist(seed)
+
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        budget = min(params.max_tokens or self.n_ctx, self.n_ctx - len(tokens))
+        generated = 0
+        finish_reason = "cancelled" if cancelled.is_set() else "length"
+        decode_started = time.monotonic()
+        first_token_s: float | None = None
+        while generated < budget and not cancelled.is_set():
+            token = sampler.sample(llm._ctx, -1)
+            if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+                finish_reason = "stop"
+                break
+            generated += 1
+            text = decoder.decode(self._piece(token))
+            if first_token_s is None:
+                first_token_s = time.monotonic() - request_started
+            if text:
+                emit(text)
+            llm.eval([token])
+        if cancelled.is_set():
+            finish_reason = "cancelled"
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            emit(tail)
+        decode_s = time.monotonic() - decode_started
+        sampler.close()
+        return {
+            "prompt_tokens": len(tokens),
+            "cached_tokens": cached,
+            "prompt_eval_tokens": len(tokens) - cached,
+            "prompt_eval_s": round(prompt_s, 4),
+            "completion_tokens": generated,
+            "decode_s": round(decode_s, 4),
+            "first_token_s": None if first_token_s is None else round(first_token_s, 4),
+            "total_s": round(time.monotonic() - request_started, 4),
+            "finish_reason": finish_reason,
+            "seed": seed,
+            "model": str(self._model_path),
+        }
+
+
+def _diagnose_load_failure(path: Path, exc: Exception) -> str:
+    """Turn llama.cpp's terse load failure into a sentence that says what is wrong."""
+    from phi4cli.errors import InvalidModelError
+    from phi4cli.models import validate_gguf
+
+    try:
+        validate_gguf(path)
+    except InvalidModelError as invalid:
+        return str(invalid)
+    return (
+        f"llama.cpp could not load {path} ({exc}); is it a model architecture llama.cpp supports?"
+    )

@@ -1,0 +1,290 @@
+"""Requests waiting for the engine: validation, a bounded priority queue, cancellation.
+
+The engine is driven by one worker thread. The server submits :class:`Job` objects and gets events
+back through each job's ``emit`` callback; whether one request or several are decoding is the
+engine's business, so a batching engine can replace this worker without touching the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from phi4cli import protocol
+from phi4cli.config import Settings, parse_duration
+from phi4cli.protocol import ProtocolViolation
+
+log = logging.getLogger("phi4.daemon")
+
+Emit = Callable[[dict[str, Any]], None]
+TokenSink = Callable[[str], None]
+
+PRIORITY_INTERACTIVE = 0
+PRIORITY_SOLVE = 1
+PRIORITY_BULK = 2
+_PRIORITIES = {"interactive": PRIORITY_INTERACTIVE, "solve": PRIORITY_SOLVE, "bulk": PRIORITY_BULK}
+
+
+class ModelLoadError(Exception):
+    """The engine could not load a model; the message says why, for the user."""
+
+
+class ContextOverflowError(Exception):
+    """The prompt does not fit in the context window."""
+
+
+@dataclass(frozen=True)
+class SolveParams:
+    prompt: str
+    system: str | None
+    model: Path | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    max_tokens: int | None
+    keep_alive: float | None
+    priority: int
+
+
+def _number(params: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = params.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ProtocolViolation(
+            protocol.BAD_REQUEST, f"'{key}' must be a number from {low} to {high}"
+        )
+    return float(value)
+
+
+def _optional_int(params: dict[str, Any], key: str, low: int) -> int | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ProtocolViolation(protocol.BAD_REQUEST, f"'{key}' must be an integer >= {low}")
+    return value
+
+
+def parse_solve_params(params: dict[str, Any], defaults: Settings) -> SolveParams:
+    """Validate a solve request's params against the daemon's defaults.
+
+    Raise ProtocolViolation(bad_request) naming the offending field.
+    """
+    prompt = params.get("prompt")
+    if not isinstance(prompt, str):
+        raise ProtocolViolation(protocol.BAD_REQUEST, "'prompt' must be a string")
+    if not prompt.strip():
+        raise ProtocolViolation(protocol.BAD_REQUEST, "empty question: give a problem to solve")
+    if len(prompt) > protocol.MAX_PROMPT_CHARS:
+        raise ProtocolViolation(
+            protocol.BAD_REQUEST,
+            f"question is {len(prompt)} characters; the limit is {protocol.MAX_PROMPT_CHARS}",
+        )
+    system = params.get("system", defaults.system)
+    if system is not None and not isinstance(system, str):
+        raise ProtocolViolation(protocol.BAD_REQUEST, "'system' must be a string or null")
+    model = params.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ProtocolViolation(protocol.BAD_REQUEST, "'model' must be a path to a .gguf file")
+    keep_alive = params.get("keep_alive")
+    try:
+        keep_alive_s = None if keep_alive is None else parse_duration(keep_alive)
+    except ValueError:
+        raise ProtocolViolation(
+            protocol.BAD_REQUEST, "'keep_alive' must be a duration like 30m, 0 or -1"
+        ) from None
+    priority = params.get("priority", "solve")
+    if priority not in _PRIORITIES:
+        raise ProtocolViolation(
+            protocol.BAD_REQUEST, f"'priority' must be one of {', '.join(_PRIORITIES)}"
+        )
+    return SolveParams(
+        prompt=prompt,
+        system=system or None,
+        model=Path(model) if model else None,
+        temperature=_number(params, "temperature", defaults.temperature, 0.0, 5.0),
+        top_p=_number(params, "top_p", defaults.top_p, 0.0, 1.0),
+        seed=_optional_int(params, "seed", 0) if "seed" in params else defaults.seed,
+        max_tokens=_optional_int(params, "max_tokens", 1) or defaults.max_tokens,
+        keep_alive=keep_alive_s,
+        priority=_PRIORITIES[priority],
+    )
+
+
+class Engine(Protocol):
+    """What the scheduler needs from an inference engine (see ``engine.LlamaEngine``)."""
+
+    @property
+    def model_path(self) -> Path | None: ...
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Load ``path`` (replacing any model); return timings. Raise ModelLoadError."""
+        ...
+
+    def generate(
+        self, params: SolveParams, emit: TokenSink, cancelled: threading.Event
+    ) -> dict[str, Any]:
+        """Pass answer text to ``emit`` as it is decoded, until done or cancelled; return stats.
+
+        Raise ContextOverflowError when the prompt does not fit.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+_job_seq = itertools.count()
+
+
+@dataclass(eq=False)
+class Job:
+    request_id: Any
+    params: SolveParams
+    emit: Emit
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancel_code: str = protocol.CANCELLED
+    seq: int = field(default_factory=lambda: next(_job_seq))
+    submitted_at: float = field(default_factory=time.monotonic)
+
+    def cancel(self, code: str = protocol.CANCELLED) -> None:
+        self.cancel_code = code
+        self.cancelled.set()
+
+    def emit_token(self, text: str) -> None:
+        self.emit(protocol.event(self.request_id, "token", text=text))
+
+    def fail(self, code: str, message: str) -> None:
+        self.emit(protocol.error_event(self.request_id, code, message))
+
+
+class QueueFullError(Exception):
+    pass
+
+
+class RequestScheduler:
+    """Feeds jobs to the engine from one worker thread: most urgent first, FIFO within a level."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        default_model: Path | None,
+        max_queue: int,
+        on_state: Callable[[str, str | None], None],
+    ) -> None:
+        self._engine = engine
+        self._default_model = default_model
+        self._max_queue = max_queue
+        self._on_state = on_state
+        self._queue: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
+        self._current: Job | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="phi4-engine", daemon=True)
+        self.last_load: dict[str, Any] = {}
+        self.last_error: str | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None or not self._queue.empty()
+
+    def submit(self, job: Job) -> int:
+        """Queue a job; return how many jobs are ahead of it. Raise QueueFullError when full."""
+        with self._lock:
+            ahead = self._queue.qsize() + (self._current is not None)
+            if self._queue.qsize() >= self._max_queue:
+                raise QueueFullError
+            self._queue.put((job.params.priority, job.seq, job))
+        return ahead
+
+    def stop(self, timeout: float) -> None:
+        """Cancel the running job, let queued ones fail fast, and wait for the worker to finish."""
+        current = self._current
+        if current is not None:
+            current.cancel(protocol.SHUTTING_DOWN)
+        self._queue.put((-1, -1, None))
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        if self._default_model is not None:
+            self._load(self._default_model)
+        while True:
+            _priority, _seq, job = self._queue.get()
+            if job is None:
+                self._drain()
+                return
+            self._current = job
+            try:
+                self._serve(job)
+            except Exception:
+                log.exception("request %r failed", job.request_id)
+                job.fail(
+                    protocol.INTERNAL, "internal error in the daemon:\n" + traceback.format_exc()
+                )
+            finally:
+                self._current = None
+
+    def _drain(self) -> None:
+        while not self._queue.empty():
+            job = self._queue.get_nowait()[2]
+            if job is not None:
+                job.fail(
+                    protocol.SHUTTING_DOWN, "the daemon is shutting down; run the command again"
+                )
+
+    def _load(self, path: Path) -> bool:
+        self._on_state("loading", None)
+        try:
+            self.last_load = self._engine.load(path)
+        except ModelLoadError as exc:
+            self.last_error = str(exc)
+            self._on_state("failed", str(exc))
+            return False
+        self.last_error = None
+        self._on_state("ready", None)
+        return True
+
+    def _serve(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            job.fail(job.cancel_code, "cancelled before it started")
+            return
+        model = job.params.model or self._engine.model_path or self._default_model
+        if model is None:
+            job.fail(protocol.MODEL_ERROR, "no model given and none loaded; pass --model")
+            return
+        if model != self._engine.model_path:
+            job.emit(protocol.event(job.request_id, "progress", stage="loading", model=str(model)))
+            if not self._load(model):
+                job.fail(protocol.MODEL_ERROR, self.last_error or f"cannot load {model}")
+                return
+        started = time.monotonic()
+        try:
+            stats = self._engine.generate(job.params, job.emit_token, job.cancelled)
+        except ContextOverflowError as exc:
+            job.fail(protocol.CONTEXT_OVERFLOW, str(exc))
+            return
+        if job.cancelled.is_set():
+            message = (
+                "the daemon is shutting down; the answer was cut short"
+                if job.cancel_code == protocol.SHUTTING_DOWN
+                else "cancelled"
+            )
+            job.fail(job.cancel_code, message)
+            return
+        stats["queue_s"] = round(started - job.submitted_at, 4)
+        job.emit(protocol.event(job.request_id, "stats", **stats))
+        job.emit(protocol.event(job.request_id, "done", finish_reason=stats.get("finish_reason")))

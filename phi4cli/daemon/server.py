@@ -1,0 +1,398 @@
+"""The daemon process: socket, per-connection dispatch, status file, signals, idle shutdown.
+
+The socket is bound before the model loads, so clients can connect at once and watch progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from phi4cli import __version__, protocol
+from phi4cli.atomicfile import write_atomic
+from phi4cli.config import FOREVER, Settings
+from phi4cli.daemon.scheduler import (
+    Engine,
+    Job,
+    QueueFullError,
+    RequestScheduler,
+    parse_solve_params,
+)
+from phi4cli.errors import DaemonUnavailableError
+from phi4cli.paths import Paths, check_socket_path
+from phi4cli.protocol import ProtocolViolation, Request
+
+log = logging.getLogger("phi4.daemon")
+
+MAX_QUEUE = 64
+IDLE_CHECK_S = 0.2
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """Return the uid of the process at the other end of a Unix socket (None if unknowable)."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+def peer_allowed(sock: socket.socket, own_uid: int) -> bool:
+    """Return True when the peer runs as ``own_uid``; the socket's 0600 mode is the first guard."""
+    uid = peer_uid(sock)
+    return uid is None or uid == own_uid
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@dataclass(eq=False)
+class Connection:
+    writer: asyncio.StreamWriter
+    jobs: dict[Any, Job] = field(default_factory=dict)
+    closed: bool = False
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        try:
+            self.writer.write(protocol.encode(message))
+        except (ConnectionError, RuntimeError):
+            self.closed = True
+
+
+class DaemonServer:
+    def __init__(
+        self,
+        paths: Paths,
+        settings: Settings,
+        engine: Engine,
+        model_path: Path | None,
+        max_queue: int = MAX_QUEUE,
+    ) -> None:
+        self.paths = paths
+        self.settings = settings
+        self.keep_alive = settings.keep_alive
+        self.engine = engine
+        self.model_path = model_path
+        self.state = "starting"
+        self.error: str | None = None
+        self.started_at = time.time()
+        self.requests_served = 0
+        self.last_activity = time.monotonic()
+        self._connections: set[Connection] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Event | None = None
+        self._stopping = False
+        self._uid = os.getuid()
+        self.scheduler = RequestScheduler(engine, model_path, max_queue, self._state_from_worker)
+
+    # --- status -------------------------------------------------------------------------------
+
+    def status_record(self) -> dict[str, Any]:
+        """The status file's content: enough for a client to find and judge this daemon."""
+        return {
+            "pid": os.getpid(),
+            "socket": str(self.paths.socket),
+            "protocol": protocol.PROTOCOL_VERSION,
+            "version": __version__,
+            "state": self.state,
+            "model": str(self.engine.model_path or self.model_path or "") or None,
+            "started_at": self.started_at,
+            "log": str(self.paths.log_file),
+            "error": self.error,
+        }
+
+    def live_status(self) -> dict[str, Any]:
+        idle_s = None if self.scheduler.busy else time.monotonic() - self.last_activity
+        left = None
+        if idle_s is not None and self.keep_alive != FOREVER:
+            left = max(0.0, self.keep_alive - idle_s)
+        return {
+            **self.status_record(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "rss_bytes": _rss_bytes(),
+            "requests_served": self.requests_served,
+            "requests_active": sum(len(c.jobs) for c in self._connections),
+            "queued": self.scheduler.queued,
+            "idle_s": None if idle_s is None else round(idle_s, 3),
+            "keep_alive_s": self.keep_alive,
+            "keep_alive_left_s": None if left is None else round(left, 3),
+            "n_ctx": self.settings.n_ctx,
+            "load": self.scheduler.last_load,
+        }
+
+    def _write_status(self) -> None:
+        if self._stopping and self.state != "stopping":
+            return
+        write_atomic(self.paths.status_file, json.dumps(self.status_record()).encode())
+
+    def _state_from_worker(self, state: str, error: str | None) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._set_state, state, error)
+
+    def _set_state(self, state: str, error: str | None) -> None:
+        if self._stopping:
+            return
+        self.state, self.error = state, error
+        if state in ("ready", "failed"):
+            self.last_activity = time.monotonic()
+        log.info("state %s%s", state, f": {error}" if error else "")
+        self._write_status()
+
+    # --- connections --------------------------------------------------------------------------
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        connection = Connection(writer)
+        if sock is not None and not peer_allowed(sock, self._uid):
+            log.warning("refused a connection from uid %s", peer_uid(sock))
+            connection.send(
+                protocol.error_event(
+                    None, protocol.FORBIDDEN, "this daemon belongs to another user; start your own"
+                )
+            )
+            await self._close(connection)
+            return
+        self._connections.add(connection)
+        try:
+            while not connection.closed:
+                try:
+                    line = await reader.readuntil(b"\n")
+                except asyncio.IncompleteReadError as exc:
+                    if exc.partial.strip():
+                        self._dispatch(connection, exc.partial)
+                    break
+                except asyncio.LimitOverrunError:
+                    # The rest of the line is still unread, so the stream cannot be resynchronised:
+                    # answer, then hang up on this client only.
+                    connection.send(
+                        protocol.error_event(
+                            None,
+                            protocol.BAD_REQUEST,
+                            f"request line longer than {protocol.MAX_LINE_BYTES} bytes",
+                        )
+                    )
+                    break
+                except ConnectionError:
+                    break
+                if line.strip():
+                    self._dispatch(connection, line)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            # A client that hangs up (Ctrl-C, `| head -1`) stops its generations.
+            for job in connection.jobs.values():
+                job.cancel()
+            self._connections.discard(connection)
+            await self._close(connection)
+
+    async def _close(self, connection: Connection) -> None:
+        connection.closed = True
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await connection.writer.drain()
+        connection.writer.close()
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await connection.writer.wait_closed()
+
+    def _dispatch(self, connection: Connection, line: bytes) -> None:
+        try:
+            request = protocol.parse_request(line)
+            handler = {
+                "solve": self._op_solve,
+                "status": self._op_status,
+                "stop": self._op_stop,
+                "cancel": self._op_cancel,
+                "ping": self._op_ping,
+            }[request.op]
+            handler(connection, request)
+        except ProtocolViolation as exc:
+            connection.send(protocol.error_event(exc.request_id, exc.code, exc.message))
+
+    def _op_ping(self, connection: Connection, request: Request) -> None:
+        connection.send(
+            protocol.event(
+                request.id,
+                "done",
+                result={"protocol": protocol.PROTOCOL_VERSION, "version": __version__},
+            )
+        )
+
+    def _op_status(self, connection: Connection, request: Request) -> None:
+        connection.send(protocol.event(request.id, "done", result=self.live_status()))
+
+    def _op_stop(self, connection: Connection, request: Request) -> None:
+        # Remove the status file before replying: once the client has the reply it may start a new
+        # daemon, which must not find (and trust) ours.
+        with contextlib.suppress(FileNotFoundError):
+            self.paths.status_file.unlink()
+        connection.send(protocol.event(request.id, "done", result={"pid": os.getpid()}))
+        self.request_shutdown("stop requested")
+
+    def _op_cancel(self, connection: Connection, request: Request) -> None:
+        target = request.params.get("target")
+        job = connection.jobs.get(target)
+        if job is not None:
+            job.cancel()
+        connection.send(protocol.event(request.id, "done", result={"cancelled": job is not None}))
+
+    def _op_solve(self, connection: Connection, request: Request) -> None:
+        if request.id in connection.jobs:
+            raise ProtocolViolation(
+                protocol.BAD_REQUEST, f"request id {request.id!r} is already in use", request.id
+            )
+        if self._stopping:
+            raise ProtocolViolation(
+                protocol.SHUTTING_DOWN,
+                "the daemon is shutting down; run the command again",
+                request.id,
+            )
+        try:
+            params = parse_solve_params(request.params, self.settings)
+        except ProtocolViolation as exc:
+            raise ProtocolViolation(exc.code, exc.message, request.id) from None
+        if params.keep_alive is not None:
+            self.keep_alive = params.keep_alive
+        loop = self._loop
+        assert loop is not None
+
+        def emit(message: dict[str, Any]) -> None:
+            loop.call_soon_threadsafe(self._deliver, connection, request.id, message)
+
+        job = Job(request_id=request.id, params=params, emit=emit)
+        try:
+            ahead = self.scheduler.submit(job)
+        except QueueFullError:
+            raise ProtocolViolation(
+                protocol.BUSY,
+                "the daemon's queue is full; try again in a moment",
+                request.id,
+            ) from None
+        connection.jobs[request.id] = job
+        connection.send(protocol.event(request.id, "accepted", ahead=ahead, state=self.state))
+
+    def _deliver(self, connection: Connection, request_id: Any, message: dict[str, Any]) -> None:
+        connection.send(message)
+        if message.get("event") in protocol.TERMINAL_EVENTS:
+            connection.jobs.pop(request_id, None)
+            if message.get("event") == "done":
+                self.requests_served += 1
+            self.last_activity = time.monotonic()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def request_shutdown(self, reason: str) -> None:
+        if self._stopping:
+            return
+        log.info("shutting down: %s", reason)
+        self._stopping = True
+        self.state = "stopping"
+        for connection in self._connections:
+            for job in connection.jobs.values():
+                job.cancel(protocol.SHUTTING_DOWN)
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def _watch_idle(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(IDLE_CHECK_S)
+            if self.keep_alive == FOREVER or self.scheduler.busy or self.state == "loading":
+                continue
+            if time.monotonic() - self.last_activity >= self.keep_alive:
+                self.request_shutdown(f"idle for {self.keep_alive:g} s (keep_alive)")
+
+    async def serve(self) -> None:
+        """Bind, load, serve until stopped; clean up the socket and status file on the way out."""
+        self._loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        sock_path = self.paths.socket
+        check_socket_path(sock_path)
+        with contextlib.suppress(FileNotFoundError):
+            sock_path.unlink()  # we hold the daemon lock, so any socket here is a dead daemon's
+        old_umask = os.umask(
+            0o177
+        )  # the socket is created 0600: no window where others can connect
+        try:
+            server = await asyncio.start_unix_server(
+                self._handle, path=os.fspath(sock_path), limit=protocol.MAX_LINE_BYTES
+            )
+        finally:
+            os.umask(old_umask)
+        os.chmod(sock_path, 0o600)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(
+                signum, self.request_shutdown, signal.Signals(signum).name
+            )
+        self.state = "loading" if self.model_path else "idle"
+        self._write_status()
+        log.info("listening on %s (pid %d)", sock_path, os.getpid())
+        self.scheduler.start()
+        idle = asyncio.create_task(self._watch_idle())
+        try:
+            await self._stopped.wait()
+        finally:
+            idle.cancel()
+            server.close()
+            await self._loop.run_in_executor(None, self.scheduler.stop, 10.0)
+            await asyncio.sleep(0.05)  # let the last terminal events reach their clients
+            for connection in list(self._connections):
+                await self._close(connection)
+            with contextlib.suppress(FileNotFoundError):
+                sock_path.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                self.paths.status_file.unlink()
+            self.engine.close()
+            log.info("stopped")
+
+
+def _take_daemon_lock(paths: Paths) -> int:
+    """Take the daemon lock for this process's life; raise DaemonUnavailableError if held."""
+    paths.ensure_runtime_dir()
+    fd = os.open(paths.daemon_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DaemonUnavailableError(
+            "a phi4 daemon is already running for this user; `phi4 status` shows it"
+        ) from None
+    return fd
+
+
+def run_daemon(paths: Paths, settings: Settings, model_path: Path | None) -> None:
+    """Run the daemon in the foreground until it is stopped (``phi4 daemon run``)."""
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s [%(process)d] %(message)s",
+    )
+    lock_fd = _take_daemon_lock(paths)
+    try:
+        from phi4cli.daemon.engine import LlamaEngine
+
+        engine = LlamaEngine(n_ctx=settings.n_ctx, threads=settings.threads)
+        server = DaemonServer(paths, settings, engine, model_path)
+        asyncio.run(server.serve())
+    finally:
+        os.close(lock_fd)

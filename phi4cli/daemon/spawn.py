@@ -1,0 +1,152 @@
+"""Starting the daemon detached, reading its status file, and cleaning up after a dead one.
+
+Liveness is decided by the daemon's lock file, not by pids: the running daemon holds an exclusive
+``flock`` on ``daemon.lock`` for its whole life, and the kernel drops it when the process dies, even
+by SIGKILL, so a lock that can be taken means whatever socket or status file is left is stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from phi4cli.config import Settings
+from phi4cli.paths import Paths
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    """What the daemon's status file says (pid, socket, protocol, model, state)."""
+
+    pid: int
+    socket: str
+    protocol: int
+    state: str
+    model: str | None
+    started_at: float
+    raw: dict[str, Any]
+
+
+def read_status(paths: Paths) -> DaemonStatus | None:
+    """Return the status file's content, or None when it is absent or unreadable."""
+    try:
+        raw = json.loads(paths.status_file.read_text())
+        return DaemonStatus(
+            pid=int(raw["pid"]),
+            socket=str(raw["socket"]),
+            protocol=int(raw["protocol"]),
+            state=str(raw["state"]),
+            model=raw.get("model"),
+            started_at=float(raw.get("started_at", 0.0)),
+            raw=raw,
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def daemon_alive(paths: Paths) -> bool:
+    """Return True while some process holds the daemon lock."""
+    try:
+        fd = os.open(paths.daemon_lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def remove_stale_files(paths: Paths) -> bool:
+    """Remove the socket and status file of a dead daemon; return True if anything was removed.
+
+    Does nothing while a daemon holds the lock.
+    """
+    if daemon_alive(paths):
+        return False
+    removed = False
+    for path in (paths.socket, paths.status_file):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed = True
+    return removed
+
+
+@contextlib.contextmanager
+def spawn_lock(paths: Paths) -> Iterator[None]:
+    """Hold the spawn lock: one client at a time decides whether to start a daemon."""
+    paths.ensure_runtime_dir()
+    fd = os.open(paths.spawn_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def daemon_command(settings: Settings, model_path: Path | None) -> list[str]:
+    command = [sys.executable, "-m", "phi4cli", "daemon", "run", "--keep-alive"]
+    command.append(str(settings.keep_alive))
+    command += ["--n-ctx", str(settings.n_ctx)]
+    if settings.threads:
+        command += ["--threads", str(settings.threads)]
+    if model_path is not None:
+        command += ["--model", str(model_path)]
+    return command
+
+
+def spawn_daemon(
+    paths: Paths, settings: Settings, model_path: Path | None
+) -> subprocess.Popen[bytes]:
+    """Start ``phi4 daemon run`` in its own session, its output appended to the daemon log."""
+    paths.state_dir.mkdir(parents=True, exist_ok=True)
+    with open(paths.log_file, "ab") as log:
+        return subprocess.Popen(
+            daemon_command(settings, model_path),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C in the client's terminal must not reach the daemon
+            close_fds=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
+def last_log_line(paths: Paths) -> str:
+    """Return the last non-empty line of the daemon log ('' if none), for start-up failures."""
+    try:
+        with open(paths.log_file, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 4096))
+            lines = [line for line in handle.read().decode(errors="replace").splitlines() if line]
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""
+
+
+def wait_for_exit(pid: int, timeout: float) -> bool:
+    """Return True once ``pid`` has exited (or is a zombie we cannot reap), False on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        time.sleep(0.02)
+    return False

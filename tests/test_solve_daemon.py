@@ -1,0 +1,355 @@
+"""End to end: the installed ``phi4`` command against a real daemon subprocess and real llama.cpp."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PHI4, run_phi4
+
+
+def status(home: Path) -> dict[str, object]:
+    result = run_phi4("status", "--json")
+    assert result.returncode == 0, result.stderr
+    data: dict[str, object] = json.loads(result.stdout)
+    return data
+
+
+def wait_for(predicate: object, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def solve_args(model: Path, *extra: str) -> list[str]:
+    return ["solve", "What is 12*13?", "--model", str(model), "--temperature", "0", *extra]
+
+
+def test_cold_solve_starts_daemon_then_warm_solve_reuses_it(tiny_model: Path, phi4_home: Path):
+    cold = run_phi4(*solve_args(tiny_model, "--max-tokens", "16", "--verbose"))
+    assert cold.returncode == 0, cold.stderr
+    assert "starting the phi4 daemon" in cold.stderr
+    assert cold.stdout.strip(), "the answer streams to stdout"
+    first = status(phi4_home)
+    assert first["state"] == "ready"
+    assert first["model"] == str(tiny_model)
+
+    warm = run_phi4(*solve_args(tiny_model, "--max-tokens", "16", "--verbose"))
+    assert warm.returncode == 0, warm.stderr
+    assert "starting" not in warm.stderr
+    assert "loading" not in warm.stderr
+    # Greedy decoding of the same question gives the same answer from the cached prefix.
+    assert warm.stdout == cold.stdout
+    second = status(phi4_home)
+    assert second["pid"] == first["pid"]
+    assert second["requests_served"] == 2
+
+
+def test_second_solve_reports_cached_system_prompt_tokens(tiny_model: Path):
+    first = run_phi4(*solve_args(tiny_model, "-n", "4", "-v"))
+    second = run_phi4("solve", "Another question entirely", "-m", str(tiny_model), "-n", "4", "-v")
+    assert first.returncode == 0 and second.returncode == 0, second.stderr
+    cached = [
+        int(line.split("(")[1].split()[0])
+        for line in second.stderr.splitlines()
+        if line.startswith("prompt tokens:")
+    ]
+    # The system prompt (and `<|user|>`) came from the KV cache, not from a new evaluation.
+    assert cached and cached[0] > 10, second.stderr
+
+
+def test_status_reports_state_model_pid_memory_and_idle(tiny_model: Path):
+    assert run_phi4(*solve_args(tiny_model, "-n", "2", "--keep-alive", "10m")).returncode == 0
+    text = run_phi4("status")
+    assert text.returncode == 0
+    for label in ("state", "model", "pid", "uptime", "memory", "requests", "idle"):
+        assert any(line.startswith(label) for line in text.stdout.splitlines()), text.stdout
+    data = json.loads(run_phi4("daemon", "status", "--json").stdout)
+    assert data["state"] == "ready"
+    assert data["rss_bytes"] > 0
+    assert data["keep_alive_s"] == 600
+    assert 0 < data["keep_alive_left_s"] <= 600
+
+
+def test_status_without_daemon_exits_3():
+    result = run_phi4("status")
+    assert result.returncode == 3
+    assert "no daemon is running" in result.stderr
+
+
+def test_daemon_start_stop_and_stop_shortcut(tiny_model: Path, phi4_home: Path):
+    started = run_phi4("daemon", "start", "--model", str(tiny_model))
+    assert started.returncode == 0, started.stderr
+    assert "daemon ready" in started.stdout
+    pid = int(status(phi4_home)["pid"])  # type: ignore[call-overload]
+    stopped = run_phi4("stop")
+    assert stopped.returncode == 0
+    assert f"pid {pid}" in stopped.stdout
+    assert not pid_alive(pid)
+    assert not (phi4_home / "run" / "daemon.sock").exists()
+    assert not (phi4_home / "run" / "daemon.json").exists()
+    again = run_phi4("daemon", "stop")
+    assert again.returncode == 0 and "no daemon" in again.stdout
+
+
+def test_keep_alive_expiry_exits_and_removes_socket(tiny_model: Path, phi4_home: Path):
+    assert run_phi4(*solve_args(tiny_model, "-n", "2", "--keep-alive", "1s")).returncode == 0
+    sock = phi4_home / "run" / "daemon.sock"
+    assert sock.exists()
+    wait_for(lambda: not sock.exists(), timeout=15)
+    assert not (phi4_home / "run" / "daemon.json").exists()
+    assert run_phi4("status").returncode == 3
+
+
+def test_stale_socket_after_sigkill_is_cleaned_and_replaced(tiny_model: Path, phi4_home: Path):
+    assert run_phi4(*solve_args(tiny_model, "-n", "2")).returncode == 0
+    old_pid = int(status(phi4_home)["pid"])  # type: ignore[call-overload]
+    os.kill(old_pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(old_pid))
+    assert (phi4_home / "run" / "daemon.sock").exists(), "SIGKILL leaves the socket behind"
+    result = run_phi4(*solve_args(tiny_model, "-n", "2"))
+    assert result.returncode == 0, result.stderr
+    assert "no longer running" in result.stderr
+    assert int(status(phi4_home)["pid"]) != old_pid  # type: ignore[call-overload]
+
+
+def test_two_concurrent_first_calls_start_one_daemon(tiny_model: Path, phi4_home: Path):
+    procs = [
+        subprocess.Popen(
+            [PHI4, *solve_args(tiny_model, "-n", "4")],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], results
+    log = (phi4_home / "state" / "daemon.log").read_text()
+    assert log.count("listening on") == 1, log
+    assert status(phi4_home)["requests_served"] == 2
+
+
+def _start_long_solve(model: Path) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [PHI4, "solve", "Count forever", "-m", str(model), "-n", "100000", "--n-ctx", "100000"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.read(1), "the answer starts streaming"
+    return proc
+
+
+def test_sigterm_mid_generation_stops_cleanly(tiny_model: Path, phi4_home: Path):
+    proc = _start_long_solve(tiny_model)
+    pid = int(status(phi4_home)["pid"])  # type: ignore[call-overload]
+    os.kill(pid, signal.SIGTERM)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 3
+    assert b"shutting down" in err
+    wait_for(lambda: not pid_alive(pid))
+    assert not (phi4_home / "run" / "daemon.sock").exists()
+    assert not (phi4_home / "run" / "daemon.json").exists()
+
+
+def test_stop_command_mid_generation(tiny_model: Path, phi4_home: Path):
+    proc = _start_long_solve(tiny_model)
+    stopped = run_phi4("stop")
+    assert stopped.returncode == 0, stopped.stderr
+    proc.communicate(timeout=30)
+    assert proc.returncode == 3
+    assert not (phi4_home / "run" / "daemon.sock").exists()
+
+
+def test_ctrl_c_exits_130_and_cancels_the_generation(tiny_model: Path, phi4_home: Path):
+    proc = _start_long_solve(tiny_model)
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert b"Traceback" not in err
+    # The daemon noticed the hang-up and freed the engine for the next client.
+    wait_for(lambda: status(phi4_home)["requests_active"] == 0, timeout=5)
+    follow_up = run_phi4(*solve_args(tiny_model, "-n", "2"), timeout=30)
+    assert follow_up.returncode == 0
+
+
+def test_closed_stdout_pipe_is_not_a_traceback(tiny_model: Path, phi4_home: Path):
+    pipeline = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f'"{PHI4}" solve "Count forever" -m "{tiny_model}" -n 100000 --n-ctx 100000 '
+            '</dev/null | head -c 5; echo "rc=${PIPESTATUS[0]}" >&2',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert len(pipeline.stdout) == 5
+    assert "Traceback" not in pipeline.stderr
+    assert "rc=0" in pipeline.stderr
+    wait_for(lambda: status(phi4_home)["requests_active"] == 0, timeout=5)
+
+
+def test_client_path_never_imports_llama_cpp_numpy_or_hub(tiny_model: Path):
+    code = (
+        "import sys\n"
+        "from phi4cli.cli import main\n"
+        "try:\n"
+        f"    main(['solve', 'What is 1+1?', '-m', {str(tiny_model)!r}, '-n', '2'])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "heavy = [m for m in ('llama_cpp', 'numpy', 'huggingface_hub', 'gguf') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    result = subprocess.run(
+        [os.path.join(os.path.dirname(PHI4), "python"), "-c", code],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "HEAVY []" in result.stdout, result.stdout + result.stderr
+
+
+def test_smollm2_greedy_answers_two_plus_two(smollm2_model: Path):
+    result = run_phi4("solve", "What is 2+2?", "-m", "smollm2-135m", "-t", "0", "-n", "48")
+    assert result.returncode == 0, result.stderr
+    assert "4" in result.stdout
+
+
+def test_model_switch_between_requests(tiny_model: Path, smollm2_model: Path, phi4_home: Path):
+    assert run_phi4(*solve_args(tiny_model, "-n", "2")).returncode == 0
+    switched = run_phi4("solve", "Hi", "-m", str(smollm2_model), "-n", "2")
+    assert switched.returncode == 0
+    assert "loading" in switched.stderr
+    assert status(phi4_home)["model"] == str(smollm2_model)
+
+
+@pytest.mark.parametrize("keep_alive", ["forever", "abc"])
+def test_bad_keep_alive_is_a_usage_error(tiny_model: Path, keep_alive: str):
+    result = run_phi4(*solve_args(tiny_model, "--keep-alive", keep_alive))
+    assert result.returncode == 2
+    assert "keep_alive" in result.stderr and "30m" in result.stderr
+
+
+def test_socket_and_runtime_dir_are_private(tiny_model: Path, phi4_home: Path):
+    assert run_phi4(*solve_args(tiny_model, "-n", "1")).returncode == 0
+    assert (phi4_home / "run").stat().st_mode & 0o777 == 0o700
+    assert (phi4_home / "run" / "daemon.sock").stat().st_mode & 0o777 == 0o600
+
+
+def test_empty_question_is_rejected_by_cli(tiny_model: Path):
+    result = run_phi4("solve", "   ", "-m", str(tiny_model))
+    assert result.returncode == 2
+    assert "empty" in result.stderr
+
+
+def test_question_from_stdin_and_argument_combined(tiny_model: Path):
+    dash = run_phi4("solve", "-", "-m", str(tiny_model), "-n", "3", "-t", "0", input="What is 12*13?")
+    assert dash.returncode == 0, dash.stderr
+    arg = run_phi4(*solve_args(tiny_model, "-n", "3"))
+    assert dash.stdout == arg.stdout
+
+
+def _connect(phi4_home: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(phi4_home / "run" / "daemon.sock"))
+    sock.settimeout(30)
+    return sock
+
+
+def _roundtrip(phi4_home: Path, payload: bytes) -> dict[str, object]:
+    with _connect(phi4_home) as sock:
+        sock.sendall(payload)
+        reader = sock.makefile("rb")
+        line = reader.readline()
+    assert line, "the daemon answers before closing"
+    event: dict[str, object] = json.loads(line)
+    return event
+
+
+@pytest.mark.parametrize(
+    ("payload", "code", "phrase"),
+    [
+        (b"this is not json\n", "bad_request", "malformed JSON"),
+        (b'["a list"]\n', "bad_request", "JSON object"),
+        (b'{"v": 1, "id": 1, "op": "explode"}\n', "bad_request", "unknown op"),
+        (b'{"v": 99, "id": 1, "op": "solve"}\n', "unsupported_version", "version 99"),
+        (b'{"v": 1, "op": "solve"}\n', "bad_request", "'id'"),
+        (b'{"v": 1, "id": 1, "op": "solve", "params": {"prompt": "  "}}\n', "bad_request", "empty"),
+        (b'{"v": 1, "id": 1, "op": "solve", "params": {}}\n', "bad_request", "'prompt'"),
+        (
+            b'{"v": 1, "id": 1, "op": "solve", "params": {"prompt": "x", "temperature": "hot"}}\n',
+            "bad_request",
+            "temperature",
+        ),
+        (b"x" * (1 << 20) + b"x\n", "bad_request", "longer than"),
+    ],
+    ids=[
+        "malformed",
+        "not-object",
+        "unknown-op",
+        "wrong-version",
+        "no-id",
+        "empty-question",
+        "no-prompt",
+        "bad-temperature",
+        "over-long",
+    ],
+)
+def test_bad_requests_get_an_error_and_the_daemon_serves_the_next_client(
+    tiny_model: Path, phi4_home: Path, payload: bytes, code: str, phrase: str
+):
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    event = _roundtrip(phi4_home, payload)
+    assert event["event"] == "error"
+    assert event["code"] == code
+    assert phrase in str(event["message"])
+    assert event["retryable"] is False
+    after = run_phi4(*solve_args(tiny_model, "-n", "2"))
+    assert after.returncode == 0, after.stderr
+
+
+def test_pipelined_requests_on_one_connection_each_end_once(tiny_model: Path, phi4_home: Path):
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    requests = b"".join(
+        json.dumps({"v": 1, "id": i, "op": op, "params": params}).encode() + b"\n"
+        for i, op, params in [
+            (1, "ping", {}),
+            (2, "solve", {"prompt": "2+2?", "max_tokens": 3, "temperature": 0}),
+            (3, "status", {}),
+        ]
+    )
+    terminal: dict[int, list[str]] = {1: [], 2: [], 3: []}
+    with _connect(phi4_home) as sock:
+        sock.sendall(requests)
+        reader = sock.makefile("rb")
+        while any(not events for events in terminal.values()):
+            event = json.loads(reader.readline())
+            if event["event"] in ("done", "error"):
+                terminal[event["id"]].append(event["event"])
+    assert terminal == {1: ["done"], 2: ["done"], 3: ["done"]}

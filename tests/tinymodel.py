@@ -1,0 +1,175 @@
+"""Write a tiny synthetic GGUF of llama.cpp architecture ``phi3`` with Phi-4-mini's chat format.
+
+Random weights, a small byte-level BPE vocabulary trained here on a few sentences, and
+Phi-4-mini-reasoning's special tokens and chat template. It exercises the exact architecture,
+tokenizer pre-type (``gpt-4o``) and template path of the real model in milliseconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+# Structurally the template Phi-4-mini-reasoning ships: the identity sentence is always there,
+# a system message is appended to it, then each turn as <|role|>content<|end|>.
+PHI4_MINI_REASONING_TEMPLATE = (
+    "{{ '<|system|>Your name is Phi, an AI math expert developed by Microsoft.' }}"
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{ ' ' + message['content'] }}{% endif %}{% endfor %}{{ '<|end|>' }}"
+    "{% for message in messages %}{% if message['role'] != 'system' %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+_CORPUS = (
+    "Your name is Phi, an AI math expert developed by Microsoft. "
+    "What is 12*13? Solve 3x^2+4x+5=1. The answer is 156. Let me think step by step. "
+    "the quadratic formula gives x = -b over 2a. Therefore the final answer is boxed. "
+    "What is 2+2? It is 4. Compute the sum of the numbers from one to ten."
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable unicode characters."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    codes = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {byte: chr(code) for byte, code in zip(printable, codes, strict=True)}
+
+
+def _train_bpe(n_merges: int) -> tuple[list[str], list[str]]:
+    """Return (merged token strings, merges) learned greedily on the corpus."""
+    table = _bytes_to_unicode()
+    words = Counter(
+        tuple(table[b] for b in (" " + word if i else word).encode())
+        for i, word in enumerate(_CORPUS.split(" "))
+    )
+    merges: list[str] = []
+    merged_tokens: list[str] = []
+    for _ in range(n_merges):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, count in words.items():
+            for a, b in itertools.pairwise(word):
+                pairs[(a, b)] += count
+        if not pairs:
+            break
+        (a, b), _count = pairs.most_common(1)[0]
+        merges.append(f"{a} {b}")
+        merged_tokens.append(a + b)
+        new_words: Counter[tuple[str, ...]] = Counter()
+        for word, count in words.items():
+            out: list[str] = []
+            i = 0
+            while i < len(word):
+                if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            new_words[tuple(out)] += count
+        words = new_words
+    return merged_tokens, merges
+
+
+def write_tiny_phi3(
+    path: Path,
+    *,
+    embed: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    vocab_size: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write the model to ``path`` and return it. Deterministic for a given seed."""
+    rng = np.random.default_rng(seed)
+    byte_tokens = list(_bytes_to_unicode().values())
+    merged, merges = _train_bpe(vocab_size - len(byte_tokens) - len(SPECIAL_TOKENS))
+    tokens = byte_tokens + merged
+    n_normal = len(tokens)
+    tokens += SPECIAL_TOKENS
+    tokens += [f"<|dummy_{i}|>" for i in range(vocab_size - len(tokens))]
+    types = [gguf.TokenType.NORMAL] * n_normal + [gguf.TokenType.CONTROL] * (len(tokens) - n_normal)
+    head_dim = embed // heads
+    n_rot = head_dim * 3 // 4  # partial rotary, as in Phi-4-mini (96 of 128)
+    eot = tokens.index("<|endoftext|>")
+
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    # The name must not contain "phi3": llama.cpp then looks up a "</s>" token this vocab lacks.
+    writer.add_name("tiny-test-model")
+    writer.add_context_length(131072)
+    writer.add_rope_scaling_orig_ctx_len(4096)
+    writer.add_embedding_length(embed)
+    writer.add_feed_forward_length(ffn)
+    writer.add_block_count(layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(n_rot)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-4o")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(eot)
+    writer.add_eos_token_id(eot)
+    writer.add_pad_token_id(eot)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+    writer.add_chat_template(PHI4_MINI_REASONING_TEMPLATE)
+
+    def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    embeddings = normal((vocab_size, embed), 0.02)
+    # Control, padding and non-printable-byte rows small, so decoding prefers printable text.
+    embeddings[n_normal:] *= 0.01
+    to_byte = {char: byte for byte, char in _bytes_to_unicode().items()}
+    for index, token in enumerate(tokens[:n_normal]):
+        if any(not 0x20 <= to_byte[char] <= 0x7E for char in token):
+            embeddings[index] *= 0.01
+    writer.add_tensor("token_embd.weight", embeddings)
+    writer.add_tensor("output_norm.weight", np.ones(embed, dtype=np.float32))
+    writer.add_tensor("rope_factors_long.weight", np.ones(n_rot // 2, dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.ones(n_rot // 2, dtype=np.float32))
+    layer_std = 1.0 / np.sqrt(embed)
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(embed, dtype=np.float32))
+        writer.add_tensor(
+            f"blk.{i}.attn_qkv.weight", normal((embed + 2 * kv_heads * head_dim, embed), layer_std)
+        )
+        writer.add_tensor(f"blk.{i}.attn_output.weight", normal((embed, embed), layer_std))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(embed, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", normal((2 * ffn, embed), layer_std))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", normal((embed, ffn), layer_std))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(write_tiny_phi3(Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-phi3.gguf")))
