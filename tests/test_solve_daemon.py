@@ -269,7 +269,9 @@ def test_empty_question_is_rejected_by_cli(tiny_model: Path):
 
 
 def test_question_from_stdin_and_argument_combined(tiny_model: Path):
-    dash = run_phi4("solve", "-", "-m", str(tiny_model), "-n", "3", "-t", "0", input="What is 12*13?")
+    dash = run_phi4(
+        "solve", "-", "-m", str(tiny_model), "-n", "3", "-t", "0", input="What is 12*13?"
+    )
     assert dash.returncode == 0, dash.stderr
     arg = run_phi4(*solve_args(tiny_model, "-n", "3"))
     assert dash.stdout == arg.stdout

@@ -178,7 +178,7 @@ class RequestScheduler:
         engine: Engine,
         default_model: Path | None,
         max_queue: int,
-        on_state: Callable[[str, str | None], None],
+        on_state: Callable[[str, Path, str | None], None],
     ) -> None:
         self._engine = engine
         self._default_model = default_model
@@ -247,15 +247,15 @@ class RequestScheduler:
                 )
 
     def _load(self, path: Path) -> bool:
-        self._on_state("loading", None)
+        self._on_state("loading", path, None)
         try:
             self.last_load = self._engine.load(path)
         except ModelLoadError as exc:
             self.last_error = str(exc)
-            self._on_state("failed", str(exc))
+            self._on_state("failed", path, str(exc))
             return False
         self.last_error = None
-        self._on_state("ready", None)
+        self._on_state("ready", path, None)
         return True
 
     def _serve(self, job: Job) -> None:

@@ -94,7 +94,7 @@ class DaemonServer:
         self.settings = settings
         self.keep_alive = settings.keep_alive
         self.engine = engine
-        self.model_path = model_path
+        self.model_path = model_path  # loaded, being loaded, or failed to load
         self.state = "starting"
         self.error: str | None = None
         self.started_at = time.time()
@@ -117,7 +117,7 @@ class DaemonServer:
             "protocol": protocol.PROTOCOL_VERSION,
             "version": __version__,
             "state": self.state,
-            "model": str(self.engine.model_path or self.model_path or "") or None,
+            "model": str(self.model_path) if self.model_path else None,
             "started_at": self.started_at,
             "log": str(self.paths.log_file),
             "error": self.error,
@@ -147,14 +147,14 @@ class DaemonServer:
             return
         write_atomic(self.paths.status_file, json.dumps(self.status_record()).encode())
 
-    def _state_from_worker(self, state: str, error: str | None) -> None:
+    def _state_from_worker(self, state: str, model: Path, error: str | None) -> None:
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._set_state, state, error)
+        self._loop.call_soon_threadsafe(self._set_state, state, model, error)
 
-    def _set_state(self, state: str, error: str | None) -> None:
+    def _set_state(self, state: str, model: Path, error: str | None) -> None:
         if self._stopping:
             return
-        self.state, self.error = state, error
+        self.state, self.model_path, self.error = state, model, error
         if state in ("ready", "failed"):
             self.last_activity = time.monotonic()
         log.info("state %s%s", state, f": {error}" if error else "")
