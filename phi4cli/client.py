@@ -195,7 +195,7 @@ def stop_daemon(paths: Paths, timeout: float = STOP_TIMEOUT) -> int | None:
             os.kill(pid, signal.SIGTERM)
     if pid is None:
         return None
-    if not spawn.wait_for_exit(pid, timeout):
+    if not wait_until_gone(paths, timeout, pid):
         raise DaemonUnavailableError(
             f"the daemon (pid {pid}) did not exit within {timeout:.0f} s; kill it with `kill {pid}`"
         )
@@ -203,11 +203,17 @@ def stop_daemon(paths: Paths, timeout: float = STOP_TIMEOUT) -> int | None:
     return pid
 
 
-def wait_until_gone(paths: Paths, timeout: float = STOP_TIMEOUT) -> None:
-    """Wait for a daemon that is shutting down to release its lock."""
+def wait_until_gone(paths: Paths, timeout: float = STOP_TIMEOUT, pid: int | None = None) -> bool:
+    """Wait until the daemon has released its lock (and process ``pid`` has exited, if given).
+
+    Return False on timeout.
+    """
     deadline = time.monotonic() + timeout
-    while spawn.daemon_alive(paths) and time.monotonic() < deadline:
+    while spawn.daemon_alive(paths) or (pid is not None and spawn.process_running(pid)):
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.02)
+    return True
 
 
 def error_for(event: dict[str, Any]) -> Phi4Error:

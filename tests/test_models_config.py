@@ -166,13 +166,12 @@ class FakeHub:
                 hub.ranges.append(header)
                 start = int(header.split("=")[1].split("-")[0]) if header else 0
                 body = hub.content[start:]
+                size = len(hub.content)
                 if header:
                     self._headers(
                         206,
                         len(body),
-                        {
-                            "Content-Range": f"bytes {start}-{len(hub.content) - 1}/{len(hub.content)}"
-                        },
+                        {"Content-Range": f"bytes {start}-{size - 1}/{size}"},
                     )
                 else:
                     self._headers(200, len(body), {})

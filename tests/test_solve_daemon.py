@@ -1,4 +1,4 @@
-"""End to end: the installed ``phi4`` command against a real daemon subprocess and real llama.cpp."""
+"""End to end: the installed ``phi4`` command against a real daemon subprocess, real llama.cpp."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -221,7 +222,8 @@ def test_client_path_never_imports_llama_cpp_numpy_or_hub(tiny_model: Path):
         f"    main(['solve', 'What is 1+1?', '-m', {str(tiny_model)!r}, '-n', '2'])\n"
         "except SystemExit as exc:\n"
         "    assert exc.code == 0, exc.code\n"
-        "heavy = [m for m in ('llama_cpp', 'numpy', 'huggingface_hub', 'gguf') if m in sys.modules]\n"
+        "heavy = ('llama_cpp', 'numpy', 'huggingface_hub', 'gguf')\n"
+        "heavy = [m for m in heavy if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
     result = subprocess.run(
@@ -355,3 +357,70 @@ def test_pipelined_requests_on_one_connection_each_end_once(tiny_model: Path, ph
             if event["event"] in ("done", "error"):
                 terminal[event["id"]].append(event["event"])
     assert terminal == {1: ["done"], 2: ["done"], 3: ["done"]}
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another uid")
+def test_another_uid_is_refused_even_if_the_socket_is_reachable(tiny_model: Path, phi4_home: Path):
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    # Loosen the filesystem guard on purpose, so only the SO_PEERCRED check stands in the way.
+    os.chmod(phi4_home, 0o755)
+    os.chmod(phi4_home / "run", 0o755)
+    os.chmod(phi4_home / "run" / "daemon.sock", 0o666)
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the forked child
+        try:
+            os.close(read_end)
+            os.setgid(65534)
+            os.setuid(65534)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(str(phi4_home / "run" / "daemon.sock"))
+            sock.sendall(b'{"v": 1, "id": 1, "op": "status"}\n')
+            os.write(write_end, sock.makefile("rb").readline())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        answer = reader.read()
+    os.waitpid(child, 0)
+    event = json.loads(answer)
+    assert event["event"] == "error" and event["code"] == "forbidden", event
+    assert run_phi4("status").returncode == 0, "the daemon keeps serving its owner"
+
+
+FAKE_OLD_DAEMON = r"""
+import fcntl, json, os, socket, sys
+run = sys.argv[1]
+lock = os.open(os.path.join(run, "daemon.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(lock, fcntl.LOCK_EX)
+path = os.path.join(run, "daemon.sock")
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(path)
+server.listen()
+with open(os.path.join(run, "daemon.json"), "w") as f:
+    json.dump({"pid": os.getpid(), "socket": path, "protocol": 0, "state": "ready",
+               "model": None, "started_at": 0}, f)
+print("ready", flush=True)
+while True:
+    conn, _ = server.accept()
+    line = conn.makefile("rb").readline()
+    request_id = json.loads(line).get("id") if line.strip() else None
+    conn.sendall(json.dumps({"v": 0, "id": request_id, "event": "error",
+        "code": "unsupported_version", "message": "this daemon speaks protocol 0",
+        "retryable": False}).encode() + b"\n")
+    conn.close()
+"""
+
+
+def test_daemon_of_another_protocol_version_is_restarted_once(tiny_model: Path, phi4_home: Path):
+    run_dir = phi4_home / "run"
+    run_dir.mkdir(mode=0o700)
+    old = subprocess.Popen(
+        [sys.executable, "-c", FAKE_OLD_DAEMON, str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
+    assert old.stdout is not None and old.stdout.readline().strip() == "ready"
+    result = run_phi4(*solve_args(tiny_model, "-n", "2"))
+    assert result.returncode == 0, result.stderr
+    assert "another protocol version; restarting" in result.stderr
+    assert old.wait(timeout=10) == -signal.SIGTERM
+    assert status(phi4_home)["protocol"] == 1

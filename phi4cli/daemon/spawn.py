@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,18 +134,16 @@ def last_log_line(paths: Paths) -> str:
     return lines[-1].strip() if lines else ""
 
 
-def wait_for_exit(pid: int, timeout: float) -> bool:
-    """Return True once ``pid`` has exited (or is a zombie we cannot reap), False on timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        with contextlib.suppress(ChildProcessError):
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return True
-        time.sleep(0.02)
-    return False
+def process_running(pid: int) -> bool:
+    """Return True while ``pid`` exists and is not a zombie (an exited, unreaped child)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,271 @@
+"""Unit tests: wire protocol, request validation, the scheduler (with a fake engine), peer check."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phi4cli import protocol
+from phi4cli.config import Settings
+from phi4cli.daemon.scheduler import (
+    PRIORITY_BULK,
+    PRIORITY_INTERACTIVE,
+    PRIORITY_SOLVE,
+    Job,
+    ModelLoadError,
+    QueueFullError,
+    RequestScheduler,
+    SolveParams,
+    TokenSink,
+    parse_solve_params,
+)
+from phi4cli.daemon.server import peer_allowed, peer_uid
+
+
+def test_encode_is_one_line_even_with_newlines_in_text():
+    line = protocol.encode({"event": "token", "text": "a\nb ✓"})
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert protocol.decode(line) == {"event": "token", "text": "a\nb ✓"}
+
+
+def test_parse_request_accepts_a_valid_request():
+    request = protocol.parse_request(
+        b'{"v": 1, "id": "a", "op": "solve", "params": {"prompt": "x"}}'
+    )
+    assert request == protocol.Request(id="a", op="solve", params={"prompt": "x"})
+
+
+@pytest.mark.parametrize(
+    ("line", "code"),
+    [
+        (b"{", protocol.BAD_REQUEST),
+        (b"\xff\xfe", protocol.BAD_REQUEST),
+        (b'{"v": 2, "id": 1, "op": "ping"}', protocol.UNSUPPORTED_VERSION),
+        (b'{"id": 1, "op": "ping"}', protocol.UNSUPPORTED_VERSION),
+        (b'{"v": 1, "id": [1], "op": "ping"}', protocol.BAD_REQUEST),
+        (b'{"v": 1, "id": 1, "op": "ping", "params": []}', protocol.BAD_REQUEST),
+    ],
+)
+def test_parse_request_rejects_with_a_code(line: bytes, code: str):
+    with pytest.raises(protocol.ProtocolViolation) as caught:
+        protocol.parse_request(line)
+    assert caught.value.code == code
+
+
+def test_error_events_say_whether_to_retry():
+    assert protocol.error_event(1, protocol.BUSY, "full")["retryable"] is True
+    assert protocol.error_event(1, protocol.BAD_REQUEST, "no")["retryable"] is False
+
+
+def test_solve_params_defaults_and_validation():
+    defaults = Settings(temperature=0.8, top_p=0.95, seed=7)
+    params = parse_solve_params({"prompt": "2+2", "priority": "bulk"}, defaults)
+    assert (params.temperature, params.top_p, params.seed, params.priority) == (
+        0.8,
+        0.95,
+        7,
+        PRIORITY_BULK,
+    )
+    assert parse_solve_params({"prompt": "x", "seed": None}, defaults).seed is None
+    for bad in (
+        {"prompt": "x", "top_p": 2},
+        {"prompt": "x", "max_tokens": 0},
+        {"prompt": "x", "seed": "7"},
+        {"prompt": "x", "keep_alive": "soon"},
+        {"prompt": "x", "priority": "urgent"},
+        {"prompt": "x" * (protocol.MAX_PROMPT_CHARS + 1)},
+    ):
+        with pytest.raises(protocol.ProtocolViolation):
+            parse_solve_params(bad, defaults)
+
+
+class FakeEngine:
+    """Streams two tokens per request; can be held at a gate to let a queue build up."""
+
+    def __init__(self) -> None:
+        self.loaded: list[Path] = []
+        self.served: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started = threading.Event()
+        self._model: Path | None = None
+
+    @property
+    def model_path(self) -> Path | None:
+        return self._model
+
+    def load(self, path: Path) -> dict[str, Any]:
+        if path.name == "broken.gguf":
+            raise ModelLoadError(f"{path} is truncated")
+        self.loaded.append(path)
+        self._model = path
+        return {"load_s": 0.0}
+
+    def generate(
+        self, params: SolveParams, emit: TokenSink, cancelled: threading.Event
+    ) -> dict[str, Any]:
+        self.started.set()
+        self.gate.wait(10)
+        if params.prompt == "explode":
+            raise RuntimeError("boom")
+        self.served.append(params.prompt)
+        for text in ("a", "b"):
+            if cancelled.is_set():
+                break
+            emit(text)
+        return {"finish_reason": "stop"}
+
+    def close(self) -> None:
+        self._model = None
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.events: dict[Any, list[dict[str, Any]]] = {}
+        self.done = threading.Condition()
+
+    def job(self, request_id: Any, prompt: str, priority: int = PRIORITY_SOLVE, **kw: Any) -> Job:
+        self.events[request_id] = []
+
+        def emit(event: dict[str, Any]) -> None:
+            with self.done:
+                self.events[request_id].append(event)
+                self.done.notify_all()
+
+        params = SolveParams(
+            prompt=prompt, system=None, model=kw.get("model"), temperature=0.0, top_p=1.0,
+            seed=None, max_tokens=None, keep_alive=None, priority=priority,
+        )  # fmt: skip
+        return Job(request_id=request_id, params=params, emit=emit)
+
+    def terminal(self, request_id: Any) -> list[dict[str, Any]]:
+        return [e for e in self.events[request_id] if e["event"] in protocol.TERMINAL_EVENTS]
+
+    def wait(self, *ids: Any, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        with self.done:
+            while not all(self.terminal(i) for i in ids):
+                assert self.done.wait(deadline - time.monotonic()), self.events
+
+
+def make_scheduler(engine: FakeEngine, max_queue: int = 8) -> tuple[RequestScheduler, list[str]]:
+    states: list[str] = []
+    scheduler = RequestScheduler(
+        engine, Path("/m/model.gguf"), max_queue, lambda state, _m, _e: states.append(state)
+    )
+    scheduler.start()
+    return scheduler, states
+
+
+def test_jobs_run_by_priority_then_arrival():
+    engine = FakeEngine()
+    engine.gate.clear()
+    scheduler, _ = make_scheduler(engine)
+    out = Collector()
+    scheduler.submit(out.job(0, "first"))
+    assert engine.started.wait(5)
+    scheduler.submit(out.job(1, "bulk-1", PRIORITY_BULK))
+    scheduler.submit(out.job(2, "solve", PRIORITY_SOLVE))
+    scheduler.submit(out.job(3, "bulk-2", PRIORITY_BULK))
+    scheduler.submit(out.job(4, "chat", PRIORITY_INTERACTIVE))
+    engine.gate.set()
+    out.wait(0, 1, 2, 3, 4)
+    assert engine.served == ["first", "chat", "solve", "bulk-1", "bulk-2"]
+    for request_id in range(5):
+        events = [e["event"] for e in out.events[request_id]]
+        assert events == ["token", "token", "stats", "done"], events
+    scheduler.stop(5)
+
+
+def test_full_queue_raises_and_cancelled_queued_job_never_reaches_engine():
+    engine = FakeEngine()
+    engine.gate.clear()
+    scheduler, _ = make_scheduler(engine, max_queue=1)
+    out = Collector()
+    scheduler.submit(out.job(0, "running"))
+    assert engine.started.wait(5)
+    waiting = out.job(1, "waiting")
+    scheduler.submit(waiting)
+    with pytest.raises(QueueFullError):
+        scheduler.submit(out.job(2, "one too many"))
+    waiting.cancel()
+    engine.gate.set()
+    out.wait(0, 1)
+    assert engine.served == ["running"]
+    assert out.terminal(1)[0]["code"] == protocol.CANCELLED
+    scheduler.stop(5)
+
+
+def test_engine_crash_becomes_an_internal_error_with_traceback_and_worker_survives():
+    engine = FakeEngine()
+    scheduler, _ = make_scheduler(engine)
+    out = Collector()
+    scheduler.submit(out.job(0, "explode"))
+    scheduler.submit(out.job(1, "fine"))
+    out.wait(0, 1)
+    crash = out.terminal(0)
+    assert len(crash) == 1 and crash[0]["code"] == protocol.INTERNAL
+    assert "RuntimeError: boom" in crash[0]["message"]
+    assert out.terminal(1)[0]["event"] == "done"
+    scheduler.stop(5)
+
+
+def test_failed_load_is_a_model_error_and_state_failed():
+    engine = FakeEngine()
+    scheduler, states = make_scheduler(engine)
+    out = Collector()
+    scheduler.submit(out.job(0, "x", model=Path("/m/broken.gguf")))
+    out.wait(0)
+    assert out.terminal(0)[0]["code"] == protocol.MODEL_ERROR
+    assert "truncated" in out.terminal(0)[0]["message"]
+    assert states == ["loading", "ready", "loading", "failed"]
+    scheduler.stop(5)
+
+
+def test_stop_fails_queued_jobs_as_shutting_down():
+    engine = FakeEngine()
+    engine.gate.clear()
+    scheduler, _ = make_scheduler(engine)
+    out = Collector()
+    scheduler.submit(out.job(0, "running"))
+    assert engine.started.wait(5)
+    scheduler.submit(out.job(1, "queued"))
+    threading.Timer(0.2, engine.gate.set).start()
+    scheduler.stop(5)
+    out.wait(0, 1)
+    assert out.terminal(0)[0]["code"] == protocol.SHUTTING_DOWN
+    assert out.terminal(1)[0]["code"] == protocol.SHUTTING_DOWN
+
+
+def test_peer_check_compares_the_connecting_uid():
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with left, right:
+        assert peer_uid(left) == os.getuid()
+        assert peer_allowed(left, os.getuid())
+        assert not peer_allowed(left, os.getuid() + 1)
+
+
+def test_status_json_shape_is_stable():
+    # The status file is read by clients of other versions; keep its keys.
+    from phi4cli.daemon.spawn import DaemonStatus, read_status
+    from phi4cli.paths import get_paths
+
+    paths = get_paths()
+    paths.ensure_runtime_dir()
+    paths.status_file.write_text(
+        json.dumps(
+            {"pid": 1, "socket": "s", "protocol": 1, "state": "ready", "model": None,
+             "started_at": 0}
+        )
+    )  # fmt: skip
+    status = read_status(paths)
+    assert isinstance(status, DaemonStatus) and status.state == "ready"
+    paths.status_file.write_text("{torn")
+    assert read_status(paths) is None
