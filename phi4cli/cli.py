@@ -199,7 +199,11 @@ def solve(
             elif kind == "progress" and not announced_loading:
                 announced_loading = True
                 _stderr(f"loading {event.get('model', 'the model')}...")
-            elif kind == "accepted" and event.get("state") == "loading" and not announced_loading:
+            elif (
+                kind == "accepted"
+                and event.get("state") in ("loading", "warming")
+                and not announced_loading
+            ):
                 announced_loading = True
                 _stderr("waiting for the daemon to load the model...")
             elif kind == "stats" and verbose:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +52,17 @@ class Paths:
         return self.state_dir / "daemon.log"
 
     def ensure_runtime_dir(self) -> Path:
-        """Create the runtime dir private to this user (0700) and return it."""
+        """Create the runtime dir private to this user (0700) and return it.
+
+        Raise DaemonUnavailableError if it belongs to someone else (a directory planted in /tmp).
+        """
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
+        if self.runtime_dir.stat().st_uid != os.getuid():
+            from phi4cli.errors import DaemonUnavailableError
+
+            raise DaemonUnavailableError(
+                f"{self.runtime_dir} belongs to another user; remove it or set XDG_RUNTIME_DIR"
+            )
         os.chmod(self.runtime_dir, 0o700)
         return self.runtime_dir
 
@@ -68,13 +78,14 @@ def check_socket_path(path: Path) -> None:
 
 
 def _default_runtime_dir() -> Path:
-    from platformdirs import user_runtime_dir
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
+        return Path(xdg) / APP_NAME
+    if sys.platform == "darwin":
+        from platformdirs import user_runtime_dir
 
-    base = Path(user_runtime_dir(APP_NAME))
-    # /run/user/<uid> exists only under a login session manager; containers and cron jobs often
-    # lack it, so fall back to a per-user directory under the temp dir.
-    if base.parent.is_dir() and os.access(base.parent, os.W_OK):
-        return base
+        return Path(user_runtime_dir(APP_NAME))
+    # Containers, cron jobs and ssh sessions without a session manager have no XDG_RUNTIME_DIR.
     return Path(tempfile.gettempdir()) / f"{APP_NAME}-{os.getuid()}"
 
 

@@ -108,6 +108,9 @@ class FakeEngine:
         self._model = path
         return {"load_s": 0.0}
 
+    def warm(self) -> dict[str, Any]:
+        return {"prefill_s": 0.0}
+
     def generate(
         self, params: SolveParams, emit: TokenSink, cancelled: threading.Event
     ) -> dict[str, Any]:
@@ -225,7 +228,7 @@ def test_failed_load_is_a_model_error_and_state_failed():
     out.wait(0)
     assert out.terminal(0)[0]["code"] == protocol.MODEL_ERROR
     assert "truncated" in out.terminal(0)[0]["message"]
-    assert states == ["loading", "ready", "loading", "failed"]
+    assert states == ["loading", "warming", "ready", "loading", "failed"]
     scheduler.stop(5)
 
 
@@ -269,3 +272,43 @@ def test_status_json_shape_is_stable():
     assert isinstance(status, DaemonStatus) and status.state == "ready"
     paths.status_file.write_text("{torn")
     assert read_status(paths) is None
+
+
+def test_tiny_model_has_phi4_special_tokens_as_single_tokens(tiny_model: Path):
+    import llama_cpp
+
+    from tests.tinymodel import SPECIAL_TOKENS
+
+    llm = llama_cpp.Llama(str(tiny_model), n_ctx=256, verbose=False)
+    try:
+        for special in SPECIAL_TOKENS:
+            assert len(llm.tokenize(special.encode(), add_bos=False, special=True)) == 1, special
+        assert llm.metadata["general.architecture"] == "phi3"
+        assert llm.metadata["tokenizer.ggml.pre"] == "gpt-4o"
+        assert "<|assistant|>" in llm.metadata["tokenizer.chat_template"]
+    finally:
+        llm.close()
+
+
+def test_runtime_dir_of_another_user_is_refused(tmp_path: Path):
+    from phi4cli.errors import DaemonUnavailableError
+    from phi4cli.paths import Paths
+
+    if os.getuid() != 0:
+        pytest.skip("needs root to create a directory owned by another user")
+    planted = tmp_path / "run"
+    planted.mkdir()
+    os.chown(planted, 65534, 65534)
+    paths = Paths(tmp_path, tmp_path, tmp_path, tmp_path, planted)
+    with pytest.raises(DaemonUnavailableError, match="belongs to another user"):
+        paths.ensure_runtime_dir()
+
+
+def test_default_runtime_dir_prefers_xdg_and_falls_back_to_tmp(monkeypatch, tmp_path: Path):
+    from phi4cli.paths import get_paths
+
+    monkeypatch.delenv("PHI4_HOME")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert get_paths().runtime_dir == tmp_path / "phi4"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert get_paths().runtime_dir.name == f"phi4-{os.getuid()}"

@@ -105,19 +105,18 @@ class LlamaEngine:
         self._vocab = llama_cpp.llama_model_get_vocab(model.model)
         self._llm = llm
         self._model_path = path
-        # Warm-up: evaluate the default system prompt now, so the first question finds it cached.
-        warm_started = time.monotonic()
-        self._llm.eval(self._system_prefix(None))
-        timings = {
-            "model": str(path),
-            "load_s": round(load_s, 4),
-            "prefill_s": round(time.monotonic() - warm_started, 4),
-            "system_tokens": int(self._llm.n_tokens),
-            "n_ctx": self.n_ctx,
-            "threads": self.threads,
-        }
         log.info("loaded %s in %.2f s (threads %d)", path, load_s, self.threads)
-        return timings
+        return {"model": str(path), "load_s": round(load_s, 4), "n_ctx": self.n_ctx,
+                "threads": self.threads}  # fmt: skip
+
+    def warm(self) -> dict[str, Any]:
+        """Evaluate the default system prompt now, so the first question finds it cached."""
+        assert self._llm is not None
+        started = time.monotonic()
+        self._llm.n_tokens = 0
+        self._llm.eval(self._system_prefix(None))
+        return {"prefill_s": round(time.monotonic() - started, 4),
+                "system_tokens": int(self._llm.n_tokens)}  # fmt: skip
 
     def close(self) -> None:
         if self._llm is not None:

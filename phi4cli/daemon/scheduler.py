@@ -130,6 +130,10 @@ class Engine(Protocol):
         """Load ``path`` (replacing any model); return timings. Raise ModelLoadError."""
         ...
 
+    def warm(self) -> dict[str, Any]:
+        """Prepare the loaded model for its first request (system prompt prefill); timings."""
+        ...
+
     def generate(
         self, params: SolveParams, emit: TokenSink, cancelled: threading.Event
     ) -> dict[str, Any]:
@@ -254,6 +258,8 @@ class RequestScheduler:
             self.last_error = str(exc)
             self._on_state("failed", path, str(exc))
             return False
+        self._on_state("warming", path, None)
+        self.last_load.update(self._engine.warm())
         self.last_error = None
         self._on_state("ready", path, None)
         return True

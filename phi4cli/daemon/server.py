@@ -38,6 +38,7 @@ log = logging.getLogger("phi4.daemon")
 
 MAX_QUEUE = 64
 IDLE_CHECK_S = 0.2
+_LOADING = ("loading", "warming")
 
 
 def peer_uid(sock: socket.socket) -> int | None:
@@ -317,7 +318,7 @@ class DaemonServer:
     async def _watch_idle(self) -> None:
         while not self._stopping:
             await asyncio.sleep(IDLE_CHECK_S)
-            if self.keep_alive == FOREVER or self.scheduler.busy or self.state == "loading":
+            if self.keep_alive == FOREVER or self.scheduler.busy or self.state in _LOADING:
                 continue
             if time.monotonic() - self.last_activity >= self.keep_alive:
                 self.request_shutdown(f"idle for {self.keep_alive:g} s (keep_alive)")
