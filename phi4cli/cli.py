@@ -10,13 +10,15 @@ import sys
 import time
 from typing import Annotated, Any, NoReturn
 
-import click
 import typer
 
 from phi4cli import __version__, protocol
 from phi4cli.config import Settings, format_duration, load_settings
 from phi4cli.errors import DaemonUnavailableError, ExitStatus, Phi4Error, UsageError
 from phi4cli.paths import Paths, get_paths
+
+# Typer >= 0.26 vendors its own click: reach its exception classes through a public name.
+_click_exceptions = sys.modules[typer.BadParameter.__module__]
 
 app = typer.Typer(
     name="phi4",
@@ -360,13 +362,13 @@ def main(argv: list[str] | None = None) -> NoReturn:
         code = command.main(args=argv, prog_name="phi4", standalone_mode=False)
         sys.stdout.flush()
         sys.exit(code if isinstance(code, int) else ExitStatus.OK)
-    except click.exceptions.UsageError as exc:
+    except _click_exceptions.UsageError as exc:
         exc.show()
         sys.exit(ExitStatus.USAGE)
-    except click.exceptions.ClickException as exc:
+    except _click_exceptions.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except (KeyboardInterrupt, typer.Abort):
         print(file=sys.stderr)
         sys.exit(ExitStatus.INTERRUPTED)
     except Phi4Error as exc:

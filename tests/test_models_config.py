@@ -262,3 +262,21 @@ def test_pull_of_packaged_alias_points_at_pip(smollm2_model: Path):
     result = run_phi4("pull", "smollm2-135m")
     assert result.returncode == 0
     assert str(smollm2_model) in result.stdout
+
+
+def test_unknown_option_and_command_are_usage_errors():
+    option = run_phi4("solve", "--bogus", "1+1")
+    assert option.returncode == 2
+    assert "No such option: --bogus" in option.stderr
+    command = run_phi4("nosuchcmd")
+    assert command.returncode == 2
+    assert "No such command" in command.stderr
+
+
+def test_version_and_help():
+    version = run_phi4("--version")
+    assert version.returncode == 0
+    assert version.stdout.startswith("phi4 ") and "protocol 1" in version.stdout
+    helped = run_phi4("solve", "--help")
+    assert helped.returncode == 0
+    assert "--keep-alive" in helped.stdout
