@@ -424,3 +424,34 @@ def test_daemon_of_another_protocol_version_is_restarted_once(tiny_model: Path, 
     assert "another protocol version; restarting" in result.stderr
     assert old.wait(timeout=10) == -signal.SIGTERM
     assert status(phi4_home)["protocol"] == 1
+
+
+def test_daemon_run_in_foreground_serves_and_stops_on_ctrl_c(tiny_model: Path, phi4_home: Path):
+    daemon = subprocess.Popen(
+        [PHI4, "daemon", "run", "--model", str(tiny_model), "--keep-alive", "-1"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(lambda: (phi4_home / "run" / "daemon.sock").exists())
+        result = run_phi4(*solve_args(tiny_model, "-n", "2"))
+        assert result.returncode == 0, result.stderr
+        assert "starting" not in result.stderr, "the client used the foreground daemon"
+        shown = run_phi4("status").stdout
+        assert "keep_alive forever" in shown
+        daemon.send_signal(signal.SIGINT)
+        output, _ = daemon.communicate(timeout=20)
+    finally:
+        daemon.kill()
+    assert daemon.returncode == 0
+    assert "listening on" in output and "stopped" in output
+    assert not (phi4_home / "run" / "daemon.sock").exists()
+
+
+def test_second_daemon_run_refuses_while_one_runs(tiny_model: Path):
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    second = run_phi4("daemon", "run", "-m", str(tiny_model), timeout=30)
+    assert second.returncode == 3
+    assert "already running" in second.stderr.splitlines()[-1]
