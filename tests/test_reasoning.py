@@ -1,0 +1,159 @@
+"""Unit tests: the streaming <think> splitter, final-answer extraction, voting, LaTeX rendering."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from phi4cli.latex import latex_to_unicode, math_to_unicode
+from phi4cli.reasoning import (
+    ThinkSplitter,
+    boxed_answers,
+    extract_final_answer,
+    majority_vote,
+    model_thinks,
+    normalize_answer,
+    split_reasoning,
+)
+
+
+def stream(chunks: list[str], starts_in_reasoning: bool = False) -> tuple[ThinkSplitter, list]:
+    splitter = ThinkSplitter(starts_in_reasoning)
+    pieces = []
+    for chunk in chunks:
+        pieces += splitter.feed(chunk)
+    pieces += splitter.finish()
+    return splitter, pieces
+
+
+def test_tags_split_across_tokens():
+    splitter, pieces = stream(["<th", "ink>Let me ", "think.</", "thi", "nk>\n\nThe answer is 4."])
+    assert splitter.reasoning == "Let me think."
+    assert splitter.answer == "The answer is 4."
+    assert [kind for kind, _ in itertools.groupby(k for k, _ in pieces)] == ["reasoning", "answer"]
+    assert splitter.opened and splitter.closed and not splitter.unfinished
+
+
+def test_every_split_point_gives_the_same_result():
+    text = "<think>a < b and c</d> so</think>\n\nx = \\boxed{1}"
+    for cut in range(len(text) + 1):
+        splitter, _ = stream([text[:cut], text[cut:]])
+        assert (splitter.reasoning, splitter.answer) == ("a < b and c</d> so", "x = \\boxed{1}")
+
+
+def test_missing_opening_tag_on_a_thinking_model():
+    splitter, _ = stream(
+        ["First, 12*13", " = 156.", "</think>", "**156**"], starts_in_reasoning=True
+    )
+    assert splitter.reasoning == "First, 12*13 = 156."
+    assert splitter.answer == "**156**"
+    assert not splitter.opened
+
+
+def test_missing_opening_tag_on_an_unknown_model_is_retracted_when_it_closes():
+    splitter, pieces = stream(["Hmm, 2+2", " is 4</think>", "4"])
+    assert splitter.retracted
+    assert (splitter.reasoning, splitter.answer) == ("Hmm, 2+2 is 4", "4")
+    assert pieces[0] == ("answer", "Hmm, 2+2")  # what was streamed before the model closed
+
+
+def test_no_tags_at_all_is_all_answer():
+    splitter, pieces = stream(["The answer", " is 4."])
+    assert splitter.reasoning == ""
+    assert splitter.answer == "The answer is 4."
+    assert pieces == [("answer", "The answer"), ("answer", " is 4.")]
+
+
+def test_unclosed_thinking_at_max_tokens():
+    splitter, _ = stream(["<think>", "Still working on it, ", "almost </thi"])
+    assert splitter.unfinished
+    assert splitter.answer == ""
+    assert splitter.reasoning == "Still working on it, almost </thi"
+
+
+def test_leading_whitespace_before_think_and_lone_angle_bracket():
+    assert split_reasoning("  \n<think>x</think>y") == ("x", "y")
+    assert split_reasoning("<b>bold</b>") == ("", "<b>bold</b>")
+    assert split_reasoning("<") == ("", "<")
+
+
+@pytest.mark.parametrize(
+    ("solution", "answer"),
+    [
+        ("So \\boxed{156}.", "156"),
+        ("\\boxed{\\frac{1}{2}} then \\boxed{\\dfrac{3}{4}}", "\\dfrac{3}{4}"),
+        ("x = \\boxed{\\{1, \\{2\\}\\}}", "\\{1, \\{2\\}\\}"),
+        ("\\boxed{x^{2} + \\sqrt{\\frac{a}{b}}}", "x^{2} + \\sqrt{\\frac{a}{b}}"),
+        ("The answer is $\\boxed 5$.", "5"),
+        ("Thus the final answer is 42.", "42"),
+        ("The final answer is: $x = -\\frac{2}{3}$", "x = -\\frac{2}{3}"),
+        ("final answer is **7**\nmore text", "7"),
+        ("I think it's probably 12.", None),
+        ("\\boxed{unclosed", None),
+    ],
+)
+def test_final_answer_extraction(solution: str, answer: str | None):
+    assert extract_final_answer(solution) == answer
+
+
+def test_boxed_answers_lists_all_in_order():
+    assert boxed_answers("\\boxed{1}, \\fbox{2} and \\boxed {3}") == ["1", "2", "3"]
+
+
+def test_normalize_answer():
+    assert normalize_answer("$\\dfrac{1}{2}$") == normalize_answer("\\frac{1}{2}")
+    assert normalize_answer("x = 5") == normalize_answer("5")
+    assert normalize_answer("\\left(1, 2\\right)") == "(1,2)"
+    assert normalize_answer("4.0") == "4"
+
+
+def test_majority_vote_picks_most_common_and_reports_agreement():
+    vote = majority_vote(["156", "\\boxed{156}", "156.0", None, "155"])
+    assert vote.answer == "156"
+    assert (vote.votes, vote.total, vote.agreement, vote.tie) == (2, 5, "2/5", False)
+
+
+def test_majority_vote_tie_goes_to_the_earliest_answer():
+    vote = majority_vote(["3", "4", "4", "3"])
+    assert vote.answer == "3" and vote.tie and vote.agreement == "2/4"
+
+
+def test_majority_vote_without_answers():
+    vote = majority_vote([None, None])
+    assert vote.answer is None and vote.agreement == "0/2"
+
+
+def test_model_thinks_by_name():
+    assert model_thinks("Phi 4 Mini Reasoning")
+    assert model_thinks("", "microsoft_Phi-4-mini-reasoning-Q4_K_M.gguf")
+    assert not model_thinks("SmolLM2 135M Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.mark.parametrize(
+    ("latex", "text"),
+    [
+        ("\\frac{1}{2}", "1/2"),
+        ("\\dfrac{a+1}{b}", "(a+1)/b"),
+        ("x^2", "x²"),
+        ("x^{10}", "x¹⁰"),
+        ("a_1", "a₁"),
+        ("\\sqrt{3}", "√3"),
+        ("\\sqrt{b^2-4ac}", "√(b²-4ac)"),
+        ("\\sqrt[3]{8}", "∛8"),
+        ("3 \\times 4 \\leq \\infty", "3 \u00d7 4 ≤ ∞"),
+        ("\\boxed{156}", "156"),
+    ],
+)
+def test_math_to_unicode(latex: str, text: str):
+    assert math_to_unicode(latex) == text
+
+
+def test_latex_in_markdown_only_math_is_converted():
+    source = (
+        "**Step 1:** solve $3x^2+4x+5=1$, 50% done.\n\\[ x = \\frac{-4 \\pm \\sqrt{-32}}{6} \\]"
+    )
+    assert latex_to_unicode(source) == (
+        "**Step 1:** solve 3x²+4x+5=1, 50% done.\n\nx = (-4 ± √(-32))/6\n\n"
+    )
+    assert latex_to_unicode("so \\boxed{\\dfrac{1}{2}} of it") == "so 1/2 of it"
