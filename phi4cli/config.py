@@ -86,6 +86,15 @@ def _optional_int(value: object) -> int | None:
     return int(str(value))
 
 
+def _optional_budget(value: object) -> int | None:
+    if value is None or str(value).strip().lower() in {"", "none", "off"}:
+        return None
+    number = int(str(value))
+    if number < 0:
+        raise ValueError(value)
+    return number
+
+
 def _optional_str(value: object) -> str | None:
     text = None if value is None else str(value)
     return text or None
@@ -104,6 +113,7 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
     "top_p": (_unit_float, "a number from 0 to 1"),
     "max_tokens": (_optional_positive_int, "a positive integer, or none"),
     "seed": (_optional_int, "an integer, or random"),
+    "think_budget": (_optional_budget, "a number of tokens (0 skips thinking), or none"),
     "system": (_optional_str, "text"),
 }
 
@@ -118,6 +128,8 @@ class Settings:
     top_p: float = 0.95
     max_tokens: int | None = None
     seed: int | None = None
+    # After this many reasoning tokens the daemon closes the thinking; None: no budget.
+    think_budget: int | None = None
     # None: the chat template's own default system prompt ("Your name is Phi, ...").
     system: str | None = None
 

@@ -15,6 +15,7 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 REASONING = "reasoning"
 ANSWER = "answer"
+RETRACT = "retract"  # a piece kind: all answer text passed on so far was reasoning after all
 
 # Reasoning models that may omit the opening tag (Phi-4-mini-reasoning does) are recognised by
 # their name; output of any other model is an answer unless it starts with <think>.
@@ -90,6 +91,7 @@ class ThinkSplitter:
             if index >= 0:
                 if kind == ANSWER:
                     self._retract_answer()
+                    pieces.append((RETRACT, ""))
                 self._emit(pieces, REASONING, self._pending[:index])
                 self._pending = self._pending[index + len(THINK_CLOSE) :]
                 self._state, self.closed = ANSWER, True
@@ -126,7 +128,7 @@ class ThinkSplitter:
             self.reasoning += text
         else:
             self.answer += text
-        if pieces and pieces[-1][0] == kind:
+        if pieces and pieces[-1][0] == kind and kind != RETRACT:
             pieces[-1] = (kind, pieces[-1][1] + text)
         else:
             pieces.append((kind, text))

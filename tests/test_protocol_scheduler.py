@@ -122,7 +122,7 @@ class FakeEngine:
         for text in ("a", "b"):
             if cancelled.is_set():
                 break
-            emit(text)
+            emit("answer", text)
         return {"finish_reason": "stop"}
 
     def close(self) -> None:
@@ -144,7 +144,7 @@ class Collector:
 
         params = SolveParams(
             prompt=prompt, system=None, model=kw.get("model"), temperature=0.0, top_p=1.0,
-            seed=None, max_tokens=None, keep_alive=None, priority=priority,
+            seed=None, max_tokens=None, think_budget=None, keep_alive=None, priority=priority,
         )  # fmt: skip
         return Job(request_id=request_id, params=params, emit=emit)
 

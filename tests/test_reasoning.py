@@ -55,7 +55,13 @@ def test_missing_opening_tag_on_an_unknown_model_is_retracted_when_it_closes():
     splitter, pieces = stream(["Hmm, 2+2", " is 4</think>", "4"])
     assert splitter.retracted
     assert (splitter.reasoning, splitter.answer) == ("Hmm, 2+2 is 4", "4")
-    assert pieces[0] == ("answer", "Hmm, 2+2")  # what was streamed before the model closed
+    # What was streamed before the model closed its thinking, then the retraction.
+    assert pieces == [
+        ("answer", "Hmm, 2+2"),
+        ("retract", ""),
+        ("reasoning", " is 4"),
+        ("answer", "4"),
+    ]
 
 
 def test_no_tags_at_all_is_all_answer():

@@ -15,6 +15,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,9 @@ from llama_cpp import _internals as llama_internals
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from phi4cli.daemon.scheduler import ContextOverflowError, ModelLoadError, SolveParams, TokenSink
+from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model_thinks
+
+TokenSinkText = Callable[[str], None]
 
 log = logging.getLogger("phi4.engine")
 
@@ -65,6 +69,8 @@ class LlamaEngine:
         self._vocab: Any = None
         self._model_path: Path | None = None
         self._piece_buffer = ctypes.create_string_buffer(64)
+        self._thinks = False  # the loaded model reasons before answering, maybe without <think>
+        self._tag_tokens: dict[int, bytes] = {}
 
     @property
     def model_path(self) -> Path | None:
@@ -105,6 +111,12 @@ class LlamaEngine:
         self._vocab = llama_cpp.llama_model_get_vocab(model.model)
         self._llm = llm
         self._model_path = path
+        self._thinks = model_thinks(str(llm.metadata.get("general.name", "")), path.name)
+        self._tag_tokens = {}
+        for tag in (THINK_OPEN, THINK_CLOSE):
+            ids = llm.tokenize(tag.encode(), add_bos=False, special=True)
+            if len(ids) == 1:  # a special token: rendered explicitly, as pieces hide specials
+                self._tag_tokens[ids[0]] = tag.encode()
         log.info("loaded %s in %.2f s (threads %d)", path, load_s, self.threads)
         return {"model": str(path), "load_s": round(load_s, 4), "n_ctx": self.n_ctx,
                 "threads": self.threads}  # fmt: skip
@@ -147,7 +159,9 @@ class LlamaEngine:
         return self._tokenize(text[: text.index(marker)])
 
     def _piece(self, token: int) -> bytes:
-        """Return the bytes of one token (special tokens render as nothing)."""
+        """Return the bytes of one token (special tokens render as nothing, but think tags)."""
+        if token in self._tag_tokens:
+            return self._tag_tokens[token]
         buffer = self._piece_buffer
         size = llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, False)
         if size < 0:  # the piece is longer than the buffer: llama.cpp returns -needed
@@ -158,7 +172,11 @@ class LlamaEngine:
     def generate(
         self, params: SolveParams, emit: TokenSink, cancelled: threading.Event
     ) -> dict[str, Any]:
-        """Evaluate the prompt's new tokens and stream the answer; return the request's stats."""
+        """Evaluate the prompt's new tokens and stream the output; return the request's stats.
+
+        Output goes to ``emit`` as ``("reasoning", text)`` or ``("answer", text)``. With a think
+        budget, ``</think>`` is inserted once that many reasoning tokens are out.
+        """
         llm = self._llm
         assert llm is not None
         request_started = time.monotonic()
@@ -168,6 +186,73 @@ class LlamaEngine:
                 f"the question is {len(tokens)} tokens but the context holds {self.n_ctx}; "
                 "shorten it or raise n_ctx"
             )
+        cached = self._prefill(tokens, cancelled)
+        prompt_s = time.monotonic() - request_started
+
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        sampler = _make_sampler(params, seed)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        splitter = ThinkSplitter(starts_in_reasoning=self._thinks)
+
+        def forward(text: str) -> None:
+            for kind, piece in splitter.feed(text):
+                emit(kind, piece)
+
+        limit = min(params.max_tokens or self.n_ctx, self.n_ctx - len(tokens))
+        generated = reasoning_tokens = 0
+        budget_reached = False
+        finish_reason = "length"
+        decode_started = time.monotonic()
+        first_token_s: float | None = None
+        if params.think_budget == 0 and self._thinks:
+            budget_reached = self._close_thinking(forward)
+        while generated < limit and not cancelled.is_set():
+            token = sampler.sample(llm._ctx, -1)
+            if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+                finish_reason = "stop"
+                break
+            generated += 1
+            reasoning_tokens += splitter.in_reasoning
+            if first_token_s is None:
+                first_token_s = time.monotonic() - request_started
+            forward(decoder.decode(self._piece(token)))
+            llm.eval([token])
+            if (
+                params.think_budget is not None
+                and not budget_reached
+                and splitter.in_reasoning
+                and reasoning_tokens >= params.think_budget
+            ):
+                budget_reached = self._close_thinking(forward)
+        if cancelled.is_set():
+            finish_reason = "cancelled"
+        forward(decoder.decode(b"", final=True))
+        for kind, piece in splitter.finish():
+            emit(kind, piece)
+        decode_s = time.monotonic() - decode_started
+        sampler.close()
+        return {
+            "prompt_tokens": len(tokens),
+            "cached_tokens": cached,
+            "prompt_eval_tokens": len(tokens) - cached,
+            "prompt_eval_s": round(prompt_s, 4),
+            "completion_tokens": generated,
+            "reasoning_tokens": reasoning_tokens,
+            "answer_tokens": generated - reasoning_tokens,
+            "budget_reached": budget_reached,
+            "thinking_unfinished": splitter.unfinished,
+            "decode_s": round(decode_s, 4),
+            "first_token_s": None if first_token_s is None else round(first_token_s, 4),
+            "total_s": round(time.monotonic() - request_started, 4),
+            "finish_reason": finish_reason,
+            "seed": seed,
+            "model": str(self._model_path),
+        }
+
+    def _prefill(self, tokens: list[int], cancelled: threading.Event) -> int:
+        """Keep the KV of the prefix the cache shares, evaluate the rest; return the cached count."""
+        llm = self._llm
+        assert llm is not None
         cached = 0
         for have, want in zip(llm.input_ids[: llm.n_tokens], tokens, strict=False):
             if have != want:
@@ -180,56 +265,31 @@ class LlamaEngine:
             if cancelled.is_set():
                 break
             llm.eval(tokens[start : start + self.n_batch])
-        prompt_s = time.monotonic() - request_started
+        return cached
 
-        seed = params.seed if params.seed is not None else random.getrandbits(31)
-        sampler = llama_internals.LlamaSampler()
-        if params.temperature <= 0.0:
-            sampler.add_greedy()
-        else:
-            sampler.add_top_k(TOP_K)
-            sampler.add_top_p(params.top_p, 1)
-            sampler.add_temp(params.temperature)
-            sampler.add_dist(seed)
+    def _close_thinking(self, forward: TokenSinkText) -> bool:
+        """Insert the end of thinking into the sequence (think budget); return True if it fit."""
+        llm = self._llm
+        assert llm is not None
+        closing = f"\n{THINK_CLOSE}\n\n"
+        tokens = list(llm.tokenize(closing.encode(), add_bos=False, special=True))
+        if llm.n_tokens + len(tokens) >= self.n_ctx:
+            return False
+        llm.eval(tokens)
+        forward(closing)
+        return True
 
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        budget = min(params.max_tokens or self.n_ctx, self.n_ctx - len(tokens))
-        generated = 0
-        finish_reason = "cancelled" if cancelled.is_set() else "length"
-        decode_started = time.monotonic()
-        first_token_s: float | None = None
-        while generated < budget and not cancelled.is_set():
-            token = sampler.sample(llm._ctx, -1)
-            if llama_cpp.llama_vocab_is_eog(self._vocab, token):
-                finish_reason = "stop"
-                break
-            generated += 1
-            text = decoder.decode(self._piece(token))
-            if first_token_s is None:
-                first_token_s = time.monotonic() - request_started
-            if text:
-                emit(text)
-            llm.eval([token])
-        if cancelled.is_set():
-            finish_reason = "cancelled"
-        tail = decoder.decode(b"", final=True)
-        if tail:
-            emit(tail)
-        decode_s = time.monotonic() - decode_started
-        sampler.close()
-        return {
-            "prompt_tokens": len(tokens),
-            "cached_tokens": cached,
-            "prompt_eval_tokens": len(tokens) - cached,
-            "prompt_eval_s": round(prompt_s, 4),
-            "completion_tokens": generated,
-            "decode_s": round(decode_s, 4),
-            "first_token_s": None if first_token_s is None else round(first_token_s, 4),
-            "total_s": round(time.monotonic() - request_started, 4),
-            "finish_reason": finish_reason,
-            "seed": seed,
-            "model": str(self._model_path),
-        }
+
+def _make_sampler(params: SolveParams, seed: int) -> Any:
+    sampler = llama_internals.LlamaSampler()
+    if params.temperature <= 0.0:
+        sampler.add_greedy()
+    else:
+        sampler.add_top_k(TOP_K)
+        sampler.add_top_p(params.top_p, 1)
+        sampler.add_temp(params.temperature)
+        sampler.add_dist(seed)
+    return sampler
 
 
 def _diagnose_load_failure(path: Path, exc: Exception) -> str:

@@ -25,7 +25,7 @@ from phi4cli.protocol import ProtocolViolation
 log = logging.getLogger("phi4.daemon")
 
 Emit = Callable[[dict[str, Any]], None]
-TokenSink = Callable[[str], None]
+TokenSink = Callable[[str, str], None]  # ("reasoning" | "answer", text)
 
 PRIORITY_INTERACTIVE = 0
 PRIORITY_SOLVE = 1
@@ -50,6 +50,7 @@ class SolveParams:
     top_p: float
     seed: int | None
     max_tokens: int | None
+    think_budget: int | None
     keep_alive: float | None
     priority: int
 
@@ -115,6 +116,11 @@ def parse_solve_params(params: dict[str, Any], defaults: Settings) -> SolveParam
         top_p=_number(params, "top_p", defaults.top_p, 0.0, 1.0),
         seed=_optional_int(params, "seed", 0) if "seed" in params else defaults.seed,
         max_tokens=_optional_int(params, "max_tokens", 1) or defaults.max_tokens,
+        think_budget=(
+            _optional_int(params, "think_budget", 0)
+            if "think_budget" in params
+            else defaults.think_budget
+        ),
         keep_alive=keep_alive_s,
         priority=_PRIORITIES[priority],
     )
@@ -163,8 +169,9 @@ class Job:
         self.cancel_code = code
         self.cancelled.set()
 
-    def emit_token(self, text: str) -> None:
-        self.emit(protocol.event(self.request_id, "token", text=text))
+    def emit_token(self, kind: str, text: str) -> None:
+        event = {"reasoning": "reasoning", "retract": "retract"}.get(kind, "token")
+        self.emit(protocol.event(self.request_id, event, text=text))
 
     def fail(self, code: str, message: str) -> None:
         self.emit(protocol.error_event(self.request_id, code, message))
@@ -272,11 +279,13 @@ class RequestScheduler:
         if model is None:
             job.fail(protocol.MODEL_ERROR, "no model given and none loaded; pass --model")
             return
+        load_s = 0.0
         if model != self._engine.model_path:
             job.emit(protocol.event(job.request_id, "progress", stage="loading", model=str(model)))
             if not self._load(model):
                 job.fail(protocol.MODEL_ERROR, self.last_error or f"cannot load {model}")
                 return
+            load_s = float(self.last_load.get("load_s", 0.0))
         started = time.monotonic()
         try:
             stats = self._engine.generate(job.params, job.emit_token, job.cancelled)
@@ -292,5 +301,6 @@ class RequestScheduler:
             job.fail(job.cancel_code, message)
             return
         stats["queue_s"] = round(started - job.submitted_at, 4)
+        stats["load_s"] = load_s
         job.emit(protocol.event(job.request_id, "stats", **stats))
         job.emit(protocol.event(job.request_id, "done", finish_reason=stats.get("finish_reason")))
