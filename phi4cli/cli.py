@@ -126,6 +126,57 @@ def solve(
         ),
     ] = None,
     model: ModelOption = None,
+    show_reasoning: Annotated[
+        bool,
+        typer.Option(
+            "--show-reasoning", "-r", help="Stream the model's thinking (dimmed, stderr)."
+        ),
+    ] = False,
+    answer_only: Annotated[
+        bool, typer.Option("--answer-only", "-a", help="Print just the final answer, one line.")
+    ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print one JSON object (question, answer, solution, reasoning, stats, ...).",
+        ),
+    ] = False,
+    file: Annotated[
+        str | None,
+        typer.Option(
+            "--file",
+            "-f",
+            help="Solve every line of FILE ('-' for stdin), in order.",
+            show_default=False,
+            metavar="FILE",
+        ),
+    ] = None,
+    each_line: Annotated[
+        bool, typer.Option("--each-line", help="With '-': each line of stdin is a problem.")
+    ] = False,
+    jsonl: Annotated[
+        bool, typer.Option("--jsonl", help="With --file: one JSON object per problem per line.")
+    ] = False,
+    samples: Annotated[
+        int,
+        typer.Option(
+            "--samples",
+            "-k",
+            min=1,
+            max=64,
+            help="Self-consistency: solve K times, majority-vote the answers.",
+        ),
+    ] = 1,
+    think_budget: Annotated[
+        int | None,
+        typer.Option(
+            "--think-budget",
+            min=0,
+            help="End the thinking after N tokens; the model then answers [env PHI4_THINK_BUDGET].",
+            show_default=False,
+        ),
+    ] = None,
     system: Annotated[
         str | None, typer.Option("--system", "-s", help="Extra system prompt.", show_default=False)
     ] = None,
@@ -149,7 +200,10 @@ def solve(
     max_tokens: Annotated[
         int | None,
         typer.Option(
-            "--max-tokens", "-n", help="Stop after this many answer tokens.", show_default=False
+            "--max-tokens",
+            "-n",
+            help="Stop after this many tokens (thinking included).",
+            show_default=False,
         ),
     ] = None,
     keep_alive: KeepAliveOption = None,
@@ -158,69 +212,59 @@ def solve(
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print timing and cache statistics to stderr.")
     ] = False,
-) -> None:
-    """Solve one problem, streaming the model's answer to stdout."""
-    from phi4cli.client import error_for, stream_solve
+) -> int:
+    """Solve a problem (or a file of them), streaming the model's answer."""
     from phi4cli.models import resolve_model
-    from phi4cli.render import AnswerStream, format_stats
+    from phi4cli.solving import (
+        OutputMode,
+        SolveJob,
+        read_problems,
+        solve_file,
+        solve_one,
+        solve_samples,
+    )
 
+    if (file is not None or each_line) and samples > 1:
+        raise UsageError("--samples works on one question, not with --file or --each-line")
+    if jsonl and file is None and not each_line:
+        raise UsageError("--jsonl goes with --file or --each-line; use --json for one question")
+    if each_line and file is None and prompt not in (None, "-"):
+        raise UsageError("--each-line reads problems from stdin: phi4 solve - --each-line")
     paths = get_paths()
     settings = _settings(
-        paths,
-        model=model,
-        system=system,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        max_tokens=max_tokens,
-        keep_alive=keep_alive,
-        n_ctx=n_ctx,
-        threads=threads,
-    )
-    question = _read_prompt(prompt)
+        paths, model=model, system=system, temperature=temperature, top_p=top_p, seed=seed,
+        max_tokens=max_tokens, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads,
+        think_budget=think_budget,
+    )  # fmt: skip
+    problems = read_problems(file or "-") if file is not None or each_line else None
+    question = _read_prompt(prompt) if problems is None else ""
     model_path = resolve_model(settings.model, paths)
-    params: dict[str, Any] = {
-        "prompt": question,
+    base: dict[str, Any] = {
         "model": str(model_path),
         "system": settings.system,
         "temperature": settings.temperature,
         "top_p": settings.top_p,
         "seed": settings.seed,
         "max_tokens": settings.max_tokens,
+        "think_budget": settings.think_budget,
     }
     if keep_alive is not None or "PHI4_KEEP_ALIVE" in os.environ:
-        params["keep_alive"] = settings.keep_alive
-    answer = AnswerStream(sys.stdout)
-    events = stream_solve(paths, settings, model_path, params, _stderr)
-    announced_loading = False
+        base["keep_alive"] = settings.keep_alive
+    job = SolveJob(paths, settings, model_path, _stderr, base)
+    mode = OutputMode(show_reasoning, answer_only, as_json, verbose)
     try:
-        for event in events:
-            kind = event.get("event")
-            if kind == "token":
-                answer.write(event.get("text", ""))
-            elif kind == "progress" and not announced_loading:
-                announced_loading = True
-                _stderr(f"loading {event.get('model', 'the model')}...")
-            elif (
-                kind == "accepted"
-                and event.get("state") in ("loading", "warming")
-                and not announced_loading
-            ):
-                announced_loading = True
-                _stderr("waiting for the daemon to load the model...")
-            elif kind == "stats" and verbose:
-                answer.finish()
-                print(format_stats(event), file=sys.stderr, flush=True)
-            elif kind == "error":
-                answer.finish()
-                raise error_for(event)
-        answer.finish()
+        if problems is not None:
+            if not problems:
+                raise UsageError("no problems: the input has no non-blank lines")
+            return solve_file(job, problems, mode, jsonl)
+        if samples > 1:
+            return solve_samples(job, question, samples, mode)
+        return solve_one(job, question, mode)
     except BrokenPipeError:
-        # The reader went away (`| head -1`): closing the events below hangs up on the daemon,
-        # which stops the generation. Point stdout at /dev/null so the exit-time flush is quiet.
+        # The reader went away (`| head -1`): leaving here closes the connection, which stops
+        # the generation. Point stdout at /dev/null so the exit-time flush is quiet.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    finally:
-        events.close()
+        return ExitStatus.OK
 
 
 def _print_status(status: dict[str, Any], as_json: bool) -> None:

@@ -11,7 +11,8 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -230,48 +231,107 @@ def error_for(event: dict[str, Any]) -> Phi4Error:
     return RequestError(message)
 
 
-def stream_solve(
+def connect_checked(
+    paths: Paths, settings: Settings, model_path: Path | None, announce: Callable[[str], None]
+) -> DaemonConnection:
+    """Return a connection to a daemon that speaks our protocol version.
+
+    A daemon of another version is stopped and replaced once; raise ProtocolMismatchError if the
+    replacement still disagrees.
+    """
+    for attempt in range(2):
+        connection = ensure_daemon(paths, settings, model_path, announce)
+        try:
+            connection.call("ping")
+            return connection
+        except DaemonRestartRequired:
+            connection.close()
+            if attempt:
+                break
+            announce("the running daemon speaks another protocol version; restarting it...")
+            stop_daemon(paths)
+    raise ProtocolMismatchError(
+        "the daemon still speaks another protocol version after a restart; "
+        "is an older phi4 installed elsewhere? stop it with `phi4 stop`"
+    )
+
+
+EventSink = Callable[[int, dict[str, Any]], None]
+BUSY_RETRY_S = 0.25
+
+
+def solve_many(
     paths: Paths,
     settings: Settings,
     model_path: Path | None,
-    params: dict[str, Any],
+    requests: list[dict[str, Any]],
+    on_event: EventSink,
     announce: Callable[[str], None],
-) -> Generator[dict[str, Any], None, None]:
-    """Yield the events of one solve request, up to and including the terminal one.
+    window: int = 16,
+) -> None:
+    """Send solve requests over one connection, at most ``window`` in flight, and pass every
+    event to ``on_event(index, event)``; each request ends with exactly one terminal event.
 
-    Starts the daemon when needed; restarts it once if it speaks another protocol version (then
-    raise ProtocolMismatchError); retries once when it was shutting down as the request arrived.
-    Closing this generator early closes the connection, which cancels the generation.
+    Requests the daemon found busy are sent again. Requests that met a daemon shutting down before
+    producing anything are sent again, once, to a fresh daemon. Interrupting this (Ctrl-C) closes
+    the connection, which cancels every request still running.
     """
-    restarted = False
-    retried = False
-    while True:
-        connection = ensure_daemon(paths, settings, model_path, announce)
-        try:
-            with connection:
-                produced = False
-                for event in connection.request("solve", params):
-                    if (
-                        event.get("event") == "error"
-                        and event.get("code") == protocol.SHUTTING_DOWN
-                        and not produced
-                        and not retried
-                    ):
-                        break
-                    produced = produced or event.get("event") == "token"
-                    yield event
-                else:
+    waiting: deque[int] = deque(range(len(requests)))
+    produced: set[int] = set()
+    retried_shutdown = False
+    while waiting:
+        resend: list[int] = []
+        connection = connect_checked(paths, settings, model_path, announce)
+        with connection:
+            in_flight: dict[Any, int] = {}
+            while waiting or in_flight:
+                while waiting and len(in_flight) < window:
+                    index = waiting.popleft()
+                    in_flight[connection.send("solve", requests[index])] = index
+                try:
+                    event = connection.next_event()
+                except DaemonUnavailableError:
+                    if resend and not retried_shutdown:
+                        break  # the daemon went away as it said it would: start a fresh one
+                    raise
+                index_or_none = in_flight.get(event.get("id"))
+                if index_or_none is None:
+                    continue
+                index = index_or_none
+                kind = event.get("event")
+                if kind == "error" and event.get("code") == protocol.BUSY:
+                    del in_flight[event["id"]]
+                    waiting.appendleft(index)
+                    time.sleep(BUSY_RETRY_S)
+                    continue
+                if (
+                    kind == "error"
+                    and event.get("code") == protocol.SHUTTING_DOWN
+                    and index not in produced
+                    and not retried_shutdown
+                ):
+                    del in_flight[event["id"]]
+                    resend.append(index)
+                    continue
+                if kind in ("token", "reasoning"):
+                    produced.add(index)
+                on_event(index, event)
+                if kind in protocol.TERMINAL_EVENTS:
+                    del in_flight[event["id"]]
+            else:
+                if not resend:
                     return
-        except DaemonRestartRequired:
-            if restarted:
-                raise ProtocolMismatchError(
-                    "the daemon still speaks another protocol version after a restart; "
-                    "is an older phi4 installed elsewhere? stop it with `phi4 stop`"
-                ) from None
-            restarted = True
-            announce("the running daemon speaks another protocol version; restarting it...")
-            stop_daemon(paths)
-            continue
-        retried = True
+        retried_shutdown = True
+        for request_id, index in in_flight.items():
+            if index in produced:  # cut off mid-answer: report it, do not answer twice
+                on_event(
+                    index,
+                    protocol.error_event(
+                        request_id, protocol.SHUTTING_DOWN, "the daemon stopped mid-answer"
+                    ),
+                )
+            else:
+                resend.append(index)
+        waiting = deque(sorted(resend + list(waiting)))
         announce("the daemon was shutting down; starting a fresh one...")
         wait_until_gone(paths)

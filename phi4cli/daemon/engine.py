@@ -250,7 +250,7 @@ class LlamaEngine:
         }
 
     def _prefill(self, tokens: list[int], cancelled: threading.Event) -> int:
-        """Keep the KV of the prefix the cache shares, evaluate the rest; return the cached count."""
+        """Reuse the KV of the prefix the cache shares, evaluate the rest; return cached count."""
         llm = self._llm
         assert llm is not None
         cached = 0

@@ -1,0 +1,289 @@
+"""Running ``phi4 solve``: one question, K self-consistency samples, or a file of problems, and
+showing the results the way the output calls for (terminal, pipe, ``--json``, ``--answer-only``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from phi4cli.client import error_for, solve_many
+from phi4cli.config import Settings
+from phi4cli.errors import ExitStatus
+from phi4cli.outcome import Outcome
+from phi4cli.paths import Paths
+from phi4cli.reasoning import majority_vote, normalize_answer
+from phi4cli.render import PlainPresenter, TerminalPresenter, no_answer_reason, stdout_is_terminal
+
+Announce = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class SolveJob:
+    """Where the daemon is and what every request of this command shares."""
+
+    paths: Paths
+    settings: Settings
+    model_path: Path
+    announce: Announce
+    base: dict[str, Any]
+
+    def params(self, question: str, **extra: Any) -> dict[str, Any]:
+        return {**self.base, "prompt": question, **extra}
+
+    def run(
+        self, requests: list[dict[str, Any]], on_event: Callable[[int, dict[str, Any]], None]
+    ) -> None:
+        solve_many(self.paths, self.settings, self.model_path, requests, on_event, self.announce)
+
+
+@dataclass(frozen=True)
+class OutputMode:
+    show_reasoning: bool = False
+    answer_only: bool = False
+    as_json: bool = False
+    verbose: bool = False
+
+
+@contextlib.contextmanager
+def _stderr_status(message: str) -> Iterator[Callable[[str], None]]:
+    """A spinner line on stderr while waiting, if stderr is a terminal; yields an updater."""
+    if not sys.stderr.isatty():
+        yield lambda _text: None
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(message, spinner="dots") as status:
+        yield status.update
+
+
+def _print_json(record: dict[str, Any]) -> None:
+    print(json.dumps(record, ensure_ascii=False, indent=2))
+
+
+def _answer_line(answer: str) -> str:
+    if stdout_is_terminal():
+        from phi4cli.latex import math_to_unicode
+
+        return math_to_unicode(answer)
+    return answer
+
+
+def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
+    """Stream one question's answer; return the exit status."""
+    outcome = Outcome(index=0, question=question)
+    quiet = mode.as_json or mode.answer_only
+    presenter: PlainPresenter | TerminalPresenter | None = None
+    if not quiet:
+        presenter = (
+            TerminalPresenter(mode.show_reasoning, mode.verbose)
+            if stdout_is_terminal()
+            else PlainPresenter(sys.stdout, sys.stderr, mode.show_reasoning, mode.verbose)
+        )
+    loading = _LoadingNotice(job.announce)
+
+    def on_event(_index: int, event: dict[str, Any]) -> None:
+        loading.see(event)
+        outcome.apply(event)
+        if presenter is not None:
+            presenter.on_event(event)
+
+    try:
+        if quiet:
+            with _stderr_status("solving…"):
+                job.run([job.params(question)], on_event)
+        else:
+            job.run([job.params(question)], on_event)
+    finally:
+        if isinstance(presenter, TerminalPresenter):
+            presenter.stop()
+    if outcome.error is not None:
+        if presenter is not None:
+            presenter.abort()
+        raise error_for({"event": "error", **outcome.error})
+    if mode.as_json:
+        _print_json(outcome.to_json())
+        return ExitStatus.OK
+    if mode.answer_only:
+        answer = outcome.answer
+        if answer is None:
+            print()
+            job.announce(no_answer_reason(outcome))
+            return ExitStatus.ERROR
+        print(_answer_line(answer))
+        return ExitStatus.OK
+    assert presenter is not None
+    presenter.finish(outcome)
+    return ExitStatus.OK
+
+
+def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) -> int:
+    """Solve the same question ``samples`` times and majority-vote the answers."""
+    outcomes = [Outcome(index=i, question=question) for i in range(samples)]
+    seed = job.settings.seed
+    requests = [
+        job.params(question, seed=None if seed is None else seed + i) for i in range(samples)
+    ]
+    loading = _LoadingNotice(job.announce)
+    finished = 0
+    with _stderr_status(f"sampling… 0/{samples} done") as update:
+
+        def on_event(index: int, event: dict[str, Any]) -> None:
+            nonlocal finished
+            loading.see(event)
+            outcomes[index].apply(event)
+            if outcomes[index].done:
+                finished += 1
+                update(f"sampling… {finished}/{samples} done")
+
+        job.run(requests, on_event)
+    good = [o for o in outcomes if o.error is None]
+    if not good:
+        raise error_for({"event": "error", **(outcomes[0].error or {})})
+    vote = majority_vote([o.answer for o in outcomes])
+    winner = next(
+        (o for o in good if vote.answer is not None and o.answer is not None
+         and normalize_answer(o.answer) == normalize_answer(vote.answer)),
+        good[0],
+    )  # fmt: skip
+    if mode.as_json:
+        record = winner.to_json()
+        record.update(
+            answer=vote.answer,
+            agreement=vote.agreement,
+            tie=vote.tie,
+            samples=[
+                {"answer": o.answer, "seed": o.stats.get("seed"), "error": o.error,
+                 "stats": o.stats}
+                for o in outcomes
+            ],
+        )  # fmt: skip
+        _print_json(record)
+        return ExitStatus.OK
+    if mode.answer_only:
+        print(_answer_line(vote.answer) if vote.answer is not None else "")
+        job.announce(f"{vote.agreement} samples agree" + (" (tie)" if vote.tie else ""))
+        return ExitStatus.OK if vote.answer is not None else ExitStatus.ERROR
+    if stdout_is_terminal():
+        presenter = TerminalPresenter(mode.show_reasoning, mode.verbose)
+        presenter.print_outcome(winner, agreement=vote.agreement, answer=vote.answer)
+    else:
+        print(winner.solution.strip())
+        shown = vote.answer if vote.answer is not None else "(none)"
+        print(f"Answer: {shown} ({vote.agreement} samples agree)")
+    return ExitStatus.OK
+
+
+def read_problems(source: str) -> list[tuple[int, str]]:
+    """Return (line number, problem) for each non-blank line of a file, or of stdin for ``-``."""
+    if source == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(source).read_text(encoding="utf-8")
+        except OSError as exc:
+            from phi4cli.errors import UsageError
+
+            raise UsageError(f"cannot read {source}: {exc.strerror}") from None
+    return [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
+def solve_file(
+    job: SolveJob, problems: list[tuple[int, str]], mode: OutputMode, jsonl: bool
+) -> int:
+    """Answer every problem, all submitted at once, printed in input order; exit 1 if any failed."""
+    outcomes = [Outcome(index=i, question=q) for i, (_line, q) in enumerate(problems)]
+    requests = [job.params(q, priority="bulk") for _line, q in problems]
+    next_to_print = 0
+    failed = 0
+    progress = _FileProgress(len(problems))
+    loading = _LoadingNotice(job.announce)
+
+    def emit(index: int) -> None:
+        nonlocal failed
+        outcome = outcomes[index]
+        line = problems[index][0]
+        failed += outcome.error is not None
+        if jsonl:
+            print(json.dumps({"line": line, **outcome.to_json()}, ensure_ascii=False), flush=True)
+        elif mode.answer_only:
+            print(outcome.answer or "", flush=True)
+            if outcome.error is not None:
+                job.announce(f"line {line}: {outcome.error['message']}")
+        else:
+            print(f"[{index + 1}] {outcome.question}")
+            if outcome.error is not None:
+                print(f"error: {outcome.error['message']}\n", flush=True)
+            else:
+                print(outcome.solution.strip())
+                print(f"Answer: {outcome.answer if outcome.answer is not None else '(none)'}\n",
+                      flush=True)  # fmt: skip
+
+    def on_event(index: int, event: dict[str, Any]) -> None:
+        nonlocal next_to_print
+        loading.see(event)
+        outcomes[index].apply(event)
+        if not outcomes[index].done:
+            return
+        progress.advance()
+        while next_to_print < len(outcomes) and outcomes[next_to_print].done:
+            emit(next_to_print)
+            next_to_print += 1
+
+    with progress:
+        job.run(requests, on_event)
+    if failed:
+        job.announce(f"{failed} of {len(problems)} problems failed")
+        return ExitStatus.ERROR
+    return ExitStatus.OK
+
+
+class _FileProgress:
+    """A progress bar on stderr for `--file`, only when stderr is a terminal."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> _FileProgress:
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self._progress = Progress(console=Console(stderr=True), transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task("solving", total=self.total)
+        return self
+
+    def advance(self) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+class _LoadingNotice:
+    """Say once on stderr when a request waits for a model to load."""
+
+    def __init__(self, announce: Announce) -> None:
+        self._announce = announce
+        self._said = False
+
+    def see(self, event: dict[str, Any]) -> None:
+        if self._said:
+            return
+        kind = event.get("event")
+        if kind == "progress":
+            self._said = True
+            self._announce(f"loading {event.get('model', 'the model')}...")
+        elif kind == "accepted" and event.get("state") in ("loading", "warming"):
+            self._said = True
+            self._announce("waiting for the daemon to load the model...")
