@@ -21,6 +21,9 @@ from phi4cli.reasoning import majority_vote, normalize_answer
 from phi4cli.render import PlainPresenter, TerminalPresenter, no_answer_reason, stdout_is_terminal
 
 Announce = Callable[[str], None]
+# Requests one command keeps in the daemon's queue at once: most of it (64 by default), so the
+# daemon can batch them, with room left for other clients.
+IN_FLIGHT = 48
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,10 @@ class SolveJob:
     def run(
         self, requests: list[dict[str, Any]], on_event: Callable[[int, dict[str, Any]], None]
     ) -> None:
-        solve_many(self.paths, self.settings, self.model_path, requests, on_event, self.announce)
+        solve_many(
+            self.paths, self.settings, self.model_path, requests, on_event, self.announce,
+            window=IN_FLIGHT,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -52,8 +58,11 @@ class OutputMode:
 
 @contextlib.contextmanager
 def _stderr_status(message: str) -> Iterator[Callable[[str], None]]:
-    """A spinner line on stderr while waiting, if stderr is a terminal; yields an updater."""
-    if not sys.stderr.isatty():
+    """A spinner line on stderr while waiting, for a person at a terminal; yields an updater.
+
+    Not in a pipeline (stdout redirected, or NO_COLOR): there the output is plain text only.
+    """
+    if not (stdout_is_terminal() and sys.stderr.isatty()):
         yield lambda _text: None
         return
     from rich.console import Console
