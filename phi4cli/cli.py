@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
+from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
 
 from phi4cli import __version__, protocol
 from phi4cli.config import Settings, format_duration, load_settings
-from phi4cli.errors import DaemonUnavailableError, ExitStatus, Phi4Error, UsageError
+from phi4cli.errors import ExitStatus, Phi4Error, UsageError
 from phi4cli.paths import Paths, get_paths
 
 # Typer >= 0.26 vendors its own click: reach its exception classes through a public name.
@@ -267,25 +267,16 @@ def solve(
         return ExitStatus.OK
 
 
+def _status_of(paths: Paths) -> dict[str, Any]:
+    from phi4cli.client import daemon_status
+
+    return daemon_status(paths)
+
+
 def _print_status(status: dict[str, Any], as_json: bool) -> None:
     from phi4cli.render import format_status
 
     print(json.dumps(status, indent=2) if as_json else format_status(status))
-
-
-def _daemon_status(paths: Paths) -> dict[str, Any]:
-    from phi4cli.client import DaemonRestartRequired, try_connect
-
-    connection = try_connect(paths)
-    if connection is None:
-        raise DaemonUnavailableError("no daemon is running; `phi4 daemon start` starts one")
-    with connection:
-        try:
-            reply = connection.call("status")
-        except DaemonRestartRequired as exc:
-            raise DaemonUnavailableError(f"the running daemon is incompatible: {exc}") from None
-    result: dict[str, Any] = reply.get("result", {})
-    return result
 
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
@@ -294,7 +285,7 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable
 @app.command()
 def status(as_json: JsonOption = False) -> None:
     """Show the daemon's state, model, pid, uptime, memory, requests and idle time left."""
-    _print_status(_daemon_status(get_paths()), as_json)
+    _print_status(_status_of(get_paths()), as_json)
 
 
 @app.command()
@@ -318,6 +309,17 @@ def daemon_stop() -> None:
     print("no daemon was running" if pid is None else f"daemon stopped (pid {pid})")
 
 
+def _daemon_setup(
+    model: str | None, keep_alive: str | None, n_ctx: int | None, threads: int | None
+) -> tuple[Paths, Settings, Path]:
+    """Paths, settings and the resolved model for a command that starts or runs the daemon."""
+    from phi4cli.models import resolve_model
+
+    paths = get_paths()
+    settings = _settings(paths, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads)
+    return paths, settings, resolve_model(settings.model, paths)
+
+
 @daemon_app.command("start")
 def daemon_start(
     model: ModelOption = None,
@@ -326,31 +328,17 @@ def daemon_start(
     threads: ThreadsOption = None,
 ) -> None:
     """Start the daemon in the background and wait until its model is loaded."""
-    from phi4cli.client import ensure_daemon
-    from phi4cli.models import resolve_model
+    from phi4cli.client import ensure_daemon, wait_until_ready
 
-    paths = get_paths()
-    settings = _settings(paths, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads)
-    model_path = resolve_model(settings.model, paths)
+    paths, settings, model_path = _daemon_setup(model, keep_alive, n_ctx, threads)
     ensure_daemon(paths, settings, model_path, _stderr).close()
-    deadline = time.monotonic() + 600
-    while True:
-        current = _daemon_status(paths)
-        if current.get("state") == "ready":
-            load = current.get("load") or {}
-            print(
-                f"daemon ready (pid {current['pid']}, model {current.get('model')}, "
-                f"load {load.get('load_s', 0):.2f} s, keep_alive "
-                f"{format_duration(float(current.get('keep_alive_s', settings.keep_alive)))})"
-            )
-            return
-        if current.get("state") == "failed":
-            from phi4cli.errors import EngineError
-
-            raise EngineError(str(current.get("error") or "the daemon could not load the model"))
-        if time.monotonic() > deadline:
-            raise DaemonUnavailableError("the daemon did not become ready within 10 minutes")
-        time.sleep(0.05)
+    current = wait_until_ready(paths)
+    load = current.get("load") or {}
+    keep = format_duration(float(current.get("keep_alive_s", settings.keep_alive)))
+    print(
+        f"daemon ready (pid {current['pid']}, model {current.get('model')}, "
+        f"load {load.get('load_s', 0):.2f} s, keep_alive {keep})"
+    )
 
 
 @daemon_app.command("run")
@@ -362,11 +350,8 @@ def daemon_run(
 ) -> None:
     """Run the daemon in the foreground (for debugging and service managers)."""
     from phi4cli.daemon.server import run_daemon
-    from phi4cli.models import resolve_model
 
-    paths = get_paths()
-    settings = _settings(paths, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads)
-    run_daemon(paths, settings, resolve_model(settings.model, paths))
+    run_daemon(*_daemon_setup(model, keep_alive, n_ctx, threads))
 
 
 @app.command()

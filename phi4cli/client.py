@@ -30,6 +30,7 @@ from phi4cli.paths import Paths, check_socket_path
 
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
+READY_TIMEOUT = 600.0
 _ids = itertools.count(1)
 
 
@@ -202,6 +203,39 @@ def stop_daemon(paths: Paths, timeout: float = STOP_TIMEOUT) -> int | None:
         )
     spawn.remove_stale_files(paths)
     return pid
+
+
+def daemon_status(paths: Paths) -> dict[str, Any]:
+    """Return the running daemon's live status; raise DaemonUnavailableError if none answers."""
+    connection = try_connect(paths)
+    if connection is None:
+        raise DaemonUnavailableError("no daemon is running; `phi4 daemon start` starts one")
+    with connection:
+        try:
+            reply = connection.call("status")
+        except DaemonRestartRequired as exc:
+            raise DaemonUnavailableError(f"the running daemon is incompatible: {exc}") from None
+    result: dict[str, Any] = reply.get("result", {})
+    return result
+
+
+def wait_until_ready(paths: Paths, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
+    """Poll the daemon until its model is loaded; return its status.
+
+    Raise EngineError if loading failed, DaemonUnavailableError if it takes over ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        status = daemon_status(paths)
+        if status.get("state") == "ready":
+            return status
+        if status.get("state") == "failed":
+            raise EngineError(str(status.get("error") or "the daemon could not load the model"))
+        if time.monotonic() > deadline:
+            raise DaemonUnavailableError(
+                f"the daemon did not become ready within {timeout:.0f} s; see {paths.log_file}"
+            )
+        time.sleep(0.05)
 
 
 def wait_until_gone(paths: Paths, timeout: float = STOP_TIMEOUT, pid: int | None = None) -> bool:

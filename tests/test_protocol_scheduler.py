@@ -167,13 +167,21 @@ def make_scheduler(engine: FakeEngine, max_queue: int = 8) -> tuple[RequestSched
     return scheduler, states
 
 
-def test_jobs_run_by_priority_then_arrival():
+def busy_scheduler(
+    first: str, max_queue: int = 8
+) -> tuple[FakeEngine, RequestScheduler, Collector]:
+    """A scheduler whose engine is held inside job 0 (prompt ``first``), so a queue builds up."""
     engine = FakeEngine()
     engine.gate.clear()
-    scheduler, _ = make_scheduler(engine)
+    scheduler, _ = make_scheduler(engine, max_queue)
     out = Collector()
-    scheduler.submit(out.job(0, "first"))
+    scheduler.submit(out.job(0, first))
     assert engine.started.wait(5)
+    return engine, scheduler, out
+
+
+def test_jobs_run_by_priority_then_arrival():
+    engine, scheduler, out = busy_scheduler("first")
     scheduler.submit(out.job(1, "bulk-1", PRIORITY_BULK))
     scheduler.submit(out.job(2, "solve", PRIORITY_SOLVE))
     scheduler.submit(out.job(3, "bulk-2", PRIORITY_BULK))
@@ -188,12 +196,7 @@ def test_jobs_run_by_priority_then_arrival():
 
 
 def test_full_queue_raises_and_cancelled_queued_job_never_reaches_engine():
-    engine = FakeEngine()
-    engine.gate.clear()
-    scheduler, _ = make_scheduler(engine, max_queue=1)
-    out = Collector()
-    scheduler.submit(out.job(0, "running"))
-    assert engine.started.wait(5)
+    engine, scheduler, out = busy_scheduler("running", max_queue=1)
     waiting = out.job(1, "waiting")
     scheduler.submit(waiting)
     with pytest.raises(QueueFullError):
@@ -233,12 +236,7 @@ def test_failed_load_is_a_model_error_and_state_failed():
 
 
 def test_stop_fails_queued_jobs_as_shutting_down():
-    engine = FakeEngine()
-    engine.gate.clear()
-    scheduler, _ = make_scheduler(engine)
-    out = Collector()
-    scheduler.submit(out.job(0, "running"))
-    assert engine.started.wait(5)
+    engine, scheduler, out = busy_scheduler("running")
     scheduler.submit(out.job(1, "queued"))
     threading.Timer(0.2, engine.gate.set).start()
     scheduler.stop(5)
