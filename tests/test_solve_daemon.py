@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -366,23 +367,19 @@ def test_another_uid_is_refused_even_if_the_socket_is_reachable(tiny_model: Path
     os.chmod(phi4_home, 0o755)
     os.chmod(phi4_home / "run", 0o755)
     os.chmod(phi4_home / "run" / "daemon.sock", 0o666)
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the forked child
-        try:
-            os.close(read_end)
-            os.setgid(65534)
-            os.setuid(65534)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(str(phi4_home / "run" / "daemon.sock"))
-            sock.sendall(b'{"v": 1, "id": 1, "op": "status"}\n')
-            os.write(write_end, sock.makefile("rb").readline())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as reader:
-        answer = reader.read()
-    os.waitpid(child, 0)
+    # A fresh interpreter any user may run (the venv's may live under /root), as uid 65534.
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+    client = (
+        "import socket, sys\n"
+        "sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "sock.connect(sys.argv[1])\n"
+        'sock.sendall(b\'{"v": 1, "id": 1, "op": "status"}\\n\')\n'
+        "sys.stdout.write(sock.makefile('rb').readline().decode())\n"
+    )
+    answer = subprocess.run(
+        [python, "-c", client, str(phi4_home / "run" / "daemon.sock")],
+        user=65534, group=65534, capture_output=True, text=True, timeout=30, check=False,
+    ).stdout  # fmt: skip
     event = json.loads(answer)
     assert event["event"] == "error" and event["code"] == "forbidden", event
     assert run_phi4("status").returncode == 0, "the daemon keeps serving its owner"
