@@ -267,6 +267,92 @@ def solve(
         return ExitStatus.OK
 
 
+@app.command()
+def chat(
+    model: ModelOption = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            "--resume",
+            help="Reopen the saved conversation NAME.",
+            metavar="NAME",
+            show_default=False,
+        ),
+    ] = None,
+    continue_last: Annotated[
+        bool, typer.Option("--continue", "-c", help="Reopen the most recent conversation.")
+    ] = False,
+    system: Annotated[
+        str | None, typer.Option("--system", "-s", help="Extra system prompt.", show_default=False)
+    ] = None,
+    show_reasoning: Annotated[
+        bool, typer.Option("--show-reasoning", "-r", help="Show the model's thinking.")
+    ] = False,
+    temperature: Annotated[
+        float | None,
+        typer.Option("--temperature", "-t", help="Sampling temperature.", show_default=False),
+    ] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", show_default=False)] = None,
+    seed: Annotated[int | None, typer.Option("--seed", show_default=False)] = None,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--max-tokens", "-n", help="Answer length cap (thinking included).", show_default=False
+        ),
+    ] = None,
+    think_budget: Annotated[
+        int | None,
+        typer.Option(
+            "--think-budget", min=0, show_default=False, help="End the thinking after N tokens."
+        ),
+    ] = None,
+    keep_alive: KeepAliveOption = None,
+    n_ctx: NCtxOption = None,
+    threads: ThreadsOption = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Print statistics after each answer.")
+    ] = False,
+) -> int:
+    """Chat: a streaming REPL whose conversation stays cached in the daemon."""
+    from phi4cli.chats import ChatStore, Conversation, default_name
+    from phi4cli.models import resolve_model
+    from phi4cli.render import stdout_is_terminal
+    from phi4cli.repl import ChatEnvironment, ChatRepl, line_reader, prompt_reader
+
+    if resume and continue_last:
+        raise UsageError("give --resume NAME or --continue, not both")
+    paths = get_paths()
+    settings = _settings(
+        paths, model=model, system=system, temperature=temperature, top_p=top_p, seed=seed,
+        max_tokens=max_tokens, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads,
+        think_budget=think_budget,
+    )  # fmt: skip
+    store = ChatStore(paths.data_dir / "chats")
+    if resume or continue_last:
+        conversation = store.load(resume) if resume else store.latest()
+        model_path = resolve_model(model or conversation.model, paths)
+        if system is not None:
+            conversation.system = system
+    else:
+        model_path = resolve_model(settings.model, paths)
+        conversation = Conversation(
+            name=default_name(), model=str(model_path), system=settings.system
+        )
+    conversation.model = str(model_path)
+    terminal = stdout_is_terminal()
+    env = ChatEnvironment(paths, settings, model_path, sys.stdout, sys.stderr, terminal)
+    repl = ChatRepl(env, conversation, store, show_reasoning, verbose)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"phi4 chat · {model_path.name} · /help for commands, Ctrl-D to leave")
+    if conversation.turns:
+        print(f"resumed {conversation.name}: {len(conversation.turns)} turns")
+    if interactive:
+        paths.state_dir.mkdir(parents=True, exist_ok=True)
+        return repl.run(prompt_reader(paths.state_dir / "chat_history"))
+    return repl.run(line_reader(sys.stdin))
+
+
 def _status_of(paths: Paths) -> dict[str, Any]:
     from phi4cli.client import daemon_status
 

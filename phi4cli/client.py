@@ -31,6 +31,7 @@ from phi4cli.paths import Paths, check_socket_path
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
 READY_TIMEOUT = 600.0
+CONNECT_ATTEMPTS = 3
 _ids = itertools.count(1)
 
 
@@ -268,26 +269,34 @@ def error_for(event: dict[str, Any]) -> Phi4Error:
 def connect_checked(
     paths: Paths, settings: Settings, model_path: Path | None, announce: Callable[[str], None]
 ) -> DaemonConnection:
-    """Return a connection to a daemon that speaks our protocol version.
+    """Return a connection to a daemon that answers and speaks our protocol version.
 
-    A daemon of another version is stopped and replaced once; raise ProtocolMismatchError if the
-    replacement still disagrees.
+    A daemon of another version is stopped and replaced once (ProtocolMismatchError if the
+    replacement still disagrees). One that hangs up at once — it was dying as we connected — is
+    waited for and replaced.
     """
-    for attempt in range(2):
+    restarted = False
+    for attempt in range(CONNECT_ATTEMPTS):
         connection = ensure_daemon(paths, settings, model_path, announce)
         try:
             connection.call("ping")
             return connection
         except DaemonRestartRequired:
             connection.close()
-            if attempt:
-                break
+            if restarted:
+                raise ProtocolMismatchError(
+                    "the daemon still speaks another protocol version after a restart; "
+                    "is an older phi4 installed elsewhere? stop it with `phi4 stop`"
+                ) from None
+            restarted = True
             announce("the running daemon speaks another protocol version; restarting it...")
             stop_daemon(paths)
-    raise ProtocolMismatchError(
-        "the daemon still speaks another protocol version after a restart; "
-        "is an older phi4 installed elsewhere? stop it with `phi4 stop`"
-    )
+        except DaemonUnavailableError:
+            connection.close()
+            if attempt == CONNECT_ATTEMPTS - 1:
+                raise
+            wait_until_gone(paths)
+    raise DaemonUnavailableError("could not reach a working daemon")
 
 
 EventSink = Callable[[int, dict[str, Any]], None]

@@ -138,7 +138,8 @@ def env_name(key: str) -> str:
     return f"PHI4_{key.upper()}"
 
 
-def _parse(key: str, value: object, source: str) -> Any:
+def parse_setting(key: str, value: object, source: str) -> Any:
+    """Return ``value`` parsed for setting ``key``; raise ConfigError naming ``source``."""
     parser, allowed = _FIELDS[key]
     try:
         return parser(value)
@@ -172,12 +173,12 @@ def load_settings(
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for key, value in read_config_file(config_file).items():
-        values[key] = _parse(key, value, str(config_file))
+        values[key] = parse_setting(key, value, str(config_file))
     for field in fields(Settings):
         name = env_name(field.name)
         if name in environ:
-            values[field.name] = _parse(field.name, environ[name], name)
+            values[field.name] = parse_setting(field.name, environ[name], name)
     for key, value in (overrides or {}).items():
         if value is not None:
-            values[key] = _parse(key, value, f"--{key.replace('_', '-')}")
+            values[key] = parse_setting(key, value, f"--{key.replace('_', '-')}")
     return Settings(**values)

@@ -111,6 +111,10 @@ class PlainPresenter:
         self._end_line("err")
         self._end_line("out")
 
+    def show_partial(self, outcome: Outcome) -> None:
+        """After Ctrl-C: the partial solution has streamed already; end its line."""
+        self.abort()
+
     def finish(self, outcome: Outcome) -> None:
         self.abort()
         if self.verbose and outcome.stats:
@@ -150,8 +154,8 @@ class TerminalPresenter:
         from phi4cli.latex import latex_to_unicode
 
         height = max(3, self.out.size.height - 2)
-        lines = latex_to_unicode(self._solution).splitlines()[-height:]
-        return Text("\n".join(lines))
+        wrapped = Text(latex_to_unicode(self._solution)).wrap(self.out, self.out.width)
+        return Text("\n").join(wrapped[-height:])
 
     def on_event(self, event: dict[str, Any]) -> None:
         kind, text = event.get("event"), str(event.get("text", ""))
@@ -202,6 +206,16 @@ class TerminalPresenter:
 
     def finish(self, outcome: Outcome) -> None:
         self.print_outcome(outcome, agreement=None)
+
+    def show_partial(self, outcome: Outcome) -> None:
+        """After Ctrl-C: put what was written of the solution on screen, without an answer line."""
+        from rich.markdown import Markdown
+
+        from phi4cli.latex import latex_to_unicode
+
+        self.abort()
+        if outcome.solution.strip():
+            self.out.print(Markdown(latex_to_unicode(outcome.solution)))
 
     def print_outcome(
         self, outcome: Outcome, agreement: str | None, answer: str | None = None

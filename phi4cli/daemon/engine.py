@@ -24,6 +24,7 @@ from llama_cpp import _internals as llama_internals
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from phi4cli.daemon.scheduler import ContextOverflowError, ModelLoadError, SolveParams, TokenSink
+from phi4cli.daemon.sessions import ChatSession, Message, SessionStore
 from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model_thinks
 
 TokenSinkText = Callable[[str], None]
@@ -71,6 +72,8 @@ class LlamaEngine:
         self._piece_buffer = ctypes.create_string_buffer(64)
         self._thinks = False  # the loaded model reasons before answering, maybe without <think>
         self._tag_tokens: dict[int, bytes] = {}
+        self._glue: tuple[str, str] | None = None
+        self._sessions = SessionStore()
 
     @property
     def model_path(self) -> Path | None:
@@ -112,6 +115,8 @@ class LlamaEngine:
         self._llm = llm
         self._model_path = path
         self._thinks = model_thinks(str(llm.metadata.get("general.name", "")), path.name)
+        self._glue = self._turn_glue()
+        self._sessions.clear()
         self._tag_tokens = {}
         for tag in (THINK_OPEN, THINK_CLOSE):
             ids = llm.tokenize(tag.encode(), add_bos=False, special=True)
@@ -139,24 +144,111 @@ class LlamaEngine:
         self._vocab = None
         self._model_path = None
 
-    def _render(self, system: str | None, prompt: str | None) -> str:
+    def _render(self, system: str | None, turns: list[Message]) -> str:
+        """Render a conversation with the model's own chat template, ready for the answer."""
         assert self._formatter is not None
-        messages: list[dict[str, str]] = []
-        if system:
-            messages.append({"role": "system", "content": system})
-        if prompt is not None:
-            messages.append({"role": "user", "content": prompt})
-        return self._formatter(messages=messages).prompt  # type: ignore[arg-type]
+        messages = [{"role": "system", "content": system}] if system else []
+        return self._formatter(messages=messages + turns).prompt  # type: ignore[arg-type]
 
-    def _tokenize(self, text: str) -> list[int]:
+    def _tokenize(self, text: str, add_bos: bool = True) -> list[int]:
         assert self._llm is not None
-        return list(self._llm.tokenize(text.encode(), add_bos=True, special=True))
+        return list(self._llm.tokenize(text.encode(), add_bos=add_bos, special=True))
 
     def _system_prefix(self, system: str | None) -> list[int]:
         """Tokens every conversation with this system prompt starts with (cached at load)."""
         marker = "\x00"
-        text = self._render(system, marker)
+        text = self._render(system, [{"role": "user", "content": marker}])
         return self._tokenize(text[: text.index(marker)])
+
+    def _turn_glue(self) -> tuple[str, str] | None:
+        """Return the template text between an answer and the next question, and between a
+        question and its answer; None if this template is not a plain concatenation of turns.
+        """
+        marks = ("\x01", "\x02", "\x03")
+        text = self._render(
+            None,
+            [
+                {"role": "user", "content": marks[0]},
+                {"role": "assistant", "content": marks[1]},
+                {"role": "user", "content": marks[2]},
+            ],
+        )
+        positions = [text.find(mark) for mark in marks]
+        if -1 in positions or positions != sorted(positions) or text.count(marks[1]) != 1:
+            return None
+        between_user_and_answer = text[positions[0] + 1 : positions[1]]
+        after_answer = text[positions[1] + 1 : positions[2]]
+        after_question = text[positions[2] + 1 :]
+        if between_user_and_answer != after_question:
+            return None
+        return after_answer, after_question
+
+    def _chat_tokens(self, params: SolveParams) -> tuple[list[int], dict[str, Any]]:
+        """Return the tokens for a chat turn and facts about how they were made.
+
+        A known session is continued from the tokens it already has; otherwise (new session,
+        daemon restarted, another system prompt) the transcript is rendered once. Turns that do
+        not fit, with room for the answer, are dropped oldest first.
+        """
+        assert params.session is not None and self._model_path is not None
+        history = list(params.history)
+        question = {"role": "user", "content": params.prompt}
+        reserve = min(params.max_tokens or self.n_ctx // 4, self.n_ctx // 2)
+        session = self._sessions.get(params.session)
+        dropped = 0
+        while True:
+            base = session.continues(self._model_path, params.system, history) if session else None
+            if base is not None and self._glue is not None and session is not None:
+                after_answer, after_question = self._glue
+                glue = after_answer + params.prompt + after_question
+                tokens = session.tokens[:base] + self._tokenize(glue, add_bos=False)
+                rebuilt = False
+            else:
+                tokens = self._tokenize(self._render(params.system, [*history, question]))
+                rebuilt = bool(history)
+            if len(tokens) + reserve <= self.n_ctx or not history:
+                break
+            history = history[2:]
+            dropped += 1
+            session = None  # what is left is rendered afresh
+        if len(tokens) >= self.n_ctx:
+            raise ContextOverflowError(
+                f"the message is {len(tokens)} tokens with the system prompt but the context "
+                f"holds {self.n_ctx}; shorten it or raise n_ctx"
+            )
+        return tokens, {"history": history, "dropped_turns": dropped, "rebuilt": rebuilt,
+                        "continued": session}  # fmt: skip
+
+    def _remember_turn(
+        self, params: SolveParams, plan: dict[str, Any], tokens: list[int], answer: str
+    ) -> dict[str, Any]:
+        """Store the session after a turn; return the chat facts for the turn's stats."""
+        assert params.session is not None and self._model_path is not None
+        history: list[Message] = plan["history"]
+        previous: ChatSession | None = plan["continued"]
+        turn = len(history) // 2
+        turn_ends = {t: n for t, n in previous.turn_ends.items() if t < turn} if previous else {}
+        turn_ends[turn] = len(tokens)
+        old = self._sessions.get(params.session)
+        session = ChatSession(
+            id=params.session,
+            model=self._model_path,
+            system=params.system,
+            messages=[*history, {"role": "user", "content": params.prompt},
+                      {"role": "assistant", "content": answer}],
+            tokens=tokens,
+            turn_ends=turn_ends,
+            dropped_turns=(old.dropped_turns if old else 0) + plan["dropped_turns"],
+        )  # fmt: skip
+        self._sessions.put(session)
+        return {
+            "session": params.session,
+            "turn": turn,
+            "dropped_turns": plan["dropped_turns"],
+            "rebuilt": plan["rebuilt"],
+            "context_used": len(tokens),
+            "n_ctx": self.n_ctx,
+        }
 
     def _piece(self, token: int) -> bytes:
         """Return the bytes of one token (special tokens render as nothing, but think tags)."""
@@ -180,13 +272,20 @@ class LlamaEngine:
         llm = self._llm
         assert llm is not None
         request_started = time.monotonic()
-        tokens = self._tokenize(self._render(params.system, params.prompt))
-        if len(tokens) >= self.n_ctx:
-            raise ContextOverflowError(
-                f"the question is {len(tokens)} tokens but the context holds {self.n_ctx}; "
-                "shorten it or raise n_ctx"
+        plan: dict[str, Any] | None = None
+        if params.session is not None:
+            tokens, plan = self._chat_tokens(params)
+        else:
+            tokens = self._tokenize(
+                self._render(params.system, [{"role": "user", "content": params.prompt}])
             )
+            if len(tokens) >= self.n_ctx:
+                raise ContextOverflowError(
+                    f"the question is {len(tokens)} tokens but the context holds {self.n_ctx}; "
+                    "shorten it or raise n_ctx"
+                )
         cached = self._prefill(tokens, cancelled)
+        sequence = list(tokens[: llm.n_tokens])  # what the KV holds, as the turn goes on
         prompt_s = time.monotonic() - request_started
 
         seed = params.seed if params.seed is not None else random.getrandbits(31)
@@ -205,7 +304,7 @@ class LlamaEngine:
         decode_started = time.monotonic()
         first_token_s: float | None = None
         if params.think_budget == 0 and self._thinks:
-            budget_reached = self._close_thinking(forward)
+            budget_reached = self._close_thinking(forward, sequence)
         while generated < limit and not cancelled.is_set():
             token = sampler.sample(llm._ctx, -1)
             if llama_cpp.llama_vocab_is_eog(self._vocab, token):
@@ -217,13 +316,14 @@ class LlamaEngine:
                 first_token_s = time.monotonic() - request_started
             forward(decoder.decode(self._piece(token)))
             llm.eval([token])
+            sequence.append(token)
             if (
                 params.think_budget is not None
                 and not budget_reached
                 and splitter.in_reasoning
                 and reasoning_tokens >= params.think_budget
             ):
-                budget_reached = self._close_thinking(forward)
+                budget_reached = self._close_thinking(forward, sequence)
         if cancelled.is_set():
             finish_reason = "cancelled"
         forward(decoder.decode(b"", final=True))
@@ -231,7 +331,13 @@ class LlamaEngine:
             emit(kind, piece)
         decode_s = time.monotonic() - decode_started
         sampler.close()
+        chat = (
+            self._remember_turn(params, plan, sequence, splitter.answer)
+            if plan is not None and len(sequence) >= len(tokens)
+            else {}
+        )
         return {
+            **chat,
             "prompt_tokens": len(tokens),
             "cached_tokens": cached,
             "prompt_eval_tokens": len(tokens) - cached,
@@ -267,7 +373,7 @@ class LlamaEngine:
             llm.eval(tokens[start : start + self.n_batch])
         return cached
 
-    def _close_thinking(self, forward: TokenSinkText) -> bool:
+    def _close_thinking(self, forward: TokenSinkText, sequence: list[int]) -> bool:
         """Insert the end of thinking into the sequence (think budget); return True if it fit."""
         llm = self._llm
         assert llm is not None
@@ -276,6 +382,7 @@ class LlamaEngine:
         if llm.n_tokens + len(tokens) >= self.n_ctx:
             return False
         llm.eval(tokens)
+        sequence.extend(tokens)
         forward(closing)
         return True
 

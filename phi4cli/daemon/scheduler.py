@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,6 +53,9 @@ class SolveParams:
     think_budget: int | None
     keep_alive: float | None
     priority: int
+    # Chat turns: the session id and the complete turns before this message.
+    session: str | None = None
+    history: tuple[dict[str, str], ...] = ()
 
 
 def _number(params: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -82,7 +85,7 @@ def parse_solve_params(params: dict[str, Any], defaults: Settings) -> SolveParam
     """
     prompt = params.get("prompt")
     if not isinstance(prompt, str):
-        raise ProtocolViolation(protocol.BAD_REQUEST, "'prompt' must be a string")
+        raise ProtocolViolation(protocol.BAD_REQUEST, "'prompt' (the question) must be a string")
     if not prompt.strip():
         raise ProtocolViolation(protocol.BAD_REQUEST, "empty question: give a problem to solve")
     if len(prompt) > protocol.MAX_PROMPT_CHARS:
@@ -124,6 +127,36 @@ def parse_solve_params(params: dict[str, Any], defaults: Settings) -> SolveParam
         keep_alive=keep_alive_s,
         priority=_PRIORITIES[priority],
     )
+
+
+def parse_chat_params(params: dict[str, Any], defaults: Settings) -> SolveParams:
+    """Validate a chat request: ``session``, ``message`` and ``history`` (complete turns).
+
+    Raise ProtocolViolation(bad_request) naming the offending field.
+    """
+    session = params.get("session")
+    if not isinstance(session, str) or not session or len(session) > 200:
+        raise ProtocolViolation(protocol.BAD_REQUEST, "'session' must be a non-empty string")
+    history = params.get("history", [])
+    valid = isinstance(history, list) and len(history) % 2 == 0
+    if valid:
+        for index, message in enumerate(history):
+            expected = "user" if index % 2 == 0 else "assistant"
+            valid = valid and (
+                isinstance(message, dict)
+                and message.get("role") == expected
+                and isinstance(message.get("content"), str)
+            )
+    if not valid:
+        raise ProtocolViolation(
+            protocol.BAD_REQUEST,
+            "'history' must be complete turns: user, assistant, user, assistant, ...",
+        )
+    solve = parse_solve_params(
+        {**params, "prompt": params.get("message"), "priority": "interactive"}, defaults
+    )
+    turns = tuple({"role": m["role"], "content": m["content"]} for m in history)
+    return replace(solve, session=session, history=turns)
 
 
 class Engine(Protocol):
@@ -292,6 +325,11 @@ class RequestScheduler:
         except ContextOverflowError as exc:
             job.fail(protocol.CONTEXT_OVERFLOW, str(exc))
             return
+        stats["queue_s"] = round(started - job.submitted_at, 4)
+        stats["load_s"] = load_s
+        # Stats go out for a cancelled request too: a chat keeps its partial answer, and how
+        # much context it used.
+        job.emit(protocol.event(job.request_id, "stats", **stats))
         if job.cancelled.is_set():
             message = (
                 "the daemon is shutting down; the answer was cut short"
@@ -300,7 +338,4 @@ class RequestScheduler:
             )
             job.fail(job.cancel_code, message)
             return
-        stats["queue_s"] = round(started - job.submitted_at, 4)
-        stats["load_s"] = load_s
-        job.emit(protocol.event(job.request_id, "stats", **stats))
         job.emit(protocol.event(job.request_id, "done", finish_reason=stats.get("finish_reason")))

@@ -28,6 +28,7 @@ from phi4cli.daemon.scheduler import (
     Job,
     QueueFullError,
     RequestScheduler,
+    parse_chat_params,
     parse_solve_params,
 )
 from phi4cli.errors import DaemonUnavailableError
@@ -222,6 +223,7 @@ class DaemonServer:
             request = protocol.parse_request(line)
             handler = {
                 "solve": self._op_solve,
+                "chat": self._op_solve,
                 "status": self._op_status,
                 "stop": self._op_stop,
                 "cancel": self._op_cancel,
@@ -269,8 +271,9 @@ class DaemonServer:
                 "the daemon is shutting down; run the command again",
                 request.id,
             )
+        parse = parse_chat_params if request.op == "chat" else parse_solve_params
         try:
-            params = parse_solve_params(request.params, self.settings)
+            params = parse(request.params, self.settings)
         except ProtocolViolation as exc:
             raise ProtocolViolation(exc.code, exc.message, request.id) from None
         if params.keep_alive is not None:

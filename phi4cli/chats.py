@@ -1,0 +1,114 @@
+"""Conversations of ``phi4 chat``: the transcript, and saving/loading it as JSON (atomically)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from phi4cli.atomicfile import write_atomic
+from phi4cli.errors import Phi4Error, UsageError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Turn:
+    question: str
+    answer: str  # the solution as the model wrote it (thinking not included)
+    reasoning: str = ""
+    stats: dict[str, Any] = field(default_factory=dict)
+    interrupted: bool = False  # stopped with Ctrl-C: the partial answer is kept
+
+
+@dataclass
+class Conversation:
+    name: str
+    model: str
+    system: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    turns: list[Turn] = field(default_factory=list)
+    dropped: int = 0  # oldest turns no longer in the model's context
+    session: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+
+    def history(self) -> list[dict[str, str]]:
+        """The complete turns the model still sees, as chat messages."""
+        messages: list[dict[str, str]] = []
+        for turn in self.turns[self.dropped :]:
+            messages.append({"role": "user", "content": turn.question})
+            messages.append({"role": "assistant", "content": turn.answer})
+        return messages
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Conversation:
+        turns = [Turn(**turn) for turn in data.get("turns", [])]
+        fields = {k: v for k, v in data.items() if k not in ("format", "turns")}
+        return cls(turns=turns, **fields)
+
+
+def default_name() -> str:
+    return time.strftime("chat-%Y%m%d-%H%M%S")
+
+
+def check_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise UsageError(
+            f"bad conversation name {name!r}: use letters, digits, '.', '_' or '-' (up to 64)"
+        )
+    return name
+
+
+class ChatStore:
+    """Saved conversations, one JSON file each in the data dir's ``chats/``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def path(self, name: str) -> Path:
+        return self.directory / f"{check_name(name)}.json"
+
+    def save(self, conversation: Conversation) -> Path:
+        conversation.updated = time.time()
+        path = self.path(conversation.name)
+        write_atomic(
+            path, json.dumps(conversation.to_json(), ensure_ascii=False, indent=1).encode()
+        )
+        return path
+
+    def load(self, name: str) -> Conversation:
+        path = self.path(name)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return Conversation.from_json(data)
+        except FileNotFoundError:
+            raise Phi4Error(f"no saved conversation {name!r}; `/list` shows them") from None
+        except (ValueError, TypeError, KeyError) as exc:
+            raise Phi4Error(f"{path} is not a phi4 conversation ({exc})") from None
+
+    def delete(self, name: str) -> None:
+        self.path(name).unlink(missing_ok=True)
+
+    def names(self) -> list[str]:
+        """Saved conversation names, most recently updated first."""
+        if not self.directory.is_dir():
+            return []
+        files = sorted(self.directory.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        return [p.stem for p in files if _NAME.match(p.stem)]
+
+    def latest(self) -> Conversation:
+        names = self.names()
+        if not names:
+            raise Phi4Error(
+                "there is no saved conversation to continue; start one with `phi4 chat`"
+            )
+        return self.load(names[0])

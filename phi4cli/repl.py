@@ -1,0 +1,471 @@
+"""The ``phi4 chat`` REPL: input with history and slash commands, answers streamed from the
+daemon, where the conversation's tokens stay cached between turns.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from prompt_toolkit.history import FileHistory
+
+from phi4cli.atomicfile import write_atomic
+from phi4cli.chats import ChatStore, Conversation, Turn, default_name
+from phi4cli.client import DaemonConnection, connect_checked, error_for
+from phi4cli.config import Settings, parse_setting
+from phi4cli.errors import DaemonUnavailableError, Phi4Error
+from phi4cli.outcome import Outcome
+from phi4cli.paths import Paths
+from phi4cli.render import PlainPresenter, TerminalPresenter, format_stats, human_seconds
+
+COMMANDS = {
+    "/help": "show this help",
+    "/reset": "start a new conversation (same model and settings)",
+    "/system": "/system TEXT sets the system prompt; /system - restores the model's own",
+    "/set": "/set temperature|top_p|max_tokens|think_budget|seed VALUE",
+    "/show": "model, settings, context used of n_ctx, cached tokens, dropped turns",
+    "/retry": "sample the last answer again",
+    "/save": "/save NAME saves the conversation under NAME",
+    "/load": "/load NAME continues a saved conversation",
+    "/list": "list saved conversations",
+    "/stats": "statistics of the last answer",
+    "/reasoning": "/reasoning on|off shows the model's thinking, or folds it into one line",
+    "/exit": "leave (also /bye or Ctrl-D)",
+}
+SETTABLE = ("temperature", "top_p", "max_tokens", "think_budget", "seed")
+PROMPT = "phi4> "
+CONTINUATION = "... "
+HISTORY_LIMIT = 1000
+CONTEXT_WARNING = 0.8
+
+
+@dataclass
+class ChatEnvironment:
+    """Where the daemon is, how to reach it, and where output goes (swapped by tests)."""
+
+    paths: Paths
+    settings: Settings
+    model_path: Path
+    out: TextIO
+    err: TextIO
+    terminal: bool  # a person at a terminal: live status, Markdown, colour
+
+    def notice(self, message: str) -> None:
+        print(f"phi4: {message}", file=self.err, flush=True)
+
+
+Reader = Callable[[str], str | None]  # prompt -> line; None at end of input
+
+
+class ChatRepl:
+    def __init__(
+        self,
+        env: ChatEnvironment,
+        conversation: Conversation,
+        store: ChatStore,
+        show_reasoning: bool = False,
+        verbose: bool = False,
+    ) -> None:
+        self.env = env
+        self.conversation = conversation
+        self.store = store
+        self.show_reasoning = show_reasoning
+        self.verbose = verbose
+        self._connection: DaemonConnection | None = None
+        self._last_stats: dict[str, Any] = {}
+
+    # --- input loop ---------------------------------------------------------------------------
+
+    def run(self, read: Reader) -> int:
+        """Read and answer until /exit or end of input; return the exit status."""
+        interrupted_once = False
+        # Start the daemon (and its model load) now, while the user types the first question.
+        self._connect()
+        try:
+            while True:
+                try:
+                    line = read_message(read)
+                except KeyboardInterrupt:
+                    if interrupted_once:
+                        return 0
+                    interrupted_once = True
+                    self.env.notice("press Ctrl-C again (or Ctrl-D, or /exit) to leave")
+                    continue
+                interrupted_once = False
+                if line is None:
+                    return 0
+                if not line.strip():
+                    continue
+                if line.strip().startswith("/"):
+                    if not self.command(line.strip()):
+                        return 0
+                else:
+                    self.ask(line)
+        finally:
+            if self._connection is not None:
+                self._connection.close()
+
+    # --- answering ----------------------------------------------------------------------------
+
+    def _connect(self) -> DaemonConnection:
+        if self._connection is None:
+            self._connection = connect_checked(
+                self.env.paths, self.env.settings, self.env.model_path, self.env.notice
+            )
+        return self._connection
+
+    def _presenter(self) -> PlainPresenter | TerminalPresenter:
+        if self.env.terminal:
+            return TerminalPresenter(self.show_reasoning, verbose=False)
+        return PlainPresenter(self.env.out, self.env.err, self.show_reasoning, verbose=False)
+
+    def sampling(self) -> dict[str, Any]:
+        settings = self.env.settings
+        values = {key: getattr(settings, key) for key in SETTABLE}
+        values.update(self.conversation.settings)
+        return values
+
+    def _request(self, question: str) -> dict[str, Any]:
+        return {
+            **self.sampling(),
+            "session": self.conversation.session,
+            "message": question,
+            "history": self.conversation.history(),
+            "system": self.conversation.system,
+            "model": str(self.env.model_path),
+        }
+
+    def ask(self, question: str) -> None:
+        """Answer one message; keep the turn in the conversation (and save it)."""
+        params = self._request(question)
+        for attempt in range(2):
+            outcome = Outcome(index=0, question=question)
+            presenter = self._presenter()
+            try:
+                interrupted = self._stream(params, outcome, presenter)
+                break
+            except KeyboardInterrupt:  # before the request was sent (daemon starting up)
+                presenter.abort()
+                self._drop_connection()
+                self.env.notice("stopped before the answer began; this question is not kept")
+                return
+            except DaemonUnavailableError:
+                presenter.abort()
+                self._drop_connection()
+                if attempt:
+                    raise
+                # The transcript goes with the request, so a fresh daemon rebuilds the context.
+                self.env.notice(
+                    "the daemon stopped; restarting it and restoring the conversation..."
+                )
+        if outcome.error is not None and not interrupted:
+            presenter.abort()
+            error = error_for({"event": "error", **outcome.error})
+            self.env.notice(f"error: {error}")
+            return
+        if interrupted:
+            presenter.show_partial(outcome)
+            if not outcome.solution.strip():
+                self.env.notice("stopped before the answer began; this question is not kept")
+                return
+            self.env.notice(
+                "stopped; the partial answer is kept in the conversation (/retry samples it again)"
+            )
+        else:
+            presenter.finish(outcome)
+        self._record(
+            Turn(question, outcome.solution, outcome.reasoning, outcome.stats, interrupted)
+        )
+
+    def _stream(
+        self,
+        params: dict[str, Any],
+        outcome: Outcome,
+        presenter: PlainPresenter | TerminalPresenter,
+    ) -> bool:
+        """Send the turn and show its events; return True if the user stopped it with Ctrl-C."""
+        connection = self._connect()
+        request_id = connection.send("chat", params)
+        interrupted = False
+        while not outcome.done:
+            try:
+                event = connection.next_event()
+                if event.get("id") != request_id:
+                    continue
+                outcome.apply(event)
+                presenter.on_event(event)
+            except KeyboardInterrupt:
+                if not interrupted:
+                    interrupted = True
+                    connection.send("cancel", {"target": request_id})
+        return interrupted
+
+    def _drop_connection(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def _record(self, turn: Turn) -> None:
+        conversation = self.conversation
+        conversation.turns.append(turn)
+        stats = turn.stats
+        if stats:
+            self._last_stats = stats
+        dropped = int(stats.get("dropped_turns", 0) or 0)
+        if dropped:
+            conversation.dropped = min(len(conversation.turns) - 1, conversation.dropped + dropped)
+            self.env.notice(
+                f"the context was full: the {dropped} oldest turn(s) were dropped from what the "
+                "model sees (the system prompt is kept; /show tells how much)"
+            )
+        used, n_ctx = stats.get("context_used"), stats.get("n_ctx")
+        if used and n_ctx and used / n_ctx > CONTEXT_WARNING:
+            self.env.notice(
+                f"the context is {used / n_ctx:.0%} full; the oldest turns will be dropped soon "
+                "(/reset starts afresh)"
+            )
+        if self.verbose and stats:
+            print(format_stats(stats), file=self.env.err, flush=True)
+        self.store.save(conversation)
+
+    # --- slash commands -----------------------------------------------------------------------
+
+    def command(self, line: str) -> bool:
+        """Run one slash command; return False to leave the REPL."""
+        name, _, argument = line.partition(" ")
+        argument = argument.strip()
+        out = self.env.out
+        if name in ("/exit", "/bye", "/quit"):
+            return False
+        if name == "/help":
+            width = max(map(len, COMMANDS))
+            for command, text in COMMANDS.items():
+                print(f"{command:<{width}}  {text}", file=out)
+            print('Multi-line input: start and end it with """, or press Alt-Enter (Esc Enter) '
+                  "for a new line. Ctrl-C stops an answer.", file=out)  # fmt: skip
+        elif name == "/reset":
+            old = self.conversation
+            self.conversation = Conversation(
+                name=default_name(), model=old.model, system=old.system, settings=dict(old.settings)
+            )
+            print("new conversation (same model and settings)", file=out)
+        elif name == "/system":
+            if not argument:
+                print(
+                    f"system prompt: {self.conversation.system or '(the model default)'}", file=out
+                )
+            else:
+                self.conversation.system = None if argument == "-" else argument
+                print("system prompt set; it applies from the next answer", file=out)
+        elif name == "/set":
+            self._set(argument)
+        elif name == "/show":
+            self._show()
+        elif name == "/retry":
+            self._retry()
+        elif name == "/save":
+            self._save(argument)
+        elif name == "/load":
+            self._load(argument)
+        elif name == "/list":
+            self._list()
+        elif name == "/stats":
+            print(format_stats(self._last_stats) if self._last_stats else "no answer yet", file=out)
+        elif name == "/reasoning":
+            if argument not in ("on", "off"):
+                self.env.notice("usage: /reasoning on|off")
+            else:
+                self.show_reasoning = argument == "on"
+                print(f"reasoning {'shown' if self.show_reasoning else 'folded'}", file=out)
+        else:
+            self.env.notice(f"unknown command {name}; /help lists them")
+        return True
+
+    def _set(self, argument: str) -> None:
+        key, _, value = argument.partition(" ")
+        if key not in SETTABLE or not value.strip():
+            self.env.notice(f"usage: /set {'|'.join(SETTABLE)} VALUE")
+            return
+        try:
+            parsed = parse_setting(key, value.strip(), f"/set {key}")
+        except Phi4Error as exc:
+            self.env.notice(str(exc))
+            return
+        self.conversation.settings[key] = parsed
+        print(f"{key} = {parsed}", file=self.env.out)
+
+    def _show(self) -> None:
+        conversation = self.conversation
+        stats = self._last_stats
+        used, n_ctx = stats.get("context_used"), stats.get("n_ctx") or self.env.settings.n_ctx
+        settings = ", ".join(f"{k}={v}" for k, v in self.sampling().items())
+        rows = [
+            ("conversation", f"{conversation.name} ({len(conversation.turns)} turns)"),
+            ("model", str(self.env.model_path)),
+            ("system", conversation.system or "(the model default)"),
+            ("settings", settings),
+            ("context", f"{used} of {n_ctx} tokens used" if used else f"{n_ctx} tokens, unused"),
+            (
+                "cached",
+                f"{stats.get('cached_tokens', 0)} tokens of the last prompt came from cache",
+            ),
+            ("dropped", f"{conversation.dropped} oldest turn(s) no longer in the model's context"),
+        ]
+        for key, value in rows:
+            print(f"{key:<13}{value}", file=self.env.out)
+
+    def _retry(self) -> None:
+        conversation = self.conversation
+        if not conversation.turns:
+            self.env.notice("nothing to retry yet")
+            return
+        last = conversation.turns.pop()
+        conversation.dropped = min(conversation.dropped, len(conversation.turns))
+        self.ask(last.question)
+
+    def _save(self, name: str) -> None:
+        if not name:
+            self.env.notice("usage: /save NAME")
+            return
+        old = self.conversation.name
+        self.conversation.name = name
+        try:
+            path = self.store.save(self.conversation)
+        except Phi4Error as exc:
+            self.conversation.name = old
+            self.env.notice(str(exc))
+            return
+        if old != name and old.startswith("chat-"):
+            self.store.delete(old)  # the autosave under the generated name is now this one
+        print(f"saved as {name} ({path})", file=self.env.out)
+
+    def _load(self, name: str) -> None:
+        if not name:
+            self.env.notice("usage: /load NAME")
+            return
+        try:
+            self.conversation = self.store.load(name)
+        except Phi4Error as exc:
+            self.env.notice(str(exc))
+            return
+        print(f"loaded {name}: {len(self.conversation.turns)} turns", file=self.env.out)
+
+    def _list(self) -> None:
+        names = self.store.names()
+        if not names:
+            print("no saved conversations", file=self.env.out)
+        for name in names:
+            try:
+                saved = self.store.load(name)
+            except Phi4Error:
+                continue
+            age = human_seconds(max(0.0, time.time() - saved.updated))
+            print(f"{name}  {len(saved.turns)} turns, {age} ago", file=self.env.out)
+
+
+def read_message(read: Reader) -> str | None:
+    """Read one message: a line, or a block between lines that start and end with triple quotes."""
+    line = read(PROMPT)
+    if line is None or not line.lstrip().startswith('"""'):
+        return line
+    text = line.lstrip()[3:]
+    if text.rstrip().endswith('"""') and text.strip():
+        return text.rstrip()[:-3]
+    parts = [text] if text else []
+    while True:
+        more = read(CONTINUATION)
+        if more is None:
+            return "\n".join(parts)
+        if more.rstrip().endswith('"""'):
+            parts.append(more.rstrip()[:-3])
+            return "\n".join(part for part in parts).strip("\n")
+        parts.append(more)
+
+
+def line_reader(stream: TextIO, echo: TextIO | None = None) -> Reader:
+    """Read input from a non-terminal stream (a pipe or file), one line per call."""
+
+    def read(prompt: str) -> str | None:
+        line = stream.readline()
+        if not line:
+            return None
+        if echo is not None:
+            print(f"{prompt}{line.rstrip()}", file=echo)
+        return line.rstrip("\n")
+
+    return read
+
+
+def prompt_reader(history_file: Path, input: Any = None, output: Any = None) -> Reader:
+    """Read input with prompt-toolkit: history (Up/Down, Ctrl-R), suggestions, completion."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.auto_suggest import AutoSuggestFromHistory
+    from prompt_toolkit.completion import Completer, Completion
+    from prompt_toolkit.key_binding import KeyBindings
+
+    class SlashCompleter(Completer):
+        def get_completions(self, document: Any, complete_event: Any) -> Iterable[Completion]:
+            text = document.text_before_cursor
+            if not text.startswith("/"):
+                return
+            if text.startswith("/set ") and text.count(" ") == 1:
+                word = text[5:]
+                for key in SETTABLE:
+                    if key.startswith(word):
+                        yield Completion(key, start_position=-len(word))
+                return
+            if " " in text:
+                return
+            for command in (*COMMANDS, "/bye"):
+                if command.startswith(text):
+                    yield Completion(command, start_position=-len(text))
+
+    bindings = KeyBindings()
+
+    @bindings.add("escape", "enter")
+    def _newline(event: Any) -> None:
+        event.current_buffer.insert_text("\n")
+
+    @bindings.add("c-c")
+    def _interrupt(event: Any) -> None:
+        # With text typed, Ctrl-C clears it; on an empty line it asks to leave.
+        if event.current_buffer.text:
+            event.current_buffer.reset()
+        else:
+            event.app.exit(exception=KeyboardInterrupt())
+
+    session: PromptSession[str] = PromptSession(
+        history=AtomicFileHistory(history_file),
+        auto_suggest=AutoSuggestFromHistory(),
+        completer=SlashCompleter(),
+        complete_while_typing=True,
+        key_bindings=bindings,
+        input=input,
+        output=output,
+    )
+
+    def read(prompt: str) -> str | None:
+        try:
+            return session.prompt(prompt)
+        except EOFError:
+            return None
+
+    return read
+
+
+class AtomicFileHistory(FileHistory):
+    """prompt-toolkit's file history, rewritten atomically (and kept to HISTORY_LIMIT entries)."""
+
+    def store_string(self, string: str) -> None:
+        path = Path(os.fsdecode(self.filename))
+        entries = list(reversed(list(self.load_history_strings())))[-(HISTORY_LIMIT - 1) :]
+        entries.append(string)
+        lines = []
+        for entry in entries:
+            lines.append("\n# phi4\n")
+            lines.extend(f"+{part}\n" for part in entry.split("\n"))
+        write_atomic(path, "".join(lines).encode("utf-8", errors="replace"))

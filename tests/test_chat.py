@@ -1,0 +1,287 @@
+"""`phi4 chat`: the REPL in-process with prompt-toolkit's pipe input, in a real pseudo-terminal,
+and the daemon's per-conversation token cache — all against a real daemon and real llama.cpp."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pexpect
+import pytest
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+
+from phi4cli.chats import ChatStore, Conversation, Turn
+from phi4cli.config import Settings
+from phi4cli.daemon.sessions import ChatSession, SessionStore
+from phi4cli.paths import get_paths
+from phi4cli.repl import AtomicFileHistory, ChatEnvironment, ChatRepl, prompt_reader, read_message
+from tests.conftest import PHI4, run_phi4
+
+
+def make_repl(model: Path, **settings: object) -> tuple[ChatRepl, io.StringIO, io.StringIO]:
+    paths = get_paths()
+    out, err = io.StringIO(), io.StringIO()
+    env = ChatEnvironment(
+        paths,
+        Settings(model=str(model), **settings),
+        model,
+        out,
+        err,
+        terminal=False,  # type: ignore[arg-type]
+    )
+    conversation = Conversation(name="chat-test", model=str(model))
+    return ChatRepl(env, conversation, ChatStore(paths.data_dir / "chats")), out, err
+
+
+def run_script(repl: ChatRepl, lines: list[str]) -> int:
+    """Type the lines into the REPL through prompt-toolkit, as a user would."""
+    with create_pipe_input() as pipe:
+        pipe.send_text("".join(f"{line}\r" for line in lines))
+        reader = prompt_reader(get_paths().state_dir / "chat_history", pipe, DummyOutput())
+        return repl.run(reader)
+
+
+@pytest.fixture
+def chats() -> Iterator[ChatStore]:
+    yield ChatStore(get_paths().data_dir / "chats")
+
+
+def test_transcript_of_a_conversation_and_its_saved_copy(tiny_model: Path, chats: ChatStore):
+    get_paths().state_dir.mkdir(parents=True, exist_ok=True)
+    repl, out, _err = make_repl(tiny_model, temperature=0.0, max_tokens=8)
+    script = ["What is 12*13?", "And times two?", "/show", "/save first", "/exit"]
+    assert run_script(repl, script) == 0
+    saved = chats.load("first")
+    first, second = saved.turns
+    assert (first.question, second.question) == ("What is 12*13?", "And times two?")
+    stats = second.stats
+    path = chats.path("first")
+    expected = (
+        f"{first.answer}\n{second.answer}\n"
+        f"conversation chat-test (2 turns)\n"
+        f"model        {tiny_model}\n"
+        f"system       (the model default)\n"
+        f"settings     temperature=0.0, top_p=0.95, max_tokens=8, think_budget=None, seed=None\n"
+        f"context      {stats['context_used']} of {stats['n_ctx']} tokens used\n"
+        f"cached       {stats['cached_tokens']} tokens of the last prompt came from cache\n"
+        f"dropped      0 oldest turn(s) no longer in the model's context\n"
+        f"saved as first ({path})\n"
+    )
+    assert out.getvalue() == expected
+    assert not chats.path("chat-test").exists(), "the autosave moved to the new name"
+    # The history file has what was typed, for Up/Down and Ctrl-R next time.
+    history = AtomicFileHistory(get_paths().state_dir / "chat_history")
+    assert list(history.load_history_strings()) == list(reversed(script))
+
+
+def test_second_turn_evaluates_only_the_new_message(tiny_model: Path, chats: ChatStore):
+    repl, _out, _err = make_repl(tiny_model, temperature=0.0, max_tokens=6)
+    for question in ("What is 12*13?", "And times two?", "Now divide by four."):
+        repl.ask(question)
+    turns = repl.conversation.turns
+    for before, after in itertools.pairwise(turns):
+        # Everything the model saw and wrote before is reused from the KV cache.
+        assert after.stats["cached_tokens"] == before.stats["context_used"]
+        assert after.stats["prompt_eval_tokens"] <= 20  # the new message and template glue
+        assert after.stats["rebuilt"] is False
+    assert [t.stats["turn"] for t in turns] == [0, 1, 2]
+
+
+def test_retry_resamples_the_last_answer_from_cache(tiny_model: Path):
+    repl, out, _err = make_repl(tiny_model, temperature=0.9, max_tokens=6, seed=1)
+    repl.ask("First question")
+    repl.ask("Second question")
+    before = repl.conversation.turns[-1]
+    repl.command("/set seed 2")
+    repl.command("/retry")
+    after = repl.conversation.turns[-1]
+    assert len(repl.conversation.turns) == 2
+    assert after.question == before.question
+    assert after.stats["seed"] == 2 and after.stats["rebuilt"] is False
+    assert after.stats["prompt_eval_tokens"] <= 20
+    assert "seed = 2" in out.getvalue()
+
+
+def test_context_limit_drops_oldest_turns_and_says_so(tiny_model: Path):
+    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "256").returncode == 0
+    repl, out, err = make_repl(tiny_model, temperature=0.0, max_tokens=40, n_ctx=256)
+    long = "Please consider this rather long question about numbers " * 3
+    for i in range(6):
+        repl.ask(f"{i}: {long}")
+    dropped = repl.conversation.dropped
+    assert dropped > 0
+    assert "oldest turn(s) were dropped" in err.getvalue()
+    assert len(repl.conversation.turns) == 6, "the transcript keeps every turn"
+    repl.command("/show")
+    assert f"dropped      {dropped} oldest turn(s)" in out.getvalue()
+    # A message that cannot fit even alone is refused, and the chat goes on.
+    repl.ask("word " * 400)
+    assert "shorten it" in err.getvalue()
+    assert len(repl.conversation.turns) == 6
+
+
+def test_daemon_killed_mid_chat_is_restarted_and_the_conversation_restored(tiny_model: Path):
+    repl, _out, err = make_repl(tiny_model, temperature=0.0, max_tokens=6)
+    repl.ask("What is 12*13?")
+    status = json.loads(run_phi4("status", "--json").stdout)
+    os.kill(status["pid"], signal.SIGKILL)
+    repl.ask("And times two?")
+    assert "restarting it and restoring the conversation" in err.getvalue()
+    second = repl.conversation.turns[-1]
+    assert second.question == "And times two?" and second.answer
+    assert second.stats["rebuilt"] is True  # the transcript was evaluated once, afresh
+    assert json.loads(run_phi4("status", "--json").stdout)["pid"] != status["pid"]
+    repl.ask("And plus one?")
+    assert repl.conversation.turns[-1].stats["rebuilt"] is False
+
+
+def test_chat_from_a_pipe(tiny_model: Path, chats: ChatStore):
+    result = run_phi4(
+        "chat", "-m", str(tiny_model), "-t", "0", "-n", "5",
+        input="What is 2+2?\n\"\"\"\nA question\non two lines\n\"\"\"\n/save piped\n/bye\n",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    saved = chats.load("piped")
+    assert [t.question for t in saved.turns] == ["What is 2+2?", "A question\non two lines"]
+    assert result.stdout.startswith(saved.turns[0].answer)
+
+
+def test_continue_and_resume_reopen_saved_conversations(tiny_model: Path, chats: ChatStore):
+    first = run_phi4("chat", "-m", str(tiny_model), "-n", "3", input="hello\n/save older\n")
+    second = run_phi4("chat", "-m", str(tiny_model), "-n", "3", input="hi\nthere\n/save newer\n")
+    assert first.returncode == second.returncode == 0
+    resumed = run_phi4("chat", "--resume", "older", input="/exit\n")
+    assert "resumed older: 1 turns" in resumed.stdout
+    continued = run_phi4("chat", "--continue", input="/exit\n")
+    assert "resumed newer: 2 turns" in continued.stdout
+    missing = run_phi4("chat", "--resume", "nope", input="")
+    assert missing.returncode == 1 and "no saved conversation 'nope'" in missing.stderr
+
+
+def test_slash_command_errors_keep_the_repl_going(tiny_model: Path):
+    repl, out, err = make_repl(tiny_model)
+    for line in ("/set temperature hot", "/set colour 3", "/frobnicate", "/reasoning maybe",
+                 "/load ../etc/passwd", "/retry", "/stats"):  # fmt: skip
+        assert repl.command(line) is True
+    text = err.getvalue()
+    assert "invalid temperature 'hot'" in text
+    assert "usage: /set" in text
+    assert "unknown command /frobnicate" in text
+    assert "bad conversation name" in text
+    assert "nothing to retry" in text
+    assert "no answer yet" in out.getvalue()
+    assert repl.command("/bye") is False
+
+
+def test_pty_ctrl_c_during_answer_then_save_exit_and_resume(tiny_model: Path):
+    child = pexpect.spawn(
+        PHI4, ["chat", "-m", str(tiny_model), "-n", "100000", "--n-ctx", "100000"],
+        encoding="utf-8", dimensions=(24, 100), timeout=60,
+    )  # fmt: skip
+    child.expect_exact("phi4>")
+    child.sendline("Count forever")
+    time.sleep(1.5)  # let the answer stream for a while
+    child.sendintr()
+    child.expect_exact("the partial answer is kept")
+    child.expect_exact("phi4>")
+    child.sendline("/set max_tokens 4")
+    child.expect_exact("max_tokens = 4")
+    child.sendline("Say hi")
+    child.expect_exact("no final answer stated")
+    child.sendline("/save ptychat")
+    child.expect_exact("saved as ptychat")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    resumed = pexpect.spawn(PHI4, ["chat", "--resume", "ptychat"], encoding="utf-8", timeout=60)
+    resumed.expect_exact("resumed ptychat: 2 turns")
+    resumed.expect_exact("phi4>")
+    resumed.sendcontrol("d")
+    resumed.expect(pexpect.EOF)
+    resumed.close()
+    assert resumed.exitstatus == 0
+    saved = ChatStore(get_paths().data_dir / "chats").load("ptychat")
+    assert saved.turns[0].interrupted and saved.turns[0].answer
+    assert not saved.turns[1].interrupted
+
+
+def test_read_message_joins_triple_quoted_blocks():
+    def reader(lines: list[str]):  # type: ignore[no-untyped-def]
+        feed = iter(lines)
+        return lambda _prompt: next(feed, None)
+
+    assert read_message(reader(['"""', "a", "b", '"""'])) == "a\nb"
+    assert read_message(reader(['"""a', 'b"""'])) == "a\nb"
+    assert read_message(reader(['"""one line"""'])) == "one line"
+    assert read_message(reader(["plain"])) == "plain"
+    assert read_message(reader([])) is None
+
+
+def test_chat_store_round_trip_and_atomic_writes(tmp_path: Path):
+    store = ChatStore(tmp_path)
+    conversation = Conversation(name="c1", model="m", turns=[Turn("q", "a", stats={"x": 1})])
+    path = store.save(conversation)
+    assert store.load("c1") == conversation
+    assert [p.name for p in tmp_path.iterdir()] == [path.name], "no temp files left behind"
+    assert store.names() == ["c1"]
+    conversation.dropped = 1
+    assert conversation.history() == []
+
+
+def test_session_continues_only_its_own_history():
+    session = ChatSession(
+        id="s", model=Path("m"), system=None,
+        messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+        tokens=[1, 2, 3, 4], turn_ends={0: 4},
+    )  # fmt: skip
+    history = list(session.messages)
+    assert session.continues(Path("m"), None, history) == 4
+    assert session.continues(Path("other"), None, history) is None
+    assert session.continues(Path("m"), "new system", history) is None
+    assert (
+        session.continues(Path("m"), None, [history[0], {"role": "assistant", "content": "b"}])
+        is None
+    )
+    store = SessionStore(capacity=2)
+    for name in "abc":
+        store.put(ChatSession(id=name, model=Path("m"), system=None))
+    assert store.get("a") is None and store.get("c") is not None and len(store) == 2
+
+
+def test_bad_chat_requests_are_rejected(tiny_model: Path, phi4_home: Path):
+    import socket
+
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    bad = [
+        {"message": "hi"},
+        {"session": "s", "message": "  "},
+        {"session": "s", "message": "hi", "history": [{"role": "assistant", "content": "x"}]},
+        {"session": "s", "message": "hi", "history": [{"role": "user", "content": "x"}]},
+    ]
+    for params in bad:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(phi4_home / "run" / "daemon.sock"))
+            sock.sendall(
+                json.dumps({"v": 1, "id": 1, "op": "chat", "params": params}).encode() + b"\n"
+            )
+            event = json.loads(sock.makefile("rb").readline())
+        assert event["event"] == "error" and event["code"] == "bad_request", (params, event)
+
+
+def test_chat_never_leaves_a_daemon_of_its_own_after_stop(tiny_model: Path):
+    proc = subprocess.run(
+        [PHI4, "chat", "-m", str(tiny_model), "-n", "2"], input="hi\n", text=True,
+        capture_output=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0
+    assert run_phi4("stop").returncode == 0
+    assert run_phi4("status").returncode == 3
