@@ -43,8 +43,10 @@ FRESH_PROCESS = r"""
 import json, sys, time
 start = time.monotonic()
 import llama_cpp
-model, messages, threads, n_ctx = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-llm = llama_cpp.Llama(model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+model, messages = sys.argv[1], json.loads(sys.argv[2])
+threads, n_ctx = int(sys.argv[3]), int(sys.argv[4])
+llm = llama_cpp.Llama(model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                      verbose=False)
 for chunk in llm.create_chat_completion(messages, max_tokens=1, temperature=0, stream=True):
     if chunk["choices"][0]["delta"].get("content"):
         break
@@ -52,7 +54,10 @@ print(json.dumps({"ttft": time.monotonic() - start}))
 """
 
 
-def phi4_turns(home: Path, model: Path, turns: int, max_tokens: int) -> list[dict[str, Any]]:
+def phi4_turns(
+    home: Path, model: Path, turns: int, max_tokens: int
+) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Play the conversation through the daemon; return per-turn rows and the history."""
     from phi4cli.client import DaemonConnection
 
     connection = DaemonConnection.open(home / "run" / "daemon.sock")
@@ -82,7 +87,7 @@ def phi4_turns(home: Path, model: Path, turns: int, max_tokens: int) -> list[dic
                          "cached_tokens": stats["cached_tokens"]})  # fmt: skip
             history += [{"role": "user", "content": question},
                         {"role": "assistant", "content": answer}]  # fmt: skip
-    return rows, history  # type: ignore[return-value]
+    return rows, history
 
 
 def in_process_turns(
@@ -96,7 +101,7 @@ def in_process_turns(
                           verbose=False)  # fmt: skip
     times = []
     for turn in range(len(history) // 2):
-        messages = history[: 2 * turn] + [history[2 * turn]]
+        messages = [*history[: 2 * turn], history[2 * turn]]
         sent = time.monotonic()
         first = None
         stream = llm.create_chat_completion(
@@ -114,7 +119,7 @@ def fresh_process_turns(model: Path, history: list[dict[str, str]], threads: int
                         turns: list[int]) -> dict[int, float]:  # fmt: skip
     results = {}
     for turn in turns:
-        messages = history[: 2 * (turn - 1)] + [history[2 * (turn - 1)]]
+        messages = [*history[: 2 * (turn - 1)], history[2 * (turn - 1)]]
         started = time.monotonic()
         out = subprocess.run(
             [sys.executable, "-c", FRESH_PROCESS, str(model), json.dumps(messages), str(threads),
