@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -395,14 +396,32 @@ def daemon_stop() -> None:
     print("no daemon was running" if pid is None else f"daemon stopped (pid {pid})")
 
 
+RamdiskOption = Annotated[
+    bool | None,
+    typer.Option("--ramdisk/--no-ramdisk", show_default=False,
+                 help="Stage the model in RAM (tmpfs) first [config ramdisk=auto|on|off]."),
+]  # fmt: skip
+MlockOption = Annotated[
+    bool | None,
+    typer.Option("--mlock/--no-mlock", show_default=False, help="Pin the model's pages in RAM."),
+]
+MaxQueueOption = Annotated[
+    int | None,
+    typer.Option("--max-queue", min=1, show_default=False,
+                 help="Requests waiting before the daemon answers busy [default 64]."),
+]  # fmt: skip
+
+
 def _daemon_setup(
-    model: str | None, keep_alive: str | None, n_ctx: int | None, threads: int | None
+    ramdisk_flag: bool | None = None, **overrides: object
 ) -> tuple[Paths, Settings, Path]:
     """Paths, settings and the resolved model for a command that starts or runs the daemon."""
     from phi4cli.models import resolve_model
 
     paths = get_paths()
-    settings = _settings(paths, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads)
+    if ramdisk_flag is not None:
+        overrides["ramdisk"] = "on" if ramdisk_flag else "off"
+    settings = _settings(paths, **overrides)
     return paths, settings, resolve_model(settings.model, paths)
 
 
@@ -412,11 +431,17 @@ def daemon_start(
     keep_alive: KeepAliveOption = None,
     n_ctx: NCtxOption = None,
     threads: ThreadsOption = None,
+    ramdisk: RamdiskOption = None,
+    mlock: MlockOption = None,
+    max_queue: MaxQueueOption = None,
 ) -> None:
     """Start the daemon in the background and wait until its model is loaded."""
     from phi4cli.client import ensure_daemon, wait_until_ready
 
-    paths, settings, model_path = _daemon_setup(model, keep_alive, n_ctx, threads)
+    paths, settings, model_path = _daemon_setup(
+        ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads, mlock=mlock,
+        max_queue=max_queue,
+    )  # fmt: skip
     ensure_daemon(paths, settings, model_path, _stderr).close()
     current = wait_until_ready(paths)
     load = current.get("load") or {}
@@ -433,11 +458,77 @@ def daemon_run(
     keep_alive: KeepAliveOption = None,
     n_ctx: NCtxOption = None,
     threads: ThreadsOption = None,
+    ramdisk: RamdiskOption = None,
+    mlock: MlockOption = None,
+    max_queue: MaxQueueOption = None,
+    ramdisk_mode: Annotated[
+        str | None, typer.Option("--ramdisk-mode", hidden=True, show_default=False)
+    ] = None,
 ) -> None:
     """Run the daemon in the foreground (for debugging and service managers)."""
     from phi4cli.daemon.server import run_daemon
 
-    run_daemon(*_daemon_setup(model, keep_alive, n_ctx, threads))
+    run_daemon(
+        *_daemon_setup(
+            ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads,
+            mlock=mlock, max_queue=max_queue, **({"ramdisk": ramdisk_mode} if ramdisk_mode else {}),
+        )
+    )  # fmt: skip
+
+
+@app.command()
+def warm(
+    model: ModelOption = None,
+    keep_alive: KeepAliveOption = None,
+    n_ctx: NCtxOption = None,
+    threads: ThreadsOption = None,
+    ramdisk: RamdiskOption = None,
+    mlock: MlockOption = None,
+    no_wait: Annotated[
+        bool, typer.Option("--no-wait", help="Return once the daemon is starting.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the timings as JSON.")] = False,
+) -> None:
+    """Start the daemon if needed, stage and load the model, prewarm it, and report timings."""
+    from phi4cli.client import connect_checked, error_for
+    from phi4cli.render import format_warm
+
+    paths, settings, model_path = _daemon_setup(
+        ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads, mlock=mlock
+    )
+    started = time.monotonic()
+    connection = connect_checked(paths, settings, model_path, _stderr)
+    with connection:
+        if no_wait:
+            print(f"the daemon is loading {model_path.name}; `phi4 status` shows its progress")
+            return
+        reply = connection.call("load", {"model": str(model_path)})
+    if reply.get("event") == "error":
+        raise error_for(reply)
+    timings = dict(reply.get("result") or {})
+    timings["wall_s"] = round(time.monotonic() - started, 4)
+    # A daemon this command started loaded the model as it started: that load was ours.
+    timings["already_loaded"] = bool(timings.get("already_loaded")) and not connection.spawned
+    print(json.dumps(timings, indent=2) if as_json else format_warm(timings))
+
+
+cache_app = typer.Typer(help="Staged model copies and saved prompt states.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("clear")
+def cache_clear() -> None:
+    """Remove staged model copies (RAM) and saved system-prompt states."""
+    import shutil
+
+    from phi4cli.daemon.ramdisk import remove_staged
+
+    paths = get_paths()
+    staged = remove_staged()
+    states = paths.cache_dir / "states"
+    count = len(list(states.glob("*.state"))) if states.is_dir() else 0
+    shutil.rmtree(states, ignore_errors=True)
+    print(f"removed {staged} staged model copies and {count} saved prompt states")
 
 
 @app.command()

@@ -45,6 +45,7 @@ class DaemonConnection:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._reader = sock.makefile("rb")
+        self.spawned = False  # this connection's daemon was started for it
 
     @classmethod
     def open(cls, path: Path) -> DaemonConnection:
@@ -150,7 +151,9 @@ def ensure_daemon(
             process = spawn.spawn_daemon(paths, settings, model_path)
         else:
             process = None  # another daemon is starting up by hand: wait for its socket
-        return _wait_for_socket(paths, process)
+        connection = _wait_for_socket(paths, process)
+        connection.spawned = process is not None
+        return connection
 
 
 def _wait_for_socket(paths: Paths, process: Any) -> DaemonConnection:

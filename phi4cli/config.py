@@ -95,6 +95,26 @@ def _optional_budget(value: object) -> int | None:
     return number
 
 
+def _ramdisk_mode(value: object) -> str:
+    if isinstance(value, bool):  # `ramdisk = true` in TOML
+        return "on" if value else "off"
+    text = str(value).strip().lower()
+    if text not in ("auto", "on", "off"):
+        raise ValueError(value)
+    return text
+
+
+def _boolean(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
 def _optional_str(value: object) -> str | None:
     text = None if value is None else str(value)
     return text or None
@@ -114,6 +134,9 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
     "max_tokens": (_optional_positive_int, "a positive integer, or none"),
     "seed": (_optional_int, "an integer, or random"),
     "think_budget": (_optional_budget, "a number of tokens (0 skips thinking), or none"),
+    "ramdisk": (_ramdisk_mode, "auto (stage on tmpfs if there is room), on or off"),
+    "mlock": (_boolean, "true or false"),
+    "max_queue": (_positive_int, "a positive integer (requests)"),
     "system": (_optional_str, "text"),
 }
 
@@ -130,12 +153,19 @@ class Settings:
     seed: int | None = None
     # After this many reasoning tokens the daemon closes the thinking; None: no budget.
     think_budget: int | None = None
+    ramdisk: str = "auto"  # stage the model on tmpfs: auto | on | off
+    mlock: bool = False  # pin the model's pages in RAM
+    max_queue: int = 64  # requests waiting in the daemon before it answers busy
     # None: the chat template's own default system prompt ("Your name is Phi, ...").
     system: str | None = None
 
 
+# PHI4_RAMDISK names the staging directory (as llama.cpp users expect), so the mode is _MODE.
+_ENV_NAMES = {"ramdisk": "PHI4_RAMDISK_MODE"}
+
+
 def env_name(key: str) -> str:
-    return f"PHI4_{key.upper()}"
+    return _ENV_NAMES.get(key, f"PHI4_{key.upper()}")
 
 
 def parse_setting(key: str, value: object, source: str) -> Any:

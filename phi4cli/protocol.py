@@ -20,7 +20,7 @@ PROTOCOL_VERSION: Final = 1
 MAX_LINE_BYTES: Final = 1 << 20
 MAX_PROMPT_CHARS: Final = 256_000
 
-OPS: Final = frozenset({"solve", "chat", "status", "stop", "cancel", "ping"})
+OPS: Final = frozenset({"solve", "chat", "load", "status", "stop", "cancel", "ping"})
 TERMINAL_EVENTS: Final = frozenset({"done", "error"})
 
 # Error codes: (code, retryable)

@@ -242,6 +242,33 @@ class TerminalPresenter:
             self.err.print(format_stats(outcome.stats), style="dim", markup=False)
 
 
+def format_warm(timings: dict[str, Any]) -> str:
+    """The `phi4 warm` table: stage to RAM, load, warm-up decode, system-prompt prefill, total."""
+    if timings.get("staged"):
+        how = "copied to" if timings.get("stage_copied") else "reused"
+        stage = f"{timings.get('stage_s', 0):.2f} s ({how} {timings.get('loaded_from')})"
+    elif timings.get("stage_note"):
+        stage = f"skipped: {timings['stage_note']}"
+    else:
+        stage = "off"
+    prefill = timings.get("prefill")
+    prefill_how = "restored from the saved state" if prefill == "restored" else "computed, saved"
+    steps = [timings.get(key) or 0.0 for key in ("stage_s", "load_s", "warmup_s", "prefill_s")]
+    mlock = timings.get("mlock")
+    rows = [
+        ("model", timings.get("model")),
+        ("stage to RAM", stage),
+        ("load (mmap)", f"{timings.get('load_s', 0):.2f} s" + (", mlock" if mlock else "")),
+        ("warm-up decode", f"{timings.get('warmup_s', 0):.3f} s"),
+        ("system prompt", f"{timings.get('prefill_s', 0):.3f} s "
+                          f"({timings.get('system_tokens', 0)} tokens, {prefill_how})"),
+        ("total", f"{sum(steps):.2f} s"),
+    ]  # fmt: skip
+    if timings.get("already_loaded"):
+        rows.append(("", "(already warm: these are the timings of its load)"))
+    return "\n".join(f"{key:<16}{value}" for key, value in rows)
+
+
 def format_status(status: dict[str, Any]) -> str:
     served = status.get("requests_served", 0)
     active = status.get("requests_active", 0)

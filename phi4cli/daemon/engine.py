@@ -10,6 +10,8 @@ from __future__ import annotations
 import codecs
 import contextlib
 import ctypes
+import hashlib
+import json
 import logging
 import os
 import random
@@ -23,6 +25,7 @@ import llama_cpp
 from llama_cpp import _internals as llama_internals
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+from phi4cli.daemon.ramdisk import stage
 from phi4cli.daemon.scheduler import ContextOverflowError, ModelLoadError, SolveParams, TokenSink
 from phi4cli.daemon.sessions import ChatSession, Message, SessionStore
 from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model_thinks
@@ -61,10 +64,21 @@ def physical_cores() -> int:
 class LlamaEngine:
     """One model, one context, one request at a time (the scheduler serialises calls)."""
 
-    def __init__(self, n_ctx: int, threads: int | None = None, n_batch: int = 512) -> None:
+    def __init__(
+        self,
+        n_ctx: int,
+        threads: int | None = None,
+        n_batch: int = 512,
+        ramdisk: str = "off",
+        mlock: bool = False,
+        state_dir: Path | None = None,
+    ) -> None:
         self.n_ctx = n_ctx
         self.threads = threads or physical_cores()
         self.n_batch = n_batch
+        self.ramdisk = ramdisk
+        self.mlock = mlock
+        self.state_dir = state_dir  # where prefilled system-prompt states are kept
         self._llm: llama_cpp.Llama | None = None
         self._formatter: Jinja2ChatFormatter | None = None
         self._vocab: Any = None
@@ -89,16 +103,18 @@ class LlamaEngine:
         Raise ModelLoadError with a message for the user when llama.cpp cannot load it.
         """
         self.close()
-        started = time.monotonic()
         if not path.is_file():
             raise ModelLoadError(f"model file {path} does not exist")
+        staging = stage(path, self.ramdisk)
+        started = time.monotonic()
         try:
             llm = llama_cpp.Llama(
-                model_path=str(path),
+                model_path=str(staging.path),
                 n_ctx=self.n_ctx,
                 n_batch=self.n_batch,
                 n_threads=self.threads,
                 n_threads_batch=self.threads,
+                use_mlock=self.mlock,
                 verbose=False,
             )
         except (ValueError, RuntimeError, OSError) as exc:
@@ -122,18 +138,91 @@ class LlamaEngine:
             ids = llm.tokenize(tag.encode(), add_bos=False, special=True)
             if len(ids) == 1:  # a special token: rendered explicitly, as pieces hide specials
                 self._tag_tokens[ids[0]] = tag.encode()
-        log.info("loaded %s in %.2f s (threads %d)", path, load_s, self.threads)
-        return {"model": str(path), "load_s": round(load_s, 4), "n_ctx": self.n_ctx,
-                "threads": self.threads}  # fmt: skip
+        log.info("loaded %s from %s in %.2f s (threads %d)", path, staging.path, load_s,
+                 self.threads)  # fmt: skip
+        return {
+            "model": str(path),
+            "loaded_from": str(staging.path),
+            "staged": staging.staged,
+            "stage_copied": staging.copied,
+            "stage_s": round(staging.seconds, 4),
+            "stage_note": staging.note,
+            "load_s": round(load_s, 4),
+            "n_ctx": self.n_ctx,
+            "threads": self.threads,
+            "mlock": self.mlock,
+        }
 
     def warm(self) -> dict[str, Any]:
-        """Evaluate the default system prompt now, so the first question finds it cached."""
-        assert self._llm is not None
+        """Make the first question cheap: one warm-up decode, then the default system prompt's
+        KV — restored from the state saved by an earlier daemon, or computed and saved."""
+        llm = self._llm
+        assert llm is not None
         started = time.monotonic()
-        self._llm.n_tokens = 0
-        self._llm.eval(self._system_prefix(None))
-        return {"prefill_s": round(time.monotonic() - started, 4),
-                "system_tokens": int(self._llm.n_tokens)}  # fmt: skip
+        prefix = self._system_prefix(None)
+        llm.n_tokens = 0
+        llm.eval(prefix[:1])  # the first decode allocates llama.cpp's compute buffers
+        warmup_s = time.monotonic() - started
+        started = time.monotonic()
+        state_file = self._state_file(prefix)
+        restored = state_file is not None and self._restore_prefix(state_file, prefix)
+        if not restored:
+            llm.n_tokens = 0
+            llm.eval(prefix)
+            if state_file is not None:
+                self._save_prefix(state_file, prefix)
+        return {
+            "warmup_s": round(warmup_s, 4),
+            "prefill_s": round(time.monotonic() - started, 4),
+            "prefill": "restored" if restored else "computed",
+            "system_tokens": len(prefix),
+        }
+
+    def _state_file(self, prefix: list[int]) -> Path | None:
+        """Where the prefilled state of ``prefix`` is kept, keyed by everything it depends on."""
+        if self.state_dir is None or self._model_path is None:
+            return None
+        stat = self._model_path.stat()
+        key = hashlib.sha256(
+            json.dumps(
+                [str(self._model_path), stat.st_size, stat.st_mtime_ns, prefix,
+                 llama_cpp.__version__],
+            ).encode()
+        ).hexdigest()[:24]  # fmt: skip
+        return self.state_dir / f"system-{key}.state"
+
+    def _restore_prefix(self, state_file: Path, prefix: list[int]) -> bool:
+        llm = self._llm
+        assert llm is not None
+        if not state_file.is_file():
+            return False
+        tokens = (llama_cpp.llama_token * len(prefix))()
+        count = ctypes.c_size_t(0)
+        llm.n_tokens = 0
+        llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        size = llama_cpp.llama_state_seq_load_file(
+            llm._ctx.ctx, str(state_file).encode(), 0, tokens, len(prefix), ctypes.byref(count)
+        )
+        if not size or list(tokens[: count.value]) != prefix:
+            log.warning("ignoring unusable prompt state %s", state_file)
+            llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+            return False
+        llm.input_ids[: len(prefix)] = prefix
+        llm.n_tokens = len(prefix)
+        return True
+
+    def _save_prefix(self, state_file: Path, prefix: list[int]) -> None:
+        llm = self._llm
+        assert llm is not None
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        partial = state_file.with_name(f".{state_file.name}.{os.getpid()}.part")
+        tokens = (llama_cpp.llama_token * len(prefix))(*prefix)
+        if llama_cpp.llama_state_seq_save_file(
+            llm._ctx.ctx, str(partial).encode(), 0, tokens, len(prefix)
+        ):
+            os.replace(partial, state_file)  # a restarting daemon never reads half a state
+        else:
+            partial.unlink(missing_ok=True)
 
     def close(self) -> None:
         if self._llm is not None:

@@ -56,6 +56,7 @@ class SolveParams:
     # Chat turns: the session id and the complete turns before this message.
     session: str | None = None
     history: tuple[dict[str, str], ...] = ()
+    load_only: bool = False  # `phi4 warm`: load (and warm) the model, generate nothing
 
 
 def _number(params: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -157,6 +158,15 @@ def parse_chat_params(params: dict[str, Any], defaults: Settings) -> SolveParams
     )
     turns = tuple({"role": m["role"], "content": m["content"]} for m in history)
     return replace(solve, session=session, history=turns)
+
+
+def parse_load_params(params: dict[str, Any], defaults: Settings) -> SolveParams:
+    """Validate a load request (``model``); raise ProtocolViolation(bad_request)."""
+    model = params.get("model")
+    if not isinstance(model, str) or not model:
+        raise ProtocolViolation(protocol.BAD_REQUEST, "'model' must be a path to a .gguf file")
+    solve = parse_solve_params({"prompt": "-", "model": model, "priority": "interactive"}, defaults)
+    return replace(solve, prompt="", load_only=True)
 
 
 class Engine(Protocol):
@@ -319,6 +329,10 @@ class RequestScheduler:
                 job.fail(protocol.MODEL_ERROR, self.last_error or f"cannot load {model}")
                 return
             load_s = float(self.last_load.get("load_s", 0.0))
+        if job.params.load_only:
+            result = {**self.last_load, "already_loaded": load_s == 0.0}
+            job.emit(protocol.event(job.request_id, "done", result=result))
+            return
         started = time.monotonic()
         try:
             stats = self._engine.generate(job.params, job.emit_token, job.cancelled)

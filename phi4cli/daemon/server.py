@@ -29,6 +29,7 @@ from phi4cli.daemon.scheduler import (
     QueueFullError,
     RequestScheduler,
     parse_chat_params,
+    parse_load_params,
     parse_solve_params,
 )
 from phi4cli.errors import DaemonUnavailableError
@@ -224,6 +225,7 @@ class DaemonServer:
             handler = {
                 "solve": self._op_solve,
                 "chat": self._op_solve,
+                "load": self._op_solve,
                 "status": self._op_status,
                 "stop": self._op_stop,
                 "cancel": self._op_cancel,
@@ -271,7 +273,9 @@ class DaemonServer:
                 "the daemon is shutting down; run the command again",
                 request.id,
             )
-        parse = parse_chat_params if request.op == "chat" else parse_solve_params
+        parse = {"chat": parse_chat_params, "load": parse_load_params}.get(
+            request.op, parse_solve_params
+        )
         try:
             params = parse(request.params, self.settings)
         except ProtocolViolation as exc:
@@ -395,8 +399,14 @@ def run_daemon(paths: Paths, settings: Settings, model_path: Path | None) -> Non
     try:
         from phi4cli.daemon.engine import LlamaEngine
 
-        engine = LlamaEngine(n_ctx=settings.n_ctx, threads=settings.threads)
-        server = DaemonServer(paths, settings, engine, model_path)
+        engine = LlamaEngine(
+            n_ctx=settings.n_ctx,
+            threads=settings.threads,
+            ramdisk=settings.ramdisk,
+            mlock=settings.mlock,
+            state_dir=paths.cache_dir / "states",
+        )
+        server = DaemonServer(paths, settings, engine, model_path, max_queue=settings.max_queue)
         asyncio.run(server.serve())
     finally:
         os.close(lock_fd)

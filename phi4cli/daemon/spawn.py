@@ -97,7 +97,10 @@ def spawn_lock(paths: Paths) -> Iterator[None]:
 def daemon_command(settings: Settings, model_path: Path | None) -> list[str]:
     command = [sys.executable, "-m", "phi4cli", "daemon", "run", "--keep-alive"]
     command.append(str(settings.keep_alive))
-    command += ["--n-ctx", str(settings.n_ctx)]
+    command += ["--n-ctx", str(settings.n_ctx), "--ramdisk-mode", settings.ramdisk]
+    command += ["--max-queue", str(settings.max_queue)]
+    if settings.mlock:
+        command.append("--mlock")
     if settings.threads:
         command += ["--threads", str(settings.threads)]
     if model_path is not None:

@@ -1,0 +1,139 @@
+"""Staging the GGUF onto a RAM-backed filesystem (tmpfs), so loading never waits on a disk.
+
+A staged copy is named by the model's name, size and mtime, so a changed model is staged anew
+and an unchanged one is reused across daemon restarts. The copy is written to a temp file and
+renamed, so a reader never sees half a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("phi4.ramdisk")
+
+MODES = ("auto", "on", "off")
+# Keep this much RAM free beyond the copy itself: the daemon needs memory of its own.
+HEADROOM_BYTES = 512 << 20
+_RAM_FILESYSTEMS = {"tmpfs", "ramfs"}
+
+
+@dataclass(frozen=True)
+class Staging:
+    """Where the model is loaded from, and what staging did."""
+
+    path: Path  # the file to load
+    staged: bool  # True: a copy in RAM
+    copied: bool  # True: copied now (False: an earlier copy was reused)
+    seconds: float
+    note: str | None = None  # why staging was skipped, for the log and `phi4 warm`
+
+
+def ramdisk_dir() -> Path | None:
+    """Return the staging directory: ``$PHI4_RAMDISK``, else ``/dev/shm/phi4-<uid>`` on Linux
+    (one per user: a shared one would be 0700 to whoever made it first)."""
+    configured = os.environ.get("PHI4_RAMDISK")
+    if configured:
+        return Path(configured)
+    if sys.platform.startswith("linux") and Path("/dev/shm").is_dir():
+        return Path(f"/dev/shm/phi4-{os.getuid()}")
+    return None
+
+
+def filesystem_type(path: Path) -> str | None:
+    """Return the type of the filesystem holding ``path`` (from /proc/mounts), if known."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, best_type = "", None
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1].replace("\\040", " ")
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > len(best):
+            best, best_type = mount, fields[2]
+    return best_type
+
+
+def staged_name(model: Path) -> str:
+    stat = model.stat()
+    return f"{model.stem}-{stat.st_size}-{stat.st_mtime_ns}.gguf"
+
+
+def stage(model: Path, mode: str, directory: Path | None = None) -> Staging:
+    """Return the path to load ``model`` from: a staged copy in RAM where possible.
+
+    ``mode`` is ``off`` (never), ``on`` (whatever filesystem the directory is on) or ``auto``
+    (only onto tmpfs). Falls back to the original file, with a note, when there is no such
+    directory or not enough free space; never raises for those.
+    """
+    started = time.monotonic()
+
+    def unstaged(note: str | None) -> Staging:
+        if note:
+            log.warning("not staging %s in RAM: %s", model.name, note)
+        return Staging(model, False, False, time.monotonic() - started, note)
+
+    if mode == "off":
+        return unstaged(None)
+    directory = directory or ramdisk_dir()
+    if directory is None:
+        return unstaged("no RAM filesystem on this system (set PHI4_RAMDISK)")
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        return unstaged(f"cannot create {directory}: {exc.strerror}")
+    if mode == "auto" and filesystem_type(directory) not in _RAM_FILESYSTEMS:
+        return unstaged(f"{directory} is not on tmpfs")
+    target = directory / staged_name(model)
+    size = model.stat().st_size
+    if target.is_file() and target.stat().st_size == size:
+        return Staging(target, True, False, time.monotonic() - started)
+    remove_staged(directory, keep=None, stem=model.stem)  # older copies of this model
+    free = shutil.disk_usage(directory).free
+    if free < size + HEADROOM_BYTES:
+        return unstaged(
+            f"{directory} has {free >> 20} MiB free; the model needs {size >> 20} MiB and "
+            f"{HEADROOM_BYTES >> 20} MiB to spare"
+        )
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out, model.open("rb") as source:
+            shutil.copyfileobj(source, out, length=16 << 20)
+        os.replace(tmp, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return unstaged(f"copying to {directory} failed: {exc.strerror}")
+    return Staging(target, True, True, time.monotonic() - started)
+
+
+def remove_staged(
+    directory: Path | None = None, keep: Path | None = None, stem: str | None = None
+) -> int:
+    """Delete staged copies (of the model named ``stem``, or all); return how many."""
+    directory = directory or ramdisk_dir()
+    if directory is None or not directory.is_dir():
+        return 0
+    removed = 0
+    for path in directory.glob("*.gguf"):
+        if path == keep or (stem is not None and path.name.rsplit("-", 2)[0] != stem):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed += 1
+    for leftover in directory.glob(".*.part"):
+        with contextlib.suppress(FileNotFoundError):
+            leftover.unlink()
+    return removed

@@ -1,0 +1,134 @@
+"""`phi4 warm`, RAM staging, the saved system-prompt state, `phi4 cache clear`, a full queue."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from phi4cli.daemon import ramdisk
+from tests.conftest import run_phi4
+
+
+@pytest.fixture
+def ram_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path / "ram"
+    monkeypatch.setenv("PHI4_RAMDISK", str(directory))
+    return directory
+
+
+def test_warm_stages_prewarms_saves_state_and_a_restart_restores_it(
+    tiny_model: Path, ram_dir: Path, phi4_home: Path
+):
+    first = run_phi4("warm", "-m", str(tiny_model), "--ramdisk")
+    assert first.returncode == 0, first.stderr
+    staged = ram_dir / ramdisk.staged_name(tiny_model)
+    assert f"copied to {staged}" in first.stdout
+    assert "computed, saved" in first.stdout
+    for label in ("stage to RAM", "load (mmap)", "warm-up decode", "system prompt", "total"):
+        assert label in first.stdout
+    assert "already warm" not in first.stdout
+    assert staged.read_bytes() == tiny_model.read_bytes()
+    status = json.loads(run_phi4("status", "--json").stdout)
+    assert status["load"]["loaded_from"] == str(staged)
+    assert status["model"] == str(tiny_model), "status names the model, not its staged copy"
+    states = list((phi4_home / "cache" / "states").glob("*.state"))
+    assert len(states) == 1
+
+    again = run_phi4("warm", "-m", str(tiny_model), "--ramdisk")
+    assert "already warm" in again.stdout
+
+    assert run_phi4("stop").returncode == 0
+    restarted = run_phi4("warm", "-m", str(tiny_model), "--ramdisk", "--json")
+    timings = json.loads(restarted.stdout)
+    assert timings["staged"] and not timings["stage_copied"], "the staged copy is reused"
+    assert timings["prefill"] == "restored"
+    solved = run_phi4("solve", "What is 12*13?", "-m", str(tiny_model), "-n", "2", "-v")
+    cached = int(solved.stderr.split("prompt tokens:")[1].split("(")[1].split()[0])
+    assert cached >= timings["system_tokens"], solved.stderr
+
+    cleared = run_phi4("cache", "clear")
+    assert "removed 1 staged model copies and 1 saved prompt states" in cleared.stdout
+    assert not staged.exists()
+
+
+def test_auto_mode_only_stages_onto_tmpfs(tiny_model: Path, ram_dir: Path):
+    result = run_phi4("warm", "-m", str(tiny_model))
+    assert result.returncode == 0, result.stderr
+    assert "skipped:" in result.stdout and "is not on tmpfs" in result.stdout
+    assert not any(ram_dir.glob("*.gguf"))
+
+
+def test_warm_no_wait_returns_while_loading(tiny_model: Path):
+    result = run_phi4("warm", "-m", str(tiny_model), "--no-wait")
+    assert result.returncode == 0
+    assert "phi4 status" in result.stdout
+    assert json.loads(run_phi4("status", "--json").stdout)["state"] in (
+        "loading",
+        "warming",
+        "ready",
+    )
+
+
+def test_staging_is_atomic_reused_restaged_and_falls_back(tmp_path: Path, monkeypatch):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + os.urandom(4096))
+    directory = tmp_path / "ram"
+    first = ramdisk.stage(model, "on", directory)
+    assert first.staged and first.copied and first.path.read_bytes() == model.read_bytes()
+    assert [p.name for p in directory.iterdir()] == [first.path.name], "no partial files left"
+    second = ramdisk.stage(model, "on", directory)
+    assert second.staged and not second.copied and second.path == first.path
+    os.utime(model, ns=(1, 1))  # the model changed: stage it again, drop the old copy
+    third = ramdisk.stage(model, "on", directory)
+    assert third.copied and third.path != first.path and not first.path.exists()
+    assert ramdisk.stage(model, "off", directory).path == model
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(ramdisk.shutil, "disk_usage", lambda _path: usage(1 << 20, 0, 1 << 20))
+    os.utime(model, ns=(2, 2))
+    short = ramdisk.stage(model, "on", directory)
+    assert not short.staged and short.path == model
+    assert short.note is not None and "MiB free" in short.note
+    assert not any(directory.glob("*.gguf")), "no stale or partial copy stays behind"
+
+
+def test_full_queue_answers_busy_and_a_cancelled_request_frees_the_engine(
+    tiny_model: Path, phi4_home: Path
+):
+    started = run_phi4(
+        "daemon", "start", "-m", str(tiny_model), "--max-queue", "1", "--n-ctx", "100000"
+    )
+    assert started.returncode == 0, started.stderr
+
+    def send(sock: socket.socket, request_id: int, **params: object) -> None:
+        request = {"v": 1, "id": request_id, "op": "solve", "params": params}
+        sock.sendall(json.dumps(request).encode() + b"\n")
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(phi4_home / "run" / "daemon.sock"))
+        reader = sock.makefile("rb")
+        send(sock, 1, prompt="Count forever", max_tokens=100000)
+        while json.loads(reader.readline())["event"] != "token":
+            pass  # request 1 is generating
+        send(sock, 2, prompt="queued", max_tokens=2)
+        send(sock, 3, prompt="one too many", max_tokens=2)
+        busy = None
+        while busy is None:
+            event = json.loads(reader.readline())
+            if event["id"] == 3 and event["event"] == "error":
+                busy = event
+        assert busy["code"] == "busy" and busy["retryable"] is True
+        sock.sendall(b'{"v": 1, "id": 4, "op": "cancel", "params": {"target": 1}}\n')
+        ends: dict[int, str] = {}
+        deadline = time.monotonic() + 30
+        while len(ends) < 2 and time.monotonic() < deadline:
+            event = json.loads(reader.readline())
+            if event["event"] in ("done", "error") and event["id"] in (1, 2):
+                ends[event["id"]] = event.get("code", event["event"])
+    assert ends == {1: "cancelled", 2: "done"}
