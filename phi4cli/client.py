@@ -20,6 +20,7 @@ from phi4cli import protocol
 from phi4cli.config import Settings
 from phi4cli.daemon import spawn
 from phi4cli.errors import (
+    DaemonGoneError,
     DaemonUnavailableError,
     EngineError,
     Phi4Error,
@@ -32,6 +33,7 @@ START_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
 READY_TIMEOUT = 600.0
 CONNECT_ATTEMPTS = 3
+BUSY_RETRY_S = 0.25
 _ids = itertools.count(1)
 
 
@@ -44,7 +46,9 @@ class DaemonConnection:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._reader = sock.makefile("rb")
+        # Our own buffer, not a file object: a Ctrl-C in the middle of a read must not lose
+        # the part of a line already received.
+        self._buffer = bytearray()
         self.spawned = False  # this connection's daemon was started for it
 
     @classmethod
@@ -61,8 +65,6 @@ class DaemonConnection:
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
-            self._reader.close()
-        with contextlib.suppress(OSError):
             self._sock.close()
 
     def __enter__(self) -> DaemonConnection:
@@ -78,19 +80,23 @@ class DaemonConnection:
         try:
             self._sock.sendall(protocol.encode_request(request))
         except OSError as exc:
-            raise DaemonUnavailableError(f"lost the connection to the daemon: {exc}") from None
+            raise DaemonGoneError(f"lost the connection to the daemon: {exc}") from None
         return request_id
 
     def next_event(self) -> dict[str, Any]:
         """Return the next event; raise DaemonUnavailableError if the daemon went away."""
-        try:
-            line = self._reader.readline()
-        except OSError as exc:
-            raise DaemonUnavailableError(f"lost the connection to the daemon: {exc}") from None
-        if not line:
-            raise DaemonUnavailableError(
-                "the daemon closed the connection unexpectedly; see `phi4 logs` or the daemon log"
-            )
+        while (end := self._buffer.find(b"\n")) < 0:
+            try:
+                chunk = self._sock.recv(65536)
+            except OSError as exc:
+                raise DaemonGoneError(f"lost the connection to the daemon: {exc}") from None
+            if not chunk:
+                raise DaemonGoneError(
+                    "the daemon closed the connection unexpectedly; see the daemon log"
+                )
+            self._buffer += chunk
+        line = bytes(self._buffer[: end + 1])
+        del self._buffer[: end + 1]
         try:
             return protocol.decode(line)
         except protocol.ProtocolViolation as exc:
@@ -113,17 +119,25 @@ class DaemonConnection:
                 return
 
     def call(self, op: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Send a request and return its terminal event."""
+        """Send a request and return its terminal ``done`` event; raise the matching Phi4Error
+        when the daemon answers with an error."""
         *_, terminal = self.request(op, params)
+        if terminal.get("event") == "error":
+            raise error_for(terminal)
         return terminal
 
 
 def try_connect(paths: Paths) -> DaemonConnection | None:
-    """Return a connection to a running daemon, or None when nothing listens on the socket."""
+    """Return a connection to a running daemon, or None when nothing listens on the socket.
+
+    Raise DaemonUnavailableError when the socket exists but cannot be used (permissions, ...).
+    """
     try:
         return DaemonConnection.open(paths.socket)
     except (FileNotFoundError, ConnectionRefusedError):
         return None
+    except OSError as exc:
+        raise DaemonUnavailableError(f"cannot connect to {paths.socket}: {exc.strerror}") from None
 
 
 def ensure_daemon(
@@ -141,27 +155,40 @@ def ensure_daemon(
     if connection is not None:
         return connection
     with spawn.spawn_lock(paths):
-        connection = try_connect(paths)
-        if connection is not None:
-            return connection
-        if spawn.remove_stale_files(paths):
-            announce("removed the socket of a daemon that is no longer running")
-        if not spawn.daemon_alive(paths):
+        while True:
+            connection = try_connect(paths)
+            if connection is not None:
+                return connection
+            if spawn.remove_stale_files(paths):
+                announce("removed the socket of a daemon that is no longer running")
+            if spawn.daemon_alive(paths):
+                # One is starting up (by hand) or shutting down: wait for its socket or its end.
+                connection = _wait_for_socket(paths, None)
+                if connection is not None:
+                    return connection
+                continue
             announce("starting the phi4 daemon (first call; later calls reuse it)...")
             process = spawn.spawn_daemon(paths, settings, model_path)
-        else:
-            process = None  # another daemon is starting up by hand: wait for its socket
-        connection = _wait_for_socket(paths, process)
-        connection.spawned = process is not None
-        return connection
+            connection = _wait_for_socket(paths, process)
+            if connection is None:  # pragma: no cover - _wait_for_socket raises for a process
+                raise DaemonUnavailableError("the daemon did not start")
+            connection.spawned = True
+            return connection
 
 
-def _wait_for_socket(paths: Paths, process: Any) -> DaemonConnection:
+def _wait_for_socket(paths: Paths, process: Any) -> DaemonConnection | None:
+    """Wait for the daemon's socket to accept connections.
+
+    With ``process`` (one we spawned): raise DaemonUnavailableError if it exits or takes too
+    long. Without: return None as soon as no daemon holds the lock any more.
+    """
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         connection = try_connect(paths)
         if connection is not None:
             return connection
+        if process is None and not spawn.daemon_alive(paths):
+            return None
         if process is not None and process.poll() is not None:
             detail = spawn.last_log_line(paths)
             raise DaemonUnavailableError(
@@ -184,19 +211,18 @@ def stop_daemon(paths: Paths, timeout: float = STOP_TIMEOUT) -> int | None:
     status = spawn.read_status(paths)
     pid = status.pid if status else None
     connection = try_connect(paths)
+    asked = False
     if connection is not None:
         with connection:
             try:
-                reply = connection.call("stop")
-                pid = reply.get("result", {}).get("pid", pid)
-            except (DaemonRestartRequired, DaemonUnavailableError):
-                if pid is not None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGTERM)
+                pid = connection.call("stop").get("result", {}).get("pid", pid)
+                asked = True
+            except (DaemonRestartRequired, Phi4Error):
+                pass  # not ours to talk to: signal it below
     elif not spawn.daemon_alive(paths):
         spawn.remove_stale_files(paths)
         return None
-    elif pid is not None:
+    if not asked and pid is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     if pid is None:
@@ -294,16 +320,18 @@ def connect_checked(
             restarted = True
             announce("the running daemon speaks another protocol version; restarting it...")
             stop_daemon(paths)
-        except DaemonUnavailableError:
+        except DaemonGoneError:
             connection.close()
             if attempt == CONNECT_ATTEMPTS - 1:
                 raise
             wait_until_gone(paths)
+        except BaseException:
+            connection.close()
+            raise
     raise DaemonUnavailableError("could not reach a working daemon")
 
 
 EventSink = Callable[[int, dict[str, Any]], None]
-BUSY_RETRY_S = 0.25
 
 
 def solve_many(
@@ -318,66 +346,81 @@ def solve_many(
     """Send solve requests over one connection, at most ``window`` in flight, and pass every
     event to ``on_event(index, event)``; each request ends with exactly one terminal event.
 
-    Requests the daemon found busy are sent again. Requests that met a daemon shutting down before
-    producing anything are sent again, once, to a fresh daemon. Interrupting this (Ctrl-C) closes
-    the connection, which cancels every request still running.
+    Requests the daemon found busy are sent again once others finish. Requests that met a daemon
+    shutting down before producing anything are sent again, once, to a fresh daemon. Interrupting
+    this (Ctrl-C) closes the connection, which cancels every request still running.
     """
-    waiting: deque[int] = deque(range(len(requests)))
-    produced: set[int] = set()
-    retried_shutdown = False
-    while waiting:
-        resend: list[int] = []
+    batch = _Batch(requests, on_event, window)
+    retried = False
+    while batch.waiting:
         connection = connect_checked(paths, settings, model_path, announce)
         with connection:
-            in_flight: dict[Any, int] = {}
-            while waiting or in_flight:
-                while waiting and len(in_flight) < window:
-                    index = waiting.popleft()
-                    in_flight[connection.send("solve", requests[index])] = index
-                try:
-                    event = connection.next_event()
-                except DaemonUnavailableError:
-                    if resend and not retried_shutdown:
-                        break  # the daemon went away as it said it would: start a fresh one
-                    raise
-                index_or_none = in_flight.get(event.get("id"))
-                if index_or_none is None:
-                    continue
-                index = index_or_none
-                kind = event.get("event")
-                if kind == "error" and event.get("code") == protocol.BUSY:
-                    del in_flight[event["id"]]
-                    waiting.appendleft(index)
-                    time.sleep(BUSY_RETRY_S)
-                    continue
-                if (
-                    kind == "error"
-                    and event.get("code") == protocol.SHUTTING_DOWN
-                    and index not in produced
-                    and not retried_shutdown
-                ):
-                    del in_flight[event["id"]]
-                    resend.append(index)
-                    continue
-                if kind in ("token", "reasoning"):
-                    produced.add(index)
-                on_event(index, event)
-                if kind in protocol.TERMINAL_EVENTS:
-                    del in_flight[event["id"]]
-            else:
-                if not resend:
-                    return
-        retried_shutdown = True
-        for request_id, index in in_flight.items():
-            if index in produced:  # cut off mid-answer: report it, do not answer twice
-                on_event(
-                    index,
-                    protocol.error_event(
-                        request_id, protocol.SHUTTING_DOWN, "the daemon stopped mid-answer"
-                    ),
-                )
-            else:
-                resend.append(index)
-        waiting = deque(sorted(resend + list(waiting)))
+            batch.run(connection)
+        if not batch.waiting:
+            return
+        if retried:
+            raise DaemonUnavailableError("the daemon stopped twice while answering; see its log")
+        retried = True
         announce("the daemon was shutting down; starting a fresh one...")
         wait_until_gone(paths)
+
+
+class _Batch:
+    """The bookkeeping of ``solve_many``: what waits, what is in flight, what has produced."""
+
+    def __init__(self, requests: list[dict[str, Any]], on_event: EventSink, window: int) -> None:
+        self.requests = requests
+        self.on_event = on_event
+        self.window = window
+        self.waiting: deque[int] = deque(range(len(requests)))
+        self.produced: set[int] = set()
+        self.shutdown_seen = False
+
+    def run(self, connection: DaemonConnection) -> None:
+        """Drive requests over ``connection`` until all are answered, or the daemon goes away;
+        requests still worth sending again are left in ``waiting``."""
+        in_flight: dict[Any, int] = {}
+        resend: list[int] = []
+        try:
+            while self.waiting or in_flight:
+                while self.waiting and len(in_flight) < self.window and not self.shutdown_seen:
+                    index = self.waiting.popleft()
+                    in_flight[connection.send("solve", self.requests[index])] = index
+                if not in_flight:
+                    break
+                self._handle(connection.next_event(), in_flight, resend)
+        except DaemonGoneError:
+            if not resend and not self.shutdown_seen:
+                raise
+            for request_id, index in in_flight.items():
+                if index in self.produced:  # cut off mid-answer: say so, do not answer twice
+                    self.on_event(index, protocol.error_event(
+                        request_id, protocol.SHUTTING_DOWN, "the daemon stopped mid-answer"
+                    ))  # fmt: skip
+                else:
+                    resend.append(index)
+        self.waiting = deque(sorted([*resend, *self.waiting]))
+
+    def _handle(self, event: dict[str, Any], in_flight: dict[Any, int], resend: list[int]) -> None:
+        index = in_flight.get(event.get("id"))
+        if index is None:
+            return
+        kind, code = event.get("event"), event.get("code")
+        if kind == "error" and code == protocol.BUSY:
+            # The queue is full (other clients too): keep fewer in flight, send this one later.
+            del in_flight[event["id"]]
+            self.window = max(1, len(in_flight))
+            self.waiting.appendleft(index)
+            if not in_flight:
+                time.sleep(BUSY_RETRY_S)  # nothing of ours to wait for: back off a little
+            return
+        if kind == "error" and code == protocol.SHUTTING_DOWN and index not in self.produced:
+            del in_flight[event["id"]]
+            self.shutdown_seen = True
+            resend.append(index)
+            return
+        if kind in ("token", "reasoning"):
+            self.produced.add(index)
+        self.on_event(index, event)
+        if kind in protocol.TERMINAL_EVENTS:
+            del in_flight[event["id"]]

@@ -80,10 +80,13 @@ def _temperature(value: object) -> float:
     return number
 
 
-def _optional_int(value: object) -> int | None:
+def _optional_seed(value: object) -> int | None:
     if value is None or str(value).strip().lower() in {"", "none", "random"}:
         return None
-    return int(str(value))
+    number = int(str(value))
+    if number < 0:
+        raise ValueError(value)
+    return number
 
 
 def _optional_budget(value: object) -> int | None:
@@ -132,7 +135,7 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
     "temperature": (_temperature, "a number from 0 to 5"),
     "top_p": (_unit_float, "a number from 0 to 1"),
     "max_tokens": (_optional_positive_int, "a positive integer, or none"),
-    "seed": (_optional_int, "an integer, or random"),
+    "seed": (_optional_seed, "a whole number >= 0, or random"),
     "think_budget": (_optional_budget, "a number of tokens (0 skips thinking), or none"),
     "ramdisk": (_ramdisk_mode, "auto (stage on tmpfs if there is room), on or off"),
     "mlock": (_boolean, "true or false"),

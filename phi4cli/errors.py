@@ -55,6 +55,10 @@ class DaemonUnavailableError(Phi4Error):
     exit_status = ExitStatus.DAEMON_UNAVAILABLE
 
 
+class DaemonGoneError(DaemonUnavailableError):
+    """The connection to the daemon broke: it exited, was killed, or hung up."""
+
+
 class ProtocolMismatchError(Phi4Error):
     """The daemon still speaks another protocol version after one restart."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from phi4cli.errors import Phi4Error
 from phi4cli.reasoning import extract_final_answer
 
 
@@ -36,6 +37,13 @@ class Outcome:
             self.done = True
         elif kind == "done":
             self.done = True
+
+    def exception(self) -> Phi4Error:
+        """The error this request ended with, as the exception the CLI reports."""
+        assert self.error is not None, "the request did not fail"
+        from phi4cli.client import error_for
+
+        return error_for({"event": "error", **self.error})
 
     @property
     def answer(self) -> str | None:

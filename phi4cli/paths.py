@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -57,11 +58,12 @@ class Paths:
         Raise DaemonUnavailableError if it belongs to someone else (a directory planted in /tmp).
         """
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
-        if self.runtime_dir.stat().st_uid != os.getuid():
+        info = self.runtime_dir.lstat()  # lstat: a planted symlink must not pass for our dir
+        if info.st_uid != os.getuid() or not stat.S_ISDIR(info.st_mode):
             from phi4cli.errors import DaemonUnavailableError
 
             raise DaemonUnavailableError(
-                f"{self.runtime_dir} belongs to another user; remove it or set XDG_RUNTIME_DIR"
+                f"{self.runtime_dir} is not a directory of yours; remove it or set XDG_RUNTIME_DIR"
             )
         os.chmod(self.runtime_dir, 0o700)
         return self.runtime_dir

@@ -13,11 +13,12 @@ from typing import Any, TextIO
 
 from prompt_toolkit.history import FileHistory
 
+from phi4cli import protocol
 from phi4cli.atomicfile import write_atomic
 from phi4cli.chats import ChatStore, Conversation, Turn, default_name
-from phi4cli.client import DaemonConnection, connect_checked, error_for
+from phi4cli.client import DaemonConnection, connect_checked
 from phi4cli.config import Settings, parse_setting
-from phi4cli.errors import DaemonUnavailableError, Phi4Error
+from phi4cli.errors import DaemonGoneError, Phi4Error
 from phi4cli.outcome import Outcome
 from phi4cli.paths import Paths
 from phi4cli.render import PlainPresenter, TerminalPresenter, format_stats, human_seconds
@@ -153,7 +154,7 @@ class ChatRepl:
                 self._drop_connection()
                 self.env.notice("stopped before the answer began; this question is not kept")
                 return
-            except DaemonUnavailableError:
+            except DaemonGoneError:
                 presenter.abort()
                 self._drop_connection()
                 if attempt:
@@ -164,8 +165,7 @@ class ChatRepl:
                 )
         if outcome.error is not None and not interrupted:
             presenter.abort()
-            error = error_for({"event": "error", **outcome.error})
-            self.env.notice(f"error: {error}")
+            self.env.notice(f"error: {outcome.exception()}")
             return
         if interrupted:
             presenter.show_partial(outcome)
@@ -199,9 +199,13 @@ class ChatRepl:
                 outcome.apply(event)
                 presenter.on_event(event)
             except KeyboardInterrupt:
-                if not interrupted:
-                    interrupted = True
-                    connection.send("cancel", {"target": request_id})
+                if interrupted:
+                    # A second Ctrl-C: stop waiting. Hanging up cancels the request for sure.
+                    self._drop_connection()
+                    outcome.error = {"code": protocol.CANCELLED, "message": "cancelled"}
+                    break
+                interrupted = True
+                connection.send("cancel", {"target": request_id})
         return interrupted
 
     def _drop_connection(self) -> None:
@@ -324,8 +328,13 @@ class ChatRepl:
             self.env.notice("nothing to retry yet")
             return
         last = conversation.turns.pop()
-        conversation.dropped = min(conversation.dropped, len(conversation.turns))
+        dropped = conversation.dropped
+        conversation.dropped = min(dropped, len(conversation.turns))
+        before = len(conversation.turns)
         self.ask(last.question)
+        if len(conversation.turns) == before:  # no new answer: keep the old one
+            conversation.turns.append(last)
+            conversation.dropped = dropped
 
     def _save(self, name: str) -> None:
         if not name:

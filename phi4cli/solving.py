@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from phi4cli.client import error_for, solve_many
+from phi4cli.client import solve_many
 from phi4cli.config import Settings
 from phi4cli.errors import ExitStatus
 from phi4cli.outcome import Outcome
@@ -114,7 +114,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     if outcome.error is not None:
         if presenter is not None:
             presenter.abort()
-        raise error_for({"event": "error", **outcome.error})
+        raise outcome.exception()
     if mode.as_json:
         _print_json(outcome.to_json())
         return ExitStatus.OK
@@ -153,7 +153,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
         job.run(requests, on_event)
     good = [o for o in outcomes if o.error is None]
     if not good:
-        raise error_for({"event": "error", **(outcomes[0].error or {})})
+        raise outcomes[0].exception()
     vote = majority_vote([o.answer for o in outcomes])
     winner = next(
         (o for o in good if vote.answer is not None and o.answer is not None

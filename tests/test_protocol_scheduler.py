@@ -298,8 +298,15 @@ def test_runtime_dir_of_another_user_is_refused(tmp_path: Path):
     planted.mkdir()
     os.chown(planted, 65534, 65534)
     paths = Paths(tmp_path, tmp_path, tmp_path, tmp_path, planted)
-    with pytest.raises(DaemonUnavailableError, match="belongs to another user"):
+    with pytest.raises(DaemonUnavailableError, match="not a directory of yours"):
         paths.ensure_runtime_dir()
+    # A symlink to a directory we own is refused too: it could point anywhere.
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(DaemonUnavailableError, match="not a directory of yours"):
+        Paths(tmp_path, tmp_path, tmp_path, tmp_path, link).ensure_runtime_dir()
 
 
 def test_default_runtime_dir_prefers_xdg_and_falls_back_to_tmp(monkeypatch, tmp_path: Path):

@@ -119,25 +119,13 @@ class LlamaEngine:
             )
         except (ValueError, RuntimeError, OSError) as exc:
             raise ModelLoadError(_diagnose_load_failure(path, exc)) from None
+        try:
+            self._prepare(llm, path)
+        except BaseException:
+            self.close()
+            llm.close()
+            raise
         load_s = time.monotonic() - started
-        template = llm.metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATE
-        model = llm._model
-        self._formatter = Jinja2ChatFormatter(
-            template=template,
-            eos_token=model.token_get_text(llm.token_eos()),
-            bos_token=model.token_get_text(llm.token_bos()),
-        )
-        self._vocab = llama_cpp.llama_model_get_vocab(model.model)
-        self._llm = llm
-        self._model_path = path
-        self._thinks = model_thinks(str(llm.metadata.get("general.name", "")), path.name)
-        self._glue = self._turn_glue()
-        self._sessions.clear()
-        self._tag_tokens = {}
-        for tag in (THINK_OPEN, THINK_CLOSE):
-            ids = llm.tokenize(tag.encode(), add_bos=False, special=True)
-            if len(ids) == 1:  # a special token: rendered explicitly, as pieces hide specials
-                self._tag_tokens[ids[0]] = tag.encode()
         log.info("loaded %s from %s in %.2f s (threads %d)", path, staging.path, load_s,
                  self.threads)  # fmt: skip
         return {
@@ -152,6 +140,28 @@ class LlamaEngine:
             "threads": self.threads,
             "mlock": self.mlock,
         }
+
+    def _prepare(self, llm: llama_cpp.Llama, path: Path) -> None:
+        """Set up what depends on the loaded model: template, vocab, think tags, turn glue."""
+        template = llm.metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATE
+        model = llm._model
+        self._formatter = Jinja2ChatFormatter(
+            template=template,
+            eos_token=model.token_get_text(llm.token_eos()),
+            bos_token=model.token_get_text(llm.token_bos()),
+        )
+        self._vocab = llama_cpp.llama_model_get_vocab(model.model)
+        self._thinks = model_thinks(str(llm.metadata.get("general.name", "")), path.name)
+        self._glue = self._turn_glue()
+        self._sessions.clear()
+        self._tag_tokens = {}
+        for tag in (THINK_OPEN, THINK_CLOSE):
+            ids = llm.tokenize(tag.encode(), add_bos=False, special=True)
+            if len(ids) == 1:  # a special token: rendered explicitly, as pieces hide specials
+                self._tag_tokens[ids[0]] = tag.encode()
+        # Last: until here a failure leaves no half-loaded model behind.
+        self._llm = llm
+        self._model_path = path
 
     def warm(self) -> dict[str, Any]:
         """Make the first question cheap: one warm-up decode, then the default system prompt's
@@ -374,7 +384,8 @@ class LlamaEngine:
                     "shorten it or raise n_ctx"
                 )
         cached = self._prefill(tokens, cancelled)
-        sequence = list(tokens[: llm.n_tokens])  # what the KV holds, as the turn goes on
+        prefilled = llm.n_tokens == len(tokens)  # False: cancelled while reading the prompt
+        sequence = list(tokens)  # what the KV holds, as the turn goes on
         prompt_s = time.monotonic() - request_started
 
         seed = params.seed if params.seed is not None else random.getrandbits(31)
@@ -392,9 +403,14 @@ class LlamaEngine:
         finish_reason = "length"
         decode_started = time.monotonic()
         first_token_s: float | None = None
-        if params.think_budget == 0 and self._thinks:
+        if params.think_budget == 0 and self._thinks and prefilled:
             budget_reached = self._close_thinking(forward, sequence)
-        while generated < limit and not cancelled.is_set():
+        while (
+            prefilled
+            and generated < limit
+            and llm.n_tokens < self.n_ctx  # think-budget tokens take room too
+            and not cancelled.is_set()
+        ):
             token = sampler.sample(llm._ctx, -1)
             if llama_cpp.llama_vocab_is_eog(self._vocab, token):
                 finish_reason = "stop"
@@ -422,7 +438,7 @@ class LlamaEngine:
         sampler.close()
         chat = (
             self._remember_turn(params, plan, sequence, splitter.answer)
-            if plan is not None and len(sequence) >= len(tokens)
+            if plan is not None and prefilled
             else {}
         )
         return {

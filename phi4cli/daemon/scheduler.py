@@ -108,7 +108,7 @@ def parse_solve_params(params: dict[str, Any], defaults: Settings) -> SolveParam
             protocol.BAD_REQUEST, "'keep_alive' must be a duration like 30m, 0 or -1"
         ) from None
     priority = params.get("priority", "solve")
-    if priority not in _PRIORITIES:
+    if not isinstance(priority, str) or priority not in _PRIORITIES:
         raise ProtocolViolation(
             protocol.BAD_REQUEST, f"'priority' must be one of {', '.join(_PRIORITIES)}"
         )
@@ -208,6 +208,8 @@ class Job:
     seq: int = field(default_factory=lambda: next(_job_seq))
     submitted_at: float = field(default_factory=time.monotonic)
 
+    finished: bool = False  # its one terminal event has gone out
+
     def cancel(self, code: str = protocol.CANCELLED) -> None:
         self.cancel_code = code
         self.cancelled.set()
@@ -216,8 +218,17 @@ class Job:
         event = {"reasoning": "reasoning", "retract": "retract"}.get(kind, "token")
         self.emit(protocol.event(self.request_id, event, text=text))
 
+    def finish(self, event: dict[str, Any]) -> None:
+        """Send the request's terminal event: exactly once, whoever gets there first."""
+        if not self.finished:
+            self.finished = True
+            self.emit(event)
+
     def fail(self, code: str, message: str) -> None:
-        self.emit(protocol.error_event(self.request_id, code, message))
+        self.finish(protocol.error_event(self.request_id, code, message))
+
+    def done(self, **fields: Any) -> None:
+        self.finish(protocol.event(self.request_id, "done", **fields))
 
 
 class QueueFullError(Exception):
@@ -240,7 +251,7 @@ class RequestScheduler:
         self._on_state = on_state
         self._queue: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
         self._current: Job | None = None
-        self._lock = threading.Lock()
+        self._outstanding = 0  # submitted and not yet finished by the worker
         self._thread = threading.Thread(target=self._run, name="phi4-engine", daemon=True)
         self.last_load: dict[str, Any] = {}
         self.last_error: str | None = None
@@ -254,24 +265,37 @@ class RequestScheduler:
 
     @property
     def busy(self) -> bool:
-        return self._current is not None or not self._queue.empty()
+        return self._outstanding > 0
 
     def submit(self, job: Job) -> int:
-        """Queue a job; return how many jobs are ahead of it. Raise QueueFullError when full."""
-        with self._lock:
-            ahead = self._queue.qsize() + (self._current is not None)
-            if self._queue.qsize() >= self._max_queue:
-                raise QueueFullError
-            self._queue.put((job.params.priority, job.seq, job))
+        """Queue a job; return how many jobs are ahead of it. Raise QueueFullError when full.
+
+        Called from the event loop's thread only.
+        """
+        ahead = self._queue.qsize() + (self._current is not None)
+        if self._queue.qsize() >= self._max_queue:
+            raise QueueFullError
+        self._outstanding += 1
+        self._queue.put((job.params.priority, job.seq, job))
         return ahead
 
-    def stop(self, timeout: float) -> None:
-        """Cancel the running job, let queued ones fail fast, and wait for the worker to finish."""
+    def cancel(self, job: Job) -> None:
+        """Stop a job: the running one within a decode step, a queued one at once."""
+        job.cancel()
+        if job is not self._current:
+            job.fail(protocol.CANCELLED, "cancelled before it started")
+
+    def stop(self, timeout: float) -> bool:
+        """Cancel the running job, let queued ones fail fast, and wait for the worker to finish.
+
+        Return False if the worker is still busy (in a load that cannot be interrupted).
+        """
         current = self._current
         if current is not None:
             current.cancel(protocol.SHUTTING_DOWN)
         self._queue.put((-1, -1, None))
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         if self._default_model is not None:
@@ -283,7 +307,8 @@ class RequestScheduler:
                 return
             self._current = job
             try:
-                self._serve(job)
+                if not job.finished:  # a job cancelled while queued has had its answer
+                    self._serve(job)
             except Exception:
                 log.exception("request %r failed", job.request_id)
                 job.fail(
@@ -291,11 +316,13 @@ class RequestScheduler:
                 )
             finally:
                 self._current = None
+                self._outstanding -= 1
 
     def _drain(self) -> None:
         while not self._queue.empty():
             job = self._queue.get_nowait()[2]
             if job is not None:
+                self._outstanding -= 1
                 job.fail(
                     protocol.SHUTTING_DOWN, "the daemon is shutting down; run the command again"
                 )
@@ -304,12 +331,20 @@ class RequestScheduler:
         self._on_state("loading", path, None)
         try:
             self.last_load = self._engine.load(path)
-        except ModelLoadError as exc:
-            self.last_error = str(exc)
-            self._on_state("failed", path, str(exc))
+            self._on_state("warming", path, None)
+            self.last_load.update(self._engine.warm())
+        except Exception as exc:
+            # Whatever broke, the worker must live on to answer the next request.
+            if not isinstance(exc, ModelLoadError):
+                log.exception("loading %s failed", path)
+            self._engine.close()
+            self.last_error = (
+                str(exc)
+                if isinstance(exc, ModelLoadError)
+                else (f"loading {path} failed: {type(exc).__name__}: {exc}")
+            )
+            self._on_state("failed", path, self.last_error)
             return False
-        self._on_state("warming", path, None)
-        self.last_load.update(self._engine.warm())
         self.last_error = None
         self._on_state("ready", path, None)
         return True
@@ -330,8 +365,7 @@ class RequestScheduler:
                 return
             load_s = float(self.last_load.get("load_s", 0.0))
         if job.params.load_only:
-            result = {**self.last_load, "already_loaded": load_s == 0.0}
-            job.emit(protocol.event(job.request_id, "done", result=result))
+            job.done(result={**self.last_load, "already_loaded": load_s == 0.0})
             return
         started = time.monotonic()
         try:
@@ -352,4 +386,4 @@ class RequestScheduler:
             )
             job.fail(job.cancel_code, message)
             return
-        job.emit(protocol.event(job.request_id, "done", finish_reason=stats.get("finish_reason")))
+        job.done(finish_reason=stats.get("finish_reason"))

@@ -206,8 +206,8 @@ class DaemonServer:
             pass
         finally:
             # A client that hangs up (Ctrl-C, `| head -1`) stops its generations.
-            for job in connection.jobs.values():
-                job.cancel()
+            for job in list(connection.jobs.values()):
+                self.scheduler.cancel(job)
             self._connections.discard(connection)
             await self._close(connection)
 
@@ -220,6 +220,7 @@ class DaemonServer:
             await connection.writer.wait_closed()
 
     def _dispatch(self, connection: Connection, line: bytes) -> None:
+        request: Request | None = None
         try:
             request = protocol.parse_request(line)
             handler = {
@@ -234,6 +235,16 @@ class DaemonServer:
             handler(connection, request)
         except ProtocolViolation as exc:
             connection.send(protocol.error_event(exc.request_id, exc.code, exc.message))
+        except Exception as exc:
+            # A bug must cost this request an answer, not the connection or the daemon.
+            log.exception("handling %r failed", line[:200])
+            connection.send(
+                protocol.error_event(
+                    request.id if request is not None else None,
+                    protocol.INTERNAL,
+                    f"internal error in the daemon: {type(exc).__name__}: {exc}",
+                )
+            )
 
     def _op_ping(self, connection: Connection, request: Request) -> None:
         connection.send(
@@ -257,9 +268,13 @@ class DaemonServer:
 
     def _op_cancel(self, connection: Connection, request: Request) -> None:
         target = request.params.get("target")
+        if not isinstance(target, (str, int)) or isinstance(target, bool):
+            raise ProtocolViolation(
+                protocol.BAD_REQUEST, "'target' must be the id of a request", request.id
+            )
         job = connection.jobs.get(target)
         if job is not None:
-            job.cancel()
+            self.scheduler.cancel(job)
         connection.send(protocol.event(request.id, "done", result={"cancelled": job is not None}))
 
     def _op_solve(self, connection: Connection, request: Request) -> None:
@@ -282,6 +297,7 @@ class DaemonServer:
             raise ProtocolViolation(exc.code, exc.message, request.id) from None
         if params.keep_alive is not None:
             self.keep_alive = params.keep_alive
+        self.last_activity = time.monotonic()
         loop = self._loop
         assert loop is not None
 
@@ -362,7 +378,7 @@ class DaemonServer:
         finally:
             idle.cancel()
             server.close()
-            await self._loop.run_in_executor(None, self.scheduler.stop, 10.0)
+            worker_done = await self._loop.run_in_executor(None, self.scheduler.stop, 10.0)
             await asyncio.sleep(0.05)  # let the last terminal events reach their clients
             for connection in list(self._connections):
                 await self._close(connection)
@@ -370,6 +386,12 @@ class DaemonServer:
                 sock_path.unlink()
             with contextlib.suppress(FileNotFoundError):
                 self.paths.status_file.unlink()
+            if not worker_done:
+                # The engine thread is still inside llama.cpp (an uninterruptible load): freeing
+                # the model under it would crash, so leave without tearing anything down.
+                log.warning("the engine did not stop in time; exiting without unloading")
+                logging.shutdown()
+                os._exit(0)
             self.engine.close()
             log.info("stopped")
 
