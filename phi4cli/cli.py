@@ -436,20 +436,41 @@ def daemon_start(
     max_queue: MaxQueueOption = None,
 ) -> None:
     """Start the daemon in the background and wait until its model is loaded."""
-    from phi4cli.client import ensure_daemon, wait_until_ready
+    from phi4cli.client import daemon_status
 
     paths, settings, model_path = _daemon_setup(
         ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads, mlock=mlock,
         max_queue=max_queue,
     )  # fmt: skip
-    ensure_daemon(paths, settings, model_path, _stderr).close()
-    current = wait_until_ready(paths)
-    load = current.get("load") or {}
+    load = _load_model(paths, settings, model_path, keep_alive is not None, n_ctx)[0]
+    current = daemon_status(paths)
     keep = format_duration(float(current.get("keep_alive_s", settings.keep_alive)))
     print(
         f"daemon ready (pid {current['pid']}, model {current.get('model')}, "
         f"load {load.get('load_s', 0):.2f} s, keep_alive {keep})"
     )
+
+
+def _load_model(
+    paths: Paths, settings: Settings, model_path: Path, set_keep_alive: bool, n_ctx: int | None
+) -> tuple[dict[str, Any], bool]:
+    """Have the daemon (started if need be) load and warm ``model_path``; return its load
+    timings and whether this call started the daemon. Warn about settings a running daemon
+    cannot change."""
+    from phi4cli.client import connect_checked
+
+    params: dict[str, Any] = {"model": str(model_path)}
+    if set_keep_alive:
+        params["keep_alive"] = settings.keep_alive
+    with connect_checked(paths, settings, model_path, _stderr) as connection:
+        result = dict(connection.call("load", params).get("result") or {})
+        spawned = connection.spawned
+        if not spawned and n_ctx is not None and result.get("n_ctx") != n_ctx:
+            _stderr(
+                f"the running daemon keeps its context of {result.get('n_ctx')} tokens; "
+                "`phi4 stop` first to change it"
+            )
+    return result, spawned
 
 
 @daemon_app.command("run")
@@ -490,25 +511,21 @@ def warm(
     as_json: Annotated[bool, typer.Option("--json", help="Print the timings as JSON.")] = False,
 ) -> None:
     """Start the daemon if needed, stage and load the model, prewarm it, and report timings."""
-    from phi4cli.client import connect_checked, error_for
+    from phi4cli.client import connect_checked
     from phi4cli.render import format_warm
 
     paths, settings, model_path = _daemon_setup(
         ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads, mlock=mlock
     )
+    if no_wait:
+        connect_checked(paths, settings, model_path, _stderr).close()
+        print(f"the daemon is loading {model_path.name}; `phi4 status` shows its progress")
+        return
     started = time.monotonic()
-    connection = connect_checked(paths, settings, model_path, _stderr)
-    with connection:
-        if no_wait:
-            print(f"the daemon is loading {model_path.name}; `phi4 status` shows its progress")
-            return
-        reply = connection.call("load", {"model": str(model_path)})
-    if reply.get("event") == "error":
-        raise error_for(reply)
-    timings = dict(reply.get("result") or {})
+    timings, spawned = _load_model(paths, settings, model_path, keep_alive is not None, n_ctx)
     timings["wall_s"] = round(time.monotonic() - started, 4)
     # A daemon this command started loaded the model as it started: that load was ours.
-    timings["already_loaded"] = bool(timings.get("already_loaded")) and not connection.spawned
+    timings["already_loaded"] = bool(timings.get("already_loaded")) and not spawned
     print(json.dumps(timings, indent=2) if as_json else format_warm(timings))
 
 

@@ -31,7 +31,6 @@ from phi4cli.paths import Paths, check_socket_path
 
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
-READY_TIMEOUT = 600.0
 CONNECT_ATTEMPTS = 3
 BUSY_RETRY_S = 0.25
 _ids = itertools.count(1)
@@ -247,25 +246,6 @@ def daemon_status(paths: Paths) -> dict[str, Any]:
             raise DaemonUnavailableError(f"the running daemon is incompatible: {exc}") from None
     result: dict[str, Any] = reply.get("result", {})
     return result
-
-
-def wait_until_ready(paths: Paths, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
-    """Poll the daemon until its model is loaded; return its status.
-
-    Raise EngineError if loading failed, DaemonUnavailableError if it takes over ``timeout``.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        status = daemon_status(paths)
-        if status.get("state") == "ready":
-            return status
-        if status.get("state") == "failed":
-            raise EngineError(str(status.get("error") or "the daemon could not load the model"))
-        if time.monotonic() > deadline:
-            raise DaemonUnavailableError(
-                f"the daemon did not become ready within {timeout:.0f} s; see {paths.log_file}"
-            )
-        time.sleep(0.05)
 
 
 def wait_until_gone(paths: Paths, timeout: float = STOP_TIMEOUT, pid: int | None = None) -> bool:

@@ -317,3 +317,37 @@ def test_default_runtime_dir_prefers_xdg_and_falls_back_to_tmp(monkeypatch, tmp_
     assert get_paths().runtime_dir == tmp_path / "phi4"
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     assert get_paths().runtime_dir.name == f"phi4-{os.getuid()}"
+
+
+def test_cancelling_a_queued_job_answers_it_at_once():
+    engine, scheduler, out = busy_scheduler("running")
+    waiting = out.job(1, "waiting")
+    scheduler.submit(waiting)
+    scheduler.cancel(waiting)
+    out.wait(1, timeout=2)  # while job 0 still holds the engine
+    assert out.terminal(1)[0]["code"] == protocol.CANCELLED
+    engine.gate.set()
+    out.wait(0)
+    assert engine.served == ["running"]
+    assert len(out.terminal(1)) == 1, "exactly one terminal event"
+    scheduler.stop(5)
+    assert not scheduler.busy
+
+
+class WarmFailsEngine(FakeEngine):
+    def warm(self) -> dict[str, Any]:
+        raise RuntimeError("llama_decode failed")
+
+
+def test_a_warm_up_failure_leaves_the_worker_serving():
+    engine = WarmFailsEngine()
+    scheduler, states = make_scheduler(engine)
+    out = Collector()
+    scheduler.submit(out.job(0, "x"))
+    out.wait(0)
+    failure = out.terminal(0)[0]
+    assert failure["code"] == protocol.MODEL_ERROR
+    assert "RuntimeError: llama_decode failed" in failure["message"]
+    assert states[:3] == ["loading", "warming", "failed"]
+    assert engine.model_path is None, "the half-loaded model was closed"
+    scheduler.stop(5)

@@ -452,3 +452,35 @@ def test_second_daemon_run_refuses_while_one_runs(tiny_model: Path):
     second = run_phi4("daemon", "run", "-m", str(tiny_model), timeout=30)
     assert second.returncode == 3
     assert "already running" in second.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b'{"v": 1, "id": 1, "op": "solve", "params": {"prompt": "x", "priority": []}}\n',
+        b'{"v": 1, "id": 1, "op": "cancel", "params": {"target": []}}\n',
+    ],
+    ids=["unhashable-priority", "unhashable-cancel-target"],
+)
+def test_odd_param_types_are_refused_and_the_connection_lives(
+    tiny_model: Path, phi4_home: Path, payload: bytes
+):
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    with _connect(phi4_home) as sock:
+        sock.sendall(payload + b'{"v": 1, "id": 2, "op": "ping"}\n')
+        reader = sock.makefile("rb")
+        first, second = json.loads(reader.readline()), json.loads(reader.readline())
+    assert first["event"] == "error" and first["code"] == "bad_request"
+    assert second["id"] == 2 and second["event"] == "done"
+
+
+def test_daemon_start_with_another_model_switches_the_running_daemon(
+    tiny_model: Path, smollm2_model: Path, phi4_home: Path
+):
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    pid = status(phi4_home)["pid"]
+    switched = run_phi4("daemon", "start", "-m", str(smollm2_model), "--n-ctx", "512")
+    assert switched.returncode == 0, switched.stderr
+    assert "keeps its context of 8192 tokens" in switched.stderr
+    now = status(phi4_home)
+    assert now["pid"] == pid and now["model"] == str(smollm2_model)

@@ -165,8 +165,10 @@ def parse_load_params(params: dict[str, Any], defaults: Settings) -> SolveParams
     model = params.get("model")
     if not isinstance(model, str) or not model:
         raise ProtocolViolation(protocol.BAD_REQUEST, "'model' must be a path to a .gguf file")
-    solve = parse_solve_params({"prompt": "-", "model": model, "priority": "interactive"}, defaults)
-    return replace(solve, prompt="", load_only=True)
+    request = {"prompt": "-", "model": model, "priority": "interactive"}
+    if "keep_alive" in params:
+        request["keep_alive"] = params["keep_alive"]
+    return replace(parse_solve_params(request, defaults), prompt="", load_only=True)
 
 
 class Engine(Protocol):
