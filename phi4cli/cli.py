@@ -411,6 +411,12 @@ MaxQueueOption = Annotated[
                  help="Requests waiting before the daemon answers busy [default 64]."),
 ]  # fmt: skip
 
+ParallelOption = Annotated[
+    int | None,
+    typer.Option("--parallel", min=1, max=64, show_default=False,
+                 help="Requests decoded together [default 4]."),
+]  # fmt: skip
+
 
 def _daemon_setup(
     ramdisk_flag: bool | None = None, **overrides: object
@@ -434,13 +440,14 @@ def daemon_start(
     ramdisk: RamdiskOption = None,
     mlock: MlockOption = None,
     max_queue: MaxQueueOption = None,
+    parallel: ParallelOption = None,
 ) -> None:
     """Start the daemon in the background and wait until its model is loaded."""
     from phi4cli.client import daemon_status
 
     paths, settings, model_path = _daemon_setup(
         ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads, mlock=mlock,
-        max_queue=max_queue,
+        max_queue=max_queue, parallel=parallel,
     )  # fmt: skip
     load = _load_model(paths, settings, model_path, keep_alive is not None, n_ctx)[0]
     current = daemon_status(paths)
@@ -482,6 +489,7 @@ def daemon_run(
     ramdisk: RamdiskOption = None,
     mlock: MlockOption = None,
     max_queue: MaxQueueOption = None,
+    parallel: ParallelOption = None,
     ramdisk_mode: Annotated[
         str | None, typer.Option("--ramdisk-mode", hidden=True, show_default=False)
     ] = None,
@@ -492,7 +500,8 @@ def daemon_run(
     run_daemon(
         *_daemon_setup(
             ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads,
-            mlock=mlock, max_queue=max_queue, **({"ramdisk": ramdisk_mode} if ramdisk_mode else {}),
+            mlock=mlock, max_queue=max_queue, parallel=parallel,
+            **({"ramdisk": ramdisk_mode} if ramdisk_mode else {}),
         )
     )  # fmt: skip
 

@@ -140,6 +140,7 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
     "ramdisk": (_ramdisk_mode, "auto (stage on tmpfs if there is room), on or off"),
     "mlock": (_boolean, "true or false"),
     "max_queue": (_positive_int, "a positive integer (requests)"),
+    "parallel": (_positive_int, "a positive integer (requests decoded together)"),
     "system": (_optional_str, "text"),
 }
 
@@ -159,6 +160,7 @@ class Settings:
     ramdisk: str = "auto"  # stage the model on tmpfs: auto | on | off
     mlock: bool = False  # pin the model's pages in RAM
     max_queue: int = 64  # requests waiting in the daemon before it answers busy
+    parallel: int = 4  # requests decoded together (slots of the one llama context)
     # None: the chat template's own default system prompt ("Your name is Phi, ...").
     system: str | None = None
 

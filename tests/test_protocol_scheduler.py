@@ -18,12 +18,12 @@ from phi4cli.daemon.scheduler import (
     PRIORITY_BULK,
     PRIORITY_INTERACTIVE,
     PRIORITY_SOLVE,
+    ContextOverflowError,
     Job,
     ModelLoadError,
     QueueFullError,
     RequestScheduler,
     SolveParams,
-    TokenSink,
     parse_solve_params,
 )
 from phi4cli.daemon.server import peer_allowed, peer_uid
@@ -87,19 +87,29 @@ def test_solve_params_defaults_and_validation():
 
 
 class FakeEngine:
-    """Streams two tokens per request; can be held at a gate to let a queue build up."""
+    """Streams two tokens per request, one a step, in ``parallel`` slots; can be held at a gate
+    (inside a step) so that a queue builds up."""
 
-    def __init__(self) -> None:
+    def __init__(self, parallel: int = 1) -> None:
+        self.parallel = parallel
         self.loaded: list[Path] = []
         self.served: list[str] = []
         self.gate = threading.Event()
         self.gate.set()
         self.started = threading.Event()
         self._model: Path | None = None
+        self._runs: list[tuple[Job, list[str]]] = []
 
     @property
     def model_path(self) -> Path | None:
         return self._model
+
+    @property
+    def active(self) -> int:
+        return len(self._runs)
+
+    def free_slots(self) -> int:
+        return self.parallel - len(self._runs)
 
     def load(self, path: Path) -> dict[str, Any]:
         if path.name == "broken.gguf":
@@ -111,19 +121,29 @@ class FakeEngine:
     def warm(self) -> dict[str, Any]:
         return {"prefill_s": 0.0}
 
-    def generate(
-        self, params: SolveParams, emit: TokenSink, cancelled: threading.Event
-    ) -> dict[str, Any]:
+    def admit(self, job: Job) -> None:
+        if job.params.prompt == "too long":
+            raise ContextOverflowError("the question is too long")
+        self.served.append(job.params.prompt)
+        self._runs.append((job, ["a", "b"]))
+
+    def step(self) -> list[tuple[Job, dict[str, Any]]]:
         self.started.set()
         self.gate.wait(10)
-        if params.prompt == "explode":
-            raise RuntimeError("boom")
-        self.served.append(params.prompt)
-        for text in ("a", "b"):
-            if cancelled.is_set():
-                break
-            emit("answer", text)
-        return {"finish_reason": "stop"}
+        finished = []
+        for run in list(self._runs):
+            job, left = run
+            if job.params.prompt == "explode":
+                raise RuntimeError("boom")
+            if left and not job.cancelled.is_set():
+                job.emit_token("answer", left.pop(0))
+            if not left or job.cancelled.is_set():
+                self._runs.remove(run)
+                finished.append((job, {"finish_reason": "stop"}))
+        return finished
+
+    def reset(self) -> None:
+        self._runs.clear()
 
     def close(self) -> None:
         self._model = None
@@ -209,16 +229,18 @@ def test_full_queue_raises_and_cancelled_queued_job_never_reaches_engine():
     scheduler.stop(5)
 
 
-def test_engine_crash_becomes_an_internal_error_with_traceback_and_worker_survives():
+def test_engine_crash_becomes_an_error_with_traceback_and_worker_survives():
     engine = FakeEngine()
     scheduler, _ = make_scheduler(engine)
     out = Collector()
     scheduler.submit(out.job(0, "explode"))
     scheduler.submit(out.job(1, "fine"))
-    out.wait(0, 1)
+    scheduler.submit(out.job(2, "too long"))
+    out.wait(0, 1, 2)
     crash = out.terminal(0)
-    assert len(crash) == 1 and crash[0]["code"] == protocol.INTERNAL
+    assert len(crash) == 1 and crash[0]["code"] == protocol.MODEL_ERROR
     assert "RuntimeError: boom" in crash[0]["message"]
+    assert out.terminal(2)[0]["code"] == protocol.CONTEXT_OVERFLOW
     assert out.terminal(1)[0]["event"] == "done"
     scheduler.stop(5)
 

@@ -132,3 +132,46 @@ def test_full_queue_answers_busy_and_a_cancelled_request_frees_the_engine(
             if event["event"] in ("done", "error") and event["id"] in (1, 2):
                 ends[event["id"]] = event.get("code", event["event"])
     assert ends == {1: "cancelled", 2: "done"}
+
+
+def test_concurrent_streams_are_decoded_together_and_match_their_solo_output(
+    smollm2_model: Path, phi4_home: Path
+):
+    import subprocess
+
+    from tests.conftest import PHI4
+
+    questions = ["Explain why the sky is blue.", "Name three prime numbers and say why."]
+    args = ["-m", str(smollm2_model), "-t", "0", "-n", "80", "--json"]
+    assert run_phi4("daemon", "start", "-m", str(smollm2_model), "--parallel", "4").returncode == 0
+    alone = [json.loads(run_phi4("solve", q, *args).stdout) for q in questions]
+    procs = [
+        subprocess.Popen([PHI4, "solve", q, *args], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, text=True)
+        for q in questions
+    ]  # fmt: skip
+    together = [json.loads(proc.communicate(timeout=120)[0]) for proc in procs]
+    assert [r["solution"] for r in together] == [r["solution"] for r in alone]
+    # Two slots were busy at once: the two answers were decoded in the same batches.
+    assert together[0]["stats"]["slot"] != together[1]["stats"]["slot"]
+    first, second = (r["stats"] for r in together)
+    assert first["total_s"] > 0 and second["total_s"] > 0
+
+
+def test_a_cancelled_request_frees_its_slot_for_the_next(tiny_model: Path, phi4_home: Path):
+    started = run_phi4("daemon", "start", "-m", str(tiny_model), "--parallel", "1",
+                       "--n-ctx", "100000")  # fmt: skip
+    assert started.returncode == 0
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(phi4_home / "run" / "daemon.sock"))
+        reader = sock.makefile("rb")
+        sock.sendall(
+            b'{"v":1,"id":1,"op":"solve","params":{"prompt":"Count","max_tokens":100000}}\n'
+        )
+        while json.loads(reader.readline())["event"] != "token":
+            pass
+        reader.close()  # with the socket: hang up
+    # The only slot was taken; the connection is gone, so the request is cancelled and the
+    # slot is free for this one.
+    follow = run_phi4("solve", "Next", "-m", str(tiny_model), "-n", "3", timeout=30)
+    assert follow.returncode == 0, follow.stderr

@@ -1,23 +1,24 @@
 """The inference engine: the ONLY module that imports llama_cpp.
 
-One ``llama_cpp.Llama`` holds the model and one context. Each request's prompt is rendered with the
-GGUF's own chat template and compared with the tokens already in the KV cache: the common prefix
-(system prompt, earlier turns) is kept and only the new tokens are evaluated.
+One llama context holds several sequences (slots) in a unified KV cache. Requests are admitted into
+slots and decoded together, one batch per step (continuous batching): each step gives every slot
+that is answering its next token and shares the rest of the batch among prompts being read, in
+chunks, so a long prompt never stalls the streams already running. A fresh slot starts from the
+system prompt's KV, shared from a reserved sequence rather than recomputed; a slot keeps its tokens
+after a request, so a follow-up chat turn or a repeated question reuses them.
 """
 
 from __future__ import annotations
 
 import codecs
-import contextlib
 import ctypes
 import hashlib
 import json
 import logging
 import os
 import random
-import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +26,11 @@ import llama_cpp
 from llama_cpp import _internals as llama_internals
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+from phi4cli import protocol
 from phi4cli.daemon.ramdisk import stage
-from phi4cli.daemon.scheduler import ContextOverflowError, ModelLoadError, SolveParams, TokenSink
+from phi4cli.daemon.scheduler import ContextOverflowError, Job, ModelLoadError, SolveParams
 from phi4cli.daemon.sessions import ChatSession, Message, SessionStore
 from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model_thinks
-
-TokenSinkText = Callable[[str], None]
 
 log = logging.getLogger("phi4.engine")
 
@@ -41,6 +41,7 @@ FALLBACK_TEMPLATE = (
     "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + "
     "'<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
+DECODE_OK, DECODE_NO_KV_SPACE = 0, 1
 
 
 def physical_cores() -> int:
@@ -61,14 +62,47 @@ def physical_cores() -> int:
     return max(1, len(cores) or (os.cpu_count() or 1))
 
 
+@dataclass(eq=False)
+class _Run:
+    """One request in a slot: its prompt, sampler, and how far it has got."""
+
+    job: Job
+    prompt: list[int]
+    cached: int
+    plan: dict[str, Any] | None
+    seed: int
+    sampler: Any
+    limit: int
+    splitter: ThinkSplitter
+    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    started: float = field(default_factory=time.monotonic)
+    prompt_s: float | None = None
+    first_token_s: float | None = None
+    decode_started: float = 0.0
+    generated: int = 0
+    reasoning_tokens: int = 0
+    budget_reached: bool = False
+    finish_reason: str | None = None  # set: finished once its pending tokens are evaluated
+
+
+@dataclass(eq=False)
+class _Slot:
+    seq: int
+    tokens: list[int] = field(default_factory=list)  # what the KV holds for this sequence
+    pending: list[int] = field(default_factory=list)  # tokens to evaluate next
+    run: _Run | None = None
+    last_used: float = 0.0
+
+
 class LlamaEngine:
-    """One model, one context, one request at a time (the scheduler serialises calls)."""
+    """Several requests at once over one model and one context (see the module docstring)."""
 
     def __init__(
         self,
         n_ctx: int,
         threads: int | None = None,
         n_batch: int = 512,
+        parallel: int = 4,
         ramdisk: str = "off",
         mlock: bool = False,
         state_dir: Path | None = None,
@@ -76,26 +110,36 @@ class LlamaEngine:
         self.n_ctx = n_ctx
         self.threads = threads or physical_cores()
         self.n_batch = n_batch
+        self.parallel = parallel
         self.ramdisk = ramdisk
         self.mlock = mlock
         self.state_dir = state_dir  # where prefilled system-prompt states are kept
-        self._llm: llama_cpp.Llama | None = None
+        self._model: Any = None
+        self._ctx: Any = None
+        self._batch: Any = None
         self._formatter: Jinja2ChatFormatter | None = None
-        self._vocab: Any = None
         self._model_path: Path | None = None
         self._piece_buffer = ctypes.create_string_buffer(64)
         self._thinks = False  # the loaded model reasons before answering, maybe without <think>
         self._tag_tokens: dict[int, bytes] = {}
         self._glue: tuple[str, str] | None = None
         self._sessions = SessionStore()
+        self._slots: list[_Slot] = []
+        self._system_seq = parallel  # the reserved sequence holding the system prompt's KV
+        self._system_tokens: list[int] = []
 
     @property
     def model_path(self) -> Path | None:
         return self._model_path
 
     @property
-    def cached_tokens(self) -> int:
-        return int(self._llm.n_tokens) if self._llm is not None else 0
+    def active(self) -> int:
+        return sum(slot.run is not None for slot in self._slots)
+
+    def free_slots(self) -> int:
+        return sum(slot.run is None for slot in self._slots)
+
+    # --- loading ------------------------------------------------------------------------------
 
     def load(self, path: Path) -> dict[str, Any]:
         """Load the GGUF at ``path`` (unloading any other); return timings.
@@ -107,27 +151,42 @@ class LlamaEngine:
             raise ModelLoadError(f"model file {path} does not exist")
         staging = stage(path, self.ramdisk)
         started = time.monotonic()
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.use_mlock = self.mlock
         try:
-            llm = llama_cpp.Llama(
-                model_path=str(staging.path),
-                n_ctx=self.n_ctx,
-                n_batch=self.n_batch,
-                n_threads=self.threads,
-                n_threads_batch=self.threads,
-                use_mlock=self.mlock,
-                verbose=False,
+            model = llama_internals.LlamaModel(
+                path_model=str(staging.path), params=model_params, verbose=False
             )
         except (ValueError, RuntimeError, OSError) as exc:
             raise ModelLoadError(_diagnose_load_failure(path, exc)) from None
         try:
-            self._prepare(llm, path)
-        except BaseException:
+            context_params = llama_cpp.llama_context_default_params()
+            context_params.n_ctx = self.n_ctx
+            context_params.n_batch = self.n_batch
+            context_params.n_ubatch = self.n_batch
+            context_params.n_seq_max = self.parallel + 1
+            context_params.kv_unified = True  # slots share the cells of one n_ctx-sized cache
+            context_params.n_threads = self.threads
+            context_params.n_threads_batch = self.threads
+            context = llama_internals.LlamaContext(
+                model=model, params=context_params, verbose=False
+            )
+            batch = llama_internals.LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1)
+            self._prepare(model, path)
+        except BaseException as exc:
             self.close()
-            llm.close()
+            model.close()
+            if isinstance(exc, ValueError):
+                raise ModelLoadError(
+                    f"llama.cpp could not create a context for {path}: {exc}"
+                ) from None
             raise
+        self._model, self._ctx, self._batch = model, context, batch
+        self._model_path = path  # last: until here a failure leaves no half-loaded model behind
+        self._slots = [_Slot(seq=i) for i in range(self.parallel)]
         load_s = time.monotonic() - started
-        log.info("loaded %s from %s in %.2f s (threads %d)", path, staging.path, load_s,
-                 self.threads)  # fmt: skip
+        log.info("loaded %s from %s in %.2f s (threads %d, %d slots)", path, staging.path,
+                 load_s, self.threads, self.parallel)  # fmt: skip
         return {
             "model": str(path),
             "loaded_from": str(staging.path),
@@ -138,49 +197,59 @@ class LlamaEngine:
             "load_s": round(load_s, 4),
             "n_ctx": self.n_ctx,
             "threads": self.threads,
+            "parallel": self.parallel,
             "mlock": self.mlock,
         }
 
-    def _prepare(self, llm: llama_cpp.Llama, path: Path) -> None:
-        """Set up what depends on the loaded model: template, vocab, think tags, turn glue."""
-        template = llm.metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATE
-        model = llm._model
+    def _prepare(self, model: Any, path: Path) -> None:
+        """Set up what depends on the loaded model: template, think tags, turn glue."""
+        metadata = model.metadata()
+        template = metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATE
         self._formatter = Jinja2ChatFormatter(
             template=template,
-            eos_token=model.token_get_text(llm.token_eos()),
-            bos_token=model.token_get_text(llm.token_bos()),
+            eos_token=model.token_get_text(model.token_eos()),
+            bos_token=model.token_get_text(model.token_bos()),
         )
-        self._vocab = llama_cpp.llama_model_get_vocab(model.model)
-        self._thinks = model_thinks(str(llm.metadata.get("general.name", "")), path.name)
+        self._vocab = model.vocab
+        self._thinks = model_thinks(str(metadata.get("general.name", "")), path.name)
         self._glue = self._turn_glue()
         self._sessions.clear()
         self._tag_tokens = {}
         for tag in (THINK_OPEN, THINK_CLOSE):
-            ids = llm.tokenize(tag.encode(), add_bos=False, special=True)
+            ids = self._tokenize(tag, add_bos=False)
             if len(ids) == 1:  # a special token: rendered explicitly, as pieces hide specials
                 self._tag_tokens[ids[0]] = tag.encode()
-        # Last: until here a failure leaves no half-loaded model behind.
-        self._llm = llm
-        self._model_path = path
+
+    def close(self) -> None:
+        for resource in (self._batch, self._ctx, self._model):
+            if resource is not None:
+                resource.close()
+        self._model = self._ctx = self._batch = None
+        self._formatter = None
+        self._model_path = None
+        self._slots = []
+        self._system_tokens = []
+
+    # --- the system prompt, prefilled once --------------------------------------------------------
 
     def warm(self) -> dict[str, Any]:
         """Make the first question cheap: one warm-up decode, then the default system prompt's
-        KV — restored from the state saved by an earlier daemon, or computed and saved."""
-        llm = self._llm
-        assert llm is not None
+        KV in the reserved sequence — restored from the state an earlier daemon saved, or
+        computed and saved."""
         started = time.monotonic()
         prefix = self._system_prefix(None)
-        llm.n_tokens = 0
-        llm.eval(prefix[:1])  # the first decode allocates llama.cpp's compute buffers
+        self._evaluate(self._system_seq, prefix[:1], 0)  # allocates llama.cpp's compute buffers
+        self._seq_rm(self._system_seq, 0)
         warmup_s = time.monotonic() - started
         started = time.monotonic()
         state_file = self._state_file(prefix)
         restored = state_file is not None and self._restore_prefix(state_file, prefix)
         if not restored:
-            llm.n_tokens = 0
-            llm.eval(prefix)
+            self._seq_rm(self._system_seq, 0)
+            self._evaluate(self._system_seq, prefix, 0)
             if state_file is not None:
                 self._save_prefix(state_file, prefix)
+        self._system_tokens = prefix
         return {
             "warmup_s": round(warmup_s, 4),
             "prefill_s": round(time.monotonic() - started, 4),
@@ -202,46 +271,33 @@ class LlamaEngine:
         return self.state_dir / f"system-{key}.state"
 
     def _restore_prefix(self, state_file: Path, prefix: list[int]) -> bool:
-        llm = self._llm
-        assert llm is not None
         if not state_file.is_file():
             return False
         tokens = (llama_cpp.llama_token * len(prefix))()
         count = ctypes.c_size_t(0)
-        llm.n_tokens = 0
-        llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        self._seq_rm(self._system_seq, 0)
         size = llama_cpp.llama_state_seq_load_file(
-            llm._ctx.ctx, str(state_file).encode(), 0, tokens, len(prefix), ctypes.byref(count)
-        )
+            self._ctx.ctx, str(state_file).encode(), self._system_seq, tokens, len(prefix),
+            ctypes.byref(count),
+        )  # fmt: skip
         if not size or list(tokens[: count.value]) != prefix:
             log.warning("ignoring unusable prompt state %s", state_file)
-            llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+            self._seq_rm(self._system_seq, 0)
             return False
-        llm.input_ids[: len(prefix)] = prefix
-        llm.n_tokens = len(prefix)
         return True
 
     def _save_prefix(self, state_file: Path, prefix: list[int]) -> None:
-        llm = self._llm
-        assert llm is not None
         state_file.parent.mkdir(parents=True, exist_ok=True)
         partial = state_file.with_name(f".{state_file.name}.{os.getpid()}.part")
         tokens = (llama_cpp.llama_token * len(prefix))(*prefix)
         if llama_cpp.llama_state_seq_save_file(
-            llm._ctx.ctx, str(partial).encode(), 0, tokens, len(prefix)
+            self._ctx.ctx, str(partial).encode(), self._system_seq, tokens, len(prefix)
         ):
             os.replace(partial, state_file)  # a restarting daemon never reads half a state
         else:
             partial.unlink(missing_ok=True)
 
-    def close(self) -> None:
-        if self._llm is not None:
-            with contextlib.suppress(Exception):
-                self._llm.close()
-        self._llm = None
-        self._formatter = None
-        self._vocab = None
-        self._model_path = None
+    # --- prompts ------------------------------------------------------------------------------
 
     def _render(self, system: str | None, turns: list[Message]) -> str:
         """Render a conversation with the model's own chat template, ready for the answer."""
@@ -250,8 +306,16 @@ class LlamaEngine:
         return self._formatter(messages=messages + turns).prompt  # type: ignore[arg-type]
 
     def _tokenize(self, text: str, add_bos: bool = True) -> list[int]:
-        assert self._llm is not None
-        return list(self._llm.tokenize(text.encode(), add_bos=add_bos, special=True))
+        data = text.encode()
+        capacity = len(data) + 16
+        while True:
+            buffer = (llama_cpp.llama_token * capacity)()
+            count = llama_cpp.llama_tokenize(
+                self._vocab, data, len(data), buffer, capacity, add_bos, True
+            )
+            if count >= 0:
+                return list(buffer[:count])
+            capacity = -count
 
     def _system_prefix(self, system: str | None) -> list[int]:
         """Tokens every conversation with this system prompt starts with (cached at load)."""
@@ -360,17 +424,41 @@ class LlamaEngine:
             size = llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, False)
         return buffer.raw[:size]
 
-    def generate(
-        self, params: SolveParams, emit: TokenSink, cancelled: threading.Event
-    ) -> dict[str, Any]:
-        """Evaluate the prompt's new tokens and stream the output; return the request's stats.
+    # --- KV cache -----------------------------------------------------------------------------
 
-        Output goes to ``emit`` as ``("reasoning", text)`` or ``("answer", text)``. With a think
-        budget, ``</think>`` is inserted once that many reasoning tokens are out.
+    def _seq_rm(self, seq: int, start: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self._ctx.memory, seq, start, -1)
+
+    def _evaluate(self, seq: int, tokens: list[int], start: int) -> None:
+        """Decode ``tokens`` into sequence ``seq`` from position ``start``, in batch-sized chunks
+        (outside the step loop: for the system prompt)."""
+        for offset in range(0, len(tokens), self.n_batch):
+            chunk = tokens[offset : offset + self.n_batch]
+            self._fill_batch(
+                [(seq, token, start + offset + i, False) for i, token in enumerate(chunk)]
+            )
+            code = llama_cpp.llama_decode(self._ctx.ctx, self._batch.batch)
+            if code != DECODE_OK:
+                raise RuntimeError(f"llama_decode returned {code}")
+
+    def _fill_batch(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        batch = self._batch.batch
+        for index, (seq, token, position, logits) in enumerate(entries):
+            batch.token[index] = token
+            batch.pos[index] = position
+            batch.n_seq_id[index] = 1
+            batch.seq_id[index][0] = seq
+            batch.logits[index] = logits
+        batch.n_tokens = len(entries)
+
+    # --- admitting requests -------------------------------------------------------------------
+
+    def admit(self, job: Job) -> None:
+        """Put a request into a free slot, reusing the KV it shares with what a slot holds.
+
+        Raise ContextOverflowError when the prompt does not fit.
         """
-        llm = self._llm
-        assert llm is not None
-        request_started = time.monotonic()
+        params = job.params
         plan: dict[str, Any] | None = None
         if params.session is not None:
             tokens, plan = self._chat_tokens(params)
@@ -383,113 +471,197 @@ class LlamaEngine:
                     f"the question is {len(tokens)} tokens but the context holds {self.n_ctx}; "
                     "shorten it or raise n_ctx"
                 )
-        cached = self._prefill(tokens, cancelled)
-        prefilled = llm.n_tokens == len(tokens)  # False: cancelled while reading the prompt
-        sequence = list(tokens)  # what the KV holds, as the turn goes on
-        prompt_s = time.monotonic() - request_started
-
+        slot, shared = self._choose_slot(tokens)
+        # At least one prompt token is always evaluated: sampling needs fresh logits.
+        keep = min(shared, len(tokens) - 1)
+        self._seq_rm(slot.seq, keep)
+        slot.tokens = tokens[:keep]
+        slot.pending = tokens[keep:]
         seed = params.seed if params.seed is not None else random.getrandbits(31)
-        sampler = _make_sampler(params, seed)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        splitter = ThinkSplitter(starts_in_reasoning=self._thinks)
+        slot.run = _Run(
+            job=job,
+            prompt=tokens,
+            cached=keep,
+            plan=plan,
+            seed=seed,
+            sampler=_make_sampler(params, seed),
+            limit=min(params.max_tokens or self.n_ctx, self.n_ctx - len(tokens)),
+            splitter=ThinkSplitter(starts_in_reasoning=self._thinks),
+        )
 
-        def forward(text: str) -> None:
-            for kind, piece in splitter.feed(text):
-                emit(kind, piece)
+    def _choose_slot(self, tokens: list[int]) -> tuple[_Slot, int]:
+        """Pick the idle slot sharing the longest prefix with ``tokens`` (least recently used on
+        ties); give a slot that shares less than the system prompt the system prompt's KV."""
+        idle = [slot for slot in self._slots if slot.run is None]
+        assert idle, "admit() needs a free slot"
+        best = max(idle, key=lambda s: (_common_prefix(s.tokens, tokens), -s.last_used))
+        shared = _common_prefix(best.tokens, tokens)
+        system = self._system_tokens
+        if system and shared < len(system) and tokens[: len(system)] == system:
+            best = min(idle, key=lambda s: s.last_used)
+            self._seq_rm(best.seq, 0)
+            llama_cpp.llama_memory_seq_cp(
+                self._ctx.memory, self._system_seq, best.seq, 0, len(system)
+            )
+            best.tokens = list(system)
+            shared = len(system)
+        return best, shared
 
-        limit = min(params.max_tokens or self.n_ctx, self.n_ctx - len(tokens))
-        generated = reasoning_tokens = 0
-        budget_reached = False
-        finish_reason = "length"
-        decode_started = time.monotonic()
-        first_token_s: float | None = None
-        if params.think_budget == 0 and self._thinks and prefilled:
-            budget_reached = self._close_thinking(forward, sequence)
-        while (
-            prefilled
-            and generated < limit
-            and llm.n_tokens < self.n_ctx  # think-budget tokens take room too
-            and not cancelled.is_set()
-        ):
-            token = sampler.sample(llm._ctx, -1)
-            if llama_cpp.llama_vocab_is_eog(self._vocab, token):
-                finish_reason = "stop"
+    def reset(self) -> None:
+        """Drop every request and every slot's cache (after a failed step); keep the model."""
+        for slot in self._slots:
+            if slot.run is not None:
+                slot.run.sampler.close()
+            slot.run, slot.pending, slot.tokens = None, [], []
+            self._seq_rm(slot.seq, 0)
+
+    # --- the step loop ------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[Job, dict[str, Any]]]:
+        """Decode one batch for all active slots; return the requests that finished, with their
+        stats. A request whose job was cancelled finishes here, within one step."""
+        finished = [self._finish(slot, "cancelled") for slot in self._slots
+                    if slot.run is not None and slot.run.job.cancelled.is_set()]  # fmt: skip
+        entries: list[tuple[int, int, int, bool]] = []
+        fed: list[tuple[_Slot, int, int]] = []  # slot, tokens fed, batch index of the last
+        answering = [s for s in self._slots if s.run is not None and s.run.prompt_s is not None]
+        reading = [s for s in self._slots if s.run is not None and s.run.prompt_s is None]
+        for slot in answering + reading:
+            room = self.n_batch - len(entries)
+            if room <= 0:
                 break
-            generated += 1
-            reasoning_tokens += splitter.in_reasoning
-            if first_token_s is None:
-                first_token_s = time.monotonic() - request_started
-            forward(decoder.decode(self._piece(token)))
-            llm.eval([token])
-            sequence.append(token)
-            if (
-                params.think_budget is not None
-                and not budget_reached
-                and splitter.in_reasoning
-                and reasoning_tokens >= params.think_budget
-            ):
-                budget_reached = self._close_thinking(forward, sequence)
-        if cancelled.is_set():
-            finish_reason = "cancelled"
-        forward(decoder.decode(b"", final=True))
-        for kind, piece in splitter.finish():
-            emit(kind, piece)
-        decode_s = time.monotonic() - decode_started
-        sampler.close()
+            chunk = slot.pending[:room]
+            if not chunk:
+                continue
+            done = len(chunk) == len(slot.pending)
+            start = len(slot.tokens)
+            for i, token in enumerate(chunk):
+                entries.append((slot.seq, token, start + i, done and i == len(chunk) - 1))
+            fed.append((slot, len(chunk), len(entries) - 1 if done else -1))
+        if not entries:
+            return finished
+        self._fill_batch(entries)
+        code = llama_cpp.llama_decode(self._ctx.ctx, self._batch.batch)
+        if code == DECODE_NO_KV_SPACE:
+            return finished + self._out_of_kv()
+        if code != DECODE_OK:
+            raise RuntimeError(f"llama_decode returned {code}")
+        for slot, count, logits_index in fed:
+            slot.tokens.extend(slot.pending[:count])
+            del slot.pending[:count]
+            if logits_index >= 0:
+                outcome = self._advance(slot, logits_index)
+                if outcome is not None:
+                    finished.append(outcome)
+        return finished
+
+    def _out_of_kv(self) -> list[tuple[Job, dict[str, Any]]]:
+        """The shared KV cache is full: free idle slots' cells, and if that is not enough, stop
+        the longest request (its context is the largest) so the others go on."""
+        freed = False
+        for slot in self._slots:
+            if slot.run is None and slot.tokens:
+                self._seq_rm(slot.seq, 0)
+                slot.tokens = []
+                freed = True
+        if freed:
+            return []
+        victim = max((s for s in self._slots if s.run is not None), key=lambda s: len(s.tokens))
+        assert victim.run is not None
+        victim.run.job.cancel(protocol.CONTEXT_OVERFLOW)
+        return [self._finish(victim, "context")]
+
+    def _advance(self, slot: _Slot, logits_index: int) -> tuple[Job, dict[str, Any]] | None:
+        """Sample the slot's next token and pass its text on; return the finished request."""
+        run = slot.run
+        assert run is not None
+        now = time.monotonic()
+        if run.prompt_s is None:
+            run.prompt_s = now - run.started
+            run.decode_started = now
+        if run.finish_reason is not None:  # the last token is in the KV now: done
+            return self._finish(slot, run.finish_reason)
+        token = run.sampler.sample(self._ctx, logits_index)
+        if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+            return self._finish(slot, "stop")
+        run.generated += 1
+        run.reasoning_tokens += run.splitter.in_reasoning
+        if run.first_token_s is None:
+            run.first_token_s = now - run.started
+        self._forward(run, run.decoder.decode(self._piece(token)))
+        slot.pending.append(token)
+        params = run.job.params
+        if (
+            params.think_budget is not None
+            and not run.budget_reached
+            and run.splitter.in_reasoning
+            and run.reasoning_tokens >= params.think_budget
+        ):
+            self._close_thinking(slot)
+        if run.generated >= run.limit or len(slot.tokens) + len(slot.pending) >= self.n_ctx:
+            run.finish_reason = "length"  # finish once the pending tokens are evaluated
+        return None
+
+    def _close_thinking(self, slot: _Slot) -> None:
+        """Insert the end of thinking into the slot's sequence (think budget), if it fits."""
+        run = slot.run
+        assert run is not None
+        closing = f"\n{THINK_CLOSE}\n\n"
+        tokens = self._tokenize(closing, add_bos=False)
+        if len(slot.tokens) + len(slot.pending) + len(tokens) < self.n_ctx:
+            slot.pending.extend(tokens)
+            self._forward(run, closing)
+            run.budget_reached = True
+
+    def _forward(self, run: _Run, text: str) -> None:
+        for kind, piece in run.splitter.feed(text):
+            run.job.emit_token(kind, piece)
+
+    def _finish(self, slot: _Slot, reason: str) -> tuple[Job, dict[str, Any]]:
+        run = slot.run
+        assert run is not None
+        self._forward(run, run.decoder.decode(b"", final=True))
+        for kind, piece in run.splitter.finish():
+            run.job.emit_token(kind, piece)
+        run.sampler.close()
+        slot.pending = []
+        slot.run = None
+        slot.last_used = time.monotonic()
+        prefilled = run.prompt_s is not None
         chat = (
-            self._remember_turn(params, plan, sequence, splitter.answer)
-            if plan is not None and prefilled
+            self._remember_turn(run.job.params, run.plan, list(slot.tokens), run.splitter.answer)
+            if run.plan is not None and prefilled
             else {}
         )
-        return {
+        now = time.monotonic()
+        return run.job, {
             **chat,
-            "prompt_tokens": len(tokens),
-            "cached_tokens": cached,
-            "prompt_eval_tokens": len(tokens) - cached,
-            "prompt_eval_s": round(prompt_s, 4),
-            "completion_tokens": generated,
-            "reasoning_tokens": reasoning_tokens,
-            "answer_tokens": generated - reasoning_tokens,
-            "budget_reached": budget_reached,
-            "thinking_unfinished": splitter.unfinished,
-            "decode_s": round(decode_s, 4),
-            "first_token_s": None if first_token_s is None else round(first_token_s, 4),
-            "total_s": round(time.monotonic() - request_started, 4),
-            "finish_reason": finish_reason,
-            "seed": seed,
+            "prompt_tokens": len(run.prompt),
+            "cached_tokens": run.cached,
+            "prompt_eval_tokens": len(run.prompt) - run.cached,
+            "prompt_eval_s": round(run.prompt_s or (now - run.started), 4),
+            "completion_tokens": run.generated,
+            "reasoning_tokens": run.reasoning_tokens,
+            "answer_tokens": run.generated - run.reasoning_tokens,
+            "budget_reached": run.budget_reached,
+            "thinking_unfinished": run.splitter.unfinished,
+            "decode_s": round(now - run.decode_started, 4) if prefilled else 0.0,
+            "first_token_s": None if run.first_token_s is None else round(run.first_token_s, 4),
+            "total_s": round(now - run.started, 4),
+            "finish_reason": reason,
+            "seed": run.seed,
+            "slot": slot.seq,
             "model": str(self._model_path),
         }
 
-    def _prefill(self, tokens: list[int], cancelled: threading.Event) -> int:
-        """Reuse the KV of the prefix the cache shares, evaluate the rest; return cached count."""
-        llm = self._llm
-        assert llm is not None
-        cached = 0
-        for have, want in zip(llm.input_ids[: llm.n_tokens], tokens, strict=False):
-            if have != want:
-                break
-            cached += 1
-        # At least one prompt token is always evaluated: sampling needs fresh logits.
-        cached = min(cached, len(tokens) - 1)
-        llm.n_tokens = cached
-        for start in range(cached, len(tokens), self.n_batch):
-            if cancelled.is_set():
-                break
-            llm.eval(tokens[start : start + self.n_batch])
-        return cached
 
-    def _close_thinking(self, forward: TokenSinkText, sequence: list[int]) -> bool:
-        """Insert the end of thinking into the sequence (think budget); return True if it fit."""
-        llm = self._llm
-        assert llm is not None
-        closing = f"\n{THINK_CLOSE}\n\n"
-        tokens = list(llm.tokenize(closing.encode(), add_bos=False, special=True))
-        if llm.n_tokens + len(tokens) >= self.n_ctx:
-            return False
-        llm.eval(tokens)
-        sequence.extend(tokens)
-        forward(closing)
-        return True
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
 
 
 def _make_sampler(params: SolveParams, seed: int) -> Any:

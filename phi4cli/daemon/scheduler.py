@@ -172,10 +172,21 @@ def parse_load_params(params: dict[str, Any], defaults: Settings) -> SolveParams
 
 
 class Engine(Protocol):
-    """What the scheduler needs from an inference engine (see ``engine.LlamaEngine``)."""
+    """What the scheduler needs from an inference engine (see ``engine.LlamaEngine``).
+
+    The engine holds up to ``free_slots() + active`` requests and decodes them together, one
+    ``step()`` at a time; the scheduler decides which requests go in and when.
+    """
 
     @property
     def model_path(self) -> Path | None: ...
+
+    @property
+    def active(self) -> int:
+        """Requests in the engine now."""
+        ...
+
+    def free_slots(self) -> int: ...
 
     def load(self, path: Path) -> dict[str, Any]:
         """Load ``path`` (replacing any model); return timings. Raise ModelLoadError."""
@@ -185,13 +196,17 @@ class Engine(Protocol):
         """Prepare the loaded model for its first request (system prompt prefill); timings."""
         ...
 
-    def generate(
-        self, params: SolveParams, emit: TokenSink, cancelled: threading.Event
-    ) -> dict[str, Any]:
-        """Pass answer text to ``emit`` as it is decoded, until done or cancelled; return stats.
+    def admit(self, job: Job) -> None:
+        """Take a request into a free slot. Raise ContextOverflowError if it cannot fit."""
+        ...
 
-        Raise ContextOverflowError when the prompt does not fit.
-        """
+    def step(self) -> list[tuple[Job, dict[str, Any]]]:
+        """Decode one batch; stream text through each job's ``emit_token``; return the jobs that
+        finished (cancelled ones included), each with its stats."""
+        ...
+
+    def reset(self) -> None:
+        """Drop every request in the engine (after a failed step), keeping the model."""
         ...
 
     def close(self) -> None: ...
@@ -209,6 +224,8 @@ class Job:
     cancel_code: str = protocol.CANCELLED
     seq: int = field(default_factory=lambda: next(_job_seq))
     submitted_at: float = field(default_factory=time.monotonic)
+    admitted_at: float = 0.0
+    load_s: float = 0.0
 
     finished: bool = False  # its one terminal event has gone out
 
@@ -233,6 +250,12 @@ class Job:
         self.finish(protocol.event(self.request_id, "done", **fields))
 
 
+_CANCEL_MESSAGES = {
+    protocol.SHUTTING_DOWN: "the daemon is shutting down; the answer was cut short",
+    protocol.CONTEXT_OVERFLOW: "the daemon's context filled up with other requests; try again",
+}
+
+
 class QueueFullError(Exception):
     pass
 
@@ -252,7 +275,7 @@ class RequestScheduler:
         self._max_queue = max_queue
         self._on_state = on_state
         self._queue: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
-        self._current: Job | None = None
+        self._admitted: set[Job] = set()  # in the engine now
         self._outstanding = 0  # submitted and not yet finished by the worker
         self._thread = threading.Thread(target=self._run, name="phi4-engine", daemon=True)
         self.last_load: dict[str, Any] = {}
@@ -274,7 +297,7 @@ class RequestScheduler:
 
         Called from the event loop's thread only.
         """
-        ahead = self._queue.qsize() + (self._current is not None)
+        ahead = self._queue.qsize() + len(self._admitted)
         if self._queue.qsize() >= self._max_queue:
             raise QueueFullError
         self._outstanding += 1
@@ -282,9 +305,9 @@ class RequestScheduler:
         return ahead
 
     def cancel(self, job: Job) -> None:
-        """Stop a job: the running one within a decode step, a queued one at once."""
+        """Stop a job: a running one within a decode step, a queued one at once."""
         job.cancel()
-        if job is not self._current:
+        if job not in self._admitted:
             job.fail(protocol.CANCELLED, "cancelled before it started")
 
     def stop(self, timeout: float) -> bool:
@@ -292,9 +315,8 @@ class RequestScheduler:
 
         Return False if the worker is still busy (in a load that cannot be interrupted).
         """
-        current = self._current
-        if current is not None:
-            current.cancel(protocol.SHUTTING_DOWN)
+        for job in list(self._admitted):
+            job.cancel(protocol.SHUTTING_DOWN)
         self._queue.put((-1, -1, None))
         self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -302,23 +324,103 @@ class RequestScheduler:
     def _run(self) -> None:
         if self._default_model is not None:
             self._load(self._default_model)
+        held: Job | None = None  # needs another model: waits until the engine is idle
         while True:
-            _priority, _seq, job = self._queue.get()
-            if job is None:
-                self._drain()
-                return
-            self._current = job
-            try:
-                if not job.finished:  # a job cancelled while queued has had its answer
-                    self._serve(job)
-            except Exception:
-                log.exception("request %r failed", job.request_id)
-                job.fail(
-                    protocol.INTERNAL, "internal error in the daemon:\n" + traceback.format_exc()
-                )
-            finally:
-                self._current = None
+            # With the engine idle a job may always come in: it may need a model loaded first.
+            if held is None and (self._engine.active == 0 or self._engine.free_slots() > 0):
+                try:
+                    _priority, _seq, job = self._queue.get(block=self._engine.active == 0)
+                except queue.Empty:
+                    job = None
+                else:
+                    if job is None:
+                        self._shut_down()
+                        return
+                    held = self._take(job)
+            if held is not None and self._engine.active == 0:
+                job, held = held, None
+                self._take(job, switch_model=True)
+            if self._engine.active:
+                self._step()
+
+    def _take(self, job: Job, switch_model: bool = False) -> Job | None:
+        """Admit a job into the engine, or settle it; return it if it must wait for the engine
+        to go idle (it needs another model)."""
+        try:
+            if job.finished:  # cancelled while queued: it has had its answer
                 self._outstanding -= 1
+                return None
+            if job.cancelled.is_set():
+                self._settle(job, job.cancel_code, "cancelled before it started")
+                return None
+            model = job.params.model or self._engine.model_path or self._default_model
+            if model is None:
+                self._settle(job, protocol.MODEL_ERROR, "no model given and none loaded")
+                return None
+            load_s = 0.0
+            if model != self._engine.model_path:
+                if self._engine.active and not switch_model:
+                    return job
+                job.emit(protocol.event(job.request_id, "progress", stage="loading",
+                                        model=str(model)))  # fmt: skip
+                if not self._load(model):
+                    self._settle(
+                        job, protocol.MODEL_ERROR, self.last_error or f"cannot load {model}"
+                    )
+                    return None
+                load_s = float(self.last_load.get("load_s", 0.0))
+            if job.params.load_only:
+                job.done(result={**self.last_load, "already_loaded": load_s == 0.0})
+                self._outstanding -= 1
+                return None
+            job.load_s = load_s
+            job.admitted_at = time.monotonic()
+            self._engine.admit(job)
+            self._admitted.add(job)
+        except ContextOverflowError as exc:
+            self._settle(job, protocol.CONTEXT_OVERFLOW, str(exc))
+        except Exception:
+            log.exception("request %r failed", job.request_id)
+            self._settle(job, protocol.INTERNAL,
+                         "internal error in the daemon:\n" + traceback.format_exc())  # fmt: skip
+        return None
+
+    def _settle(self, job: Job, code: str, message: str) -> None:
+        job.fail(code, message)
+        self._outstanding -= 1
+
+    def _step(self) -> None:
+        try:
+            finished = self._engine.step()
+        except Exception:
+            # The batch failed as a whole: every request in it fails, the daemon goes on.
+            log.exception("decoding failed")
+            detail = "internal error in the daemon:\n" + traceback.format_exc()
+            for job in list(self._admitted):
+                self._admitted.discard(job)
+                self._settle(job, protocol.MODEL_ERROR, detail)
+            self._engine.reset()
+            return
+        for job, stats in finished:
+            self._admitted.discard(job)
+            self._outstanding -= 1
+            stats["queue_s"] = round(job.admitted_at - job.submitted_at, 4)
+            stats["load_s"] = job.load_s
+            # Stats go out for a cancelled request too: a chat keeps its partial answer, and
+            # how much context it used.
+            job.emit(protocol.event(job.request_id, "stats", **stats))
+            if job.cancelled.is_set():
+                job.fail(job.cancel_code, _CANCEL_MESSAGES.get(job.cancel_code, "cancelled"))
+            else:
+                job.done(finish_reason=stats.get("finish_reason"))
+
+    def _shut_down(self) -> None:
+        """Stop: running requests end within a step, queued ones fail at once."""
+        for job in list(self._admitted):
+            job.cancel(protocol.SHUTTING_DOWN)
+        while self._engine.active:
+            self._step()
+        self._drain()
 
     def _drain(self) -> None:
         while not self._queue.empty():
@@ -350,42 +452,3 @@ class RequestScheduler:
         self.last_error = None
         self._on_state("ready", path, None)
         return True
-
-    def _serve(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            job.fail(job.cancel_code, "cancelled before it started")
-            return
-        model = job.params.model or self._engine.model_path or self._default_model
-        if model is None:
-            job.fail(protocol.MODEL_ERROR, "no model given and none loaded; pass --model")
-            return
-        load_s = 0.0
-        if model != self._engine.model_path:
-            job.emit(protocol.event(job.request_id, "progress", stage="loading", model=str(model)))
-            if not self._load(model):
-                job.fail(protocol.MODEL_ERROR, self.last_error or f"cannot load {model}")
-                return
-            load_s = float(self.last_load.get("load_s", 0.0))
-        if job.params.load_only:
-            job.done(result={**self.last_load, "already_loaded": load_s == 0.0})
-            return
-        started = time.monotonic()
-        try:
-            stats = self._engine.generate(job.params, job.emit_token, job.cancelled)
-        except ContextOverflowError as exc:
-            job.fail(protocol.CONTEXT_OVERFLOW, str(exc))
-            return
-        stats["queue_s"] = round(started - job.submitted_at, 4)
-        stats["load_s"] = load_s
-        # Stats go out for a cancelled request too: a chat keeps its partial answer, and how
-        # much context it used.
-        job.emit(protocol.event(job.request_id, "stats", **stats))
-        if job.cancelled.is_set():
-            message = (
-                "the daemon is shutting down; the answer was cut short"
-                if job.cancel_code == protocol.SHUTTING_DOWN
-                else "cancelled"
-            )
-            job.fail(job.cancel_code, message)
-            return
-        job.done(finish_reason=stats.get("finish_reason"))

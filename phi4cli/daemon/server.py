@@ -424,6 +424,7 @@ def run_daemon(paths: Paths, settings: Settings, model_path: Path | None) -> Non
         engine = LlamaEngine(
             n_ctx=settings.n_ctx,
             threads=settings.threads,
+            parallel=settings.parallel,
             ramdisk=settings.ramdisk,
             mlock=settings.mlock,
             state_dir=paths.cache_dir / "states",

@@ -98,7 +98,7 @@ def daemon_command(settings: Settings, model_path: Path | None) -> list[str]:
     command = [sys.executable, "-m", "phi4cli", "daemon", "run", "--keep-alive"]
     command.append(str(settings.keep_alive))
     command += ["--n-ctx", str(settings.n_ctx), "--ramdisk-mode", settings.ramdisk]
-    command += ["--max-queue", str(settings.max_queue)]
+    command += ["--max-queue", str(settings.max_queue), "--parallel", str(settings.parallel)]
     if settings.mlock:
         command.append("--mlock")
     if settings.threads:
