@@ -20,6 +20,7 @@ from phi4cli.daemon.scheduler import (
     PRIORITY_SOLVE,
     ContextOverflowError,
     Job,
+    JobQueue,
     ModelLoadError,
     QueueFullError,
     RequestScheduler,
@@ -373,3 +374,20 @@ def test_a_warm_up_failure_leaves_the_worker_serving():
     assert states[:3] == ["loading", "warming", "failed"]
     assert engine.model_path is None, "the half-loaded model was closed"
     scheduler.stop(5)
+
+
+def test_a_long_waiting_job_is_taken_before_newer_urgent_ones(monkeypatch):
+    from phi4cli.daemon import scheduler as scheduler_module
+
+    jobs = JobQueue()
+    out = Collector()
+    bulk = out.job(0, "bulk", PRIORITY_BULK)
+    chat = out.job(1, "chat", PRIORITY_INTERACTIVE)
+    jobs.put(bulk)
+    jobs.put(chat)
+    assert jobs.get(block=False) is chat  # fresh: priority decides
+    jobs.put(chat)
+    monkeypatch.setattr(scheduler_module, "AGING_S", 0.0)
+    assert jobs.get(block=False) is bulk  # waited too long: taken first
+    jobs.stop()
+    assert jobs.get(block=True) is None

@@ -42,6 +42,8 @@ FALLBACK_TEMPLATE = (
     "'<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 DECODE_OK, DECODE_NO_KV_SPACE = 0, 1
+# Prompt tokens read per step while other requests are answering.
+PREFILL_CHUNK = 64
 
 
 def physical_cores() -> int:
@@ -526,10 +528,15 @@ class LlamaEngine:
         fed: list[tuple[_Slot, int, int]] = []  # slot, tokens fed, batch index of the last
         answering = [s for s in self._slots if s.run is not None and s.run.prompt_s is not None]
         reading = [s for s in self._slots if s.run is not None and s.run.prompt_s is None]
+        # While answers stream, prompts are read in small chunks, so no stream stalls for long.
+        prompt_room = PREFILL_CHUNK if answering else self.n_batch
         for slot in answering + reading:
             room = self.n_batch - len(entries)
+            if slot.run is not None and slot.run.prompt_s is None:
+                room = min(room, prompt_room)
+                prompt_room -= min(room, len(slot.pending))
             if room <= 0:
-                break
+                continue
             chunk = slot.pending[:room]
             if not chunk:
                 continue

@@ -256,6 +256,55 @@ _CANCEL_MESSAGES = {
 }
 
 
+AGING_S = 10.0
+
+
+class JobQueue:
+    """Waiting jobs: most urgent first, in arrival order within a priority — except that a job
+    waiting longer than AGING_S goes next whatever its priority, so no request starves."""
+
+    def __init__(self) -> None:
+        self._jobs: list[Job] = []
+        self._stopping = False
+        self._changed = threading.Condition()
+
+    def put(self, job: Job) -> None:
+        with self._changed:
+            self._jobs.append(job)
+            self._changed.notify()
+
+    def stop(self) -> None:
+        """Make ``get`` return None from now on: the worker is to shut down."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify()
+
+    def get(self, block: bool) -> Job | None:
+        """Return the next job, or None once stopped. Raise queue.Empty if none and not block."""
+        with self._changed:
+            while not self._jobs and not self._stopping:
+                if not block:
+                    raise queue.Empty
+                self._changed.wait()
+            if self._stopping:
+                return None
+            oldest = self._jobs[0]
+            if time.monotonic() - oldest.submitted_at > AGING_S:
+                job = oldest
+            else:
+                job = min(self._jobs, key=lambda j: (j.params.priority, j.seq))
+            self._jobs.remove(job)
+            return job
+
+    def take_all(self) -> list[Job]:
+        with self._changed:
+            jobs, self._jobs = self._jobs, []
+            return jobs
+
+    def qsize(self) -> int:
+        return len(self._jobs)
+
+
 class QueueFullError(Exception):
     pass
 
@@ -274,7 +323,7 @@ class RequestScheduler:
         self._default_model = default_model
         self._max_queue = max_queue
         self._on_state = on_state
-        self._queue: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue()
+        self._queue = JobQueue()
         self._admitted: set[Job] = set()  # in the engine now
         self._outstanding = 0  # submitted and not yet finished by the worker
         self._thread = threading.Thread(target=self._run, name="phi4-engine", daemon=True)
@@ -301,7 +350,7 @@ class RequestScheduler:
         if self._queue.qsize() >= self._max_queue:
             raise QueueFullError
         self._outstanding += 1
-        self._queue.put((job.params.priority, job.seq, job))
+        self._queue.put(job)
         return ahead
 
     def cancel(self, job: Job) -> None:
@@ -317,7 +366,7 @@ class RequestScheduler:
         """
         for job in list(self._admitted):
             job.cancel(protocol.SHUTTING_DOWN)
-        self._queue.put((-1, -1, None))
+        self._queue.stop()
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -329,7 +378,7 @@ class RequestScheduler:
             # With the engine idle a job may always come in: it may need a model loaded first.
             if held is None and (self._engine.active == 0 or self._engine.free_slots() > 0):
                 try:
-                    _priority, _seq, job = self._queue.get(block=self._engine.active == 0)
+                    job = self._queue.get(block=self._engine.active == 0)
                 except queue.Empty:
                     job = None
                 else:
@@ -423,8 +472,7 @@ class RequestScheduler:
         self._drain()
 
     def _drain(self) -> None:
-        while not self._queue.empty():
-            job = self._queue.get_nowait()[2]
+        for job in self._queue.take_all():
             if job is not None:
                 self._outstanding -= 1
                 job.fail(
