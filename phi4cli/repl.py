@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from prompt_toolkit.completion import CompleteEvent, Completer, Completion
+from prompt_toolkit.document import Document
 from prompt_toolkit.history import FileHistory
 
 from phi4cli import protocol
@@ -409,29 +411,33 @@ def line_reader(stream: TextIO, echo: TextIO | None = None) -> Reader:
     return read
 
 
+class SlashCompleter(Completer):
+    """Tab completion of slash commands, and of the keys after ``/set``."""
+
+    def get_completions(
+        self, document: Document, complete_event: CompleteEvent
+    ) -> Iterable[Completion]:
+        text = document.text_before_cursor
+        if not text.startswith("/"):
+            return
+        if text.startswith("/set ") and text.count(" ") == 1:
+            word = text[5:]
+            for key in SETTABLE:
+                if key.startswith(word):
+                    yield Completion(key, start_position=-len(word))
+            return
+        if " " in text:
+            return
+        for command in (*COMMANDS, "/bye"):
+            if command.startswith(text):
+                yield Completion(command, start_position=-len(text))
+
+
 def prompt_reader(history_file: Path, input: Any = None, output: Any = None) -> Reader:
     """Read input with prompt-toolkit: history (Up/Down, Ctrl-R), suggestions, completion."""
     from prompt_toolkit import PromptSession
     from prompt_toolkit.auto_suggest import AutoSuggestFromHistory
-    from prompt_toolkit.completion import Completer, Completion
     from prompt_toolkit.key_binding import KeyBindings
-
-    class SlashCompleter(Completer):
-        def get_completions(self, document: Any, complete_event: Any) -> Iterable[Completion]:
-            text = document.text_before_cursor
-            if not text.startswith("/"):
-                return
-            if text.startswith("/set ") and text.count(" ") == 1:
-                word = text[5:]
-                for key in SETTABLE:
-                    if key.startswith(word):
-                        yield Completion(key, start_position=-len(word))
-                return
-            if " " in text:
-                return
-            for command in (*COMMANDS, "/bye"):
-                if command.startswith(text):
-                    yield Completion(command, start_position=-len(text))
 
     bindings = KeyBindings()
 

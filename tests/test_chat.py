@@ -285,3 +285,19 @@ def test_chat_never_leaves_a_daemon_of_its_own_after_stop(tiny_model: Path):
     assert proc.returncode == 0
     assert run_phi4("stop").returncode == 0
     assert run_phi4("status").returncode == 3
+
+
+def test_tab_completes_slash_commands_and_set_keys():
+    from prompt_toolkit.completion import CompleteEvent
+    from prompt_toolkit.document import Document
+
+    from phi4cli.repl import SlashCompleter
+
+    def complete(text: str) -> list[str]:
+        found = SlashCompleter().get_completions(Document(text), CompleteEvent())
+        return [text[: len(text) + c.start_position] + c.text for c in found]
+
+    assert complete("/sh") == ["/show"]
+    assert complete("/s") == ["/system", "/set", "/show", "/save", "/stats"]
+    assert complete("/set t") == ["/set temperature", "/set top_p", "/set think_budget"]
+    assert complete("what is /sh") == []
