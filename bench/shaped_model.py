@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.tinymodel import (  # noqa: E402
-    PHI4_MINI_REASONING_TEMPLATE,
     SPECIAL_TOKENS,
     _bytes_to_unicode,
     _train_bpe,
+    add_phi3_metadata,
 )
 
 CACHE = Path(os.environ.get("PHI4_BENCH_CACHE", Path.home() / ".cache" / "phi4-bench"))
@@ -61,30 +61,12 @@ def write_f16(path: Path) -> None:
         return np.resize(source, int(np.prod(shape))).reshape(shape)
 
     tokens, types, merges = _vocab()
-    eot = tokens.index("<|endoftext|>")
     writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_name("phi4-mini-shaped-bench")
-    writer.add_context_length(131072)
-    writer.add_rope_scaling_orig_ctx_len(4096)
-    writer.add_embedding_length(EMBED)
-    writer.add_feed_forward_length(FFN)
-    writer.add_block_count(LAYERS)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(N_ROT)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-4o")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(eot)
-    writer.add_eos_token_id(eot)
-    writer.add_add_bos_token(False)
-    writer.add_add_eos_token(False)
-    writer.add_chat_template(PHI4_MINI_REASONING_TEMPLATE)
+    add_phi3_metadata(
+        writer, name="phi4-mini-shaped-bench", embed=EMBED, layers=LAYERS, heads=HEADS,
+        kv_heads=KV_HEADS, ffn=FFN, n_rot=N_ROT, file_type=gguf.LlamaFileType.MOSTLY_F16,
+        tokens=tokens, types=types, merges=merges,
+    )  # fmt: skip
     ones = np.ones(EMBED, dtype=np.float32)
     writer.add_tensor("token_embd.weight", tensor(embed_pool, (VOCAB, EMBED)))
     writer.add_tensor("output_norm.weight", ones)

@@ -88,6 +88,48 @@ def _train_bpe(n_merges: int) -> tuple[list[str], list[str]]:
     return merged_tokens, merges
 
 
+def add_phi3_metadata(
+    writer: gguf.GGUFWriter,
+    *,
+    name: str,
+    embed: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    n_rot: int,
+    file_type: gguf.LlamaFileType,
+    tokens: list[str],
+    types: list[gguf.TokenType],
+    merges: list[str],
+) -> None:
+    """Write Phi-4-mini's hyperparameters (for the given shapes), tokenizer and chat template."""
+    eot = tokens.index("<|endoftext|>")
+    writer.add_name(name)
+    writer.add_context_length(131072)
+    writer.add_rope_scaling_orig_ctx_len(4096)
+    writer.add_embedding_length(embed)
+    writer.add_feed_forward_length(ffn)
+    writer.add_block_count(layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(n_rot)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_file_type(file_type)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-4o")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(eot)
+    writer.add_eos_token_id(eot)
+    writer.add_pad_token_id(eot)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+    writer.add_chat_template(PHI4_MINI_REASONING_TEMPLATE)
+
+
 def write_tiny_phi3(
     path: Path,
     *,
@@ -111,34 +153,15 @@ def write_tiny_phi3(
     types = [gguf.TokenType.NORMAL] * n_normal + [gguf.TokenType.CONTROL] * (len(tokens) - n_normal)
     head_dim = embed // heads
     n_rot = head_dim * 3 // 4  # partial rotary, as in Phi-4-mini (96 of 128)
-    eot = tokens.index("<|endoftext|>")
 
     writer = gguf.GGUFWriter(str(path), "phi3")
     # The name must not contain "phi3": llama.cpp then looks up a "</s>" token this vocab lacks.
     # One with "reasoning" in it is taken for a model that thinks first, like Phi-4-mini-reasoning.
-    writer.add_name(name)
-    writer.add_context_length(131072)
-    writer.add_rope_scaling_orig_ctx_len(4096)
-    writer.add_embedding_length(embed)
-    writer.add_feed_forward_length(ffn)
-    writer.add_block_count(layers)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(n_rot)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-4o")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(eot)
-    writer.add_eos_token_id(eot)
-    writer.add_pad_token_id(eot)
-    writer.add_add_bos_token(False)
-    writer.add_add_eos_token(False)
-    writer.add_chat_template(PHI4_MINI_REASONING_TEMPLATE)
+    add_phi3_metadata(
+        writer, name=name, embed=embed, layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn,
+        n_rot=n_rot, file_type=gguf.LlamaFileType.ALL_F32, tokens=tokens, types=types,
+        merges=merges,
+    )  # fmt: skip
 
     def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
