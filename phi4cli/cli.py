@@ -293,8 +293,12 @@ def chat(
         float | None,
         typer.Option("--temperature", "-t", help="Sampling temperature.", show_default=False),
     ] = None,
-    top_p: Annotated[float | None, typer.Option("--top-p", show_default=False)] = None,
-    seed: Annotated[int | None, typer.Option("--seed", show_default=False)] = None,
+    top_p: Annotated[
+        float | None, typer.Option("--top-p", help="Nucleus sampling.", show_default=False)
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Random seed.", show_default=False)
+    ] = None,
     max_tokens: Annotated[
         int | None,
         typer.Option(

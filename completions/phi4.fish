@@ -1,0 +1,1 @@
+complete --command phi4 --no-files --arguments "(env _PHI4_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) phi4)" --condition "env _PHI4_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) phi4"

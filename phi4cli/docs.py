@@ -1,0 +1,183 @@
+"""Documentation generated from the Typer app: shell completion scripts and the man page.
+
+``python -m phi4cli.docs`` rewrites ``completions/`` and ``man/phi4.1``; a test fails when the
+committed files are stale.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from phi4cli import __version__
+from phi4cli.errors import ExitStatus
+
+SHELLS = ("bash", "zsh", "fish")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def completion_script(shell: str) -> str:
+    """The script Typer's ``--install-completion`` would install for ``shell``."""
+    # Typer exposes this only through --show-completion, which detects the shell it runs in.
+    from typer._completion_shared import get_completion_script
+
+    script = get_completion_script(prog_name="phi4", complete_var="_PHI4_COMPLETE", shell=shell)
+    return script if script.endswith("\n") else script + "\n"
+
+
+def _roff(text: str) -> str:
+    text = text.replace("\\", "\\e").replace("-", "\\-")
+    return re.sub(r"^([.'])", r"\\&\1", text, flags=re.M)
+
+
+def _paragraphs(text: str | None) -> str:
+    blocks = [" ".join(line.strip() for line in block.splitlines()) for block in
+              (text or "").strip().split("\n\n") if block.strip()]  # fmt: skip
+    return "\n.PP\n".join(_roff(block) for block in blocks)
+
+
+def _option_lines(command: Any) -> list[str]:
+    lines: list[str] = []
+    for param in command.params:
+        if getattr(param, "hidden", False) or param.param_type_name == "argument":
+            continue
+        names = ", ".join(param.opts + list(getattr(param, "secondary_opts", [])))
+        metavar = (
+            ""
+            if getattr(param, "is_flag", False)
+            else f" {(param.metavar or param.type.name).upper().replace(' RANGE', '')}"
+        )
+        lines += [".TP", f".B {_roff(names)}{_roff(metavar)}", _roff(param.help or "")]
+    return lines
+
+
+def _synopsis(name: str, command: Any) -> str:
+    arguments = " ".join(
+        f"[{p.human_readable_name.upper()}]" for p in command.params
+        if p.param_type_name == "argument"
+    )  # fmt: skip
+    return f"phi4 {name} [OPTIONS] {arguments}".rstrip()
+
+
+def _commands(group: Any, prefix: str = "") -> list[str]:
+    lines: list[str] = []
+    for name, command in sorted(group.commands.items()):
+        if getattr(command, "hidden", False):
+            continue
+        full = f"{prefix}{name}"
+        if hasattr(command, "commands"):
+            lines += _commands(command, f"{full} ")
+            continue
+        lines += [".TP", f".B {_roff(_synopsis(full, command))}", _paragraphs(command.help)]
+        options = _option_lines(command)
+        if options:
+            lines += [".RS", *options, ".RE"]
+    return lines
+
+
+ENVIRONMENT = [
+    ("PHI4_HOME", "Put every phi4 file under this directory (config, data, state, cache, run)."),
+    ("PHI4_MODEL", "Model alias or path, as --model."),
+    ("PHI4_KEEP_ALIVE", "How long an idle daemon stays resident: 30m, 1h, 0, -1 (forever)."),
+    ("PHI4_N_CTX, PHI4_THREADS, PHI4_PARALLEL, PHI4_MAX_QUEUE", "Daemon settings, as the flags."),
+    (
+        "PHI4_TEMPERATURE, PHI4_TOP_P, PHI4_SEED, PHI4_MAX_TOKENS, PHI4_SYSTEM, PHI4_THINK_BUDGET",
+        "Sampling and answer settings, as the flags.",
+    ),
+    ("PHI4_RAMDISK_MODE", "Stage the model in RAM: auto, on or off."),
+    ("PHI4_RAMDISK", "Directory to stage the model in (default /dev/shm/phi4-UID)."),
+    ("PHI4_DEBUG", "Show tracebacks with errors."),
+    ("NO_COLOR", "Plain output even at a terminal."),
+    ("HF_ENDPOINT", "Hugging Face endpoint used by phi4 pull."),
+]
+FILES = [
+    ("~/.config/phi4/config.toml", "Settings (keys as the PHI4_ variables, lower case)."),
+    ("~/.local/share/phi4/models/", "Models downloaded by phi4 pull."),
+    ("~/.local/share/phi4/chats/", "Saved conversations, JSON."),
+    ("~/.local/state/phi4/daemon.log", "The daemon's log."),
+    ("~/.local/state/phi4/chat_history", "Chat input history."),
+    ("~/.cache/phi4/states/", "Saved system-prompt states."),
+    ("$XDG_RUNTIME_DIR/phi4/", "Socket, status file and locks (else /tmp/phi4-UID/)."),
+]
+EXIT_MEANINGS = {
+    ExitStatus.OK: "Success.",
+    ExitStatus.ERROR: "An error phi4 reports: bad input, model missing, context overflow, "
+    "a failed problem of --file.",
+    ExitStatus.USAGE: "Usage: a bad option or setting.",
+    ExitStatus.DAEMON_UNAVAILABLE: "The daemon is unreachable or could not start.",
+    ExitStatus.PROTOCOL_MISMATCH: "The daemon speaks another protocol version after a restart.",
+    ExitStatus.ENGINE_FAILURE: "The model could not be loaded, or llama.cpp failed.",
+    ExitStatus.INTERRUPTED: "Interrupted (Ctrl-C).",
+}
+EXAMPLES = [
+    ('phi4 solve "Solve 3x^2+4x+5=1"', "Solve one problem; the thinking is folded away."),
+    ('echo "12*13?" | phi4 solve - --answer-only', "Just the answer, for scripts."),
+    ("phi4 solve --file problems.txt --jsonl", "Many problems, answered together, in order."),
+    ("phi4 chat", "A conversation that stays cached in the daemon."),
+    ("phi4 warm", "Load and prewarm the model before it is needed."),
+]
+
+
+def man_page() -> str:
+    """The phi4(1) man page: the commands and options of the app plus written sections."""
+    import typer
+
+    from phi4cli.cli import app
+
+    root = typer.main.get_command(app)
+    lines = [
+        f'.TH PHI4 1 "" "phi4 {__version__}" "User Commands"',
+        ".SH NAME",
+        "phi4 \\- a local math solver on Phi\\-4\\-mini\\-reasoning, resident in a daemon",
+        ".SH SYNOPSIS",
+        ".B phi4",
+        "[\\fIOPTIONS\\fR] \\fICOMMAND\\fR [\\fIARGS\\fR]...",
+        ".SH DESCRIPTION",
+        _paragraphs(
+            "phi4 runs Microsoft's Phi-4-mini-reasoning on this machine. The model stays resident "
+            "in a background daemon reached over a private Unix socket, so a question never pays "
+            "for a process start, a model load, or re-reading a system prompt the model has "
+            "already seen. The daemon starts on the first command that needs it.\n\n"
+            "In a terminal, the model's thinking is folded into one live line, the solution is "
+            "rendered as Markdown with readable math, and the final answer gets a line of its "
+            "own. In a pipeline the output is plain text: the solution on stdout, never the "
+            "thinking."
+        ),
+        ".SH COMMANDS",
+        *_commands(root),
+        ".SH OPTIONS",
+        *_option_lines(root),
+        ".SH ENVIRONMENT",
+    ]
+    for name, meaning in ENVIRONMENT:
+        lines += [".TP", f".B {_roff(name)}", _roff(meaning)]
+    lines.append(".SH FILES")
+    for name, meaning in FILES:
+        lines += [".TP", f".I {_roff(name)}", _roff(meaning)]
+    lines.append(".SH EXIT STATUS")
+    for status, meaning in EXIT_MEANINGS.items():
+        lines += [".TP", f".B {int(status)}", _roff(meaning)]
+    lines.append(".SH EXAMPLES")
+    for command, meaning in EXAMPLES:
+        lines += [".TP", f".B {_roff(command)}", _roff(meaning)]
+    lines += [".SH SEE ALSO", "llama.cpp, ollama(1)"]
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+def expected_files() -> dict[Path, str]:
+    files = {ROOT / "completions" / f"phi4.{shell}": completion_script(shell) for shell in SHELLS}
+    files[ROOT / "man" / "phi4.1"] = man_page()
+    return files
+
+
+def main() -> None:
+    for path, text in expected_files().items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(path.relative_to(ROOT), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The committed completion scripts and man page match the app; both work."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from phi4cli.docs import expected_files
+from tests.conftest import run_phi4
+
+
+def test_completions_and_man_page_are_up_to_date():
+    stale = [str(path) for path, text in expected_files().items()
+             if not path.is_file() or path.read_text() != text]  # fmt: skip
+    assert not stale, f"regenerate with `python -m phi4cli.docs`: {stale}"
+
+
+@pytest.mark.skipif(shutil.which("groff") is None, reason="groff is not installed")
+def test_man_page_renders_without_warnings():
+    page = next(p for p in expected_files() if p.name == "phi4.1")
+    checked = subprocess.run(["groff", "-man", "-ww", "-z", str(page)], capture_output=True,
+                             text=True, check=False)  # fmt: skip
+    assert checked.returncode == 0 and checked.stderr == "", checked.stderr
+    rendered = subprocess.run(["groff", "-man", "-Tutf8", str(page)], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+    rendered = re.sub(".\x08", "", rendered)  # drop the overstrike that makes text bold
+    for section in ("NAME", "SYNOPSIS", "DESCRIPTION", "COMMANDS", "OPTIONS", "ENVIRONMENT",
+                    "FILES", "EXIT STATUS", "EXAMPLES"):  # fmt: skip
+        assert section in rendered
+    assert "phi4 solve [OPTIONS] [PROMPT]" in rendered
+    assert "--think-budget" in rendered
+
+
+@pytest.mark.parametrize(
+    ("words", "cword", "expected"),
+    [("phi4 so", "1", "solve"), ("phi4 daemon st", "2", "start"), ("phi4 solve --answ", "2",
+      "--answer-only")],
+)  # fmt: skip
+def test_bash_completion_answers(words: str, cword: str, expected: str):
+    result = run_phi4(env={"_PHI4_COMPLETE": "complete_bash", "COMP_WORDS": words,
+                           "COMP_CWORD": cword})  # fmt: skip
+    assert expected in result.stdout.split()
+
+
+def test_help_offers_completion_install():
+    assert "--install-completion" in run_phi4("--help").stdout
