@@ -358,6 +358,137 @@ def chat(
     return repl.run(line_reader(sys.stdin))
 
 
+config_app = typer.Typer(help="Show, locate, set or edit the settings.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show")
+def config_show(as_json: JsonOption = False) -> None:
+    """Show every setting's value and where it comes from (default, config file, env)."""
+    from phi4cli.config import setting_sources
+
+    sources = setting_sources(get_paths().config_file)
+    if as_json:
+        print(json.dumps({k: {"value": v, "source": src} for k, (v, src) in sources.items()},
+                         indent=2))  # fmt: skip
+        return
+    width = max(map(len, sources))
+    for key, (value, source) in sources.items():
+        shown = format_duration(value) if key == "keep_alive" else value
+        print(f"{key:<{width}}  {shown!s:<24}  {source}")
+
+
+@config_app.command("path")
+def config_path() -> None:
+    """Print the config file's path."""
+    print(get_paths().config_file)
+
+
+@config_app.command("set")
+def config_set(
+    key: Annotated[str, typer.Argument(help="Setting name, e.g. temperature.")],
+    value: Annotated[str, typer.Argument(help="New value; 'none' clears an optional one.")],
+) -> None:
+    """Set one setting in the config file, after checking the value."""
+    from phi4cli.config import set_config_value
+
+    path = get_paths().config_file
+    parsed = set_config_value(path, key, value)
+    shown = format_duration(parsed) if key == "keep_alive" else parsed
+    print(f"{key} = {shown} ({path})")
+
+
+@config_app.command("edit")
+def config_edit() -> None:
+    """Open the config file in $VISUAL or $EDITOR, then check what was written."""
+    import shlex
+    import subprocess
+
+    from phi4cli.config import check_config_file
+
+    path = get_paths().config_file
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("# phi4 settings: see `phi4 config show` for the keys\n")
+    editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
+    subprocess.run([*shlex.split(editor), str(path)], check=False)
+    check_config_file(path)
+    print(f"{path}: ok")
+
+
+@app.command()
+def logs(
+    lines: Annotated[int, typer.Option("--lines", "-n", min=0, help="How many lines.")] = 50,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing new lines (Ctrl-C stops).")
+    ] = False,
+) -> None:
+    """Show the daemon log (rotated by size in the state dir)."""
+    from collections import deque
+
+    path = get_paths().log_file
+    if not path.exists():
+        raise Phi4Error(f"no daemon log yet ({path}); the daemon writes it once it starts")
+    with path.open("rb") as handle:
+        for line in deque(handle, maxlen=lines) if lines else ():
+            sys.stdout.write(line.decode(errors="replace"))
+        sys.stdout.flush()
+        if not follow:
+            return
+        inode = os.fstat(handle.fileno()).st_ino
+        try:
+            while True:
+                chunk = handle.read()
+                if chunk:
+                    sys.stdout.write(chunk.decode(errors="replace"))
+                    sys.stdout.flush()
+                    continue
+                time.sleep(0.2)
+                if path.exists() and path.stat().st_ino != inode:  # rotated: follow the new one
+                    handle.close()
+                    handle = path.open("rb")
+                    inode = os.fstat(handle.fileno()).st_ino
+        except KeyboardInterrupt:
+            return
+
+
+@daemon_app.command("install-service")
+def daemon_install_service(
+    model: ModelOption = None,
+    keep_alive: Annotated[
+        str, typer.Option("--keep-alive", help="keep_alive of the service's daemon.")
+    ] = "-1",
+) -> None:
+    """Write a systemd user unit that runs the daemon at login, and say how to enable it."""
+    from phi4cli.models import resolve_model
+
+    paths = get_paths()
+    settings = _settings(paths, model=model, keep_alive=keep_alive)
+    model_path = resolve_model(settings.model, paths)
+    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    unit = config_home / "systemd" / "user" / "phi4.service"
+    environment = (
+        f"Environment=PHI4_HOME={os.environ['PHI4_HOME']}\n" if "PHI4_HOME" in os.environ else ""
+    )
+    text = (
+        "[Unit]\n"
+        "Description=phi4 daemon: Phi-4-mini-reasoning kept resident for phi4 solve and chat\n\n"
+        "[Service]\n"
+        "Type=simple\n"
+        f"{environment}"
+        f"ExecStart={sys.executable} -m phi4cli daemon run --model {model_path} "
+        f"--keep-alive {keep_alive}\n"
+        "Restart=on-failure\n\n"
+        "[Install]\n"
+        "WantedBy=default.target\n"
+    )
+    from phi4cli.atomicfile import write_atomic
+
+    write_atomic(unit, text.encode(), mode=0o644)
+    print(f"wrote {unit}")
+    print("enable it with: systemctl --user daemon-reload && systemctl --user enable --now phi4")
+
+
 def _status_of(paths: Paths) -> dict[str, Any]:
     from phi4cli.client import daemon_status
 

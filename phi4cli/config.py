@@ -6,6 +6,7 @@ else reads the environment or the config file.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -217,3 +218,53 @@ def load_settings(
         if value is not None:
             values[key] = parse_setting(key, value, f"--{key.replace('_', '-')}")
     return Settings(**values)
+
+
+def setting_sources(
+    config_file: Path, environ: Mapping[str, str] | None = None
+) -> dict[str, tuple[Any, str]]:
+    """Return each setting's effective value and where it comes from (default, file, env)."""
+    environ = os.environ if environ is None else environ
+    settings = load_settings(config_file, {}, environ)
+    in_file = read_config_file(config_file)
+    sources: dict[str, tuple[Any, str]] = {}
+    for field in fields(Settings):
+        name = env_name(field.name)
+        source = (
+            name if name in environ else str(config_file) if field.name in in_file else "default"
+        )
+        sources[field.name] = (getattr(settings, field.name), source)
+    return sources
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value), ensure_ascii=False)  # JSON strings are TOML basic strings
+
+
+def set_config_value(config_file: Path, key: str, value: str) -> Any:
+    """Validate ``value`` for ``key`` and write it to the config file (atomically); return the
+    parsed value. ``none`` clears an optional setting. Raise ConfigError naming the key."""
+    from phi4cli.atomicfile import write_atomic
+
+    if key not in _FIELDS:
+        raise ConfigError(f"unknown key {key!r}; known keys: {', '.join(sorted(_FIELDS))}")
+    parsed = parse_setting(key, value, f"config key {key}")
+    data = read_config_file(config_file)
+    if parsed is None:
+        data.pop(key, None)
+    else:
+        # Durations keep the user's spelling ("30m"); everything else its parsed form.
+        data[key] = value if key == "keep_alive" else parsed
+    text = "".join(f"{name} = {_toml_value(data[name])}\n" for name in sorted(data))
+    write_atomic(config_file, text.encode(), mode=0o644)
+    return parsed
+
+
+def check_config_file(config_file: Path) -> None:
+    """Raise ConfigError unless every key and value in the file is valid."""
+    for key, value in read_config_file(config_file).items():
+        parse_setting(key, value, str(config_file))

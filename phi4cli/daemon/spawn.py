@@ -108,11 +108,30 @@ def daemon_command(settings: Settings, model_path: Path | None) -> list[str]:
     return command
 
 
+LOG_MAX_BYTES = 5 << 20
+LOG_KEEP = 3
+
+
+def rotate_log(log_file: Path) -> None:
+    """Keep the daemon log under LOG_MAX_BYTES: daemon.log -> .1 -> .2 -> .3 (dropped)."""
+    try:
+        if log_file.stat().st_size < LOG_MAX_BYTES:
+            return
+    except FileNotFoundError:
+        return
+    for index in range(LOG_KEEP - 1, 0, -1):
+        older = log_file.with_name(f"{log_file.name}.{index}")
+        if older.exists():
+            older.replace(log_file.with_name(f"{log_file.name}.{index + 1}"))
+    log_file.replace(log_file.with_name(f"{log_file.name}.1"))
+
+
 def spawn_daemon(
     paths: Paths, settings: Settings, model_path: Path | None
 ) -> subprocess.Popen[bytes]:
     """Start ``phi4 daemon run`` in its own session, its output appended to the daemon log."""
     paths.state_dir.mkdir(parents=True, exist_ok=True)
+    rotate_log(paths.log_file)
     with open(paths.log_file, "ab") as log:
         return subprocess.Popen(
             daemon_command(settings, model_path),

@@ -1,0 +1,79 @@
+"""`phi4 config`, `phi4 logs` (and log rotation), `phi4 daemon install-service`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from phi4cli.daemon.spawn import LOG_MAX_BYTES, rotate_log
+from tests.conftest import PHI4, run_phi4
+
+
+def test_config_set_show_path_and_validation(phi4_home: Path):
+    path = Path(run_phi4("config", "path").stdout.strip())
+    assert path == phi4_home / "config" / "config.toml"
+    assert run_phi4("config", "set", "temperature", "0.3").returncode == 0
+    assert "keep_alive = 10m" in run_phi4("config", "set", "keep_alive", "10m").stdout
+    assert path.read_text() == 'keep_alive = "10m"\ntemperature = 0.3\n'
+    bad_value = run_phi4("config", "set", "top_p", "7")
+    assert bad_value.returncode == 2
+    assert "invalid top_p '7': expected a number from 0 to 1" in bad_value.stderr
+    bad_key = run_phi4("config", "set", "colour", "red")
+    assert bad_key.returncode == 2 and "unknown key 'colour'" in bad_key.stderr
+    shown = json.loads(run_phi4("config", "show", "--json", env={"PHI4_SEED": "7"}).stdout)
+    assert shown["temperature"] == {"value": 0.3, "source": str(path)}
+    assert shown["seed"] == {"value": 7, "source": "PHI4_SEED"}
+    assert shown["n_ctx"]["source"] == "default"
+    assert run_phi4("config", "set", "temperature", "none").returncode == 2, "not optional"
+    assert run_phi4("config", "set", "seed", "5").returncode == 0
+    assert run_phi4("config", "set", "seed", "random").returncode == 0
+    assert "seed" not in path.read_text()
+
+
+def test_config_edit_checks_what_the_editor_wrote(phi4_home: Path):
+    good = run_phi4("config", "edit", env={"EDITOR": 'sh -c \'echo "n_ctx = 4096" >> "$0"\''})
+    assert good.returncode == 0 and good.stdout.strip().endswith(": ok")
+    bad = run_phi4("config", "edit", env={"EDITOR": 'sh -c \'echo "threads = -4" >> "$0"\''})
+    assert bad.returncode == 2 and "invalid threads -4" in bad.stderr
+
+
+def test_logs_shows_and_follows_the_daemon_log(tiny_model: Path, phi4_home: Path):
+    assert run_phi4("logs").returncode == 1
+    assert run_phi4("solve", "hi", "-m", str(tiny_model), "-n", "1").returncode == 0
+    shown = run_phi4("logs", "-n", "2")
+    assert shown.returncode == 0 and len(shown.stdout.splitlines()) == 2
+    follower = subprocess.Popen([PHI4, "logs", "-f", "-n", "0"], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    assert run_phi4("stop").returncode == 0
+    time.sleep(0.6)
+    follower.terminate()
+    followed, _ = follower.communicate(timeout=10)
+    assert "shutting down" in followed
+
+
+def test_log_rotation_keeps_three(tmp_path: Path):
+    log = tmp_path / "daemon.log"
+    for generation in range(5):
+        log.write_bytes(str(generation).encode() * LOG_MAX_BYTES)
+        rotate_log(log)
+    assert not log.exists()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["daemon.log.1", "daemon.log.2", "daemon.log.3"]
+    assert (tmp_path / "daemon.log.1").read_bytes()[:1] == b"4"
+    small = tmp_path / "small.log"
+    small.write_text("x")
+    rotate_log(small)
+    assert small.exists()
+
+
+def test_install_service_writes_a_user_unit(tiny_model: Path, tmp_path: Path, phi4_home: Path):
+    result = run_phi4("daemon", "install-service", "-m", str(tiny_model),
+                      env={"XDG_CONFIG_HOME": str(tmp_path)})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    unit = (tmp_path / "systemd" / "user" / "phi4.service").read_text()
+    assert "-m phi4cli daemon run --model " + str(tiny_model) + " --keep-alive -1" in unit
+    assert f"Environment=PHI4_HOME={phi4_home}" in unit
+    assert "WantedBy=default.target" in unit
+    assert "systemctl --user enable --now phi4" in result.stdout
