@@ -358,6 +358,43 @@ def chat(
     return repl.run(line_reader(sys.stdin))
 
 
+@app.command()
+def serve(
+    http: Annotated[
+        str,
+        typer.Option(
+            "--http",
+            metavar="HOST:PORT",
+            help="Address for the OpenAI-compatible API (loopback unless --api-key).",
+        ),
+    ],
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="PHI4_API_KEY",
+            show_default=False,
+            help="Require 'Authorization: Bearer KEY' [env PHI4_API_KEY].",
+        ),
+    ] = None,
+    model: ModelOption = None,
+    keep_alive: KeepAliveOption = None,
+) -> None:
+    """Expose the daemon as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models,
+    /health, /metrics)."""
+    from phi4cli.http_api import serve as serve_http
+    from phi4cli.models import ALIASES, resolve_model
+
+    paths = get_paths()
+    settings = _settings(paths, model=model, keep_alive=keep_alive)
+    model_path = resolve_model(settings.model, paths)
+    name = settings.model if settings.model in ALIASES else model_path.stem
+    try:
+        serve_http(paths, settings, model_path, name, http, api_key, _stderr)
+    except KeyboardInterrupt:
+        return
+
+
 config_app = typer.Typer(help="Show, locate, set or edit the settings.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 

@@ -16,6 +16,7 @@ import socket
 import struct
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,46 @@ def _rss_bytes() -> int | None:
     return None
 
 
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass
+class RequestMetrics:
+    """Counters for `/metrics`: tokens, cache use, request latency, errors by code."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    latency_sum: float = 0.0
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+    errors: Counter[str] = field(default_factory=Counter)
+
+    def record(self, stats: dict[str, Any]) -> None:
+        self.requests += 1
+        self.prompt_tokens += int(stats.get("prompt_tokens", 0))
+        self.cached_tokens += int(stats.get("cached_tokens", 0))
+        self.completion_tokens += int(stats.get("completion_tokens", 0))
+        latency = float(stats.get("total_s") or 0.0)
+        self.latency_sum += latency
+        for index, bound in enumerate(LATENCY_BUCKETS):
+            if latency <= bound:
+                self.latency_buckets[index] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "completion_tokens": self.completion_tokens,
+            "latency_sum_s": round(self.latency_sum, 6),
+            "latency_buckets": dict(
+                zip(map(str, LATENCY_BUCKETS), self.latency_buckets, strict=True)
+            ),
+            "errors": dict(self.errors),
+        }
+
+
 @dataclass(eq=False)
 class Connection:
     writer: asyncio.StreamWriter
@@ -102,6 +143,7 @@ class DaemonServer:
         self.error: str | None = None
         self.started_at = time.time()
         self.requests_served = 0
+        self.metrics = RequestMetrics()
         self.last_activity = time.monotonic()
         self._connections: set[Connection] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -143,6 +185,7 @@ class DaemonServer:
             "keep_alive_left_s": None if left is None else round(left, 3),
             "n_ctx": self.settings.n_ctx,
             "load": self.scheduler.last_load,
+            "metrics": self.metrics.snapshot(),
         }
 
     def _write_status(self) -> None:
@@ -318,6 +361,10 @@ class DaemonServer:
 
     def _deliver(self, connection: Connection, request_id: Any, message: dict[str, Any]) -> None:
         connection.send(message)
+        if message.get("event") == "stats":
+            self.metrics.record(message)
+        elif message.get("event") == "error":
+            self.metrics.errors[str(message.get("code"))] += 1
         if message.get("event") in protocol.TERMINAL_EVENTS:
             connection.jobs.pop(request_id, None)
             if message.get("event") == "done":

@@ -1,0 +1,116 @@
+"""`phi4 serve --http`: the OpenAI-compatible API, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import PHI4, run_phi4
+
+
+def start_server(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [PHI4, "serve", "--http", "127.0.0.1:0", "-m", str(model), *extra],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        found = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
+        if found:
+            return proc, found.group(1)
+    raise AssertionError("the server did not start")
+
+
+@pytest.fixture
+def server(tiny_model: Path) -> Iterator[str]:
+    proc, url = start_server(tiny_model)
+    try:
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_chat_completions_streaming_and_not_agree(server: str):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is 12*13?"}]  # fmt: skip
+    whole = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                           max_tokens=12)  # fmt: skip
+    text = whole.choices[0].message.content
+    assert text and whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 12
+    streamed = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                              max_tokens=12, stream=True)  # fmt: skip
+    chunks = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+    assert "".join(chunks) == text
+    follow_up = client.chat.completions.create(
+        model="tiny", temperature=0, max_tokens=4,
+        messages=[*messages, {"role": "assistant", "content": text},
+                  {"role": "user", "content": "And twice that?"}],
+    )  # fmt: skip
+    assert follow_up.usage is not None
+    assert follow_up.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
+
+
+def test_models_health_and_metrics(server: str, tiny_model: Path):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    assert [m.id for m in client.models.list()] == [tiny_model.stem]
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                   max_tokens=2)  # fmt: skip
+    status, body = get(f"{server}/health")
+    assert (status, json.loads(body)) == (200, {"status": "ok"})
+    status, text = get(f"{server}/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["phi4_requests"].samples[0].value >= 1
+    assert families["phi4_request_duration_seconds"].type == "histogram"
+    kinds = {s.labels["kind"] for s in families["phi4_tokens"].samples}
+    assert kinds == {"prompt", "cached", "completion"}
+    assert run_phi4("stop").returncode == 0
+    status, body = get(f"{server}/health")
+    assert status == 503 and json.loads(body)["status"] == "stopped"
+
+
+def test_bad_requests_get_openai_style_errors(server: str):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="last message must be the user"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "assistant",
+                                                               "content": "hi"}])  # fmt: skip
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="tiny", prompt="hi")
+
+
+def test_api_key_is_required_when_set_and_for_public_binds(tiny_model: Path):
+    refused = run_phi4("serve", "--http", "0.0.0.0:0", "-m", str(tiny_model))
+    assert refused.returncode == 2 and "needs --api-key" in refused.stderr
+    proc, url = start_server(tiny_model, "--api-key", "s3cret")
+    try:
+        assert get(f"{url}/v1/models")[0] == 401
+        status, _ = get(f"{url}/v1/models", {"Authorization": "Bearer s3cret"})
+        assert status == 200
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
