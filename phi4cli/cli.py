@@ -26,6 +26,7 @@ app = typer.Typer(
     help="A local math solver: Phi-4-mini-reasoning, resident in a background daemon.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts say [default ...] and [env ...] literally
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 daemon_app = typer.Typer(
@@ -64,6 +65,51 @@ ThreadsOption = Annotated[
     typer.Option(
         "--threads",
         help="CPU threads for a daemon this command starts [default: physical cores].",
+        show_default=False,
+    ),
+]
+
+
+# Options shared by solve and chat.
+ShowReasoningOption = Annotated[
+    bool,
+    typer.Option("--show-reasoning", "-r", help="Stream the model's thinking (dimmed, stderr)."),
+]
+ThinkBudgetOption = Annotated[
+    int | None,
+    typer.Option(
+        "--think-budget",
+        min=0,
+        help="End the thinking after N tokens; the model then answers [env PHI4_THINK_BUDGET].",
+        show_default=False,
+    ),
+]
+SystemOption = Annotated[
+    str | None, typer.Option("--system", "-s", help="Extra system prompt.", show_default=False)
+]
+TemperatureOption = Annotated[
+    float | None,
+    typer.Option(
+        "--temperature",
+        "-t",
+        help="Sampling temperature; 0 is greedy [default 0.8].",
+        show_default=False,
+    ),
+]
+TopPOption = Annotated[
+    float | None,
+    typer.Option("--top-p", help="Nucleus sampling [default 0.95].", show_default=False),
+]
+SeedOption = Annotated[
+    int | None,
+    typer.Option("--seed", help="Random seed, for repeatable samples.", show_default=False),
+]
+MaxTokensOption = Annotated[
+    int | None,
+    typer.Option(
+        "--max-tokens",
+        "-n",
+        help="Stop after this many tokens (thinking included).",
         show_default=False,
     ),
 ]
@@ -127,12 +173,7 @@ def solve(
         ),
     ] = None,
     model: ModelOption = None,
-    show_reasoning: Annotated[
-        bool,
-        typer.Option(
-            "--show-reasoning", "-r", help="Stream the model's thinking (dimmed, stderr)."
-        ),
-    ] = False,
+    show_reasoning: ShowReasoningOption = False,
     answer_only: Annotated[
         bool, typer.Option("--answer-only", "-a", help="Print just the final answer, one line.")
     ] = False,
@@ -169,44 +210,12 @@ def solve(
             help="Self-consistency: solve K times, majority-vote the answers.",
         ),
     ] = 1,
-    think_budget: Annotated[
-        int | None,
-        typer.Option(
-            "--think-budget",
-            min=0,
-            help="End the thinking after N tokens; the model then answers [env PHI4_THINK_BUDGET].",
-            show_default=False,
-        ),
-    ] = None,
-    system: Annotated[
-        str | None, typer.Option("--system", "-s", help="Extra system prompt.", show_default=False)
-    ] = None,
-    temperature: Annotated[
-        float | None,
-        typer.Option(
-            "--temperature",
-            "-t",
-            help="Sampling temperature; 0 is greedy [default 0.8].",
-            show_default=False,
-        ),
-    ] = None,
-    top_p: Annotated[
-        float | None,
-        typer.Option("--top-p", help="Nucleus sampling [default 0.95].", show_default=False),
-    ] = None,
-    seed: Annotated[
-        int | None,
-        typer.Option("--seed", help="Random seed, for repeatable samples.", show_default=False),
-    ] = None,
-    max_tokens: Annotated[
-        int | None,
-        typer.Option(
-            "--max-tokens",
-            "-n",
-            help="Stop after this many tokens (thinking included).",
-            show_default=False,
-        ),
-    ] = None,
+    think_budget: ThinkBudgetOption = None,
+    system: SystemOption = None,
+    temperature: TemperatureOption = None,
+    top_p: TopPOption = None,
+    seed: SeedOption = None,
+    max_tokens: MaxTokensOption = None,
     keep_alive: KeepAliveOption = None,
     n_ctx: NCtxOption = None,
     threads: ThreadsOption = None,
@@ -283,34 +292,13 @@ def chat(
     continue_last: Annotated[
         bool, typer.Option("--continue", "-c", help="Reopen the most recent conversation.")
     ] = False,
-    system: Annotated[
-        str | None, typer.Option("--system", "-s", help="Extra system prompt.", show_default=False)
-    ] = None,
-    show_reasoning: Annotated[
-        bool, typer.Option("--show-reasoning", "-r", help="Show the model's thinking.")
-    ] = False,
-    temperature: Annotated[
-        float | None,
-        typer.Option("--temperature", "-t", help="Sampling temperature.", show_default=False),
-    ] = None,
-    top_p: Annotated[
-        float | None, typer.Option("--top-p", help="Nucleus sampling.", show_default=False)
-    ] = None,
-    seed: Annotated[
-        int | None, typer.Option("--seed", help="Random seed.", show_default=False)
-    ] = None,
-    max_tokens: Annotated[
-        int | None,
-        typer.Option(
-            "--max-tokens", "-n", help="Answer length cap (thinking included).", show_default=False
-        ),
-    ] = None,
-    think_budget: Annotated[
-        int | None,
-        typer.Option(
-            "--think-budget", min=0, show_default=False, help="End the thinking after N tokens."
-        ),
-    ] = None,
+    system: SystemOption = None,
+    show_reasoning: ShowReasoningOption = False,
+    temperature: TemperatureOption = None,
+    top_p: TopPOption = None,
+    seed: SeedOption = None,
+    max_tokens: MaxTokensOption = None,
+    think_budget: ThinkBudgetOption = None,
     keep_alive: KeepAliveOption = None,
     n_ctx: NCtxOption = None,
     threads: ThreadsOption = None,
