@@ -71,6 +71,12 @@ ThreadsOption = Annotated[
 
 
 # Options shared by solve and chat.
+BackendOption = Annotated[
+    str | None,
+    typer.Option("--backend", metavar="URL", show_default=False,
+                 help="Use this OpenAI-compatible server instead of the local daemon "
+                      "[env PHI4_BACKEND; key from PHI4_BACKEND_KEY]."),
+]  # fmt: skip
 ShowReasoningOption = Annotated[
     bool,
     typer.Option("--show-reasoning", "-r", help="Stream the model's thinking (dimmed, stderr)."),
@@ -219,6 +225,7 @@ def solve(
     keep_alive: KeepAliveOption = None,
     n_ctx: NCtxOption = None,
     threads: ThreadsOption = None,
+    backend: BackendOption = None,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print timing and cache statistics to stderr.")
     ] = False,
@@ -244,13 +251,13 @@ def solve(
     settings = _settings(
         paths, model=model, system=system, temperature=temperature, top_p=top_p, seed=seed,
         max_tokens=max_tokens, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads,
-        think_budget=think_budget,
+        think_budget=think_budget, backend=backend,
     )  # fmt: skip
     problems = read_problems(file or "-") if file is not None or each_line else None
     question = _read_prompt(prompt) if problems is None else ""
-    model_path = resolve_model(settings.model, paths)
+    model_path = None if settings.backend else resolve_model(settings.model, paths)
     base: dict[str, Any] = {
-        "model": str(model_path),
+        "model": str(model_path or settings.model),
         "system": settings.system,
         "temperature": settings.temperature,
         "top_p": settings.top_p,
@@ -302,6 +309,7 @@ def chat(
     keep_alive: KeepAliveOption = None,
     n_ctx: NCtxOption = None,
     threads: ThreadsOption = None,
+    backend: BackendOption = None,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print statistics after each answer.")
     ] = False,
@@ -318,16 +326,21 @@ def chat(
     settings = _settings(
         paths, model=model, system=system, temperature=temperature, top_p=top_p, seed=seed,
         max_tokens=max_tokens, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads,
-        think_budget=think_budget,
+        think_budget=think_budget, backend=backend,
     )  # fmt: skip
     store = ChatStore(paths.data_dir / "chats")
+
+    def model_for(spec: str) -> Path:
+        # With a remote backend the model is a name for that server, not a file here.
+        return Path(spec) if settings.backend else resolve_model(spec, paths)
+
     if resume or continue_last:
         conversation = store.load(resume) if resume else store.latest()
-        model_path = resolve_model(model or conversation.model, paths)
+        model_path = model_for(model or conversation.model)
         if system is not None:
             conversation.system = system
     else:
-        model_path = resolve_model(settings.model, paths)
+        model_path = model_for(settings.model)
         conversation = Conversation(
             name=default_name(), model=str(model_path), system=settings.system
         )

@@ -142,6 +142,7 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
     "mlock": (_boolean, "true or false"),
     "max_queue": (_positive_int, "a positive integer (requests)"),
     "parallel": (_positive_int, "a positive integer (requests decoded together)"),
+    "backend": (_optional_str, "the URL of an OpenAI-compatible server, or none (the daemon)"),
     "system": (_optional_str, "text"),
 }
 
@@ -162,6 +163,7 @@ class Settings:
     mlock: bool = False  # pin the model's pages in RAM
     max_queue: int = 64  # requests waiting in the daemon before it answers busy
     parallel: int = 4  # requests decoded together (slots of the one llama context)
+    backend: str | None = None  # an OpenAI-compatible server to use instead of the daemon
     # None: the chat template's own default system prompt ("Your name is Phi, ...").
     system: str | None = None
 

@@ -86,8 +86,9 @@ class ChatRepl:
     def run(self, read: Reader) -> int:
         """Read and answer until /exit or end of input; return the exit status."""
         interrupted_once = False
-        # Start the daemon (and its model load) now, while the user types the first question.
-        self._connect()
+        if self.env.settings.backend is None:
+            # Start the daemon (and its model load) now, while the user types the first question.
+            self._connect()
         try:
             while True:
                 try:
@@ -190,6 +191,9 @@ class ChatRepl:
         presenter: PlainPresenter | TerminalPresenter,
     ) -> bool:
         """Send the turn and show its events; return True if the user stopped it with Ctrl-C."""
+        backend = self.env.settings.backend
+        if backend is not None:
+            return self._stream_remote(backend, params, outcome, presenter)
         connection = self._connect()
         request_id = connection.send("chat", params)
         interrupted = False
@@ -209,6 +213,28 @@ class ChatRepl:
                 interrupted = True
                 connection.send("cancel", {"target": request_id})
         return interrupted
+
+    def _stream_remote(
+        self,
+        backend: str,
+        params: dict[str, Any],
+        outcome: Outcome,
+        presenter: PlainPresenter | TerminalPresenter,
+    ) -> bool:
+        """The same as ``_stream``, against a remote OpenAI-compatible server."""
+        from phi4cli import remote
+        from phi4cli.solving import backend_key
+
+        events = remote.stream(backend, backend_key(), str(self.env.model_path), params)
+        try:
+            for event in events:
+                outcome.apply(event)
+                presenter.on_event(event)
+        except KeyboardInterrupt:
+            events.close()  # closes the HTTP response: the server stops generating
+            outcome.error = {"code": protocol.CANCELLED, "message": "cancelled"}
+            return True
+        return False
 
     def _drop_connection(self) -> None:
         if self._connection is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from phi4cli import remote
 from phi4cli.client import solve_many
 from phi4cli.config import Settings
 from phi4cli.errors import ExitStatus
@@ -32,7 +33,7 @@ class SolveJob:
 
     paths: Paths
     settings: Settings
-    model_path: Path
+    model_path: Path | None  # None with a remote backend
     announce: Announce
     base: dict[str, Any]
 
@@ -42,10 +43,24 @@ class SolveJob:
     def run(
         self, requests: list[dict[str, Any]], on_event: Callable[[int, dict[str, Any]], None]
     ) -> None:
+        backend = self.settings.backend
+        if backend is not None:
+            # A remote server batches as it sees fit; ours are sent one after another.
+            for index, params in enumerate(requests):
+                for event in remote.stream(backend, backend_key(), self.settings.model, params):
+                    on_event(index, event)
+            return
         solve_many(
             self.paths, self.settings, self.model_path, requests, on_event, self.announce,
             window=IN_FLIGHT,
         )  # fmt: skip
+
+
+def backend_key() -> str | None:
+    """The API key for a remote backend, from PHI4_BACKEND_KEY."""
+    import os
+
+    return os.environ.get("PHI4_BACKEND_KEY")
 
 
 @dataclass(frozen=True)
