@@ -8,6 +8,7 @@ Standard library only: urllib and server-sent events.
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +23,11 @@ TIMEOUT_S = 600.0
 _CODE_FOR_STATUS = {400: protocol.BAD_REQUEST, 404: protocol.BAD_REQUEST,
                     413: protocol.BAD_REQUEST, 429: protocol.BUSY,
                     503: protocol.SHUTTING_DOWN}  # fmt: skip
+
+
+def backend_key() -> str | None:
+    """The API key for the remote backend, from PHI4_BACKEND_KEY."""
+    return os.environ.get("PHI4_BACKEND_KEY")
 
 
 def _messages(params: dict[str, Any]) -> list[dict[str, str]]:

@@ -223,9 +223,8 @@ class ChatRepl:
     ) -> bool:
         """The same as ``_stream``, against a remote OpenAI-compatible server."""
         from phi4cli import remote
-        from phi4cli.solving import backend_key
 
-        events = remote.stream(backend, backend_key(), str(self.env.model_path), params)
+        events = remote.stream(backend, remote.backend_key(), str(self.env.model_path), params)
         try:
             for event in events:
                 outcome.apply(event)

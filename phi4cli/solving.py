@@ -47,20 +47,15 @@ class SolveJob:
         if backend is not None:
             # A remote server batches as it sees fit; ours are sent one after another.
             for index, params in enumerate(requests):
-                for event in remote.stream(backend, backend_key(), self.settings.model, params):
+                for event in remote.stream(
+                    backend, remote.backend_key(), self.settings.model, params
+                ):
                     on_event(index, event)
             return
         solve_many(
             self.paths, self.settings, self.model_path, requests, on_event, self.announce,
             window=IN_FLIGHT,
         )  # fmt: skip
-
-
-def backend_key() -> str | None:
-    """The API key for a remote backend, from PHI4_BACKEND_KEY."""
-    import os
-
-    return os.environ.get("PHI4_BACKEND_KEY")
 
 
 @dataclass(frozen=True)
