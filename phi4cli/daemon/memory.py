@@ -1,0 +1,276 @@
+"""The memory plan: how many tokens the KV cache holds, what one request may reserve of it, how
+many requests can decode together, and how many layers go to a GPU.
+
+:func:`plan_memory` is a pure function of the model's shape, the machine's free memory and the
+user's settings, so it is unit-tested over many machine sizes; the engine gathers its inputs
+(the model's shape from llama.cpp, :func:`read_meminfo`, ggml's devices).
+
+The KV cache costs ``2 (K and V) x layers x KV heads x head size x bytes per element`` per token:
+for Phi-4-mini (32 layers, 8 KV heads of 128) that is 128 KiB at f16, so 8,192 tokens take 1 GiB.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Bytes per element of each KV cache type (ggml's block sizes: q8_0 stores 32 values in 34 bytes,
+# q4_0 in 18).
+KV_TYPE_BYTES: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+KV_TYPES = tuple(KV_TYPE_BYTES)
+QUANT_BLOCK = 32  # a quantized cache stores each head in blocks of this many values
+
+# What one request may use (prompt + generation) unless it asks for more: Phi-4-mini-reasoning
+# thinks for 3,000-6,000 tokens on a hard problem, so a reasoning model gets room for that and its
+# answer; other models answer in far fewer.
+REASONING_REQUEST_TOKENS = 8192
+PLAIN_REQUEST_TOKENS = 4096
+# The smallest context worth running; below this the plan says memory is short but goes on.
+MIN_CTX = 2048
+CTX_ALIGN = 256  # llama.cpp pads the KV cache to this many cells anyway
+# The most requests decoded together, whatever the memory: each needs a sequence and a sampler,
+# and past this a CPU gains nothing from a wider batch.
+MAX_SLOTS = 16
+# A request with a small budget (a short problem) reserves at least this much, which bounds how
+# many fit: n_ctx // this, up to MAX_SLOTS.
+MIN_RESERVATION = 1024
+# Memory left to the rest of the machine (and llama.cpp's compute buffers) when planning.
+RAM_HEADROOM_FRACTION = 0.10
+RAM_HEADROOM_MIN = 1 * GiB
+DEVICE_HEADROOM = 512 * MiB
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory plan needs to know about a model (from its GGUF header)."""
+
+    n_layer: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    n_ctx_train: int
+    file_bytes: int
+    layer_bytes: int  # weights of one repeating layer (the average)
+    name: str = ""  # general.name
+    thinks: bool = False  # a reasoning model: requests need room for long thinking
+
+    @property
+    def other_bytes(self) -> int:
+        """Weights outside the repeating layers (embeddings, output)."""
+        return max(0, self.file_bytes - self.layer_bytes * self.n_layer)
+
+    def kv_bytes_per_token(self, kv_type: str) -> int:
+        elements = self.n_layer * self.n_head_kv * (self.head_dim_k + self.head_dim_v)
+        return int(elements * KV_TYPE_BYTES[kv_type] + 0.5)
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU (or other accelerator with its own memory) that llama.cpp can offload to."""
+
+    name: str
+    free_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Free memory as the daemon sees it before loading."""
+
+    ram_available: int
+    ram_total: int
+    # The model's pages are already out of ram_available (staged on tmpfs): don't count them twice.
+    model_in_ram: bool = False
+    devices: tuple[Device, ...] = ()
+    gpu_offload: bool = False  # this llama.cpp build can offload (CUDA, Metal, Vulkan, ...)
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    """The user's settings that shape the plan (None / "auto": let the plan decide)."""
+
+    n_ctx: int | None = None
+    parallel: int = 4
+    kv_cache_type: str = "f16"
+    gpu_layers: str | int = "auto"  # "auto" | "all" | a number of layers
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    n_ctx: int  # KV cells, shared by every request (a unified cache)
+    request_tokens: int  # what a request reserves (prompt + generation) unless it asks otherwise
+    parallel: int  # requests of request_tokens that fit at once
+    slots: int  # the most requests decoding together (short ones pack in)
+    kv_cache_type: str
+    flash_attn: bool  # llama.cpp needs flash attention for a quantized V cache
+    kv_bytes_per_token: int
+    kv_bytes: int
+    gpu_layers: int  # -1: all (the output layer too), 0: none
+    device: str | None
+    ram_available: int
+    device_free: int | None
+    n_ctx_source: str  # "auto" | "setting"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "notes": list(self.notes)}
+
+
+def default_request_tokens(shape: ModelShape) -> int:
+    target = REASONING_REQUEST_TOKENS if shape.thinks else PLAIN_REQUEST_TOKENS
+    return min(target, shape.n_ctx_train)
+
+
+def _align_down(tokens: int) -> int:
+    return max(CTX_ALIGN, tokens // CTX_ALIGN * CTX_ALIGN)
+
+
+def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> MemoryPlan:
+    """Return the plan for ``shape`` on ``machine`` under ``request``.
+
+    Context: an explicit ``n_ctx`` is honoured; ``auto`` aims at ``parallel`` requests of the
+    model's default budget, at most what free memory holds after the weights and a headroom, and
+    never below MIN_CTX. Layers: ``auto`` puts on the device as many layers as fit, with their
+    share of that KV cache, in its free memory; ``all`` puts them all there; 0 on a build or a
+    machine without a device.
+
+    Raise ValueError for a KV type or a layer count that makes no sense.
+    """
+    if request.kv_cache_type not in KV_TYPE_BYTES:
+        raise ValueError(f"unknown KV cache type {request.kv_cache_type!r}")
+    notes: list[str] = []
+    kv_type = request.kv_cache_type
+    if kv_type != "f16" and (shape.head_dim_k % QUANT_BLOCK or shape.head_dim_v % QUANT_BLOCK):
+        notes.append(
+            f"a {kv_type} KV cache needs a head size divisible by {QUANT_BLOCK} (this model's is "
+            f"{shape.head_dim_k}); using f16"
+        )
+        kv_type = "f16"
+    per_token = shape.kv_bytes_per_token(kv_type)
+    per_layer_token = per_token / max(1, shape.n_layer)
+    wanted_request = default_request_tokens(shape)
+    parallel = max(1, request.parallel)
+
+    device = max(machine.devices, key=lambda d: d.free_bytes) if machine.devices else None
+    offload_possible = machine.gpu_offload and device is not None
+    device_room = max(0, device.free_bytes - DEVICE_HEADROOM) if device is not None else 0
+    layers_setting = request.gpu_layers
+    if layers_setting == "all":
+        wanted_layers = shape.n_layer
+    elif layers_setting == "auto":
+        wanted_layers = shape.n_layer if offload_possible else 0
+    else:
+        wanted_layers = int(layers_setting)
+        if wanted_layers < 0:
+            raise ValueError(f"gpu_layers must be auto, all or a number >= 0, not {wanted_layers}")
+        wanted_layers = min(wanted_layers, shape.n_layer)
+    if wanted_layers and not offload_possible:
+        notes.append(
+            "this llama.cpp build cannot offload to a GPU"
+            if not machine.gpu_offload
+            else "no GPU device found"
+        )
+        wanted_layers = 0
+
+    headroom = max(RAM_HEADROOM_MIN, int(machine.ram_total * RAM_HEADROOM_FRACTION))
+    ram_room = machine.ram_available - headroom
+    if not machine.model_in_ram:
+        # Weights that stay on the host must be resident too (mmap'd pages count as available).
+        host_layers = shape.n_layer - wanted_layers
+        ram_room -= shape.other_bytes + host_layers * shape.layer_bytes
+
+    # --- the context -------------------------------------------------------------------------
+    if request.n_ctx is not None:
+        n_ctx = request.n_ctx
+        source = "setting"
+    else:
+        source = "auto"
+        n_ctx = parallel * wanted_request
+        # The KV cache goes where its layers go: the offloaded share to the device.
+        if wanted_layers == shape.n_layer and layers_setting != "auto":
+            room_tokens = int((device_room - shape.file_bytes) / per_token)
+        elif wanted_layers:
+            room_tokens = int((ram_room + max(0, device_room - shape.file_bytes)) / per_token)
+        else:
+            room_tokens = int(ram_room / per_token)
+        if room_tokens < n_ctx:
+            n_ctx = max(MIN_CTX, _align_down(room_tokens))
+            notes.append(
+                f"free memory holds {max(0, room_tokens):,} tokens of {kv_type} KV"
+                f" cache, fewer than {parallel} requests of {wanted_request:,}"
+                + ("; kv_cache_type = q8_0 holds twice as many" if kv_type == "f16" else "")
+            )  # fmt: skip
+        n_ctx = min(n_ctx, parallel * shape.n_ctx_train)
+    request_tokens = min(wanted_request, n_ctx)
+
+    # --- layers on the device ------------------------------------------------------------------
+    gpu_layers = 0
+    if wanted_layers:
+        per_layer = shape.layer_bytes + per_layer_token * n_ctx
+        fitting = int((device_room - shape.other_bytes) // per_layer) if per_layer else 0
+        if layers_setting == "auto":
+            gpu_layers = max(0, min(shape.n_layer, fitting))
+            if gpu_layers < shape.n_layer:
+                notes.append(
+                    f"{gpu_layers} of {shape.n_layer} layers fit in {device.name if device else ''}"
+                    f"'s free memory with a {n_ctx:,}-token KV cache"
+                )
+        else:
+            gpu_layers = wanted_layers
+            if fitting < wanted_layers:
+                notes.append(
+                    f"{wanted_layers} layers with their KV cache may not fit in the device's "
+                    "free memory; llama.cpp will fail to load if they do not"
+                )
+        if gpu_layers == shape.n_layer:
+            gpu_layers = -1  # llama.cpp's "all": the output layer goes too
+
+    if source == "setting" and gpu_layers == 0 and per_token * n_ctx > ram_room:
+        notes.append(
+            f"n_ctx {n_ctx:,} needs {per_token * n_ctx / GiB:.1f} GiB of KV cache, more than "
+            "the free memory; the machine may swap"
+        )
+    slots = max(parallel, min(MAX_SLOTS, n_ctx // MIN_RESERVATION))
+    parallel_fit = max(1, n_ctx // request_tokens)
+    return MemoryPlan(
+        n_ctx=n_ctx,
+        request_tokens=request_tokens,
+        parallel=min(parallel, parallel_fit) if source == "setting" else parallel_fit,
+        slots=slots,
+        kv_cache_type=kv_type,
+        flash_attn=kv_type != "f16",
+        kv_bytes_per_token=per_token,
+        kv_bytes=per_token * n_ctx,
+        gpu_layers=gpu_layers,
+        device=device.name if device is not None and gpu_layers else None,
+        ram_available=machine.ram_available,
+        device_free=device.free_bytes if device is not None else None,
+        n_ctx_source=source,
+        notes=tuple(notes),
+    )
+
+
+# --- gathering the inputs --------------------------------------------------------------------
+
+
+def read_meminfo(text: str | None = None) -> tuple[int, int]:
+    """Return (MemAvailable, MemTotal) in bytes from /proc/meminfo (or ``text``)."""
+    if text is None:
+        try:
+            text = Path("/proc/meminfo").read_text()
+        except OSError:
+            pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            return pages // 2, pages
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts:
+            values[name] = int(parts[0]) * 1024
+    total = values.get("MemTotal", 0)
+    return values.get("MemAvailable", values.get("MemFree", total // 2)), total

@@ -1,0 +1,201 @@
+"""The memory plan: a pure function of model shape, machine and settings, on many machines."""
+
+from __future__ import annotations
+
+import pytest
+
+from phi4cli.daemon.memory import (
+    CTX_ALIGN,
+    MAX_SLOTS,
+    MIN_CTX,
+    Device,
+    Machine,
+    MemoryRequest,
+    ModelShape,
+    plan_memory,
+    read_meminfo,
+)
+
+GiB = 1 << 30
+
+# Phi-4-mini-reasoning Q4_K_M: phi3, 32 layers, 8 KV heads of 128, 128K trained context.
+PHI4_MINI = ModelShape(
+    n_layer=32, n_head_kv=8, head_dim_k=128, head_dim_v=128, n_ctx_train=131072,
+    file_bytes=2_491_874_688, layer_bytes=62_000_000, name="Phi 4 Mini Reasoning", thinks=True,
+)  # fmt: skip
+SMOLLM2 = ModelShape(
+    n_layer=30, n_head_kv=3, head_dim_k=64, head_dim_v=64, n_ctx_train=8192,
+    file_bytes=98_362_432, layer_bytes=2_216_448,
+)  # fmt: skip
+
+
+def machine(total_gib: float, available_gib: float, **kw: object) -> Machine:
+    return Machine(ram_available=int(available_gib * GiB), ram_total=int(total_gib * GiB), **kw)  # type: ignore[arg-type]
+
+
+def test_kv_bytes_per_token_follow_the_model_and_the_cache_type():
+    assert PHI4_MINI.kv_bytes_per_token("f16") == 128 * 1024  # 2 x 32 x 8 x 128 x 2 B
+    assert PHI4_MINI.kv_bytes_per_token("q8_0") == 128 * 1024 * 34 // 64
+    assert PHI4_MINI.kv_bytes_per_token("q4_0") == 128 * 1024 * 18 // 64
+    assert SMOLLM2.kv_bytes_per_token("f16") == 2 * 30 * 3 * 64 * 2
+
+
+def test_this_24_gb_machine_serves_four_requests_of_eight_thousand_tokens():
+    plan = plan_memory(PHI4_MINI, machine(23.4, 22.0), MemoryRequest())
+    assert plan.n_ctx == 4 * 8192 and plan.n_ctx_source == "auto"
+    assert plan.request_tokens == 8192 and plan.parallel == 4
+    assert plan.request_tokens * 4 <= plan.n_ctx  # 4 x 8,000-token requests, all reserved
+    assert plan.kv_bytes == 4 * GiB and plan.gpu_layers == 0 and not plan.notes
+    assert plan.slots == MAX_SLOTS  # short requests pack in beyond the four
+
+
+def test_a_16_gb_machine_still_gets_the_full_plan():
+    plan = plan_memory(PHI4_MINI, machine(15.5, 11.0), MemoryRequest())
+    assert plan.n_ctx == 32768 and plan.parallel == 4 and not plan.notes
+
+
+def test_a_small_machine_gets_a_smaller_context_and_is_told_why():
+    plan = plan_memory(PHI4_MINI, machine(7.7, 5.0), MemoryRequest())
+    room = 5.0 * GiB - 1 * GiB - PHI4_MINI.file_bytes
+    assert MIN_CTX <= plan.n_ctx <= room / (128 * 1024)
+    assert plan.n_ctx % CTX_ALIGN == 0
+    assert plan.parallel == plan.n_ctx // 8192 >= 1
+    assert any("q8_0 holds twice as many" in note for note in plan.notes)
+
+
+def test_q8_0_holds_about_twice_the_context_in_the_same_memory():
+    small = machine(7.7, 5.0)
+    f16 = plan_memory(PHI4_MINI, small, MemoryRequest())
+    q8 = plan_memory(PHI4_MINI, small, MemoryRequest(kv_cache_type="q8_0"))
+    assert 1.8 < q8.n_ctx / f16.n_ctx < 2.0
+    assert q8.flash_attn and not f16.flash_attn  # a quantized V cache needs flash attention
+    assert abs(q8.kv_bytes - f16.kv_bytes) < 0.1 * f16.kv_bytes
+
+
+def test_a_machine_short_of_memory_still_runs_at_the_minimum():
+    plan = plan_memory(PHI4_MINI, machine(3.8, 2.0), MemoryRequest())
+    assert plan.n_ctx == MIN_CTX and plan.request_tokens == MIN_CTX and plan.parallel == 1
+    assert plan.notes
+
+
+def test_a_staged_model_is_not_counted_twice():
+    staged = plan_memory(PHI4_MINI, machine(7.7, 5.0, model_in_ram=True), MemoryRequest())
+    mapped = plan_memory(PHI4_MINI, machine(7.7, 5.0), MemoryRequest())
+    assert staged.n_ctx > mapped.n_ctx
+
+
+def test_an_explicit_context_is_honoured():
+    plan = plan_memory(PHI4_MINI, machine(23.4, 22.0), MemoryRequest(n_ctx=4096))
+    assert plan.n_ctx == 4096 and plan.n_ctx_source == "setting"
+    assert plan.request_tokens == 4096 and plan.parallel == 1
+    huge = plan_memory(PHI4_MINI, machine(7.7, 5.0), MemoryRequest(n_ctx=131072))
+    assert huge.n_ctx == 131072 and any("may swap" in note for note in huge.notes)
+
+
+def test_a_plain_model_plans_shorter_requests_within_its_trained_context():
+    plan = plan_memory(SMOLLM2, machine(23.4, 22.0), MemoryRequest())
+    assert plan.request_tokens == 4096 and plan.n_ctx == 4 * 4096
+    tiny_train = plan_memory(
+        ModelShape(2, 2, 16, 16, n_ctx_train=1024, file_bytes=1 << 20, layer_bytes=1 << 18),
+        machine(23.4, 22.0),
+        MemoryRequest(parallel=2),
+    )
+    assert tiny_train.request_tokens == 1024 and tiny_train.n_ctx == 2048
+
+
+def test_parallel_sizes_the_context():
+    plan = plan_memory(PHI4_MINI, machine(23.4, 22.0), MemoryRequest(parallel=8))
+    assert plan.n_ctx == 8 * 8192 and plan.parallel == 8 and plan.kv_bytes == 8 * GiB
+
+
+@pytest.mark.parametrize("total_gib", [2, 4, 6, 8, 12, 16, 24, 32, 64, 128, 512])
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0"])
+def test_over_many_machines_the_plan_fits_or_says_so(total_gib, kv_type):
+    available = total_gib * 0.8
+    plan = plan_memory(
+        PHI4_MINI, machine(total_gib, available), MemoryRequest(kv_cache_type=kv_type)
+    )
+    room = available * GiB - max(GiB, 0.1 * total_gib * GiB) - PHI4_MINI.file_bytes
+    assert plan.n_ctx >= MIN_CTX and plan.n_ctx % CTX_ALIGN == 0
+    assert plan.n_ctx <= 4 * 8192, "never more than parallel requests of the default budget"
+    assert plan.kv_bytes <= room or (plan.n_ctx == MIN_CTX and plan.notes)
+    assert plan.request_tokens <= plan.n_ctx
+    assert 1 <= plan.parallel <= 4 and plan.parallel * plan.request_tokens <= plan.n_ctx
+    assert plan.parallel <= plan.slots <= MAX_SLOTS
+    assert plan.gpu_layers == 0 and plan.device is None
+    if plan.n_ctx < 4 * 8192:
+        assert plan.notes, "a smaller plan than the default says why"
+
+
+def test_more_memory_never_plans_less():
+    sizes = [plan_memory(PHI4_MINI, machine(t, t * 0.8), MemoryRequest()).n_ctx
+             for t in range(2, 40)]  # fmt: skip
+    assert sizes == sorted(sizes)
+
+
+def test_a_cpu_only_build_offloads_nothing_and_says_nothing():
+    plan = plan_memory(PHI4_MINI, machine(23.4, 22.0), MemoryRequest(gpu_layers="auto"))
+    assert plan.gpu_layers == 0 and plan.device is None and not plan.notes
+
+
+def test_asking_for_layers_on_a_cpu_only_build_says_it_cannot():
+    plan = plan_memory(PHI4_MINI, machine(23.4, 22.0), MemoryRequest(gpu_layers="all"))
+    assert plan.gpu_layers == 0
+    assert plan.notes == ("this llama.cpp build cannot offload to a GPU",)
+
+
+def gpu_machine(free_gib: float) -> Machine:
+    device = Device("NVIDIA Test", int(free_gib * GiB), int(max(free_gib, 8) * GiB))
+    return machine(23.4, 22.0, devices=(device,), gpu_offload=True)
+
+
+def test_auto_offloads_every_layer_when_the_device_holds_model_and_cache():
+    plan = plan_memory(PHI4_MINI, gpu_machine(24.0), MemoryRequest())
+    assert plan.gpu_layers == -1 and plan.device == "NVIDIA Test"
+    assert plan.n_ctx == 32768 and not plan.notes
+
+
+def test_auto_offloads_as_many_layers_as_fit_after_the_kv_plan():
+    plan = plan_memory(PHI4_MINI, gpu_machine(4.0), MemoryRequest())
+    per_layer = PHI4_MINI.layer_bytes + 32768 * PHI4_MINI.kv_bytes_per_token("f16") / 32
+    expected = int((4.0 * GiB - 512 * (1 << 20) - PHI4_MINI.other_bytes) // per_layer)
+    assert plan.n_ctx == 32768
+    assert plan.gpu_layers == expected and 0 < expected < 32
+    assert any(f"{expected} of 32 layers fit" in note for note in plan.notes)
+
+
+def test_a_tiny_device_gets_no_layers():
+    plan = plan_memory(PHI4_MINI, gpu_machine(0.4), MemoryRequest())
+    assert plan.gpu_layers == 0 and plan.device is None
+
+
+def test_all_layers_size_the_context_to_the_device():
+    plan = plan_memory(PHI4_MINI, gpu_machine(5.0), MemoryRequest(gpu_layers="all"))
+    room = 5.0 * GiB - 512 * (1 << 20) - PHI4_MINI.file_bytes
+    assert plan.gpu_layers == -1
+    assert plan.n_ctx <= room / (128 * 1024) and plan.n_ctx < 32768 and plan.notes
+
+
+def test_a_number_of_layers_is_taken_as_given():
+    plan = plan_memory(PHI4_MINI, gpu_machine(24.0), MemoryRequest(gpu_layers=10))
+    assert plan.gpu_layers == 10
+    with pytest.raises(ValueError):
+        plan_memory(PHI4_MINI, gpu_machine(24.0), MemoryRequest(gpu_layers=-3))
+    with pytest.raises(ValueError):
+        plan_memory(PHI4_MINI, gpu_machine(24.0), MemoryRequest(kv_cache_type="q2"))
+
+
+def test_meminfo_is_read_in_bytes():
+    text = "MemTotal:       24000000 kB\nMemFree:  1000 kB\nMemAvailable:   20000000 kB\n"
+    assert read_meminfo(text) == (20000000 * 1024, 24000000 * 1024)
+    available, total = read_meminfo()
+    assert 0 < available <= total
+
+
+def test_a_quantized_cache_needs_heads_that_fill_its_blocks():
+    tiny = ModelShape(2, 2, 16, 16, n_ctx_train=131072, file_bytes=1 << 20, layer_bytes=1 << 18)
+    plan = plan_memory(tiny, machine(23.4, 22.0), MemoryRequest(kv_cache_type="q8_0"))
+    assert plan.kv_cache_type == "f16" and not plan.flash_attn
+    assert plan.notes == (
+        "a q8_0 KV cache needs a head size divisible by 32 (this model's is 16); using f16",
+    )
