@@ -53,10 +53,12 @@ KeepAliveOption = Annotated[
     ),
 ]
 NCtxOption = Annotated[
-    int | None,
+    str | None,
     typer.Option(
         "--n-ctx",
-        help="Context window of a daemon this command starts [default 8192].",
+        metavar="auto|N",
+        help="KV cache tokens, shared by all requests, of a daemon this command starts "
+        "[default auto: planned from the model and free memory].",
         show_default=False,
     ),
 ]
@@ -587,7 +589,20 @@ MaxQueueOption = Annotated[
 ParallelOption = Annotated[
     int | None,
     typer.Option("--parallel", min=1, max=64, show_default=False,
-                 help="Requests decoded together [default 4]."),
+                 help="Long requests the memory plan makes room for at once; short ones "
+                      "pack in beyond [default 4]."),
+]  # fmt: skip
+KvCacheTypeOption = Annotated[
+    str | None,
+    typer.Option("--kv-cache-type", metavar="f16|q8_0|q4_0", show_default=False,
+                 help="KV cache type: q8_0 holds twice the context in the same memory, "
+                      "q4_0 four times [default f16]."),
+]  # fmt: skip
+GpuLayersOption = Annotated[
+    str | None,
+    typer.Option("--gpu-layers", metavar="auto|all|N", show_default=False,
+                 help="Layers to offload to a GPU [default auto: as many as fit; 0 on a "
+                      "CPU-only build]."),
 ]  # fmt: skip
 
 
@@ -614,15 +629,19 @@ def daemon_start(
     mlock: MlockOption = None,
     max_queue: MaxQueueOption = None,
     parallel: ParallelOption = None,
+    kv_cache_type: KvCacheTypeOption = None,
+    gpu_layers: GpuLayersOption = None,
 ) -> None:
     """Start the daemon in the background and wait until its model is loaded."""
     from phi4cli.client import daemon_status
 
     paths, settings, model_path = _daemon_setup(
         ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads, mlock=mlock,
-        max_queue=max_queue, parallel=parallel,
+        max_queue=max_queue, parallel=parallel, kv_cache_type=kv_cache_type,
+        gpu_layers=gpu_layers,
     )  # fmt: skip
-    load = _load_model(paths, settings, model_path, keep_alive is not None, n_ctx)[0]
+    memory_flags = any(v is not None for v in (n_ctx, parallel, kv_cache_type, gpu_layers))
+    load = _load_model(paths, settings, model_path, keep_alive is not None, memory_flags)[0]
     current = daemon_status(paths)
     keep = format_duration(float(current.get("keep_alive_s", settings.keep_alive)))
     print(
@@ -632,7 +651,7 @@ def daemon_start(
 
 
 def _load_model(
-    paths: Paths, settings: Settings, model_path: Path, set_keep_alive: bool, n_ctx: int | None
+    paths: Paths, settings: Settings, model_path: Path, set_keep_alive: bool, memory_flags: bool
 ) -> tuple[dict[str, Any], bool]:
     """Have the daemon (started if need be) load and warm ``model_path``; return its load
     timings and whether this call started the daemon. Warn about settings a running daemon
@@ -645,10 +664,10 @@ def _load_model(
     with connect_checked(paths, settings, model_path, _stderr) as connection:
         result = dict(connection.call("load", params).get("result") or {})
         spawned = connection.spawned
-        if not spawned and n_ctx is not None and result.get("n_ctx") != n_ctx:
+        if not spawned and memory_flags:
             _stderr(
-                f"the running daemon keeps its context of {result.get('n_ctx')} tokens; "
-                "`phi4 stop` first to change it"
+                f"the running daemon keeps its memory plan ({result.get('n_ctx')} tokens of "
+                "context); `phi4 stop` first to change it"
             )
     return result, spawned
 
@@ -663,6 +682,8 @@ def daemon_run(
     mlock: MlockOption = None,
     max_queue: MaxQueueOption = None,
     parallel: ParallelOption = None,
+    kv_cache_type: KvCacheTypeOption = None,
+    gpu_layers: GpuLayersOption = None,
     ramdisk_mode: Annotated[
         str | None, typer.Option("--ramdisk-mode", hidden=True, show_default=False)
     ] = None,
@@ -673,8 +694,8 @@ def daemon_run(
     run_daemon(
         *_daemon_setup(
             ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads,
-            mlock=mlock, max_queue=max_queue, parallel=parallel,
-            **({"ramdisk": ramdisk_mode} if ramdisk_mode else {}),
+            mlock=mlock, max_queue=max_queue, parallel=parallel, kv_cache_type=kv_cache_type,
+            gpu_layers=gpu_layers, **({"ramdisk": ramdisk_mode} if ramdisk_mode else {}),
         )
     )  # fmt: skip
 
@@ -687,6 +708,9 @@ def warm(
     threads: ThreadsOption = None,
     ramdisk: RamdiskOption = None,
     mlock: MlockOption = None,
+    parallel: ParallelOption = None,
+    kv_cache_type: KvCacheTypeOption = None,
+    gpu_layers: GpuLayersOption = None,
     no_wait: Annotated[
         bool, typer.Option("--no-wait", help="Return once the daemon is starting.")
     ] = False,
@@ -697,14 +721,18 @@ def warm(
     from phi4cli.render import format_warm
 
     paths, settings, model_path = _daemon_setup(
-        ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads, mlock=mlock
-    )
+        ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads, mlock=mlock,
+        parallel=parallel, kv_cache_type=kv_cache_type, gpu_layers=gpu_layers,
+    )  # fmt: skip
+    memory_flags = any(v is not None for v in (n_ctx, parallel, kv_cache_type, gpu_layers))
     if no_wait:
         connect_checked(paths, settings, model_path, _stderr).close()
         print(f"the daemon is loading {model_path.name}; `phi4 status` shows its progress")
         return
     started = time.monotonic()
-    timings, spawned = _load_model(paths, settings, model_path, keep_alive is not None, n_ctx)
+    timings, spawned = _load_model(
+        paths, settings, model_path, keep_alive is not None, memory_flags
+    )
     timings["wall_s"] = round(time.monotonic() - started, 4)
     # A daemon this command started loaded the model as it started: that load was ours.
     timings["already_loaded"] = bool(timings.get("already_loaded")) and not spawned

@@ -67,6 +67,34 @@ def _optional_positive_int(value: object) -> int | None:
     return _positive_int(value)
 
 
+def _context_size(value: object) -> int | None:
+    if value is None or str(value).strip().lower() in {"", "auto", "0"}:
+        return None
+    return _positive_int(value)
+
+
+KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+
+
+def _kv_cache_type(value: object) -> str:
+    text = str(value).strip().lower()
+    if text not in KV_CACHE_TYPES:
+        raise ValueError(value)
+    return text
+
+
+def _gpu_layers(value: object) -> str | int:
+    if isinstance(value, bool):
+        raise ValueError(value)
+    text = str(value).strip().lower()
+    if text in ("auto", "all"):
+        return text
+    number = int(text)
+    if number < 0:
+        raise ValueError(value)
+    return number
+
+
 def _unit_float(value: object) -> float:
     number = float(str(value))
     if not 0.0 <= number <= 1.0:
@@ -131,7 +159,9 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
         parse_duration,
         "a duration such as 30m, 1h, 90s, 0 (unload now) or -1 (forever)",
     ),
-    "n_ctx": (_positive_int, "a positive integer (tokens)"),
+    "n_ctx": (_context_size, "auto (planned from free memory) or a number of tokens"),
+    "kv_cache_type": (_kv_cache_type, "f16, q8_0 (half the memory) or q4_0 (a quarter)"),
+    "gpu_layers": (_gpu_layers, "auto (as many as fit), all, or a number of layers (0: CPU)"),
     "threads": (_optional_positive_int, "a positive integer, or auto"),
     "temperature": (_temperature, "a number from 0 to 5"),
     "top_p": (_unit_float, "a number from 0 to 1"),
@@ -151,7 +181,10 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
 class Settings:
     model: str = DEFAULT_MODEL
     keep_alive: float = DEFAULT_KEEP_ALIVE
-    n_ctx: int = 8192
+    # KV cache cells shared by all requests; None: planned from the model and free memory.
+    n_ctx: int | None = None
+    kv_cache_type: str = "f16"  # f16 | q8_0 | q4_0
+    gpu_layers: str | int = "auto"  # auto | all | a number of layers
     threads: int | None = None
     temperature: float = 0.8
     top_p: float = 0.95

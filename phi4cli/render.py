@@ -242,6 +242,31 @@ class TerminalPresenter:
             self.err.print(format_stats(outcome.stats), style="dim", markup=False)
 
 
+def _size(count: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.{1 if count < 10 * scale else 0}f} {unit}"
+    return f"{count:.0f} B"
+
+
+def plan_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
+    """The daemon's memory plan as (label, text) rows, for `phi4 warm` and `phi4 status`."""
+    if not plan:
+        return []
+    layers = plan.get("gpu_layers", 0)
+    rows = [
+        ("KV cache", f"{plan['n_ctx']:,} tokens x {_size(plan['kv_bytes_per_token'])} "
+                     f"({plan['kv_cache_type']}) = {_size(plan['kv_bytes'])}"
+                     + (", set by n_ctx" if plan.get("n_ctx_source") == "setting" else "")),
+        ("per request", f"{plan['request_tokens']:,} tokens (prompt, thinking and answer) "
+                        "unless --max-tokens says otherwise"),
+        ("at once", f"{plan['parallel']} such requests; up to {plan['slots']} shorter ones"),
+        ("offload", f"{'all' if layers < 0 else layers} layers on {plan.get('device')}"
+                    if layers else "none (CPU)"),
+    ]  # fmt: skip
+    return rows + [("note", note) for note in plan.get("notes", [])]
+
+
 def format_warm(timings: dict[str, Any]) -> str:
     """The `phi4 warm` table: stage to RAM, load, warm-up decode, system-prompt prefill, total."""
     if timings.get("staged"):
@@ -266,6 +291,7 @@ def format_warm(timings: dict[str, Any]) -> str:
     ]  # fmt: skip
     if timings.get("already_loaded"):
         rows.append(("", "(already warm: these are the timings of its load)"))
+    rows += plan_rows(timings.get("memory") or {})
     return "\n".join(f"{key:<16}{value}" for key, value in rows)
 
 
@@ -291,10 +317,19 @@ def format_status(status: dict[str, Any]) -> str:
         ("memory", human_bytes(status.get("rss_bytes"))),
         ("requests", f"{served} served, {active} active, {queued} queued"),
         ("idle", idle),
-        ("context", f"{status.get('n_ctx')} tokens"),
-        ("socket", status.get("socket")),
-        ("log", status.get("log")),
+        ("context", f"{status['n_ctx']} tokens" if status.get("n_ctx") else "planned at load"),
     ]
+    memory = status.get("memory") or {}
+    if memory:
+        rows.append(("kv now", f"{memory['reserved_tokens']:,} reserved by {memory['running']} "
+                               f"running, {memory['free_tokens']:,} free, "
+                               f"{memory['idle_cached_tokens']:,} cached for reuse"))  # fmt: skip
+    waiting = status.get("waiting")
+    if waiting:
+        rows.append(("waiting", f"for memory: the next request needs {waiting['needed']:,} "
+                                f"tokens, {waiting['free']:,} are free"))  # fmt: skip
+    rows += plan_rows(memory.get("plan") or {})
+    rows += [("socket", status.get("socket")), ("log", status.get("log"))]
     if status.get("error"):
         rows.insert(1, ("error", status["error"]))
-    return "\n".join(f"{key:<10}{value}" for key, value in rows)
+    return "\n".join(f"{key:<12}{value}" for key, value in rows)

@@ -104,7 +104,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
             if stdout_is_terminal()
             else PlainPresenter(sys.stdout, sys.stderr, mode.show_reasoning, mode.verbose)
         )
-    loading = _LoadingNotice(job.announce)
+    loading = _ProgressNotice(job.announce)
 
     def on_event(_index: int, event: dict[str, Any]) -> None:
         loading.see(event)
@@ -148,7 +148,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     requests = [
         job.params(question, seed=None if seed is None else seed + i) for i in range(samples)
     ]
-    loading = _LoadingNotice(job.announce)
+    loading = _ProgressNotice(job.announce)
     finished = 0
     with _stderr_status(f"sampling… 0/{samples} done") as update:
 
@@ -221,7 +221,7 @@ def solve_file(
     next_to_print = 0
     failed = 0
     progress = _FileProgress(len(problems))
-    loading = _LoadingNotice(job.announce)
+    loading = _ProgressNotice(job.announce)
 
     def emit(index: int) -> None:
         nonlocal failed
@@ -289,20 +289,28 @@ class _FileProgress:
             self._progress.stop()
 
 
-class _LoadingNotice:
-    """Say once on stderr when a request waits for a model to load."""
+class _ProgressNotice:
+    """Say once on stderr when requests wait for a model to load, and once when they wait for
+    room in the daemon's memory."""
 
     def __init__(self, announce: Announce) -> None:
         self._announce = announce
-        self._said = False
+        self._said: set[str] = set()
+
+    def _once(self, topic: str, message: str) -> None:
+        if topic not in self._said:
+            self._said.add(topic)
+            self._announce(message)
 
     def see(self, event: dict[str, Any]) -> None:
-        if self._said:
-            return
         kind = event.get("event")
-        if kind == "progress":
-            self._said = True
-            self._announce(f"loading {event.get('model', 'the model')}...")
+        if kind == "progress" and event.get("stage") == "waiting":
+            self._once(
+                "memory",
+                f"waiting for memory: a request reserves {event.get('needed', 0):,} tokens of "
+                f"context and {event.get('free', 0):,} are free until a running one finishes",
+            )
+        elif kind == "progress":
+            self._once("loading", f"loading {event.get('model', 'the model')}...")
         elif kind == "accepted" and event.get("state") in ("loading", "warming"):
-            self._said = True
-            self._announce("waiting for the daemon to load the model...")
+            self._once("loading", "waiting for the daemon to load the model...")

@@ -183,7 +183,7 @@ def test_slash_command_errors_keep_the_repl_going(tiny_model: Path):
 
 def test_pty_ctrl_c_during_answer_then_save_exit_and_resume(tiny_model: Path):
     child = pexpect.spawn(
-        PHI4, ["chat", "-m", str(tiny_model), "-n", "100000", "--n-ctx", "100000"],
+        PHI4, ["chat", "-m", str(tiny_model), "-n", "50000", "--n-ctx", "100000"],
         encoding="utf-8", dimensions=(24, 100), timeout=60,
     )  # fmt: skip
     child.expect_exact("phi4>")

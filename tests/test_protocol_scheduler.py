@@ -14,17 +14,20 @@ import pytest
 
 from phi4cli import protocol
 from phi4cli.config import Settings
-from phi4cli.daemon.scheduler import (
+from phi4cli.daemon.jobs import (
     PRIORITY_BULK,
     PRIORITY_INTERACTIVE,
     PRIORITY_SOLVE,
     ContextOverflowError,
     Job,
-    JobQueue,
     ModelLoadError,
+    SolveParams,
+    Wait,
+)
+from phi4cli.daemon.scheduler import (
+    JobQueue,
     QueueFullError,
     RequestScheduler,
-    SolveParams,
     parse_solve_params,
 )
 from phi4cli.daemon.server import peer_allowed, peer_uid
@@ -91,12 +94,16 @@ class FakeEngine:
     """Streams two tokens per request, one a step, in ``parallel`` slots; can be held at a gate
     (inside a step) so that a queue builds up."""
 
-    def __init__(self, parallel: int = 1) -> None:
+    def __init__(self, parallel: int = 1, capacity: int | None = None) -> None:
         self.parallel = parallel
+        # With a capacity, a prompt "name:N" reserves N cells of it while it runs.
+        self.capacity = capacity
+        self.reserved: dict[Job, int] = {}
         self.loaded: list[Path] = []
         self.served: list[str] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.release = threading.Event()  # a "hold..." request runs until this is set
         self.started = threading.Event()
         self._model: Path | None = None
         self._runs: list[tuple[Job, list[str]]] = []
@@ -109,8 +116,8 @@ class FakeEngine:
     def active(self) -> int:
         return len(self._runs)
 
-    def free_slots(self) -> int:
-        return self.parallel - len(self._runs)
+    def memory(self) -> dict[str, Any]:
+        return {"running": len(self._runs)}
 
     def load(self, path: Path) -> dict[str, Any]:
         if path.name == "broken.gguf":
@@ -122,11 +129,21 @@ class FakeEngine:
     def warm(self) -> dict[str, Any]:
         return {"prefill_s": 0.0}
 
-    def admit(self, job: Job) -> None:
+    def admit(self, job: Job) -> Wait | None:
         if job.params.prompt == "too long":
             raise ContextOverflowError("the question is too long")
+        need = int(job.params.prompt.rsplit(":", 1)[1]) if self.capacity else 0
+        free = (self.capacity or 0) - sum(self.reserved.values())
+        if self.capacity is not None and need > self.capacity:
+            raise ContextOverflowError(f"needs {need}, the context holds {self.capacity}")
+        if self.capacity is not None and need > free:
+            return Wait("memory", need, free)
+        if len(self._runs) >= self.parallel:
+            return Wait("slot")
+        self.reserved[job] = need
         self.served.append(job.params.prompt)
         self._runs.append((job, ["a", "b"]))
+        return None
 
     def step(self) -> list[tuple[Job, dict[str, Any]]]:
         self.started.set()
@@ -136,10 +153,14 @@ class FakeEngine:
             job, left = run
             if job.params.prompt == "explode":
                 raise RuntimeError("boom")
+            if job.params.prompt.startswith("hold") and not self.release.is_set():
+                time.sleep(0.001)
+                continue
             if left and not job.cancelled.is_set():
                 job.emit_token("answer", left.pop(0))
             if not left or job.cancelled.is_set():
                 self._runs.remove(run)
+                self.reserved.pop(job, None)
                 finished.append((job, {"finish_reason": "stop"}))
         return finished
 
@@ -213,6 +234,46 @@ def test_jobs_run_by_priority_then_arrival():
     for request_id in range(5):
         events = [e["event"] for e in out.events[request_id]]
         assert events == ["token", "token", "stats", "done"], events
+    scheduler.stop(5)
+
+
+def test_a_job_waiting_for_memory_keeps_its_place_and_nothing_running_is_cut():
+    engine = FakeEngine(parallel=4, capacity=10)
+    scheduler, _ = make_scheduler(engine)
+    out = Collector()
+    scheduler.submit(out.job(0, "hold-long-1:6"))
+    assert engine.started.wait(5)
+    scheduler.submit(out.job(1, "long-2:6"))  # 6 + 6 > 10: waits for long-1
+    scheduler.submit(out.job(2, "short:3", PRIORITY_BULK))  # would fit, but comes later
+    deadline = time.monotonic() + 5
+    while not out.events[1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert out.events[1] == [
+        {"v": 1, "id": 1, "event": "progress", "stage": "waiting", "reason": "memory",
+         "needed": 6, "free": 4}
+    ]  # fmt: skip
+    assert scheduler.waiting is not None and scheduler.waiting.request_id == 1
+    time.sleep(0.1)
+    assert engine.served == ["hold-long-1:6"], "the later, smaller job did not overtake"
+    assert not out.terminal(0), "the running job goes on"
+    engine.release.set()
+    out.wait(0, 1, 2)
+    assert engine.served == ["hold-long-1:6", "long-2:6", "short:3"]
+    for request_id in (0, 1, 2):
+        assert out.terminal(request_id)[0]["event"] == "done"
+    assert sum(e["event"] == "progress" for e in out.events[1]) == 1, "said once"
+    assert scheduler.waiting is None
+    scheduler.stop(5)
+
+
+def test_a_job_that_could_never_fit_is_refused_without_waiting():
+    engine = FakeEngine(parallel=4, capacity=10)
+    scheduler, _ = make_scheduler(engine)
+    out = Collector()
+    scheduler.submit(out.job(0, "huge:11"))
+    out.wait(0)
+    assert out.terminal(0)[0]["code"] == protocol.CONTEXT_OVERFLOW
+    assert "needs 11, the context holds 10" in out.terminal(0)[0]["message"]
     scheduler.stop(5)
 
 
@@ -385,9 +446,11 @@ def test_a_long_waiting_job_is_taken_before_newer_urgent_ones(monkeypatch):
     chat = out.job(1, "chat", PRIORITY_INTERACTIVE)
     jobs.put(bulk)
     jobs.put(chat)
-    assert jobs.get(block=False) is chat  # fresh: priority decides
-    jobs.put(chat)
+    assert jobs.peek(block=False) is chat  # fresh: priority decides
+    assert jobs.peek(block=False) is chat, "peeking leaves the job in its place"
     monkeypatch.setattr(scheduler_module, "AGING_S", 0.0)
-    assert jobs.get(block=False) is bulk  # waited too long: taken first
+    assert jobs.peek(block=False) is bulk  # waited too long: taken first
+    jobs.remove(bulk)
+    assert jobs.peek(block=False) is chat
     jobs.stop()
-    assert jobs.get(block=True) is None
+    assert jobs.peek(block=True) is None

@@ -173,7 +173,7 @@ def test_ctrl_c_cancels_every_problem_of_a_file(tiny_model: Path, tmp_path: Path
     problems = tmp_path / "p.txt"
     problems.write_text("\n".join(f"Count to {i}" for i in range(10)))
     proc = subprocess.Popen(
-        [PHI4, "solve", "-f", str(problems), "-m", str(tiny_model), "-n", "100000",
+        [PHI4, "solve", "-f", str(problems), "-m", str(tiny_model), "-n", "90000",
          "--n-ctx", "100000"],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip

@@ -113,7 +113,7 @@ def test_full_queue_answers_busy_and_a_cancelled_request_frees_the_engine(
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(str(phi4_home / "run" / "daemon.sock"))
         reader = sock.makefile("rb")
-        send(sock, 1, prompt="Count forever", max_tokens=100000)
+        send(sock, 1, prompt="Count forever", max_tokens=90000)
         while json.loads(reader.readline())["event"] != "token":
             pass  # request 1 is generating
         send(sock, 2, prompt="queued", max_tokens=2)
@@ -166,7 +166,7 @@ def test_a_cancelled_request_frees_its_slot_for_the_next(tiny_model: Path, phi4_
         sock.connect(str(phi4_home / "run" / "daemon.sock"))
         reader = sock.makefile("rb")
         sock.sendall(
-            b'{"v":1,"id":1,"op":"solve","params":{"prompt":"Count","max_tokens":100000}}\n'
+            b'{"v":1,"id":1,"op":"solve","params":{"prompt":"Count","max_tokens":90000}}\n'
         )
         while json.loads(reader.readline())["event"] != "token":
             pass

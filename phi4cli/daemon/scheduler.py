@@ -7,56 +7,29 @@ engine's business, so a batching engine can replace this worker without touching
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from phi4cli import protocol
 from phi4cli.config import Settings, parse_duration
+from phi4cli.daemon.jobs import (
+    PRIORITIES,
+    ContextOverflowError,
+    Engine,
+    Job,
+    ModelLoadError,
+    SolveParams,
+)
 from phi4cli.protocol import ProtocolViolation
 
 log = logging.getLogger("phi4.daemon")
-
-Emit = Callable[[dict[str, Any]], None]
-TokenSink = Callable[[str, str], None]  # ("reasoning" | "answer", text)
-
-PRIORITY_INTERACTIVE = 0
-PRIORITY_SOLVE = 1
-PRIORITY_BULK = 2
-_PRIORITIES = {"interactive": PRIORITY_INTERACTIVE, "solve": PRIORITY_SOLVE, "bulk": PRIORITY_BULK}
-
-
-class ModelLoadError(Exception):
-    """The engine could not load a model; the message says why, for the user."""
-
-
-class ContextOverflowError(Exception):
-    """The prompt does not fit in the context window."""
-
-
-@dataclass(frozen=True)
-class SolveParams:
-    prompt: str
-    system: str | None
-    model: Path | None
-    temperature: float
-    top_p: float
-    seed: int | None
-    max_tokens: int | None
-    think_budget: int | None
-    keep_alive: float | None
-    priority: int
-    # Chat turns: the session id and the complete turns before this message.
-    session: str | None = None
-    history: tuple[dict[str, str], ...] = ()
-    load_only: bool = False  # `phi4 warm`: load (and warm) the model, generate nothing
 
 
 def _number(params: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -108,9 +81,9 @@ def parse_solve_params(params: dict[str, Any], defaults: Settings) -> SolveParam
             protocol.BAD_REQUEST, "'keep_alive' must be a duration like 30m, 0 or -1"
         ) from None
     priority = params.get("priority", "solve")
-    if not isinstance(priority, str) or priority not in _PRIORITIES:
+    if not isinstance(priority, str) or priority not in PRIORITIES:
         raise ProtocolViolation(
-            protocol.BAD_REQUEST, f"'priority' must be one of {', '.join(_PRIORITIES)}"
+            protocol.BAD_REQUEST, f"'priority' must be one of {', '.join(PRIORITIES)}"
         )
     return SolveParams(
         prompt=prompt,
@@ -126,7 +99,7 @@ def parse_solve_params(params: dict[str, Any], defaults: Settings) -> SolveParam
             else defaults.think_budget
         ),
         keep_alive=keep_alive_s,
-        priority=_PRIORITIES[priority],
+        priority=PRIORITIES[priority],
     )
 
 
@@ -171,88 +144,8 @@ def parse_load_params(params: dict[str, Any], defaults: Settings) -> SolveParams
     return replace(parse_solve_params(request, defaults), prompt="", load_only=True)
 
 
-class Engine(Protocol):
-    """What the scheduler needs from an inference engine (see ``engine.LlamaEngine``).
-
-    The engine holds up to ``free_slots() + active`` requests and decodes them together, one
-    ``step()`` at a time; the scheduler decides which requests go in and when.
-    """
-
-    @property
-    def model_path(self) -> Path | None: ...
-
-    @property
-    def active(self) -> int:
-        """Requests in the engine now."""
-        ...
-
-    def free_slots(self) -> int: ...
-
-    def load(self, path: Path) -> dict[str, Any]:
-        """Load ``path`` (replacing any model); return timings. Raise ModelLoadError."""
-        ...
-
-    def warm(self) -> dict[str, Any]:
-        """Prepare the loaded model for its first request (system prompt prefill); timings."""
-        ...
-
-    def admit(self, job: Job) -> None:
-        """Take a request into a free slot. Raise ContextOverflowError if it cannot fit."""
-        ...
-
-    def step(self) -> list[tuple[Job, dict[str, Any]]]:
-        """Decode one batch; stream text through each job's ``emit_token``; return the jobs that
-        finished (cancelled ones included), each with its stats."""
-        ...
-
-    def reset(self) -> None:
-        """Drop every request in the engine (after a failed step), keeping the model."""
-        ...
-
-    def close(self) -> None: ...
-
-
-_job_seq = itertools.count()
-
-
-@dataclass(eq=False)
-class Job:
-    request_id: Any
-    params: SolveParams
-    emit: Emit
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    cancel_code: str = protocol.CANCELLED
-    seq: int = field(default_factory=lambda: next(_job_seq))
-    submitted_at: float = field(default_factory=time.monotonic)
-    admitted_at: float = 0.0
-    load_s: float = 0.0
-
-    finished: bool = False  # its one terminal event has gone out
-
-    def cancel(self, code: str = protocol.CANCELLED) -> None:
-        self.cancel_code = code
-        self.cancelled.set()
-
-    def emit_token(self, kind: str, text: str) -> None:
-        event = {"reasoning": "reasoning", "retract": "retract"}.get(kind, "token")
-        self.emit(protocol.event(self.request_id, event, text=text))
-
-    def finish(self, event: dict[str, Any]) -> None:
-        """Send the request's terminal event: exactly once, whoever gets there first."""
-        if not self.finished:
-            self.finished = True
-            self.emit(event)
-
-    def fail(self, code: str, message: str) -> None:
-        self.finish(protocol.error_event(self.request_id, code, message))
-
-    def done(self, **fields: Any) -> None:
-        self.finish(protocol.event(self.request_id, "done", **fields))
-
-
 _CANCEL_MESSAGES = {
     protocol.SHUTTING_DOWN: "the daemon is shutting down; the answer was cut short",
-    protocol.CONTEXT_OVERFLOW: "the daemon's context filled up with other requests; try again",
 }
 
 
@@ -274,13 +167,14 @@ class JobQueue:
             self._changed.notify()
 
     def stop(self) -> None:
-        """Make ``get`` return None from now on: the worker is to shut down."""
+        """Make ``peek`` return None from now on: the worker is to shut down."""
         with self._changed:
             self._stopping = True
             self._changed.notify()
 
-    def get(self, block: bool) -> Job | None:
-        """Return the next job, or None once stopped. Raise queue.Empty if none and not block."""
+    def peek(self, block: bool) -> Job | None:
+        """Return the job to offer the engine next, leaving it queued (it may have to wait), or
+        None once stopped. Raise queue.Empty if there is none and not ``block``."""
         with self._changed:
             while not self._jobs and not self._stopping:
                 if not block:
@@ -290,11 +184,12 @@ class JobQueue:
                 return None
             oldest = self._jobs[0]
             if time.monotonic() - oldest.submitted_at > AGING_S:
-                job = oldest
-            else:
-                job = min(self._jobs, key=lambda j: (j.params.priority, j.seq))
+                return oldest
+            return min(self._jobs, key=lambda j: (j.params.priority, j.seq))
+
+    def remove(self, job: Job) -> None:
+        with self._changed:
             self._jobs.remove(job)
-            return job
 
     def take_all(self) -> list[Job]:
         with self._changed:
@@ -307,6 +202,10 @@ class JobQueue:
 
 class QueueFullError(Exception):
     pass
+
+
+# What became of a job offered to the engine (RequestScheduler._take).
+_ADMITTED, _SETTLED, _HELD, _WAITING = object(), object(), object(), object()
 
 
 class RequestScheduler:
@@ -329,6 +228,9 @@ class RequestScheduler:
         self._thread = threading.Thread(target=self._run, name="phi4-engine", daemon=True)
         self.last_load: dict[str, Any] = {}
         self.last_error: str | None = None
+        self.waiting: Job | None = None  # the next job, if it is waiting for room
+        # The engine's KV cache use, as of the last step (read by `status` from another thread).
+        self.memory: dict[str, Any] = {}
 
     def start(self) -> None:
         self._thread.start()
@@ -375,64 +277,90 @@ class RequestScheduler:
             self._load(self._default_model)
         held: Job | None = None  # needs another model: waits until the engine is idle
         while True:
-            # With the engine idle a job may always come in: it may need a model loaded first.
-            if held is None and (self._engine.active == 0 or self._engine.free_slots() > 0):
+            self.memory = self._engine.memory()
+            if held is None:
                 try:
-                    job = self._queue.get(block=self._engine.active == 0)
+                    job = self._queue.peek(block=self._engine.active == 0)
                 except queue.Empty:
-                    job = None
+                    pass
                 else:
                     if job is None:
                         self._shut_down()
                         return
-                    held = self._take(job)
+                    outcome = self._take(job)
+                    if outcome is not _WAITING:
+                        self._queue.remove(job)
+                        self.waiting = None
+                        if outcome is _HELD:
+                            held = job
+                        else:
+                            continue  # admitted or answered: offer the next one at once
             if held is not None and self._engine.active == 0:
                 job, held = held, None
                 self._take(job, switch_model=True)
             if self._engine.active:
                 self._step()
 
-    def _take(self, job: Job, switch_model: bool = False) -> Job | None:
-        """Admit a job into the engine, or settle it; return it if it must wait for the engine
-        to go idle (it needs another model)."""
+    def _take(self, job: Job, switch_model: bool = False) -> object:
+        """Offer a job to the engine (loading its model first if need be); return _ADMITTED,
+        _SETTLED (it has had its answer), _HELD (it needs another model: it waits until the
+        engine is idle) or _WAITING (no room yet: it stays queued, in its place)."""
         try:
             if job.finished:  # cancelled while queued: it has had its answer
                 self._outstanding -= 1
-                return None
+                return _SETTLED
             if job.cancelled.is_set():
                 self._settle(job, job.cancel_code, "cancelled before it started")
-                return None
+                return _SETTLED
             model = job.params.model or self._engine.model_path or self._default_model
             if model is None:
                 self._settle(job, protocol.MODEL_ERROR, "no model given and none loaded")
-                return None
+                return _SETTLED
             load_s = 0.0
             if model != self._engine.model_path:
                 if self._engine.active and not switch_model:
-                    return job
+                    return _HELD
                 job.emit(protocol.event(job.request_id, "progress", stage="loading",
                                         model=str(model)))  # fmt: skip
                 if not self._load(model):
                     self._settle(
                         job, protocol.MODEL_ERROR, self.last_error or f"cannot load {model}"
                     )
-                    return None
+                    return _SETTLED
                 load_s = float(self.last_load.get("load_s", 0.0))
             if job.params.load_only:
                 job.done(result={**self.last_load, "already_loaded": load_s == 0.0})
                 self._outstanding -= 1
-                return None
-            job.load_s = load_s
+                return _SETTLED
+            job.load_s += load_s
+            wait = self._engine.admit(job)
+            if wait is not None:
+                if not self._engine.active:
+                    # Nothing running will free room: the engine misjudged what fits.
+                    raise ContextOverflowError(
+                        f"the request needs {wait.needed} tokens of context and only "
+                        f"{wait.free} are free with nothing running"
+                    )
+                if wait.reason == "memory" and job.waiting != wait:
+                    # A slot wait is ordinary queueing (`accepted` said how many are ahead);
+                    # waiting for memory is news worth a line.
+                    job.emit(protocol.event(job.request_id, "progress", stage="waiting",
+                                            reason=wait.reason, needed=wait.needed,
+                                            free=wait.free))  # fmt: skip
+                job.waiting = wait
+                self.waiting = job
+                return _WAITING
             job.admitted_at = time.monotonic()
-            self._engine.admit(job)
             self._admitted.add(job)
         except ContextOverflowError as exc:
             self._settle(job, protocol.CONTEXT_OVERFLOW, str(exc))
+            return _SETTLED
         except Exception:
             log.exception("request %r failed", job.request_id)
             self._settle(job, protocol.INTERNAL,
                          "internal error in the daemon:\n" + traceback.format_exc())  # fmt: skip
-        return None
+            return _SETTLED
+        return _ADMITTED
 
     def _settle(self, job: Job, code: str, message: str) -> None:
         job.fail(code, message)

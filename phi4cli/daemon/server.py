@@ -24,9 +24,8 @@ from typing import Any
 from phi4cli import __version__, protocol
 from phi4cli.atomicfile import write_atomic
 from phi4cli.config import FOREVER, Settings
+from phi4cli.daemon.jobs import Engine, Job
 from phi4cli.daemon.scheduler import (
-    Engine,
-    Job,
     QueueFullError,
     RequestScheduler,
     parse_chat_params,
@@ -183,10 +182,20 @@ class DaemonServer:
             "idle_s": None if idle_s is None else round(idle_s, 3),
             "keep_alive_s": self.keep_alive,
             "keep_alive_left_s": None if left is None else round(left, 3),
-            "n_ctx": self.settings.n_ctx,
+            "n_ctx": self.scheduler.memory.get("n_ctx", self.settings.n_ctx),
+            "memory": self.scheduler.memory,
+            "waiting": self._waiting(),
             "load": self.scheduler.last_load,
             "metrics": self.metrics.snapshot(),
         }
+
+    def _waiting(self) -> dict[str, Any] | None:
+        """The request at the head of the queue, if it waits for room in the KV cache."""
+        job = self.scheduler.waiting
+        wait = job.waiting if job is not None else None
+        if wait is None:
+            return None
+        return {"reason": wait.reason, "needed": wait.needed, "free": wait.free}
 
     def _write_status(self) -> None:
         if self._stopping and self.state != "stopping":
@@ -466,16 +475,9 @@ def run_daemon(paths: Paths, settings: Settings, model_path: Path | None) -> Non
     )
     lock_fd = _take_daemon_lock(paths)
     try:
-        from phi4cli.daemon.engine import LlamaEngine
+        from phi4cli.daemon.llama import LlamaEngine
 
-        engine = LlamaEngine(
-            n_ctx=settings.n_ctx,
-            threads=settings.threads,
-            parallel=settings.parallel,
-            ramdisk=settings.ramdisk,
-            mlock=settings.mlock,
-            state_dir=paths.cache_dir / "states",
-        )
+        engine = LlamaEngine(settings, state_dir=paths.cache_dir / "states")
         server = DaemonServer(paths, settings, engine, model_path, max_queue=settings.max_queue)
         asyncio.run(server.serve())
     finally:

@@ -1,0 +1,150 @@
+"""What the daemon's parts share: a request's parameters, the Job that carries it from the server
+through the scheduler into the engine, and the Engine interface the scheduler drives.
+
+Server, scheduler and engine all import from here, and from nothing of each other's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from phi4cli import protocol
+
+Emit = Callable[[dict[str, Any]], None]
+TokenSink = Callable[[str, str], None]  # ("reasoning" | "answer", text)
+
+PRIORITY_INTERACTIVE = 0
+PRIORITY_SOLVE = 1
+PRIORITY_BULK = 2
+PRIORITIES = {"interactive": PRIORITY_INTERACTIVE, "solve": PRIORITY_SOLVE, "bulk": PRIORITY_BULK}
+
+
+class ModelLoadError(Exception):
+    """The engine could not load a model; the message says why, for the user."""
+
+
+class ContextOverflowError(Exception):
+    """The request can never fit in the context window, even alone."""
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The engine cannot take a request yet: it keeps its place in the queue until a running
+    request finishes. ``reason`` is "memory" (its reservation does not fit in the free KV cells)
+    or "slot" (every sequence is busy)."""
+
+    reason: str
+    needed: int = 0  # KV cells the request reserves
+    free: int = 0  # KV cells not reserved by running requests
+
+
+@dataclass(frozen=True)
+class SolveParams:
+    prompt: str
+    system: str | None
+    model: Path | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    max_tokens: int | None
+    think_budget: int | None
+    keep_alive: float | None
+    priority: int
+    # Chat turns: the session id and the complete turns before this message.
+    session: str | None = None
+    history: tuple[dict[str, str], ...] = ()
+    load_only: bool = False  # `phi4 warm`: load (and warm) the model, generate nothing
+
+
+class Engine(Protocol):
+    """What the scheduler needs from an inference engine (see ``llama.batch.LlamaEngine``).
+
+    The engine decodes the requests it has admitted together, one ``step()`` at a time; it
+    admits a request only when the KV cache has room for all it may generate (its reservation),
+    so a running request is never cut short for another's sake. The scheduler decides which
+    request to offer next and when.
+    """
+
+    @property
+    def model_path(self) -> Path | None: ...
+
+    @property
+    def active(self) -> int:
+        """Requests in the engine now."""
+        ...
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Load ``path`` (replacing any model); return timings. Raise ModelLoadError."""
+        ...
+
+    def warm(self) -> dict[str, Any]:
+        """Prepare the loaded model for its first request (system prompt prefill); timings."""
+        ...
+
+    def admit(self, job: Job) -> Wait | None:
+        """Take a request in (return None), or say why it must wait (return a Wait).
+
+        Raise ContextOverflowError when it could never fit, even alone.
+        """
+        ...
+
+    def step(self) -> list[tuple[Job, dict[str, Any]]]:
+        """Decode one batch; stream text through each job's ``emit_token``; return the jobs that
+        finished (cancelled ones included), each with its stats."""
+        ...
+
+    def memory(self) -> dict[str, Any]:
+        """The KV cache now (n_ctx, reserved, free, ...) and the memory plan; {} if unloaded."""
+        ...
+
+    def reset(self) -> None:
+        """Drop every request in the engine (after a failed step), keeping the model."""
+        ...
+
+    def close(self) -> None: ...
+
+
+_job_seq = itertools.count()
+
+
+@dataclass(eq=False)
+class Job:
+    request_id: Any
+    params: SolveParams
+    emit: Emit
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancel_code: str = protocol.CANCELLED
+    seq: int = field(default_factory=lambda: next(_job_seq))
+    submitted_at: float = field(default_factory=time.monotonic)
+    admitted_at: float = 0.0
+    load_s: float = 0.0
+    waiting: Wait | None = None  # why the engine has not taken it yet (the last answer)
+    prepared: Any = None  # the engine's work on it before admission (its tokens), kept
+
+    finished: bool = False  # its one terminal event has gone out
+
+    def cancel(self, code: str = protocol.CANCELLED) -> None:
+        self.cancel_code = code
+        self.cancelled.set()
+
+    def emit_token(self, kind: str, text: str) -> None:
+        event = {"reasoning": "reasoning", "retract": "retract"}.get(kind, "token")
+        self.emit(protocol.event(self.request_id, event, text=text))
+
+    def finish(self, event: dict[str, Any]) -> None:
+        """Send the request's terminal event: exactly once, whoever gets there first."""
+        if not self.finished:
+            self.finished = True
+            self.emit(event)
+
+    def fail(self, code: str, message: str) -> None:
+        self.finish(protocol.error_event(self.request_id, code, message))
+
+    def done(self, **fields: Any) -> None:
+        self.finish(protocol.event(self.request_id, "done", **fields))

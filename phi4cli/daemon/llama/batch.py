@@ -1,0 +1,525 @@
+"""Slots, admission by reservation, and one batch per step (continuous batching).
+
+One llama context holds several sequences (slots) over one unified KV cache of ``n_ctx`` cells.
+A request is admitted only when the cells it may ever need — its prompt plus its generation
+budget — fit beside what the running requests have reserved, so a running request never runs out
+of room and is never cut short for another's sake; one that does not fit yet waits in the queue.
+Idle slots keep their tokens (a chat's next turn, a repeated question reuse them) until their
+cells are needed.
+
+Each step gives every answering slot its next token and shares the rest of the batch among the
+prompts being read, in chunks, so a long prompt never stalls the streams already running. A fresh
+slot starts from the system prompt's KV, shared from a reserved sequence rather than recomputed.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+from llama_cpp import _internals as llama_internals
+
+from phi4cli import protocol
+from phi4cli.config import Settings
+from phi4cli.daemon.jobs import ContextOverflowError, Job, SolveParams, Wait
+from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
+from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
+from phi4cli.daemon.memory import MemoryPlan
+from phi4cli.reasoning import THINK_CLOSE, ThinkSplitter
+
+log = logging.getLogger("phi4.engine")
+
+# The model card samples with transformers' defaults besides temperature/top_p, i.e. top_k=50.
+TOP_K = 50
+# Prompt tokens read per step while other requests are answering.
+PREFILL_CHUNK = 64
+# Room kept for the tokens that close the thinking when a think budget is reached; they are the
+# daemon's, not the model's, so they do not count against max_tokens.
+THINK_CLOSE_ROOM = 16
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request's tokens and budget, worked out once (a waiting request is offered again)."""
+
+    tokens: list[int]
+    budget: int  # tokens it may generate
+    extra: int  # cells beyond prompt and budget (for closing the thinking)
+    chat: ChatPlan | None
+
+
+@dataclass(eq=False)
+class _Run:
+    """One request in a slot: its prompt, sampler, and how far it has got."""
+
+    job: Job
+    prompt: list[int]
+    cached: int
+    chat: ChatPlan | None
+    seed: int
+    sampler: Any
+    budget: int
+    max_len: int  # the longest its sequence may grow: the end of its reservation
+    reserved: int  # KV cells held for it: its own tokens, now and to come
+    splitter: ThinkSplitter
+    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    started: float = field(default_factory=time.monotonic)
+    prompt_s: float | None = None
+    first_token_s: float | None = None
+    decode_started: float = 0.0
+    generated: int = 0
+    reasoning_tokens: int = 0
+    budget_reached: bool = False
+    finish_reason: str | None = None  # set: finished once its pending tokens are evaluated
+
+
+@dataclass(eq=False)
+class _Slot:
+    seq: int
+    tokens: list[int] = field(default_factory=list)  # what the KV holds for this sequence
+    pending: list[int] = field(default_factory=list)  # tokens to evaluate next
+    shared: int = 0  # leading cells shared with the system prompt's sequence (not its own)
+    run: _Run | None = None
+    last_used: float = 0.0
+
+    @property
+    def own_cells(self) -> int:
+        return len(self.tokens) - self.shared
+
+
+class LlamaEngine:
+    """Several requests at once over one model and one context (see the module docstring)."""
+
+    def __init__(self, settings: Settings, state_dir: Path | None = None, n_batch: int = 512):
+        self.settings = settings
+        self.n_batch = n_batch
+        self.state_dir = state_dir  # where prefilled system-prompt states are kept
+        self._model: LoadedModel | None = None
+        self._prompts: Prompts | None = None
+        self._slots: list[_Slot] = []
+        self._system_seq = 0
+        self._system_tokens: list[int] = []
+
+    @property
+    def model_path(self) -> Path | None:
+        return self._model.path if self._model is not None else None
+
+    @property
+    def plan(self) -> MemoryPlan | None:
+        return self._model.plan if self._model is not None else None
+
+    @property
+    def active(self) -> int:
+        return sum(slot.run is not None for slot in self._slots)
+
+    def memory(self) -> dict[str, Any]:
+        """The KV cache now: cells reserved by running requests, held by idle slots, free."""
+        if self._model is None:
+            return {}
+        reserved = self._committed()
+        idle = sum(s.own_cells for s in self._slots if s.run is None)
+        return {
+            "n_ctx": self._model.n_ctx,
+            "system_tokens": len(self._system_tokens),
+            "reserved_tokens": reserved,
+            "idle_cached_tokens": idle,
+            "free_tokens": self._capacity() - reserved,
+            "running": self.active,
+            "slots": len(self._slots),
+            "plan": self._model.plan.as_dict(),
+        }
+
+    # --- loading ------------------------------------------------------------------------------
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Load the GGUF at ``path`` (unloading any other); return what loading did.
+
+        Raise ModelLoadError with a message for the user when llama.cpp cannot load it.
+        """
+        self.close()
+        model = load_model(path, self.settings, self.n_batch)
+        try:
+            self._prompts = Prompts(model)
+        except BaseException:
+            model.close()
+            raise
+        self._model = model  # last: until here a failure leaves no half-loaded model behind
+        self._slots = [_Slot(seq=i) for i in range(model.plan.slots)]
+        self._system_seq = model.plan.slots
+        return dict(model.info)
+
+    def close(self) -> None:
+        if self._model is not None:
+            for slot in self._slots:
+                if slot.run is not None:
+                    slot.run.sampler.close()
+            self._model.close()
+        self._model = None
+        self._prompts = None
+        self._slots = []
+        self._system_tokens = []
+
+    def _loaded(self) -> tuple[LoadedModel, Prompts]:
+        assert self._model is not None and self._prompts is not None, "no model loaded"
+        return self._model, self._prompts
+
+    # --- the system prompt, prefilled once --------------------------------------------------------
+
+    def warm(self) -> dict[str, Any]:
+        """Make the first question cheap: one warm-up decode, then the default system prompt's
+        KV in the reserved sequence — restored from the state an earlier daemon saved, or
+        computed and saved."""
+        model, prompts = self._loaded()
+        started = time.monotonic()
+        prefix = prompts.system_prefix(None)
+        model.evaluate(self._system_seq, prefix[:1], 0)  # allocates llama.cpp's compute buffers
+        model.seq_rm(self._system_seq, 0)
+        warmup_s = time.monotonic() - started
+        started = time.monotonic()
+        state_file = self._state_file(prefix)
+        restored = state_file is not None and model.restore_seq(
+            self._system_seq, prefix, state_file
+        )
+        if not restored:
+            model.seq_rm(self._system_seq, 0)
+            model.evaluate(self._system_seq, prefix, 0)
+            if state_file is not None:
+                model.save_seq(self._system_seq, prefix, state_file)
+        self._system_tokens = prefix
+        return {
+            "warmup_s": round(warmup_s, 4),
+            "prefill_s": round(time.monotonic() - started, 4),
+            "prefill": "restored" if restored else "computed",
+            "system_tokens": len(prefix),
+        }
+
+    def _state_file(self, prefix: list[int]) -> Path | None:
+        """Where the prefilled state of ``prefix`` is kept, keyed by everything it depends on."""
+        if self.state_dir is None or self._model is None:
+            return None
+        path = self._model.path
+        stat = path.stat()
+        key = hashlib.sha256(
+            json.dumps(
+                [str(path), stat.st_size, stat.st_mtime_ns, prefix, llama_cpp.__version__,
+                 self._model.plan.kv_cache_type],
+            ).encode()
+        ).hexdigest()[:24]  # fmt: skip
+        return self.state_dir / f"system-{key}.state"
+
+    # --- admitting requests -------------------------------------------------------------------
+
+    def _capacity(self) -> int:
+        """KV cells that requests may reserve: all but the system prompt's."""
+        model, _ = self._loaded()
+        return model.n_ctx - len(self._system_tokens)
+
+    def _committed(self) -> int:
+        return sum(slot.run.reserved for slot in self._slots if slot.run is not None)
+
+    def _cells_for(self, tokens: list[int], budget: int) -> int:
+        """The cells a request of ``tokens`` generating up to ``budget`` needs of its own (a
+        prompt that starts with the system prompt shares that prompt's cells)."""
+        system = self._system_tokens
+        shared = len(system) if system and tokens[: len(system)] == system else 0
+        return len(tokens) + budget - shared
+
+    def _prepare(self, params: SolveParams) -> Prepared:
+        """Work out a request's tokens and generation budget.
+
+        The budget is ``max_tokens`` if given, else what fills the plan's per-request tokens
+        (at least a quarter of them, for a long conversation). Raise ContextOverflowError when
+        the request could never fit in the context, even alone.
+        """
+        model, prompts = self._loaded()
+        n_ctx = model.n_ctx
+        default = model.plan.request_tokens
+        chat: ChatPlan | None = None
+        if params.session is not None:
+            tokens, chat = prompts.chat_turn(params, params.max_tokens or default // 4)
+        else:
+            tokens = prompts.question(params)
+        room = n_ctx - len(tokens)
+        if params.max_tokens is not None:
+            if params.max_tokens > room:
+                raise ContextOverflowError(
+                    f"this request needs {len(tokens) + params.max_tokens:,} tokens of context "
+                    f"({len(tokens):,} of prompt + {params.max_tokens:,} of --max-tokens) but the "
+                    f"daemon's context holds {n_ctx:,}; lower --max-tokens, or restart the daemon "
+                    "with a larger one (phi4 stop; phi4 daemon start --n-ctx N)"
+                )
+            budget = params.max_tokens
+        else:
+            budget = min(room, max(default - len(tokens), default // 4))
+        if budget < 1:
+            raise ContextOverflowError(
+                f"the question is {len(tokens):,} tokens but the daemon's context holds "
+                f"{n_ctx:,}; shorten it, or restart the daemon with a larger context "
+                "(phi4 stop; phi4 daemon start --n-ctx N)"
+            )
+        extra = min(THINK_CLOSE_ROOM, room - budget) if params.think_budget is not None else 0
+        return Prepared(tokens, budget, extra, chat)
+
+    def admit(self, job: Job) -> Wait | None:
+        """Put a request into a free slot if its reservation fits; else say why it waits.
+
+        Raise ContextOverflowError when it could never fit, even alone.
+        """
+        model, _ = self._loaded()
+        if job.prepared is None:
+            job.prepared = self._prepare(job.params)
+        prepared: Prepared = job.prepared
+        tokens = prepared.tokens
+        needed = self._cells_for(tokens, prepared.budget + prepared.extra)
+        free = self._capacity() - self._committed()
+        if needed > free:
+            return Wait("memory", needed, free)
+        if all(slot.run is not None for slot in self._slots):
+            return Wait("slot", needed, free)
+        slot = self._choose_slot(tokens)
+        # At least one prompt token is always evaluated: sampling needs fresh logits.
+        keep = min(_common_prefix(slot.tokens, tokens), len(tokens) - 1)
+        model.seq_rm(slot.seq, keep)
+        slot.tokens = tokens[:keep]
+        slot.shared = min(slot.shared, keep)
+        slot.pending = tokens[keep:]
+        self._reclaim(needed, slot)
+        params = job.params
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        slot.run = _Run(
+            job=job,
+            prompt=tokens,
+            cached=keep,
+            chat=prepared.chat,
+            seed=seed,
+            sampler=_make_sampler(params, seed),
+            budget=prepared.budget,
+            max_len=len(tokens) + prepared.budget + prepared.extra,
+            reserved=needed,
+            splitter=ThinkSplitter(starts_in_reasoning=model.thinks),
+        )
+        return None
+
+    def _choose_slot(self, tokens: list[int]) -> _Slot:
+        """Pick the idle slot sharing the longest prefix with ``tokens`` (least recently used on
+        ties); give a slot that shares less than the system prompt the system prompt's KV."""
+        model, _ = self._loaded()
+        idle = [slot for slot in self._slots if slot.run is None]
+        best = max(idle, key=lambda s: (_common_prefix(s.tokens, tokens), -s.last_used))
+        shared = _common_prefix(best.tokens, tokens)
+        system = self._system_tokens
+        if system and shared < len(system) and tokens[: len(system)] == system:
+            best = min(idle, key=lambda s: s.last_used)
+            model.seq_rm(best.seq, 0)
+            model.seq_cp(self._system_seq, best.seq, len(system))
+            best.tokens = list(system)
+            best.shared = len(system)
+        return best
+
+    def _reclaim(self, needed: int, chosen: _Slot) -> None:
+        """Free idle slots' cached cells, least recently used first, until the running
+        requests' reservations and ``needed`` fit beside what stays cached."""
+        model, _ = self._loaded()
+        room = self._capacity() - self._committed() - needed
+        idle = sorted(
+            (s for s in self._slots if s.run is None and s is not chosen and s.own_cells > 0),
+            key=lambda s: s.last_used,
+        )
+        cached = sum(s.own_cells for s in idle)
+        for slot in idle:
+            if cached <= room:
+                break
+            cached -= slot.own_cells
+            model.seq_rm(slot.seq, 0)
+            slot.tokens, slot.shared = [], 0
+
+    def reset(self) -> None:
+        """Drop every request and every slot's cache (after a failed step); keep the model."""
+        model, _ = self._loaded()
+        for slot in self._slots:
+            if slot.run is not None:
+                slot.run.sampler.close()
+            slot.run, slot.pending, slot.tokens, slot.shared = None, [], [], 0
+            model.seq_rm(slot.seq, 0)
+
+    # --- the step loop ------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[Job, dict[str, Any]]]:
+        """Decode one batch for all active slots; return the requests that finished, with their
+        stats. A request whose job was cancelled finishes here, within one step."""
+        model, _ = self._loaded()
+        finished = [self._finish(slot, "cancelled") for slot in self._slots
+                    if slot.run is not None and slot.run.job.cancelled.is_set()]  # fmt: skip
+        entries: list[tuple[int, int, int, bool]] = []
+        fed: list[tuple[_Slot, int, int]] = []  # slot, tokens fed, batch index of the last
+        answering = [s for s in self._slots if s.run is not None and s.run.prompt_s is not None]
+        reading = [s for s in self._slots if s.run is not None and s.run.prompt_s is None]
+        # While answers stream, prompts are read in small chunks, so no stream stalls for long.
+        prompt_room = PREFILL_CHUNK if answering else self.n_batch
+        for slot in answering + reading:
+            room = self.n_batch - len(entries)
+            if slot.run is not None and slot.run.prompt_s is None:
+                room = min(room, prompt_room)
+                prompt_room -= min(room, len(slot.pending))
+            if room <= 0:
+                continue
+            chunk = slot.pending[:room]
+            if not chunk:
+                continue
+            done = len(chunk) == len(slot.pending)
+            start = len(slot.tokens)
+            for i, token in enumerate(chunk):
+                entries.append((slot.seq, token, start + i, done and i == len(chunk) - 1))
+            fed.append((slot, len(chunk), len(entries) - 1 if done else -1))
+        if not entries:
+            return finished
+        code = model.decode(entries)
+        if code == DECODE_NO_KV_SPACE:
+            return finished + self._out_of_kv()
+        if code != DECODE_OK:
+            raise RuntimeError(f"llama_decode returned {code}")
+        for slot, count, logits_index in fed:
+            slot.tokens.extend(slot.pending[:count])
+            del slot.pending[:count]
+            if logits_index >= 0:
+                outcome = self._advance(slot, logits_index)
+                if outcome is not None:
+                    finished.append(outcome)
+        return finished
+
+    def _out_of_kv(self) -> list[tuple[Job, dict[str, Any]]]:
+        """llama.cpp found no room although every reservation fits (this should not happen):
+        free idle slots' cells; failing that, stop the request admitted last, which has the
+        least work to lose, rather than fail them all."""
+        model, _ = self._loaded()
+        log.error("the KV cache is full although reservations fit: %s", self.memory())
+        freed = False
+        for slot in self._slots:
+            if slot.run is None and slot.tokens:
+                model.seq_rm(slot.seq, 0)
+                slot.tokens, slot.shared = [], 0
+                freed = True
+        if freed:
+            return []
+        running = [s for s in self._slots if s.run is not None]
+        victim = max(running, key=lambda s: s.run.started if s.run else 0.0)
+        assert victim.run is not None
+        victim.run.job.cancel(protocol.CONTEXT_OVERFLOW)
+        return [self._finish(victim, "context")]
+
+    def _advance(self, slot: _Slot, logits_index: int) -> tuple[Job, dict[str, Any]] | None:
+        """Sample the slot's next token and pass its text on; return the finished request."""
+        model, prompts = self._loaded()
+        run = slot.run
+        assert run is not None
+        now = time.monotonic()
+        if run.prompt_s is None:
+            run.prompt_s = now - run.started
+            run.decode_started = now
+        if run.finish_reason is not None:  # the last token is in the KV now: done
+            return self._finish(slot, run.finish_reason)
+        token = run.sampler.sample(model.context, logits_index)
+        if model.is_eog(token):
+            return self._finish(slot, "stop")
+        run.generated += 1
+        run.reasoning_tokens += run.splitter.in_reasoning
+        if run.first_token_s is None:
+            run.first_token_s = now - run.started
+        self._forward(run, run.decoder.decode(prompts.piece(token)))
+        slot.pending.append(token)
+        params = run.job.params
+        if (
+            params.think_budget is not None
+            and not run.budget_reached
+            and run.splitter.in_reasoning
+            and run.reasoning_tokens >= params.think_budget
+        ):
+            self._close_thinking(slot)
+        if run.generated >= run.budget or len(slot.tokens) + len(slot.pending) >= run.max_len:
+            run.finish_reason = "length"  # finish once the pending tokens are evaluated
+        return None
+
+    def _close_thinking(self, slot: _Slot) -> None:
+        """Insert the end of thinking into the slot's sequence (think budget), if it fits."""
+        model, _ = self._loaded()
+        run = slot.run
+        assert run is not None
+        closing = f"\n{THINK_CLOSE}\n\n"
+        tokens = model.tokenize(closing, add_bos=False)
+        if len(slot.tokens) + len(slot.pending) + len(tokens) < run.max_len:
+            slot.pending.extend(tokens)
+            self._forward(run, closing)
+            run.budget_reached = True
+
+    def _forward(self, run: _Run, text: str) -> None:
+        for kind, piece in run.splitter.feed(text):
+            run.job.emit_token(kind, piece)
+
+    def _finish(self, slot: _Slot, reason: str) -> tuple[Job, dict[str, Any]]:
+        model, prompts = self._loaded()
+        run = slot.run
+        assert run is not None
+        self._forward(run, run.decoder.decode(b"", final=True))
+        for kind, piece in run.splitter.finish():
+            run.job.emit_token(kind, piece)
+        run.sampler.close()
+        slot.pending = []
+        slot.run = None
+        slot.last_used = time.monotonic()
+        prefilled = run.prompt_s is not None
+        chat = (
+            prompts.remember_turn(run.job.params, run.chat, list(slot.tokens), run.splitter.answer)
+            if run.chat is not None and prefilled
+            else {}
+        )
+        now = time.monotonic()
+        return run.job, {
+            **chat,
+            "prompt_tokens": len(run.prompt),
+            "cached_tokens": run.cached,
+            "prompt_eval_tokens": len(run.prompt) - run.cached,
+            "prompt_eval_s": round(run.prompt_s or (now - run.started), 4),
+            "completion_tokens": run.generated,
+            "reasoning_tokens": run.reasoning_tokens,
+            "answer_tokens": run.generated - run.reasoning_tokens,
+            "budget_reached": run.budget_reached,
+            "thinking_unfinished": run.splitter.unfinished,
+            "decode_s": round(now - run.decode_started, 4) if prefilled else 0.0,
+            "first_token_s": None if run.first_token_s is None else round(run.first_token_s, 4),
+            "total_s": round(now - run.started, 4),
+            "finish_reason": reason,
+            "max_tokens": run.budget,
+            "reserved_tokens": run.reserved,
+            "seed": run.seed,
+            "slot": slot.seq,
+            "model": str(model.path),
+        }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+def _make_sampler(params: SolveParams, seed: int) -> Any:
+    sampler = llama_internals.LlamaSampler()
+    if params.temperature <= 0.0:
+        sampler.add_greedy()
+    else:
+        sampler.add_top_k(TOP_K)
+        sampler.add_top_p(params.top_p, 1)
+        sampler.add_temp(params.temperature)
+        sampler.add_dist(seed)
+    return sampler

@@ -1,0 +1,371 @@
+"""A GGUF loaded into llama.cpp: staging, the memory plan, offload, the one context, tokens,
+and sequence states saved to disk and restored.
+
+Everything here is a thin, typed layer over llama.cpp's C API; what to do with it (prompts,
+slots, batching) lives in :mod:`.prompts` and :mod:`.batch`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+from llama_cpp import _internals as llama_internals
+
+from phi4cli.config import Settings
+from phi4cli.daemon.jobs import ModelLoadError
+from phi4cli.daemon.memory import (
+    Device,
+    Machine,
+    MemoryPlan,
+    MemoryRequest,
+    ModelShape,
+    plan_memory,
+    read_meminfo,
+)
+from phi4cli.daemon.ramdisk import Staging, stage
+from phi4cli.reasoning import model_thinks
+
+log = logging.getLogger("phi4.engine")
+
+DECODE_OK, DECODE_NO_KV_SPACE = 0, 1
+_GGML_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+               "q4_0": llama_cpp.GGML_TYPE_Q4_0}  # fmt: skip
+# ggml_backend_dev_type: CPU, GPU, IGPU (integrated, host memory), ACCEL, META
+_GPU_DEVICE_TYPES = (1, 2)
+
+# (sequence, token, position, wants logits)
+BatchEntry = tuple[int, int, int, bool]
+
+
+def physical_cores() -> int:
+    """Return the number of physical cores this process may run on (hyperthreads count once)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    cores: set[tuple[str, str]] = set()
+    for cpu in allowed:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(
+                (
+                    (topology / "physical_package_id").read_text().strip(),
+                    (topology / "core_id").read_text().strip(),
+                )
+            )
+        except OSError:
+            return max(1, len(allowed))
+    return max(1, len(cores) or (os.cpu_count() or 1))
+
+
+def gpu_devices() -> tuple[Device, ...]:
+    """Return the GPUs this llama.cpp build sees, with their free memory (ggml's device API,
+    through the ggml library that llama-cpp-python ships); none on a CPU-only build."""
+    if not llama_cpp.llama_supports_gpu_offload():
+        return ()
+    try:
+        from llama_cpp._ggml import libggml as ggml
+
+        ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+        ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+        ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
+        ggml.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+        ggml.ggml_backend_dev_type.restype = ctypes.c_int
+        ggml.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+        ggml.ggml_backend_dev_description.restype = ctypes.c_char_p
+        ggml.ggml_backend_dev_memory.argtypes = [
+            ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t),
+        ]  # fmt: skip
+        devices = []
+        for index in range(ggml.ggml_backend_dev_count()):
+            handle = ggml.ggml_backend_dev_get(index)
+            if ggml.ggml_backend_dev_type(handle) not in _GPU_DEVICE_TYPES:
+                continue
+            free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+            ggml.ggml_backend_dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
+            name = (ggml.ggml_backend_dev_description(handle) or b"GPU").decode(errors="replace")
+            devices.append(Device(name=name, free_bytes=free.value, total_bytes=total.value))
+        return tuple(devices)
+    except (AttributeError, OSError) as exc:  # an older or unusual build: plan for the CPU
+        log.warning("cannot list GPU devices: %s", exc)
+        return ()
+
+
+def machine_now(staging: Staging) -> Machine:
+    available, total = read_meminfo()
+    return Machine(
+        ram_available=available,
+        ram_total=total,
+        model_in_ram=staging.staged,
+        devices=gpu_devices(),
+        gpu_offload=bool(llama_cpp.llama_supports_gpu_offload()),
+    )
+
+
+def model_shape(model: Any, path: Path) -> ModelShape:
+    """The memory plan's view of a loaded model (llama.cpp's hyperparameters, no file parsing).
+
+    Weights per layer are estimated from the model's size less its token embeddings.
+    """
+    raw = model.model
+    metadata = model.metadata()
+    arch = metadata.get("general.architecture", "")
+    n_layer = max(1, llama_cpp.llama_model_n_layer(raw))
+    n_embd = llama_cpp.llama_model_n_embd(raw)
+    n_head = max(1, llama_cpp.llama_model_n_head(raw))
+    size, params = int(model.size()), max(1, int(model.n_params()))
+    embedding_bytes = int(model.n_vocab() * n_embd * size / params)
+
+    def dim(key: str) -> int:
+        value = metadata.get(f"{arch}.attention.{key}")
+        return int(value) if value and value.isdigit() else n_embd // n_head
+
+    name = metadata.get("general.name", "")
+    return ModelShape(
+        n_layer=n_layer,
+        n_head_kv=llama_cpp.llama_model_n_head_kv(raw),
+        head_dim_k=dim("key_length"),
+        head_dim_v=dim("value_length"),
+        n_ctx_train=int(model.n_ctx_train()),
+        file_bytes=size,
+        layer_bytes=max(0, size - embedding_bytes) // n_layer,
+        name=name,
+        thinks=model_thinks(name, path.name),
+    )
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """The model, its one context (a unified KV cache of ``plan.n_ctx`` cells over
+    ``plan.slots + 1`` sequences) and a batch of ``n_batch`` tokens."""
+
+    path: Path
+    model: Any  # llama_internals.LlamaModel
+    context: Any  # llama_internals.LlamaContext
+    batch: Any  # llama_internals.LlamaBatch
+    plan: MemoryPlan
+    n_batch: int
+    thinks: bool  # a model that reasons before answering, maybe without <think>
+    info: dict[str, Any]  # what loading did, for `phi4 warm` and `phi4 status`
+
+    def __post_init__(self) -> None:
+        self.vocab = self.model.vocab
+        self._piece_buffer = ctypes.create_string_buffer(64)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.plan.n_ctx
+
+    def metadata(self) -> dict[str, str]:
+        return dict(self.model.metadata())
+
+    def token_text(self, token: int) -> str:
+        return str(self.model.token_get_text(token))
+
+    def eos(self) -> int:
+        return int(self.model.token_eos())
+
+    def bos(self) -> int:
+        return int(self.model.token_bos())
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+        data = text.encode()
+        capacity = len(data) + 16
+        while True:
+            buffer = (llama_cpp.llama_token * capacity)()
+            count = llama_cpp.llama_tokenize(
+                self.vocab, data, len(data), buffer, capacity, add_bos, True
+            )
+            if count >= 0:
+                return list(buffer[:count])
+            capacity = -count
+
+    def piece(self, token: int) -> bytes:
+        """Return the bytes of one token (special tokens render as nothing)."""
+        buffer = self._piece_buffer
+        size = llama_cpp.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, False)
+        if size < 0:  # the piece is longer than the buffer: llama.cpp returns -needed
+            self._piece_buffer = buffer = ctypes.create_string_buffer(-size)
+            size = llama_cpp.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, False)
+        return buffer.raw[:size]
+
+    # --- the KV cache -------------------------------------------------------------------------
+
+    def seq_rm(self, seq: int, start: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self.context.memory, seq, start, -1)
+
+    def seq_cp(self, source: int, target: int, count: int) -> None:
+        """Share the first ``count`` cells of ``source`` with ``target`` (no copy: the cells of a
+        unified cache belong to both)."""
+        llama_cpp.llama_memory_seq_cp(self.context.memory, source, target, 0, count)
+
+    def decode(self, entries: Sequence[BatchEntry]) -> int:
+        """Decode one batch; return llama_decode's code (DECODE_OK, DECODE_NO_KV_SPACE, ...)."""
+        batch = self.batch.batch
+        for index, (seq, token, position, logits) in enumerate(entries):
+            batch.token[index] = token
+            batch.pos[index] = position
+            batch.n_seq_id[index] = 1
+            batch.seq_id[index][0] = seq
+            batch.logits[index] = logits
+        batch.n_tokens = len(entries)
+        return int(llama_cpp.llama_decode(self.context.ctx, batch))
+
+    def evaluate(self, seq: int, tokens: list[int], start: int) -> None:
+        """Decode ``tokens`` into ``seq`` from position ``start`` in batch-sized chunks (outside
+        the step loop: the system prompt, a restored conversation). Raise RuntimeError."""
+        for offset in range(0, len(tokens), self.n_batch):
+            chunk = tokens[offset : offset + self.n_batch]
+            code = self.decode(
+                [(seq, token, start + offset + i, False) for i, token in enumerate(chunk)]
+            )
+            if code != DECODE_OK:
+                raise RuntimeError(f"llama_decode returned {code}")
+
+    def save_seq(self, seq: int, tokens: list[int], path: Path) -> bool:
+        """Write the KV of ``seq`` (holding ``tokens``) to ``path`` atomically; False if
+        llama.cpp could not."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+        array = (llama_cpp.llama_token * len(tokens))(*tokens)
+        if llama_cpp.llama_state_seq_save_file(
+            self.context.ctx, str(partial).encode(), seq, array, len(tokens)
+        ):
+            os.replace(partial, path)  # a reader never finds half a state
+            return True
+        partial.unlink(missing_ok=True)
+        return False
+
+    def restore_seq(self, seq: int, tokens: list[int], path: Path) -> bool:
+        """Load into ``seq`` the state saved at ``path``; True only if it holds exactly
+        ``tokens`` (else ``seq`` is left empty)."""
+        if not path.is_file():
+            return False
+        array = (llama_cpp.llama_token * len(tokens))()
+        count = ctypes.c_size_t(0)
+        self.seq_rm(seq, 0)
+        size = llama_cpp.llama_state_seq_load_file(
+            self.context.ctx, str(path).encode(), seq, array, len(tokens), ctypes.byref(count)
+        )
+        if not size or list(array[: count.value]) != tokens:
+            log.warning("ignoring unusable state %s", path)
+            self.seq_rm(seq, 0)
+            return False
+        return True
+
+    def close(self) -> None:
+        for resource in (self.batch, self.context, self.model):
+            resource.close()
+
+
+def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedModel:
+    """Stage ``path``, plan memory for it, load it and create its context.
+
+    Raise ModelLoadError with a sentence for the user when the file or llama.cpp fails.
+    """
+    if not path.is_file():
+        raise ModelLoadError(f"model file {path} does not exist")
+    staging = stage(path, settings.ramdisk)
+    started = time.monotonic()
+    # Loaded on the CPU first (mmap: only the header is read now) to learn its shape; loaded
+    # again only if the plan offloads layers.
+    model = _load_weights(path, staging.path, settings.mlock, 0)
+    shape = model_shape(model, path)
+    try:
+        plan = plan_memory(
+            shape,
+            machine_now(staging),
+            MemoryRequest(
+                n_ctx=settings.n_ctx,
+                parallel=settings.parallel,
+                kv_cache_type=settings.kv_cache_type,
+                gpu_layers=settings.gpu_layers,
+            ),
+        )
+    except ValueError as exc:
+        model.close()
+        raise ModelLoadError(f"cannot plan memory for {path}: {exc}") from None
+    if plan.gpu_layers:
+        model.close()
+        model = _load_weights(path, staging.path, settings.mlock, plan.gpu_layers)
+    threads = settings.threads or physical_cores()
+    try:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = plan.n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = plan.slots + 1  # and one for the system prompt
+        params.kv_unified = True  # every sequence draws on the same n_ctx cells
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.type_k = params.type_v = _GGML_TYPES[plan.kv_cache_type]
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if plan.flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+        )
+        context = llama_internals.LlamaContext(model=model, params=params, verbose=False)
+        batch = llama_internals.LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1)
+    except BaseException as exc:
+        model.close()
+        if isinstance(exc, ValueError):
+            raise ModelLoadError(
+                f"llama.cpp could not create a context of {plan.n_ctx} tokens "
+                f"({plan.kv_cache_type} KV cache) for {path}: {exc}"
+            ) from None
+        raise
+    load_s = time.monotonic() - started
+    log.info("loaded %s from %s in %.2f s (threads %d, n_ctx %d, %d slots, %s KV, gpu layers %d)",
+             path, staging.path, load_s, threads, plan.n_ctx, plan.slots, plan.kv_cache_type,
+             plan.gpu_layers)  # fmt: skip
+    info = {
+        "model": str(path),
+        "loaded_from": str(staging.path),
+        "staged": staging.staged,
+        "stage_copied": staging.copied,
+        "stage_s": round(staging.seconds, 4),
+        "stage_note": staging.note,
+        "load_s": round(load_s, 4),
+        "n_ctx": plan.n_ctx,
+        "threads": threads,
+        "parallel": plan.parallel,
+        "mlock": settings.mlock,
+        "memory": plan.as_dict(),
+    }
+    return LoadedModel(
+        path=path, model=model, context=context, batch=batch, plan=plan, n_batch=n_batch,
+        thinks=shape.thinks, info=info,
+    )  # fmt: skip
+
+
+def _load_weights(path: Path, source: Path, mlock: bool, gpu_layers: int) -> Any:
+    """Load the GGUF at ``source`` (staged copy of ``path``); raise ModelLoadError."""
+    params = llama_cpp.llama_model_default_params()
+    params.use_mlock = mlock
+    params.n_gpu_layers = gpu_layers
+    try:
+        return llama_internals.LlamaModel(path_model=str(source), params=params, verbose=False)
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise ModelLoadError(_diagnose_load_failure(path, exc)) from None
+
+
+def _diagnose_load_failure(path: Path, exc: Exception) -> str:
+    """Turn llama.cpp's terse load failure into a sentence that says what is wrong."""
+    from phi4cli.errors import InvalidModelError
+    from phi4cli.models import validate_gguf
+
+    try:
+        validate_gguf(path)
+    except InvalidModelError as invalid:
+        return str(invalid)
+    return (
+        f"llama.cpp could not load {path} ({exc}); is it a model architecture llama.cpp supports?"
+    )

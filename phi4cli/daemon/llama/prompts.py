@@ -1,0 +1,166 @@
+"""Prompts for the loaded model: its chat template, the tokens of a question or a chat turn, and
+the chat sessions whose exact tokens a follow-up is appended to.
+
+A follow-up question is appended to the tokens the model actually saw and produced (with the
+template's glue between turns), never re-rendered, so the KV cache prefix always matches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+from phi4cli.daemon.jobs import ContextOverflowError, SolveParams
+from phi4cli.daemon.llama.model import LoadedModel
+from phi4cli.daemon.sessions import ChatSession, Message, SessionStore
+from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN
+
+# Used when a GGUF carries no chat template (rare): Phi-4-mini's own format.
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + "
+    "'<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+@dataclass
+class ChatPlan:
+    """How a chat turn's tokens were made (for the stats, and to store the session after)."""
+
+    history: list[Message]
+    dropped_turns: int
+    rebuilt: bool
+    continued: ChatSession | None
+
+
+class Prompts:
+    """Turns requests into tokens for one loaded model."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
+        template = model.metadata().get("tokenizer.chat_template") or FALLBACK_TEMPLATE
+        self._formatter = Jinja2ChatFormatter(
+            template=template,
+            eos_token=model.token_text(model.eos()),
+            bos_token=model.token_text(model.bos()),
+        )
+        self.sessions = SessionStore()
+        self.glue = self._turn_glue()
+        self._tag_tokens: dict[int, bytes] = {}
+        for tag in (THINK_OPEN, THINK_CLOSE):
+            ids = model.tokenize(tag, add_bos=False)
+            if len(ids) == 1:  # a special token: rendered explicitly, as pieces hide specials
+                self._tag_tokens[ids[0]] = tag.encode()
+
+    def piece(self, token: int) -> bytes:
+        """Return the bytes of one generated token; think tags render even if special."""
+        return self._tag_tokens.get(token) or self.model.piece(token)
+
+    def render(self, system: str | None, turns: list[Message]) -> str:
+        """Render a conversation with the model's own chat template, ready for the answer."""
+        messages = [{"role": "system", "content": system}] if system else []
+        return self._formatter(messages=messages + turns).prompt  # type: ignore[arg-type]
+
+    def question(self, params: SolveParams) -> list[int]:
+        """Return the tokens of a one-shot question."""
+        return self.model.tokenize(
+            self.render(params.system, [{"role": "user", "content": params.prompt}])
+        )
+
+    def system_prefix(self, system: str | None) -> list[int]:
+        """Tokens every conversation with this system prompt starts with."""
+        marker = "\x00"
+        text = self.render(system, [{"role": "user", "content": marker}])
+        return self.model.tokenize(text[: text.index(marker)])
+
+    def _turn_glue(self) -> tuple[str, str] | None:
+        """Return the template text between an answer and the next question, and between a
+        question and its answer; None if this template is not a plain concatenation of turns.
+        """
+        marks = ("\x01", "\x02", "\x03")
+        text = self.render(
+            None,
+            [
+                {"role": "user", "content": marks[0]},
+                {"role": "assistant", "content": marks[1]},
+                {"role": "user", "content": marks[2]},
+            ],
+        )
+        positions = [text.find(mark) for mark in marks]
+        if -1 in positions or positions != sorted(positions) or text.count(marks[1]) != 1:
+            return None
+        between_user_and_answer = text[positions[0] + 1 : positions[1]]
+        after_answer = text[positions[1] + 1 : positions[2]]
+        after_question = text[positions[2] + 1 :]
+        if between_user_and_answer != after_question:
+            return None
+        return after_answer, after_question
+
+    def chat_turn(self, params: SolveParams, reserve: int) -> tuple[list[int], ChatPlan]:
+        """Return the tokens for a chat turn and how they were made.
+
+        A known session is continued from the tokens it already has; otherwise (new session,
+        daemon restarted, another system prompt) the transcript is rendered once. Turns that do
+        not fit, with ``reserve`` tokens of room for the answer, are dropped oldest first.
+        Raise ContextOverflowError when the message alone does not fit.
+        """
+        assert params.session is not None
+        n_ctx = self.model.n_ctx
+        history = list(params.history)
+        question = {"role": "user", "content": params.prompt}
+        session = self.sessions.get(params.session)
+        dropped = 0
+        while True:
+            base = session.continues(self.model.path, params.system, history) if session else None
+            if base is not None and self.glue is not None and session is not None:
+                after_answer, after_question = self.glue
+                glue = after_answer + params.prompt + after_question
+                tokens = session.tokens[:base] + self.model.tokenize(glue, add_bos=False)
+                rebuilt = False
+            else:
+                tokens = self.model.tokenize(self.render(params.system, [*history, question]))
+                rebuilt = bool(history)
+            if len(tokens) + reserve <= n_ctx or not history:
+                break
+            history = history[2:]
+            dropped += 1
+            session = None  # what is left is rendered afresh
+        if len(tokens) >= n_ctx:
+            raise ContextOverflowError(
+                f"the message is {len(tokens)} tokens with the system prompt but the context "
+                f"holds {n_ctx}; shorten it or raise n_ctx"
+            )
+        return tokens, ChatPlan(history, dropped, rebuilt, session)
+
+    def remember_turn(
+        self, params: SolveParams, plan: ChatPlan, tokens: list[int], answer: str
+    ) -> dict[str, object]:
+        """Store the session after a turn; return the chat facts for the turn's stats."""
+        assert params.session is not None
+        history = plan.history
+        previous = plan.continued
+        turn = len(history) // 2
+        turn_ends = {t: n for t, n in previous.turn_ends.items() if t < turn} if previous else {}
+        turn_ends[turn] = len(tokens)
+        old = self.sessions.get(params.session)
+        self.sessions.put(
+            ChatSession(
+                id=params.session,
+                model=Path(self.model.path),
+                system=params.system,
+                messages=[*history, {"role": "user", "content": params.prompt},
+                          {"role": "assistant", "content": answer}],
+                tokens=tokens,
+                turn_ends=turn_ends,
+                dropped_turns=(old.dropped_turns if old else 0) + plan.dropped_turns,
+            )
+        )  # fmt: skip
+        return {
+            "session": params.session,
+            "turn": turn,
+            "dropped_turns": plan.dropped_turns,
+            "rebuilt": plan.rebuilt,
+            "context_used": len(tokens),
+            "n_ctx": self.model.n_ctx,
+        }
