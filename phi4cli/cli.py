@@ -745,17 +745,22 @@ app.add_typer(cache_app, name="cache")
 
 @cache_app.command("clear")
 def cache_clear() -> None:
-    """Remove staged model copies (RAM) and saved system-prompt states."""
+    """Remove staged model copies (RAM), saved system-prompt states and swapped-out chats."""
     import shutil
 
     from phi4cli.daemon.ramdisk import remove_staged
 
     paths = get_paths()
     staged = remove_staged()
-    states = paths.cache_dir / "states"
-    count = len(list(states.glob("*.state"))) if states.is_dir() else 0
-    shutil.rmtree(states, ignore_errors=True)
-    print(f"removed {staged} staged model copies and {count} saved prompt states")
+    counts = []
+    for name in ("states", "sessions"):
+        directory = paths.cache_dir / name
+        counts.append(len(list(directory.glob("*.state"))) if directory.is_dir() else 0)
+        shutil.rmtree(directory, ignore_errors=True)
+    print(
+        f"removed {staged} staged model copies, {counts[0]} saved prompt states and "
+        f"{counts[1]} swapped-out chat sessions"
+    )
 
 
 @app.command()

@@ -139,3 +139,55 @@ def test_many_short_problems_pack_in_beyond_parallel(tiny_model: Path, tmp_path:
     slots = {json.loads(line)["stats"]["slot"] for line in result.stdout.splitlines()}
     assert len(slots) > 2, f"more than --parallel 2 decoded together: slots {slots}"
     assert _status()["memory"]["plan"]["slots"] == 8
+
+
+def _turn(connection: Any, session: str, message: str, history: list[dict[str, str]],
+          max_tokens: int) -> tuple[str, dict[str, Any]]:  # fmt: skip
+    """One chat turn over the protocol: return (answer text, stats)."""
+    request = {"session": session, "message": message, "history": history, "temperature": 0,
+               "max_tokens": max_tokens}  # fmt: skip
+    events = list(connection.request("chat", request))
+    assert events[-1]["event"] == "done", events[-1]
+    text = "".join(e["text"] for e in events if e["event"] in ("token", "reasoning"))
+    return text, next(e for e in events if e["event"] == "stats")
+
+
+def test_an_evicted_chat_is_restored_from_disk_not_re_read(tiny_model: Path, phi4_home: Path):
+    from phi4cli.client import DaemonConnection
+
+    started = run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "1024")
+    assert started.returncode == 0, started.stderr
+    sessions = phi4_home / "cache" / "sessions"
+    with DaemonConnection.open(phi4_home / "run" / "daemon.sock") as connection:
+        first, first_stats = _turn(connection, "c", "Count to ten.", [], 200)
+        history = [{"role": "user", "content": "Count to ten."},
+                   {"role": "assistant", "content": first}]  # fmt: skip
+        # Turn 2 from the conversation's cells, as the reference.
+        second, second_stats = _turn(connection, "c", "And back?", history, 40)
+        assert second_stats["restored_tokens"] == 0
+        assert second_stats["cached_tokens"] == first_stats["context_used"]
+        # A long solve needs nearly every cell: the idle chat's are reclaimed, and the chat is
+        # saved to disk on the way out.
+        solve = list(connection.request("solve", {"prompt": "Go on.", "temperature": 0,
+                                                  "max_tokens": 900}))  # fmt: skip
+        assert solve[-1]["event"] == "done", solve[-1]
+        assert len(list(sessions.glob("session-*.state"))) == 1
+        assert connection.call("status")["result"]["memory"]["swapped_sessions"] == 1
+        # Turn 2 again (a /retry): restored from the saved state, which holds the message too;
+        # nothing is re-read but the last token (sampling needs fresh logits).
+        again, stats = _turn(connection, "c", "And back?", history, 40)
+        assert stats["restored_tokens"] == stats["cached_tokens"] == stats["prompt_tokens"] - 1
+        assert stats["cached_tokens"] > second_stats["cached_tokens"]
+        assert again == second, "the restored cache continues exactly as the original did"
+    assert not list(sessions.glob("session-*.state")), "a restored state is removed"
+    assert run_phi4("stop").returncode == 0
+
+
+def test_cache_clear_removes_swapped_chats(phi4_home: Path):
+    sessions = phi4_home / "cache" / "sessions"
+    sessions.mkdir(parents=True)
+    (sessions / "session-0123.state").write_bytes(b"kv")
+    cleared = run_phi4("cache", "clear")
+    assert cleared.returncode == 0, cleared.stderr
+    assert "1 swapped-out chat sessions" in cleared.stdout
+    assert not sessions.exists()

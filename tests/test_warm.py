@@ -53,7 +53,7 @@ def test_warm_stages_prewarms_saves_state_and_a_restart_restores_it(
     assert cached >= timings["system_tokens"], solved.stderr
 
     cleared = run_phi4("cache", "clear")
-    assert "removed 1 staged model copies and 1 saved prompt states" in cleared.stdout
+    assert "removed 1 staged model copies, 1 saved prompt states and 0 swapped" in cleared.stdout
     assert not staged.exists()
 
 

@@ -477,7 +477,9 @@ def run_daemon(paths: Paths, settings: Settings, model_path: Path | None) -> Non
     try:
         from phi4cli.daemon.llama import LlamaEngine
 
-        engine = LlamaEngine(settings, state_dir=paths.cache_dir / "states")
+        engine = LlamaEngine(
+            settings, state_dir=paths.cache_dir / "states", swap_dir=paths.cache_dir / "sessions"
+        )
         server = DaemonServer(paths, settings, engine, model_path, max_queue=settings.max_queue)
         asyncio.run(server.serve())
     finally:

@@ -2,11 +2,13 @@
 
 A follow-up question is appended to the tokens the model actually saw and produced, rather than
 re-rendering and re-tokenizing the whole transcript, so the KV cache prefix always matches and
-only the new message (and the template's glue around it) is evaluated.
+only the new message (and the template's glue around it) is evaluated. A session whose cells had
+to be reclaimed waits on disk (:class:`SwapStore`) for its next turn.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,3 +66,58 @@ class SessionStore:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+
+@dataclass(frozen=True)
+class SwappedSession:
+    path: Path  # the sequence state llama.cpp wrote
+    tokens: list[int]  # what it holds
+    size: int
+
+
+class SwapStore:
+    """Chat sessions whose KV cells were reclaimed, kept on disk so that the conversation's next
+    turn restores them instead of re-reading it. Bounded: past ``max_bytes`` the least recently
+    swapped go first. Files of an earlier daemon are removed when it starts (its sessions are
+    gone with it)."""
+
+    def __init__(self, directory: Path | None, max_bytes: int) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self._swapped: OrderedDict[str, SwappedSession] = OrderedDict()
+
+    def path_for(self, session_id: str) -> Path | None:
+        if self.directory is None:
+            return None
+        digest = hashlib.sha256(session_id.encode()).hexdigest()[:24]
+        return self.directory / f"session-{digest}.state"
+
+    def add(self, session_id: str, tokens: list[int]) -> None:
+        """Record that ``path_for(session_id)`` now holds ``tokens``; drop the oldest over the
+        bound."""
+        path = self.path_for(session_id)
+        if path is None or not path.is_file():
+            return
+        self.discard(session_id, remove=False)
+        self._swapped[session_id] = SwappedSession(path, list(tokens), path.stat().st_size)
+        while sum(s.size for s in self._swapped.values()) > self.max_bytes and self._swapped:
+            oldest = next(iter(self._swapped))
+            self.discard(oldest)
+
+    def get(self, session_id: str) -> SwappedSession | None:
+        return self._swapped.get(session_id)
+
+    def discard(self, session_id: str, remove: bool = True) -> None:
+        swapped = self._swapped.pop(session_id, None)
+        if swapped is not None and remove:
+            swapped.path.unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        """Forget every swapped session and remove the directory's state files."""
+        self._swapped.clear()
+        if self.directory is not None and self.directory.is_dir():
+            for path in self.directory.glob("session-*.state"):
+                path.unlink(missing_ok=True)
+
+    def __len__(self) -> int:
+        return len(self._swapped)

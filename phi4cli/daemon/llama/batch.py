@@ -33,6 +33,7 @@ from phi4cli.daemon.jobs import ContextOverflowError, Job, SolveParams, Wait
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
 from phi4cli.daemon.memory import MemoryPlan
+from phi4cli.daemon.sessions import SwappedSession, SwapStore
 from phi4cli.reasoning import THINK_CLOSE, ThinkSplitter
 
 log = logging.getLogger("phi4.engine")
@@ -44,6 +45,10 @@ PREFILL_CHUNK = 64
 # Room kept for the tokens that close the thinking when a think budget is reached; they are the
 # daemon's, not the model's, so they do not count against max_tokens.
 THINK_CLOSE_ROOM = 16
+# A chat session whose cells are reclaimed is saved to disk if it holds at least this many tokens
+# of its own (fewer are as quick to re-read), in at most SWAP_MAX_BYTES of files.
+SWAP_MIN_TOKENS = 64
+SWAP_MAX_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,8 @@ class _Run:
     generated: int = 0
     reasoning_tokens: int = 0
     budget_reached: bool = False
+    restored: int = 0  # prompt tokens taken from a swapped-out session's saved state
+    restore_s: float = 0.0
     finish_reason: str | None = None  # set: finished once its pending tokens are evaluated
 
 
@@ -89,6 +96,7 @@ class _Slot:
     shared: int = 0  # leading cells shared with the system prompt's sequence (not its own)
     run: _Run | None = None
     last_used: float = 0.0
+    session: str | None = None  # the chat session whose tokens it holds, after a chat turn
 
     @property
     def own_cells(self) -> int:
@@ -98,10 +106,17 @@ class _Slot:
 class LlamaEngine:
     """Several requests at once over one model and one context (see the module docstring)."""
 
-    def __init__(self, settings: Settings, state_dir: Path | None = None, n_batch: int = 512):
+    def __init__(
+        self,
+        settings: Settings,
+        state_dir: Path | None = None,
+        swap_dir: Path | None = None,
+        n_batch: int = 512,
+    ) -> None:
         self.settings = settings
         self.n_batch = n_batch
         self.state_dir = state_dir  # where prefilled system-prompt states are kept
+        self._swap = SwapStore(swap_dir, SWAP_MAX_BYTES)  # chat sessions saved when evicted
         self._model: LoadedModel | None = None
         self._prompts: Prompts | None = None
         self._slots: list[_Slot] = []
@@ -134,6 +149,7 @@ class LlamaEngine:
             "free_tokens": self._capacity() - reserved,
             "running": self.active,
             "slots": len(self._slots),
+            "swapped_sessions": len(self._swap),
             "plan": self._model.plan.as_dict(),
         }
 
@@ -152,6 +168,7 @@ class LlamaEngine:
             model.close()
             raise
         self._model = model  # last: until here a failure leaves no half-loaded model behind
+        self._swap.clear()  # another model's (or an earlier daemon's) states are of no use
         self._slots = [_Slot(seq=i) for i in range(model.plan.slots)]
         self._system_seq = model.plan.slots
         return dict(model.info)
@@ -279,15 +296,33 @@ class LlamaEngine:
         prepared: Prepared = job.prepared
         tokens = prepared.tokens
         needed = self._cells_for(tokens, prepared.budget + prepared.extra)
+        swapped = self._restorable(job.params, tokens)
+        if swapped is not None:
+            needed = len(tokens) + prepared.budget + prepared.extra  # restored cells are its own
+            if len(swapped.tokens) > needed:  # it would not fit in the reservation, even briefly
+                swapped, needed = None, self._cells_for(tokens, prepared.budget + prepared.extra)
         free = self._capacity() - self._committed()
         if needed > free:
             return Wait("memory", needed, free)
         if all(slot.run is not None for slot in self._slots):
             return Wait("slot", needed, free)
-        slot = self._choose_slot(tokens)
+        restored, restore_s = 0, 0.0
+        if swapped is not None:
+            slot = min((s for s in self._slots if s.run is None), key=lambda s: s.last_used)
+            self._drop(slot, 0)
+            self._reclaim(needed, slot)
+            started = time.monotonic()
+            if model.restore_seq(slot.seq, swapped.tokens, swapped.path):
+                slot.tokens = list(swapped.tokens)
+                restored = min(_common_prefix(swapped.tokens, tokens), len(tokens) - 1)
+                restore_s = time.monotonic() - started
+            assert job.params.session is not None
+            self._swap.discard(job.params.session)
+        if not restored:
+            slot = self._choose_slot(tokens)
         # At least one prompt token is always evaluated: sampling needs fresh logits.
         keep = min(_common_prefix(slot.tokens, tokens), len(tokens) - 1)
-        model.seq_rm(slot.seq, keep)
+        self._drop(slot, keep)
         slot.tokens = tokens[:keep]
         slot.shared = min(slot.shared, keep)
         slot.pending = tokens[keep:]
@@ -305,8 +340,47 @@ class LlamaEngine:
             max_len=len(tokens) + prepared.budget + prepared.extra,
             reserved=needed,
             splitter=ThinkSplitter(starts_in_reasoning=model.thinks),
+            restored=restored,
+            restore_s=restore_s,
         )
         return None
+
+    def _restorable(self, params: SolveParams, tokens: list[int]) -> SwappedSession | None:
+        """The saved state of this chat session, if restoring it beats what the idle slots
+        hold; else None."""
+        if params.session is None:
+            return None
+        swapped = self._swap.get(params.session)
+        if swapped is None:
+            return None
+        held = max((_common_prefix(s.tokens, tokens) for s in self._slots if s.run is None),
+                   default=0)  # fmt: skip
+        usable = _common_prefix(swapped.tokens, tokens)  # a /retry continues from an earlier turn
+        return swapped if usable >= held + SWAP_MIN_TOKENS else None
+
+    def _drop(self, slot: _Slot, keep: int) -> None:
+        """Remove a slot's cells from position ``keep`` on; a chat session's tokens that would be
+        lost are saved to disk first, for its next turn to restore."""
+        model, prompts = self._loaded()
+        if keep >= len(slot.tokens):
+            return
+        session = prompts.sessions.get(slot.session) if slot.session else None
+        path = self._swap.path_for(slot.session) if slot.session else None
+        if (
+            session is not None
+            and path is not None
+            and session.tokens == slot.tokens
+            and len(slot.tokens) - keep >= SWAP_MIN_TOKENS
+        ):
+            started = time.monotonic()
+            if model.save_seq(slot.seq, slot.tokens, path):
+                self._swap.add(session.id, slot.tokens)
+                log.info("swapped session %s out (%d tokens, %.3f s)", session.id,
+                         len(slot.tokens), time.monotonic() - started)  # fmt: skip
+        slot.session = None
+        model.seq_rm(slot.seq, keep)
+        del slot.tokens[keep:]
+        slot.shared = min(slot.shared, keep)
 
     def _choose_slot(self, tokens: list[int]) -> _Slot:
         """Pick the idle slot sharing the longest prefix with ``tokens`` (least recently used on
@@ -318,7 +392,7 @@ class LlamaEngine:
         system = self._system_tokens
         if system and shared < len(system) and tokens[: len(system)] == system:
             best = min(idle, key=lambda s: s.last_used)
-            model.seq_rm(best.seq, 0)
+            self._drop(best, 0)
             model.seq_cp(self._system_seq, best.seq, len(system))
             best.tokens = list(system)
             best.shared = len(system)
@@ -327,7 +401,6 @@ class LlamaEngine:
     def _reclaim(self, needed: int, chosen: _Slot) -> None:
         """Free idle slots' cached cells, least recently used first, until the running
         requests' reservations and ``needed`` fit beside what stays cached."""
-        model, _ = self._loaded()
         room = self._capacity() - self._committed() - needed
         idle = sorted(
             (s for s in self._slots if s.run is None and s is not chosen and s.own_cells > 0),
@@ -338,8 +411,7 @@ class LlamaEngine:
             if cached <= room:
                 break
             cached -= slot.own_cells
-            model.seq_rm(slot.seq, 0)
-            slot.tokens, slot.shared = [], 0
+            self._drop(slot, 0)
 
     def reset(self) -> None:
         """Drop every request and every slot's cache (after a failed step); keep the model."""
@@ -348,6 +420,7 @@ class LlamaEngine:
             if slot.run is not None:
                 slot.run.sampler.close()
             slot.run, slot.pending, slot.tokens, slot.shared = None, [], [], 0
+            slot.session = None
             model.seq_rm(slot.seq, 0)
 
     # --- the step loop ------------------------------------------------------------------------
@@ -399,13 +472,11 @@ class LlamaEngine:
         """llama.cpp found no room although every reservation fits (this should not happen):
         free idle slots' cells; failing that, stop the request admitted last, which has the
         least work to lose, rather than fail them all."""
-        model, _ = self._loaded()
         log.error("the KV cache is full although reservations fit: %s", self.memory())
         freed = False
         for slot in self._slots:
             if slot.run is None and slot.tokens:
-                model.seq_rm(slot.seq, 0)
-                slot.tokens, slot.shared = [], 0
+                self._drop(slot, 0)
                 freed = True
         if freed:
             return []
@@ -475,6 +546,7 @@ class LlamaEngine:
         slot.run = None
         slot.last_used = time.monotonic()
         prefilled = run.prompt_s is not None
+        slot.session = run.job.params.session if run.chat is not None and prefilled else None
         chat = (
             prompts.remember_turn(run.job.params, run.chat, list(slot.tokens), run.splitter.answer)
             if run.chat is not None and prefilled
@@ -497,6 +569,8 @@ class LlamaEngine:
             "total_s": round(now - run.started, 4),
             "finish_reason": reason,
             "max_tokens": run.budget,
+            "restored_tokens": run.restored,
+            "restore_s": round(run.restore_s, 4),
             "reserved_tokens": run.reserved,
             "seed": run.seed,
             "slot": slot.seq,
