@@ -332,7 +332,8 @@ class ChatRepl:
     def _show(self) -> None:
         conversation = self.conversation
         stats = self._last_stats
-        used, n_ctx = stats.get("context_used"), stats.get("n_ctx") or self.env.settings.n_ctx
+        used = stats.get("context_used")
+        n_ctx = stats.get("n_ctx") or self.env.settings.n_ctx or "auto (planned by the daemon)"
         settings = ", ".join(f"{k}={v}" for k, v in self.sampling().items())
         rows = [
             ("conversation", f"{conversation.name} ({len(conversation.turns)} turns)"),

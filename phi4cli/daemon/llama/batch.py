@@ -55,6 +55,7 @@ SWAP_MAX_BYTES = 4 << 30
 class Prepared:
     """A request's tokens and budget, worked out once (a waiting request is offered again)."""
 
+    loaded: int  # which load of a model these tokens are for (a waiting job may outlive it)
     tokens: list[int]
     budget: int  # tokens it may generate
     extra: int  # cells beyond prompt and budget (for closing the thinking)
@@ -122,6 +123,7 @@ class LlamaEngine:
         self._slots: list[_Slot] = []
         self._system_seq = 0
         self._system_tokens: list[int] = []
+        self._loads = 0  # models loaded so far: tells a job's tokens from another model's
 
     @property
     def model_path(self) -> Path | None:
@@ -150,7 +152,7 @@ class LlamaEngine:
             "running": self.active,
             "slots": len(self._slots),
             "swapped_sessions": len(self._swap),
-            "plan": self._model.plan.as_dict(),
+            "plan": self._model.info["memory"],
         }
 
     # --- loading ------------------------------------------------------------------------------
@@ -168,6 +170,7 @@ class LlamaEngine:
             model.close()
             raise
         self._model = model  # last: until here a failure leaves no half-loaded model behind
+        self._loads += 1
         self._swap.clear()  # another model's (or an earlier daemon's) states are of no use
         self._slots = [_Slot(seq=i) for i in range(model.plan.slots)]
         self._system_seq = model.plan.slots
@@ -283,7 +286,7 @@ class LlamaEngine:
                 "(phi4 stop; phi4 daemon start --n-ctx N)"
             )
         extra = min(THINK_CLOSE_ROOM, room - budget) if params.think_budget is not None else 0
-        return Prepared(tokens, budget, extra, chat)
+        return Prepared(self._loads, tokens, budget, extra, chat)
 
     def admit(self, job: Job) -> Wait | None:
         """Put a request into a free slot if its reservation fits; else say why it waits.
@@ -291,7 +294,7 @@ class LlamaEngine:
         Raise ContextOverflowError when it could never fit, even alone.
         """
         model, _ = self._loaded()
-        if job.prepared is None:
+        if job.prepared is None or job.prepared.loaded != self._loads:
             job.prepared = self._prepare(job.params)
         prepared: Prepared = job.prepared
         tokens = prepared.tokens
