@@ -87,7 +87,7 @@ depth, threads, tokens = int(sys.argv[2]), int(sys.argv[4]), int(sys.argv[5])
 kind = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}[kv]
 llm = llama_cpp.Llama(model, n_ctx=depth + tokens + 64, n_batch=512, n_threads=threads,
                       n_threads_batch=threads, type_k=kind, type_v=kind,
-                      flash_attn=kv != "f16", verbose=False)
+                      flash_attn=True, verbose=False)  # as phi4: on (llama.cpp's CPU default)
 text = sys.stdin.read()
 prompt = llm.tokenize(text.encode())[:depth]
 llm.eval(prompt)
@@ -99,8 +99,13 @@ print(json.dumps({"decode_tps": tokens / (time.monotonic() - started)}))
 """
 
 
-def filler(words: int) -> str:
-    return (FILLER * (words // 12 + 1))[: words * 6]
+def filler(model: Path, tokens: int) -> str:
+    """Text of about ``tokens`` tokens for ``model``'s tokenizer."""
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
+    ids = vocab.tokenize((FILLER * (tokens // 4 + 1)).encode(), add_bos=False)[:tokens]
+    return vocab.detokenize(ids).decode(errors="ignore")
 
 
 def depth_rates(model: Path, depths: list[int], tokens: int, threads: int) -> dict[str, Any]:
@@ -111,14 +116,14 @@ def depth_rates(model: Path, depths: list[int], tokens: int, threads: int) -> di
              "--kv-cache-type", kv, "--parallel", "1")  # fmt: skip
         for depth in depths:
             # Aim the question at `depth` tokens: the daemon's stats say what it really was.
-            question = filler(depth) + " Summarise."
+            question = filler(model, depth) + " Summarise."
             stats = json.loads(phi4(env, "solve", "-m", str(model), "-t", "0", "-n", str(tokens),
                                     "--json", question).stdout)["stats"]  # fmt: skip
             phi4_tps = (stats["completion_tokens"] - 1) / max(stats["decode_s"], 1e-9)
             direct = json.loads(subprocess.run(
                 [sys.executable, "-c", DIRECT, str(model), str(stats["prompt_tokens"]), kv,
                  str(threads), str(tokens)],
-                input=filler(depth * 2), capture_output=True, text=True, check=True,
+                input=filler(model, depth * 2), capture_output=True, text=True, check=True,
             ).stdout)  # fmt: skip
             results[f"{kv}@{depth}"] = {
                 "depth": stats["prompt_tokens"],
@@ -132,6 +137,18 @@ def depth_rates(model: Path, depths: list[int], tokens: int, threads: int) -> di
 # --- 3. an evicted chat: restored vs re-read --------------------------------------------------
 
 
+def crowd(connection: Any, max_tokens: int) -> None:
+    """Admit a request reserving ``max_tokens`` (which reclaims idle cells), then cancel it once
+    it answers: its reservation did the work, its generation would only take time."""
+    request_id = connection.send("solve", {"prompt": "Go on.", "max_tokens": max_tokens})
+    while True:
+        event = connection.next_event()
+        if event.get("id") == request_id and event["event"] in ("token", "reasoning"):
+            connection.send("cancel", {"target": request_id})
+        if event.get("id") == request_id and event["event"] in ("done", "error"):
+            return
+
+
 def chat_restore(model: Path, chat_tokens: int) -> dict[str, Any]:
     from phi4cli.client import DaemonConnection
 
@@ -139,31 +156,37 @@ def chat_restore(model: Path, chat_tokens: int) -> dict[str, Any]:
     n_ctx = chat_tokens + 1024
     phi4(env, "daemon", "start", "-m", str(model), "--n-ctx", str(n_ctx))
     home = Path(env["PHI4_HOME"])
-    message = filler(chat_tokens) + " What is the last word?"
+    message = filler(model, chat_tokens) + " What is the last word?"
 
     def turn(connection: Any, session: str, text: str, history: list[dict[str, str]]) -> Any:
         events = list(connection.request("chat", {
             "session": session, "message": text, "history": history, "temperature": 0,
             "max_tokens": 8}))  # fmt: skip
-        answer = "".join(e["text"] for e in events if e["event"] in ("token", "reasoning"))
+        # What the daemon keeps as the assistant turn: the answer, not the thinking.
+        answer = "".join(e["text"] for e in events if e["event"] == "token")
+        if events[-1]["event"] != "done":
+            raise SystemExit(f"chat turn failed: {events[-1]}")
         return answer, next(e for e in events if e["event"] == "stats")
 
-    with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
-        answer, first = turn(connection, "swap", message, [])
-        history = [{"role": "user", "content": message}, {"role": "assistant", "content": answer}]
-        # Fill the cache with other work, so the chat's cells are reclaimed (saved to disk).
-        list(connection.request("solve", {"prompt": "Go on.", "temperature": 0,
-                                          "max_tokens": n_ctx - 200}))  # fmt: skip
-        started = time.monotonic()
-        _, restored = turn(connection, "swap", "And the first?", history)
-        restored_s = time.monotonic() - started
-        # The same conversation under a session the daemon has never seen: read anew.
-        list(connection.request("solve", {"prompt": "Go on.", "temperature": 0,
-                                          "max_tokens": n_ctx - 200}))  # fmt: skip
-        started = time.monotonic()
-        _, reread = turn(connection, "fresh", "And the first?", history)
-        reread_s = time.monotonic() - started
-    phi4(env, "stop", check=False)
+    try:
+        with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
+            answer, first = turn(connection, "swap", message, [])
+            history = [
+                {"role": "user", "content": message},
+                {"role": "assistant", "content": answer},
+            ]
+            # Other work reserves nearly every cell, so the chat's are reclaimed (saved to disk).
+            crowd(connection, n_ctx - 200)
+            started = time.monotonic()
+            _, restored = turn(connection, "swap", "And the first?", history)
+            restored_s = time.monotonic() - started
+            # The same conversation under a session the daemon has never seen: read anew.
+            crowd(connection, n_ctx - 200)
+            started = time.monotonic()
+            _, reread = turn(connection, "fresh", "And the first?", history)
+            reread_s = time.monotonic() - started
+    finally:
+        phi4(env, "stop", check=False)
     return {
         "chat_tokens": first["context_used"],
         "restored_tokens": restored["restored_tokens"],
@@ -245,7 +268,8 @@ def main() -> None:
         ]  # fmt: skip
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"memory-{model.stem}"
+    parts = [part for part in ("long", "depth", "chat") if part not in args.skip]
+    name = f"memory-{model.stem}" + ("" if len(parts) == 3 else "-" + "-".join(parts))
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=2))
     (args.out / f"{name}.md").write_text(table + "\n")
     print(table)

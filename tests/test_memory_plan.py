@@ -68,7 +68,8 @@ def test_q8_0_holds_about_twice_the_context_in_the_same_memory():
     f16 = plan_memory(PHI4_MINI, small, MemoryRequest())
     q8 = plan_memory(PHI4_MINI, small, MemoryRequest(kv_cache_type="q8_0"))
     assert 1.8 < q8.n_ctx / f16.n_ctx < 2.0
-    assert q8.flash_attn and not f16.flash_attn  # a quantized V cache needs flash attention
+    assert q8.flash_attn == "on", "a quantized V cache needs flash attention"
+    assert f16.flash_attn == "auto"
     assert abs(q8.kv_bytes - f16.kv_bytes) < 0.1 * f16.kv_bytes
 
 
@@ -152,6 +153,7 @@ def gpu_machine(free_gib: float) -> Machine:
 def test_auto_offloads_every_layer_when_the_device_holds_model_and_cache():
     plan = plan_memory(PHI4_MINI, gpu_machine(24.0), MemoryRequest())
     assert plan.gpu_layers == -1 and plan.device == "NVIDIA Test"
+    assert plan.flash_attn == "auto", "on a GPU, llama.cpp's own choice"
     assert plan.n_ctx == 32768 and not plan.notes
 
 
@@ -195,7 +197,7 @@ def test_meminfo_is_read_in_bytes():
 def test_a_quantized_cache_needs_heads_that_fill_its_blocks():
     tiny = ModelShape(2, 2, 16, 16, n_ctx_train=131072, file_bytes=1 << 20, layer_bytes=1 << 18)
     plan = plan_memory(tiny, machine(23.4, 22.0), MemoryRequest(kv_cache_type="q8_0"))
-    assert plan.kv_cache_type == "f16" and not plan.flash_attn
+    assert plan.kv_cache_type == "f16" and plan.flash_attn == "auto"
     assert plan.notes == (
         "a q8_0 KV cache needs a head size divisible by 32 (this model's is 16); using f16",
     )

@@ -238,19 +238,14 @@ class LlamaEngine:
     # --- admitting requests -------------------------------------------------------------------
 
     def _capacity(self) -> int:
-        """KV cells that requests may reserve: all but the system prompt's."""
+        """KV cells that requests may reserve: all but the system prompt's. A request reserves
+        its whole prompt and budget, though a fresh one shares the system prompt's cells: a few
+        cells' slack that keeps the count exact whichever slot it lands in."""
         model, _ = self._loaded()
         return model.n_ctx - len(self._system_tokens)
 
     def _committed(self) -> int:
         return sum(slot.run.reserved for slot in self._slots if slot.run is not None)
-
-    def _cells_for(self, tokens: list[int], budget: int) -> int:
-        """The cells a request of ``tokens`` generating up to ``budget`` needs of its own (a
-        prompt that starts with the system prompt shares that prompt's cells)."""
-        system = self._system_tokens
-        shared = len(system) if system and tokens[: len(system)] == system else 0
-        return len(tokens) + budget - shared
 
     def _prepare(self, params: SolveParams) -> Prepared:
         """Work out a request's tokens and generation budget.
@@ -260,30 +255,31 @@ class LlamaEngine:
         the request could never fit in the context, even alone.
         """
         model, prompts = self._loaded()
-        n_ctx = model.n_ctx
-        default = model.plan.request_tokens
+        capacity = self._capacity()
+        default = min(model.plan.request_tokens, capacity)
         chat: ChatPlan | None = None
         if params.session is not None:
             tokens, chat = prompts.chat_turn(params, params.max_tokens or default // 4)
         else:
             tokens = prompts.question(params)
-        room = n_ctx - len(tokens)
+        room = capacity - len(tokens)
+        holds = (f"the daemon's context holds {model.n_ctx:,} ({len(self._system_tokens)} of "
+                 "them the system prompt's)")  # fmt: skip
         if params.max_tokens is not None:
             if params.max_tokens > room:
                 raise ContextOverflowError(
                     f"this request needs {len(tokens) + params.max_tokens:,} tokens of context "
-                    f"({len(tokens):,} of prompt + {params.max_tokens:,} of --max-tokens) but the "
-                    f"daemon's context holds {n_ctx:,}; lower --max-tokens, or restart the daemon "
-                    "with a larger one (phi4 stop; phi4 daemon start --n-ctx N)"
+                    f"({len(tokens):,} of prompt + {params.max_tokens:,} of --max-tokens) but "
+                    f"{holds}; lower --max-tokens, or restart the daemon with a larger one "
+                    "(phi4 stop; phi4 daemon start --n-ctx N)"
                 )
             budget = params.max_tokens
         else:
             budget = min(room, max(default - len(tokens), default // 4))
         if budget < 1:
             raise ContextOverflowError(
-                f"the question is {len(tokens):,} tokens but the daemon's context holds "
-                f"{n_ctx:,}; shorten it, or restart the daemon with a larger context "
-                "(phi4 stop; phi4 daemon start --n-ctx N)"
+                f"the question is {len(tokens):,} tokens but {holds}; shorten it, or restart "
+                "the daemon with a larger context (phi4 stop; phi4 daemon start --n-ctx N)"
             )
         extra = min(THINK_CLOSE_ROOM, room - budget) if params.think_budget is not None else 0
         return Prepared(self._loads, tokens, budget, extra, chat)
@@ -298,12 +294,10 @@ class LlamaEngine:
             job.prepared = self._prepare(job.params)
         prepared: Prepared = job.prepared
         tokens = prepared.tokens
-        needed = self._cells_for(tokens, prepared.budget + prepared.extra)
+        needed = len(tokens) + prepared.budget + prepared.extra
         swapped = self._restorable(job.params, tokens)
-        if swapped is not None:
-            needed = len(tokens) + prepared.budget + prepared.extra  # restored cells are its own
-            if len(swapped.tokens) > needed:  # it would not fit in the reservation, even briefly
-                swapped, needed = None, self._cells_for(tokens, prepared.budget + prepared.extra)
+        if swapped is not None and len(swapped.tokens) > needed:
+            swapped = None  # restored whole, it would overrun the reservation, even briefly
         free = self._capacity() - self._committed()
         if needed > free:
             return Wait("memory", needed, free)

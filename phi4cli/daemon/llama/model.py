@@ -38,6 +38,9 @@ log = logging.getLogger("phi4.engine")
 DECODE_OK, DECODE_NO_KV_SPACE = 0, 1
 _GGML_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
                "q4_0": llama_cpp.GGML_TYPE_Q4_0}  # fmt: skip
+_FLASH_ATTN = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+               "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+               "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}  # fmt: skip
 # ggml_backend_dev_type: CPU, GPU, IGPU (integrated, host memory), ACCEL, META
 _GPU_DEVICE_TYPES = (1, 2)
 
@@ -307,11 +310,7 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
         params.n_threads = threads
         params.n_threads_batch = threads
         params.type_k = params.type_v = _GGML_TYPES[plan.kv_cache_type]
-        params.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if plan.flash_attn
-            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
-        )
+        params.flash_attn_type = _FLASH_ATTN[plan.flash_attn]
         context = llama_internals.LlamaContext(model=model, params=params, verbose=False)
         batch = llama_internals.LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1)
     except BaseException as exc:
