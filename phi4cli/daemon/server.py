@@ -15,6 +15,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -114,12 +115,22 @@ class Connection:
     writer: asyncio.StreamWriter
     jobs: dict[Any, Job] = field(default_factory=dict)
     closed: bool = False
+    held: list[bytes] = field(default_factory=list)  # lines to write in one go (see flush)
 
     def send(self, message: dict[str, Any]) -> None:
-        if self.closed:
+        self.hold(message)
+        self.flush()
+
+    def hold(self, message: dict[str, Any]) -> None:
+        if not self.closed:
+            self.held.append(protocol.encode(message))
+
+    def flush(self) -> None:
+        if self.closed or not self.held:
             return
+        data, self.held = b"".join(self.held), []
         try:
-            self.writer.write(protocol.encode(message))
+            self.writer.write(data)
         except (ConnectionError, RuntimeError):
             self.closed = True
 
@@ -145,6 +156,9 @@ class DaemonServer:
         self.metrics = RequestMetrics()
         self.last_activity = time.monotonic()
         self._connections: set[Connection] = set()
+        self._outbox: list[tuple[Connection, Any, dict[str, Any]]] = []
+        self._outbox_lock = threading.Lock()
+        self._flush_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._stopping = False
@@ -354,7 +368,7 @@ class DaemonServer:
         assert loop is not None
 
         def emit(message: dict[str, Any]) -> None:
-            loop.call_soon_threadsafe(self._deliver, connection, request.id, message)
+            self._post(connection, request.id, message)
 
         job = Job(request_id=request.id, params=params, emit=emit)
         try:
@@ -368,8 +382,29 @@ class DaemonServer:
         connection.jobs[request.id] = job
         connection.send(protocol.event(request.id, "accepted", ahead=ahead, state=self.state))
 
+    def _post(self, connection: Connection, request_id: Any, message: dict[str, Any]) -> None:
+        """Hand an event from the engine thread to the event loop. Events posted before the loop
+        gets to them go out together: one wake-up and one write per connection per decode step,
+        not one per token, which on a small machine takes cores from llama.cpp's threads."""
+        with self._outbox_lock:
+            self._outbox.append((connection, request_id, message))
+            if self._flush_scheduled:
+                return
+            self._flush_scheduled = True
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._flush_outbox)
+
+    def _flush_outbox(self) -> None:
+        with self._outbox_lock:
+            posted, self._outbox = self._outbox, []
+            self._flush_scheduled = False
+        for connection, request_id, message in posted:
+            self._deliver(connection, request_id, message)
+        for connection in {connection for connection, _, _ in posted}:
+            connection.flush()
+
     def _deliver(self, connection: Connection, request_id: Any, message: dict[str, Any]) -> None:
-        connection.send(message)
+        connection.hold(message)
         if message.get("event") == "stats":
             self.metrics.record(message)
         elif message.get("event") == "error":
