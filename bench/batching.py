@@ -1,0 +1,180 @@
+"""Batching: phi4's daemon against llama.cpp's own llama-server, side by side in one run.
+
+    python bench/batching.py --model PATH --server PATH/TO/llama-server [--tokens 64]
+                             [--concurrent 1 4 8] [--rounds 2]
+
+Both serve the same GGUF with the same threads and stream every token to their clients; each
+round sends k greedy questions at once
+(k = 1, 4, 8) and measures the aggregate completion tokens/s, phi4 and llama-server interleaved
+so that the machine's drift hits both alike. llama-server runs with as many slots as the largest
+k, each with room for its answer. Build it from the llama.cpp sources vendored in the
+llama-cpp-python sdist (cmake target llama-server); without --server this bench has no baseline
+and says so.
+
+Writes bench/results/batching-<model>.json and .md, and prints the Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PHI4 = [sys.executable, "-m", "phi4cli"]
+QUESTION = "What is 12*13? Explain in two sentences."
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def phi4_round(home: Path, k: int, tokens: int) -> float:
+    """Aggregate completion tokens/s of k solves sent at once over one connection."""
+    from phi4cli.client import DaemonConnection
+
+    with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
+        started = time.monotonic()
+        ids = {connection.send("solve", {"prompt": f"{QUESTION} (variant {i})", "temperature": 0,
+                                          "max_tokens": tokens}) for i in range(k)}  # fmt: skip
+        produced = 0
+        while ids:
+            event = connection.next_event()
+            if event.get("event") == "stats":
+                produced += event["completion_tokens"]
+            if event.get("event") in ("done", "error"):
+                ids.discard(event["id"])
+        return produced / (time.monotonic() - started)
+
+
+def server_round(port: int, k: int, tokens: int) -> float:
+    """Aggregate completion tokens/s of k chat completions sent at once to llama-server."""
+    produced = [0] * k
+
+    def ask(index: int) -> None:
+        # Streamed, as phi4 streams every token to its client: both pay for sending them.
+        body = json.dumps({
+            "messages": [{"role": "user", "content": f"{QUESTION} (variant {index})"}],
+            "max_tokens": tokens, "temperature": 0, "cache_prompt": True, "stream": True,
+            "stream_options": {"include_usage": True},
+        }).encode()  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=600) as response:
+            for line in response:
+                if line.startswith(b"data: {"):
+                    usage = json.loads(line[6:]).get("usage")
+                    if usage:
+                        produced[index] = usage["completion_tokens"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(k)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(produced) / (time.monotonic() - started)
+
+
+def wait_healthy(port: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("llama-server did not become healthy")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--server", type=Path)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--concurrent", type=int, nargs="*", default=[1, 4, 8])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+
+    from phi4cli.daemon.llama.model import physical_cores
+
+    threads = physical_cores()
+    home = Path(tempfile.mkdtemp(prefix="p4b-", dir="/tmp"))
+    env = {**os.environ, "PHI4_HOME": str(home)}
+    subprocess.run([*PHI4, "daemon", "start", "-m", str(args.model), "--threads", str(threads)],
+                   env=env, check=True, capture_output=True)  # fmt: skip
+    server: subprocess.Popen[bytes] | None = None
+    port = free_port()
+    slots = max(args.concurrent)
+    if args.server is not None:
+        server = subprocess.Popen(
+            [str(args.server), "-m", str(args.model), "-t", str(threads), "-tb", str(threads),
+             "-np", str(slots), "-c", str(slots * 1024), "--host", "127.0.0.1",
+             "--port", str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_healthy(port)
+    results: dict[str, Any] = {
+        "model": str(args.model), "tokens": args.tokens, "server": str(args.server),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} threads",
+        "phi4": {}, "llama_server": {},
+    }  # fmt: skip
+    try:
+        phi4_round(home, 1, 8)  # warm both: first requests allocate buffers
+        if server is not None:
+            server_round(port, 1, 8)
+        for k in args.concurrent:
+            phi4_rates, server_rates = [], []
+            for _ in range(args.rounds):
+                phi4_rates.append(phi4_round(home, k, args.tokens))
+                if server is not None:
+                    server_rates.append(server_round(port, k, args.tokens))
+            results["phi4"][k] = statistics.median(phi4_rates)
+            if server_rates:
+                results["llama_server"][k] = statistics.median(server_rates)
+    finally:
+        subprocess.run([*PHI4, "stop"], env=env, capture_output=True, check=False)
+        if server is not None:
+            server.terminate()
+            server.wait(30)
+    rows = []
+    for k in args.concurrent:
+        ours, theirs = results["phi4"][k], results["llama_server"].get(k)
+        rows.append(
+            f"| {k} | {ours:.2f} tok/s | "
+            + (f"{theirs:.2f} tok/s | **{ours / theirs:.2f}x** |" if theirs else "- | - |")
+        )
+    lines = [f"Batching on {args.model.name} ({results['machine']}, {args.tokens}-token greedy "
+             f"answers, median of {args.rounds} interleaved rounds)", "",
+             "| concurrent | phi4 aggregate | llama-server aggregate | phi4 / llama-server |",
+             "| --- | --- | --- | --- |", *rows]  # fmt: skip
+    table = "\n".join(lines)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"batching-{args.model.stem}"
+    (args.out / f"{name}.json").write_text(json.dumps(results, indent=2))
+    (args.out / f"{name}.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
