@@ -260,7 +260,8 @@ def plan_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
                      + (", set by n_ctx" if plan.get("n_ctx_source") == "setting" else "")),
         ("per request", f"{plan['request_tokens']:,} tokens (prompt, thinking and answer) "
                         "unless --max-tokens says otherwise"),
-        ("at once", f"{plan['parallel']} such requests; up to {plan['slots']} shorter ones"),
+        ("at once", f"{plan['parallel']} such request{'s' if plan['parallel'] != 1 else ''}; "
+                    f"up to {plan['slots']} shorter ones"),
         ("offload", f"{'all' if layers < 0 else layers} layers on {plan.get('device')}"
                     if layers else "none (CPU)"),
     ]  # fmt: skip

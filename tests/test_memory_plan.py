@@ -201,3 +201,32 @@ def test_a_quantized_cache_needs_heads_that_fill_its_blocks():
     assert plan.notes == (
         "a q8_0 KV cache needs a head size divisible by 32 (this model's is 16); using f16",
     )
+
+
+def test_ggml_device_listing_and_the_offload_load_path_run_on_this_build(tiny_model, monkeypatch):
+    # This CPU-only build lists no GPU; pretending it could offload runs the real device query
+    # (ggml's backend device API through ctypes) and the probe-then-reload path of a GPU build.
+    import llama_cpp
+
+    from phi4cli.config import Settings
+    from phi4cli.daemon.llama import model as llama_model
+
+    assert llama_model.gpu_devices() == ()
+    loads: list[tuple[int, bool]] = []
+    real_load = llama_model._load_weights
+
+    def counting(path, source, mlock, gpu_layers, repack=True):  # type: ignore[no-untyped-def]
+        loads.append((gpu_layers, repack))
+        return real_load(path, source, mlock, gpu_layers, repack)
+
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
+    monkeypatch.setattr(llama_model, "_load_weights", counting)
+    devices = llama_model.gpu_devices()
+    assert all(device.total_bytes > 0 for device in devices)  # the CPU is never listed
+    loaded = llama_model.load_model(tiny_model, Settings(ramdisk="off", n_ctx=512))
+    try:
+        assert loads == [(0, False), (0, True)], "probed without repacking, then loaded"
+        assert loaded.plan.gpu_layers == 0 and loaded.plan.device is None
+        assert loaded.plan.notes == (), "auto with no device: no noise"
+    finally:
+        loaded.close()

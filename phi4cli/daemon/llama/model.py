@@ -278,9 +278,11 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
         raise ModelLoadError(f"model file {path} does not exist")
     staging = stage(path, settings.ramdisk)
     started = time.monotonic()
-    # Loaded on the CPU first (mmap: only the header is read now) to learn its shape; loaded
-    # again only if the plan offloads layers.
-    model = _load_weights(path, staging.path, settings.mlock, 0)
+    # Loaded on the CPU first to learn its shape (mmap: the weights are read lazily). Where a GPU
+    # may take layers, that first load skips repacking the weights for the CPU (seconds on a
+    # large model) and the model is loaded again as the plan says.
+    may_offload = bool(llama_cpp.llama_supports_gpu_offload()) and settings.gpu_layers != 0
+    model = _load_weights(path, staging.path, settings.mlock, 0, repack=not may_offload)
     shape = model_shape(model, path)
     try:
         plan = plan_memory(
@@ -296,7 +298,7 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
     except ValueError as exc:
         model.close()
         raise ModelLoadError(f"cannot plan memory for {path}: {exc}") from None
-    if plan.gpu_layers:
+    if may_offload:
         model.close()
         model = _load_weights(path, staging.path, settings.mlock, plan.gpu_layers)
     threads = settings.threads or physical_cores()
@@ -345,11 +347,14 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
     )  # fmt: skip
 
 
-def _load_weights(path: Path, source: Path, mlock: bool, gpu_layers: int) -> Any:
+def _load_weights(
+    path: Path, source: Path, mlock: bool, gpu_layers: int, repack: bool = True
+) -> Any:
     """Load the GGUF at ``source`` (staged copy of ``path``); raise ModelLoadError."""
     params = llama_cpp.llama_model_default_params()
     params.use_mlock = mlock
     params.n_gpu_layers = gpu_layers
+    params.use_extra_bufts = repack
     try:
         return llama_internals.LlamaModel(path_model=str(source), params=params, verbose=False)
     except (ValueError, RuntimeError, OSError) as exc:
