@@ -34,32 +34,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.speed import QUESTION  # noqa: E402
+from bench.speed import concurrent as phi4_round  # noqa: E402  (k solves at once: tokens/s)
+
 PHI4 = [sys.executable, "-m", "phi4cli"]
-QUESTION = "What is 12*13? Explain in two sentences."
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def phi4_round(home: Path, k: int, tokens: int) -> float:
-    """Aggregate completion tokens/s of k solves sent at once over one connection."""
-    from phi4cli.client import DaemonConnection
-
-    with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
-        started = time.monotonic()
-        ids = {connection.send("solve", {"prompt": f"{QUESTION} (variant {i})", "temperature": 0,
-                                          "max_tokens": tokens}) for i in range(k)}  # fmt: skip
-        produced = 0
-        while ids:
-            event = connection.next_event()
-            if event.get("event") == "stats":
-                produced += event["completion_tokens"]
-            if event.get("event") in ("done", "error"):
-                ids.discard(event["id"])
-        return produced / (time.monotonic() - started)
 
 
 def server_round(port: int, k: int, tokens: int) -> float:
