@@ -242,21 +242,14 @@ class TerminalPresenter:
             self.err.print(format_stats(outcome.stats), style="dim", markup=False)
 
 
-def _size(count: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= scale:
-            return f"{count / scale:.{1 if count < 10 * scale else 0}f} {unit}"
-    return f"{count:.0f} B"
-
-
 def plan_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
     """The daemon's memory plan as (label, text) rows, for `phi4 warm` and `phi4 status`."""
     if not plan:
         return []
     layers = plan.get("gpu_layers", 0)
     rows = [
-        ("KV cache", f"{plan['n_ctx']:,} tokens x {_size(plan['kv_bytes_per_token'])} "
-                     f"({plan['kv_cache_type']}) = {_size(plan['kv_bytes'])}"
+        ("KV cache", f"{plan['n_ctx']:,} tokens x {human_bytes(plan['kv_bytes_per_token'])} "
+                     f"({plan['kv_cache_type']}) = {human_bytes(plan['kv_bytes'])}"
                      + (", set by n_ctx" if plan.get("n_ctx_source") == "setting" else "")),
         ("per request", f"{plan['request_tokens']:,} tokens (prompt, thinking and answer) "
                         "unless --max-tokens says otherwise"),

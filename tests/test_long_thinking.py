@@ -97,13 +97,13 @@ def test_warm_and_status_show_the_memory_plan(smollm2_model: Path):
     warm = run_phi4("warm", "-m", str(smollm2_model), "--kv-cache-type", "q8_0")
     assert warm.returncode == 0, warm.stderr
     # SmolLM2: 30 layers x 3 KV heads x (64 + 64) values a token, 34 bytes per 32 at q8_0.
-    assert "KV cache        16,384 tokens x 12 KiB (q8_0) = 191 MiB\n" in warm.stdout
+    assert "KV cache        16,384 tokens x 12.0 KiB (q8_0) = 191.2 MiB\n" in warm.stdout
     assert "per request     4,096 tokens" in warm.stdout
     assert "at once         4 such requests; up to 16 shorter ones" in warm.stdout
     assert "offload         none (CPU)" in warm.stdout
     status = run_phi4("status")
     assert "kv now      0 reserved by 0 running" in status.stdout
-    assert "KV cache    16,384 tokens x 12 KiB (q8_0)" in status.stdout
+    assert "KV cache    16,384 tokens x 12.0 KiB (q8_0)" in status.stdout
     plan = _status()["memory"]["plan"]
     assert plan["kv_cache_type"] == "q8_0" and plan["flash_attn"] == "on"
     solved = run_phi4("solve", "-m", str(smollm2_model), "-t", "0", "--json", "What is 2+2?")

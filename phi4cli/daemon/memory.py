@@ -22,7 +22,6 @@ MiB = 1 << 20
 # Bytes per element of each KV cache type (ggml's block sizes: q8_0 stores 32 values in 34 bytes,
 # q4_0 in 18).
 KV_TYPE_BYTES: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
-KV_TYPES = tuple(KV_TYPE_BYTES)
 QUANT_BLOCK = 32  # a quantized cache stores each head in blocks of this many values
 
 # What one request may use (prompt + generation) unless it asks for more: Phi-4-mini-reasoning
