@@ -146,6 +146,8 @@ def parse_load_params(params: dict[str, Any], defaults: Settings) -> SolveParams
 
 _CANCEL_MESSAGES = {
     protocol.SHUTTING_DOWN: "the daemon is shutting down; the answer was cut short",
+    # Only the engine's last resort when llama.cpp finds no room although reservations fit.
+    protocol.CONTEXT_OVERFLOW: "the daemon's KV cache ran out of room unexpectedly; try again",
 }
 
 

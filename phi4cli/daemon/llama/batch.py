@@ -32,7 +32,6 @@ from phi4cli.config import Settings
 from phi4cli.daemon.jobs import ContextOverflowError, Job, SolveParams, Wait
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
-from phi4cli.daemon.memory import MemoryPlan
 from phi4cli.daemon.sessions import SwappedSession, SwapStore
 from phi4cli.reasoning import THINK_CLOSE, ThinkSplitter
 
@@ -128,10 +127,6 @@ class LlamaEngine:
     @property
     def model_path(self) -> Path | None:
         return self._model.path if self._model is not None else None
-
-    @property
-    def plan(self) -> MemoryPlan | None:
-        return self._model.plan if self._model is not None else None
 
     @property
     def active(self) -> int:
