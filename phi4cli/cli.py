@@ -413,8 +413,11 @@ def config_show(as_json: JsonOption = False) -> None:
                          indent=2))  # fmt: skip
         return
     width = max(map(len, sources))
+    unset = {"n_ctx": "auto", "threads": "auto", "seed": "random"}  # what None means, per key
     for key, (value, source) in sources.items():
         shown = format_duration(value) if key == "keep_alive" else value
+        if shown is None:
+            shown = unset.get(key, "none")
         print(f"{key:<{width}}  {shown!s:<24}  {source}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -26,6 +27,9 @@ def test_config_set_show_path_and_validation(phi4_home: Path):
     assert shown["temperature"] == {"value": 0.3, "source": str(path)}
     assert shown["seed"] == {"value": 7, "source": "PHI4_SEED"}
     assert shown["n_ctx"]["source"] == "default"
+    table = run_phi4("config", "show").stdout
+    assert re.search(r"^n_ctx +auto +default$", table, re.M), "unset n_ctx reads as auto"
+    assert re.search(r"^max_tokens +none +default$", table, re.M)
     assert run_phi4("config", "set", "temperature", "none").returncode == 2, "not optional"
     assert run_phi4("config", "set", "seed", "5").returncode == 0
     assert run_phi4("config", "set", "seed", "random").returncode == 0
