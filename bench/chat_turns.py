@@ -62,13 +62,13 @@ def phi4_turns(
             answer = ""
             stats: dict[str, Any] = {}
             for event in connection.request("chat", params):
-                if event["event"] in ("token", "reasoning") and first is None:
+                if event.kind in ("token", "reasoning") and first is None:
                     first = time.monotonic() - sent
-                if event["event"] == "token":
-                    answer += event["text"]
-                if event["event"] == "stats":
-                    stats = event
-                if event["event"] == "error":
+                if event.kind == "token":
+                    answer += event.text
+                if event.kind == "stats":
+                    stats = event.stats.to_dict()
+                if event.kind == "error":
                     raise SystemExit(f"phi4 failed: {event}")
             rows.append({"turn": index + 1, "question": question, "ttft_s": first,
                          "prompt_tokens": stats["prompt_tokens"],

@@ -143,9 +143,9 @@ def crowd(connection: Any, max_tokens: int) -> None:
     request_id = connection.send("solve", {"prompt": "Go on.", "max_tokens": max_tokens})
     while True:
         event = connection.next_event()
-        if event.get("id") == request_id and event["event"] in ("token", "reasoning"):
+        if event.id == request_id and event.kind in ("token", "reasoning"):
             connection.send("cancel", {"target": request_id})
-        if event.get("id") == request_id and event["event"] in ("done", "error"):
+        if event.id == request_id and event.terminal:
             return
 
 
@@ -163,10 +163,10 @@ def chat_restore(model: Path, chat_tokens: int) -> dict[str, Any]:
             "session": session, "message": text, "history": history, "temperature": 0,
             "max_tokens": 8}))  # fmt: skip
         # What the daemon keeps as the assistant turn: the answer, not the thinking.
-        answer = "".join(e["text"] for e in events if e["event"] == "token")
-        if events[-1]["event"] != "done":
+        answer = "".join(e.text for e in events if e.kind == "token")
+        if events[-1].kind != "done":
             raise SystemExit(f"chat turn failed: {events[-1]}")
-        return answer, next(e for e in events if e["event"] == "stats")
+        return answer, next(e.stats.to_dict() for e in events if e.kind == "stats")
 
     try:
         with DaemonConnection.open(home / "run" / "daemon.sock") as connection:

@@ -97,10 +97,10 @@ def concurrent(home: Path, k: int, tokens: int) -> float:
         produced = 0
         while ids:
             event = connection.next_event()
-            if event.get("event") == "stats":
-                produced += event["completion_tokens"]
-            if event.get("event") in ("done", "error"):
-                ids.discard(event["id"])
+            if event.kind == "stats":
+                produced += event.stats.completion_tokens
+            if event.terminal:
+                ids.discard(event.id)
         return produced / (time.monotonic() - started)
 
 

@@ -233,6 +233,7 @@ def solve(
     ] = False,
 ) -> int:
     """Solve a problem (or a file of them), streaming the model's answer."""
+    from phi4cli.backends import make_backend
     from phi4cli.models import resolve_model
     from phi4cli.solving import (
         OutputMode,
@@ -269,7 +270,8 @@ def solve(
     }
     if keep_alive is not None or "PHI4_KEEP_ALIVE" in os.environ:
         base["keep_alive"] = settings.keep_alive
-    job = SolveJob(paths, settings, model_path, _stderr, base)
+    backend_ = make_backend(paths, settings, model_path or settings.model, _stderr)
+    job = SolveJob(backend_, _stderr, base, seed=settings.seed)
     mode = OutputMode(show_reasoning, answer_only, as_json, verbose)
     try:
         if problems is not None:
@@ -317,10 +319,11 @@ def chat(
     ] = False,
 ) -> int:
     """Chat: a streaming REPL whose conversation stays cached in the daemon."""
+    from phi4cli.backends import make_backend
     from phi4cli.chats import ChatStore, Conversation, default_name
+    from phi4cli.environment import Environment
     from phi4cli.models import resolve_model
-    from phi4cli.render import stdout_is_terminal
-    from phi4cli.repl import ChatEnvironment, ChatRepl, line_reader, prompt_reader
+    from phi4cli.repl import ChatRepl, line_reader, prompt_reader
 
     if resume and continue_last:
         raise UsageError("give --resume NAME or --continue, not both")
@@ -347,10 +350,11 @@ def chat(
             name=default_name(), model=str(model_path), system=settings.system
         )
     conversation.model = str(model_path)
-    terminal = stdout_is_terminal()
-    env = ChatEnvironment(paths, settings, model_path, sys.stdout, sys.stderr, terminal)
-    repl = ChatRepl(env, conversation, store, show_reasoning, verbose)
-    interactive = sys.stdin.isatty()
+    env = Environment(paths=paths)
+    backend_ = make_backend(paths, settings, model_path, env.notice)
+    repl = ChatRepl(env, backend_, settings, str(model_path), conversation, store,
+                    show_reasoning, verbose)  # fmt: skip
+    interactive = bool(env.stdin_isatty)
     if interactive:
         print(f"phi4 chat · {model_path.name} · /help for commands, Ctrl-D to leave")
     if conversation.turns:
@@ -358,7 +362,7 @@ def chat(
     if interactive:
         paths.state_dir.mkdir(parents=True, exist_ok=True)
         return repl.run(prompt_reader(paths.state_dir / "chat_history"))
-    return repl.run(line_reader(sys.stdin))
+    return repl.run(line_reader(env.stdin))
 
 
 @app.command()
@@ -385,6 +389,7 @@ def serve(
 ) -> None:
     """Expose the daemon as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models,
     /health, /metrics)."""
+    from phi4cli.backends import DaemonBackend
     from phi4cli.http_api import serve as serve_http
     from phi4cli.models import ALIASES, resolve_model
 
@@ -392,8 +397,9 @@ def serve(
     settings = _settings(paths, model=model, keep_alive=keep_alive)
     model_path = resolve_model(settings.model, paths)
     name = settings.model if settings.model in ALIASES else model_path.stem
+    backend_ = DaemonBackend(paths, settings, model_path, _stderr)
     try:
-        serve_http(paths, settings, model_path, name, http, api_key, _stderr)
+        serve_http(backend_, settings, model_path, name, http, api_key, _stderr)
     except KeyboardInterrupt:
         return
 
@@ -665,7 +671,7 @@ def _load_model(
     if set_keep_alive:
         params["keep_alive"] = settings.keep_alive
     with connect_checked(paths, settings, model_path, _stderr) as connection:
-        result = dict(connection.call("load", params).get("result") or {})
+        result = connection.call("load", params).result
         spawned = connection.spawned
         if not spawned and memory_flags:
             _stderr(

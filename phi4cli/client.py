@@ -16,18 +16,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from phi4cli import protocol
+from phi4cli import __version__, protocol
 from phi4cli.config import Settings
 from phi4cli.daemon import spawn
 from phi4cli.errors import (
     DaemonGoneError,
     DaemonUnavailableError,
-    EngineError,
     Phi4Error,
     ProtocolMismatchError,
-    RequestError,
+    error_for,
 )
 from phi4cli.paths import Paths, check_socket_path
+from phi4cli.protocol import ErrorCode, Event, EventKind, Op
 
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
@@ -45,9 +45,10 @@ class DaemonConnection:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        # Our own buffer, not a file object: a Ctrl-C in the middle of a read must not lose
+        # Our own framing, not a file object: a Ctrl-C in the middle of a read must not lose
         # the part of a line already received.
-        self._buffer = bytearray()
+        self._framer = protocol.LineFramer()
+        self._lines: deque[bytes] = deque()
         self.spawned = False  # this connection's daemon was started for it
 
     @classmethod
@@ -82,9 +83,9 @@ class DaemonConnection:
             raise DaemonGoneError(f"lost the connection to the daemon: {exc}") from None
         return request_id
 
-    def next_event(self) -> dict[str, Any]:
+    def next_event(self) -> Event:
         """Return the next event; raise DaemonUnavailableError if the daemon went away."""
-        while (end := self._buffer.find(b"\n")) < 0:
+        while not self._lines:
             try:
                 chunk = self._sock.recv(65536)
             except OSError as exc:
@@ -93,15 +94,17 @@ class DaemonConnection:
                 raise DaemonGoneError(
                     "the daemon closed the connection unexpectedly; see the daemon log"
                 )
-            self._buffer += chunk
-        line = bytes(self._buffer[: end + 1])
-        del self._buffer[: end + 1]
+            try:
+                self._lines.extend(self._framer.feed(chunk))
+            except protocol.LineTooLong as exc:
+                raise DaemonUnavailableError(f"the daemon sent garbage: {exc}") from None
+        line = self._lines.popleft()
         try:
-            return protocol.decode(line)
+            return Event.from_wire(protocol.decode(line))
         except protocol.ProtocolViolation as exc:
             raise DaemonUnavailableError(f"the daemon sent garbage: {exc.message}") from None
 
-    def request(self, op: str, params: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    def request(self, op: str, params: dict[str, Any] | None = None) -> Iterator[Event]:
         """Send a request and yield its events up to and including the terminal one.
 
         Raise DaemonRestartRequired when the daemon speaks another protocol version.
@@ -109,20 +112,20 @@ class DaemonConnection:
         request_id = self.send(op, params)
         while True:
             event = self.next_event()
-            if event.get("id") not in (request_id, None):
+            if event.id not in (request_id, None):
                 continue
-            if event.get("event") == "error" and event.get("code") == protocol.UNSUPPORTED_VERSION:
-                raise DaemonRestartRequired(event.get("message", ""))
+            if event.kind == EventKind.ERROR and event.code == ErrorCode.UNSUPPORTED_VERSION:
+                raise DaemonRestartRequired(event.message)
             yield event
-            if event.get("event") in protocol.TERMINAL_EVENTS:
+            if event.terminal:
                 return
 
-    def call(self, op: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    def call(self, op: str, params: dict[str, Any] | None = None) -> Event:
         """Send a request and return its terminal ``done`` event; raise the matching Phi4Error
         when the daemon answers with an error."""
         *_, terminal = self.request(op, params)
-        if terminal.get("event") == "error":
-            raise error_for(terminal)
+        if terminal.kind == EventKind.ERROR:
+            raise error_for(terminal.code, terminal.message)
         return terminal
 
 
@@ -214,7 +217,7 @@ def stop_daemon(paths: Paths, timeout: float = STOP_TIMEOUT) -> int | None:
     if connection is not None:
         with connection:
             try:
-                pid = connection.call("stop").get("result", {}).get("pid", pid)
+                pid = connection.call(Op.STOP).result.get("pid", pid)
                 asked = True
             except (DaemonRestartRequired, Phi4Error):
                 pass  # not ours to talk to: signal it below
@@ -241,11 +244,9 @@ def daemon_status(paths: Paths) -> dict[str, Any]:
         raise DaemonUnavailableError("no daemon is running; `phi4 daemon start` starts one")
     with connection:
         try:
-            reply = connection.call("status")
+            return connection.call(Op.STATUS).result
         except DaemonRestartRequired as exc:
             raise DaemonUnavailableError(f"the running daemon is incompatible: {exc}") from None
-    result: dict[str, Any] = reply.get("result", {})
-    return result
 
 
 def wait_until_gone(paths: Paths, timeout: float = STOP_TIMEOUT, pid: int | None = None) -> bool:
@@ -261,57 +262,65 @@ def wait_until_gone(paths: Paths, timeout: float = STOP_TIMEOUT, pid: int | None
     return True
 
 
-def error_for(event: dict[str, Any]) -> Phi4Error:
-    """Map a terminal ``error`` event to the exception (and so the exit code) the CLI reports."""
-    code = event.get("code", protocol.INTERNAL)
-    message = str(event.get("message") or code)
-    if code in (protocol.MODEL_ERROR, protocol.INTERNAL):
-        first, _, rest = message.partition("\n")
-        error: Phi4Error = EngineError(first + (" (details in the daemon log)" if rest else ""))
-        error.__notes__ = [rest] if rest else []
-        return error
-    if code in (protocol.SHUTTING_DOWN, protocol.FORBIDDEN):
-        return DaemonUnavailableError(message)
-    return RequestError(message)
-
-
 def connect_checked(
     paths: Paths, settings: Settings, model_path: Path | None, announce: Callable[[str], None]
 ) -> DaemonConnection:
     """Return a connection to a daemon that answers and speaks our protocol version.
 
-    A daemon of another version is stopped and replaced once (ProtocolMismatchError if the
-    replacement still disagrees). One that hangs up at once — it was dying as we connected — is
-    waited for and replaced.
+    A daemon of another protocol version, or from another install of phi4 (like dmypy, it
+    compares the version and where the package lives), is stopped and replaced once
+    (ProtocolMismatchError if the replacement still disagrees). One that hangs up at once — it
+    was dying as we connected — is waited for and replaced.
     """
     restarted = False
     for attempt in range(CONNECT_ATTEMPTS):
         connection = ensure_daemon(paths, settings, model_path, announce)
         try:
-            connection.call("ping")
-            return connection
+            other = _other_install(connection.call(Op.PING).result)
         except DaemonRestartRequired:
-            connection.close()
-            if restarted:
-                raise ProtocolMismatchError(
-                    "the daemon still speaks another protocol version after a restart; "
-                    "is an older phi4 installed elsewhere? stop it with `phi4 stop`"
-                ) from None
-            restarted = True
-            announce("the running daemon speaks another protocol version; restarting it...")
-            stop_daemon(paths)
+            other = "speaks another protocol version"
         except DaemonGoneError:
             connection.close()
             if attempt == CONNECT_ATTEMPTS - 1:
                 raise
             wait_until_gone(paths)
+            continue
         except BaseException:
             connection.close()
             raise
+        if other is None:
+            return connection
+        connection.close()
+        if restarted:
+            raise ProtocolMismatchError(
+                f"the daemon still {other} after a restart; is another phi4 installed "
+                "elsewhere? stop it with `phi4 stop`"
+            )
+        restarted = True
+        announce(f"the running daemon {other}; restarting it...")
+        stop_daemon(paths)
     raise DaemonUnavailableError("could not reach a working daemon")
 
 
-EventSink = Callable[[int, dict[str, Any]], None]
+def install_id() -> str:
+    """Where this phi4 lives: two installs of one version are still two daemons' worth."""
+    return os.path.dirname(os.path.abspath(__file__))
+
+
+def _other_install(ping: dict[str, Any]) -> str | None:
+    """Say how the daemon that answered ``ping`` differs from this client; None if it does not.
+
+    A daemon too old to report where it lives is judged by its version alone.
+    """
+    version, install = ping.get("version"), ping.get("install")
+    if version != __version__:
+        return f"is phi4 {version} (this is {__version__})"
+    if install is not None and install != install_id():
+        return f"is from another install of phi4 ({install})"
+    return None
+
+
+EventSink = Callable[[int, Event], None]
 
 
 def solve_many(
@@ -365,7 +374,7 @@ class _Batch:
             while self.waiting or in_flight:
                 while self.waiting and len(in_flight) < self.window and not self.shutdown_seen:
                     index = self.waiting.popleft()
-                    in_flight[connection.send("solve", self.requests[index])] = index
+                    in_flight[connection.send(Op.SOLVE, self.requests[index])] = index
                 if not in_flight:
                     break
                 self._handle(connection.next_event(), in_flight, resend)
@@ -374,33 +383,34 @@ class _Batch:
                 raise
             for request_id, index in in_flight.items():
                 if index in self.produced:  # cut off mid-answer: say so, do not answer twice
-                    self.on_event(index, protocol.error_event(
-                        request_id, protocol.SHUTTING_DOWN, "the daemon stopped mid-answer"
+                    self.on_event(index, Event.error(
+                        ErrorCode.SHUTTING_DOWN, "the daemon stopped mid-answer", request_id
                     ))  # fmt: skip
                 else:
                     resend.append(index)
         self.waiting = deque(sorted([*resend, *self.waiting]))
 
-    def _handle(self, event: dict[str, Any], in_flight: dict[Any, int], resend: list[int]) -> None:
-        index = in_flight.get(event.get("id"))
+    def _handle(self, event: Event, in_flight: dict[Any, int], resend: list[int]) -> None:
+        index = in_flight.get(event.id)
         if index is None:
             return
-        kind, code = event.get("event"), event.get("code")
-        if kind == "error" and code == protocol.BUSY:
+        kind = event.kind
+        code = event.code if kind == EventKind.ERROR else None
+        if code == ErrorCode.BUSY:
             # The queue is full (other clients too): keep fewer in flight, send this one later.
-            del in_flight[event["id"]]
+            del in_flight[event.id]
             self.window = max(1, len(in_flight))
             self.waiting.appendleft(index)
             if not in_flight:
                 time.sleep(BUSY_RETRY_S)  # nothing of ours to wait for: back off a little
             return
-        if kind == "error" and code == protocol.SHUTTING_DOWN and index not in self.produced:
-            del in_flight[event["id"]]
+        if code == ErrorCode.SHUTTING_DOWN and index not in self.produced:
+            del in_flight[event.id]
             self.shutdown_seen = True
             resend.append(index)
             return
-        if kind in ("token", "reasoning"):
+        if kind in (EventKind.TOKEN, EventKind.REASONING):
             self.produced.add(index)
         self.on_event(index, event)
-        if kind in protocol.TERMINAL_EVENTS:
-            del in_flight[event["id"]]
+        if event.terminal:
+            del in_flight[event.id]

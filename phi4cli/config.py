@@ -136,6 +136,13 @@ def _ramdisk_mode(value: object) -> str:
     return text
 
 
+def _positive_duration(value: object) -> float:
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        raise ValueError(value)
+    return seconds
+
+
 def _boolean(value: object) -> bool:
     if isinstance(value, bool):
         return value
@@ -173,6 +180,7 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
     "max_queue": (_positive_int, "a positive integer (requests)"),
     "parallel": (_positive_int, "a positive integer (requests decoded together)"),
     "backend": (_optional_str, "the URL of an OpenAI-compatible server, or none (the daemon)"),
+    "backend_timeout": (_positive_duration, "a duration such as 300s or 10m"),
     "system": (_optional_str, "text"),
 }
 
@@ -197,6 +205,7 @@ class Settings:
     max_queue: int = 64  # requests waiting in the daemon before it answers busy
     parallel: int = 4  # requests decoded together (slots of the one llama context)
     backend: str | None = None  # an OpenAI-compatible server to use instead of the daemon
+    backend_timeout: float = 300.0  # how long a remote server may send nothing before phi4 gives up
     # None: the chat template's own default system prompt ("Your name is Phi, ...").
     system: str | None = None
 

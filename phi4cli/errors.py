@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import IntEnum
+
+from phi4cli.protocol import ErrorCode
 
 
 class ExitStatus(IntEnum):
@@ -69,3 +72,59 @@ class EngineError(Phi4Error):
     """llama.cpp failed: the model could not be loaded or decoding broke."""
 
     exit_status = ExitStatus.ENGINE_FAILURE
+
+
+class BackendError(Phi4Error):
+    """A remote engine broke off or sent what phi4 cannot read."""
+
+    exit_status = ExitStatus.ENGINE_FAILURE
+
+
+class CancelledError(Phi4Error):
+    """The request was cancelled (Ctrl-C, or another client cancelled it)."""
+
+    exit_status = ExitStatus.INTERRUPTED
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    """What one protocol error code means on each side: the exception the CLI raises (and so
+    its exit status) and the HTTP status ``phi4 serve`` answers with."""
+
+    exception: type[Phi4Error]
+    http_status: int
+
+
+# The one table from error code to exception, exit status and HTTP status.
+ERRORS: dict[ErrorCode, ErrorKind] = {
+    ErrorCode.BAD_REQUEST: ErrorKind(RequestError, 400),
+    ErrorCode.CONTEXT_OVERFLOW: ErrorKind(RequestError, 400),
+    ErrorCode.UNSUPPORTED_VERSION: ErrorKind(ProtocolMismatchError, 400),
+    ErrorCode.BUSY: ErrorKind(RequestError, 429),
+    ErrorCode.FORBIDDEN: ErrorKind(DaemonUnavailableError, 403),
+    ErrorCode.SHUTTING_DOWN: ErrorKind(DaemonUnavailableError, 503),
+    ErrorCode.CANCELLED: ErrorKind(CancelledError, 499),
+    ErrorCode.TIMEOUT: ErrorKind(BackendError, 504),
+    ErrorCode.BACKEND_ERROR: ErrorKind(BackendError, 502),
+    ErrorCode.MODEL_ERROR: ErrorKind(EngineError, 500),
+    ErrorCode.INTERNAL: ErrorKind(EngineError, 500),
+}
+
+
+def error_for(code: ErrorCode, message: str) -> Phi4Error:
+    """The exception (and so the exit status) the CLI reports for a request's error."""
+    first, _, rest = message.partition("\n")
+    kind = ERRORS[code]
+    if rest and kind.exception is EngineError:
+        error = kind.exception(first + " (details in the daemon log)")
+        error.__notes__ = [rest]
+        return error
+    return kind.exception(message)
+
+
+def exit_status_for(code: ErrorCode) -> ExitStatus:
+    return ERRORS[code].exception.exit_status
+
+
+def http_status_for(code: ErrorCode) -> int:
+    return ERRORS[code].http_status

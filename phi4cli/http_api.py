@@ -1,8 +1,11 @@
 """``phi4 serve --http``: the resident daemon behind an OpenAI-compatible HTTP API.
 
-Standard library only (http.server, one thread per request). Every HTTP request is one daemon
-request over the Unix socket, so the HTTP side keeps no model state of its own: the daemon's
-slots, prefix cache and scheduling serve HTTP clients as they serve `phi4 solve`.
+Starlette on uvicorn, over the daemon :class:`~phi4cli.backends.Backend`: every HTTP request is one
+daemon request over the Unix socket, so the HTTP side keeps no model state of its own — the
+daemon's slots, prefix cache and scheduling serve HTTP clients as they serve `phi4 solve`.
+
+Each stream reads its daemon events in a worker thread and writes to its client from the event
+loop, so a slow or stuck client holds up nobody else; a client that hangs up cancels its request.
 """
 
 from __future__ import annotations
@@ -11,29 +14,36 @@ import hmac
 import ipaddress
 import json
 import socket
-import threading
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from phi4cli import protocol
-from phi4cli.client import connect_checked, daemon_status
+import anyio
+import anyio.to_thread
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from phi4cli.backends import Backend, RequestStream
 from phi4cli.config import Settings
-from phi4cli.errors import DaemonUnavailableError, Phi4Error, UsageError
-from phi4cli.paths import Paths
+from phi4cli.errors import Phi4Error, UsageError, http_status_for
+from phi4cli.outcome import Outcome
+from phi4cli.protocol import ErrorCode, Event, EventKind, Op, ProtocolViolation, parse_chat_params
 
 MAX_BODY_BYTES = 4 << 20
-_HTTP_STATUS_FOR = {
-    protocol.BAD_REQUEST: HTTPStatus.BAD_REQUEST,
-    protocol.CONTEXT_OVERFLOW: HTTPStatus.BAD_REQUEST,
-    protocol.BUSY: HTTPStatus.TOO_MANY_REQUESTS,
-    protocol.SHUTTING_DOWN: HTTPStatus.SERVICE_UNAVAILABLE,
-}
+# Worker threads for streams waiting on the daemon (anyio's default of 40 would cap concurrent
+# streams below the daemon's queue).
+STREAM_THREADS = 128
 
 
 def is_loopback(host: str) -> bool:
@@ -46,40 +56,52 @@ def is_loopback(host: str) -> bool:
 
 
 class ApiError(Exception):
-    def __init__(self, status: HTTPStatus, message: str, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
 
+    @classmethod
+    def of(cls, code: ErrorCode, message: str) -> ApiError:
+        status = http_status_for(code)
+        return cls(status, message, "invalid_request_error" if status < 500 else "server_error")
 
-def chat_params(body: dict[str, Any], model_path: Path) -> dict[str, Any]:
-    """Turn an OpenAI chat request into a daemon ``chat`` request (ApiError if it cannot)."""
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[str, Any]:
+    """Turn an OpenAI chat request into a daemon ``chat`` request (ApiError if it cannot).
+
+    The OpenAI shape (roles, system messages) is checked here; the values themselves by the
+    protocol's own schema, the same check the daemon makes.
+    """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "'messages' must be a non-empty list")
+        raise ApiError(400, "'messages' must be a non-empty list")
     system_parts: list[str] = []
     turns: list[dict[str, str]] = []
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise ApiError(HTTPStatus.BAD_REQUEST, "each message needs a string 'content'")
+            raise ApiError(400, "each message needs a string 'content'")
         role = message.get("role")
         if role in ("system", "developer"):
             system_parts.append(message["content"])
         elif role in ("user", "assistant"):
             turns.append({"role": role, "content": message["content"]})
         else:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"unsupported message role {role!r}")
+            raise ApiError(400, f"unsupported message role {role!r}")
     if not turns or turns[-1]["role"] != "user":
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the last message must be the user's")
-    history = turns[:-1]
-    if any(m["role"] != ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(history)):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "messages must alternate user and assistant")
+        raise ApiError(400, "the last message must be the user's")
     params: dict[str, Any] = {
         # Each request is its own session: the daemon finds the shared prefix in its slots.
         "session": uuid.uuid4().hex,
         "message": turns[-1]["content"],
-        "history": history,
+        "history": turns[:-1],
         "system": "\n\n".join(system_parts) or None,
-        "model": str(model_path),
+        "model": model,
     }
     for key in ("temperature", "top_p", "seed"):
         if body.get(key) is not None:
@@ -87,261 +109,249 @@ def chat_params(body: dict[str, Any], model_path: Path) -> dict[str, Any]:
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is not None:
         params["max_tokens"] = limit
+    try:
+        parse_chat_params(params, settings)
+    except ProtocolViolation as exc:
+        raise ApiError(400, exc.message.replace("'history'", "'messages'")) from None
     return params
 
 
-class ApiServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        paths: Paths,
-        settings: Settings,
-        model_path: Path,
-        model_name: str,
-        api_key: str | None,
-        announce: Callable[[str], None],
-    ) -> None:
-        self.paths, self.settings, self.model_path = paths, settings, model_path
-        self.model_name, self.api_key, self.announce = model_name, api_key, announce
-        self.http_requests: Counter[tuple[str, int]] = Counter()
-        self.lock = threading.Lock()
-        super().__init__(address, ApiHandler)
+def _finish_reason(outcome: Outcome) -> str:
+    return "length" if outcome.stats is not None and outcome.stats.length_limited else "stop"
 
 
-class ApiHandler(BaseHTTPRequestHandler):
-    server: ApiServer
-    protocol_version = "HTTP/1.1"
+class DaemonCollector:
+    """/metrics: the daemon's counters, read from its status at scrape time."""
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
 
-    # --- plumbing -----------------------------------------------------------------------------
-
-    def _count(self, status: int) -> None:
-        with self.server.lock:
-            self.server.http_requests[(self.path.split("?")[0], status)] += 1
-
-    def _send(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
-        self._count(status)
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _json(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
-        self._send(status, json.dumps(payload).encode(), "application/json")
-
-    def _error(self, error: ApiError) -> None:
-        self._json(error.status, {"error": {"message": error.message, "type": error.kind,
-                                            "code": int(error.status)}})  # fmt: skip
-
-    def _authorized(self) -> bool:
-        key = self.server.api_key
-        if key is None:
-            return True
-        offered = self.headers.get("Authorization", "")
-        return hmac.compare_digest(offered.encode(), f"Bearer {key}".encode())
-
-    def _route(self, method: str) -> None:
+    def collect(self) -> Iterator[Metric]:
         try:
-            if not self._authorized():
-                raise ApiError(HTTPStatus.UNAUTHORIZED, "missing or wrong API key",
-                               "authentication_error")  # fmt: skip
-            handler = {
-                ("GET", "/health"): self._health,
-                ("GET", "/metrics"): self._metrics,
-                ("GET", "/v1/models"): self._models,
-                ("POST", "/v1/chat/completions"): self._chat,
-            }.get((method, self.path.split("?")[0]))
-            if handler is None:
-                raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {self.path}")
-            handler()
-        except ApiError as error:
-            self._error(error)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the HTTP client went away; the daemon request was cancelled with it
-
-    def do_GET(self) -> None:
-        self._route("GET")
-
-    def do_POST(self) -> None:
-        self._route("POST")
-
-    # --- routes -------------------------------------------------------------------------------
-
-    def _health(self) -> None:
-        try:
-            state = daemon_status(self.server.paths).get("state")
-        except Phi4Error:
-            state = "stopped"
-        status = HTTPStatus.OK if state == "ready" else HTTPStatus.SERVICE_UNAVAILABLE
-        self._json(status, {"status": "ok" if state == "ready" else state})
-
-    def _models(self) -> None:
-        created = int(self.server.model_path.stat().st_mtime)
-        self._json(HTTPStatus.OK, {"object": "list", "data": [
-            {"id": self.server.model_name, "object": "model", "created": created,
-             "owned_by": "phi4"}]})  # fmt: skip
-
-    def _metrics(self) -> None:
-        try:
-            status = daemon_status(self.server.paths)
+            status = self.backend.status()
         except Phi4Error:
             status = {}
         metrics = status.get("metrics") or {}
-        lines = [
-            "# HELP phi4_up Whether the daemon answers (1) or not (0).",
-            "# TYPE phi4_up gauge",
-            f"phi4_up {1 if status else 0}",
-            "# HELP phi4_requests_total Requests the daemon finished.",
-            "# TYPE phi4_requests_total counter",
-            f"phi4_requests_total {metrics.get('requests', 0)}",
-            "# HELP phi4_queue_depth Requests waiting for a slot.",
-            "# TYPE phi4_queue_depth gauge",
-            f"phi4_queue_depth {status.get('queued', 0)}",
-            "# HELP phi4_requests_active Requests being answered.",
-            "# TYPE phi4_requests_active gauge",
-            f"phi4_requests_active {status.get('requests_active', 0)}",
-            "# HELP phi4_tokens_total Tokens by kind: prompt, cached (of the prompt), completion.",
-            "# TYPE phi4_tokens_total counter",
-            *(f'phi4_tokens_total{{kind="{kind}"}} {metrics.get(f"{kind}_tokens", 0)}'
-              for kind in ("prompt", "cached", "completion")),
-            "# HELP phi4_request_duration_seconds Time from a request's start to its end.",
-            "# TYPE phi4_request_duration_seconds histogram",
-        ]  # fmt: skip
-        for bound, count in (metrics.get("latency_buckets") or {}).items():
-            lines.append(f'phi4_request_duration_seconds_bucket{{le="{bound}"}} {count}')
-        lines += [
-            f'phi4_request_duration_seconds_bucket{{le="+Inf"}} {metrics.get("requests", 0)}',
-            f"phi4_request_duration_seconds_sum {metrics.get('latency_sum_s', 0.0)}",
-            f"phi4_request_duration_seconds_count {metrics.get('requests', 0)}",
-            "# HELP phi4_errors_total Requests that ended in an error, by code.",
-            "# TYPE phi4_errors_total counter",
-            *(f'phi4_errors_total{{code="{code}"}} {count}'
-              for code, count in (metrics.get("errors") or {}).items()),
-            "# HELP phi4_http_requests_total HTTP requests served, by path and status.",
-            "# TYPE phi4_http_requests_total counter",
-        ]  # fmt: skip
-        with self.server.lock:
-            for (path, code), count in sorted(self.server.http_requests.items()):
-                lines.append(f'phi4_http_requests_total{{path="{path}",status="{code}"}} {count}')
-        body = ("\n".join(lines) + "\n").encode()
-        self._send(HTTPStatus.OK, body, "text/plain; version=0.0.4; charset=utf-8")
+        yield GaugeMetricFamily("phi4_up", "Whether the daemon answers (1) or not (0).",
+                                value=1 if status else 0)  # fmt: skip
+        yield CounterMetricFamily("phi4_requests", "Requests the daemon finished.",
+                                  value=metrics.get("requests", 0))  # fmt: skip
+        yield GaugeMetricFamily("phi4_queue_depth", "Requests waiting for a slot.",
+                                value=status.get("queued", 0))  # fmt: skip
+        yield GaugeMetricFamily("phi4_requests_active", "Requests being answered.",
+                                value=status.get("requests_active", 0))  # fmt: skip
+        tokens = CounterMetricFamily(
+            "phi4_tokens", "Tokens by kind: prompt, cached (of the prompt), completion.",
+            labels=["kind"],
+        )  # fmt: skip
+        for kind in ("prompt", "cached", "completion"):
+            tokens.add_metric([kind], metrics.get(f"{kind}_tokens", 0))
+        yield tokens
+        buckets = [
+            (bound, count) for bound, count in (metrics.get("latency_buckets") or {}).items()
+        ]
+        buckets.append(("+Inf", metrics.get("requests", 0)))
+        yield HistogramMetricFamily(
+            "phi4_request_duration_seconds", "Time from a request's start to its end.",
+            buckets=buckets, sum_value=metrics.get("latency_sum_s", 0.0),
+        )  # fmt: skip
+        errors = CounterMetricFamily("phi4_errors", "Requests that ended in an error, by code.",
+                                     labels=["code"])  # fmt: skip
+        for code, count in (metrics.get("errors") or {}).items():
+            errors.add_metric([code], count)
+        yield errors
 
-    def _read_body(self) -> dict[str, Any]:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
-            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "request body too large")
+
+def create_app(
+    backend: Backend,
+    settings: Settings,
+    model: str,
+    model_name: str,
+    created: int,
+    api_key: str | None,
+) -> Starlette:
+    """The ASGI application (tests may drive it in-process)."""
+    registry = CollectorRegistry()
+    registry.register(DaemonCollector(backend))
+    http_requests = Counter("phi4_http_requests", "HTTP requests served, by path and status.",
+                            ["path", "status"], registry=registry)  # fmt: skip
+
+    def authorized(request: Request) -> bool:
+        if api_key is None:
+            return True
+        offered = request.headers.get("authorization", "")
+        return hmac.compare_digest(offered.encode(), f"Bearer {api_key}".encode())
+
+    def route(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                if not authorized(request):
+                    raise ApiError(401, "missing or wrong API key", "authentication_error")
+                response: Response = await handler(request)
+            except ApiError as error:
+                response = error.response()
+            http_requests.labels(request.url.path, str(response.status_code)).inc()
+            return response
+
+        return endpoint
+
+    async def health(_request: Request) -> Response:
         try:
-            body = json.loads(self.rfile.read(length) or b"{}")
+            state = (await anyio.to_thread.run_sync(backend.status)).get("state")
+        except Phi4Error:
+            state = "stopped"
+        ready = state == "ready"
+        return JSONResponse({"status": "ok" if ready else state}, status_code=200 if ready else 503)
+
+    async def metrics(_request: Request) -> Response:
+        data = await anyio.to_thread.run_sync(generate_latest, registry)
+        return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(_request: Request) -> Response:
+        entry = {"id": model_name, "object": "model", "created": created, "owned_by": "phi4"}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def chat(request: Request) -> Response:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, "request body too large")
+        try:
+            body = json.loads(raw or b"{}")
         except json.JSONDecodeError as exc:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"malformed JSON: {exc}") from None
+            raise ApiError(400, f"malformed JSON: {exc}") from None
         if not isinstance(body, dict):
-            raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
-        return body
-
-    def _chat(self) -> None:
-        body = self._read_body()
-        params = chat_params(body, self.server.model_path)
-        stream = bool(body.get("stream"))
-        completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        server = self.server
+            raise ApiError(400, "the body must be a JSON object")
+        params = chat_params(body, model, settings)
+        completion = _Completion(model_name)
+        stream = backend.stream(Op.CHAT, params)
         try:
-            connection = connect_checked(server.paths, server.settings, server.model_path,
-                                         server.announce)  # fmt: skip
-        except DaemonUnavailableError as exc:
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "server_error") from None
-        with connection:
-            events = connection.request("chat", params)
-            if stream:
-                self._stream(events, completion_id, created)
-            else:
-                self._complete(events, completion_id, created)
+            # Up to the daemon's acceptance: a refusal (bad request, busy) is an HTTP status.
+            first = await _first_events(stream)
+        except Phi4Error as exc:
+            stream.close()
+            raise ApiError(503, str(exc), "server_error") from None
+        terminal = first[-1] if first and first[-1].terminal else None
+        if terminal is not None and terminal.kind == EventKind.ERROR:
+            raise ApiError.of(terminal.code, terminal.message)
+        if body.get("stream"):
+            return StreamingResponse(completion.sse(first, stream),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+        outcome = await completion.fold(first, stream)
+        if outcome.error is not None:
+            raise ApiError.of(outcome.error.code, outcome.error.message)
+        return JSONResponse(completion.whole(outcome))
 
-    def _chunk(self, completion_id: str, created: int, delta: dict[str, Any],
-               finish: str | None = None) -> bytes:  # fmt: skip
-        chunk = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                 "model": self.server.model_name,
+    return Starlette(routes=[
+        Route("/health", route(health), methods=["GET"]),
+        Route("/metrics", route(metrics), methods=["GET"]),
+        Route("/v1/models", route(models), methods=["GET"]),
+        Route("/v1/chat/completions", route(chat), methods=["POST"]),
+    ])  # fmt: skip
+
+
+async def _next(stream: RequestStream) -> Event | None:
+    """The stream's next event, read in a worker thread; None after the terminal one."""
+
+    def read() -> Event | None:
+        return next(stream, None)
+
+    return await anyio.to_thread.run_sync(read)
+
+
+async def _first_events(stream: RequestStream) -> list[Event]:
+    """Read up to the request's acceptance (or its first text, or its end)."""
+    events: list[Event] = []
+    while (event := await _next(stream)) is not None:
+        events.append(event)
+        if event.kind != EventKind.PROGRESS:
+            break
+    return events
+
+
+class _Completion:
+    """One chat completion's answer, whole or as chunks."""
+
+    def __init__(self, model_name: str) -> None:
+        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.model_name = model_name
+
+    async def fold(self, first: list[Event], stream: RequestStream) -> Outcome:
+        outcome = Outcome(index=0, question="")
+        try:
+            for event in first:
+                outcome.apply(event)
+            while not outcome.done and (later := await _next(stream)) is not None:
+                outcome.apply(later)
+        except Phi4Error as exc:
+            outcome.fail(ErrorCode.INTERNAL, f"the daemon went away mid-answer: {exc}")
+        finally:
+            stream.close()
+        if not outcome.done:
+            outcome.fail(ErrorCode.INTERNAL, "the daemon's answer ended early")
+        return outcome
+
+    def whole(self, outcome: Outcome) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": outcome.solution}
+        if outcome.reasoning:
+            message["reasoning_content"] = outcome.reasoning
+        stats = outcome.stats
+        prompt = stats.prompt_tokens if stats else 0
+        completion = stats.completion_tokens if stats else 0
+        return {
+            "id": self.id, "object": "chat.completion", "created": self.created,
+            "model": self.model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(outcome)}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                      "total_tokens": prompt + completion,
+                      "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats
+                                                else 0}},
+        }  # fmt: skip
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.model_name,
                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
-    def _stream(self, events: Any, completion_id: str, created: int) -> None:
-        started = False
-        stats: dict[str, Any] = {}
-        for event in events:
-            kind = event.get("event")
-            if kind == "error" and not started:
-                raise _api_error(event)
-            if not started:
-                self._count(HTTPStatus.OK)
-                self.send_response(HTTPStatus.OK)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                self.close_connection = True
-                self.wfile.write(self._chunk(completion_id, created,
-                                             {"role": "assistant", "content": ""}))  # fmt: skip
-                started = True
-            if kind == "token":
-                self.wfile.write(self._chunk(completion_id, created, {"content": event["text"]}))
-            elif kind == "reasoning":
-                self.wfile.write(self._chunk(completion_id, created,
-                                             {"reasoning_content": event["text"]}))  # fmt: skip
-            elif kind == "stats":
-                stats = event
-            elif kind in protocol.TERMINAL_EVENTS:
-                finish = _finish_reason(stats)
-                self.wfile.write(self._chunk(completion_id, created, {}, finish))
-                self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-
-    def _complete(self, events: Any, completion_id: str, created: int) -> None:
-        answer, reasoning = "", ""
-        stats: dict[str, Any] = {}
-        for event in events:
-            kind = event.get("event")
-            if kind == "token":
-                answer += event["text"]
-            elif kind == "reasoning":
-                reasoning += event["text"]
-            elif kind == "retract":
-                reasoning, answer = reasoning + answer, ""
-            elif kind == "stats":
-                stats = event
-            elif kind == "error":
-                raise _api_error(event)
-        message: dict[str, Any] = {"role": "assistant", "content": answer}
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        prompt, completion = stats.get("prompt_tokens", 0), stats.get("completion_tokens", 0)
-        self._json(HTTPStatus.OK, {
-            "id": completion_id, "object": "chat.completion", "created": created,
-            "model": self.server.model_name,
-            "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(stats)}],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                      "total_tokens": prompt + completion,
-                      "prompt_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)}},
-        })  # fmt: skip
-
-
-def _finish_reason(stats: dict[str, Any]) -> str:
-    return "length" if stats.get("finish_reason") in ("length", "context") else "stop"
-
-
-def _api_error(event: dict[str, Any]) -> ApiError:
-    code = str(event.get("code"))
-    status = _HTTP_STATUS_FOR.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return ApiError(status, str(event.get("message")), kind)
+    async def sse(self, first: list[Event], stream: RequestStream) -> AsyncIterator[bytes]:
+        """The answer as server-sent events. An error after the stream began (the daemon stopped
+        or died, the request was cancelled) is sent as an ``error`` object, and the stream ends
+        without ``[DONE]``, as OpenAI's own API does; hanging up cancels the request."""
+        outcome = Outcome(index=0, question="")
+        yield self._chunk({"role": "assistant", "content": ""})
+        pending = list(first)
+        try:
+            while not outcome.done:
+                event = pending.pop(0) if pending else await _next(stream)
+                if event is None:
+                    outcome.fail(ErrorCode.INTERNAL, "the daemon's answer ended early")
+                    break
+                before = outcome.solution
+                outcome.apply(event)
+                if event.kind == EventKind.TOKEN and event.text:
+                    yield self._chunk({"content": event.text})
+                elif event.kind == EventKind.REASONING and event.text:
+                    yield self._chunk({"reasoning_content": event.text})
+                elif event.kind == EventKind.RETRACT and before:
+                    # Text sent as answer was thinking after all (a model that closed a <think>
+                    # it never opened): send it again as reasoning, so that is complete.
+                    yield self._chunk({"reasoning_content": before})
+        except Phi4Error as exc:
+            outcome.fail(ErrorCode.INTERNAL, f"the daemon went away mid-answer: {exc}")
+        finally:
+            stream.close()
+        if outcome.error is not None:
+            error = ApiError.of(outcome.error.code, outcome.error.message)
+            yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+            return
+        yield self._chunk({}, _finish_reason(outcome))
+        yield b"data: [DONE]\n\n"
 
 
 def serve(
-    paths: Paths,
+    backend: Backend,
     settings: Settings,
     model_path: Path,
     model_name: str,
@@ -350,28 +360,39 @@ def serve(
     announce: Callable[[str], None],
 ) -> None:
     """Serve until interrupted. Raise UsageError for a bad address or a public bind without key."""
+    import uvicorn
+
     host, _, port_text = address.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     if not port_text.isdigit():
         raise UsageError(f"bad address {address!r}: use HOST:PORT, e.g. 127.0.0.1:8080")
     if not is_loopback(host) and not api_key:
         raise UsageError(f"binding {host} (not loopback) needs --api-key")
-    connect_checked(paths, settings, model_path, announce).close()  # start the daemon now
-    server_class: Any = ApiServer
-    if ":" in host:
-
-        class ApiServer6(ApiServer):
-            address_family = socket.AF_INET6
-
-        server_class = ApiServer6
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        httpd = server_class((host, int(port_text)), paths, settings, model_path, model_name,
-                             api_key, announce)  # fmt: skip
+        sock.bind((host, int(port_text)))
+        sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
     except OSError as exc:
+        sock.close()
         raise UsageError(f"cannot listen on {address}: {exc.strerror}") from None
-    bound_host, bound_port = httpd.server_address[:2]
-    announce(f"serving the OpenAI API on http://{bound_host}:{bound_port}/v1 (Ctrl-C stops)")
+    backend.connect()  # start the daemon and its model load now
+    created = int(model_path.stat().st_mtime)
+    app = create_app(backend, settings, str(model_path), model_name, created, api_key)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=5)  # fmt: skip
+    server = uvicorn.Server(config)
+    announce(f"serving the OpenAI API on http://{shown}:{bound_port}/v1 (Ctrl-C stops)")
+
+    async def run() -> None:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = STREAM_THREADS
+        await server.serve(sockets=[sock])
+
     try:
-        httpd.serve_forever()
+        anyio.run(run)
     finally:
-        httpd.server_close()
+        sock.close()
+        backend.close()

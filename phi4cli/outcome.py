@@ -1,11 +1,15 @@
-"""What one solve request produced, assembled from its events: reasoning, solution, answer."""
+"""What one request produced, folded from its events: reasoning, solution, answer, stats, error.
+
+The one place events become an answer: ``solve``, ``chat`` and ``serve`` all fold with it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from phi4cli.errors import Phi4Error
+from phi4cli.errors import ExitStatus, Phi4Error, error_for
+from phi4cli.protocol import ErrorCode, Event, EventKind, Stats
 from phi4cli.reasoning import extract_final_answer
 
 
@@ -15,40 +19,56 @@ class Outcome:
     question: str
     reasoning: str = ""
     solution: str = ""
-    stats: dict[str, Any] = field(default_factory=dict)
-    error: dict[str, Any] | None = None
+    stats: Stats | None = None
+    error: Event | None = None  # the terminal error event, if the request failed
     done: bool = False
 
-    def apply(self, event: dict[str, Any]) -> None:
-        """Fold one daemon event into the outcome."""
-        kind = event.get("event")
-        text = str(event.get("text", ""))
-        if kind == "token":
-            self.solution += text
-        elif kind == "reasoning":
-            self.reasoning += text
-        elif kind == "retract":
+    def apply(self, event: Event) -> None:
+        """Fold one event into the outcome."""
+        kind = event.kind
+        if kind == EventKind.TOKEN:
+            self.solution += event.text
+        elif kind == EventKind.REASONING:
+            self.reasoning += event.text
+        elif kind == EventKind.RETRACT:
             self.reasoning += self.solution
             self.solution = ""
-        elif kind == "stats":
-            self.stats = {k: v for k, v in event.items() if k not in ("v", "id", "event")}
-        elif kind == "error":
-            self.error = {"code": event.get("code"), "message": event.get("message")}
+        elif kind == EventKind.STATS:
+            self.stats = event.stats
+        elif kind == EventKind.ERROR:
+            self.error = event
             self.done = True
-        elif kind == "done":
+        elif kind == EventKind.DONE:
             self.done = True
+
+    @property
+    def error_code(self) -> ErrorCode | None:
+        return None if self.error is None else self.error.code
+
+    @property
+    def error_message(self) -> str:
+        return "" if self.error is None else self.error.message
+
+    def fail(self, code: ErrorCode, message: str) -> None:
+        self.apply(Event.error(code, message))
 
     def exception(self) -> Phi4Error:
         """The error this request ended with, as the exception the CLI reports."""
         assert self.error is not None, "the request did not fail"
-        from phi4cli.client import error_for
-
-        return error_for({"event": "error", **self.error})
+        return error_for(self.error.code, self.error.message)
 
     @property
     def answer(self) -> str | None:
         """The solution's final answer (last \\boxed{}, or a "final answer is" sentence)."""
         return extract_final_answer(self.solution)
+
+    @property
+    def stats_dict(self) -> dict[str, Any]:
+        return {} if self.stats is None else self.stats.to_dict()
+
+    @property
+    def thinking_unfinished(self) -> bool:
+        return self.stats is not None and self.stats.thinking_unfinished
 
     def to_json(self) -> dict[str, Any]:
         record: dict[str, Any] = {
@@ -57,10 +77,21 @@ class Outcome:
             "answer": self.answer,
             "solution": self.solution,
             "reasoning": self.reasoning,
-            "model": self.stats.get("model"),
-            "seed": self.stats.get("seed"),
-            "stats": self.stats,
+            "model": self.stats.model if self.stats else None,
+            "seed": self.stats.seed if self.stats else None,
+            "stats": self.stats_dict,
         }
         if self.error is not None:
-            record["error"] = self.error
+            record["error"] = {"code": self.error.code.value, "message": self.error.message}
         return record
+
+
+def exit_status(outcomes: list[Outcome], answer_required: bool) -> ExitStatus:
+    """The exit status of a command's results, the same for one question and a file of them:
+    1 when any request failed, or (with ``--answer-only``) any solution stated no final answer.
+    (A lone request's failure is raised instead, for its own exit status and message.)"""
+    if any(o.error is not None for o in outcomes):
+        return ExitStatus.ERROR
+    if answer_required and any(o.answer is None for o in outcomes):
+        return ExitStatus.ERROR
+    return ExitStatus.OK

@@ -1,18 +1,26 @@
-"""The wire protocol between client and daemon: newline-delimited JSON, versioned.
+"""The wire protocol between client and daemon: newline-delimited JSON, versioned, typed.
 
-Lightweight on purpose: no sockets, no engine, nothing beyond the standard library, so both the
-client path and the daemon import it for free.
+Lightweight on purpose: no sockets, no engine, nothing beyond the standard library, so the client
+path, the daemon and the HTTP server all import it for free. Everything both ends must agree on
+lives here: the ops, the event kinds, the error codes, the statistics of an answer, the request
+schemas (validated here and nowhere else) and the line framing.
 
 A request is one line ``{"v": 1, "id": ..., "op": ..., "params": {...}}``. The daemon answers with
-event lines carrying the same id: ``accepted``, ``progress``, ``token``, ``stats``, and then exactly
-one terminal ``done`` or ``error``.
+event lines carrying the same id: ``accepted``, ``progress``, ``reasoning``, ``token``,
+``retract``, ``stats``, and then exactly one terminal ``done`` or ``error``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any, Final
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from phi4cli.config import Settings
 
 PROTOCOL_VERSION: Final = 1
 # A request line longer than this is refused: questions are short, and an unbounded line would let
@@ -20,32 +28,204 @@ PROTOCOL_VERSION: Final = 1
 MAX_LINE_BYTES: Final = 1 << 20
 MAX_PROMPT_CHARS: Final = 256_000
 
-OPS: Final = frozenset({"solve", "chat", "load", "status", "stop", "cancel", "ping"})
-TERMINAL_EVENTS: Final = frozenset({"done", "error"})
-
-# Error codes: (code, retryable)
-BAD_REQUEST: Final = "bad_request"
-UNSUPPORTED_VERSION: Final = "unsupported_version"
-BUSY: Final = "busy"
-CONTEXT_OVERFLOW: Final = "context_overflow"
-MODEL_ERROR: Final = "model_error"
-CANCELLED: Final = "cancelled"
-SHUTTING_DOWN: Final = "shutting_down"
-FORBIDDEN: Final = "forbidden"
-INTERNAL: Final = "internal"
-RETRYABLE_CODES: Final = frozenset({BUSY, SHUTTING_DOWN})
-
 JSON = dict[str, Any]
+
+
+class Op(StrEnum):
+    SOLVE = "solve"
+    CHAT = "chat"
+    LOAD = "load"
+    STATUS = "status"
+    STOP = "stop"
+    CANCEL = "cancel"
+    PING = "ping"
+
+
+class EventKind(StrEnum):
+    ACCEPTED = "accepted"  # queued: ``ahead`` (requests before it), ``state`` of the daemon
+    PROGRESS = "progress"  # ``stage``: loading (a model) or waiting (for memory)
+    REASONING = "reasoning"  # a piece of the model's thinking
+    TOKEN = "token"  # a piece of the answer
+    RETRACT = "retract"  # all answer text so far was thinking after all
+    STATS = "stats"  # the request's Stats, just before its terminal event
+    DONE = "done"
+    ERROR = "error"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (EventKind.DONE, EventKind.ERROR)
+
+
+class ErrorCode(StrEnum):
+    BAD_REQUEST = "bad_request"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    BUSY = "busy"
+    CONTEXT_OVERFLOW = "context_overflow"
+    MODEL_ERROR = "model_error"
+    CANCELLED = "cancelled"
+    SHUTTING_DOWN = "shutting_down"
+    FORBIDDEN = "forbidden"
+    INTERNAL = "internal"
+    # A remote engine's failures: no answer in time, or a stream that broke or made no sense.
+    TIMEOUT = "timeout"
+    BACKEND_ERROR = "backend_error"
+
+    @property
+    def retryable(self) -> bool:
+        return self in (ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN)
+
+    @classmethod
+    def of(cls, value: object) -> ErrorCode:
+        """The code named by ``value``; an unknown one (a newer daemon's) counts as internal."""
+        try:
+            return cls(str(value))
+        except ValueError:
+            return cls.INTERNAL
+
+
+# The names the daemon and older code use; each is the enum member itself.
+BAD_REQUEST: Final = ErrorCode.BAD_REQUEST
+UNSUPPORTED_VERSION: Final = ErrorCode.UNSUPPORTED_VERSION
+BUSY: Final = ErrorCode.BUSY
+CONTEXT_OVERFLOW: Final = ErrorCode.CONTEXT_OVERFLOW
+MODEL_ERROR: Final = ErrorCode.MODEL_ERROR
+CANCELLED: Final = ErrorCode.CANCELLED
+SHUTTING_DOWN: Final = ErrorCode.SHUTTING_DOWN
+FORBIDDEN: Final = ErrorCode.FORBIDDEN
+INTERNAL: Final = ErrorCode.INTERNAL
+TERMINAL_EVENTS: Final = frozenset({EventKind.DONE, EventKind.ERROR})
 
 
 class ProtocolViolation(Exception):
     """A request that cannot be served; carries the error code and the request id if known."""
 
-    def __init__(self, code: str, message: str, request_id: Any = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, request_id: Any = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.request_id = request_id
+
+
+# --- statistics ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    """What one answer cost: tokens by kind, timings, how it ended. The daemon measures all of it;
+    a remote engine fills what its server reports (``measured`` says which were counted here)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_eval_tokens: int = 0
+    prompt_eval_s: float = 0.0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    answer_tokens: int = 0
+    budget_reached: bool = False
+    thinking_unfinished: bool = False
+    decode_s: float = 0.0
+    first_token_s: float | None = None
+    total_s: float | None = None
+    load_s: float = 0.0
+    finish_reason: str | None = None
+    seed: int | None = None
+    model: str | None = None
+    # Chat turns: how much of the context the conversation fills, and turns dropped to fit.
+    context_used: int | None = None
+    n_ctx: int | None = None
+    dropped_turns: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # anything else the engine reported
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> Stats:
+        known = {f.name for f in fields(cls)} - {"extra"}
+        stats = cls(**{k: v for k, v in data.items() if k in known})
+        stats.extra = {
+            k: v for k, v in data.items() if k not in known and k not in ("v", "id", "event")
+        }
+        return stats
+
+    def to_dict(self) -> JSON:
+        record = asdict(self)
+        return {**record, **record.pop("extra")}
+
+    @property
+    def length_limited(self) -> bool:
+        """The answer stopped at a token limit (or the context's end), not by itself."""
+        return self.finish_reason in ("length", "context")
+
+
+# --- events -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event of a request's stream, as the client side sees it."""
+
+    kind: EventKind
+    id: Any = None
+    text: str = ""
+    data: Mapping[str, Any] = field(default_factory=dict)  # the kind's other fields
+
+    @classmethod
+    def from_wire(cls, message: Mapping[str, Any]) -> Event:
+        """Read a decoded event line; raise ProtocolViolation for one that is not an event."""
+        try:
+            kind = EventKind(str(message.get("event")))
+        except ValueError:
+            raise ProtocolViolation(
+                BAD_REQUEST, f"unknown event {message.get('event')!r}"
+            ) from None
+        data = {k: v for k, v in message.items() if k not in ("v", "id", "event", "text")}
+        return cls(kind, message.get("id"), str(message.get("text") or ""), data)
+
+    @classmethod
+    def error(cls, code: ErrorCode, message: str, request_id: Any = None) -> Event:
+        return cls(EventKind.ERROR, request_id, data={"code": code, "message": message,
+                                                      "retryable": code.retryable})  # fmt: skip
+
+    @classmethod
+    def of_stats(cls, stats: Stats, request_id: Any = None) -> Event:
+        return cls(EventKind.STATS, request_id, data=stats.to_dict())
+
+    def to_wire(self) -> JSON:
+        text = {"text": self.text} if self.text or self.kind in _TEXT_KINDS else {}
+        return {"v": PROTOCOL_VERSION, "id": self.id, "event": self.kind.value, **text,
+                **self.data}  # fmt: skip
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+    @property
+    def terminal(self) -> bool:
+        return self.kind.terminal
+
+    @property
+    def code(self) -> ErrorCode:
+        """An error event's code."""
+        return ErrorCode.of(self.data.get("code"))
+
+    @property
+    def message(self) -> str:
+        """An error event's message."""
+        return str(self.data.get("message") or self.data.get("code") or "")
+
+    @property
+    def stats(self) -> Stats:
+        """A stats event's Stats."""
+        return Stats.from_mapping(self.data)
+
+    @property
+    def result(self) -> JSON:
+        """A done event's result (status, load timings, ...)."""
+        result = self.data.get("result")
+        return dict(result) if isinstance(result, Mapping) else {}
+
+
+_TEXT_KINDS = frozenset({EventKind.TOKEN, EventKind.REASONING})
+
+
+# --- requests -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -54,6 +234,191 @@ class Request:
     op: str
     params: JSON = field(default_factory=dict)
     v: int = PROTOCOL_VERSION
+
+
+PRIORITY_INTERACTIVE: Final = 0
+PRIORITY_SOLVE: Final = 1
+PRIORITY_BULK: Final = 2
+PRIORITIES: Final = {"interactive": PRIORITY_INTERACTIVE, "solve": PRIORITY_SOLVE,
+                     "bulk": PRIORITY_BULK}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SolveParams:
+    """A solve, chat or load request's parameters, validated (see ``parse_params``)."""
+
+    prompt: str
+    system: str | None
+    model: Path | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    max_tokens: int | None
+    think_budget: int | None
+    keep_alive: float | None
+    priority: int
+    # Chat turns: the session id and the complete turns before this message.
+    session: str | None = None
+    history: tuple[dict[str, str], ...] = ()
+    load_only: bool = False  # `phi4 warm`: load (and warm) the model, generate nothing
+
+
+def _number(params: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = params.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ProtocolViolation(BAD_REQUEST, f"'{key}' must be a number from {low} to {high}")
+    return float(value)
+
+
+def _optional_int(params: Mapping[str, Any], key: str, low: int) -> int | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ProtocolViolation(BAD_REQUEST, f"'{key}' must be an integer >= {low}")
+    return value
+
+
+def parse_solve_params(params: Mapping[str, Any], defaults: Settings) -> SolveParams:
+    """Validate a solve request's params against the daemon's defaults.
+
+    Raise ProtocolViolation(bad_request) naming the offending field.
+    """
+    from phi4cli.config import parse_duration
+
+    prompt = params.get("prompt")
+    if not isinstance(prompt, str):
+        raise ProtocolViolation(BAD_REQUEST, "'prompt' (the question) must be a string")
+    if not prompt.strip():
+        raise ProtocolViolation(BAD_REQUEST, "empty question: give a problem to solve")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ProtocolViolation(
+            BAD_REQUEST, f"question is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}"
+        )
+    system = params.get("system", defaults.system)
+    if system is not None and not isinstance(system, str):
+        raise ProtocolViolation(BAD_REQUEST, "'system' must be a string or null")
+    model = params.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ProtocolViolation(BAD_REQUEST, "'model' must be a path to a .gguf file")
+    keep_alive = params.get("keep_alive")
+    try:
+        keep_alive_s = None if keep_alive is None else parse_duration(keep_alive)
+    except ValueError:
+        raise ProtocolViolation(
+            BAD_REQUEST, "'keep_alive' must be a duration like 30m, 0 or -1"
+        ) from None
+    priority = params.get("priority", "solve")
+    if not isinstance(priority, str) or priority not in PRIORITIES:
+        raise ProtocolViolation(BAD_REQUEST, f"'priority' must be one of {', '.join(PRIORITIES)}")
+    return SolveParams(
+        prompt=prompt,
+        system=system or None,
+        model=Path(model) if model else None,
+        temperature=_number(params, "temperature", defaults.temperature, 0.0, 5.0),
+        top_p=_number(params, "top_p", defaults.top_p, 0.0, 1.0),
+        seed=_optional_int(params, "seed", 0) if "seed" in params else defaults.seed,
+        max_tokens=_optional_int(params, "max_tokens", 1) or defaults.max_tokens,
+        think_budget=(
+            _optional_int(params, "think_budget", 0)
+            if "think_budget" in params
+            else defaults.think_budget
+        ),
+        keep_alive=keep_alive_s,
+        priority=PRIORITIES[priority],
+    )
+
+
+def check_history(history: object) -> tuple[dict[str, str], ...]:
+    """Validate a conversation's complete turns (user, assistant, user, ...); return them."""
+    valid = isinstance(history, list) and len(history) % 2 == 0
+    if valid:
+        assert isinstance(history, list)
+        for index, message in enumerate(history):
+            expected = "user" if index % 2 == 0 else "assistant"
+            valid = valid and (
+                isinstance(message, dict)
+                and message.get("role") == expected
+                and isinstance(message.get("content"), str)
+            )
+    if not valid:
+        raise ProtocolViolation(
+            BAD_REQUEST, "'history' must be complete turns: user, assistant, user, assistant, ..."
+        )
+    assert isinstance(history, list)
+    return tuple({"role": m["role"], "content": m["content"]} for m in history)
+
+
+def parse_chat_params(params: Mapping[str, Any], defaults: Settings) -> SolveParams:
+    """Validate a chat request: ``session``, ``message`` and ``history`` (complete turns).
+
+    Raise ProtocolViolation(bad_request) naming the offending field.
+    """
+    session = params.get("session")
+    if not isinstance(session, str) or not session or len(session) > 200:
+        raise ProtocolViolation(BAD_REQUEST, "'session' must be a non-empty string")
+    turns = check_history(params.get("history", []))
+    solve = parse_solve_params(
+        {**params, "prompt": params.get("message"), "priority": "interactive"}, defaults
+    )
+    return replace(solve, session=session, history=turns)
+
+
+def parse_load_params(params: Mapping[str, Any], defaults: Settings) -> SolveParams:
+    """Validate a load request (``model``); raise ProtocolViolation(bad_request)."""
+    model = params.get("model")
+    if not isinstance(model, str) or not model:
+        raise ProtocolViolation(BAD_REQUEST, "'model' must be a path to a .gguf file")
+    request = {"prompt": "-", "model": model, "priority": "interactive"}
+    if "keep_alive" in params:
+        request["keep_alive"] = params["keep_alive"]
+    return replace(parse_solve_params(request, defaults), prompt="", load_only=True)
+
+
+def parse_params(op: str, params: Mapping[str, Any], defaults: Settings) -> SolveParams:
+    """Validate the params of a solve, chat or load request."""
+    parse = {Op.SOLVE: parse_solve_params, Op.CHAT: parse_chat_params,
+             Op.LOAD: parse_load_params}[Op(op)]  # fmt: skip
+    return parse(params, defaults)
+
+
+# --- framing ------------------------------------------------------------------------------------
+
+
+class LineTooLong(Exception):
+    """A line exceeded MAX_LINE_BYTES: the stream cannot be resynchronised."""
+
+
+class LineFramer:
+    """Split a byte stream into lines, for the blocking client and the asyncio server alike.
+
+    Keeps a partial line across reads (a Ctrl-C between two reads loses nothing) and refuses a
+    line longer than ``limit`` instead of buffering it.
+    """
+
+    def __init__(self, limit: int = MAX_LINE_BYTES) -> None:
+        self._buffer = bytearray()
+        self._limit = limit
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Add received bytes; return the complete lines (each with its newline)."""
+        self._buffer += data
+        lines: list[bytes] = []
+        start = 0
+        while (end := self._buffer.find(b"\n", start)) >= 0:
+            lines.append(bytes(self._buffer[start : end + 1]))
+            start = end + 1
+        del self._buffer[:start]
+        if len(self._buffer) > self._limit or any(len(line) > self._limit for line in lines):
+            raise LineTooLong(f"a line longer than {self._limit} bytes")
+        return lines
+
+    @property
+    def pending(self) -> bytes:
+        """The incomplete line received so far."""
+        return bytes(self._buffer)
 
 
 def encode(message: JSON) -> bytes:
@@ -90,9 +455,9 @@ def parse_request(line: bytes) -> Request:
     if request_id is None or isinstance(request_id, (dict, list, bool)):
         raise ProtocolViolation(BAD_REQUEST, "a request needs an 'id' (string or number)")
     op = message.get("op")
-    if op not in OPS:
+    if op not in set(Op):
         raise ProtocolViolation(
-            BAD_REQUEST, f"unknown op {op!r}; expected one of {', '.join(sorted(OPS))}", request_id
+            BAD_REQUEST, f"unknown op {op!r}; expected one of {', '.join(sorted(Op))}", request_id
         )
     params = message.get("params", {})
     if not isinstance(params, dict):
@@ -100,9 +465,11 @@ def parse_request(line: bytes) -> Request:
     return Request(id=request_id, op=op, params=params)
 
 
-def event(request_id: Any, kind: str, **fields: Any) -> JSON:
-    return {"v": PROTOCOL_VERSION, "id": request_id, "event": kind, **fields}
+def event(request_id: Any, kind: EventKind, **fields: Any) -> JSON:
+    """An event line's content, as the daemon sends it."""
+    return {"v": PROTOCOL_VERSION, "id": request_id, "event": kind.value, **fields}
 
 
-def error_event(request_id: Any, code: str, message: str) -> JSON:
-    return event(request_id, "error", code=code, message=message, retryable=code in RETRYABLE_CODES)
+def error_event(request_id: Any, code: ErrorCode, message: str) -> JSON:
+    return event(request_id, EventKind.ERROR, code=code.value, message=message,
+                 retryable=code.retryable)  # fmt: skip

@@ -8,6 +8,7 @@ import time
 from typing import Any, TextIO
 
 from phi4cli.outcome import Outcome
+from phi4cli.protocol import Event, EventKind, Stats
 
 
 def human_bytes(size: float | None) -> str:
@@ -41,42 +42,41 @@ def stdout_is_terminal() -> bool:
     )
 
 
-def format_stats(stats: dict[str, Any]) -> str:
+def format_stats(stats: Stats) -> str:
     """The ``--verbose`` block, like ``ollama run --verbose``: load, prompt, cache, rates, total."""
-    prompt_eval = stats.get("prompt_eval_tokens", 0)
-    prompt_s = stats.get("prompt_eval_s") or 0.0
-    completion = stats.get("completion_tokens", 0)
-    decode_s = stats.get("decode_s") or 0.0
-    reasoning = stats.get("reasoning_tokens", 0)
+    prompt_eval, prompt_s = stats.prompt_eval_tokens, stats.prompt_eval_s
+    completion, decode_s = stats.completion_tokens, stats.decode_s
     thinking = (
         "budget reached"
-        if stats.get("budget_reached")
-        else ("unfinished" if stats.get("thinking_unfinished") else "")
+        if stats.budget_reached
+        else ("unfinished" if stats.thinking_unfinished else "")
     )
     rows = [
-        ("load time", human_seconds(stats.get("load_s") or 0.0)),
+        ("load time", human_seconds(stats.load_s)),
         (
             "prompt tokens",
-            f"{stats.get('prompt_tokens', 0)} ({stats.get('cached_tokens', 0)} cached, "
-            f"{prompt_eval} evaluated)",
+            f"{stats.prompt_tokens} ({stats.cached_tokens} cached, {prompt_eval} evaluated)",
         ),
         (
             "prompt eval",
             f"{prompt_s:.3f} s"
             + (f" ({prompt_eval / prompt_s:.1f} tokens/s)" if prompt_s > 0 and prompt_eval else ""),
         ),
-        ("reasoning tokens", f"{reasoning}" + (f" ({thinking})" if thinking else "")),
-        ("answer tokens", f"{stats.get('answer_tokens', completion - reasoning)}"),
+        (
+            "reasoning tokens",
+            f"{stats.reasoning_tokens}" + (f" ({thinking})" if thinking else ""),
+        ),
+        ("answer tokens", f"{stats.answer_tokens}"),
         ("eval rate", f"{completion / decode_s:.1f} tokens/s" if decode_s > 0 else "-"),
-        ("first token", human_seconds(stats.get("first_token_s"))),
-        ("total", human_seconds(stats.get("total_s"))),
-        ("finish", f"{stats.get('finish_reason')}, seed {stats.get('seed')}"),
+        ("first token", human_seconds(stats.first_token_s)),
+        ("total", human_seconds(stats.total_s)),
+        ("finish", f"{stats.finish_reason}, seed {stats.seed}"),
     ]
     return "\n".join(f"{label + ':':<18}{value}" for label, value in rows)
 
 
 def no_answer_reason(outcome: Outcome) -> str:
-    if outcome.stats.get("thinking_unfinished"):
+    if outcome.thinking_unfinished:
         return "no final answer: the thinking did not finish (raise --max-tokens or --think-budget)"
     return "no final answer stated in the solution"
 
@@ -99,11 +99,11 @@ class PlainPresenter:
         if self._last[stream] != "\n":
             self._write(stream, "\n")
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        kind, text = event.get("event"), str(event.get("text", ""))
-        if kind == "token" and text:
+    def on_event(self, event: Event) -> None:
+        kind, text = event.kind, event.text
+        if kind == EventKind.TOKEN and text:
             self._write("out", text)
-        elif kind == "reasoning" and self.show_reasoning and text:
+        elif kind == EventKind.REASONING and self.show_reasoning and text:
             self._write("err", text)
 
     def abort(self) -> None:
@@ -117,7 +117,7 @@ class PlainPresenter:
 
     def finish(self, outcome: Outcome) -> None:
         self.abort()
-        if self.verbose and outcome.stats:
+        if self.verbose and outcome.stats is not None:
             print(format_stats(outcome.stats), file=self.err, flush=True)
 
 
@@ -157,10 +157,10 @@ class TerminalPresenter:
         wrapped = Text(latex_to_unicode(self._solution)).wrap(self.out, self.out.width)
         return Text("\n").join(wrapped[-height:])
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        kind, text = event.get("event"), str(event.get("text", ""))
+    def on_event(self, event: Event) -> None:
+        kind, text = event.kind, event.text
         now = time.monotonic()
-        if kind == "reasoning":
+        if kind == EventKind.REASONING:
             self._reasoning_tokens += 1
             if self.show_reasoning:
                 self._reasoning_open = True
@@ -171,12 +171,12 @@ class TerminalPresenter:
             elif now - self._last_refresh > 0.1:
                 self._status.update(self._thinking_line())
                 self._last_refresh = now
-        elif kind in ("token", "retract"):
+        elif kind in (EventKind.TOKEN, EventKind.RETRACT):
             self._stop_status()
             if self._reasoning_open:
                 self.err.print()
                 self._reasoning_open = False
-            self._solution = self._solution + text if kind == "token" else ""
+            self._solution = self._solution + text if kind == EventKind.TOKEN else ""
             if self._live is None:
                 from rich.live import Live
 
@@ -238,7 +238,7 @@ class TerminalPresenter:
             self.out.print(f"[bold green]Answer:[/bold green] [bold]{shown}[/bold]{suffix}")
         else:
             self.out.print(f"[yellow]{no_answer_reason(outcome)}[/yellow]{suffix}")
-        if self.verbose and outcome.stats:
+        if self.verbose and outcome.stats is not None:
             self.err.print(format_stats(outcome.stats), style="dim", markup=False)
 
 

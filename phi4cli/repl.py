@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -15,14 +14,14 @@ from prompt_toolkit.completion import CompleteEvent, Completer, Completion
 from prompt_toolkit.document import Document
 from prompt_toolkit.history import FileHistory
 
-from phi4cli import protocol
 from phi4cli.atomicfile import write_atomic
+from phi4cli.backends import Backend, RequestStream
 from phi4cli.chats import ChatStore, Conversation, Turn, default_name
-from phi4cli.client import DaemonConnection, connect_checked
 from phi4cli.config import Settings, parse_setting
-from phi4cli.errors import DaemonGoneError, Phi4Error
+from phi4cli.environment import Environment
+from phi4cli.errors import Phi4Error
 from phi4cli.outcome import Outcome
-from phi4cli.paths import Paths
+from phi4cli.protocol import ErrorCode, Op, Stats
 from phi4cli.render import PlainPresenter, TerminalPresenter, format_stats, human_seconds
 
 COMMANDS = {
@@ -46,49 +45,38 @@ HISTORY_LIMIT = 1000
 CONTEXT_WARNING = 0.8
 
 
-@dataclass
-class ChatEnvironment:
-    """Where the daemon is, how to reach it, and where output goes (swapped by tests)."""
-
-    paths: Paths
-    settings: Settings
-    model_path: Path
-    out: TextIO
-    err: TextIO
-    terminal: bool  # a person at a terminal: live status, Markdown, colour
-
-    def notice(self, message: str) -> None:
-        print(f"phi4: {message}", file=self.err, flush=True)
-
-
 Reader = Callable[[str], str | None]  # prompt -> line; None at end of input
 
 
 class ChatRepl:
     def __init__(
         self,
-        env: ChatEnvironment,
+        env: Environment,
+        backend: Backend,
+        settings: Settings,
+        model: str,
         conversation: Conversation,
         store: ChatStore,
         show_reasoning: bool = False,
         verbose: bool = False,
     ) -> None:
         self.env = env
+        self.backend = backend
+        self.settings = settings
+        self.model = model  # the model's path (or, for a remote backend, its name there)
         self.conversation = conversation
         self.store = store
         self.show_reasoning = show_reasoning
         self.verbose = verbose
-        self._connection: DaemonConnection | None = None
-        self._last_stats: dict[str, Any] = {}
+        self._last_stats: Stats | None = None
 
     # --- input loop ---------------------------------------------------------------------------
 
     def run(self, read: Reader) -> int:
         """Read and answer until /exit or end of input; return the exit status."""
         interrupted_once = False
-        if self.env.settings.backend is None:
-            # Start the daemon (and its model load) now, while the user types the first question.
-            self._connect()
+        # Start the daemon (and its model load) now, while the user types the first question.
+        self.backend.connect()
         try:
             while True:
                 try:
@@ -110,26 +98,17 @@ class ChatRepl:
                 else:
                     self.ask(line)
         finally:
-            if self._connection is not None:
-                self._connection.close()
+            self.backend.close()
 
     # --- answering ----------------------------------------------------------------------------
-
-    def _connect(self) -> DaemonConnection:
-        if self._connection is None:
-            self._connection = connect_checked(
-                self.env.paths, self.env.settings, self.env.model_path, self.env.notice
-            )
-        return self._connection
 
     def _presenter(self) -> PlainPresenter | TerminalPresenter:
         if self.env.terminal:
             return TerminalPresenter(self.show_reasoning, verbose=False)
-        return PlainPresenter(self.env.out, self.env.err, self.show_reasoning, verbose=False)
+        return PlainPresenter(self.env.stdout, self.env.stderr, self.show_reasoning, verbose=False)
 
     def sampling(self) -> dict[str, Any]:
-        settings = self.env.settings
-        values = {key: getattr(settings, key) for key in SETTABLE}
+        values = {key: getattr(self.settings, key) for key in SETTABLE}
         values.update(self.conversation.settings)
         return values
 
@@ -140,32 +119,22 @@ class ChatRepl:
             "message": question,
             "history": self.conversation.history(),
             "system": self.conversation.system,
-            "model": str(self.env.model_path),
+            "model": self.model,
         }
 
     def ask(self, question: str) -> None:
         """Answer one message; keep the turn in the conversation (and save it)."""
-        params = self._request(question)
-        for attempt in range(2):
-            outcome = Outcome(index=0, question=question)
-            presenter = self._presenter()
-            try:
-                interrupted = self._stream(params, outcome, presenter)
-                break
-            except KeyboardInterrupt:  # before the request was sent (daemon starting up)
-                presenter.abort()
-                self._drop_connection()
-                self.env.notice("stopped before the answer began; this question is not kept")
-                return
-            except DaemonGoneError:
-                presenter.abort()
-                self._drop_connection()
-                if attempt:
-                    raise
-                # The transcript goes with the request, so a fresh daemon rebuilds the context.
-                self.env.notice(
-                    "the daemon stopped; restarting it and restoring the conversation..."
-                )
+        outcome = Outcome(index=0, question=question)
+        presenter = self._presenter()
+        try:
+            interrupted = self._stream(self._request(question), outcome, presenter)
+        except KeyboardInterrupt:  # before the request was sent (daemon starting up)
+            presenter.abort()
+            self.env.notice("stopped before the answer began; this question is not kept")
+            return
+        except Phi4Error:
+            presenter.abort()
+            raise
         if outcome.error is not None and not interrupted:
             presenter.abort()
             self.env.notice(f"error: {outcome.exception()}")
@@ -180,9 +149,8 @@ class ChatRepl:
             )
         else:
             presenter.finish(outcome)
-        self._record(
-            Turn(question, outcome.solution, outcome.reasoning, outcome.stats, interrupted)
-        )
+        turn = Turn(question, outcome.solution, outcome.reasoning, outcome.stats_dict, interrupted)
+        self._record(turn, outcome.stats)
 
     def _stream(
         self,
@@ -190,77 +158,50 @@ class ChatRepl:
         outcome: Outcome,
         presenter: PlainPresenter | TerminalPresenter,
     ) -> bool:
-        """Send the turn and show its events; return True if the user stopped it with Ctrl-C."""
-        backend = self.env.settings.backend
-        if backend is not None:
-            return self._stream_remote(backend, params, outcome, presenter)
-        connection = self._connect()
-        request_id = connection.send("chat", params)
+        """Send the turn and show its events; return True if the user stopped it with Ctrl-C.
+
+        The first Ctrl-C asks the engine to stop and keeps reading, so the partial answer (and
+        its stats) arrive; a second one hangs up.
+        """
+        stream: RequestStream = self.backend.stream(Op.CHAT, params)
         interrupted = False
         while not outcome.done:
             try:
-                event = connection.next_event()
-                if event.get("id") != request_id:
-                    continue
-                outcome.apply(event)
-                presenter.on_event(event)
+                for event in stream:
+                    outcome.apply(event)
+                    presenter.on_event(event)
+                if not outcome.done:
+                    outcome.fail(ErrorCode.BACKEND_ERROR, "the answer ended without an end")
             except KeyboardInterrupt:
                 if interrupted:
-                    # A second Ctrl-C: stop waiting. Hanging up cancels the request for sure.
-                    self._drop_connection()
-                    outcome.error = {"code": protocol.CANCELLED, "message": "cancelled"}
+                    stream.close()
+                    outcome.fail(ErrorCode.CANCELLED, "cancelled")
                     break
                 interrupted = True
-                connection.send("cancel", {"target": request_id})
+                stream.cancel()
         return interrupted
 
-    def _stream_remote(
-        self,
-        backend: str,
-        params: dict[str, Any],
-        outcome: Outcome,
-        presenter: PlainPresenter | TerminalPresenter,
-    ) -> bool:
-        """The same as ``_stream``, against a remote OpenAI-compatible server."""
-        from phi4cli import remote
-
-        events = remote.stream(backend, remote.backend_key(), str(self.env.model_path), params)
-        try:
-            for event in events:
-                outcome.apply(event)
-                presenter.on_event(event)
-        except KeyboardInterrupt:
-            events.close()  # closes the HTTP response: the server stops generating
-            outcome.error = {"code": protocol.CANCELLED, "message": "cancelled"}
-            return True
-        return False
-
-    def _drop_connection(self) -> None:
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
-
-    def _record(self, turn: Turn) -> None:
+    def _record(self, turn: Turn, stats: Stats | None) -> None:
         conversation = self.conversation
         conversation.turns.append(turn)
-        stats = turn.stats
-        if stats:
+        if stats is not None:
             self._last_stats = stats
-        dropped = int(stats.get("dropped_turns", 0) or 0)
+        dropped = stats.dropped_turns if stats is not None else 0
         if dropped:
             conversation.dropped = min(len(conversation.turns) - 1, conversation.dropped + dropped)
             self.env.notice(
                 f"the context was full: the {dropped} oldest turn(s) were dropped from what the "
                 "model sees (the system prompt is kept; /show tells how much)"
             )
-        used, n_ctx = stats.get("context_used"), stats.get("n_ctx")
+        used = stats.context_used if stats is not None else None
+        n_ctx = stats.n_ctx if stats is not None else None
         if used and n_ctx and used / n_ctx > CONTEXT_WARNING:
             self.env.notice(
                 f"the context is {used / n_ctx:.0%} full; the oldest turns will be dropped soon "
                 "(/reset starts afresh)"
             )
-        if self.verbose and stats:
-            print(format_stats(stats), file=self.env.err, flush=True)
+        if self.verbose and stats is not None:
+            print(format_stats(stats), file=self.env.stderr, flush=True)
         self.store.save(conversation)
 
     # --- slash commands -----------------------------------------------------------------------
@@ -269,7 +210,7 @@ class ChatRepl:
         """Run one slash command; return False to leave the REPL."""
         name, _, argument = line.partition(" ")
         argument = argument.strip()
-        out = self.env.out
+        out = self.env.stdout
         if name in ("/exit", "/bye", "/quit"):
             return False
         if name == "/help":
@@ -305,7 +246,8 @@ class ChatRepl:
         elif name == "/list":
             self._list()
         elif name == "/stats":
-            print(format_stats(self._last_stats) if self._last_stats else "no answer yet", file=out)
+            shown = format_stats(self._last_stats) if self._last_stats else "no answer yet"
+            print(shown, file=out)
         elif name == "/reasoning":
             if argument not in ("on", "off"):
                 self.env.notice("usage: /reasoning on|off")
@@ -327,28 +269,28 @@ class ChatRepl:
             self.env.notice(str(exc))
             return
         self.conversation.settings[key] = parsed
-        print(f"{key} = {parsed}", file=self.env.out)
+        print(f"{key} = {parsed}", file=self.env.stdout)
 
     def _show(self) -> None:
         conversation = self.conversation
-        stats = self._last_stats
-        used = stats.get("context_used")
-        n_ctx = stats.get("n_ctx") or self.env.settings.n_ctx or "auto (planned by the daemon)"
+        stats = self._last_stats or Stats()
+        used = stats.context_used
+        n_ctx = stats.n_ctx or self.settings.n_ctx or "auto (planned by the daemon)"
         settings = ", ".join(f"{k}={v}" for k, v in self.sampling().items())
         rows = [
             ("conversation", f"{conversation.name} ({len(conversation.turns)} turns)"),
-            ("model", str(self.env.model_path)),
+            ("model", self.model),
             ("system", conversation.system or "(the model default)"),
             ("settings", settings),
             ("context", f"{used} of {n_ctx} tokens used" if used else f"{n_ctx} tokens, unused"),
             (
                 "cached",
-                f"{stats.get('cached_tokens', 0)} tokens of the last prompt came from cache",
+                f"{stats.cached_tokens} tokens of the last prompt came from cache",
             ),
             ("dropped", f"{conversation.dropped} oldest turn(s) no longer in the model's context"),
         ]
         for key, value in rows:
-            print(f"{key:<13}{value}", file=self.env.out)
+            print(f"{key:<13}{value}", file=self.env.stdout)
 
     def _retry(self) -> None:
         conversation = self.conversation
@@ -378,7 +320,7 @@ class ChatRepl:
             return
         if old != name and old.startswith("chat-"):
             self.store.delete(old)  # the autosave under the generated name is now this one
-        print(f"saved as {name} ({path})", file=self.env.out)
+        print(f"saved as {name} ({path})", file=self.env.stdout)
 
     def _load(self, name: str) -> None:
         if not name:
@@ -389,19 +331,19 @@ class ChatRepl:
         except Phi4Error as exc:
             self.env.notice(str(exc))
             return
-        print(f"loaded {name}: {len(self.conversation.turns)} turns", file=self.env.out)
+        print(f"loaded {name}: {len(self.conversation.turns)} turns", file=self.env.stdout)
 
     def _list(self) -> None:
         names = self.store.names()
         if not names:
-            print("no saved conversations", file=self.env.out)
+            print("no saved conversations", file=self.env.stdout)
         for name in names:
             try:
                 saved = self.store.load(name)
             except Phi4Error:
                 continue
             age = human_seconds(max(0.0, time.time() - saved.updated))
-            print(f"{name}  {len(saved.turns)} turns, {age} ago", file=self.env.out)
+            print(f"{name}  {len(saved.turns)} turns, {age} ago", file=self.env.stdout)
 
 
 def read_message(read: Reader) -> str | None:

@@ -12,50 +12,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from phi4cli import remote
-from phi4cli.client import solve_many
-from phi4cli.config import Settings
+from phi4cli.backends import Backend
 from phi4cli.errors import ExitStatus
-from phi4cli.outcome import Outcome
-from phi4cli.paths import Paths
+from phi4cli.outcome import Outcome, exit_status
+from phi4cli.protocol import Event, EventKind
 from phi4cli.reasoning import majority_vote, normalize_answer
 from phi4cli.render import PlainPresenter, TerminalPresenter, no_answer_reason, stdout_is_terminal
 
 Announce = Callable[[str], None]
-# Requests one command keeps in the daemon's queue at once: most of it (64 by default), so the
-# daemon can batch them, with room left for other clients.
-IN_FLIGHT = 48
 
 
 @dataclass(frozen=True)
 class SolveJob:
-    """Where the daemon is and what every request of this command shares."""
+    """What answers (the daemon or a remote server) and what every request of this command
+    shares."""
 
-    paths: Paths
-    settings: Settings
-    model_path: Path | None  # None with a remote backend
+    backend: Backend
     announce: Announce
     base: dict[str, Any]
+    seed: int | None = None
 
     def params(self, question: str, **extra: Any) -> dict[str, Any]:
         return {**self.base, "prompt": question, **extra}
 
-    def run(
-        self, requests: list[dict[str, Any]], on_event: Callable[[int, dict[str, Any]], None]
-    ) -> None:
-        backend = self.settings.backend
-        if backend is not None:
-            # A remote server batches as it sees fit; ours are sent one after another.
-            for index, params in enumerate(requests):
-                for event in remote.stream(
-                    backend, remote.backend_key(), self.settings.model, params
-                ):
-                    on_event(index, event)
-            return
-        solve_many(
-            self.paths, self.settings, self.model_path, requests, on_event, self.announce,
-            window=IN_FLIGHT,
-        )  # fmt: skip
+    def run(self, requests: list[dict[str, Any]], on_event: Callable[[int, Event], None]) -> None:
+        self.backend.run(requests, on_event)
 
 
 @dataclass(frozen=True)
@@ -106,7 +87,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
         )
     loading = _ProgressNotice(job.announce)
 
-    def on_event(_index: int, event: dict[str, Any]) -> None:
+    def on_event(_index: int, event: Event) -> None:
         loading.see(event)
         outcome.apply(event)
         if presenter is not None:
@@ -127,24 +108,21 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
         raise outcome.exception()
     if mode.as_json:
         _print_json(outcome.to_json())
-        return ExitStatus.OK
-    if mode.answer_only:
+    elif mode.answer_only:
         answer = outcome.answer
+        print(_answer_line(answer) if answer is not None else "")
         if answer is None:
-            print()
             job.announce(no_answer_reason(outcome))
-            return ExitStatus.ERROR
-        print(_answer_line(answer))
-        return ExitStatus.OK
-    assert presenter is not None
-    presenter.finish(outcome)
-    return ExitStatus.OK
+    else:
+        assert presenter is not None
+        presenter.finish(outcome)
+    return exit_status([outcome], answer_required=mode.answer_only)
 
 
 def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) -> int:
     """Solve the same question ``samples`` times and majority-vote the answers."""
     outcomes = [Outcome(index=i, question=question) for i in range(samples)]
-    seed = job.settings.seed
+    seed = job.seed
     requests = [
         job.params(question, seed=None if seed is None else seed + i) for i in range(samples)
     ]
@@ -152,7 +130,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     finished = 0
     with _stderr_status(f"sampling… 0/{samples} done") as update:
 
-        def on_event(index: int, event: dict[str, Any]) -> None:
+        def on_event(index: int, event: Event) -> None:
             nonlocal finished
             loading.see(event)
             outcomes[index].apply(event)
@@ -177,8 +155,8 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
             agreement=vote.agreement,
             tie=vote.tie,
             samples=[
-                {"answer": o.answer, "seed": o.stats.get("seed"), "error": o.error,
-                 "stats": o.stats}
+                {"answer": o.answer, "seed": o.stats.seed if o.stats else None,
+                 "error": o.to_json().get("error"), "stats": o.stats_dict}
                 for o in outcomes
             ],
         )  # fmt: skip
@@ -233,17 +211,19 @@ def solve_file(
         elif mode.answer_only:
             print(outcome.answer or "", flush=True)
             if outcome.error is not None:
-                job.announce(f"line {line}: {outcome.error['message']}")
+                job.announce(f"line {line}: {outcome.error_message}")
+            elif outcome.answer is None:
+                job.announce(f"line {line}: {no_answer_reason(outcome)}")
         else:
             print(f"[{index + 1}] {outcome.question}")
             if outcome.error is not None:
-                print(f"error: {outcome.error['message']}\n", flush=True)
+                print(f"error: {outcome.error_message}\n", flush=True)
             else:
                 print(outcome.solution.strip())
                 print(f"Answer: {outcome.answer if outcome.answer is not None else '(none)'}\n",
                       flush=True)  # fmt: skip
 
-    def on_event(index: int, event: dict[str, Any]) -> None:
+    def on_event(index: int, event: Event) -> None:
         nonlocal next_to_print
         loading.see(event)
         outcomes[index].apply(event)
@@ -258,8 +238,7 @@ def solve_file(
         job.run(requests, on_event)
     if failed:
         job.announce(f"{failed} of {len(problems)} problems failed")
-        return ExitStatus.ERROR
-    return ExitStatus.OK
+    return exit_status(outcomes, answer_required=mode.answer_only)
 
 
 class _FileProgress:
@@ -302,15 +281,15 @@ class _ProgressNotice:
             self._said.add(topic)
             self._announce(message)
 
-    def see(self, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "progress" and event.get("stage") == "waiting":
+    def see(self, event: Event) -> None:
+        kind = event.kind
+        if kind == EventKind.PROGRESS and event.get("stage") == "waiting":
             self._once(
                 "memory",
                 f"waiting for memory: a request reserves {event.get('needed', 0):,} tokens of "
                 f"context and {event.get('free', 0):,} are free until a running one finishes",
             )
-        elif kind == "progress":
+        elif kind == EventKind.PROGRESS:
             self._once("loading", f"loading {event.get('model', 'the model')}...")
-        elif kind == "accepted" and event.get("state") in ("loading", "warming"):
+        elif kind == EventKind.ACCEPTED and event.get("state") in ("loading", "warming"):
             self._once("loading", "waiting for the daemon to load the model...")

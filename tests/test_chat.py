@@ -18,27 +18,25 @@ import pytest
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
+from phi4cli.backends import DaemonBackend
 from phi4cli.chats import ChatStore, Conversation, Turn
 from phi4cli.config import Settings
 from phi4cli.daemon.sessions import ChatSession, SessionStore
+from phi4cli.environment import Environment
 from phi4cli.paths import get_paths
-from phi4cli.repl import AtomicFileHistory, ChatEnvironment, ChatRepl, prompt_reader, read_message
+from phi4cli.repl import AtomicFileHistory, ChatRepl, prompt_reader, read_message
 from tests.conftest import PHI4, run_phi4
 
 
 def make_repl(model: Path, **settings: object) -> tuple[ChatRepl, io.StringIO, io.StringIO]:
     paths = get_paths()
     out, err = io.StringIO(), io.StringIO()
-    env = ChatEnvironment(
-        paths,
-        Settings(model=str(model), **settings),
-        model,
-        out,
-        err,
-        terminal=False,  # type: ignore[arg-type]
-    )
+    env = Environment(io.StringIO(), out, err, paths=paths)
+    config = Settings(model=str(model), **settings)  # type: ignore[arg-type]
+    backend = DaemonBackend(paths, config, model, env.notice)
     conversation = Conversation(name="chat-test", model=str(model))
-    return ChatRepl(env, conversation, ChatStore(paths.data_dir / "chats")), out, err
+    store = ChatStore(paths.data_dir / "chats")
+    return ChatRepl(env, backend, config, str(model), conversation, store), out, err
 
 
 def run_script(repl: ChatRepl, lines: list[str]) -> int:

@@ -148,9 +148,9 @@ def _turn(connection: Any, session: str, message: str, history: list[dict[str, s
     request = {"session": session, "message": message, "history": history, "temperature": 0,
                "max_tokens": max_tokens}  # fmt: skip
     events = list(connection.request("chat", request))
-    assert events[-1]["event"] == "done", events[-1]
-    text = "".join(e["text"] for e in events if e["event"] == "token")  # the answer, kept
-    return text, next(e for e in events if e["event"] == "stats")
+    assert events[-1].kind == "done", events[-1]
+    text = "".join(e.text for e in events if e.kind == "token")  # the answer, kept
+    return text, next(e.stats.to_dict() for e in events if e.kind == "stats")
 
 
 def test_an_evicted_chat_is_restored_from_disk_not_re_read(tiny_model: Path, phi4_home: Path):
@@ -171,9 +171,9 @@ def test_an_evicted_chat_is_restored_from_disk_not_re_read(tiny_model: Path, phi
         # saved to disk on the way out.
         solve = list(connection.request("solve", {"prompt": "Go on.", "temperature": 0,
                                                   "max_tokens": 900}))  # fmt: skip
-        assert solve[-1]["event"] == "done", solve[-1]
+        assert solve[-1].kind == "done", solve[-1]
         assert len(list(sessions.glob("session-*.state"))) == 1
-        assert connection.call("status")["result"]["memory"]["swapped_sessions"] == 1
+        assert connection.call("status").result["memory"]["swapped_sessions"] == 1
         # Turn 2 again (a /retry): restored from the saved state, which holds the message too;
         # nothing is re-read but the last token (sampling needs fresh logits).
         again, stats = _turn(connection, "c", "And back?", history, 40)

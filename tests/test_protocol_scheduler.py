@@ -14,23 +14,16 @@ import pytest
 
 from phi4cli import protocol
 from phi4cli.config import Settings
-from phi4cli.daemon.jobs import (
+from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, Wait
+from phi4cli.daemon.scheduler import JobQueue, QueueFullError, RequestScheduler
+from phi4cli.daemon.server import peer_allowed, peer_uid
+from phi4cli.protocol import (
     PRIORITY_BULK,
     PRIORITY_INTERACTIVE,
     PRIORITY_SOLVE,
-    ContextOverflowError,
-    Job,
-    ModelLoadError,
     SolveParams,
-    Wait,
-)
-from phi4cli.daemon.scheduler import (
-    JobQueue,
-    QueueFullError,
-    RequestScheduler,
     parse_solve_params,
 )
-from phi4cli.daemon.server import peer_allowed, peer_uid
 
 
 def test_encode_is_one_line_even_with_newlines_in_text():

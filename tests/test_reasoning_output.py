@@ -13,6 +13,7 @@ import pexpect
 import pytest
 
 from phi4cli.outcome import Outcome
+from phi4cli.protocol import Event, EventKind
 from tests.conftest import PHI4, run_phi4
 
 ANSI = "\x1b["
@@ -60,9 +61,9 @@ def test_terminal_presenter_renders_markdown_math_and_highlights_the_answer(monk
     presenter.err = Console(file=io.StringIO(), force_terminal=True, width=80)
     outcome = Outcome(index=0, question="q")
     events = [
-        {"event": "reasoning", "text": "Let me compute."},
-        {"event": "token", "text": "**Step 1.** $x^2 = \\frac{1}{4}$, so "},
-        {"event": "token", "text": "$x = \\boxed{\\dfrac{1}{2}}$."},
+        Event(EventKind.REASONING, text="Let me compute."),
+        Event(EventKind.TOKEN, text="**Step 1.** $x^2 = \\frac{1}{4}$, so "),
+        Event(EventKind.TOKEN, text="$x = \\boxed{\\dfrac{1}{2}}$."),
     ]
     for event in events:
         outcome.apply(event)
@@ -152,8 +153,10 @@ def test_each_line_from_stdin_with_answer_only_keeps_one_line_per_problem(tiny_m
         "solve", "-", "--each-line", "--answer-only", "-m", str(tiny_model), "-n", "3",
         input="a\nb\nc\n",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
     assert result.stdout.count("\n") == 3
+    # No line stated an answer: as for one question, --answer-only exits 1 and says why per line.
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("no final answer stated") == 3
 
 
 def test_file_output_survives_head(tiny_model: Path, tmp_path: Path):

@@ -11,10 +11,12 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import run_phi4
+from tests.scripted_server import Step, chunk, data, scripted_server, separated
 
 
 def free_port() -> int:
@@ -89,3 +91,116 @@ def test_unreachable_backend_is_one_line_and_exit_3():
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith("phi4: error: cannot reach the backend http://127.0.0.1:9/v1:")
+
+
+# --- a scripted server: how llama-server and vLLM stream, and every way a stream goes wrong -----
+
+THINKING = ["Let me see: ", "12*13 ", "is 156."]
+ANSWER = ["The answer is ", "$\\boxed{156}$."]
+
+
+def _solve(url: str, *extra: str, env: dict[str, str] | None = None) -> Any:
+    return run_phi4("solve", "What is 12*13?", "--backend", url, "-m", "phi4-mini-reasoning",
+                    *extra, env=env)  # fmt: skip
+
+
+@pytest.mark.parametrize("field_name", ["reasoning_content", "reasoning"])
+def test_thinking_in_its_own_field_keeps_the_answer(field_name: str):
+    # Before: phi4 waited for a </think> these servers had already removed, so the whole
+    # solution was taken as thinking: empty stdout, no answer.
+    with scripted_server(lambda _body: separated(field_name, THINKING, ANSWER)) as server:
+        plain = _solve(server.url)
+        assert plain.returncode == 0, plain.stderr
+        assert plain.stdout.strip() == "The answer is $\\boxed{156}$."
+        only = _solve(server.url, "--answer-only")
+        assert (only.returncode, only.stdout) == (0, "156\n")
+        record = json.loads(_solve(server.url, "--json").stdout)
+        assert record["answer"] == "156"
+        assert record["reasoning"] == "".join(THINKING)
+        stats = record["stats"]
+        # Real stats where the server sends usage: its counts, not guesses.
+        assert (stats["prompt_tokens"], stats["completion_tokens"]) == (20, 5)
+        assert (stats["reasoning_tokens"], stats["answer_tokens"]) == (3, 2)
+        assert stats["thinking_unfinished"] is False
+        chat = run_phi4("chat", "--backend", server.url, "-m", "phi4-mini-reasoning",
+                        input="What is 12*13?\n")  # fmt: skip
+        assert chat.returncode == 0, chat.stderr
+        assert "The answer is $\\boxed{156}$." in chat.stdout
+
+
+def test_inline_thinking_is_still_split():
+    def script(_body: dict[str, Any]) -> list[str | Step]:
+        pieces = ["Let me see", "...</th", "ink>\n\nSo ", "$\\boxed{156}$."]
+        return [chunk({"content": p}) for p in pieces] + [chunk({}, "stop"), data("[DONE]")]
+
+    with scripted_server(script) as server:
+        record = json.loads(_solve(server.url, "--json").stdout)
+    assert (record["reasoning"], record["solution"]) == ("Let me see...", "So $\\boxed{156}$.")
+    assert record["stats"]["reasoning_tokens"] == 2, "counted from the stream without usage"
+
+
+def _failing(lines: list[str | Step]) -> Any:
+    return lambda _body: [chunk({"role": "assistant", "content": ""}),
+                          chunk({"content": "The answer"}), *lines]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("lines", "phrase"),
+    [
+        ([data("{not json")], "the backend sent a malformed event: '{not json'"),
+        ([data({"error": {"message": "KV cache full", "code": 500}})],
+         "the backend reported an error mid-answer: KV cache full"),
+        ([Step(drop=True)], "the backend closed the stream before the answer was complete"),
+        ([Step(sleep=3)], "sent nothing for 1 s"),
+    ],
+    ids=["malformed-chunk", "in-stream-error", "dropped-connection", "stalled"],
+)  # fmt: skip
+def test_a_broken_stream_is_one_line_and_exit_5(lines: list[str | Step], phrase: str):
+    # Before: a malformed chunk was "internal error: JSONDecodeError", exit 1; an in-stream error
+    # was ignored (exit 0 with a partial answer).
+    with scripted_server(_failing(lines)) as server:
+        result = _solve(server.url, env={"PHI4_BACKEND_TIMEOUT": "1s"})
+    assert result.returncode == 5, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("phi4: ")]
+    assert errors == [errors[-1]] and phrase in errors[-1], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_refusal_maps_to_its_exit_status():
+    with scripted_server(lambda _body: [], status=400) as server:
+        result = _solve(server.url)
+    assert result.returncode == 1
+    assert "the backend answered 400: scripted refusal" in result.stderr
+
+
+def test_think_budget_is_enforced_for_a_remote_engine():
+    # Before: --think-budget was dropped silently. Now the stream is cut at the budget and the
+    # server is asked again with the thinking closed, as the start of the assistant's reply.
+    def script(body: dict[str, Any]) -> list[str | Step]:
+        if body["messages"][-1]["role"] == "assistant":
+            return [chunk({"content": "So "}), chunk({"content": "$\\boxed{7}$."}),
+                    chunk({}, "stop"), data("[DONE]")]  # fmt: skip
+        endless = [chunk({"reasoning_content": f"step {i}. "}) for i in range(50)]
+        return [*endless, chunk({}, "length"), data("[DONE]")]
+
+    with scripted_server(script) as server:
+        record = json.loads(_solve(server.url, "--think-budget", "4", "--json").stdout)
+        first, second = server.bodies
+    assert record["answer"] == "7"
+    assert record["reasoning"] == "step 0. step 1. step 2. step 3. "
+    assert record["stats"]["budget_reached"] is True
+    assert "think_budget" not in first, "no server knows the option"
+    prefill = second["messages"][-1]
+    assert prefill["role"] == "assistant"
+    assert prefill["content"].endswith("step 3.\n</think>\n\n")
+    assert second["continue_final_message"] is True
+
+
+def test_zero_think_budget_skips_thinking_remotely():
+    with scripted_server(
+        lambda body: [chunk({"content": "$\\boxed{1}$"}), chunk({}, "stop"), data("[DONE]")]
+    ) as server:
+        only = _solve(server.url, "--think-budget", "0", "--answer-only")
+        (body,) = server.bodies
+    assert (only.returncode, only.stdout) == (0, "1\n")
+    assert body["messages"][-1] == {"role": "assistant", "content": "<think>\n\n</think>\n\n"}

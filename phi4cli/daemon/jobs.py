@@ -15,14 +15,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from phi4cli import protocol
+from phi4cli.protocol import PRIORITIES, ErrorCode, EventKind, SolveParams
+
+__all__ = ["PRIORITIES", "SolveParams"]  # re-exported for the engine and the tests
 
 Emit = Callable[[dict[str, Any]], None]
 TokenSink = Callable[[str, str], None]  # ("reasoning" | "answer", text)
-
-PRIORITY_INTERACTIVE = 0
-PRIORITY_SOLVE = 1
-PRIORITY_BULK = 2
-PRIORITIES = {"interactive": PRIORITY_INTERACTIVE, "solve": PRIORITY_SOLVE, "bulk": PRIORITY_BULK}
 
 
 class ModelLoadError(Exception):
@@ -42,24 +40,6 @@ class Wait:
     reason: str
     needed: int = 0  # KV cells the request reserves
     free: int = 0  # KV cells not reserved by running requests
-
-
-@dataclass(frozen=True)
-class SolveParams:
-    prompt: str
-    system: str | None
-    model: Path | None
-    temperature: float
-    top_p: float
-    seed: int | None
-    max_tokens: int | None
-    think_budget: int | None
-    keep_alive: float | None
-    priority: int
-    # Chat turns: the session id and the complete turns before this message.
-    session: str | None = None
-    history: tuple[dict[str, str], ...] = ()
-    load_only: bool = False  # `phi4 warm`: load (and warm) the model, generate nothing
 
 
 class Engine(Protocol):
@@ -111,6 +91,7 @@ class Engine(Protocol):
 
 
 _job_seq = itertools.count()
+_TOKEN_EVENTS = {"reasoning": EventKind.REASONING, "retract": EventKind.RETRACT}
 
 
 @dataclass(eq=False)
@@ -119,7 +100,7 @@ class Job:
     params: SolveParams
     emit: Emit
     cancelled: threading.Event = field(default_factory=threading.Event)
-    cancel_code: str = protocol.CANCELLED
+    cancel_code: ErrorCode = ErrorCode.CANCELLED
     seq: int = field(default_factory=lambda: next(_job_seq))
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0
@@ -129,12 +110,12 @@ class Job:
 
     finished: bool = False  # its one terminal event has gone out
 
-    def cancel(self, code: str = protocol.CANCELLED) -> None:
+    def cancel(self, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         self.cancel_code = code
         self.cancelled.set()
 
     def emit_token(self, kind: str, text: str) -> None:
-        event = {"reasoning": "reasoning", "retract": "retract"}.get(kind, "token")
+        event = _TOKEN_EVENTS.get(kind, EventKind.TOKEN)
         self.emit(protocol.event(self.request_id, event, text=text))
 
     def finish(self, event: dict[str, Any]) -> None:
@@ -143,8 +124,8 @@ class Job:
             self.finished = True
             self.emit(event)
 
-    def fail(self, code: str, message: str) -> None:
+    def fail(self, code: ErrorCode, message: str) -> None:
         self.finish(protocol.error_event(self.request_id, code, message))
 
     def done(self, **fields: Any) -> None:
-        self.finish(protocol.event(self.request_id, "done", **fields))
+        self.finish(protocol.event(self.request_id, EventKind.DONE, **fields))

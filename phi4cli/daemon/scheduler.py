@@ -13,141 +13,20 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from phi4cli import protocol
-from phi4cli.config import Settings, parse_duration
-from phi4cli.daemon.jobs import (
-    PRIORITIES,
-    ContextOverflowError,
-    Engine,
-    Job,
-    ModelLoadError,
-    SolveParams,
-)
-from phi4cli.protocol import ProtocolViolation
+from phi4cli.daemon.jobs import ContextOverflowError, Engine, Job, ModelLoadError
+from phi4cli.protocol import ErrorCode, EventKind
 
 log = logging.getLogger("phi4.daemon")
 
 
-def _number(params: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
-    value = params.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ProtocolViolation(
-            protocol.BAD_REQUEST, f"'{key}' must be a number from {low} to {high}"
-        )
-    return float(value)
-
-
-def _optional_int(params: dict[str, Any], key: str, low: int) -> int | None:
-    value = params.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ProtocolViolation(protocol.BAD_REQUEST, f"'{key}' must be an integer >= {low}")
-    return value
-
-
-def parse_solve_params(params: dict[str, Any], defaults: Settings) -> SolveParams:
-    """Validate a solve request's params against the daemon's defaults.
-
-    Raise ProtocolViolation(bad_request) naming the offending field.
-    """
-    prompt = params.get("prompt")
-    if not isinstance(prompt, str):
-        raise ProtocolViolation(protocol.BAD_REQUEST, "'prompt' (the question) must be a string")
-    if not prompt.strip():
-        raise ProtocolViolation(protocol.BAD_REQUEST, "empty question: give a problem to solve")
-    if len(prompt) > protocol.MAX_PROMPT_CHARS:
-        raise ProtocolViolation(
-            protocol.BAD_REQUEST,
-            f"question is {len(prompt)} characters; the limit is {protocol.MAX_PROMPT_CHARS}",
-        )
-    system = params.get("system", defaults.system)
-    if system is not None and not isinstance(system, str):
-        raise ProtocolViolation(protocol.BAD_REQUEST, "'system' must be a string or null")
-    model = params.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise ProtocolViolation(protocol.BAD_REQUEST, "'model' must be a path to a .gguf file")
-    keep_alive = params.get("keep_alive")
-    try:
-        keep_alive_s = None if keep_alive is None else parse_duration(keep_alive)
-    except ValueError:
-        raise ProtocolViolation(
-            protocol.BAD_REQUEST, "'keep_alive' must be a duration like 30m, 0 or -1"
-        ) from None
-    priority = params.get("priority", "solve")
-    if not isinstance(priority, str) or priority not in PRIORITIES:
-        raise ProtocolViolation(
-            protocol.BAD_REQUEST, f"'priority' must be one of {', '.join(PRIORITIES)}"
-        )
-    return SolveParams(
-        prompt=prompt,
-        system=system or None,
-        model=Path(model) if model else None,
-        temperature=_number(params, "temperature", defaults.temperature, 0.0, 5.0),
-        top_p=_number(params, "top_p", defaults.top_p, 0.0, 1.0),
-        seed=_optional_int(params, "seed", 0) if "seed" in params else defaults.seed,
-        max_tokens=_optional_int(params, "max_tokens", 1) or defaults.max_tokens,
-        think_budget=(
-            _optional_int(params, "think_budget", 0)
-            if "think_budget" in params
-            else defaults.think_budget
-        ),
-        keep_alive=keep_alive_s,
-        priority=PRIORITIES[priority],
-    )
-
-
-def parse_chat_params(params: dict[str, Any], defaults: Settings) -> SolveParams:
-    """Validate a chat request: ``session``, ``message`` and ``history`` (complete turns).
-
-    Raise ProtocolViolation(bad_request) naming the offending field.
-    """
-    session = params.get("session")
-    if not isinstance(session, str) or not session or len(session) > 200:
-        raise ProtocolViolation(protocol.BAD_REQUEST, "'session' must be a non-empty string")
-    history = params.get("history", [])
-    valid = isinstance(history, list) and len(history) % 2 == 0
-    if valid:
-        for index, message in enumerate(history):
-            expected = "user" if index % 2 == 0 else "assistant"
-            valid = valid and (
-                isinstance(message, dict)
-                and message.get("role") == expected
-                and isinstance(message.get("content"), str)
-            )
-    if not valid:
-        raise ProtocolViolation(
-            protocol.BAD_REQUEST,
-            "'history' must be complete turns: user, assistant, user, assistant, ...",
-        )
-    solve = parse_solve_params(
-        {**params, "prompt": params.get("message"), "priority": "interactive"}, defaults
-    )
-    turns = tuple({"role": m["role"], "content": m["content"]} for m in history)
-    return replace(solve, session=session, history=turns)
-
-
-def parse_load_params(params: dict[str, Any], defaults: Settings) -> SolveParams:
-    """Validate a load request (``model``); raise ProtocolViolation(bad_request)."""
-    model = params.get("model")
-    if not isinstance(model, str) or not model:
-        raise ProtocolViolation(protocol.BAD_REQUEST, "'model' must be a path to a .gguf file")
-    request = {"prompt": "-", "model": model, "priority": "interactive"}
-    if "keep_alive" in params:
-        request["keep_alive"] = params["keep_alive"]
-    return replace(parse_solve_params(request, defaults), prompt="", load_only=True)
-
-
 _CANCEL_MESSAGES = {
-    protocol.SHUTTING_DOWN: "the daemon is shutting down; the answer was cut short",
+    ErrorCode.SHUTTING_DOWN: "the daemon is shutting down; the answer was cut short",
     # Only the engine's last resort when llama.cpp finds no room although reservations fit.
-    protocol.CONTEXT_OVERFLOW: "the daemon's KV cache ran out of room unexpectedly; try again",
+    ErrorCode.CONTEXT_OVERFLOW: "the daemon's KV cache ran out of room unexpectedly; try again",
 }
 
 
@@ -261,7 +140,7 @@ class RequestScheduler:
         """Stop a job: a running one within a decode step, a queued one at once."""
         job.cancel()
         if job not in self._admitted:
-            job.fail(protocol.CANCELLED, "cancelled before it started")
+            job.fail(ErrorCode.CANCELLED, "cancelled before it started")
 
     def stop(self, timeout: float) -> bool:
         """Cancel the running job, let queued ones fail fast, and wait for the worker to finish.
@@ -269,7 +148,7 @@ class RequestScheduler:
         Return False if the worker is still busy (in a load that cannot be interrupted).
         """
         for job in list(self._admitted):
-            job.cancel(protocol.SHUTTING_DOWN)
+            job.cancel(ErrorCode.SHUTTING_DOWN)
         self._queue.stop()
         self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -316,17 +195,17 @@ class RequestScheduler:
                 return _SETTLED
             model = job.params.model or self._engine.model_path or self._default_model
             if model is None:
-                self._settle(job, protocol.MODEL_ERROR, "no model given and none loaded")
+                self._settle(job, ErrorCode.MODEL_ERROR, "no model given and none loaded")
                 return _SETTLED
             load_s = 0.0
             if model != self._engine.model_path:
                 if self._engine.active and not switch_model:
                     return _HELD
-                job.emit(protocol.event(job.request_id, "progress", stage="loading",
+                job.emit(protocol.event(job.request_id, EventKind.PROGRESS, stage="loading",
                                         model=str(model)))  # fmt: skip
                 if not self._load(model):
                     self._settle(
-                        job, protocol.MODEL_ERROR, self.last_error or f"cannot load {model}"
+                        job, ErrorCode.MODEL_ERROR, self.last_error or f"cannot load {model}"
                     )
                     return _SETTLED
                 load_s = float(self.last_load.get("load_s", 0.0))
@@ -346,7 +225,7 @@ class RequestScheduler:
                 if wait.reason == "memory" and job.waiting != wait:
                     # A slot wait is ordinary queueing (`accepted` said how many are ahead);
                     # waiting for memory is news worth a line.
-                    job.emit(protocol.event(job.request_id, "progress", stage="waiting",
+                    job.emit(protocol.event(job.request_id, EventKind.PROGRESS, stage="waiting",
                                             reason=wait.reason, needed=wait.needed,
                                             free=wait.free))  # fmt: skip
                 job.waiting = wait
@@ -355,16 +234,16 @@ class RequestScheduler:
             job.admitted_at = time.monotonic()
             self._admitted.add(job)
         except ContextOverflowError as exc:
-            self._settle(job, protocol.CONTEXT_OVERFLOW, str(exc))
+            self._settle(job, ErrorCode.CONTEXT_OVERFLOW, str(exc))
             return _SETTLED
         except Exception:
             log.exception("request %r failed", job.request_id)
-            self._settle(job, protocol.INTERNAL,
+            self._settle(job, ErrorCode.INTERNAL,
                          "internal error in the daemon:\n" + traceback.format_exc())  # fmt: skip
             return _SETTLED
         return _ADMITTED
 
-    def _settle(self, job: Job, code: str, message: str) -> None:
+    def _settle(self, job: Job, code: ErrorCode, message: str) -> None:
         job.fail(code, message)
         self._outstanding -= 1
 
@@ -377,7 +256,7 @@ class RequestScheduler:
             detail = "internal error in the daemon:\n" + traceback.format_exc()
             for job in list(self._admitted):
                 self._admitted.discard(job)
-                self._settle(job, protocol.MODEL_ERROR, detail)
+                self._settle(job, ErrorCode.MODEL_ERROR, detail)
             self._engine.reset()
             return
         for job, stats in finished:
@@ -387,7 +266,7 @@ class RequestScheduler:
             stats["load_s"] = job.load_s
             # Stats go out for a cancelled request too: a chat keeps its partial answer, and
             # how much context it used.
-            job.emit(protocol.event(job.request_id, "stats", **stats))
+            job.emit(protocol.event(job.request_id, EventKind.STATS, **stats))
             if job.cancelled.is_set():
                 job.fail(job.cancel_code, _CANCEL_MESSAGES.get(job.cancel_code, "cancelled"))
             else:
@@ -396,7 +275,7 @@ class RequestScheduler:
     def _shut_down(self) -> None:
         """Stop: running requests end within a step, queued ones fail at once."""
         for job in list(self._admitted):
-            job.cancel(protocol.SHUTTING_DOWN)
+            job.cancel(ErrorCode.SHUTTING_DOWN)
         while self._engine.active:
             self._step()
         self._drain()
@@ -406,7 +285,7 @@ class RequestScheduler:
             if job is not None:
                 self._outstanding -= 1
                 job.fail(
-                    protocol.SHUTTING_DOWN, "the daemon is shutting down; run the command again"
+                    ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; run the command again"
                 )
 
     def _load(self, path: Path) -> bool:

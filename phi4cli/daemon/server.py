@@ -26,16 +26,10 @@ from phi4cli import __version__, protocol
 from phi4cli.atomicfile import write_atomic
 from phi4cli.config import FOREVER, Settings
 from phi4cli.daemon.jobs import Engine, Job
-from phi4cli.daemon.scheduler import (
-    QueueFullError,
-    RequestScheduler,
-    parse_chat_params,
-    parse_load_params,
-    parse_solve_params,
-)
+from phi4cli.daemon.scheduler import QueueFullError, RequestScheduler
 from phi4cli.errors import DaemonUnavailableError
 from phi4cli.paths import Paths, check_socket_path
-from phi4cli.protocol import ProtocolViolation, Request
+from phi4cli.protocol import ErrorCode, EventKind, Op, ProtocolViolation, Request
 
 log = logging.getLogger("phi4.daemon")
 
@@ -244,29 +238,33 @@ class DaemonServer:
             await self._close(connection)
             return
         self._connections.add(connection)
+        framer = protocol.LineFramer()
         try:
             while not connection.closed:
                 try:
-                    line = await reader.readuntil(b"\n")
-                except asyncio.IncompleteReadError as exc:
-                    if exc.partial.strip():
-                        self._dispatch(connection, exc.partial)
+                    data = await reader.read(65536)
+                except ConnectionError:
                     break
-                except asyncio.LimitOverrunError:
+                if not data:
+                    if framer.pending.strip():
+                        self._dispatch(connection, framer.pending)
+                    break
+                try:
+                    lines = framer.feed(data)
+                except protocol.LineTooLong:
                     # The rest of the line is still unread, so the stream cannot be resynchronised:
                     # answer, then hang up on this client only.
                     connection.send(
                         protocol.error_event(
                             None,
-                            protocol.BAD_REQUEST,
+                            ErrorCode.BAD_REQUEST,
                             f"request line longer than {protocol.MAX_LINE_BYTES} bytes",
                         )
                     )
                     break
-                except ConnectionError:
-                    break
-                if line.strip():
-                    self._dispatch(connection, line)
+                for line in lines:
+                    if line.strip():
+                        self._dispatch(connection, line)
                 await writer.drain()
         except ConnectionError:
             pass
@@ -290,14 +288,14 @@ class DaemonServer:
         try:
             request = protocol.parse_request(line)
             handler = {
-                "solve": self._op_solve,
-                "chat": self._op_solve,
-                "load": self._op_solve,
-                "status": self._op_status,
-                "stop": self._op_stop,
-                "cancel": self._op_cancel,
-                "ping": self._op_ping,
-            }[request.op]
+                Op.SOLVE: self._op_solve,
+                Op.CHAT: self._op_solve,
+                Op.LOAD: self._op_solve,
+                Op.STATUS: self._op_status,
+                Op.STOP: self._op_stop,
+                Op.CANCEL: self._op_cancel,
+                Op.PING: self._op_ping,
+            }[Op(request.op)]
             handler(connection, request)
         except ProtocolViolation as exc:
             connection.send(protocol.error_event(exc.request_id, exc.code, exc.message))
@@ -307,29 +305,28 @@ class DaemonServer:
             connection.send(
                 protocol.error_event(
                     request.id if request is not None else None,
-                    protocol.INTERNAL,
+                    ErrorCode.INTERNAL,
                     f"internal error in the daemon: {type(exc).__name__}: {exc}",
                 )
             )
 
     def _op_ping(self, connection: Connection, request: Request) -> None:
-        connection.send(
-            protocol.event(
-                request.id,
-                "done",
-                result={"protocol": protocol.PROTOCOL_VERSION, "version": __version__},
-            )
-        )
+        from phi4cli.client import install_id
+
+        # The client compares these with its own, and replaces a daemon from another install.
+        result = {"protocol": protocol.PROTOCOL_VERSION, "version": __version__,
+                  "install": install_id()}  # fmt: skip
+        connection.send(protocol.event(request.id, EventKind.DONE, result=result))
 
     def _op_status(self, connection: Connection, request: Request) -> None:
-        connection.send(protocol.event(request.id, "done", result=self.live_status()))
+        connection.send(protocol.event(request.id, EventKind.DONE, result=self.live_status()))
 
     def _op_stop(self, connection: Connection, request: Request) -> None:
         # Remove the status file before replying: once the client has the reply it may start a new
         # daemon, which must not find (and trust) ours.
         with contextlib.suppress(FileNotFoundError):
             self.paths.status_file.unlink()
-        connection.send(protocol.event(request.id, "done", result={"pid": os.getpid()}))
+        connection.send(protocol.event(request.id, EventKind.DONE, result={"pid": os.getpid()}))
         self.request_shutdown("stop requested")
 
     def _op_cancel(self, connection: Connection, request: Request) -> None:
@@ -341,7 +338,9 @@ class DaemonServer:
         job = connection.jobs.get(target)
         if job is not None:
             self.scheduler.cancel(job)
-        connection.send(protocol.event(request.id, "done", result={"cancelled": job is not None}))
+        connection.send(
+            protocol.event(request.id, EventKind.DONE, result={"cancelled": job is not None})
+        )
 
     def _op_solve(self, connection: Connection, request: Request) -> None:
         if request.id in connection.jobs:
@@ -354,11 +353,8 @@ class DaemonServer:
                 "the daemon is shutting down; run the command again",
                 request.id,
             )
-        parse = {"chat": parse_chat_params, "load": parse_load_params}.get(
-            request.op, parse_solve_params
-        )
         try:
-            params = parse(request.params, self.settings)
+            params = protocol.parse_params(request.op, request.params, self.settings)
         except ProtocolViolation as exc:
             raise ProtocolViolation(exc.code, exc.message, request.id) from None
         if params.keep_alive is not None:
@@ -380,7 +376,9 @@ class DaemonServer:
                 request.id,
             ) from None
         connection.jobs[request.id] = job
-        connection.send(protocol.event(request.id, "accepted", ahead=ahead, state=self.state))
+        connection.send(
+            protocol.event(request.id, EventKind.ACCEPTED, ahead=ahead, state=self.state)
+        )
 
     def _post(self, connection: Connection, request_id: Any, message: dict[str, Any]) -> None:
         """Hand an event from the engine thread to the event loop. Events posted before the loop
@@ -405,13 +403,14 @@ class DaemonServer:
 
     def _deliver(self, connection: Connection, request_id: Any, message: dict[str, Any]) -> None:
         connection.hold(message)
-        if message.get("event") == "stats":
+        kind = message.get("event")
+        if kind == EventKind.STATS:
             self.metrics.record(message)
-        elif message.get("event") == "error":
+        elif kind == EventKind.ERROR:
             self.metrics.errors[str(message.get("code"))] += 1
-        if message.get("event") in protocol.TERMINAL_EVENTS:
+        if kind in protocol.TERMINAL_EVENTS:
             connection.jobs.pop(request_id, None)
-            if message.get("event") == "done":
+            if kind == EventKind.DONE:
                 self.requests_served += 1
             self.last_activity = time.monotonic()
 
@@ -449,9 +448,7 @@ class DaemonServer:
             0o177
         )  # the socket is created 0600: no window where others can connect
         try:
-            server = await asyncio.start_unix_server(
-                self._handle, path=os.fspath(sock_path), limit=protocol.MAX_LINE_BYTES
-            )
+            server = await asyncio.start_unix_server(self._handle, path=os.fspath(sock_path))
         finally:
             os.umask(old_umask)
         os.chmod(sock_path, 0o600)
