@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import socket
 import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -114,3 +117,71 @@ def test_api_key_is_required_when_set_and_for_public_binds(tiny_model: Path):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)
+
+
+def _stream_then(server: str, action: Any) -> tuple[str, Exception | None]:
+    """Stream a long answer; once it has begun, run ``action``; return (text, error raised)."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    streamed = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Count."}], temperature=0,
+        max_tokens=3000, stream=True,
+    )  # fmt: skip
+    text = ""
+    try:
+        for number, chunk in enumerate(streamed):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                assert chunk.choices[0].finish_reason is None, "it must not end as a success"
+            if number == 5:
+                action()
+    except openai.APIError as error:
+        return text, error
+    return text, None
+
+
+def test_a_daemon_that_dies_mid_stream_is_an_error_event_not_a_traceback(tiny_model: Path):
+    # Before: a traceback in the server, and the SSE stream cut with no end.
+    proc, url = start_server(tiny_model)
+    try:
+        pid = json.loads(run_phi4("status", "--json").stdout)["pid"]
+        text, error = _stream_then(url, lambda: os.kill(pid, signal.SIGKILL))
+        assert text, "the answer had begun"
+        assert isinstance(error, openai.APIError)
+        assert "the daemon went away mid-answer" in str(error)
+        # The server lives on, and starts a fresh daemon for the next request.
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        again = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert again.choices[0].message.content is not None
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=20)
+    assert "Traceback" not in err, err
+
+
+def test_phi4_stop_mid_stream_is_reported_as_an_error(server: str):
+    # Before: `phi4 stop` reached the HTTP client as finish_reason "stop" and [DONE].
+    text, error = _stream_then(server, lambda: run_phi4("stop"))
+    assert text
+    assert isinstance(error, openai.APIError)
+    assert "shutting down" in str(error)
+
+
+def test_a_stuck_client_does_not_hold_up_others(server: str):
+    body = json.dumps({"model": "tiny", "stream": True, "max_tokens": 3000, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Count."}]}).encode()  # fmt: skip
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as stuck:
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/json\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+        assert stuck.recv(64).startswith(b"HTTP/1.1 200")  # streaming, and never read again
+        client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0,
+                               timeout=60)  # fmt: skip
+        for _ in range(3):
+            reply = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            assert reply.choices[0].finish_reason == "length"

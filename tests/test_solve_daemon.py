@@ -427,6 +427,29 @@ def test_daemon_of_another_protocol_version_is_restarted_once(tiny_model: Path, 
     assert status(phi4_home)["protocol"] == 1
 
 
+def test_daemon_from_another_install_is_replaced_like_dmypy(
+    tiny_model: Path, phi4_home: Path, tmp_path: Path
+):
+    # Before: a daemon left running from another install was used as long as the protocol
+    # number matched. A copy of the package elsewhere on PYTHONPATH is another install.
+    import phi4cli
+
+    other = tmp_path / "other-install"
+    shutil.copytree(Path(phi4cli.__file__).parent, other / "phi4cli")
+    env = {"PYTHONPATH": str(other)}
+    started = run_phi4("daemon", "start", "-m", str(tiny_model), env=env)
+    assert started.returncode == 0, started.stderr
+    first = status(phi4_home)
+    assert run_phi4("solve", "x", "-m", str(tiny_model), "-n", "1", env=env).returncode == 0
+    assert status(phi4_home)["pid"] == first["pid"], "the same install keeps its daemon"
+    result = run_phi4(*solve_args(tiny_model, "-n", "2"))
+    assert result.returncode == 0, result.stderr
+    assert f"the running daemon is from another install of phi4 ({other / 'phi4cli'})" in (
+        result.stderr
+    )
+    assert status(phi4_home)["pid"] != first["pid"]
+
+
 def test_daemon_run_in_foreground_serves_and_stops_on_ctrl_c(tiny_model: Path, phi4_home: Path):
     daemon = subprocess.Popen(
         [PHI4, "daemon", "run", "--model", str(tiny_model), "--keep-alive", "-1"],

@@ -95,7 +95,9 @@ def spawn_lock(paths: Paths) -> Iterator[None]:
 
 
 def daemon_command(settings: Settings, model_path: Path | None) -> list[str]:
-    command = [sys.executable, "-m", "phi4cli", "daemon", "run", "--keep-alive"]
+    # -P: not the working directory first on sys.path, so the daemon runs the same phi4 as the
+    # client even when started inside a source checkout (it would be "another install").
+    command = [sys.executable, "-P", "-m", "phi4cli", "daemon", "run", "--keep-alive"]
     command.append(str(settings.keep_alive))
     command += ["--n-ctx", str(settings.n_ctx or "auto"), "--ramdisk-mode", settings.ramdisk]
     command += ["--kv-cache-type", settings.kv_cache_type]
