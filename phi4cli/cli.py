@@ -152,25 +152,6 @@ def _root(
     """A local math solver: Phi-4-mini-reasoning, resident in a background daemon."""
 
 
-def _read_prompt(prompt: str | None) -> str:
-    """Combine the argument and piped stdin (argument first), like ``llm``; ``-`` means stdin."""
-    parts: list[str] = []
-    if prompt is not None and prompt != "-":
-        parts.append(prompt)
-    if prompt == "-" or not sys.stdin.isatty():
-        piped = sys.stdin.read()
-        if piped.strip():
-            parts.append(piped.strip("\n"))
-    if not parts:
-        raise UsageError(
-            'no question given: phi4 solve "What is 12*13?" or echo ... | phi4 solve -'
-        )
-    text = "\n\n".join(parts)
-    if not text.strip():
-        raise UsageError("the question is empty")
-    return text
-
-
 @app.command()
 def solve(
     prompt: Annotated[
@@ -233,59 +214,16 @@ def solve(
     ] = False,
 ) -> int:
     """Solve a problem (or a file of them), streaming the model's answer."""
-    from phi4cli.backends import make_backend
-    from phi4cli.models import resolve_model
-    from phi4cli.solving import (
-        OutputMode,
-        SolveJob,
-        read_problems,
-        solve_file,
-        solve_one,
-        solve_samples,
-    )
+    from phi4cli.solving import SolveOptions, run_solve
 
-    if (file is not None or each_line) and samples > 1:
-        raise UsageError("--samples works on one question, not with --file or --each-line")
-    if jsonl and file is None and not each_line:
-        raise UsageError("--jsonl goes with --file or --each-line; use --json for one question")
-    if each_line and file is None and prompt not in (None, "-"):
-        raise UsageError("--each-line reads problems from stdin: phi4 solve - --each-line")
-    paths = get_paths()
-    settings = _settings(
-        paths, model=model, system=system, temperature=temperature, top_p=top_p, seed=seed,
-        max_tokens=max_tokens, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads,
-        think_budget=think_budget, backend=backend,
+    options = SolveOptions(
+        prompt=prompt, model=model, show_reasoning=show_reasoning, answer_only=answer_only,
+        as_json=as_json, file=file, each_line=each_line, jsonl=jsonl, samples=samples,
+        think_budget=think_budget, system=system, temperature=temperature, top_p=top_p,
+        seed=seed, max_tokens=max_tokens, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads,
+        backend=backend, verbose=verbose,
     )  # fmt: skip
-    problems = read_problems(file or "-") if file is not None or each_line else None
-    question = _read_prompt(prompt) if problems is None else ""
-    model_path = None if settings.backend else resolve_model(settings.model, paths)
-    base: dict[str, Any] = {
-        "model": str(model_path or settings.model),
-        "system": settings.system,
-        "temperature": settings.temperature,
-        "top_p": settings.top_p,
-        "seed": settings.seed,
-        "max_tokens": settings.max_tokens,
-        "think_budget": settings.think_budget,
-    }
-    if keep_alive is not None or "PHI4_KEEP_ALIVE" in os.environ:
-        base["keep_alive"] = settings.keep_alive
-    backend_ = make_backend(paths, settings, model_path or settings.model, _stderr)
-    job = SolveJob(backend_, _stderr, base, seed=settings.seed)
-    mode = OutputMode(show_reasoning, answer_only, as_json, verbose)
-    try:
-        if problems is not None:
-            if not problems:
-                raise UsageError("no problems: the input has no non-blank lines")
-            return solve_file(job, problems, mode, jsonl)
-        if samples > 1:
-            return solve_samples(job, question, samples, mode)
-        return solve_one(job, question, mode)
-    except BrokenPipeError:
-        # The reader went away (`| head -1`): leaving here closes the connection, which stops
-        # the generation. Point stdout at /dev/null so the exit-time flush is quiet.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return ExitStatus.OK
+    return run_solve(options)
 
 
 @app.command()

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from typing import Any, TextIO
 
+from phi4cli.environment import Environment
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event, EventKind, Stats
 
@@ -31,15 +30,6 @@ def human_seconds(seconds: float | None) -> str:
         return f"{minutes}m {secs:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h {minutes:02d}m"
-
-
-def stdout_is_terminal() -> bool:
-    """Colour, spinners and Markdown only for a person at a terminal (and not under NO_COLOR)."""
-    return (
-        sys.stdout.isatty()
-        and not os.environ.get("NO_COLOR")
-        and os.environ.get("TERM", "") != "dumb"
-    )
 
 
 def format_stats(stats: Stats) -> str:
@@ -125,11 +115,15 @@ class TerminalPresenter:
     """For a person: a live "thinking" line, the solution as Markdown with readable math, and the
     final answer highlighted on its own line."""
 
-    def __init__(self, show_reasoning: bool, verbose: bool) -> None:
+    def __init__(self, show_reasoning: bool, verbose: bool, env: Environment | None = None) -> None:
         from rich.console import Console
 
-        self.out = Console(highlight=False)
-        self.err = Console(stderr=True, highlight=False)
+        if env is None:
+            self.out = Console(highlight=False)
+            self.err = Console(stderr=True, highlight=False)
+        else:
+            self.out = Console(file=env.stdout, highlight=False)
+            self.err = Console(file=env.stderr, highlight=False)
         self.show_reasoning, self.verbose = show_reasoning, verbose
         self._started = time.monotonic()
         self._reasoning_tokens = 0

@@ -4,20 +4,20 @@ showing the results the way the output calls for (terminal, pipe, ``--json``, ``
 
 from __future__ import annotations
 
-import contextlib
 import json
-import sys
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from phi4cli.backends import Backend
-from phi4cli.errors import ExitStatus
+from phi4cli.environment import Environment
+from phi4cli.errors import ExitStatus, UsageError
 from phi4cli.outcome import Outcome, exit_status
 from phi4cli.protocol import Event, EventKind
 from phi4cli.reasoning import majority_vote, normalize_answer
-from phi4cli.render import PlainPresenter, TerminalPresenter, no_answer_reason, stdout_is_terminal
+from phi4cli.render import PlainPresenter, TerminalPresenter, no_answer_reason
 
 Announce = Callable[[str], None]
 
@@ -28,9 +28,15 @@ class SolveJob:
     shares."""
 
     backend: Backend
-    announce: Announce
+    env: Environment
     base: dict[str, Any]
     seed: int | None = None
+
+    def announce(self, message: str) -> None:
+        self.env.notice(message)
+
+    def print(self, text: str = "") -> None:
+        print(text, file=self.env.stdout, flush=True)
 
     def params(self, question: str, **extra: Any) -> dict[str, Any]:
         return {**self.base, "prompt": question, **extra}
@@ -47,75 +53,105 @@ class OutputMode:
     verbose: bool = False
 
 
-@contextlib.contextmanager
-def _stderr_status(message: str) -> Iterator[Callable[[str], None]]:
-    """A spinner line on stderr while waiting, for a person at a terminal; yields an updater.
+class _StderrStatus:
+    """A spinner line on stderr while waiting, for a person at a terminal.
 
-    Not in a pipeline (stdout redirected, or NO_COLOR): there the output is plain text only.
+    Started on the first event, not before: the request is on its way to the daemon before rich
+    is imported. Not in a pipeline (stdout redirected, or NO_COLOR): plain text only there.
     """
-    if not (stdout_is_terminal() and sys.stderr.isatty()):
-        yield lambda _text: None
-        return
-    from rich.console import Console
 
-    with Console(stderr=True).status(message, spinner="dots") as status:
-        yield status.update
+    def __init__(self, env: Environment, message: str) -> None:
+        self._wanted = env.terminal and bool(env.stderr_isatty)
+        self._env, self._message = env, message
+        self._status: Any = None
+
+    def update(self, message: str) -> None:
+        self._message = message
+        if self._status is not None:
+            self._status.update(message)
+
+    def see(self, _event: Event) -> None:
+        if self._wanted and self._status is None:
+            from rich.console import Console
+
+            console = Console(file=self._env.stderr, force_terminal=True)
+            self._status = console.status(self._message, spinner="dots")
+            self._status.start()
+
+    def stop(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
 
 
-def _print_json(record: dict[str, Any]) -> None:
-    print(json.dumps(record, ensure_ascii=False, indent=2))
+def _print_json(job: SolveJob, record: dict[str, Any]) -> None:
+    job.print(json.dumps(record, ensure_ascii=False, indent=2))
 
 
-def _answer_line(answer: str) -> str:
-    if stdout_is_terminal():
+def _answer_line(job: SolveJob, answer: str) -> str:
+    if job.env.terminal:
         from phi4cli.latex import math_to_unicode
 
         return math_to_unicode(answer)
     return answer
 
 
+class _LazyPresenter:
+    """The presenter for the output, made on the first event (rich is imported only then, after
+    the request has gone out)."""
+
+    def __init__(self, env: Environment, mode: OutputMode) -> None:
+        self.env, self.mode = env, mode
+        self.presenter: PlainPresenter | TerminalPresenter | None = None
+
+    def get(self) -> PlainPresenter | TerminalPresenter:
+        if self.presenter is None:
+            mode = self.mode
+            self.presenter = (
+                TerminalPresenter(mode.show_reasoning, mode.verbose, self.env)
+                if self.env.terminal
+                else PlainPresenter(
+                    self.env.stdout, self.env.stderr, mode.show_reasoning, mode.verbose
+                )
+            )
+        return self.presenter
+
+
 def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     """Stream one question's answer; return the exit status."""
     outcome = Outcome(index=0, question=question)
     quiet = mode.as_json or mode.answer_only
-    presenter: PlainPresenter | TerminalPresenter | None = None
-    if not quiet:
-        presenter = (
-            TerminalPresenter(mode.show_reasoning, mode.verbose)
-            if stdout_is_terminal()
-            else PlainPresenter(sys.stdout, sys.stderr, mode.show_reasoning, mode.verbose)
-        )
+    presenter = _LazyPresenter(job.env, mode)
+    spinner = _StderrStatus(job.env, "solving…")
     loading = _ProgressNotice(job.announce)
 
     def on_event(_index: int, event: Event) -> None:
         loading.see(event)
         outcome.apply(event)
-        if presenter is not None:
-            presenter.on_event(event)
+        if quiet:
+            spinner.see(event)
+        else:
+            presenter.get().on_event(event)
 
     try:
-        if quiet:
-            with _stderr_status("solving…"):
-                job.run([job.params(question)], on_event)
-        else:
-            job.run([job.params(question)], on_event)
+        job.run([job.params(question)], on_event)
     finally:
-        if isinstance(presenter, TerminalPresenter):
-            presenter.stop()
+        spinner.stop()
+        if isinstance(presenter.presenter, TerminalPresenter):
+            presenter.presenter.stop()
     if outcome.error is not None:
-        if presenter is not None:
-            presenter.abort()
+        if presenter.presenter is not None:
+            presenter.presenter.abort()
         raise outcome.exception()
     if mode.as_json:
-        _print_json(outcome.to_json())
+        _print_json(job, outcome.to_json())
     elif mode.answer_only:
         answer = outcome.answer
-        print(_answer_line(answer) if answer is not None else "")
+        job.print(_answer_line(job, answer) if answer is not None else "")
         if answer is None:
             job.announce(no_answer_reason(outcome))
     else:
-        assert presenter is not None
-        presenter.finish(outcome)
+        presenter.get().finish(outcome)
     return exit_status([outcome], answer_required=mode.answer_only)
 
 
@@ -128,17 +164,21 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     ]
     loading = _ProgressNotice(job.announce)
     finished = 0
-    with _stderr_status(f"sampling… 0/{samples} done") as update:
+    spinner = _StderrStatus(job.env, f"sampling… 0/{samples} done")
 
-        def on_event(index: int, event: Event) -> None:
-            nonlocal finished
-            loading.see(event)
-            outcomes[index].apply(event)
-            if outcomes[index].done:
-                finished += 1
-                update(f"sampling… {finished}/{samples} done")
+    def on_event(index: int, event: Event) -> None:
+        nonlocal finished
+        loading.see(event)
+        spinner.see(event)
+        outcomes[index].apply(event)
+        if outcomes[index].done:
+            finished += 1
+            spinner.update(f"sampling… {finished}/{samples} done")
 
+    try:
         job.run(requests, on_event)
+    finally:
+        spinner.stop()
     good = [o for o in outcomes if o.error is None]
     if not good:
         raise outcomes[0].exception()
@@ -160,32 +200,30 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
                 for o in outcomes
             ],
         )  # fmt: skip
-        _print_json(record)
+        _print_json(job, record)
         return ExitStatus.OK
     if mode.answer_only:
-        print(_answer_line(vote.answer) if vote.answer is not None else "")
+        job.print(_answer_line(job, vote.answer) if vote.answer is not None else "")
         job.announce(f"{vote.agreement} samples agree" + (" (tie)" if vote.tie else ""))
         return ExitStatus.OK if vote.answer is not None else ExitStatus.ERROR
-    if stdout_is_terminal():
-        presenter = TerminalPresenter(mode.show_reasoning, mode.verbose)
+    if job.env.terminal:
+        presenter = TerminalPresenter(mode.show_reasoning, mode.verbose, job.env)
         presenter.print_outcome(winner, agreement=vote.agreement, answer=vote.answer)
     else:
-        print(winner.solution.strip())
+        job.print(winner.solution.strip())
         shown = vote.answer if vote.answer is not None else "(none)"
-        print(f"Answer: {shown} ({vote.agreement} samples agree)")
+        job.print(f"Answer: {shown} ({vote.agreement} samples agree)")
     return ExitStatus.OK
 
 
-def read_problems(source: str) -> list[tuple[int, str]]:
+def read_problems(source: str, env: Environment) -> list[tuple[int, str]]:
     """Return (line number, problem) for each non-blank line of a file, or of stdin for ``-``."""
     if source == "-":
-        text = sys.stdin.read()
+        text = env.stdin.read()
     else:
         try:
             text = Path(source).read_text(encoding="utf-8")
         except OSError as exc:
-            from phi4cli.errors import UsageError
-
             raise UsageError(f"cannot read {source}: {exc.strerror}") from None
     return [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
 
@@ -198,7 +236,7 @@ def solve_file(
     requests = [job.params(q, priority="bulk") for _line, q in problems]
     next_to_print = 0
     failed = 0
-    progress = _FileProgress(len(problems))
+    progress = _FileProgress(len(problems), job.env)
     loading = _ProgressNotice(job.announce)
 
     def emit(index: int) -> None:
@@ -207,21 +245,20 @@ def solve_file(
         line = problems[index][0]
         failed += outcome.error is not None
         if jsonl:
-            print(json.dumps({"line": line, **outcome.to_json()}, ensure_ascii=False), flush=True)
+            job.print(json.dumps({"line": line, **outcome.to_json()}, ensure_ascii=False))
         elif mode.answer_only:
-            print(outcome.answer or "", flush=True)
+            job.print(outcome.answer or "")
             if outcome.error is not None:
                 job.announce(f"line {line}: {outcome.error_message}")
             elif outcome.answer is None:
                 job.announce(f"line {line}: {no_answer_reason(outcome)}")
         else:
-            print(f"[{index + 1}] {outcome.question}")
+            job.print(f"[{index + 1}] {outcome.question}")
             if outcome.error is not None:
-                print(f"error: {outcome.error_message}\n", flush=True)
+                job.print(f"error: {outcome.error_message}\n")
             else:
-                print(outcome.solution.strip())
-                print(f"Answer: {outcome.answer if outcome.answer is not None else '(none)'}\n",
-                      flush=True)  # fmt: skip
+                job.print(outcome.solution.strip())
+                job.print(f"Answer: {outcome.answer if outcome.answer is not None else '(none)'}\n")
 
     def on_event(index: int, event: Event) -> None:
         nonlocal next_to_print
@@ -244,17 +281,19 @@ def solve_file(
 class _FileProgress:
     """A progress bar on stderr for `--file`, only when stderr is a terminal."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, env: Environment) -> None:
         self.total = total
+        self.env = env
         self._progress: Any = None
         self._task: Any = None
 
     def __enter__(self) -> _FileProgress:
-        if sys.stderr.isatty():
+        if self.env.stderr_isatty:
             from rich.console import Console
             from rich.progress import Progress
 
-            self._progress = Progress(console=Console(stderr=True), transient=True)
+            console = Console(file=self.env.stderr, force_terminal=True)
+            self._progress = Progress(console=console, transient=True)
             self._progress.start()
             self._task = self._progress.add_task("solving", total=self.total)
         return self
@@ -293,3 +332,101 @@ class _ProgressNotice:
             self._once("loading", f"loading {event.get('model', 'the model')}...")
         elif kind == EventKind.ACCEPTED and event.get("state") in ("loading", "warming"):
             self._once("loading", "waiting for the daemon to load the model...")
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    """`phi4 solve`'s options, as Typer (or the fast path, from the same table) parsed them."""
+
+    prompt: str | None = None
+    model: str | None = None
+    show_reasoning: bool = False
+    answer_only: bool = False
+    as_json: bool = False
+    file: str | None = None
+    each_line: bool = False
+    jsonl: bool = False
+    samples: int = 1
+    think_budget: int | None = None
+    system: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    keep_alive: str | None = None
+    n_ctx: str | None = None
+    threads: int | None = None
+    backend: str | None = None
+    verbose: bool = False
+
+
+def read_prompt(prompt: str | None, env: Environment) -> str:
+    """Combine the argument and piped stdin (argument first), like ``llm``; ``-`` means stdin."""
+    parts: list[str] = []
+    if prompt is not None and prompt != "-":
+        parts.append(prompt)
+    if prompt == "-" or not env.stdin_isatty:
+        piped = env.stdin.read()
+        if piped.strip():
+            parts.append(piped.strip("\n"))
+    if not parts:
+        raise UsageError(
+            'no question given: phi4 solve "What is 12*13?" or echo ... | phi4 solve -'
+        )
+    text = "\n\n".join(parts)
+    if not text.strip():
+        raise UsageError("the question is empty")
+    return text
+
+
+def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
+    """`phi4 solve`: one question, K samples, or a file of problems; return the exit status."""
+    from phi4cli.backends import make_backend
+    from phi4cli.config import load_settings
+    from phi4cli.models import resolve_model
+
+    env = env or Environment()
+    if (o.file is not None or o.each_line) and o.samples > 1:
+        raise UsageError("--samples works on one question, not with --file or --each-line")
+    if o.jsonl and o.file is None and not o.each_line:
+        raise UsageError("--jsonl goes with --file or --each-line; use --json for one question")
+    if o.each_line and o.file is None and o.prompt not in (None, "-"):
+        raise UsageError("--each-line reads problems from stdin: phi4 solve - --each-line")
+    paths = env.paths
+    settings = load_settings(paths.config_file, {
+        "model": o.model, "system": o.system, "temperature": o.temperature, "top_p": o.top_p,
+        "seed": o.seed, "max_tokens": o.max_tokens, "keep_alive": o.keep_alive,
+        "n_ctx": o.n_ctx, "threads": o.threads, "think_budget": o.think_budget,
+        "backend": o.backend,
+    })  # fmt: skip
+    reads_file = o.file is not None or o.each_line
+    problems = read_problems(o.file or "-", env) if reads_file else None
+    question = read_prompt(o.prompt, env) if problems is None else ""
+    model_path = None if settings.backend else resolve_model(settings.model, paths)
+    base: dict[str, Any] = {
+        "model": str(model_path or settings.model),
+        "system": settings.system,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "seed": settings.seed,
+        "max_tokens": settings.max_tokens,
+        "think_budget": settings.think_budget,
+    }
+    if o.keep_alive is not None or "PHI4_KEEP_ALIVE" in os.environ:
+        base["keep_alive"] = settings.keep_alive
+    backend = make_backend(paths, settings, model_path or settings.model, env.notice)
+    job = SolveJob(backend, env, base, seed=settings.seed)
+    mode = OutputMode(o.show_reasoning, o.answer_only, o.as_json, o.verbose)
+    try:
+        if problems is not None:
+            if not problems:
+                raise UsageError("no problems: the input has no non-blank lines")
+            return solve_file(job, problems, mode, o.jsonl)
+        if o.samples > 1:
+            return solve_samples(job, question, o.samples, mode)
+        return solve_one(job, question, mode)
+    except BrokenPipeError:
+        # The reader went away (`| head -1`): leaving here closes the connection, which stops
+        # the generation. Point stdout at /dev/null so the exit-time flush is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), env.stdout.fileno())
+        return ExitStatus.OK

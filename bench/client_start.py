@@ -1,0 +1,151 @@
+"""How fast a warm `phi4 solve` starts: the client's own cost, against the floor it cannot beat.
+
+    python bench/client_start.py [--model PATH] [--runs 30] [--llama-server PATH]
+
+For a one-token answer from a warm daemon, medians over ``--runs`` of:
+
+- ``python -c pass``: starting this interpreter (with this environment's site-packages);
+- the daemon's own time: the same request sent over an open connection from this process, so no
+  process start and no imports — what the daemon itself takes;
+- ``phi4 solve "..." -n 1`` piped: the whole command, as a shell loop runs it;
+- ``phi4 solve`` at a terminal is not timed (it needs a pty); it sends its request before it
+  imports rich, so the daemon starts work as early as in the piped case;
+- with ``--llama-server``: ``curl`` asking llama.cpp's llama-server (same model) for one token.
+
+The goal (issue 10): ``phi4 solve`` within 1.5x of ``python -c pass`` + the daemon's own time.
+Writes bench/results/client_start-<model>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+QUESTION = "What is 2+2?"
+PHI4 = str(Path(sys.executable).with_name("phi4"))
+
+
+def timed(command: list[str], env: dict[str, str], runs: int) -> list[float]:
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        subprocess.run(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL, check=True)  # fmt: skip
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def daemon_own(home: Path, model: Path, runs: int) -> list[float]:
+    from phi4cli.client import DaemonConnection
+
+    params = {"prompt": QUESTION, "model": str(model), "max_tokens": 1, "temperature": 0}
+    times = []
+    with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
+        for _ in range(runs):
+            started = time.perf_counter()
+            *_, last = connection.request("solve", params)
+            assert last.kind == "done", last
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def curl_llama_server(binary: str, model: Path, runs: int) -> list[float]:
+    port = free_port()
+    server = subprocess.Popen([binary, "-m", str(model), "--port", str(port), "-c", "2048",
+                               "--log-disable"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while subprocess.run(["curl", "-sf", f"{url}/health"], stdout=subprocess.DEVNULL,
+                             check=False).returncode != 0:  # fmt: skip
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise SystemExit("llama-server did not start")
+            time.sleep(0.2)
+        body = json.dumps({"messages": [{"role": "user", "content": QUESTION}],
+                           "max_tokens": 1, "temperature": 0})  # fmt: skip
+        command = ["curl", "-s", f"{url}/v1/chat/completions", "-H",
+                   "Content-Type: application/json", "-d", body]  # fmt: skip
+        timed(command, dict(os.environ), 3)  # warm its cache like ours
+        return timed(command, dict(os.environ), runs)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a .gguf (default: the tiny test model)")
+    parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--llama-server", help="path to llama.cpp's llama-server binary")
+    args = parser.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="phi4-bench-"))
+    env = {**os.environ, "PHI4_HOME": str(home)}
+    if args.model:
+        model = Path(args.model).resolve()
+    else:
+        from tests.tinymodel import write_tiny_phi3
+
+        model = write_tiny_phi3(home / "tiny-phi3.gguf")
+    subprocess.run([PHI4, "daemon", "start", "-m", str(model)], env=env, check=True,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+    os.environ["PHI4_HOME"] = str(home)
+    try:
+        solve = [PHI4, "solve", QUESTION, "-m", str(model), "-n", "1", "-t", "0"]
+        timed(solve, env, 3)  # the daemon's prompt cache and the page cache, as a user has them
+        rows: dict[str, list[float]] = {
+            "python -c pass": timed([sys.executable, "-c", "pass"], env, args.runs),
+            "daemon's own time": daemon_own(home, model, args.runs),
+            "phi4 solve (piped)": timed(solve, env, args.runs),
+        }
+        if args.llama_server:
+            rows["curl to llama-server"] = curl_llama_server(args.llama_server, model, args.runs)
+    finally:
+        subprocess.run([PHI4, "stop"], env=env, check=False, stdout=subprocess.DEVNULL)
+    medians = {name: statistics.median(times) for name, times in rows.items()}
+    floor = medians["python -c pass"] + medians["daemon's own time"]
+    ratio = medians["phi4 solve (piped)"] / floor
+    lines = [
+        f"# Client start, one-token answer, warm daemon ({model.name})",
+        "",
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"median of {args.runs} runs each",
+        "",
+        "| what | median | |",
+        "|---|---|---|",
+    ]
+    for name, value in medians.items():
+        note = ""
+        if name == "phi4 solve (piped)":
+            note = f"{ratio:.2f}x the floor (python -c pass + daemon's own time, {floor * 1000:.1f} ms)"
+        lines.append(f"| {name} | {value * 1000:.1f} ms | {note} |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    out = ROOT / "bench" / "results" / f"client_start-{model.stem}"
+    out.with_suffix(".md").write_text(report)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"model": model.name, "runs": args.runs, "medians_s": medians, "floor_s": floor,
+         "ratio": ratio, "samples_s": rows}, indent=2) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
