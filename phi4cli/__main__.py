@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from phi4cli.cli import main
+from phi4cli.entry import main
 
 if __name__ == "__main__":
     main()

@@ -741,30 +741,25 @@ def pull(
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    """Run the CLI and exit with the documented exit code for whatever happened."""
-    command = typer.main.get_command(app)
-    try:
-        code = command.main(args=argv, prog_name="phi4", standalone_mode=False)
-        sys.stdout.flush()
-        sys.exit(code if isinstance(code, int) else ExitStatus.OK)
-    except _click_exceptions.UsageError as exc:
-        exc.show()
-        sys.exit(ExitStatus.USAGE)
-    except _click_exceptions.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except (KeyboardInterrupt, typer.Abort):
-        print(file=sys.stderr)
-        sys.exit(ExitStatus.INTERRUPTED)
-    except Phi4Error as exc:
-        if os.environ.get("PHI4_DEBUG"):
-            import traceback
+    """Run the Typer app and exit with the documented exit code for whatever happened.
 
-            traceback.print_exc()
-        _stderr(f"error: {exc}")
-        sys.exit(exc.exit_status)
-    except Exception as exc:
-        if os.environ.get("PHI4_DEBUG"):
-            raise
-        _stderr(f"internal error: {type(exc).__name__}: {exc} (PHI4_DEBUG=1 shows the traceback)")
-        sys.exit(ExitStatus.ERROR)
+    ``phi4cli.entry.main`` (the ``phi4`` script) comes here for everything but the fast solve.
+    """
+    from phi4cli.entry import run_reporting
+
+    command = typer.main.get_command(app)
+
+    def run() -> int | None:
+        try:
+            code = command.main(args=argv, prog_name="phi4", standalone_mode=False)
+        except _click_exceptions.UsageError as exc:
+            exc.show()
+            return ExitStatus.USAGE
+        except _click_exceptions.ClickException as exc:
+            exc.show()
+            return int(exc.exit_code)
+        except typer.Abort:
+            raise KeyboardInterrupt from None
+        return code if isinstance(code, int) else None
+
+    run_reporting(run)

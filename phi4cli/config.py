@@ -4,16 +4,11 @@ The result is one frozen :class:`Settings`; every other module reads settings fr
 else reads the environment or the config file.
 """
 
-from __future__ import annotations
-
-import json
 import os
 import re
-import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from phi4cli.errors import ConfigError
 
@@ -185,8 +180,7 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
 }
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(NamedTuple):
     model: str = DEFAULT_MODEL
     keep_alive: float = DEFAULT_KEEP_ALIVE
     # KV cache cells shared by all requests; None: planned from the model and free memory.
@@ -205,7 +199,7 @@ class Settings:
     max_queue: int = 64  # requests waiting in the daemon before it answers busy
     parallel: int = 4  # requests decoded together (slots of the one llama context)
     backend: str | None = None  # an OpenAI-compatible server to use instead of the daemon
-    backend_timeout: float = 300.0  # how long a remote server may send nothing before phi4 gives up
+    backend_timeout: float = 300.0  # seconds a remote server may send nothing before we give up
     # None: the chat template's own default system prompt ("Your name is Phi, ...").
     system: str | None = None
 
@@ -230,10 +224,16 @@ def parse_setting(key: str, value: object, source: str) -> Any:
 def read_config_file(path: Path) -> dict[str, Any]:
     """Return the parsed config file ({} when absent); raise ConfigError naming bad keys."""
     try:
-        with path.open("rb") as handle:
-            data = tomllib.load(handle)
+        handle = path.open("rb")
     except FileNotFoundError:
-        return {}
+        return {}  # no config file: no TOML parser to import either
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    import tomllib
+
+    try:
+        with handle:
+            data = tomllib.load(handle)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
     unknown = sorted(set(data) - set(_FIELDS))
@@ -254,10 +254,10 @@ def load_settings(
     values: dict[str, Any] = {}
     for key, value in read_config_file(config_file).items():
         values[key] = parse_setting(key, value, str(config_file))
-    for field in fields(Settings):
-        name = env_name(field.name)
+    for key in Settings._fields:
+        name = env_name(key)
         if name in environ:
-            values[field.name] = parse_setting(field.name, environ[name], name)
+            values[key] = parse_setting(key, environ[name], name)
     for key, value in (overrides or {}).items():
         if value is not None:
             values[key] = parse_setting(key, value, f"--{key.replace('_', '-')}")
@@ -272,12 +272,10 @@ def setting_sources(
     settings = load_settings(config_file, {}, environ)
     in_file = read_config_file(config_file)
     sources: dict[str, tuple[Any, str]] = {}
-    for field in fields(Settings):
-        name = env_name(field.name)
-        source = (
-            name if name in environ else str(config_file) if field.name in in_file else "default"
-        )
-        sources[field.name] = (getattr(settings, field.name), source)
+    for key in Settings._fields:
+        name = env_name(key)
+        source = name if name in environ else str(config_file) if key in in_file else "default"
+        sources[key] = (getattr(settings, key), source)
     return sources
 
 
@@ -286,6 +284,8 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    import json
+
     return json.dumps(str(value), ensure_ascii=False)  # JSON strings are TOML basic strings
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
 from typing import TextIO
 
 from phi4cli.paths import Paths, get_paths
@@ -19,34 +18,34 @@ def _isatty(stream: TextIO) -> bool:
         return False
 
 
-@dataclass
 class Environment:
-    stdin: TextIO = field(default_factory=lambda: sys.stdin)
-    stdout: TextIO = field(default_factory=lambda: sys.stdout)
-    stderr: TextIO = field(default_factory=lambda: sys.stderr)
-    stdin_isatty: bool | None = None  # None: ask the stream
-    stdout_isatty: bool | None = None
-    stderr_isatty: bool | None = None
-    # NO_COLOR set, or TERM=dumb: plain text even at a terminal.
-    colour: bool = field(
-        default_factory=lambda: (
-            not os.environ.get("NO_COLOR") and os.environ.get("TERM", "") != "dumb"
-        )
-    )
-    paths: Paths = field(default_factory=get_paths)
-
-    def __post_init__(self) -> None:
-        if self.stdin_isatty is None:
-            self.stdin_isatty = _isatty(self.stdin)
-        if self.stdout_isatty is None:
-            self.stdout_isatty = _isatty(self.stdout)
-        if self.stderr_isatty is None:
-            self.stderr_isatty = _isatty(self.stderr)
+    def __init__(
+        self,
+        stdin: TextIO | None = None,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+        *,
+        stdin_isatty: bool | None = None,  # None: ask the stream
+        stdout_isatty: bool | None = None,
+        stderr_isatty: bool | None = None,
+        colour: bool | None = None,  # None: unless NO_COLOR is set or TERM=dumb
+        paths: Paths | None = None,
+    ) -> None:
+        self.stdin = stdin or sys.stdin
+        self.stdout = stdout or sys.stdout
+        self.stderr = stderr or sys.stderr
+        self.stdin_isatty = _isatty(self.stdin) if stdin_isatty is None else stdin_isatty
+        self.stdout_isatty = _isatty(self.stdout) if stdout_isatty is None else stdout_isatty
+        self.stderr_isatty = _isatty(self.stderr) if stderr_isatty is None else stderr_isatty
+        if colour is None:
+            colour = not os.environ.get("NO_COLOR") and os.environ.get("TERM", "") != "dumb"
+        self.colour = colour
+        self.paths = paths if paths is not None else get_paths()
 
     @property
     def terminal(self) -> bool:
         """A person reads stdout: colour, spinners, Markdown, live status."""
-        return bool(self.stdout_isatty) and self.colour
+        return self.stdout_isatty and self.colour
 
     def notice(self, message: str) -> None:
         """One line for the user on stderr, prefixed ``phi4:``."""

@@ -1,9 +1,7 @@
 """The Phi4Error hierarchy and the exit code each error maps to."""
 
-from __future__ import annotations
-
-from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 from phi4cli.protocol import ErrorCode
 
@@ -86,8 +84,7 @@ class CancelledError(Phi4Error):
     exit_status = ExitStatus.INTERRUPTED
 
 
-@dataclass(frozen=True)
-class ErrorKind:
+class ErrorKind(NamedTuple):
     """What one protocol error code means on each side: the exception the CLI raises (and so
     its exit status) and the HTTP status ``phi4 serve`` answers with."""
 

@@ -4,12 +4,9 @@ Only the standard library at import time: ``phi4 solve`` resolves its model thro
 huggingface_hub and gguf (which pulls in numpy) are imported inside the functions needing them.
 """
 
-from __future__ import annotations
-
-import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from phi4cli.errors import DownloadError, InvalidModelError, ModelNotFoundError
 from phi4cli.paths import Paths
@@ -17,8 +14,7 @@ from phi4cli.paths import Paths
 GGUF_MAGIC = b"GGUF"
 
 
-@dataclass(frozen=True)
-class ModelAlias:
+class ModelAlias(NamedTuple):
     name: str
     description: str
     filename: str
@@ -61,6 +57,8 @@ def looks_like_path(spec: str) -> bool:
 
 def _package_dir(package: str) -> Path | None:
     # find_spec on a top-level name locates the package without importing (running) it.
+    import importlib.util
+
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -141,8 +139,7 @@ def validate_gguf(path: Path) -> None:
         ) from None
 
 
-@dataclass(frozen=True)
-class ModelListing:
+class ModelListing(NamedTuple):
     name: str
     description: str
     path: Path | None

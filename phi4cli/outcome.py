@@ -5,7 +5,6 @@ The one place events become an answer: ``solve``, ``chat`` and ``serve`` all fol
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from phi4cli.errors import ExitStatus, Phi4Error, error_for
@@ -13,15 +12,15 @@ from phi4cli.protocol import ErrorCode, Event, EventKind, Stats
 from phi4cli.reasoning import extract_final_answer
 
 
-@dataclass
 class Outcome:
-    index: int
-    question: str
-    reasoning: str = ""
-    solution: str = ""
-    stats: Stats | None = None
-    error: Event | None = None  # the terminal error event, if the request failed
-    done: bool = False
+    def __init__(self, index: int, question: str) -> None:
+        self.index = index
+        self.question = question
+        self.reasoning = ""
+        self.solution = ""
+        self.stats: Stats | None = None
+        self.error: Event | None = None  # the terminal error event, if the request failed
+        self.done = False
 
     def apply(self, event: Event) -> None:
         """Fold one event into the outcome."""

@@ -1,21 +1,17 @@
 """Every file location phi4 uses, from platformdirs; ``PHI4_HOME`` relocates them all."""
 
-from __future__ import annotations
-
 import os
 import stat
 import sys
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 APP_NAME = "phi4"
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL on Linux.
 MAX_SOCKET_PATH = 107
 
 
-@dataclass(frozen=True)
-class Paths:
+class Paths(NamedTuple):
     config_dir: Path
     data_dir: Path
     state_dir: Path
@@ -88,6 +84,8 @@ def _default_runtime_dir() -> Path:
 
         return Path(user_runtime_dir(APP_NAME))
     # Containers, cron jobs and ssh sessions without a session manager have no XDG_RUNTIME_DIR.
+    import tempfile
+
     return Path(tempfile.gettempdir()) / f"{APP_NAME}-{os.getuid()}"
 
 

@@ -10,14 +10,11 @@ event lines carrying the same id: ``accepted``, ``progress``, ``reasoning``, ``t
 ``retract``, ``stats``, and then exactly one terminal ``done`` or ``error``.
 """
 
-from __future__ import annotations
-
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 if TYPE_CHECKING:
     from phi4cli.config import Settings
@@ -75,7 +72,7 @@ class ErrorCode(StrEnum):
         return self in (ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN)
 
     @classmethod
-    def of(cls, value: object) -> ErrorCode:
+    def of(cls, value: object) -> "ErrorCode":
         """The code named by ``value``; an unknown one (a newer daemon's) counts as internal."""
         try:
             return cls(str(value))
@@ -109,8 +106,11 @@ class ProtocolViolation(Exception):
 # --- statistics ---------------------------------------------------------------------------------
 
 
-@dataclass
-class Stats:
+# The records here are NamedTuples, not dataclasses: importing dataclasses (it imports inspect)
+# would cost every `phi4 solve` more than the daemon takes to answer a short question.
+
+
+class Stats(NamedTuple):
     """What one answer cost: tokens by kind, timings, how it ended. The daemon measures all of it;
     a remote engine fills what its server reports (``measured`` says which were counted here)."""
 
@@ -134,19 +134,16 @@ class Stats:
     context_used: int | None = None
     n_ctx: int | None = None
     dropped_turns: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)  # anything else the engine reported
+    extra: Mapping[str, Any] = {}  # anything else the engine reported (never mutated)
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> Stats:
-        known = {f.name for f in fields(cls)} - {"extra"}
-        stats = cls(**{k: v for k, v in data.items() if k in known})
-        stats.extra = {
-            k: v for k, v in data.items() if k not in known and k not in ("v", "id", "event")
-        }
-        return stats
+    def from_mapping(cls, data: Mapping[str, Any]) -> "Stats":
+        known = set(cls._fields) - {"extra"}
+        extra = {k: v for k, v in data.items() if k not in known and k not in ("v", "id", "event")}
+        return cls(**{k: v for k, v in data.items() if k in known}, extra=extra)
 
     def to_dict(self) -> JSON:
-        record = asdict(self)
+        record = self._asdict()
         return {**record, **record.pop("extra")}
 
     @property
@@ -158,17 +155,16 @@ class Stats:
 # --- events -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
     """One event of a request's stream, as the client side sees it."""
 
     kind: EventKind
     id: Any = None
     text: str = ""
-    data: Mapping[str, Any] = field(default_factory=dict)  # the kind's other fields
+    data: Mapping[str, Any] = {}  # the kind's other fields (never mutated)
 
     @classmethod
-    def from_wire(cls, message: Mapping[str, Any]) -> Event:
+    def from_wire(cls, message: Mapping[str, Any]) -> "Event":
         """Read a decoded event line; raise ProtocolViolation for one that is not an event."""
         try:
             kind = EventKind(str(message.get("event")))
@@ -180,12 +176,12 @@ class Event:
         return cls(kind, message.get("id"), str(message.get("text") or ""), data)
 
     @classmethod
-    def error(cls, code: ErrorCode, message: str, request_id: Any = None) -> Event:
+    def error(cls, code: ErrorCode, message: str, request_id: Any = None) -> "Event":
         return cls(EventKind.ERROR, request_id, data={"code": code, "message": message,
                                                       "retryable": code.retryable})  # fmt: skip
 
     @classmethod
-    def of_stats(cls, stats: Stats, request_id: Any = None) -> Event:
+    def of_stats(cls, stats: Stats, request_id: Any = None) -> "Event":
         return cls(EventKind.STATS, request_id, data=stats.to_dict())
 
     def to_wire(self) -> JSON:
@@ -228,11 +224,10 @@ _TEXT_KINDS = frozenset({EventKind.TOKEN, EventKind.REASONING})
 # --- requests -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     id: Any
     op: str
-    params: JSON = field(default_factory=dict)
+    params: JSON
     v: int = PROTOCOL_VERSION
 
 
@@ -243,8 +238,7 @@ PRIORITIES: Final = {"interactive": PRIORITY_INTERACTIVE, "solve": PRIORITY_SOLV
                      "bulk": PRIORITY_BULK}  # fmt: skip
 
 
-@dataclass(frozen=True)
-class SolveParams:
+class SolveParams(NamedTuple):
     """A solve, chat or load request's parameters, validated (see ``parse_params``)."""
 
     prompt: str
@@ -281,7 +275,7 @@ def _optional_int(params: Mapping[str, Any], key: str, low: int) -> int | None:
     return value
 
 
-def parse_solve_params(params: Mapping[str, Any], defaults: Settings) -> SolveParams:
+def parse_solve_params(params: Mapping[str, Any], defaults: "Settings") -> SolveParams:
     """Validate a solve request's params against the daemon's defaults.
 
     Raise ProtocolViolation(bad_request) naming the offending field.
@@ -351,7 +345,7 @@ def check_history(history: object) -> tuple[dict[str, str], ...]:
     return tuple({"role": m["role"], "content": m["content"]} for m in history)
 
 
-def parse_chat_params(params: Mapping[str, Any], defaults: Settings) -> SolveParams:
+def parse_chat_params(params: Mapping[str, Any], defaults: "Settings") -> SolveParams:
     """Validate a chat request: ``session``, ``message`` and ``history`` (complete turns).
 
     Raise ProtocolViolation(bad_request) naming the offending field.
@@ -363,10 +357,10 @@ def parse_chat_params(params: Mapping[str, Any], defaults: Settings) -> SolvePar
     solve = parse_solve_params(
         {**params, "prompt": params.get("message"), "priority": "interactive"}, defaults
     )
-    return replace(solve, session=session, history=turns)
+    return solve._replace(session=session, history=turns)
 
 
-def parse_load_params(params: Mapping[str, Any], defaults: Settings) -> SolveParams:
+def parse_load_params(params: Mapping[str, Any], defaults: "Settings") -> SolveParams:
     """Validate a load request (``model``); raise ProtocolViolation(bad_request)."""
     model = params.get("model")
     if not isinstance(model, str) or not model:
@@ -374,10 +368,10 @@ def parse_load_params(params: Mapping[str, Any], defaults: Settings) -> SolvePar
     request = {"prompt": "-", "model": model, "priority": "interactive"}
     if "keep_alive" in params:
         request["keep_alive"] = params["keep_alive"]
-    return replace(parse_solve_params(request, defaults), prompt="", load_only=True)
+    return parse_solve_params(request, defaults)._replace(prompt="", load_only=True)
 
 
-def parse_params(op: str, params: Mapping[str, Any], defaults: Settings) -> SolveParams:
+def parse_params(op: str, params: Mapping[str, Any], defaults: "Settings") -> SolveParams:
     """Validate the params of a solve, chat or load request."""
     parse = {Op.SOLVE: parse_solve_params, Op.CHAT: parse_chat_params,
              Op.LOAD: parse_load_params}[Op(op)]  # fmt: skip

@@ -4,12 +4,10 @@ Pure functions and small state machines; no I/O. Both the daemon (which counts r
 for ``--think-budget``) and the client (which folds reasoning away) use them.
 """
 
-from __future__ import annotations
-
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -217,8 +215,7 @@ def normalize_answer(answer: str) -> str:
     return text
 
 
-@dataclass(frozen=True)
-class Vote:
+class Vote(NamedTuple):
     """The outcome of self-consistency voting."""
 
     answer: str | None  # the winning answer as first written, None if no sample had one

@@ -2,14 +2,11 @@
 showing the results the way the output calls for (terminal, pipe, ``--json``, ``--answer-only``).
 """
 
-from __future__ import annotations
-
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from phi4cli.backends import Backend
 from phi4cli.environment import Environment
@@ -22,8 +19,7 @@ from phi4cli.render import PlainPresenter, TerminalPresenter, no_answer_reason
 Announce = Callable[[str], None]
 
 
-@dataclass(frozen=True)
-class SolveJob:
+class SolveJob(NamedTuple):
     """What answers (the daemon or a remote server) and what every request of this command
     shares."""
 
@@ -45,8 +41,7 @@ class SolveJob:
         self.backend.run(requests, on_event)
 
 
-@dataclass(frozen=True)
-class OutputMode:
+class OutputMode(NamedTuple):
     show_reasoning: bool = False
     answer_only: bool = False
     as_json: bool = False
@@ -287,7 +282,7 @@ class _FileProgress:
         self._progress: Any = None
         self._task: Any = None
 
-    def __enter__(self) -> _FileProgress:
+    def __enter__(self) -> "_FileProgress":
         if self.env.stderr_isatty:
             from rich.console import Console
             from rich.progress import Progress
@@ -334,8 +329,7 @@ class _ProgressNotice:
             self._once("loading", "waiting for the daemon to load the model...")
 
 
-@dataclass(frozen=True)
-class SolveOptions:
+class SolveOptions(NamedTuple):
     """`phi4 solve`'s options, as Typer (or the fast path, from the same table) parsed them."""
 
     prompt: str | None = None

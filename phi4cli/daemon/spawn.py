@@ -5,25 +5,23 @@ Liveness is decided by the daemon's lock file, not by pids: the running daemon h
 by SIGKILL, so a lock that can be taken means whatever socket or status file is left is stale.
 """
 
-from __future__ import annotations
-
 import contextlib
 import fcntl
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    import subprocess
 
 from phi4cli.config import Settings
 from phi4cli.paths import Paths
 
 
-@dataclass(frozen=True)
-class DaemonStatus:
+class DaemonStatus(NamedTuple):
     """What the daemon's status file says (pid, socket, protocol, model, state)."""
 
     pid: int
@@ -132,8 +130,10 @@ def rotate_log(log_file: Path) -> None:
 
 def spawn_daemon(
     paths: Paths, settings: Settings, model_path: Path | None
-) -> subprocess.Popen[bytes]:
+) -> "subprocess.Popen[bytes]":
     """Start ``phi4 daemon run`` in its own session, its output appended to the daemon log."""
+    import subprocess
+
     paths.state_dir.mkdir(parents=True, exist_ok=True)
     rotate_log(paths.log_file)
     with open(paths.log_file, "ab") as log:

@@ -1,0 +1,114 @@
+"""The ``phi4`` command's entry point: a fast way in for ``phi4 solve``, Typer for the rest.
+
+A warm ``phi4 solve "..."`` is mostly interpreter start-up and imports: Typer and click alone cost
+several times what the daemon needs to answer a short question. So ``solve`` is parsed here from
+a table generated from the Typer command itself (``_solve_options``, kept current by
+``python -m phi4cli.docs`` and a test) and goes straight to ``solving.run_solve``. Anything this
+parser is not sure of (``--help``, completion, an unknown option, a value Typer would refuse)
+goes to Typer, which then says exactly what it always says.
+
+This is also the one place that turns an exception into an exit status and a line on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+
+def _stderr(message: str) -> None:
+    print(f"phi4: {message}", file=sys.stderr, flush=True)
+
+
+def run_reporting(run: Callable[[], int | None]) -> NoReturn:
+    """Run a command and exit with the documented status for whatever happened."""
+    from phi4cli.errors import ExitStatus, Phi4Error
+
+    try:
+        code = run()
+        sys.stdout.flush()
+        sys.exit(code if isinstance(code, int) else ExitStatus.OK)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        sys.exit(ExitStatus.INTERRUPTED)
+    except Phi4Error as exc:
+        if os.environ.get("PHI4_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        _stderr(f"error: {exc}")
+        sys.exit(exc.exit_status)
+    except Exception as exc:
+        if os.environ.get("PHI4_DEBUG"):
+            raise
+        _stderr(f"internal error: {type(exc).__name__}: {exc} (PHI4_DEBUG=1 shows the traceback)")
+        sys.exit(ExitStatus.ERROR)
+
+
+def parse_solve(args: list[str]) -> dict[str, Any] | None:
+    """Parse ``phi4 solve``'s arguments as Typer would; None when unsure (Typer decides then)."""
+    from phi4cli._solve_options import ARGUMENT, DEFAULTS, OPTIONS
+
+    values: dict[str, Any] = dict(DEFAULTS)
+    positional: list[str] = []
+    index = 0
+    while index < len(args):
+        token = args[index]
+        index += 1
+        if token == "--":
+            positional += args[index:]
+            break
+        if not token.startswith("-") or token == "-":
+            positional.append(token)
+            continue
+        if token.startswith("--"):
+            name, equals, attached = token.partition("=")  # --max-tokens=4
+        elif len(token) > 2:
+            name, equals, attached = token[:2], "=", token[2:]  # -n4 (and -n=4 is "=4")
+        else:
+            name, equals, attached = token, "", ""
+        spec = OPTIONS.get(name)
+        if spec is None:
+            return None  # --help, -h, a typo, combined flags: Typer's to answer
+        dest, kind, bounds = spec
+        if kind == "flag":
+            if equals:
+                return None
+            values[dest] = True
+            continue
+        if equals:
+            raw = attached
+        elif index < len(args):
+            raw, index = args[index], index + 1
+        else:
+            return None
+        try:
+            value: Any = int(raw) if kind == "int" else float(raw) if kind == "float" else raw
+        except ValueError:
+            return None
+        if bounds is not None:
+            low, high = bounds
+            if (low is not None and value < low) or (high is not None and value > high):
+                return None
+        values[dest] = value
+    if len(positional) > 1:
+        return None
+    if positional:
+        values[ARGUMENT] = positional[0]
+    return values
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["solve"] and "_PHI4_COMPLETE" not in os.environ:
+        parsed = parse_solve(args[1:])
+        if parsed is not None:
+            from phi4cli.solving import SolveOptions, run_solve
+
+            options = SolveOptions(**parsed)
+            run_reporting(lambda: run_solve(options))
+    from phi4cli.cli import main as typer_main
+
+    typer_main(args)

@@ -1,0 +1,98 @@
+"""The fast entry for `phi4 solve`: it parses exactly as the Typer command does (or hands over
+to Typer), and the common command reaches the daemon without importing Typer, rich or
+prompt-toolkit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phi4cli._solve_options import OPTIONS
+from phi4cli.cli import app
+from phi4cli.entry import parse_solve
+from tests.conftest import run_phi4
+
+SOLVE = typer.main.get_command(app).commands["solve"]  # type: ignore[attr-defined]
+
+
+def typer_parse(args: list[str]) -> dict[str, Any] | None:
+    """What Typer hands the solve command for ``args``; None when it refuses them."""
+    try:
+        context = SOLVE.make_context("solve", list(args), resilient_parsing=False)
+    except Exception:
+        return None
+    return dict(context.params)
+
+
+VALUES = st.sampled_from(["0", "1", "7", "64", "65", "-1", "0.5", "x", "", "-", "--json", "3e2"])
+TOKENS = st.one_of(
+    st.sampled_from(sorted(OPTIONS)),
+    st.sampled_from(["--help", "-h", "--nope", "-ar", "--json=1", "--", "-", "-n4", "-t0.2"]),
+    st.builds(lambda o, v: f"{o}={v}", st.sampled_from(sorted(OPTIONS)), VALUES),
+    VALUES,
+    st.sampled_from(["What is 2+2?", "x"]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(TOKENS, max_size=6))
+def test_the_fast_parser_agrees_with_typer_or_hands_over(args: list[str]):
+    fast = parse_solve(args)
+    if fast is not None:
+        assert fast == typer_parse(args), args
+    if typer_parse(args) is None:
+        assert fast is None, f"Typer refuses {args}, so the fast path must hand over"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["What is 2+2?"],
+        ["What?", "-m", "tiny", "-n", "1", "-t", "0", "--json"],
+        ["-a", "--think-budget", "0", "--max-tokens=9", "q"],
+        ["--file", "p.txt", "--jsonl", "-k", "1"],
+        ["--", "-5 + 3?"],
+    ],
+)
+def test_common_commands_take_the_fast_path(args: list[str]):
+    parsed = parse_solve(args)
+    assert parsed is not None and parsed == typer_parse(args)
+
+
+def _imported_by_solve(tiny_model: Path, *extra: str) -> tuple[int, list[str]]:
+    script = (
+        "import atexit, sys\n"
+        "heavy = ('typer', 'click', 'rich', 'prompt_toolkit', 'llama_cpp', 'numpy', 'httpx2')\n"
+        "atexit.register(lambda: print(json.dumps(sorted({m.split('.')[0] for m in sys.modules\n"
+        "    if m.split('.')[0] in heavy})), file=sys.stderr))\n"
+        "import json\n"
+        "from phi4cli.entry import main\n"
+        f"main(['solve', 'What?', '-m', {str(tiny_model)!r}, '-n', '2', *{list(extra)!r}])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            check=False)  # fmt: skip
+    return result.returncode, json.loads(result.stderr.strip().splitlines()[-1])
+
+
+def test_a_warm_solve_imports_no_typer_rich_or_prompt_toolkit(tiny_model: Path):
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    assert _imported_by_solve(tiny_model) == (0, [])
+    assert _imported_by_solve(tiny_model, "--json") == (0, [])
+    # Anything the fast parser is unsure of is Typer's, as before.
+    code, imported = _imported_by_solve(tiny_model, "--no-such-option")
+    assert code == 2 and "typer" in imported
+
+
+def test_help_and_errors_are_still_typers():
+    helped = run_phi4("solve", "--help")
+    assert helped.returncode == 0 and "Usage: phi4 solve [OPTIONS] [prompt]" in helped.stdout
+    refused = run_phi4("solve", "x", "--samples", "65")
+    assert refused.returncode == 2 and "65 is not in the range 1<=x<=64" in refused.stderr
