@@ -48,18 +48,22 @@ def timed(command: list[str], env: dict[str, str], runs: int) -> list[float]:
     return times
 
 
-def daemon_own(home: Path, model: Path, runs: int) -> list[float]:
-    from phi4cli.client import DaemonConnection
-
+def daemon_own(socket_path: Path, model: Path, runs: int) -> list[float]:
+    """The request on the wire, by hand (so any phi4 version's daemon can be timed)."""
     params = {"prompt": QUESTION, "model": str(model), "max_tokens": 1, "temperature": 0}
+    line = json.dumps({"v": 1, "id": 1, "op": "solve", "params": params}).encode() + b"\n"
     times = []
     for _ in range(runs):
         # As a `phi4 solve` meets it: a new connection, after a pause (a process start).
         time.sleep(0.05)
         started = time.perf_counter()
-        with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
-            *_, last = connection.request("solve", params)
-        assert last.kind == "done", last
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(str(socket_path))
+            sock.sendall(line)
+            reader = sock.makefile("rb")
+            while (event := json.loads(reader.readline()))["event"] not in ("done", "error"):
+                pass
+        assert event["event"] == "done", event
         times.append(time.perf_counter() - started)
     return times
 
@@ -99,9 +103,18 @@ def main() -> None:
     parser.add_argument("--model", help="a .gguf (default: the tiny test model)")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--llama-server", help="path to llama.cpp's llama-server binary")
+    parser.add_argument("--phi4", default=PHI4,
+                        help="the phi4 command to time (e.g. another checkout's)")  # fmt: skip
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="phi4-bench-"))
-    env = {**os.environ, "PHI4_HOME": str(home)}
+    # A private home through the XDG variables, not PHI4_HOME: the paths are found as for a user,
+    # through platformdirs, which is part of what a solve costs.
+    xdg = {f"XDG_{kind}_HOME": str(home / kind.lower()) for kind in ("CONFIG", "DATA", "STATE",
+                                                                       "CACHE")}  # fmt: skip
+    xdg["XDG_RUNTIME_DIR"] = str(home / "run")
+    (home / "run").mkdir(mode=0o700)
+    env = {**os.environ, **xdg}
+    env.pop("PHI4_HOME", None)
     # As installed for a user: compiled modules cached (pip compiles them at install; an
     # editable checkout writes them on first run unless this is set, as on CI machines).
     env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -111,21 +124,23 @@ def main() -> None:
         from tests.tinymodel import write_tiny_phi3
 
         model = write_tiny_phi3(home / "tiny-phi3.gguf")
-    subprocess.run([PHI4, "daemon", "start", "-m", str(model)], env=env, check=True,
+    phi4 = args.phi4.split()
+    subprocess.run([*phi4, "daemon", "start", "-m", str(model)], env=env, check=True,
                    stdout=subprocess.DEVNULL)  # fmt: skip
-    os.environ["PHI4_HOME"] = str(home)
     try:
-        solve = [PHI4, "solve", QUESTION, "-m", str(model), "-n", "1", "-t", "0"]
+        solve = [*phi4, "solve", QUESTION, "-m", str(model), "-n", "1", "-t", "0"]
         timed(solve, env, 3)  # the daemon's prompt cache and the page cache, as a user has them
         rows: dict[str, list[float]] = {
             "python -c pass": timed([sys.executable, "-c", "pass"], env, args.runs),
-            "daemon's own time": daemon_own(home, model, args.runs),
+            "daemon's own time": daemon_own(
+                home / "run" / "phi4" / "daemon.sock", model, args.runs
+            ),
             "phi4 solve (piped)": timed(solve, env, args.runs),
         }
         if args.llama_server:
             rows["curl to llama-server"] = curl_llama_server(args.llama_server, model, args.runs)
     finally:
-        subprocess.run([PHI4, "stop"], env=env, check=False, stdout=subprocess.DEVNULL)
+        subprocess.run([*phi4, "stop"], env=env, check=False, stdout=subprocess.DEVNULL)
     medians = {name: statistics.median(times) for name, times in rows.items()}
     floor = medians["python -c pass"] + medians["daemon's own time"]
     ratio = medians["phi4 solve (piped)"] / floor
