@@ -4,10 +4,13 @@ exceptions into exit codes. Imports nothing heavy at module level (no llama_cpp,
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -553,42 +556,75 @@ GpuLayersOption = Annotated[
 ]  # fmt: skip
 
 
-def _daemon_setup(
-    ramdisk_flag: bool | None = None, **overrides: object
-) -> tuple[Paths, Settings, Path]:
+# The options of every command that may start the daemon (daemon start, daemon run, warm),
+# declared once: ``with_daemon_options`` adds them to a command's signature, where Typer finds
+# them, and hands them to the command as one ``DaemonOptions``.
+DAEMON_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "model": (ModelOption, None),
+    "keep_alive": (KeepAliveOption, None),
+    "n_ctx": (NCtxOption, None),
+    "threads": (ThreadsOption, None),
+    "ramdisk": (RamdiskOption, None),
+    "mlock": (MlockOption, None),
+    "max_queue": (MaxQueueOption, None),
+    "parallel": (ParallelOption, None),
+    "kv_cache_type": (KvCacheTypeOption, None),
+    "gpu_layers": (GpuLayersOption, None),
+}
+
+
+class DaemonOptions(dict[str, Any]):
+    """The daemon options a command was given (None: not given)."""
+
+    @property
+    def memory_flags(self) -> bool:
+        """Whether any option of the memory plan was given (a running daemon keeps its plan)."""
+        return any(self[k] is not None for k in ("n_ctx", "parallel", "kv_cache_type",
+                                                 "gpu_layers"))  # fmt: skip
+
+
+def with_daemon_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Add DAEMON_OPTIONS to a command whose first parameter is ``daemon: DaemonOptions``."""
+    import typing
+
+    hints = typing.get_type_hints(func, include_extras=True)  # this module's annotations are text
+    own = [p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
+           for p in inspect.signature(func).parameters.values() if p.name != "daemon"]  # fmt: skip
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                               annotation=annotation)
+             for name, (annotation, default) in DAEMON_OPTIONS.items()]  # fmt: skip
+
+    @functools.wraps(func)
+    def command(**kwargs: Any) -> Any:
+        daemon = DaemonOptions({name: kwargs.pop(name) for name in DAEMON_OPTIONS})
+        return func(daemon, **kwargs)
+
+    command.__annotations__ = {p.name: p.annotation for p in [*added, *own]}
+    command.__signature__ = inspect.Signature([*added, *own])  # type: ignore[attr-defined]
+    return command
+
+
+def _daemon_setup(daemon: DaemonOptions, **overrides: object) -> tuple[Paths, Settings, Path]:
     """Paths, settings and the resolved model for a command that starts or runs the daemon."""
     from phi4cli.models import resolve_model
 
     paths = get_paths()
-    if ramdisk_flag is not None:
-        overrides["ramdisk"] = "on" if ramdisk_flag else "off"
-    settings = _settings(paths, **overrides)
+    values: dict[str, object] = {k: v for k, v in daemon.items() if k != "ramdisk"}
+    if daemon["ramdisk"] is not None:
+        values["ramdisk"] = "on" if daemon["ramdisk"] else "off"
+    settings = _settings(paths, **values, **overrides)
     return paths, settings, resolve_model(settings.model, paths)
 
 
 @daemon_app.command("start")
-def daemon_start(
-    model: ModelOption = None,
-    keep_alive: KeepAliveOption = None,
-    n_ctx: NCtxOption = None,
-    threads: ThreadsOption = None,
-    ramdisk: RamdiskOption = None,
-    mlock: MlockOption = None,
-    max_queue: MaxQueueOption = None,
-    parallel: ParallelOption = None,
-    kv_cache_type: KvCacheTypeOption = None,
-    gpu_layers: GpuLayersOption = None,
-) -> None:
+@with_daemon_options
+def daemon_start(daemon: DaemonOptions) -> None:
     """Start the daemon in the background and wait until its model is loaded."""
     from phi4cli.client import daemon_status
 
-    paths, settings, model_path = _daemon_setup(
-        ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads, mlock=mlock,
-        max_queue=max_queue, parallel=parallel, kv_cache_type=kv_cache_type,
-        gpu_layers=gpu_layers,
-    )  # fmt: skip
-    memory_flags = any(v is not None for v in (n_ctx, parallel, kv_cache_type, gpu_layers))
-    load = _load_model(paths, settings, model_path, keep_alive is not None, memory_flags)[0]
+    paths, settings, model_path = _daemon_setup(daemon)
+    set_keep_alive = daemon["keep_alive"] is not None
+    load = _load_model(paths, settings, model_path, set_keep_alive, daemon.memory_flags)[0]
     current = daemon_status(paths)
     keep = format_duration(float(current.get("keep_alive_s", settings.keep_alive)))
     print(
@@ -620,17 +656,9 @@ def _load_model(
 
 
 @daemon_app.command("run")
+@with_daemon_options
 def daemon_run(
-    model: ModelOption = None,
-    keep_alive: KeepAliveOption = None,
-    n_ctx: NCtxOption = None,
-    threads: ThreadsOption = None,
-    ramdisk: RamdiskOption = None,
-    mlock: MlockOption = None,
-    max_queue: MaxQueueOption = None,
-    parallel: ParallelOption = None,
-    kv_cache_type: KvCacheTypeOption = None,
-    gpu_layers: GpuLayersOption = None,
+    daemon: DaemonOptions,
     ramdisk_mode: Annotated[
         str | None, typer.Option("--ramdisk-mode", hidden=True, show_default=False)
     ] = None,
@@ -638,26 +666,13 @@ def daemon_run(
     """Run the daemon in the foreground (for debugging and service managers)."""
     from phi4cli.daemon.server import run_daemon
 
-    run_daemon(
-        *_daemon_setup(
-            ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads,
-            mlock=mlock, max_queue=max_queue, parallel=parallel, kv_cache_type=kv_cache_type,
-            gpu_layers=gpu_layers, **({"ramdisk": ramdisk_mode} if ramdisk_mode else {}),
-        )
-    )  # fmt: skip
+    run_daemon(*_daemon_setup(daemon, **({"ramdisk": ramdisk_mode} if ramdisk_mode else {})))
 
 
 @app.command()
+@with_daemon_options
 def warm(
-    model: ModelOption = None,
-    keep_alive: KeepAliveOption = None,
-    n_ctx: NCtxOption = None,
-    threads: ThreadsOption = None,
-    ramdisk: RamdiskOption = None,
-    mlock: MlockOption = None,
-    parallel: ParallelOption = None,
-    kv_cache_type: KvCacheTypeOption = None,
-    gpu_layers: GpuLayersOption = None,
+    daemon: DaemonOptions,
     no_wait: Annotated[
         bool, typer.Option("--no-wait", help="Return once the daemon is starting.")
     ] = False,
@@ -667,18 +682,14 @@ def warm(
     from phi4cli.client import connect_checked
     from phi4cli.render import format_warm
 
-    paths, settings, model_path = _daemon_setup(
-        ramdisk, model=model, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads, mlock=mlock,
-        parallel=parallel, kv_cache_type=kv_cache_type, gpu_layers=gpu_layers,
-    )  # fmt: skip
-    memory_flags = any(v is not None for v in (n_ctx, parallel, kv_cache_type, gpu_layers))
+    paths, settings, model_path = _daemon_setup(daemon)
     if no_wait:
         connect_checked(paths, settings, model_path, _stderr).close()
         print(f"the daemon is loading {model_path.name}; `phi4 status` shows its progress")
         return
     started = time.monotonic()
     timings, spawned = _load_model(
-        paths, settings, model_path, keep_alive is not None, memory_flags
+        paths, settings, model_path, daemon["keep_alive"] is not None, daemon.memory_flags
     )
     timings["wall_s"] = round(time.monotonic() - started, 4)
     # A daemon this command started loaded the model as it started: that load was ours.

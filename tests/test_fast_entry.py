@@ -96,3 +96,24 @@ def test_help_and_errors_are_still_typers():
     assert helped.returncode == 0 and "Usage: phi4 solve [OPTIONS] [prompt]" in helped.stdout
     refused = run_phi4("solve", "x", "--samples", "65")
     assert refused.returncode == 2 and "65 is not in the range 1<=x<=64" in refused.stderr
+
+
+def test_the_daemon_options_are_declared_once_for_every_command_that_starts_it():
+    from phi4cli.cli import DAEMON_OPTIONS
+
+    group = typer.main.get_command(app)
+    commands = {
+        "daemon start": group.commands["daemon"].commands["start"],  # type: ignore[attr-defined]
+        "daemon run": group.commands["daemon"].commands["run"],  # type: ignore[attr-defined]
+        "warm": group.commands["warm"],  # type: ignore[attr-defined]
+    }
+    shared = set(DAEMON_OPTIONS)
+    for name, command in commands.items():
+        options = {p.name: p for p in command.params}
+        assert shared <= set(options), name
+        # The same declaration: the same flags and help everywhere.
+        first = typer.main.get_command(app).commands["warm"]  # type: ignore[attr-defined]
+        reference = {p.name: p for p in first.params}
+        for key in shared:
+            assert options[key].opts == reference[key].opts
+            assert options[key].help == reference[key].help
