@@ -359,13 +359,9 @@ def config_show(as_json: JsonOption = False) -> None:
         print(json.dumps({k: {"value": v, "source": src} for k, (v, src) in sources.items()},
                          indent=2))  # fmt: skip
         return
-    width = max(map(len, sources))
-    unset = {"n_ctx": "auto", "threads": "auto", "seed": "random"}  # what None means, per key
-    for key, (value, source) in sources.items():
-        shown = format_duration(value) if key == "keep_alive" else value
-        if shown is None:
-            shown = unset.get(key, "none")
-        print(f"{key:<{width}}  {shown!s:<24}  {source}")
+    from phi4cli.render import format_settings
+
+    print(format_settings(sources))
 
 
 @config_app.command("path")
@@ -725,19 +721,9 @@ def cache_clear() -> None:
 def models() -> None:
     """List model aliases and what is on disk."""
     from phi4cli.models import list_models
-    from phi4cli.render import human_bytes
+    from phi4cli.render import format_models
 
-    rows = list_models(get_paths())
-    width = max(len(row.name) for row in rows)
-    for row in rows:
-        state = human_bytes(row.size) if row.present else "not on disk"
-        print(f"{row.name:<{width}}  {state:>11}  {row.description}")
-        where = row.path if row.present else f"get it: {_fetch_hint(row.name, row.source)}"
-        print(f"{'':<{width}}  {'':>11}  {where}")
-
-
-def _fetch_hint(name: str, source: str) -> str:
-    return f"phi4 pull {name}" if source.startswith("hf:") else source
+    print(format_models(list_models(get_paths())))
 
 
 @app.command()

@@ -321,3 +321,31 @@ def format_status(status: dict[str, Any]) -> str:
     if status.get("error"):
         rows.insert(1, ("error", status["error"]))
     return "\n".join(f"{key:<12}{value}" for key, value in rows)
+
+
+def format_settings(sources: dict[str, tuple[Any, str]]) -> str:
+    """`phi4 config show`: each setting, its value and where the value comes from."""
+    from phi4cli.config import format_duration
+
+    width = max(map(len, sources))
+    unset = {"n_ctx": "auto", "threads": "auto", "seed": "random"}  # what None means, per key
+    lines = []
+    for key, (value, source) in sources.items():
+        shown = format_duration(value) if key in ("keep_alive", "backend_timeout") else value
+        if shown is None:
+            shown = unset.get(key, "none")
+        lines.append(f"{key:<{width}}  {shown!s:<24}  {source}")
+    return "\n".join(lines)
+
+
+def format_models(rows: list[Any]) -> str:
+    """`phi4 models`: each alias and every other .gguf, its size, and where it is or comes from."""
+    width = max(len(row.name) for row in rows)
+    lines = []
+    for row in rows:
+        state = human_bytes(row.size) if row.present else "not on disk"
+        lines.append(f"{row.name:<{width}}  {state:>11}  {row.description}")
+        fetch = f"phi4 pull {row.name}" if row.source.startswith("hf:") else row.source
+        where = row.path if row.present else f"get it: {fetch}"
+        lines.append(f"{'':<{width}}  {'':>11}  {where}")
+    return "\n".join(lines)

@@ -117,3 +117,22 @@ def test_the_daemon_options_are_declared_once_for_every_command_that_starts_it()
         for key in shared:
             assert options[key].opts == reference[key].opts
             assert options[key].help == reference[key].help
+
+
+def test_solve_runs_in_process_on_an_environment_of_its_own(tiny_model: Path):
+    # Before, solve read sys.stdout and isatty itself: tests patched presenters or needed a pty.
+    import io
+
+    from phi4cli.environment import Environment
+    from phi4cli.paths import get_paths
+    from phi4cli.solving import SolveOptions, run_solve
+
+    out, err = io.StringIO(), io.StringIO()
+    env = Environment(io.StringIO("and piped text"), out, err, paths=get_paths())
+    options = SolveOptions(prompt="What is 2+2?", model=str(tiny_model), max_tokens=3,
+                           temperature=0.0, as_json=True)  # fmt: skip
+    assert run_solve(options, env) == 0
+    record = json.loads(out.getvalue())
+    assert record["question"] == "What is 2+2?\n\nand piped text"
+    assert record["stats"]["completion_tokens"] == 3
+    assert "starting the phi4 daemon" in err.getvalue()

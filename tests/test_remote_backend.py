@@ -204,3 +204,14 @@ def test_zero_think_budget_skips_thinking_remotely():
         (body,) = server.bodies
     assert (only.returncode, only.stdout) == (0, "1\n")
     assert body["messages"][-1] == {"role": "assistant", "content": "<think>\n\n</think>\n\n"}
+
+
+def test_think_budget_against_a_real_server(backend: str):
+    # llama_cpp.server knows no think budget either: the stream is cut and asked again.
+    record = json.loads(run_phi4("solve", "What is 12*13?", "-m", "tiny-reasoning", "-t", "0",
+                                 "-n", "12", "--think-budget", "3", "--json",
+                                 "--backend", backend).stdout)  # fmt: skip
+    stats = record["stats"]
+    assert stats["budget_reached"] is True and stats["thinking_unfinished"] is False
+    assert stats["reasoning_tokens"] == 3
+    assert record["reasoning"] and record["solution"], "the answer came after the budget"
