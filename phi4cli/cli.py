@@ -572,12 +572,6 @@ DAEMON_OPTIONS: dict[str, tuple[Any, Any]] = {
 class DaemonOptions(dict[str, Any]):
     """The daemon options a command was given (None: not given)."""
 
-    @property
-    def memory_flags(self) -> bool:
-        """Whether any option of the memory plan was given (a running daemon keeps its plan)."""
-        return any(self[k] is not None for k in ("n_ctx", "parallel", "kv_cache_type",
-                                                 "gpu_layers"))  # fmt: skip
-
 
 def with_daemon_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Add DAEMON_OPTIONS to a command whose first parameter is ``daemon: DaemonOptions``."""
@@ -620,7 +614,7 @@ def daemon_start(daemon: DaemonOptions) -> None:
 
     paths, settings, model_path = _daemon_setup(daemon)
     set_keep_alive = daemon["keep_alive"] is not None
-    load = _load_model(paths, settings, model_path, set_keep_alive, daemon.memory_flags)[0]
+    load = _load_model(paths, settings, model_path, set_keep_alive)[0]
     current = daemon_status(paths)
     keep = format_duration(float(current.get("keep_alive_s", settings.keep_alive)))
     print(
@@ -630,11 +624,10 @@ def daemon_start(daemon: DaemonOptions) -> None:
 
 
 def _load_model(
-    paths: Paths, settings: Settings, model_path: Path, set_keep_alive: bool, memory_flags: bool
+    paths: Paths, settings: Settings, model_path: Path, set_keep_alive: bool
 ) -> tuple[dict[str, Any], bool]:
     """Have the daemon (started if need be) load and warm ``model_path``; return its load
-    timings and whether this call started the daemon. Warn about settings a running daemon
-    cannot change."""
+    timings and whether this call started the daemon."""
     from phi4cli.client import connect_checked
 
     params: dict[str, Any] = {"model": str(model_path)}
@@ -643,11 +636,6 @@ def _load_model(
     with connect_checked(paths, settings, model_path, _stderr) as connection:
         result = connection.call("load", params).result
         spawned = connection.spawned
-        if not spawned and memory_flags:
-            _stderr(
-                f"the running daemon keeps its memory plan ({result.get('n_ctx')} tokens of "
-                "context); `phi4 stop` first to change it"
-            )
     return result, spawned
 
 
@@ -684,9 +672,7 @@ def warm(
         print(f"the daemon is loading {model_path.name}; `phi4 status` shows its progress")
         return
     started = time.monotonic()
-    timings, spawned = _load_model(
-        paths, settings, model_path, daemon["keep_alive"] is not None, daemon.memory_flags
-    )
+    timings, spawned = _load_model(paths, settings, model_path, daemon["keep_alive"] is not None)
     timings["wall_s"] = round(time.monotonic() - started, 4)
     # A daemon this command started loaded the model as it started: that load was ours.
     timings["already_loaded"] = bool(timings.get("already_loaded")) and not spawned

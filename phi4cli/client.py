@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from phi4cli import __version__, protocol
-from phi4cli.config import Settings
+from phi4cli.config import DAEMON_SETTINGS, Settings
 from phi4cli.daemon import spawn
 from phi4cli.errors import (
     DaemonGoneError,
@@ -276,7 +276,8 @@ def connect_checked(
     for attempt in range(CONNECT_ATTEMPTS):
         connection = ensure_daemon(paths, settings, model_path, announce)
         try:
-            other = _other_install(connection.call(Op.PING).result)
+            ping = connection.call(Op.PING).result
+            other = _other_install(ping)
         except DaemonRestartRequired:
             other = "speaks another protocol version"
         except DaemonGoneError:
@@ -289,6 +290,8 @@ def connect_checked(
             connection.close()
             raise
         if other is None:
+            if not connection.spawned:
+                _warn_settings(ping.get("settings"), settings, announce)
             return connection
         connection.close()
         if restarted:
@@ -318,6 +321,29 @@ def _other_install(ping: dict[str, Any]) -> str | None:
     if install is not None and install != install_id():
         return f"is from another install of phi4 ({install})"
     return None
+
+
+def _warn_settings(
+    running: dict[str, Any] | None, settings: Settings, announce: Callable[[str], None]
+) -> None:
+    """Say when the running daemon was started with other settings than these (say, n_ctx in
+    the config file changed since). It keeps them: other clients may be mid-answer, and
+    restarting it would cut them off; `phi4 stop` applies the new ones. Settings left at their
+    defaults here ask for nothing: a daemon started with `--n-ctx 16384` is not questioned by
+    every later `phi4 solve`."""
+    if not isinstance(running, dict):
+        return
+
+    def shown(value: object) -> object:
+        return "auto" if value is None else value
+
+    differ = [f"{key} {shown(running[key])} (yours {shown(getattr(settings, key))})"
+              for key in DAEMON_SETTINGS
+              if key in running and running[key] != getattr(settings, key)
+              and getattr(settings, key) != Settings._field_defaults[key]]  # fmt: skip
+    if differ:
+        announce(f"the running daemon keeps the settings it started with: {', '.join(differ)}; "
+                 "`phi4 stop` first to change them")  # fmt: skip
 
 
 EventSink = Callable[[int, Event], None]

@@ -204,6 +204,10 @@ class Settings(NamedTuple):
     system: str | None = None
 
 
+# Settings a daemon takes when it starts and keeps for its life.
+DAEMON_SETTINGS = ("n_ctx", "kv_cache_type", "gpu_layers", "parallel", "threads", "max_queue",
+                   "mlock", "ramdisk")  # fmt: skip
+
 # PHI4_RAMDISK names the staging directory (as llama.cpp users expect), so the mode is _MODE.
 _ENV_NAMES = {"ramdisk": "PHI4_RAMDISK_MODE"}
 

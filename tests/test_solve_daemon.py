@@ -508,6 +508,33 @@ def test_daemon_start_with_another_model_switches_the_running_daemon(
     pid = status(phi4_home)["pid"]
     switched = run_phi4("daemon", "start", "-m", str(smollm2_model), "--n-ctx", "512")
     assert switched.returncode == 0, switched.stderr
-    assert "keeps its memory plan" in switched.stderr
+    assert "the running daemon keeps the settings it started with: n_ctx auto (yours 512)" in (
+        switched.stderr
+    )
     now = status(phi4_home)
     assert now["pid"] == pid and now["model"] == str(smollm2_model)
+
+
+def test_a_daemon_started_with_other_settings_is_used_and_says_so(
+    tiny_model: Path, phi4_home: Path
+):
+    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "1024").returncode == 0
+    pid = status(phi4_home)["pid"]
+    config = phi4_home / "config" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text('n_ctx = 2048\nkv_cache_type = "q8_0"\n')
+    result = run_phi4(*solve_args(tiny_model, "-n", "2"))
+    assert result.returncode == 0, result.stderr
+    assert (
+        "the running daemon keeps the settings it started with: n_ctx 1024 (yours 2048), "
+        "kv_cache_type f16 (yours q8_0); `phi4 stop` first to change them"
+    ) in result.stderr
+    assert status(phi4_home)["pid"] == pid, "not restarted under other clients' feet"
+    config.write_text("n_ctx = 1024\n")
+    quiet = run_phi4(*solve_args(tiny_model, "-n", "2"))
+    assert "keeps the settings" not in quiet.stderr
+    # Settings left at their defaults ask for nothing: the daemon's own choice stands.
+    config.unlink()
+    assert run_phi4("stop").returncode == 0
+    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "512").returncode == 0
+    assert "keeps the settings" not in run_phi4(*solve_args(tiny_model, "-n", "2")).stderr

@@ -24,7 +24,7 @@ from typing import Any
 
 from phi4cli import __version__, protocol
 from phi4cli.atomicfile import write_atomic
-from phi4cli.config import FOREVER, Settings
+from phi4cli.config import DAEMON_SETTINGS, FOREVER, Settings
 from phi4cli.daemon.jobs import Engine, Job
 from phi4cli.daemon.scheduler import QueueFullError, RequestScheduler
 from phi4cli.errors import DaemonUnavailableError
@@ -314,8 +314,12 @@ class DaemonServer:
         from phi4cli.client import install_id
 
         # The client compares these with its own, and replaces a daemon from another install.
-        result = {"protocol": protocol.PROTOCOL_VERSION, "version": __version__,
-                  "install": install_id()}  # fmt: skip
+        result = {
+            "protocol": protocol.PROTOCOL_VERSION,
+            "version": __version__,
+            "install": install_id(),
+            "settings": {key: getattr(self.settings, key) for key in DAEMON_SETTINGS},
+        }
         connection.send(protocol.event(request.id, EventKind.DONE, result=result))
 
     def _op_status(self, connection: Connection, request: Request) -> None:
