@@ -152,12 +152,24 @@ class _DaemonStream:
                 event: Event = self._connection.next_event()
             except DaemonGoneError:
                 self.close()
+                self._backend.close()
                 if self._sent > 1 or self._produced:
                     raise
                 again = "restoring the conversation" if self._op == Op.CHAT else "asking again"
                 self._backend.announce(f"the daemon stopped; restarting it and {again}...")
                 continue
             if event.id != self._request_id:
+                continue
+            if (event.kind == EventKind.ERROR and event.code == ErrorCode.SHUTTING_DOWN
+                    and not self._produced and self._sent == 1):  # fmt: skip
+                # Refused, or dropped from the queue, by a daemon on its way out: nothing of it
+                # was answered, so a fresh daemon can take it.
+                self.close()
+                self._backend.close()  # its idle connections are to the same daemon
+                from phi4cli.client import wait_until_gone
+
+                wait_until_gone(self._backend.paths)
+                self._backend.announce("the daemon was shutting down; starting a fresh one...")
                 continue
             if event.kind in (EventKind.TOKEN, EventKind.REASONING):
                 self._produced = True

@@ -396,6 +396,7 @@ class _Batch:
         requests still worth sending again are left in ``waiting``."""
         in_flight: dict[Any, int] = {}
         resend: list[int] = []
+        self.shutdown_seen = False  # of this connection's daemon (a fresh one may follow)
         try:
             while self.waiting or in_flight:
                 while self.waiting and len(in_flight) < self.window and not self.shutdown_seen:

@@ -538,3 +538,52 @@ def test_a_daemon_started_with_other_settings_is_used_and_says_so(
     assert run_phi4("stop").returncode == 0
     assert run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "512").returncode == 0
     assert "keeps the settings" not in run_phi4(*solve_args(tiny_model, "-n", "2")).stderr
+
+
+def test_phi4_stop_during_a_file_loses_no_problem(
+    tiny_model: Path, phi4_home: Path, tmp_path: Path
+):
+    # Before: 4 records came out of 40, the rest got nothing, "the daemon stopped twice": the
+    # retry on a fresh daemon never sent anything.
+    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--parallel", "1",
+                    "--n-ctx", "1024").returncode == 0  # fmt: skip
+    problems = tmp_path / "p.txt"
+    problems.write_text("".join(f"Problem {i}: count.\n" for i in range(12)))
+    proc = subprocess.Popen(
+        [PHI4, "solve", "-f", str(problems), "--jsonl", "-m", str(tiny_model), "-n", "300",
+         "-t", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # one answered: the others are running or queued
+    assert run_phi4("stop").returncode == 0
+    rest, err = proc.communicate(timeout=120)
+    records = [json.loads(line) for line in [first, *rest.splitlines()]]
+    assert [r["line"] for r in records] == list(range(1, 13)), err
+    cut = [r for r in records if "error" in r]
+    assert all(r["error"]["code"] == "shutting_down" for r in cut)
+    assert len(cut) <= 8, "only those running when it stopped are cut short"
+    assert sum(1 for r in records if r["solution"] and "error" not in r) >= 4
+    assert "the daemon was shutting down; starting a fresh one" in err
+    assert proc.returncode == (1 if cut else 0)
+    assert "stopped twice" not in err
+
+
+def test_a_queued_solve_survives_phi4_stop(tiny_model: Path, phi4_home: Path):
+    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "4096").returncode == 0
+    long = subprocess.Popen([PHI4, "solve", "Count.", "-m", str(tiny_model), "-n", "3000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert long.stdout is not None
+    long.stdout.read(1)  # it is answering, and its reservation leaves no room for the next
+    queued = subprocess.Popen([PHI4, "solve", "Wait.", "-m", str(tiny_model), "-n", "1500",
+                               "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    deadline = time.monotonic() + 20
+    while not (json.loads(run_phi4("status", "--json").stdout).get("waiting")):
+        assert time.monotonic() < deadline, "the second solve never queued"
+        time.sleep(0.05)
+    assert run_phi4("stop").returncode == 0
+    out, err = queued.communicate(timeout=60)
+    long.communicate(timeout=60)
+    assert queued.returncode == 0, err
+    assert json.loads(out)["stats"]["completion_tokens"] > 0
