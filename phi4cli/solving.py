@@ -355,19 +355,19 @@ class SolveOptions(NamedTuple):
 
 
 def read_prompt(prompt: str | None, env: Environment) -> str:
-    """Combine the argument and piped stdin (argument first), like ``llm``; ``-`` means stdin."""
-    parts: list[str] = []
+    """The question: the argument, or stdin for ``-`` or when no argument is given.
+
+    Stdin is read only then: in ``while read q; do phi4 solve "$q"; done < file`` it is the
+    loop's, and ``sleep 100 | phi4 solve "q"`` must not wait for its end.
+    """
     if prompt is not None and prompt != "-":
-        parts.append(prompt)
-    if prompt == "-" or not env.stdin_isatty:
-        piped = env.stdin.read()
-        if piped.strip():
-            parts.append(piped.strip("\n"))
-    if not parts:
+        text = prompt
+    elif prompt == "-" or not env.stdin_isatty:
+        text = env.stdin.read().strip("\n")
+    else:
         raise UsageError(
             'no question given: phi4 solve "What is 12*13?" or echo ... | phi4 solve -'
         )
-    text = "\n\n".join(parts)
     if not text.strip():
         raise UsageError("the question is empty")
     return text

@@ -128,11 +128,12 @@ def test_solve_runs_in_process_on_an_environment_of_its_own(tiny_model: Path):
     from phi4cli.solving import SolveOptions, run_solve
 
     out, err = io.StringIO(), io.StringIO()
-    env = Environment(io.StringIO("and piped text"), out, err, paths=get_paths())
+    env = Environment(io.StringIO("not read: the question is the argument"), out, err,
+                      paths=get_paths())  # fmt: skip
     options = SolveOptions(prompt="What is 2+2?", model=str(tiny_model), max_tokens=3,
                            temperature=0.0, as_json=True)  # fmt: skip
     assert run_solve(options, env) == 0
     record = json.loads(out.getvalue())
-    assert record["question"] == "What is 2+2?\n\nand piped text"
+    assert record["question"] == "What is 2+2?"
     assert record["stats"]["completion_tokens"] == 3
     assert "starting the phi4 daemon" in err.getvalue()

@@ -271,13 +271,32 @@ def test_empty_question_is_rejected_by_cli(tiny_model: Path):
     assert "empty" in result.stderr
 
 
-def test_question_from_stdin_and_argument_combined(tiny_model: Path):
+def test_question_from_stdin_only_when_asked(tiny_model: Path, tmp_path: Path):
     dash = run_phi4(
         "solve", "-", "-m", str(tiny_model), "-n", "3", "-t", "0", input="What is 12*13?"
     )
     assert dash.returncode == 0, dash.stderr
     arg = run_phi4(*solve_args(tiny_model, "-n", "3"))
     assert dash.stdout == arg.stdout
+    # Before, the first run of a shell loop read the loop's stdin and added it to its question.
+    questions = tmp_path / "q.txt"
+    questions.write_text("What is 1+1?\nWhat is 2+2?\nWhat is 3+3?\n")
+    loop = subprocess.run(
+        ["bash", "-c", f'while read -r q; do {PHI4} solve "$q" -m {tiny_model} -n 2 --json '
+                       f"| {sys.executable} -c 'import json, sys; "
+                       f"print(json.dumps(json.load(sys.stdin)[\"question\"]))'; "
+                       f"done < {questions}"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert loop.stdout.splitlines() == ['"What is 1+1?"', '"What is 2+2?"', '"What is 3+3?"']
+    # Before, this waited for the end of input, though the question is an argument.
+    with subprocess.Popen([PHI4, *solve_args(tiny_model, "-n", "2")], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as never_closed:  # fmt: skip
+        assert never_closed.stdout is not None
+        assert never_closed.wait(timeout=30) == 0
+        assert never_closed.stdout.read()
+        assert never_closed.stdin is not None
+        never_closed.stdin.close()
 
 
 def _connect(phi4_home: Path) -> socket.socket:
