@@ -513,7 +513,7 @@ def daemon_stop() -> None:
     """Stop the daemon, also in the middle of a generation."""
     from phi4cli.client import stop_daemon
 
-    pid = stop_daemon(get_paths())
+    pid = stop_daemon(get_paths(), announce=_stderr)
     print("no daemon was running" if pid is None else f"daemon stopped (pid {pid})")
 
 

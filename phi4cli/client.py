@@ -20,17 +20,25 @@ from phi4cli import __version__, protocol
 from phi4cli.config import DAEMON_SETTINGS, Settings
 from phi4cli.daemon import spawn
 from phi4cli.errors import (
+    DaemonFrozenError,
     DaemonGoneError,
     DaemonUnavailableError,
     Phi4Error,
     ProtocolMismatchError,
     error_for,
 )
-from phi4cli.paths import Paths, check_socket_path
+from phi4cli.paths import Paths, check_socket_path, is_our_daemon, peer_uid
 from phi4cli.protocol import ErrorCode, Event, EventKind, Op
 
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
+KILL_GRACE = 5.0  # after SIGTERM, before SIGKILL
+# The daemon answers a ping, status, stop or cancel at once from its event loop; one that does
+# not within this long is frozen (SIGSTOP, or its loop is wedged).
+CALL_TIMEOUT = 10.0
+# While requests are in it, the daemon sends a heartbeat every 20 s as long as its engine goes
+# round (server.HEARTBEAT_S); nothing for this long means it is frozen.
+STREAM_IDLE_TIMEOUT = 90.0
 CONNECT_ATTEMPTS = 3
 BUSY_RETRY_S = 0.25
 _ids = itertools.count(1)
@@ -53,14 +61,26 @@ class DaemonConnection:
 
     @classmethod
     def open(cls, path: Path) -> DaemonConnection:
-        """Connect to the socket at ``path``; raise OSError (ENOENT, ECONNREFUSED...) if none."""
+        """Connect to the socket at ``path``; raise OSError (ENOENT, ECONNREFUSED...) if none.
+
+        Raise DaemonUnavailableError when the process listening there is another user's: the
+        peer check works both ways, and a question is not sent to a stranger.
+        """
         check_socket_path(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(CALL_TIMEOUT)
         try:
             sock.connect(os.fspath(path))
+            uid = peer_uid(sock)
         except OSError:
             sock.close()
             raise
+        if uid is not None and uid != os.getuid():
+            sock.close()
+            raise DaemonUnavailableError(
+                f"the socket {path} is served by another user's process (uid {uid}); phi4 will "
+                f"not talk to it: remove {path.parent}, or set XDG_RUNTIME_DIR"
+            )
         return cls(sock)
 
     def close(self) -> None:
@@ -83,11 +103,18 @@ class DaemonConnection:
             raise DaemonGoneError(f"lost the connection to the daemon: {exc}") from None
         return request_id
 
-    def next_event(self) -> Event:
-        """Return the next event; raise DaemonUnavailableError if the daemon went away."""
+    def next_event(self, timeout: float = STREAM_IDLE_TIMEOUT) -> Event:
+        """Return the next event; raise DaemonUnavailableError if the daemon went away, and
+        DaemonFrozenError if it sent nothing for ``timeout`` seconds."""
         while not self._lines:
             try:
+                self._sock.settimeout(timeout)
                 chunk = self._sock.recv(65536)
+            except TimeoutError:
+                raise DaemonFrozenError(
+                    f"the daemon sent nothing for {timeout:g} s: it is not answering (frozen, or "
+                    "stopped with SIGSTOP?); `phi4 stop` ends it"
+                ) from None
             except OSError as exc:
                 raise DaemonGoneError(f"lost the connection to the daemon: {exc}") from None
             if not chunk:
@@ -104,14 +131,16 @@ class DaemonConnection:
         except protocol.ProtocolViolation as exc:
             raise DaemonUnavailableError(f"the daemon sent garbage: {exc.message}") from None
 
-    def request(self, op: str, params: dict[str, Any] | None = None) -> Iterator[Event]:
+    def request(
+        self, op: str, params: dict[str, Any] | None = None, timeout: float = STREAM_IDLE_TIMEOUT
+    ) -> Iterator[Event]:
         """Send a request and yield its events up to and including the terminal one.
 
         Raise DaemonRestartRequired when the daemon speaks another protocol version.
         """
         request_id = self.send(op, params)
         while True:
-            event = self.next_event()
+            event = self.next_event(timeout)
             if event.id not in (request_id, None):
                 continue
             if event.kind == EventKind.ERROR and event.code == ErrorCode.UNSUPPORTED_VERSION:
@@ -122,8 +151,10 @@ class DaemonConnection:
 
     def call(self, op: str, params: dict[str, Any] | None = None) -> Event:
         """Send a request and return its terminal ``done`` event; raise the matching Phi4Error
-        when the daemon answers with an error."""
-        *_, terminal = self.request(op, params)
+        when the daemon answers with an error. Ops answered at once (ping, status, stop, cancel)
+        must answer within CALL_TIMEOUT; ``load`` may take as long as a model load."""
+        timeout = STREAM_IDLE_TIMEOUT if op == Op.LOAD else CALL_TIMEOUT
+        *_, terminal = self.request(op, params, timeout)
         if terminal.kind == EventKind.ERROR:
             raise error_for(terminal.code, terminal.message)
         return terminal
@@ -134,10 +165,16 @@ def try_connect(paths: Paths) -> DaemonConnection | None:
 
     Raise DaemonUnavailableError when the socket exists but cannot be used (permissions, ...).
     """
+    paths.check_runtime_dir()
     try:
         return DaemonConnection.open(paths.socket)
     except (FileNotFoundError, ConnectionRefusedError):
         return None
+    except TimeoutError:
+        raise DaemonFrozenError(
+            f"the daemon does not accept connections on {paths.socket} (frozen?); "
+            "`phi4 stop` ends it"
+        ) from None
     except OSError as exc:
         raise DaemonUnavailableError(f"cannot connect to {paths.socket}: {exc.strerror}") from None
 
@@ -204,35 +241,56 @@ def _wait_for_socket(paths: Paths, process: Any) -> DaemonConnection | None:
     )
 
 
-def stop_daemon(paths: Paths, timeout: float = STOP_TIMEOUT) -> int | None:
+def stop_daemon(
+    paths: Paths, timeout: float = STOP_TIMEOUT, announce: Callable[[str], None] | None = None
+) -> int | None:
     """Stop the running daemon and wait for it to exit; return its pid, or None if none ran.
 
-    Asks over the socket first; a daemon that does not answer (or speaks another protocol) gets
-    SIGTERM by the pid in its status file. Raise DaemonUnavailableError if it will not exit.
+    Asks over the socket first. A daemon that does not answer (frozen, or of another protocol)
+    gets SIGTERM, then SIGKILL after a grace; one that answered but does not exit within
+    ``timeout`` gets SIGKILL. A pid from the status file is signalled only once /proc shows it is
+    a phi4 daemon of this user's (the file may be stale or planted). Raise
+    DaemonUnavailableError if it will not exit.
     """
     status = spawn.read_status(paths)
     pid = status.pid if status else None
-    connection = try_connect(paths)
     asked = False
+    try:
+        connection = try_connect(paths)
+    except DaemonFrozenError:
+        connection = None
     if connection is not None:
         with connection:
             try:
                 pid = connection.call(Op.STOP).result.get("pid", pid)
                 asked = True
             except (DaemonRestartRequired, Phi4Error):
-                pass  # not ours to talk to: signal it below
+                pass  # frozen, or not ours to talk to: signal it below
     elif not spawn.daemon_alive(paths):
         spawn.remove_stale_files(paths)
         return None
-    if not asked and pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
     if pid is None:
         return None
-    if not wait_until_gone(paths, timeout, pid):
-        raise DaemonUnavailableError(
-            f"the daemon (pid {pid}) did not exit within {timeout:.0f} s; kill it with `kill {pid}`"
-        )
+    if not asked:
+        if not is_our_daemon(pid):
+            if not spawn.daemon_alive(paths):
+                spawn.remove_stale_files(paths)
+                return None
+            raise DaemonUnavailableError(
+                f"pid {pid} in {paths.status_file} is not a phi4 daemon of yours, so it is not "
+                "signalled; find the daemon with `pgrep -af 'phi4cli daemon run'`"
+            )
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    if not wait_until_gone(paths, timeout if asked else KILL_GRACE, pid):
+        if not is_our_daemon(pid):
+            raise DaemonUnavailableError(f"the daemon (pid {pid}) did not exit")
+        if announce is not None:
+            announce(f"the daemon (pid {pid}) did not exit; killing it")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        if not wait_until_gone(paths, KILL_GRACE, pid):
+            raise DaemonUnavailableError(f"the daemon (pid {pid}) survived SIGKILL")
     spawn.remove_stale_files(paths)
     return pid
 
@@ -247,6 +305,13 @@ def daemon_status(paths: Paths) -> dict[str, Any]:
             return connection.call(Op.STATUS).result
         except DaemonRestartRequired as exc:
             raise DaemonUnavailableError(f"the running daemon is incompatible: {exc}") from None
+        except DaemonFrozenError:
+            status = spawn.read_status(paths)
+            who = f" (pid {status.pid})" if status else ""
+            raise DaemonFrozenError(
+                f"the daemon{who} is not answering (frozen, or stopped with SIGSTOP?); "
+                "`phi4 stop` ends it"
+            ) from None
 
 
 def wait_until_gone(paths: Paths, timeout: float = STOP_TIMEOUT, pid: int | None = None) -> bool:
@@ -301,7 +366,7 @@ def connect_checked(
             )
         restarted = True
         announce(f"the running daemon {other}; restarting it...")
-        stop_daemon(paths)
+        stop_daemon(paths, announce=announce)
     raise DaemonUnavailableError("could not reach a working daemon")
 
 

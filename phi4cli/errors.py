@@ -56,6 +56,10 @@ class DaemonUnavailableError(Phi4Error):
     exit_status = ExitStatus.DAEMON_UNAVAILABLE
 
 
+class DaemonFrozenError(DaemonUnavailableError):
+    """The daemon holds its socket but does not answer (stopped with SIGSTOP, or wedged)."""
+
+
 class DaemonGoneError(DaemonUnavailableError):
     """The connection to the daemon broke: it exited, was killed, or hung up."""
 

@@ -1,6 +1,7 @@
 """Every file location phi4 uses, from platformdirs; ``PHI4_HOME`` relocates them all."""
 
 import os
+import socket
 import stat
 import sys
 from pathlib import Path
@@ -53,16 +54,53 @@ class Paths(NamedTuple):
 
         Raise DaemonUnavailableError if it belongs to someone else (a directory planted in /tmp).
         """
-        self.runtime_dir.mkdir(parents=True, exist_ok=True)
-        info = self.runtime_dir.lstat()  # lstat: a planted symlink must not pass for our dir
+        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return self.check_runtime_dir()
+
+    def check_runtime_dir(self) -> Path:
+        """Before a client trusts anything in the runtime dir (a socket, a pid): raise
+        DaemonUnavailableError unless it is a real directory of this user's (another user may
+        have created ``/tmp/phi4-<uid>`` first, with a socket of theirs in it). Take back group
+        and other access from a directory that is ours. A missing directory passes."""
+        try:
+            info = self.runtime_dir.lstat()  # lstat: a planted symlink must not pass for ours
+        except FileNotFoundError:
+            return self.runtime_dir
         if info.st_uid != os.getuid() or not stat.S_ISDIR(info.st_mode):
             from phi4cli.errors import DaemonUnavailableError
 
+            owner = f"owned by uid {info.st_uid}" if info.st_uid != os.getuid() else "a link"
             raise DaemonUnavailableError(
-                f"{self.runtime_dir} is not a directory of yours; remove it or set XDG_RUNTIME_DIR"
+                f"{self.runtime_dir} is not a directory of yours ({owner}); phi4 will not use "
+                "it: remove it, or set XDG_RUNTIME_DIR"
             )
-        os.chmod(self.runtime_dir, 0o700)
+        if info.st_mode & 0o077:
+            os.chmod(self.runtime_dir, 0o700)
         return self.runtime_dir
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """Return the uid of the process at the other end of a Unix socket (None if unknowable)."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None
+    import struct
+
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+def is_our_daemon(pid: int) -> bool:
+    """Whether process ``pid`` is a phi4 daemon of this user's, by its /proc entry: a pid read
+    from a file is never signalled on trust (the file may be stale, or planted)."""
+    try:
+        owner = os.stat(f"/proc/{pid}").st_uid
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            argv = handle.read().split(b"\0")
+    except OSError:
+        return False
+    named = any(b"phi4" in arg for arg in argv[:4])  # python -m phi4cli, or the phi4 script
+    return owner == os.getuid() and named and b"daemon" in argv and b"run" in argv
 
 
 def check_socket_path(path: Path) -> None:

@@ -323,7 +323,7 @@ class _ProgressNotice:
                 f"waiting for memory: a request reserves {event.get('needed', 0):,} tokens of "
                 f"context and {event.get('free', 0):,} are free until a running one finishes",
             )
-        elif kind == EventKind.PROGRESS:
+        elif kind == EventKind.PROGRESS and event.get("stage") == "loading":
             self._once("loading", f"loading {event.get('model', 'the model')}...")
         elif kind == EventKind.ACCEPTED and event.get("state") in ("loading", "warming"):
             self._once("loading", "waiting for the daemon to load the model...")

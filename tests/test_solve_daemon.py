@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -410,7 +412,7 @@ def test_another_uid_is_refused_even_if_the_socket_is_reachable(tiny_model: Path
 
 FAKE_OLD_DAEMON = r"""
 import fcntl, json, os, socket, sys
-run = sys.argv[1]
+run = sys.argv[-1]
 lock = os.open(os.path.join(run, "daemon.lock"), os.O_RDWR | os.O_CREAT, 0o600)
 fcntl.flock(lock, fcntl.LOCK_EX)
 path = os.path.join(run, "daemon.sock")
@@ -436,7 +438,10 @@ def test_daemon_of_another_protocol_version_is_restarted_once(tiny_model: Path, 
     run_dir = phi4_home / "run"
     run_dir.mkdir(mode=0o700)
     old = subprocess.Popen(
-        [sys.executable, "-c", FAKE_OLD_DAEMON, str(run_dir)], stdout=subprocess.PIPE, text=True
+        # Named as a daemon is ("python -m phi4cli daemon run"), as /proc shows it to `phi4 stop`.
+        [sys.executable, "-c", FAKE_OLD_DAEMON, "phi4cli", "daemon", "run", str(run_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert old.stdout is not None and old.stdout.readline().strip() == "ready"
     result = run_phi4(*solve_args(tiny_model, "-n", "2"))
@@ -606,3 +611,109 @@ def test_a_queued_solve_survives_phi4_stop(tiny_model: Path, phi4_home: Path):
     long.communicate(timeout=60)
     assert queued.returncode == 0, err
     assert json.loads(out)["stats"]["completion_tokens"] > 0
+
+
+def test_a_frozen_daemon_is_reported_and_stop_kills_it(tiny_model: Path, phi4_home: Path):
+    # Before: solve, status and stop all hung forever on a daemon stopped with SIGSTOP.
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    pid = int(status(phi4_home)["pid"])  # type: ignore[call-overload]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        checks = [subprocess.Popen([PHI4, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   stdin=subprocess.DEVNULL, text=True)
+                  for args in (["status"], solve_args(tiny_model, "-n", "2"))]  # fmt: skip
+        for check in checks:
+            _out, err = check.communicate(timeout=60)
+            assert check.returncode == 3, err
+            assert "not answering" in err and "`phi4 stop` ends it" in err, err
+        assert time.monotonic() - started < 40
+        stopped = run_phi4("stop")
+        assert stopped.returncode == 0, stopped.stderr
+        assert f"the daemon (pid {pid}) did not exit; killing it" in stopped.stderr
+        assert run_phi4("status").returncode == 3, "gone"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_stop_signals_no_process_named_by_a_planted_status_file(phi4_home: Path):
+    # Before: with the daemon lock held and no socket answering, the pid in daemon.json got
+    # SIGTERM, whatever process it named.
+    victim = subprocess.Popen(["sleep", "60"])
+    run = phi4_home / "run"
+    run.mkdir(mode=0o700)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+         str(run / "daemon.lock")], stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        (run / "daemon.json").write_text(json.dumps(
+            {"pid": victim.pid, "socket": str(run / "daemon.sock"), "protocol": 1,
+             "state": "ready", "model": None, "started_at": 0}))  # fmt: skip
+        result = run_phi4("stop")
+        assert result.returncode == 3
+        assert f"pid {victim.pid} in {run / 'daemon.json'} is not a phi4 daemon of yours" in (
+            result.stderr
+        )
+        assert victim.poll() is None, "the planted pid was signalled"
+    finally:
+        for proc in (victim, holder):
+            proc.kill()
+            proc.wait()
+
+
+FORGER = r"""
+import json, os, socket, sys
+os.setgid(65534); os.setuid(65534)  # another local user
+path, log = sys.argv[1], sys.argv[2]
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(path)
+server.listen()
+print("listening", flush=True)
+while True:
+    conn, _ = server.accept()
+    line = conn.makefile("rb").readline()
+    with open(log, "ab") as f:
+        f.write(line)
+    request_id = json.loads(line).get("id") if line.strip() else None
+    for event in ({"event": "token", "text": "forged"}, {"event": "done"}):
+        conn.sendall(json.dumps({"v": 1, "id": request_id, **event}).encode() + b"\n")
+    conn.close()
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second user")
+@pytest.mark.parametrize("owner", ["attacker", "victim"])
+def test_another_users_socket_gets_no_question(tiny_model: Path, tmp_path: Path, owner: str):
+    # Before: with no XDG_RUNTIME_DIR the runtime dir is /tmp/phi4-<uid>; another user who made it
+    # first, with a socket of theirs in it, received the prompts and returned forged answers.
+    home = Path(tempfile.mkdtemp(prefix="phi4-victim-", dir="/tmp"))
+    home.chmod(0o755)
+    run = home / "run"
+    run.mkdir()
+    run.chmod(0o777)  # for the other user's socket to be made in it
+    log = home / "received"
+    log.touch(mode=0o666)
+    log.chmod(0o666)
+    if owner == "attacker":
+        os.chown(run, 65534, 65534)  # the attacker made the directory
+    forger = subprocess.Popen([sys.executable, "-c", FORGER, str(run / "daemon.sock"), str(log)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert forger.stdout is not None and forger.stdout.readline().strip() == "listening"
+        if owner == "victim":
+            run.chmod(0o700)  # ours, private: only the socket in it is the attacker's
+        result = run_phi4("solve", "my secret question", "-m", str(tiny_model),
+                          env={"PHI4_HOME": str(home)})  # fmt: skip
+        assert result.returncode == 3, result.stderr
+        assert "forged" not in result.stdout
+        expected = "is not a directory of yours" if owner == "attacker" else "another user's"
+        assert expected in result.stderr, result.stderr
+        assert log.read_bytes() == b"", "the question reached the other user"
+    finally:
+        forger.kill()
+        forger.wait()
+        shutil.rmtree(home, ignore_errors=True)

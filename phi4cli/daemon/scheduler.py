@@ -113,6 +113,8 @@ class RequestScheduler:
         # The engine's KV cache use, as of the last step (read by `status` from another thread).
         self.memory: dict[str, Any] = {}
 
+    beats = 0  # times the worker went round its loop (read by the server's heartbeat)
+
     def start(self) -> None:
         self._thread.start()
 
@@ -158,6 +160,7 @@ class RequestScheduler:
             self._load(self._default_model)
         held: Job | None = None  # needs another model: waits until the engine is idle
         while True:
+            self.beats += 1  # the worker goes round: the server's heartbeats say it lives
             self.memory = self._engine.memory()
             if held is None:
                 try:

@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
@@ -28,23 +27,18 @@ from phi4cli.config import DAEMON_SETTINGS, FOREVER, Settings
 from phi4cli.daemon.jobs import Engine, Job
 from phi4cli.daemon.scheduler import QueueFullError, RequestScheduler
 from phi4cli.errors import DaemonUnavailableError
-from phi4cli.paths import Paths, check_socket_path
+from phi4cli.paths import Paths, check_socket_path, peer_uid
 from phi4cli.protocol import ErrorCode, EventKind, Op, ProtocolViolation, Request
 
 log = logging.getLogger("phi4.daemon")
 
 MAX_QUEUE = 64
 IDLE_CHECK_S = 0.2
+# While a client's requests are queued or running, it hears from the daemon at least this often
+# (a `progress` event, stage "alive") — as long as the engine is going round: a client that hears
+# nothing for much longer may take the daemon for frozen (see client.STREAM_IDLE_TIMEOUT).
+HEARTBEAT_S = 20.0
 _LOADING = ("loading", "warming")
-
-
-def peer_uid(sock: socket.socket) -> int | None:
-    """Return the uid of the process at the other end of a Unix socket (None if unknowable)."""
-    if not hasattr(socket, "SO_PEERCRED"):
-        return None
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
 
 
 def peer_allowed(sock: socket.socket, own_uid: int) -> bool:
@@ -157,6 +151,7 @@ class DaemonServer:
         self._stopped: asyncio.Event | None = None
         self._stopping = False
         self._uid = os.getuid()
+        self._last_beats = -1
         self.scheduler = RequestScheduler(engine, model_path, max_queue, self._state_from_worker)
 
     # --- status -------------------------------------------------------------------------------
@@ -432,9 +427,25 @@ class DaemonServer:
         if self._stopped is not None:
             self._stopped.set()
 
+    def _heartbeat(self) -> None:
+        """Tell clients with requests in the daemon that it is alive, if the engine has gone
+        round since the last beat (or is loading a model, which takes one long call)."""
+        beats = self.scheduler.beats
+        if beats == self._last_beats and self.state not in _LOADING:
+            return  # a wedged engine: let the clients' deadlines speak
+        self._last_beats = beats
+        for connection in list(self._connections):
+            for request_id in list(connection.jobs):
+                connection.hold(protocol.event(request_id, EventKind.PROGRESS, stage="alive"))
+            connection.flush()
+
     async def _watch_idle(self) -> None:
+        last_beat = time.monotonic()
         while not self._stopping:
             await asyncio.sleep(IDLE_CHECK_S)
+            if time.monotonic() - last_beat >= HEARTBEAT_S:
+                last_beat = time.monotonic()
+                self._heartbeat()
             if self.keep_alive == FOREVER or self.scheduler.busy or self.state in _LOADING:
                 continue
             if time.monotonic() - self.last_activity >= self.keep_alive:
