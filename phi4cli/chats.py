@@ -50,10 +50,36 @@ class Conversation:
         return {"format": FORMAT_VERSION, **asdict(self)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Conversation:
-        turns = [Turn(**turn) for turn in data.get("turns", [])]
+    def from_json(cls, data: object) -> Conversation:
+        """Read a saved conversation; raise ValueError naming what is wrong with it."""
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        _check(data, {"name": str, "model": str}, {"system": (str, type(None)),
+               "settings": dict, "turns": list, "dropped": int, "session": str,
+               "created": (int, float), "updated": (int, float), "format": int})  # fmt: skip
+        turns = []
+        for index, turn in enumerate(data.get("turns", [])):
+            if not isinstance(turn, dict):
+                raise ValueError(f"turn {index + 1} is not a JSON object")
+            _check(turn, {"question": str, "answer": str}, {"reasoning": str, "stats": dict,
+                   "interrupted": bool}, f"turn {index + 1}: ")  # fmt: skip
+            turns.append(Turn(**turn))
         fields = {k: v for k, v in data.items() if k not in ("format", "turns")}
         return cls(turns=turns, **fields)
+
+
+def _check(data: dict[str, Any], required: dict[str, Any], optional: dict[str, Any],
+           where: str = "") -> None:  # fmt: skip
+    """Raise ValueError for a missing, unknown or mistyped field."""
+    for key in required:
+        if key not in data:
+            raise ValueError(f"{where}no '{key}'")
+    for key, value in data.items():
+        expected = required.get(key, optional.get(key))
+        if expected is None:
+            raise ValueError(f"{where}unknown field '{key}'")
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ValueError(f"{where}'{key}' has the wrong type ({type(value).__name__})")
 
 
 def default_name() -> str:
@@ -78,11 +104,15 @@ class ChatStore:
         return self.directory / f"{check_name(name)}.json"
 
     def save(self, conversation: Conversation) -> Path:
+        """Write the conversation atomically; raise Phi4Error (disk full, ...) saying so."""
         conversation.updated = time.time()
         path = self.path(conversation.name)
-        write_atomic(
-            path, json.dumps(conversation.to_json(), ensure_ascii=False, indent=1).encode()
-        )
+        try:
+            write_atomic(
+                path, json.dumps(conversation.to_json(), ensure_ascii=False, indent=1).encode()
+            )
+        except OSError as exc:
+            raise Phi4Error(f"cannot save the conversation to {path}: {exc.strerror}") from None
         return path
 
     def load(self, name: str) -> Conversation:
@@ -92,8 +122,12 @@ class ChatStore:
             return Conversation.from_json(data)
         except FileNotFoundError:
             raise Phi4Error(f"no saved conversation {name!r}; `/list` shows them") from None
-        except (ValueError, TypeError, KeyError) as exc:
-            raise Phi4Error(f"{path} is not a phi4 conversation ({exc})") from None
+        except (ValueError, TypeError, KeyError) as exc:  # UnicodeDecodeError is a ValueError
+            raise Phi4Error(
+                f"{path} is not a phi4 conversation ({exc}); move it away or delete it"
+            ) from None
+        except OSError as exc:
+            raise Phi4Error(f"cannot read {path}: {exc.strerror}") from None
 
     def delete(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)

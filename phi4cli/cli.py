@@ -120,6 +120,7 @@ MaxTokensOption = Annotated[
     typer.Option(
         "--max-tokens",
         "-n",
+        min=1,
         help="Stop after this many tokens (thinking included).",
         show_default=False,
     ),
@@ -331,9 +332,11 @@ def serve(
     """Expose the daemon as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models,
     /health, /metrics)."""
     from phi4cli.backends import DaemonBackend
+    from phi4cli.http_api import check_address
     from phi4cli.http_api import serve as serve_http
     from phi4cli.models import ALIASES, resolve_model
 
+    check_address(http, api_key)  # before anything else is looked at
     paths = get_paths()
     settings = _settings(paths, model=model, keep_alive=keep_alive)
     model_path = resolve_model(settings.model, paths)

@@ -62,10 +62,25 @@ def _optional_positive_int(value: object) -> int | None:
     return _positive_int(value)
 
 
+MIN_N_CTX = 64  # below this no question fits beside a system prompt (and llama.cpp may abort)
+MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS
+
+
 def _context_size(value: object) -> int | None:
     if value is None or str(value).strip().lower() in {"", "auto", "0"}:
         return None
-    return _positive_int(value)
+    number = _positive_int(value)
+    if number < MIN_N_CTX:
+        raise ValueError(value)
+    return number
+
+
+def _threads(value: object) -> int | None:
+    """Up to 4 threads per CPU of this machine (and ggml's 512): more only crash llama.cpp."""
+    number = _optional_positive_int(value)
+    if number is not None and number > min(MAX_THREADS, 4 * (os.cpu_count() or 1)):
+        raise ValueError(value)
+    return number
 
 
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
@@ -161,10 +176,17 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
         parse_duration,
         "a duration such as 30m, 1h, 90s, 0 (unload now) or -1 (forever)",
     ),
-    "n_ctx": (_context_size, "auto (planned from free memory) or a number of tokens"),
+    "n_ctx": (
+        _context_size,
+        f"auto (planned from free memory) or a number of tokens, at least {MIN_N_CTX}",
+    ),
     "kv_cache_type": (_kv_cache_type, "f16, q8_0 (half the memory) or q4_0 (a quarter)"),
     "gpu_layers": (_gpu_layers, "auto (as many as fit), all, or a number of layers (0: CPU)"),
-    "threads": (_optional_positive_int, "a positive integer, or auto"),
+    "threads": (
+        _threads,
+        f"auto, or from 1 to {min(MAX_THREADS, 4 * (os.cpu_count() or 1))} "
+        "(4 per CPU of this machine)",
+    ),
     "temperature": (_temperature, "a number from 0 to 5"),
     "top_p": (_unit_float, "a number from 0 to 1"),
     "max_tokens": (_optional_positive_int, "a positive integer, or none"),
@@ -238,6 +260,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     try:
         with handle:
             data = tomllib.load(handle)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file (TOML); fix or remove it") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
     unknown = sorted(set(data) - set(_FIELDS))
@@ -308,7 +332,12 @@ def set_config_value(config_file: Path, key: str, value: str) -> Any:
         # Durations keep the user's spelling ("30m"); everything else its parsed form.
         data[key] = value if key == "keep_alive" else parsed
     text = "".join(f"{name} = {_toml_value(data[name])}\n" for name in sorted(data))
-    write_atomic(config_file, text.encode(), mode=0o644)
+    try:
+        write_atomic(config_file, text.encode(), mode=0o644)
+    except OSError as exc:  # a full disk, say: not a usage error
+        from phi4cli.errors import Phi4Error
+
+        raise Phi4Error(f"cannot write {config_file}: {exc.strerror}; nothing changed") from None
     return parsed
 
 

@@ -350,6 +350,20 @@ class _Completion:
         yield b"data: [DONE]\n\n"
 
 
+def check_address(address: str, api_key: str | None) -> tuple[str, int]:
+    """``HOST:PORT`` as (host, port); raise UsageError for a bad one, or a public one without
+    a key."""
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not port_text.isdigit() or int(port_text) > 65535:
+        raise UsageError(
+            f"bad address {address!r}: use HOST:PORT with a port up to 65535, e.g. 127.0.0.1:8080"
+        )
+    if not is_loopback(host) and not api_key:
+        raise UsageError(f"binding {host} (not loopback) needs --api-key")
+    return host, int(port_text)
+
+
 def serve(
     backend: Backend,
     settings: Settings,
@@ -362,21 +376,17 @@ def serve(
     """Serve until interrupted. Raise UsageError for a bad address or a public bind without key."""
     import uvicorn
 
-    host, _, port_text = address.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    if not port_text.isdigit():
-        raise UsageError(f"bad address {address!r}: use HOST:PORT, e.g. 127.0.0.1:8080")
-    if not is_loopback(host) and not api_key:
-        raise UsageError(f"binding {host} (not loopback) needs --api-key")
+    host, port = check_address(address, api_key)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, int(port_text)))
+        sock.bind((host, port))
         sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
     except OSError as exc:
         sock.close()
-        raise UsageError(f"cannot listen on {address}: {exc.strerror}") from None
+        reason = exc.strerror or str(exc)  # a bad host name is a gaierror with no strerror
+        raise UsageError(f"cannot listen on {address}: {reason}") from None
     backend.connect()  # start the daemon and its model load now
     created = int(model_path.stat().st_mtime)
     app = create_app(backend, settings, str(model_path), model_name, created, api_key)

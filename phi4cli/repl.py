@@ -69,11 +69,17 @@ class ChatRepl:
         self.show_reasoning = show_reasoning
         self.verbose = verbose
         self._last_stats: Stats | None = None
+        self.failed = 0  # messages that ended in an error
 
     # --- input loop ---------------------------------------------------------------------------
 
     def run(self, read: Reader) -> int:
-        """Read and answer until /exit or end of input; return the exit status."""
+        """Read and answer until /exit or end of input; return the exit status: 1 when some
+        message got no answer (an error), as a script piping questions in needs to know."""
+        self._loop(read)
+        return 1 if self.failed else 0
+
+    def _loop(self, read: Reader) -> None:
         interrupted_once = False
         # Start the daemon (and its model load) now, while the user types the first question.
         self.backend.connect()
@@ -83,18 +89,18 @@ class ChatRepl:
                     line = read_message(read)
                 except KeyboardInterrupt:
                     if interrupted_once:
-                        return 0
+                        return
                     interrupted_once = True
                     self.env.notice("press Ctrl-C again (or Ctrl-D, or /exit) to leave")
                     continue
                 interrupted_once = False
                 if line is None:
-                    return 0
+                    return
                 if not line.strip():
                     continue
                 if line.strip().startswith("/"):
                     if not self.command(line.strip()):
-                        return 0
+                        return
                 else:
                     self.ask(line)
         finally:
@@ -138,6 +144,7 @@ class ChatRepl:
         if outcome.error is not None and not interrupted:
             presenter.abort()
             self.env.notice(f"error: {outcome.exception()}")
+            self.failed += 1
             return
         if interrupted:
             presenter.show_partial(outcome)
@@ -202,7 +209,16 @@ class ChatRepl:
             )
         if self.verbose and stats is not None:
             print(format_stats(stats), file=self.env.stderr, flush=True)
-        self.store.save(conversation)
+        self._autosave()
+
+    def _autosave(self) -> None:
+        """Save after each answer. A failed save (disk full) is said, not fatal: the
+        conversation stays in memory and is saved again after the next answer."""
+        try:
+            self.store.save(self.conversation)
+        except Phi4Error as exc:
+            self.env.notice(f"{exc}; the conversation is kept in memory and saved again after "
+                            "the next answer")  # fmt: skip
 
     # --- slash commands -----------------------------------------------------------------------
 

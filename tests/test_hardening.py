@@ -1,0 +1,148 @@
+"""Hostile use, as a new user or a script would try it: bad values, a full disk, damaged files.
+Each is one clear line on stderr and a documented exit status, and nothing already saved is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from phi4cli.backends import DaemonBackend
+from phi4cli.chats import ChatStore, Conversation
+from phi4cli.config import Settings
+from phi4cli.environment import Environment
+from phi4cli.paths import get_paths
+from phi4cli.repl import ChatRepl
+from tests.conftest import run_phi4
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert "internal error" not in lines[0] and "Traceback" not in stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "phrase"),
+    [
+        (["solve", "x", "-n", "0"], "0 is not in the range x>=1"),
+        (["solve", "x", "--n-ctx", "16"], "at least 64"),
+        (["solve", "x", "--threads", "100000"], "4 per CPU of this machine"),
+        (["serve", "--http", "127.0.0.1:99999"], "a port up to 65535"),
+    ],
+    ids=["max-tokens-0", "n-ctx-16", "threads-100000", "port-99999"],
+)
+def test_bad_values_are_refused_before_anything_runs(args: list[str], phrase: str):
+    # Before: -n 0 meant unlimited; --n-ctx 16 aborted the daemon; --threads 100000 crashed it;
+    # port 99999 was "internal error: OverflowError".
+    result = run_phi4(*args)
+    assert result.returncode == 2, result.stderr
+    assert phrase in result.stderr
+    assert run_phi4("status").returncode == 3, "no daemon was started"
+
+
+def test_a_binary_config_file_is_named(phi4_home: Path):
+    config = phi4_home / "config" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_bytes(b"\x00\xff\xfe binary \x89PNG")
+    line = one_error_line(run_phi4("config", "show").stderr)
+    assert line == f"phi4: error: {config} is not a text file (TOML); fix or remove it"
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs, filled up."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                          capture_output=True, check=False)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        with contextlib.suppress(OSError), (mount / "filler").open("wb") as handle:
+            while True:
+                handle.write(b"\0" * 4096)
+                handle.flush()
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_config_set_on_a_full_disk_changes_nothing(full_disk: Path):
+    home = full_disk / "home"
+    config = home / "config" / "config.toml"
+    with contextlib.suppress(OSError):
+        config.parent.mkdir(parents=True)
+    if not config.parent.is_dir():
+        pytest.skip("not even a directory fits")
+    result = run_phi4("config", "set", "temperature", "0.2", env={"PHI4_HOME": str(home)})
+    assert result.returncode == 1
+    assert one_error_line(result.stderr).startswith(f"phi4: error: cannot write {config}: No space")
+
+
+def test_a_chat_that_cannot_autosave_goes_on_and_saves_later(tiny_model: Path, full_disk: Path):
+    # Before: a failed autosave (disk full) ended the REPL, and the new turns were lost.
+    paths = get_paths()
+    out, err = io.StringIO(), io.StringIO()
+    env = Environment(io.StringIO(), out, err, paths=paths)
+    config = Settings(model=str(tiny_model), temperature=0.0, max_tokens=4)
+    store = ChatStore(full_disk / "chats")
+    conversation = Conversation(name="kept", model=str(tiny_model))
+    repl = ChatRepl(env, DaemonBackend(paths, config, tiny_model, env.notice), config,
+                    str(tiny_model), conversation, store)  # fmt: skip
+    repl.ask("What is 2+2?")
+    assert "cannot save the conversation" in err.getvalue()
+    assert "kept in memory" in err.getvalue()
+    assert len(repl.conversation.turns) == 1
+    (full_disk / "filler").unlink()  # room again
+    repl.ask("And 3+3?")
+    assert [t.question for t in store.load("kept").turns] == ["What is 2+2?", "And 3+3?"]
+
+
+@pytest.mark.parametrize(
+    ("content", "phrase"),
+    [
+        ("[1, 2]", "not a JSON object"),
+        ('{"name": "x", "model": "m", "turns": "many"}', "'turns' has the wrong type (str)"),
+        ('{"name": "x", "model": "m", "turns": [{"question": 1, "answer": ""}]}',
+         "turn 1: 'question' has the wrong type (int)"),
+        ("\x00\xff", "is not a phi4 conversation"),
+    ],
+    ids=["json-list", "turns-not-a-list", "question-not-a-string", "binary"],
+)  # fmt: skip
+def test_a_damaged_saved_chat_is_named_and_explained(content: str, phrase: str):
+    chats = get_paths().data_dir / "chats"
+    chats.mkdir(parents=True)
+    (chats / "damaged.json").write_text(content, encoding="latin-1")
+    result = run_phi4("chat", "--resume", "damaged", input="")
+    assert result.returncode == 1
+    line = one_error_line(result.stderr)
+    assert str(chats / "damaged.json") in line and phrase in line, line
+
+
+def test_chat_exits_1_when_a_message_got_no_answer(tiny_model: Path):
+    # Before: `phi4 chat` exited 0 although every message failed.
+    too_long = "word " * 400
+    result = run_phi4("chat", "-m", str(tiny_model), "--n-ctx", "128", "-n", "4",
+                      input=f"{too_long}\n")  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "error:" in result.stderr
+    fine = run_phi4("chat", "-m", str(tiny_model), "-n", "2", input="hello\n")
+    assert fine.returncode == 0, fine.stderr
+
+
+def test_status_json_of_a_damaged_status_file_is_not_trusted(phi4_home: Path):
+    run = phi4_home / "run"
+    run.mkdir(mode=0o700)
+    (run / "daemon.json").write_text(json.dumps({"pid": os.getpid(), "socket": "x"}))
+    result = run_phi4("stop")
+    assert result.returncode == 0, result.stderr
+    assert "no daemon was running" in result.stdout
