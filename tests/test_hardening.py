@@ -146,3 +146,37 @@ def test_status_json_of_a_damaged_status_file_is_not_trusted(phi4_home: Path):
     result = run_phi4("stop")
     assert result.returncode == 0, result.stderr
     assert "no daemon was running" in result.stdout
+
+
+def _ask(phi4_home: Path, params: dict[str, object]) -> dict[str, object]:
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(60)
+        sock.connect(str(phi4_home / "run" / "daemon.sock"))
+        sock.sendall(json.dumps({"v": 1, "id": 1, "op": "solve", "params": params}).encode()
+                     + b"\n")  # fmt: skip
+        reader = sock.makefile("rb")
+        while True:
+            event: dict[str, object] = json.loads(reader.readline())
+            if event["event"] in ("done", "error"):
+                return event
+
+
+def test_a_bad_model_in_one_request_leaves_the_loaded_one_serving(
+    tiny_model: Path, phi4_home: Path, tmp_path: Path
+):
+    # Before: one request naming a bad model file unloaded the working model for everyone
+    # (state "failed", /health 503) until someone asked for a good one again.
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_model.read_bytes()[: tiny_model.stat().st_size // 2])
+    for bad, phrase in ((tmp_path / "missing.gguf", "does not exist"),
+                        (truncated, "truncated or corrupt")):  # fmt: skip
+        event = _ask(phi4_home, {"prompt": "hi", "model": str(bad), "max_tokens": 2})
+        assert event["event"] == "error" and event["code"] == "model_error"
+        assert phrase in str(event["message"])
+        status = json.loads(run_phi4("status", "--json").stdout)
+        assert (status["state"], status["model"]) == ("ready", str(tiny_model))
+    served = _ask(phi4_home, {"prompt": "hi", "max_tokens": 2})
+    assert served["event"] == "done"

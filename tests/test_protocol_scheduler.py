@@ -113,8 +113,11 @@ class FakeEngine:
         return {"running": len(self._runs)}
 
     def load(self, path: Path) -> dict[str, Any]:
-        if path.name == "broken.gguf":
+        if path.name == "broken.gguf":  # refused before the loaded model is let go
             raise ModelLoadError(f"{path} is truncated")
+        if path.name == "unsupported.gguf":  # fails once the old model is gone
+            self._model = None
+            raise ModelLoadError(f"llama.cpp could not load {path}")
         self.loaded.append(path)
         self._model = path
         return {"load_s": 0.0}
@@ -193,10 +196,12 @@ class Collector:
                 assert self.done.wait(deadline - time.monotonic()), self.events
 
 
-def make_scheduler(engine: FakeEngine, max_queue: int = 8) -> tuple[RequestScheduler, list[str]]:
+def make_scheduler(
+    engine: FakeEngine, max_queue: int = 8, default: Path = Path("/m/model.gguf")
+) -> tuple[RequestScheduler, list[str]]:
     states: list[str] = []
     scheduler = RequestScheduler(
-        engine, Path("/m/model.gguf"), max_queue, lambda state, _m, _e: states.append(state)
+        engine, default, max_queue, lambda state, _m, _e: states.append(state)
     )
     scheduler.start()
     return scheduler, states
@@ -300,7 +305,7 @@ def test_engine_crash_becomes_an_error_with_traceback_and_worker_survives():
     scheduler.stop(5)
 
 
-def test_failed_load_is_a_model_error_and_state_failed():
+def test_a_failed_load_is_a_model_error_and_the_loaded_model_serves_on():
     engine = FakeEngine()
     scheduler, states = make_scheduler(engine)
     out = Collector()
@@ -308,7 +313,27 @@ def test_failed_load_is_a_model_error_and_state_failed():
     out.wait(0)
     assert out.terminal(0)[0]["code"] == protocol.MODEL_ERROR
     assert "truncated" in out.terminal(0)[0]["message"]
-    assert states == ["loading", "warming", "ready", "loading", "failed"]
+    assert states[3:] == ["loading", "ready"]
+    # A failure after the old model was let go: it is loaded again.
+    scheduler.submit(out.job(1, "y", model=Path("/m/unsupported.gguf")))
+    out.wait(1)
+    assert "could not load" in out.terminal(1)[0]["message"]
+    assert states[5:] == ["loading", "loading", "warming", "ready"]
+    assert engine.model_path == engine.loaded[-1] != Path("/m/unsupported.gguf")
+    scheduler.submit(out.job(2, "z"))
+    out.wait(2)
+    assert out.terminal(2)[0]["event"] == "done"
+    scheduler.stop(5)
+
+
+def test_a_failed_first_load_leaves_the_state_failed():
+    engine = FakeEngine()
+    scheduler, states = make_scheduler(engine, default=Path("/m/broken.gguf"))
+    out = Collector()
+    scheduler.submit(out.job(0, "x"))
+    out.wait(0)
+    assert out.terminal(0)[0]["code"] == protocol.MODEL_ERROR
+    assert states == ["loading", "failed", "loading", "failed"]  # at start, then for the job
     scheduler.stop(5)
 
 

@@ -291,7 +291,10 @@ class RequestScheduler:
                     ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; run the command again"
                 )
 
-    def _load(self, path: Path) -> bool:
+    def _load(self, path: Path, fall_back: bool = True) -> bool:
+        """Load (and warm) ``path``; on failure keep serving the model loaded before, if any
+        (the failed request gets ``last_error``)."""
+        previous = self._engine.model_path
         self._on_state("loading", path, None)
         try:
             self.last_load = self._engine.load(path)
@@ -301,12 +304,22 @@ class RequestScheduler:
             # Whatever broke, the worker must live on to answer the next request.
             if not isinstance(exc, ModelLoadError):
                 log.exception("loading %s failed", path)
-            self._engine.close()
-            self.last_error = (
+            error = (
                 str(exc)
                 if isinstance(exc, ModelLoadError)
                 else (f"loading {path} failed: {type(exc).__name__}: {exc}")
             )
+            if self._engine.model_path == previous and previous is not None:
+                self.last_error = error  # refused before unloading: the old model serves on
+                self._on_state("ready", previous, None)
+                return False
+            self._engine.close()
+            if fall_back and previous is not None and previous != path:
+                log.warning("%s; loading %s again", error, previous)
+                if self._load(previous, fall_back=False):
+                    self.last_error = error
+                    return False
+            self.last_error = error
             self._on_state("failed", path, self.last_error)
             return False
         self.last_error = None

@@ -29,7 +29,7 @@ from llama_cpp import _internals as llama_internals
 
 from phi4cli import protocol
 from phi4cli.config import Settings
-from phi4cli.daemon.jobs import ContextOverflowError, Job, SolveParams, Wait
+from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
 from phi4cli.daemon.sessions import SwappedSession, SwapStore
@@ -155,8 +155,11 @@ class LlamaEngine:
     def load(self, path: Path) -> dict[str, Any]:
         """Load the GGUF at ``path`` (unloading any other); return what loading did.
 
-        Raise ModelLoadError with a message for the user when llama.cpp cannot load it.
+        Raise ModelLoadError with a message for the user when llama.cpp cannot load it. A file
+        that is missing, not a GGUF or truncated is refused before the loaded model is let go:
+        one client's bad path must not take the model away from everyone.
         """
+        check_model_file(path)
         self.close()
         model = load_model(path, self.settings, self.n_batch)
         try:
@@ -568,6 +571,19 @@ class LlamaEngine:
             "slot": slot.seq,
             "model": str(model.path),
         }
+
+
+def check_model_file(path: Path) -> None:
+    """Raise ModelLoadError unless ``path`` is a complete GGUF file (header and tensor data)."""
+    from phi4cli.errors import InvalidModelError
+    from phi4cli.models import validate_gguf
+
+    if not path.is_file():
+        raise ModelLoadError(f"model file {path} does not exist")
+    try:
+        validate_gguf(path)
+    except InvalidModelError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
