@@ -691,9 +691,14 @@ def cache_clear() -> None:
     """Remove staged model copies (RAM), saved system-prompt states and swapped-out chats."""
     import shutil
 
-    from phi4cli.daemon.ramdisk import remove_staged
+    from phi4cli.daemon.ramdisk import not_private, ramdisk_dir, remove_staged
 
     paths = get_paths()
+    directory = ramdisk_dir()
+    if directory is not None and os.path.lexists(directory):
+        problem = not_private(directory)
+        if problem is not None:
+            _stderr(f"staged copies left alone: {problem}")
     staged = remove_staged()
     counts = []
     for name in ("states", "sessions"):

@@ -180,3 +180,40 @@ def test_a_bad_model_in_one_request_leaves_the_loaded_one_serving(
         assert (status["state"], status["model"]) == ("ready", str(tiny_model))
     served = _ask(phi4_home, {"prompt": "hi", "max_tokens": 2})
     assert served["event"] == "done"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second user")
+def test_a_staging_dir_of_another_user_is_not_used(tiny_model: Path, tmp_path: Path):
+    # Before: another user who made /dev/shm/phi4-<uid> first could plant a GGUF under the
+    # predictable staged name, and the victim's daemon loaded it.
+    from phi4cli.daemon.ramdisk import stage, staged_name
+
+    planted = tmp_path / "shm-planted"
+    planted.mkdir(mode=0o755)
+    fake = planted / staged_name(tiny_model)
+    fake.write_bytes(tiny_model.read_bytes())  # same size: it would be taken for our copy
+    os.chown(planted, 65534, 65534)
+    os.chown(fake, 65534, 65534)
+    staging = stage(tiny_model, "on", planted)
+    assert staging.path == tiny_model and not staging.staged
+    assert staging.note is not None and "belongs to uid 65534" in staging.note
+    # Ours, but another user's file planted in it under the staged name: not loaded either.
+    os.chown(planted, 0, 0)
+    planted.chmod(0o700)
+    staging = stage(tiny_model, "on", planted)
+    assert staging.staged and staging.copied, "our own copy, not the planted one"
+    assert planted.joinpath(staged_name(tiny_model)).stat().st_uid == 0
+
+
+def test_cache_clear_does_not_follow_a_planted_link(tmp_path: Path):
+    # Before: a link at the staging dir's path to the models dir made `phi4 cache clear` delete
+    # the models.
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "precious.gguf").write_bytes(b"GGUF")
+    link = tmp_path / "shm-link"
+    link.symlink_to(models)
+    result = run_phi4("cache", "clear", env={"PHI4_RAMDISK": str(link)})
+    assert result.returncode == 0
+    assert (models / "precious.gguf").exists()
+    assert f"staged copies left alone: {link} is not a directory (a link?)" in result.stderr

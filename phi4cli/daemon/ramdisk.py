@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -66,6 +67,33 @@ def filesystem_type(path: Path) -> str | None:
     return best_type
 
 
+def not_private(directory: Path) -> str | None:
+    """Why ``directory`` may not hold staged models, or None: it must be a real directory (not
+    a link), of this user's, with no access for group or others. ``/dev/shm`` is shared: another
+    user who made ``phi4-<uid>`` first could plant a model there, or a link to your models that
+    `phi4 cache clear` would then empty."""
+    try:
+        info = directory.lstat()
+    except OSError as exc:
+        return f"cannot use {directory}: {exc.strerror}"
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        return f"{directory} is not a directory (a link?); remove it"
+    if info.st_uid != os.getuid():
+        return f"{directory} belongs to uid {info.st_uid}, not you; remove it"
+    if info.st_mode & 0o077:
+        return f"{directory} is open to other users (mode {info.st_mode & 0o777:o}); chmod 700 it"
+    return None
+
+
+def _own_file(path: Path) -> bool:
+    """A regular file of this user's (a staged copy we made), not a link planted in its place."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
+
+
 def staged_name(model: Path) -> str:
     stat = model.stat()
     return f"{model.stem}-{stat.st_size}-{stat.st_mtime_ns}.gguf"
@@ -94,11 +122,14 @@ def stage(model: Path, mode: str, directory: Path | None = None) -> Staging:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as exc:
         return unstaged(f"cannot create {directory}: {exc.strerror}")
+    problem = not_private(directory)
+    if problem is not None:
+        return unstaged(problem)
     if mode == "auto" and filesystem_type(directory) not in _RAM_FILESYSTEMS:
         return unstaged(f"{directory} is not on tmpfs")
     target = directory / staged_name(model)
     size = model.stat().st_size
-    if target.is_file() and target.stat().st_size == size:
+    if _own_file(target) and target.stat().st_size == size:
         return Staging(target, True, False, time.monotonic() - started)
     remove_staged(directory, keep=None, stem=model.stem)  # older copies of this model
     free = shutil.disk_usage(directory).free
@@ -122,13 +153,23 @@ def stage(model: Path, mode: str, directory: Path | None = None) -> Staging:
 def remove_staged(
     directory: Path | None = None, keep: Path | None = None, stem: str | None = None
 ) -> int:
-    """Delete staged copies (of the model named ``stem``, or all); return how many."""
+    """Delete staged copies (of the model named ``stem``, or all); return how many.
+
+    Only in a private directory of this user's, and only regular files of theirs: never through
+    a link (to, say, the models directory).
+    """
     directory = directory or ramdisk_dir()
     if directory is None or not directory.is_dir():
+        return 0
+    problem = not_private(directory)
+    if problem is not None:
+        log.warning("not clearing staged models: %s", problem)
         return 0
     removed = 0
     for path in directory.glob("*.gguf"):
         if path == keep or (stem is not None and path.name.rsplit("-", 2)[0] != stem):
+            continue
+        if not _own_file(path):
             continue
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
