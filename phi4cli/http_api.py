@@ -10,9 +10,11 @@ loop, so a slow or stuck client holds up nobody else; a client that hangs up can
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
+import os
 import socket
 import time
 import uuid
@@ -41,6 +43,11 @@ from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Event, EventKind, Op, ProtocolViolation, parse_chat_params
 
 MAX_BODY_BYTES = 4 << 20
+# A client has this long to send a request's headers, and then its body: slow clients that
+# never finish (slowloris) are cut off instead of holding connections forever.
+HEADER_TIMEOUT_S = float(os.environ.get("PHI4_HTTP_HEADER_TIMEOUT", 10))
+BODY_TIMEOUT_S = float(os.environ.get("PHI4_HTTP_BODY_TIMEOUT", 30))
+MAX_CONNECTIONS = 512
 # Worker threads for streams waiting on the daemon (anyio's default of 40 would cap concurrent
 # streams below the daemon's queue).
 STREAM_THREADS = 128
@@ -212,11 +219,24 @@ def create_app(
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def chat(request: Request) -> Response:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
+        announced = request.headers.get("content-length")
+        if announced is not None and announced.isdigit() and int(announced) > MAX_BODY_BYTES:
             raise ApiError(413, "request body too large")
+        raw = bytearray()
         try:
-            body = json.loads(raw or b"{}")
+            with anyio.fail_after(BODY_TIMEOUT_S):
+                async for part in request.stream():
+                    raw += part
+                    if len(raw) > MAX_BODY_BYTES:
+                        raise ApiError(413, "request body too large")
+        except TimeoutError:
+            raise ApiError(
+                408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s"
+            ) from None
+        try:
+            body = json.loads(bytes(raw) or b"{}")
+        except UnicodeDecodeError:
+            raise ApiError(400, "the body is not UTF-8 text") from None
         except json.JSONDecodeError as exc:
             raise ApiError(400, f"malformed JSON: {exc}") from None
         if not isinstance(body, dict):
@@ -350,6 +370,44 @@ class _Completion:
         yield b"data: [DONE]\n\n"
 
 
+def _header_deadline_protocol() -> type[Any]:
+    """uvicorn's h11 protocol, with a deadline for each request's headers (uvicorn has none:
+    a client sending a header line a minute holds its connection forever)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadline(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state == h11.IDLE:
+                if self._deadline is None:  # a request begun, its headers not all here
+                    self._arm()
+            elif self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._expire)
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if self.conn.their_state == h11.IDLE:
+                self.transport.close()
+
+    return HeaderDeadline
+
+
 def check_address(address: str, api_key: str | None) -> tuple[str, int]:
     """``HOST:PORT`` as (host, port); raise UsageError for a bad one, or a public one without
     a key."""
@@ -393,7 +451,8 @@ def serve(
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=5)  # fmt: skip
+                            timeout_graceful_shutdown=5, http=_header_deadline_protocol(),
+                            limit_concurrency=MAX_CONNECTIONS)  # fmt: skip
     server = uvicorn.Server(config)
     announce(f"serving the OpenAI API on http://{shown}:{bound_port}/v1 (Ctrl-C stops)")
 

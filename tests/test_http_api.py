@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,10 +22,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import PHI4, run_phi4
 
 
-def start_server(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
+def start_server(
+    model: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [PHI4, "serve", "--http", "127.0.0.1:0", "-m", str(model), *extra],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **(env or {})},
     )  # fmt: skip
     assert proc.stderr is not None
     for line in proc.stderr:
@@ -185,3 +189,56 @@ def test_a_stuck_client_does_not_hold_up_others(server: str):
                 model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
             )
             assert reply.choices[0].finish_reason == "length"
+
+
+def _raw(url: str, data: bytes, wait: float = 10) -> bytes:
+    """Send raw bytes; return the response: its headers and, by Content-Length, its body."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.settimeout(wait)
+        sock.sendall(data)
+        received = b""
+        with contextlib.suppress(TimeoutError):
+            while chunk := sock.recv(4096):
+                received += chunk
+                head, found, body = received.partition(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length: (\d+)", head)
+                if found and length and len(body) >= int(length.group(1)):
+                    break
+        return received
+
+
+BODY = b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
+
+
+def test_malformed_http_requests_get_an_answer_and_the_server_goes_on(tiny_model: Path):
+    # Before (http.server): a malformed Content-Length, a short body, a chunked body or invalid
+    # UTF-8 got no reply, hung a handler or desynchronised the connection.
+    proc, url = start_server(tiny_model, env={"PHI4_HTTP_HEADER_TIMEOUT": "2",
+                                              "PHI4_HTTP_BODY_TIMEOUT": "2"})  # fmt: skip
+    try:
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        assert _raw(url, head + b"Content-Length: abc\r\n\r\n" + BODY).startswith(b"HTTP/1.1 400")
+        short = _raw(url, head + b"Content-Length: 500\r\n\r\n" + BODY)
+        assert short.startswith(b"HTTP/1.1 408") and b"did not arrive within 2 s" in short
+        chunked = _raw(url, head + b"Transfer-Encoding: chunked\r\n\r\n"
+                       + f"{len(BODY):x}\r\n".encode() + BODY + b"\r\n0\r\n\r\n")  # fmt: skip
+        assert chunked.startswith(b"HTTP/1.1 200") and b'"chat.completion"' in chunked
+        bad = b'{"messages":[{"role":"user","content":"\xff\xfe"}]}'
+        answer = _raw(url, head + f"Content-Length: {len(bad)}\r\n\r\n".encode() + bad)
+        assert answer.startswith(b"HTTP/1.1 400") and b"not UTF-8" in answer
+        # Slowloris: headers that never end are cut off, not waited for.
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as slow:
+            slow.settimeout(10)
+            slow.sendall(head)
+            assert slow.recv(100) == b"", "the server hung up on the unfinished request"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert reply.choices[0].message.content is not None
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=20)
+    assert "Traceback" not in err, err
