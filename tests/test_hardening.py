@@ -217,3 +217,26 @@ def test_cache_clear_does_not_follow_a_planted_link(tmp_path: Path):
     assert result.returncode == 0
     assert (models / "precious.gguf").exists()
     assert f"staged copies left alone: {link} is not a directory (a link?)" in result.stderr
+
+
+def test_the_daemon_log_keeps_llama_cpp_warnings_not_its_chatter(
+    tiny_model: Path, phi4_home: Path, caplog: pytest.LogCaptureFixture
+):
+    # Before: about 700 lines of llama.cpp INFO and DEBUG detail per start.
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    assert run_phi4("stop").returncode == 0
+    log = (phi4_home / "state" / "daemon.log").read_text()
+    assert len(log.splitlines()) < 30, log
+    assert "llama_context:" not in log and "graph_reserve" not in log
+    # What is kept: warnings and errors (ggml levels 3 and 4), continuation pieces included.
+    from phi4cli.daemon.llama.model import _LogFilter
+
+    log_filter = _LogFilter()
+    with caplog.at_level("DEBUG", logger="phi4.llama"):
+        for level, text in ((2, b"info line\n"), (3, b"warn: "), (5, b"continued\n"),
+                            (1, b"debug\n"), (4, b"error line\n")):  # fmt: skip
+            log_filter(level, text, None)  # type: ignore[arg-type]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "warn: continued"),
+        ("ERROR", "error line"),
+    ]

@@ -35,6 +35,39 @@ from phi4cli.reasoning import model_thinks
 
 log = logging.getLogger("phi4.engine")
 
+# llama.cpp's log goes through this filter, not straight to stderr (the daemon log): a start
+# writes about 700 lines of INFO and DEBUG detail that bury what matters. Warnings and errors
+# are kept, as records of the "phi4.llama" logger.
+_LLAMA_LEVELS = {3: logging.WARNING, 4: logging.ERROR}  # ggml.h: 1 debug, 2 info, 3 warn, 4 error
+_GGML_CONT = 5  # continues the previous message
+llama_log = logging.getLogger("phi4.llama")
+
+
+class _LogFilter:
+    def __init__(self) -> None:
+        self.level: int | None = None
+        self.pending = ""
+
+    def __call__(self, level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+        if level != _GGML_CONT:
+            self.flush()
+            self.level = _LLAMA_LEVELS.get(level)
+        if self.level is None:
+            return
+        self.pending += text.decode("utf-8", errors="replace")
+        if self.pending.endswith("\n"):
+            self.flush()
+
+    def flush(self) -> None:
+        if self.level is not None and self.pending.strip():
+            llama_log.log(self.level, "%s", self.pending.rstrip())
+        self.pending = ""
+
+
+_log_filter = _LogFilter()
+_log_callback = llama_cpp.llama_log_callback(_log_filter)  # kept: llama.cpp holds a pointer
+llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
 DECODE_OK, DECODE_NO_KV_SPACE = 0, 1
 _GGML_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
                "q4_0": llama_cpp.GGML_TYPE_Q4_0}  # fmt: skip
