@@ -1,0 +1,158 @@
+"""Fuzzing with hypothesis: the daemon's socket protocol and the HTTP API take whatever a client
+sends, answer each request exactly once, never with an internal error, and keep serving.
+
+One real daemon (the tiny model) serves every example; generation is kept to a few tokens so the
+whole campaign fits in CI's budget.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import run_phi4
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False)
+    | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                  max_size=3),
+    max_leaves=8,
+)  # fmt: skip
+KEYS = st.sampled_from(["prompt", "message", "session", "history", "system", "model",
+                        "temperature", "top_p", "seed", "max_tokens", "think_budget",
+                        "keep_alive", "priority", "target", "x"])  # fmt: skip
+PARAMS = st.dictionaries(KEYS, JSON_VALUES | st.sampled_from(["2+2?", "s1", 0.5, 3]), max_size=6)
+# Every op but "stop", which would end the campaign.
+OPS = st.sampled_from(["solve", "chat", "status", "ping", "cancel", "load", "nope", 7, None])
+
+
+def _bounded(params: dict[str, Any]) -> dict[str, Any]:
+    """Keep generations short and models unchanged, so examples stay fast."""
+    params = dict(params)
+    if not isinstance(params.get("max_tokens"), int) or not 0 < params["max_tokens"] <= 4:
+        params["max_tokens"] = 2
+    params.pop("model", None)
+    params.pop("keep_alive", None)
+    return params
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    import os
+
+    home = tmp_path_factory.mktemp("fuzz-home")
+    old = os.environ.get("PHI4_HOME")
+    os.environ["PHI4_HOME"] = str(home)
+    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "2048").returncode == 0
+    try:
+        yield home / "run" / "daemon.sock"
+    finally:
+        run_phi4("stop")
+        if old is not None:
+            os.environ["PHI4_HOME"] = old
+
+
+def _exchange(path: Path, lines: list[bytes]) -> list[dict[str, Any]]:
+    """Send the lines on one connection; return the terminal events, one per line."""
+    terminals: list[dict[str, Any]] = []
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(30)
+        sock.connect(str(path))
+        sock.sendall(b"".join(lines))
+        reader = sock.makefile("rb")
+        pending = len(lines)
+        while pending:
+            line = reader.readline()
+            assert line, f"the daemon hung up with {pending} requests unanswered"
+            event = json.loads(line)
+            if event.get("event") in ("done", "error"):
+                terminals.append(event)
+                pending -= 1
+    return terminals
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+          HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(st.lists(st.tuples(OPS, PARAMS, st.booleans()), min_size=1, max_size=4),
+       st.sampled_from([1, 2]))  # fmt: skip
+def test_the_socket_answers_every_request_once_and_lives(
+    daemon: Path, requests: list[tuple[Any, dict[str, Any], bool]], version: int
+):
+    lines = []
+    for number, (op, params, valid_id) in enumerate(requests):
+        request_id: Any = number if valid_id else [number]  # a list is not a valid id
+        message = {"v": version, "id": request_id, "op": op, "params": _bounded(params)}
+        lines.append(json.dumps(message).encode() + b"\n")
+    terminals = _exchange(daemon, lines)  # exactly one terminal event per request
+    for event in terminals:
+        assert event.get("code") != "internal", event
+        if event["event"] == "error":
+            assert event["message"] and isinstance(event["retryable"], bool)
+    assert _exchange(daemon, [b'{"v":1,"id":"p","op":"ping"}\n'])[0]["event"] == "done"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=200))
+def test_raw_bytes_never_break_the_daemon(daemon: Path, garbage: bytes):
+    assume(garbage.replace(b"\n", b" ").strip())  # a blank line is skipped, by design
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(30)
+        sock.connect(str(daemon))
+        sock.sendall(garbage.replace(b"\n", b" ") + b"\n")
+        answer = json.loads(sock.makefile("rb").readline())
+    assert answer["event"] in ("error", "done")
+    assert answer.get("code") != "internal", answer
+
+
+MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", 3]),
+                           "content": st.text(max_size=20) | JSON_VALUES}),
+    max_size=4,
+) | JSON_VALUES  # fmt: skip
+BODIES = st.fixed_dictionaries(
+    {"messages": MESSAGES},
+    optional={"model": JSON_VALUES, "temperature": JSON_VALUES, "top_p": JSON_VALUES,
+              "seed": JSON_VALUES, "max_tokens": st.integers(-5, 3) | JSON_VALUES,
+              "stream": st.booleans()},
+) | JSON_VALUES  # fmt: skip
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+          HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(BODIES)
+def test_the_http_api_answers_any_body_without_a_500(daemon: Path, tiny_model: Path, body: Any):
+    import anyio
+    import httpx2
+
+    from phi4cli.backends import DaemonBackend
+    from phi4cli.config import Settings
+    from phi4cli.http_api import create_app
+    from phi4cli.paths import get_paths
+
+    settings_ = Settings(model=str(tiny_model))
+    backend = DaemonBackend(get_paths(), settings_, tiny_model, lambda _m: None)
+    app = create_app(backend, settings_, str(tiny_model), "tiny", 0, None)
+    if isinstance(body, dict) and isinstance(body.get("max_tokens"), int):
+        body["max_tokens"] = min(body["max_tokens"], 3)
+    elif isinstance(body, dict):
+        body["max_tokens"] = 2
+
+    async def post() -> httpx2.Response:
+        transport = httpx2.ASGITransport(app=app)  # an exception in the app would raise here
+        async with httpx2.AsyncClient(transport=transport, base_url="http://phi4") as client:
+            return await client.post("/v1/chat/completions", content=json.dumps(body))
+
+    response = anyio.run(post)
+    assert response.status_code in (200, 400, 413, 429, 503), response.text
+    if response.status_code != 200:
+        error = response.json()["error"]
+        assert error["message"] and error["code"] == response.status_code
+    backend.close()
