@@ -19,7 +19,7 @@ from phi4cli.backends import Backend, RequestStream
 from phi4cli.chats import ChatStore, Conversation, Turn, default_name
 from phi4cli.config import Settings, parse_setting
 from phi4cli.environment import Environment
-from phi4cli.errors import Phi4Error
+from phi4cli.errors import DaemonGoneError, Phi4Error
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Op, Stats
 from phi4cli.render import PlainPresenter, TerminalPresenter, format_stats, human_seconds
@@ -137,6 +137,13 @@ class ChatRepl:
         except KeyboardInterrupt:  # before the request was sent (daemon starting up)
             presenter.abort()
             self.env.notice("stopped before the answer began; this question is not kept")
+            return
+        except DaemonGoneError as exc:
+            # Mid-answer (before any output the stream itself starts a fresh daemon): the chat
+            # goes on, and the next message starts a fresh daemon with the whole transcript.
+            presenter.abort()
+            self.env.notice(f"error: {exc}; this question is not kept (ask it again)")
+            self.failed += 1
             return
         except Phi4Error:
             presenter.abort()

@@ -12,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pexpect
 import pytest
@@ -299,3 +300,31 @@ def test_tab_completes_slash_commands_and_set_keys():
     assert complete("/s") == ["/system", "/set", "/show", "/save", "/stats"]
     assert complete("/set t") == ["/set temperature", "/set top_p", "/set think_budget"]
     assert complete("what is /sh") == []
+
+
+def test_a_daemon_killed_mid_answer_costs_one_message_not_the_chat(tiny_model: Path):
+    # Before: the chat ended with exit 3 when the daemon died while answering.
+    repl, _out, err = make_repl(tiny_model, temperature=0.0, max_tokens=3000)
+    repl.settings = repl.settings._replace(max_tokens=4)
+    repl.ask("What is 12*13?")
+    repl.settings = repl.settings._replace(max_tokens=3000)
+    pid = json.loads(run_phi4("status", "--json").stdout)["pid"]
+    opened = repl.backend.stream
+
+    def killed_after_a_few_tokens(op: Any, params: Any) -> Any:
+        stream = opened(op, params)
+        for event in stream:
+            if event.kind == "token":
+                os.kill(pid, signal.SIGKILL)  # mid-answer, for sure
+                break
+        return stream
+
+    repl.backend.stream = killed_after_a_few_tokens  # type: ignore[method-assign]
+    repl.ask("Count to a thousand.")
+    repl.backend.stream = opened  # type: ignore[method-assign]
+    assert "this question is not kept" in err.getvalue()
+    assert [t.question for t in repl.conversation.turns] == ["What is 12*13?"]
+    repl.settings = repl.settings._replace(max_tokens=4)
+    repl.ask("And now?")
+    assert repl.conversation.turns[-1].question == "And now?"
+    assert repl.failed == 1
