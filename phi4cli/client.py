@@ -347,6 +347,15 @@ def connect_checked(
             other = "speaks another protocol version"
         except DaemonGoneError:
             connection.close()
+            if connection.spawned:
+                # The daemon this client just started died at once: starting more would not
+                # help (a full disk, a broken install); say what its log says.
+                detail = spawn.last_log_line(paths)
+                raise DaemonUnavailableError(
+                    "the daemon exited as it started"
+                    + (f": {detail}" if detail else "")
+                    + f"; see {paths.log_file}"
+                ) from None
             if attempt == CONNECT_ATTEMPTS - 1:
                 raise
             wait_until_gone(paths)

@@ -240,3 +240,20 @@ def test_the_daemon_log_keeps_llama_cpp_warnings_not_its_chatter(
         ("WARNING", "warn: continued"),
         ("ERROR", "error line"),
     ]
+
+
+def test_a_first_solve_on_a_full_disk_starts_one_daemon_and_answers(
+    tiny_model: Path, full_disk: Path
+):
+    # Before: the daemon died writing its status file; the client started three in turn and
+    # ended with "connection reset by peer".
+    env = {"PHI4_HOME": str(full_disk / "home")}
+    with contextlib.suppress(OSError):
+        (full_disk / "home").mkdir()
+    result = run_phi4("solve", "hi", "-m", str(tiny_model), "-n", "2", env=env)
+    try:
+        assert result.returncode == 0, result.stderr
+        assert result.stderr.count("starting the phi4 daemon") == 1
+        assert result.stdout.strip()
+    finally:
+        assert run_phi4("stop", env=env).returncode == 0

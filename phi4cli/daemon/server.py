@@ -203,7 +203,11 @@ class DaemonServer:
     def _write_status(self) -> None:
         if self._stopping and self.state != "stopping":
             return
-        write_atomic(self.paths.status_file, json.dumps(self.status_record()).encode())
+        try:
+            write_atomic(self.paths.status_file, json.dumps(self.status_record()).encode())
+        except OSError as exc:
+            # A full disk must not take the daemon down: clients find it by its socket.
+            log.warning("cannot write %s: %s", self.paths.status_file, exc.strerror)
 
     def _state_from_worker(self, state: str, model: Path, error: str | None) -> None:
         assert self._loop is not None

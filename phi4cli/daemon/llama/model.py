@@ -7,6 +7,7 @@ slots, batching) lives in :mod:`.prompts` and :mod:`.batch`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -269,15 +270,19 @@ class LoadedModel:
     def save_seq(self, seq: int, tokens: list[int], path: Path) -> bool:
         """Write the KV of ``seq`` (holding ``tokens``) to ``path`` atomically; False if
         llama.cpp could not."""
-        path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}.part")
         array = (llama_cpp.llama_token * len(tokens))(*tokens)
-        if llama_cpp.llama_state_seq_save_file(
-            self.context.ctx, str(partial).encode(), seq, array, len(tokens)
-        ):
-            os.replace(partial, path)  # a reader never finds half a state
-            return True
-        partial.unlink(missing_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if llama_cpp.llama_state_seq_save_file(
+                self.context.ctx, str(partial).encode(), seq, array, len(tokens)
+            ):
+                os.replace(partial, path)  # a reader never finds half a state
+                return True
+        except OSError as exc:  # a full disk: the state is only a cache
+            log.warning("cannot save a sequence state to %s: %s", path, exc.strerror)
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
         return False
 
     def restore_seq(self, seq: int, tokens: list[int], path: Path) -> bool:
