@@ -133,6 +133,7 @@ class _DaemonStream:
         self._produced = False
         self._finished = False
         self._cancelled_unsent = False
+        self.spawned = False  # a daemon was started for this request
 
     def __iter__(self) -> _DaemonStream:
         return self
@@ -147,6 +148,7 @@ class _DaemonStream:
             try:
                 if self._connection is None:
                     self._connection = self._backend._take()
+                    self.spawned = self.spawned or bool(self._connection.spawned)
                     self._request_id = self._connection.send(self._op, self._params)
                     self._sent += 1
                 event: Event = self._connection.next_event()

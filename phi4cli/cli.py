@@ -631,15 +631,22 @@ def _load_model(
 ) -> tuple[dict[str, Any], bool]:
     """Have the daemon (started if need be) load and warm ``model_path``; return its load
     timings and whether this call started the daemon."""
-    from phi4cli.client import connect_checked
+    from phi4cli.backends import DaemonBackend
+    from phi4cli.errors import error_for
 
     params: dict[str, Any] = {"model": str(model_path)}
     if set_keep_alive:
         params["keep_alive"] = settings.keep_alive
-    with connect_checked(paths, settings, model_path, _stderr) as connection:
-        result = connection.call("load", params).result
-        spawned = connection.spawned
-    return result, spawned
+    # Through the backend, so a daemon on its way out is replaced as for any request.
+    backend = DaemonBackend(paths, settings, model_path, _stderr)
+    try:
+        stream = backend.stream(protocol.Op.LOAD, params)
+        *_, terminal = stream
+    finally:
+        backend.close()
+    if terminal.kind == protocol.EventKind.ERROR:
+        raise error_for(terminal.code, terminal.message)
+    return terminal.result, stream.spawned
 
 
 @daemon_app.command("run")

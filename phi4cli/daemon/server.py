@@ -506,7 +506,7 @@ class DaemonServer:
 def _take_daemon_lock(paths: Paths) -> int:
     """Take the daemon lock for this process's life; raise DaemonUnavailableError if held."""
     paths.ensure_runtime_dir()
-    fd = os.open(paths.daemon_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(paths.daemon_lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -53,7 +53,7 @@ def read_status(paths: Paths) -> DaemonStatus | None:
 def daemon_alive(paths: Paths) -> bool:
     """Return True while some process holds the daemon lock."""
     try:
-        fd = os.open(paths.daemon_lock, os.O_RDONLY)
+        fd = os.open(paths.daemon_lock, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return False
     try:
@@ -84,7 +84,7 @@ def remove_stale_files(paths: Paths) -> bool:
 def spawn_lock(paths: Paths) -> Iterator[None]:
     """Hold the spawn lock: one client at a time decides whether to start a daemon."""
     paths.ensure_runtime_dir()
-    fd = os.open(paths.spawn_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(paths.spawn_lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
