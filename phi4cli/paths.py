@@ -54,7 +54,15 @@ class Paths(NamedTuple):
 
         Raise DaemonUnavailableError if it belongs to someone else (a directory planted in /tmp).
         """
-        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:  # a full disk, no inodes left, a read-only /tmp
+            from phi4cli.errors import DaemonUnavailableError
+
+            raise DaemonUnavailableError(
+                f"cannot create {self.runtime_dir}: {exc.strerror}; free some space, or set "
+                "XDG_RUNTIME_DIR"
+            ) from None
         return self.check_runtime_dir()
 
     def check_runtime_dir(self) -> Path:

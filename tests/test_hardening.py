@@ -257,3 +257,25 @@ def test_a_first_solve_on_a_full_disk_starts_one_daemon_and_answers(
         assert result.stdout.strip()
     finally:
         assert run_phi4("stop", env=env).returncode == 0
+
+
+def test_no_inodes_left_is_one_line_and_exit_3(tiny_model: Path, tmp_path: Path):
+    # Before: "internal error: OSError: [Errno 28] No space left on device: '.../run'".
+    mount = tmp_path / "noinodes"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=8", "tmpfs",
+                           str(mount)], capture_output=True, check=False)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        (mount / "home").mkdir()
+        with contextlib.suppress(OSError):
+            for number in range(100):
+                (mount / f"f{number}").touch()
+        result = run_phi4("solve", "hi", "-m", str(tiny_model), "-n", "2",
+                          env={"PHI4_HOME": str(mount / "home")})  # fmt: skip
+        assert result.returncode == 3
+        line = one_error_line(result.stderr)
+        assert "No space left on device" in line and str(mount / "home") in line
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

@@ -134,9 +134,17 @@ def spawn_daemon(
     """Start ``phi4 daemon run`` in its own session, its output appended to the daemon log."""
     import subprocess
 
-    paths.state_dir.mkdir(parents=True, exist_ok=True)
-    rotate_log(paths.log_file)
-    with open(paths.log_file, "ab") as log:
+    try:
+        paths.state_dir.mkdir(parents=True, exist_ok=True)
+        rotate_log(paths.log_file)
+        log = open(paths.log_file, "ab")  # noqa: SIM115 - handed to the child, closed below
+    except OSError as exc:
+        from phi4cli.errors import DaemonUnavailableError
+
+        raise DaemonUnavailableError(
+            f"cannot start the daemon: cannot write its log {paths.log_file}: {exc.strerror}"
+        ) from None
+    with log:
         return subprocess.Popen(
             daemon_command(settings, model_path),
             stdin=subprocess.DEVNULL,
