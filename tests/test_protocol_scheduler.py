@@ -472,3 +472,47 @@ def test_a_long_waiting_job_is_taken_before_newer_urgent_ones(monkeypatch):
     assert jobs.peek(block=False) is chat
     jobs.stop()
     assert jobs.peek(block=True) is None
+
+
+def test_a_silent_daemon_is_reported_frozen_not_waited_for_forever():
+    from phi4cli.client import DaemonConnection
+    from phi4cli.errors import DaemonFrozenError
+
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with right:
+        connection = DaemonConnection(left)
+        right.sendall(b'{"v":1,"id":1,"event":"accepted"}\n')  # then nothing
+        assert connection.next_event(timeout=0.5).kind == "accepted"
+        started = time.monotonic()
+        with pytest.raises(DaemonFrozenError, match=r"sent nothing for 0\.5 s"):
+            connection.next_event(timeout=0.5)
+        assert time.monotonic() - started < 5
+        connection.close()
+
+
+def test_heartbeats_go_out_only_while_the_engine_goes_round():
+    from types import SimpleNamespace
+
+    from phi4cli.daemon.server import Connection, DaemonServer
+
+    class Writer:
+        def __init__(self) -> None:
+            self.data = b""
+
+        def write(self, data: bytes) -> None:
+            self.data += data
+
+    writer = Writer()
+    connection = Connection(writer)  # type: ignore[arg-type]
+    connection.jobs["r1"] = object()  # type: ignore[assignment]
+    server: Any = SimpleNamespace(scheduler=SimpleNamespace(beats=5), _last_beats=-1,
+                                  state="ready", _connections={connection})  # fmt: skip
+    DaemonServer._heartbeat(server)
+    beat = json.loads(writer.data)
+    assert (beat["id"], beat["event"], beat["stage"]) == ("r1", "progress", "alive")
+    writer.data = b""
+    DaemonServer._heartbeat(server)  # the engine did not go round: a wedged engine is silent
+    assert writer.data == b""
+    server.state = "loading"  # one long call, not a hang
+    DaemonServer._heartbeat(server)
+    assert json.loads(writer.data)["stage"] == "alive"
