@@ -1,5 +1,6 @@
 """Every file location phi4 uses, from platformdirs; ``PHI4_HOME`` relocates them all."""
 
+import contextlib
 import os
 import socket
 import stat
@@ -135,8 +136,17 @@ def _default_runtime_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"{APP_NAME}-{os.getuid()}"
 
 
+# What platformdirs' answers depend on; with these unchanged, its answers are reused from a small
+# file in the (private, checked) runtime dir: importing platformdirs costs a warm `phi4 solve`
+# about 6 ms, more than the daemon takes to answer a short question.
+_DIR_INPUTS = ("HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME")
+_DIR_FIELDS = ("config_dir", "data_dir", "state_dir", "cache_dir")
+
+
 def get_paths() -> Paths:
-    """Return the paths for this process: ``$PHI4_HOME/{config,data,state,cache,run}`` if set."""
+    """Return the paths for this process: ``$PHI4_HOME/{config,data,state,cache,run}`` if set,
+    else platformdirs' (remembered in the runtime dir for as long as the environment they come
+    from is the same)."""
     home = os.environ.get("PHI4_HOME")
     if home:
         root = Path(home).expanduser().absolute()
@@ -147,12 +157,52 @@ def get_paths() -> Paths:
             cache_dir=root / "cache",
             runtime_dir=root / "run",
         )
-    import platformdirs
+    runtime = _default_runtime_dir()
+    inputs = [sys.platform, *(os.environ.get(name) for name in _DIR_INPUTS)]
+    dirs = _remembered_dirs(runtime, inputs)
+    if dirs is None:
+        import platformdirs
 
-    return Paths(
-        config_dir=Path(platformdirs.user_config_dir(APP_NAME)),
-        data_dir=Path(platformdirs.user_data_dir(APP_NAME)),
-        state_dir=Path(platformdirs.user_state_dir(APP_NAME)),
-        cache_dir=Path(platformdirs.user_cache_dir(APP_NAME)),
-        runtime_dir=_default_runtime_dir(),
-    )
+        dirs = [Path(platformdirs.user_config_dir(APP_NAME)),
+                Path(platformdirs.user_data_dir(APP_NAME)),
+                Path(platformdirs.user_state_dir(APP_NAME)),
+                Path(platformdirs.user_cache_dir(APP_NAME))]  # fmt: skip
+        _remember_dirs(runtime, inputs, dirs)
+    config, data, state, cache = dirs
+    return Paths(config, data, state, cache, runtime)
+
+
+def _private_runtime_dir(runtime: Path) -> bool:
+    try:
+        info = runtime.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
+
+
+def _remembered_dirs(runtime: Path, inputs: list[str | None]) -> list[Path] | None:
+    # Only from a directory of this user's: another user's could redirect the config file.
+    if not _private_runtime_dir(runtime):
+        return None
+    import json
+
+    try:
+        with open(runtime / "dirs.json", "rb") as handle:
+            saved = json.load(handle)
+        if saved["inputs"] != inputs:
+            return None
+        return [Path(saved[field]) for field in _DIR_FIELDS]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _remember_dirs(runtime: Path, inputs: list[str | None], dirs: list[Path]) -> None:
+    if not _private_runtime_dir(runtime):
+        return  # made by the daemon; until then platformdirs answers each time
+    import json
+
+    from phi4cli.atomicfile import write_atomic
+
+    record = {"inputs": inputs, **{f: str(d) for f, d in zip(_DIR_FIELDS, dirs, strict=True)}}
+    with contextlib.suppress(OSError):
+        write_atomic(runtime / "dirs.json", json.dumps(record).encode())

@@ -516,3 +516,40 @@ def test_heartbeats_go_out_only_while_the_engine_goes_round():
     server.state = "loading"  # one long call, not a hang
     DaemonServer._heartbeat(server)
     assert json.loads(writer.data)["stage"] == "alive"
+
+
+def test_platformdirs_answers_are_remembered_per_environment(monkeypatch, tmp_path: Path):
+    import subprocess
+    import sys
+
+    from phi4cli.paths import get_paths
+
+    runtime = tmp_path / "xdg-run"
+    runtime.mkdir()
+    monkeypatch.delenv("PHI4_HOME")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "conf-a"))
+    first = get_paths()
+    assert first.config_dir == tmp_path / "conf-a" / "phi4"
+    assert not (runtime / "phi4" / "dirs.json").exists(), "no runtime dir yet: nothing written"
+    first.ensure_runtime_dir()
+    assert get_paths() == first and (runtime / "phi4" / "dirs.json").exists()
+    probe = ("import sys; from phi4cli.paths import get_paths; p = get_paths(); "
+             "print(p.config_dir, 'platformdirs' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout.split()  # fmt: skip
+    assert out == [str(tmp_path / "conf-a" / "phi4"), "False"], "remembered, not imported"
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "conf-b"))
+    assert get_paths().config_dir == tmp_path / "conf-b" / "phi4", "another environment"
+    # Only a private runtime dir is believed: another user's could redirect the config file.
+    import os
+
+    from phi4cli.paths import _DIR_INPUTS
+
+    inputs = [sys.platform, *(os.environ.get(name) for name in _DIR_INPUTS)]
+    (runtime / "phi4" / "dirs.json").write_text(json.dumps(
+        {"inputs": inputs, "config_dir": "/evil", "data_dir": "/evil", "state_dir": "/evil",
+         "cache_dir": "/evil"}))  # fmt: skip
+    assert get_paths().config_dir == Path("/evil"), "a matching record is used"
+    (runtime / "phi4").chmod(0o755)
+    assert get_paths().config_dir == tmp_path / "conf-b" / "phi4", "but not from an open dir"
