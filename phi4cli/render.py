@@ -349,3 +349,32 @@ def format_models(rows: list[Any]) -> str:
         where = row.path if row.present else f"get it: {fetch}"
         lines.append(f"{'':<{width}}  {'':>11}  {where}")
     return "\n".join(lines)
+
+
+def format_rows(rows: list[tuple[str, object]], gap: int = 2) -> str:
+    """Label-value rows, labels padded to the longest: status, /show, /help and the like."""
+    width = max((len(label) for label, _ in rows), default=0) + gap
+    return "\n".join(f"{label:<{width}}{value}" for label, value in rows)
+
+
+def format_chat_show(conversation: Any, stats: Stats, model: str, settings: str,
+                     n_ctx: object) -> str:  # fmt: skip
+    """The chat's `/show`: the conversation, its model and settings, context use and cache."""
+    used = stats.context_used
+    return format_rows([
+        ("conversation", f"{conversation.name} ({len(conversation.turns)} turns)"),
+        ("model", model),
+        ("system", conversation.system or "(the model default)"),
+        ("settings", settings),
+        ("context", f"{used} of {n_ctx} tokens used" if used else f"{n_ctx} tokens, unused"),
+        ("cached", f"{stats.cached_tokens} tokens of the last prompt came from cache"),
+        ("dropped", f"{conversation.dropped} oldest turn(s) no longer in the model's context"),
+    ], gap=1)  # fmt: skip
+
+
+def format_chat_list(entries: list[tuple[str, int, float]]) -> str:
+    """The chat's `/list`: (name, turns, seconds since last saved), most recent first."""
+    if not entries:
+        return "no saved conversations"
+    return "\n".join(f"{name}  {turns} turns, {human_seconds(age)} ago"
+                     for name, turns, age in entries)  # fmt: skip

@@ -22,7 +22,14 @@ from phi4cli.environment import Environment
 from phi4cli.errors import DaemonGoneError, Phi4Error
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Op, Stats
-from phi4cli.render import PlainPresenter, TerminalPresenter, format_stats, human_seconds
+from phi4cli.render import (
+    PlainPresenter,
+    TerminalPresenter,
+    format_chat_list,
+    format_chat_show,
+    format_rows,
+    format_stats,
+)
 
 COMMANDS = {
     "/help": "show this help",
@@ -237,9 +244,7 @@ class ChatRepl:
         if name in ("/exit", "/bye", "/quit"):
             return False
         if name == "/help":
-            width = max(map(len, COMMANDS))
-            for command, text in COMMANDS.items():
-                print(f"{command:<{width}}  {text}", file=out)
+            print(format_rows(list(COMMANDS.items())), file=out)
             print('Multi-line input: start and end it with """, or press Alt-Enter (Esc Enter) '
                   "for a new line. Ctrl-C stops an answer.", file=out)  # fmt: skip
         elif name == "/reset":
@@ -295,25 +300,11 @@ class ChatRepl:
         print(f"{key} = {parsed}", file=self.env.stdout)
 
     def _show(self) -> None:
-        conversation = self.conversation
         stats = self._last_stats or Stats()
-        used = stats.context_used
         n_ctx = stats.n_ctx or self.settings.n_ctx or "auto (planned by the daemon)"
         settings = ", ".join(f"{k}={v}" for k, v in self.sampling().items())
-        rows = [
-            ("conversation", f"{conversation.name} ({len(conversation.turns)} turns)"),
-            ("model", self.model),
-            ("system", conversation.system or "(the model default)"),
-            ("settings", settings),
-            ("context", f"{used} of {n_ctx} tokens used" if used else f"{n_ctx} tokens, unused"),
-            (
-                "cached",
-                f"{stats.cached_tokens} tokens of the last prompt came from cache",
-            ),
-            ("dropped", f"{conversation.dropped} oldest turn(s) no longer in the model's context"),
-        ]
-        for key, value in rows:
-            print(f"{key:<13}{value}", file=self.env.stdout)
+        shown = format_chat_show(self.conversation, stats, self.model, settings, n_ctx)
+        print(shown, file=self.env.stdout)
 
     def _retry(self) -> None:
         conversation = self.conversation
@@ -357,16 +348,14 @@ class ChatRepl:
         print(f"loaded {name}: {len(self.conversation.turns)} turns", file=self.env.stdout)
 
     def _list(self) -> None:
-        names = self.store.names()
-        if not names:
-            print("no saved conversations", file=self.env.stdout)
-        for name in names:
+        entries = []
+        for name in self.store.names():
             try:
                 saved = self.store.load(name)
             except Phi4Error:
                 continue
-            age = human_seconds(max(0.0, time.time() - saved.updated))
-            print(f"{name}  {len(saved.turns)} turns, {age} ago", file=self.env.stdout)
+            entries.append((name, len(saved.turns), max(0.0, time.time() - saved.updated)))
+        print(format_chat_list(entries), file=self.env.stdout)
 
 
 def read_message(read: Reader) -> str | None:
