@@ -16,6 +16,8 @@ OPTIONS = {
     '--jsonl': ('jsonl', 'flag', None),
     '--samples': ('samples', 'int', (1, 64)),
     '-k': ('samples', 'int', (1, 64)),
+    '--verbose': ('verbose', 'flag', None),
+    '-v': ('verbose', 'flag', None),
     '--think-budget': ('think_budget', 'int', (0, None)),
     '--system': ('system', 'str', None),
     '-s': ('system', 'str', None),
@@ -29,8 +31,6 @@ OPTIONS = {
     '--n-ctx': ('n_ctx', 'str', None),
     '--threads': ('threads', 'int', None),
     '--backend': ('backend', 'str', None),
-    '--verbose': ('verbose', 'flag', None),
-    '-v': ('verbose', 'flag', None),
 }
 ARGUMENT = 'prompt'
 DEFAULTS = {
@@ -43,6 +43,7 @@ DEFAULTS = {
     'each_line': False,
     'jsonl': False,
     'samples': 1,
+    'verbose': False,
     'think_budget': None,
     'system': None,
     'temperature': None,
@@ -53,5 +54,4 @@ DEFAULTS = {
     'n_ctx': None,
     'threads': None,
     'backend': None,
-    'verbose': False,
 }

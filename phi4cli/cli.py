@@ -127,6 +127,109 @@ MaxTokensOption = Annotated[
 ]
 
 
+RamdiskOption = Annotated[
+    bool | None,
+    typer.Option("--ramdisk/--no-ramdisk", show_default=False,
+                 help="Stage the model in RAM (tmpfs) first [config ramdisk=auto|on|off]."),
+]  # fmt: skip
+MlockOption = Annotated[
+    bool | None,
+    typer.Option("--mlock/--no-mlock", show_default=False, help="Pin the model's pages in RAM."),
+]
+MaxQueueOption = Annotated[
+    int | None,
+    typer.Option("--max-queue", min=1, show_default=False,
+                 help="Requests waiting before the daemon answers busy [default 64]."),
+]  # fmt: skip
+
+ParallelOption = Annotated[
+    int | None,
+    typer.Option("--parallel", min=1, max=64, show_default=False,
+                 help="Long requests the memory plan makes room for at once; short ones "
+                      "pack in beyond [default 4]."),
+]  # fmt: skip
+KvCacheTypeOption = Annotated[
+    str | None,
+    typer.Option("--kv-cache-type", metavar="f16|q8_0|q4_0", show_default=False,
+                 help="KV cache type: q8_0 holds twice the context in the same memory, "
+                      "q4_0 four times [default f16]."),
+]  # fmt: skip
+GpuLayersOption = Annotated[
+    str | None,
+    typer.Option("--gpu-layers", metavar="auto|all|N", show_default=False,
+                 help="Layers to offload to a GPU [default auto: as many as fit; 0 on a "
+                      "CPU-only build]."),
+]  # fmt: skip
+
+
+# The options of every command that may start the daemon (daemon start, daemon run, warm),
+# declared once: ``with_options`` adds them to a command's signature, where Typer finds them,
+# and hands them to the command as one dict.
+DAEMON_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "model": (ModelOption, None),
+    "keep_alive": (KeepAliveOption, None),
+    "n_ctx": (NCtxOption, None),
+    "threads": (ThreadsOption, None),
+    "ramdisk": (RamdiskOption, None),
+    "mlock": (MlockOption, None),
+    "max_queue": (MaxQueueOption, None),
+    "parallel": (ParallelOption, None),
+    "kv_cache_type": (KvCacheTypeOption, None),
+    "gpu_layers": (GpuLayersOption, None),
+}
+# The options of every command that asks for answers (solve, chat).
+ANSWER_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "think_budget": (ThinkBudgetOption, None),
+    "system": (SystemOption, None),
+    "temperature": (TemperatureOption, None),
+    "top_p": (TopPOption, None),
+    "seed": (SeedOption, None),
+    "max_tokens": (MaxTokensOption, None),
+    "keep_alive": (KeepAliveOption, None),
+    "n_ctx": (NCtxOption, None),
+    "threads": (ThreadsOption, None),
+    "backend": (BackendOption, None),
+}
+
+
+class DaemonOptions(dict[str, Any]):
+    """The daemon options a command was given (None: not given)."""
+
+
+def with_options(
+    group: dict[str, tuple[Any, Any]], first: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add the options of ``group`` to a command whose first parameter receives them as one
+    dict (a ``DaemonOptions``), before or after the command's own options."""
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        import typing
+
+        hints = typing.get_type_hints(func, include_extras=True)  # this module's are text
+        parameters = list(inspect.signature(func).parameters.values())
+        receiver = parameters[0].name
+        own = [p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
+               for p in parameters[1:]]  # fmt: skip
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                   annotation=annotation)
+                 for name, (annotation, default) in group.items()]  # fmt: skip
+
+        @functools.wraps(func)
+        def command(**kwargs: Any) -> Any:
+            options = DaemonOptions({name: kwargs.pop(name) for name in group})
+            return func(**{receiver: options}, **kwargs)
+
+        every = [*added, *own] if first else [*own, *added]
+        command.__annotations__ = {p.name: p.annotation for p in every}
+        command.__signature__ = inspect.Signature(every)  # type: ignore[attr-defined]
+        return command
+
+    return decorate
+
+
+with_daemon_options = with_options(DAEMON_OPTIONS, first=True)
+
+
 def _stderr(message: str) -> None:
     print(f"phi4: {message}", file=sys.stderr, flush=True)
 
@@ -157,7 +260,9 @@ def _root(
 
 
 @app.command()
+@with_options(ANSWER_OPTIONS)
 def solve(
+    answer: DaemonOptions,
     prompt: Annotated[
         str | None,
         typer.Argument(
@@ -203,16 +308,6 @@ def solve(
             help="Self-consistency: solve K times, majority-vote the answers.",
         ),
     ] = 1,
-    think_budget: ThinkBudgetOption = None,
-    system: SystemOption = None,
-    temperature: TemperatureOption = None,
-    top_p: TopPOption = None,
-    seed: SeedOption = None,
-    max_tokens: MaxTokensOption = None,
-    keep_alive: KeepAliveOption = None,
-    n_ctx: NCtxOption = None,
-    threads: ThreadsOption = None,
-    backend: BackendOption = None,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print timing and cache statistics to stderr.")
     ] = False,
@@ -223,15 +318,15 @@ def solve(
     options = SolveOptions(
         prompt=prompt, model=model, show_reasoning=show_reasoning, answer_only=answer_only,
         as_json=as_json, file=file, each_line=each_line, jsonl=jsonl, samples=samples,
-        think_budget=think_budget, system=system, temperature=temperature, top_p=top_p,
-        seed=seed, max_tokens=max_tokens, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads,
-        backend=backend, verbose=verbose,
+        verbose=verbose, **answer,
     )  # fmt: skip
     return run_solve(options)
 
 
 @app.command()
+@with_options(ANSWER_OPTIONS)
 def chat(
+    answer: DaemonOptions,
     model: ModelOption = None,
     resume: Annotated[
         str | None,
@@ -245,17 +340,7 @@ def chat(
     continue_last: Annotated[
         bool, typer.Option("--continue", "-c", help="Reopen the most recent conversation.")
     ] = False,
-    system: SystemOption = None,
     show_reasoning: ShowReasoningOption = False,
-    temperature: TemperatureOption = None,
-    top_p: TopPOption = None,
-    seed: SeedOption = None,
-    max_tokens: MaxTokensOption = None,
-    think_budget: ThinkBudgetOption = None,
-    keep_alive: KeepAliveOption = None,
-    n_ctx: NCtxOption = None,
-    threads: ThreadsOption = None,
-    backend: BackendOption = None,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print statistics after each answer.")
     ] = False,
@@ -270,11 +355,7 @@ def chat(
     if resume and continue_last:
         raise UsageError("give --resume NAME or --continue, not both")
     paths = get_paths()
-    settings = _settings(
-        paths, model=model, system=system, temperature=temperature, top_p=top_p, seed=seed,
-        max_tokens=max_tokens, keep_alive=keep_alive, n_ctx=n_ctx, threads=threads,
-        think_budget=think_budget, backend=backend,
-    )  # fmt: skip
+    settings = _settings(paths, model=model, **answer)
     store = ChatStore(paths.data_dir / "chats")
 
     def model_for(spec: str) -> Path:
@@ -284,8 +365,8 @@ def chat(
     if resume or continue_last:
         conversation = store.load(resume) if resume else store.latest()
         model_path = model_for(model or conversation.model)
-        if system is not None:
-            conversation.system = system
+        if answer["system"] is not None:
+            conversation.system = answer["system"]
     else:
         model_path = model_for(settings.model)
         conversation = Conversation(
@@ -518,83 +599,6 @@ def daemon_stop() -> None:
 
     pid = stop_daemon(get_paths(), announce=_stderr)
     print("no daemon was running" if pid is None else f"daemon stopped (pid {pid})")
-
-
-RamdiskOption = Annotated[
-    bool | None,
-    typer.Option("--ramdisk/--no-ramdisk", show_default=False,
-                 help="Stage the model in RAM (tmpfs) first [config ramdisk=auto|on|off]."),
-]  # fmt: skip
-MlockOption = Annotated[
-    bool | None,
-    typer.Option("--mlock/--no-mlock", show_default=False, help="Pin the model's pages in RAM."),
-]
-MaxQueueOption = Annotated[
-    int | None,
-    typer.Option("--max-queue", min=1, show_default=False,
-                 help="Requests waiting before the daemon answers busy [default 64]."),
-]  # fmt: skip
-
-ParallelOption = Annotated[
-    int | None,
-    typer.Option("--parallel", min=1, max=64, show_default=False,
-                 help="Long requests the memory plan makes room for at once; short ones "
-                      "pack in beyond [default 4]."),
-]  # fmt: skip
-KvCacheTypeOption = Annotated[
-    str | None,
-    typer.Option("--kv-cache-type", metavar="f16|q8_0|q4_0", show_default=False,
-                 help="KV cache type: q8_0 holds twice the context in the same memory, "
-                      "q4_0 four times [default f16]."),
-]  # fmt: skip
-GpuLayersOption = Annotated[
-    str | None,
-    typer.Option("--gpu-layers", metavar="auto|all|N", show_default=False,
-                 help="Layers to offload to a GPU [default auto: as many as fit; 0 on a "
-                      "CPU-only build]."),
-]  # fmt: skip
-
-
-# The options of every command that may start the daemon (daemon start, daemon run, warm),
-# declared once: ``with_daemon_options`` adds them to a command's signature, where Typer finds
-# them, and hands them to the command as one ``DaemonOptions``.
-DAEMON_OPTIONS: dict[str, tuple[Any, Any]] = {
-    "model": (ModelOption, None),
-    "keep_alive": (KeepAliveOption, None),
-    "n_ctx": (NCtxOption, None),
-    "threads": (ThreadsOption, None),
-    "ramdisk": (RamdiskOption, None),
-    "mlock": (MlockOption, None),
-    "max_queue": (MaxQueueOption, None),
-    "parallel": (ParallelOption, None),
-    "kv_cache_type": (KvCacheTypeOption, None),
-    "gpu_layers": (GpuLayersOption, None),
-}
-
-
-class DaemonOptions(dict[str, Any]):
-    """The daemon options a command was given (None: not given)."""
-
-
-def with_daemon_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Add DAEMON_OPTIONS to a command whose first parameter is ``daemon: DaemonOptions``."""
-    import typing
-
-    hints = typing.get_type_hints(func, include_extras=True)  # this module's annotations are text
-    own = [p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
-           for p in inspect.signature(func).parameters.values() if p.name != "daemon"]  # fmt: skip
-    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                               annotation=annotation)
-             for name, (annotation, default) in DAEMON_OPTIONS.items()]  # fmt: skip
-
-    @functools.wraps(func)
-    def command(**kwargs: Any) -> Any:
-        daemon = DaemonOptions({name: kwargs.pop(name) for name in DAEMON_OPTIONS})
-        return func(daemon, **kwargs)
-
-    command.__annotations__ = {p.name: p.annotation for p in [*added, *own]}
-    command.__signature__ = inspect.Signature([*added, *own])  # type: ignore[attr-defined]
-    return command
 
 
 def _daemon_setup(daemon: DaemonOptions, **overrides: object) -> tuple[Paths, Settings, Path]:

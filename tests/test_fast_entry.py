@@ -137,3 +137,15 @@ def test_solve_runs_in_process_on_an_environment_of_its_own(tiny_model: Path):
     assert record["question"] == "What is 2+2?"
     assert record["stats"]["completion_tokens"] == 3
     assert "starting the phi4 daemon" in err.getvalue()
+
+
+def test_the_answer_options_are_declared_once_for_solve_and_chat():
+    from phi4cli.cli import ANSWER_OPTIONS
+
+    group = typer.main.get_command(app)
+    solve, chat = group.commands["solve"], group.commands["chat"]  # type: ignore[attr-defined]
+    in_solve = {p.name: p for p in solve.params}
+    in_chat = {p.name: p for p in chat.params}
+    for key in ANSWER_OPTIONS:
+        assert in_solve[key].opts == in_chat[key].opts
+        assert in_solve[key].help == in_chat[key].help
