@@ -4,10 +4,11 @@ Pure functions and small state machines; no I/O. Both the daemon (which counts r
 for ``--think-budget``) and the client (which folds reasoning away) use them.
 """
 
+import functools
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -218,27 +219,76 @@ def normalize_answer(answer: str) -> str:
 class Vote(NamedTuple):
     """The outcome of self-consistency voting."""
 
-    answer: str | None  # the winning answer as first written, None if no sample had one
+    answer: str | None  # the winning answer in its most common written form; None: no answers
     votes: int
     total: int
     tie: bool  # the winner shares the top count with another answer (earliest one wins)
+    members: tuple[int, ...] = ()  # which samples gave the winning answer
 
     @property
     def agreement(self) -> str:
         return f"{self.votes}/{self.total}"
 
 
-def majority_vote(answers: Sequence[str | None]) -> Vote:
-    """Vote over sample answers (None = no answer); ties go to the answer that came first."""
-    normalized = [normalize_answer(a) if a is not None else None for a in answers]
-    counts = Counter(n for n in normalized if n)
-    if not counts:
+Equal = Callable[[str, str], bool]
+
+
+def same_answer(a: str, b: str) -> bool:
+    """Whether two final answers are the same mathematically: ``\\frac12``, ``0.5`` and
+    ``x = \\frac{1}{2}`` are; so are ``x = 2 \\text{ or } x = 3`` and ``\\{3, 2\\}``.
+
+    Decided by HuggingFace's math-verify (LaTeX and plain forms parsed to SymPy), imported only
+    when a vote needs it; what it cannot parse is compared as normalised text.
+    """
+    if normalize_answer(a) == normalize_answer(b):
+        return True
+    left, right = _parsed(a), _parsed(b)
+    if not left or not right:
+        return False
+    try:
+        from math_verify import verify
+
+        return bool(verify(left, right) or verify(right, left))
+    except Exception:  # a parse it cannot compare: not the same, as far as anyone can tell
+        return False
+
+
+@functools.lru_cache(maxsize=512)
+def _parsed(answer: str) -> Any:
+    try:
+        from math_verify import parse
+
+        return parse(f"${_strip_math(answer)}$")
+    except Exception:
+        return []
+
+
+def majority_vote(answers: Sequence[str | None], equal: Equal = same_answer) -> Vote:
+    """Vote over sample answers (None = no answer): equal answers (``equal``) count together,
+    and the winner is reported in its most common written form; ties go to the answer that came
+    first."""
+    classes: list[list[int]] = []
+    for index, answer in enumerate(answers):
+        if answer is None or not normalize_answer(answer):
+            continue
+        for members in classes:
+            first = answers[members[0]]
+            assert first is not None
+            if equal(first, answer):
+                members.append(index)
+                break
+        else:
+            classes.append([index])
+    if not classes:
         return Vote(answer=None, votes=0, total=len(answers), tie=False)
-    top = max(counts.values())
-    leaders = [n for n in _first_seen(normalized) if n and counts[n] == top]
+    top = max(len(members) for members in classes)
+    leaders = [members for members in classes if len(members) == top]
     winner = leaders[0]
-    original = next(a for a, n in zip(answers, normalized, strict=True) if n == winner)
-    return Vote(answer=original, votes=top, total=len(answers), tie=len(leaders) > 1)
+    written = [answers[i] or "" for i in winner]
+    forms = Counter(normalize_answer(w) for w in written)
+    best = max(forms.values())
+    form = next(w for w in written if forms[normalize_answer(w)] == best)
+    return Vote(form, top, len(answers), len(leaders) > 1, tuple(winner))
 
 
 def _first_seen(items: Iterable[str | None]) -> list[str | None]:

@@ -13,7 +13,7 @@ from phi4cli.environment import Environment
 from phi4cli.errors import ExitStatus, UsageError
 from phi4cli.outcome import Outcome, exit_status
 from phi4cli.protocol import Event, EventKind
-from phi4cli.reasoning import majority_vote, normalize_answer
+from phi4cli.reasoning import majority_vote
 from phi4cli.render import PlainPresenter, TerminalPresenter, no_answer_reason
 
 Announce = Callable[[str], None]
@@ -178,11 +178,10 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     if not good:
         raise outcomes[0].exception()
     vote = majority_vote([o.answer for o in outcomes])
-    winner = next(
-        (o for o in good if vote.answer is not None and o.answer is not None
-         and normalize_answer(o.answer) == normalize_answer(vote.answer)),
-        good[0],
-    )  # fmt: skip
+    # Shown: a sample that gave the winning answer in the form reported, else any that agreed.
+    agreeing = [outcomes[i] for i in vote.members]
+    winner = next((o for o in agreeing if o.answer == vote.answer),
+                  agreeing[0] if agreeing else good[0])  # fmt: skip
     if mode.as_json:
         record = winner.to_json()
         record.update(

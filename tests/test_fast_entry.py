@@ -70,7 +70,8 @@ def test_common_commands_take_the_fast_path(args: list[str]):
 def _imported_by_solve(tiny_model: Path, *extra: str) -> tuple[int, list[str]]:
     script = (
         "import atexit, sys\n"
-        "heavy = ('typer', 'click', 'rich', 'prompt_toolkit', 'llama_cpp', 'numpy', 'httpx2')\n"
+        "heavy = ('typer', 'click', 'rich', 'prompt_toolkit', 'llama_cpp', 'numpy', 'httpx2',\n"
+        "         'math_verify', 'sympy')\n"
         "atexit.register(lambda: print(json.dumps(sorted({m.split('.')[0] for m in sys.modules\n"
         "    if m.split('.')[0] in heavy})), file=sys.stderr))\n"
         "import json\n"

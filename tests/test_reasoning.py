@@ -14,6 +14,7 @@ from phi4cli.reasoning import (
     majority_vote,
     model_thinks,
     normalize_answer,
+    same_answer,
     split_reasoning,
 )
 
@@ -117,7 +118,25 @@ def test_normalize_answer():
 def test_majority_vote_picks_most_common_and_reports_agreement():
     vote = majority_vote(["156", "\\boxed{156}", "156.0", None, "155"])
     assert vote.answer == "156"
-    assert (vote.votes, vote.total, vote.agreement, vote.tie) == (2, 5, "2/5", False)
+    assert (vote.votes, vote.total, vote.agreement, vote.tie) == (3, 5, "3/5", False)
+    assert vote.members == (0, 1, 2)
+
+
+def test_equal_answers_count_together_however_they_are_written():
+    # Before: \frac12 and \frac{1}{2} were different answers, so one third won 2-2 on a tie.
+    vote = majority_vote(["\\frac{1}{3}", "\\frac12", "\\frac{1}{3}", "\\dfrac{1}{2}",
+                          "\\frac{1}{2}"])  # fmt: skip
+    assert (vote.agreement, vote.tie) == ("3/5", False)
+    assert vote.answer in ("\\frac12", "\\dfrac{1}{2}", "\\frac{1}{2}")
+    assert majority_vote(["0.5", "x = \\frac{1}{2}", "\\frac{1}{2}", "2"]).agreement == "3/4"
+    roots = majority_vote(["x = 2 \\text{ or } x = 3", "\\{3, 2\\}", "3"])
+    assert roots.agreement == "2/3"
+    # The most common written form is reported.
+    assert majority_vote(["0.5", "\\frac{1}{2}", "\\frac{1}{2}"]).answer == "\\frac{1}{2}"
+    # What math-verify cannot parse is compared as text.
+    assert majority_vote(["a cat", "a  cat", "a dog"]).agreement == "2/3"
+    assert same_answer("\\sqrt{2}/2", "\\frac{\\sqrt2}{2}")
+    assert not same_answer("3", "4")
 
 
 def test_majority_vote_tie_goes_to_the_earliest_answer():

@@ -215,3 +215,17 @@ def test_think_budget_against_a_real_server(backend: str):
     assert stats["budget_reached"] is True and stats["thinking_unfinished"] is False
     assert stats["reasoning_tokens"] == 3
     assert record["reasoning"] and record["solution"], "the answer came after the budget"
+
+
+def test_samples_count_equal_answers_together():
+    # Before: \frac12 and \frac{1}{2} were two answers, and one third won: "2/5 samples agree".
+    written = iter(["\\frac{1}{3}", "\\frac12", "\\frac{1}{3}", "\\dfrac{1}{2}", "\\frac{1}{2}"])
+
+    def script(_body: dict[str, Any]) -> list[str | Step]:
+        return separated("reasoning_content", ["Hmm."], [f"So $\\boxed{{{next(written)}}}$."])
+
+    with scripted_server(script) as server:
+        result = _solve(server.url, "--samples", "5")
+    assert result.returncode == 0, result.stderr
+    # One half, in its most common written form (\\dfrac and \\frac count as one form).
+    assert result.stdout.splitlines()[-1] == "Answer: \\dfrac{1}{2} (3/5 samples agree)"
