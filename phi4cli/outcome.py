@@ -76,6 +76,9 @@ class Outcome:
             "answer": self.answer,
             "solution": self.solution,
             "reasoning": self.reasoning,
+            # The thinking ran out of tokens before any answer: say so at the top, not only in
+            # the stats (the exit status is 1 then).
+            "thinking_unfinished": self.thinking_unfinished,
             "model": self.stats.model if self.stats else None,
             "seed": self.stats.seed if self.stats else None,
             "stats": self.stats_dict,
@@ -87,9 +90,12 @@ class Outcome:
 
 def exit_status(outcomes: list[Outcome], answer_required: bool) -> ExitStatus:
     """The exit status of a command's results, the same for one question and a file of them:
-    1 when any request failed, or (with ``--answer-only``) any solution stated no final answer.
-    (A lone request's failure is raised instead, for its own exit status and message.)"""
+    1 when any request failed, any thinking ran out of tokens before an answer, or (with
+    ``--answer-only``) any solution stated no final answer. (A lone request's failure is raised
+    instead, for its own exit status and message.)"""
     if any(o.error is not None for o in outcomes):
+        return ExitStatus.ERROR
+    if any(o.thinking_unfinished for o in outcomes):  # no answer: the thinking ran out
         return ExitStatus.ERROR
     if answer_required and any(o.answer is None for o in outcomes):
         return ExitStatus.ERROR

@@ -143,10 +143,15 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     elif mode.answer_only:
         answer = outcome.answer
         job.print(_answer_line(job, answer) if answer is not None else "")
-        if answer is None:
-            job.announce(no_answer_reason(outcome))
     else:
         presenter.get().finish(outcome)
+    # Say it on stderr whenever no answer came because the thinking ran out (in a pipeline
+    # stdout may be empty), and --answer-only always says why it printed an empty line. At a
+    # terminal the presenter has said it in the output already.
+    plain_terminal = not (mode.as_json or mode.answer_only) and job.env.terminal
+    if not plain_terminal and (outcome.thinking_unfinished
+                               or (mode.answer_only and outcome.answer is None)):  # fmt: skip
+        job.announce(no_answer_reason(outcome))
     return exit_status([outcome], answer_required=mode.answer_only)
 
 

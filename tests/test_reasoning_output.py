@@ -107,9 +107,15 @@ def test_think_budget_closes_thinking_on_the_tiny_model(tiny_reasoning_model: Pa
 
 def test_unfinished_thinking_says_so_and_answers_nothing(tiny_reasoning_model: Path):
     args = ["solve", "What is 12*13?", "-m", str(tiny_reasoning_model), "-t", "0", "-n", "15"]
-    record = json.loads(run_phi4(*args, "--json").stdout)
-    assert record["stats"]["thinking_unfinished"] is True
+    as_json = run_phi4(*args, "--json")
+    record = json.loads(as_json.stdout)
+    assert record["thinking_unfinished"] is True and record["stats"]["thinking_unfinished"]
     assert record["solution"] == "" and record["answer"] is None
+    assert as_json.returncode == 1 and "thinking did not finish" in as_json.stderr
+    # Before: in a pipeline, stdout was empty, stderr said nothing and the exit status was 0.
+    piped = run_phi4(*args)
+    assert (piped.returncode, piped.stdout) == (1, "")
+    assert "no final answer: the thinking did not finish" in piped.stderr
     answer_only = run_phi4(*args, "--answer-only")
     assert answer_only.returncode == 1
     assert answer_only.stdout == "\n"
