@@ -215,7 +215,14 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     return ExitStatus.OK
 
 
-def read_problems(source: str, env: Environment) -> list[tuple[int, str]]:
+class Problems(NamedTuple):
+    """The non-blank lines of the input, with their line numbers, and how many lines it had."""
+
+    lines: list[tuple[int, str]]
+    total: int
+
+
+def read_problems(source: str, env: Environment) -> Problems:
     """Return (line number, problem) for each non-blank line of a file, or of stdin for ``-``."""
     if source == "-":
         text = env.stdin.read()
@@ -224,28 +231,40 @@ def read_problems(source: str, env: Environment) -> list[tuple[int, str]]:
             text = Path(source).read_text(encoding="utf-8")
         except OSError as exc:
             raise UsageError(f"cannot read {source}: {exc.strerror}") from None
-    return [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    rows = text.splitlines()
+    return Problems(
+        [(n, line.strip()) for n, line in enumerate(rows, 1) if line.strip()], len(rows)
+    )
 
 
 def solve_file(
-    job: SolveJob, problems: list[tuple[int, str]], mode: OutputMode, jsonl: bool
-) -> int:
-    """Answer every problem, all submitted at once, printed in input order; exit 1 if any failed."""
+    job: SolveJob, problems: list[tuple[int, str]], mode: OutputMode, jsonl: bool,
+    total_lines: int | None = None,
+) -> int:  # fmt: skip
+    """Answer every problem, all submitted at once, printed in input order; exit 1 if any failed.
+
+    With ``--answer-only`` output line N belongs to input line N: a blank input line gets an
+    empty output line. ``--jsonl`` records skip blank lines and carry their ``line`` number.
+    """
     outcomes = [Outcome(index=i, question=q) for i, (_line, q) in enumerate(problems)]
     requests = [job.params(q, priority="bulk") for _line, q in problems]
     next_to_print = 0
+    printed_line = 0  # the input line the output has reached (--answer-only)
     failed = 0
     progress = _FileProgress(len(problems), job.env)
     loading = _ProgressNotice(job.announce)
 
     def emit(index: int) -> None:
-        nonlocal failed
+        nonlocal failed, printed_line
         outcome = outcomes[index]
         line = problems[index][0]
         failed += outcome.error is not None
         if jsonl:
             job.print(json.dumps({"line": line, **outcome.to_json()}, ensure_ascii=False))
         elif mode.answer_only:
+            for _blank in range(printed_line + 1, line):
+                job.print("")
+            printed_line = line
             job.print(outcome.answer or "")
             if outcome.error is not None:
                 job.announce(f"line {line}: {outcome.error_message}")
@@ -272,6 +291,9 @@ def solve_file(
 
     with progress:
         job.run(requests, on_event)
+    if mode.answer_only and not jsonl:
+        for _blank in range(printed_line + 1, (total_lines or 0) + 1):
+            job.print("")  # trailing blank input lines keep their places too
     if failed:
         job.announce(f"{failed} of {len(problems)} problems failed")
     return exit_status(outcomes, answer_required=mode.answer_only)
@@ -417,9 +439,9 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
     mode = OutputMode(o.show_reasoning, o.answer_only, o.as_json, o.verbose)
     try:
         if problems is not None:
-            if not problems:
+            if not problems.lines:
                 raise UsageError("no problems: the input has no non-blank lines")
-            return solve_file(job, problems, mode, o.jsonl)
+            return solve_file(job, problems.lines, mode, o.jsonl, problems.total)
         if o.samples > 1:
             return solve_samples(job, question, o.samples, mode)
         return solve_one(job, question, mode)

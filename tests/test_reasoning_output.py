@@ -231,3 +231,21 @@ def test_option_misuse_is_a_usage_error(tiny_model: Path, args: list[str], phras
     result = run_phi4("solve", *args, "-m", str(tiny_model))
     assert result.returncode == 2
     assert phrase in result.stderr
+
+
+def test_answer_only_output_lines_up_with_input_lines_blank_ones_included(
+    tiny_model: Path, tmp_path: Path
+):
+    # Before: a blank line between problems shifted every later answer up one line.
+    problems = tmp_path / "gaps.txt"
+    problems.write_text("What is 1+1?\n\n\nWhat is 2+2?\n\nWhat is 3+3?\n\n")
+    result = run_phi4("solve", "-f", str(problems), "--answer-only", "-m", str(tiny_model),
+                      "-n", "2")  # fmt: skip
+    lines = result.stdout.split("\n")[:-1]
+    assert len(lines) == len(problems.read_text().split("\n")[:-1]) == 7
+    assert [n for n, text in enumerate(lines, 1) if text] == [], "the tiny model states no answer"
+    warned = {int(w.split()[2].rstrip(":")) for w in result.stderr.splitlines()
+              if w.startswith("phi4: line ")}  # fmt: skip
+    assert warned == {1, 4, 6}, "each problem's line number, as in the input"
+    jsonl = run_phi4("solve", "-f", str(problems), "--jsonl", "-m", str(tiny_model), "-n", "2")
+    assert [json.loads(r)["line"] for r in jsonl.stdout.splitlines()] == [1, 4, 6]

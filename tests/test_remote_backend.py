@@ -229,3 +229,18 @@ def test_samples_count_equal_answers_together():
     assert result.returncode == 0, result.stderr
     # One half, in its most common written form (\\dfrac and \\frac count as one form).
     assert result.stdout.splitlines()[-1] == "Answer: \\dfrac{1}{2} (3/5 samples agree)"
+
+
+def test_answer_only_lines_keep_their_input_lines(tmp_path: Path):
+    def script(body: dict[str, Any]) -> list[str | Step]:
+        question = body["messages"][-1]["content"]
+        a, b = (int(x) for x in question.removeprefix("What is ").rstrip("?").split("+"))
+        return separated("reasoning_content", ["Add."], [f"$\\boxed{{{a + b}}}$"])
+
+    problems = tmp_path / "gaps.txt"
+    problems.write_text("What is 1+1?\n\n\nWhat is 2+2?\n\nWhat is 3+3?\n\n")
+    with scripted_server(script) as server:
+        result = run_phi4("solve", "-f", str(problems), "--answer-only", "--backend", server.url,
+                          "-m", "phi4-mini-reasoning")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n") == ["2", "", "", "4", "", "6", "", ""]
