@@ -308,6 +308,14 @@ def solve(
             help="Self-consistency: solve K times, majority-vote the answers.",
         ),
     ] = 1,
+    no_instruction: Annotated[
+        bool,
+        typer.Option(
+            "--no-instruction",
+            help="Send the question alone, without the instruction to reason step by "
+            "step and box the final answer [config instruction].",
+        ),
+    ] = False,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print timing and cache statistics to stderr.")
     ] = False,
@@ -318,7 +326,7 @@ def solve(
     options = SolveOptions(
         prompt=prompt, model=model, show_reasoning=show_reasoning, answer_only=answer_only,
         as_json=as_json, file=file, each_line=each_line, jsonl=jsonl, samples=samples,
-        verbose=verbose, **answer,
+        no_instruction=no_instruction, verbose=verbose, **answer,
     )  # fmt: skip
     return run_solve(options)
 

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 from phi4cli.errors import ConfigError
 
 DEFAULT_MODEL = "phi4-mini-reasoning"
+DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 DEFAULT_KEEP_ALIVE = 30 * 60.0
 FOREVER = -1.0
 
@@ -153,6 +154,11 @@ def _positive_duration(value: object) -> float:
     return seconds
 
 
+def _instruction(value: object) -> str | None:
+    text = None if value is None else str(value).strip()
+    return None if not text or text.lower() == "none" else text
+
+
 def _boolean(value: object) -> bool:
     if isinstance(value, bool):
         return value
@@ -199,6 +205,7 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
     "backend": (_optional_str, "the URL of an OpenAI-compatible server, or none (the daemon)"),
     "backend_timeout": (_positive_duration, "a duration such as 300s or 10m"),
     "system": (_optional_str, "text"),
+    "instruction": (_instruction, "text added after each question, or none"),
 }
 
 
@@ -224,6 +231,9 @@ class Settings(NamedTuple):
     backend_timeout: float = 300.0  # seconds a remote server may send nothing before we give up
     # None: the chat template's own default system prompt ("Your name is Phi, ...").
     system: str | None = None
+    # Added after each `phi4 solve` question: what Phi-4-mini-reasoning and DeepSeek-R1 were
+    # evaluated with, so answers end in \boxed{} more often. None: the question alone.
+    instruction: str | None = DEFAULT_INSTRUCTION
 
 
 # Settings a daemon takes when it starts and keeps for its life.

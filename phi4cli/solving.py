@@ -34,8 +34,11 @@ class SolveJob(NamedTuple):
     def print(self, text: str = "") -> None:
         print(text, file=self.env.stdout, flush=True)
 
+    instruction: str | None = None  # added after each question
+
     def params(self, question: str, **extra: Any) -> dict[str, Any]:
-        return {**self.base, "prompt": question, **extra}
+        prompt = f"{question}\n\n{self.instruction}" if self.instruction else question
+        return {**self.base, "prompt": prompt, **extra}
 
     def run(self, requests: list[dict[str, Any]], on_event: Callable[[int, Event], None]) -> None:
         self.backend.run(requests, on_event)
@@ -377,6 +380,7 @@ class SolveOptions(NamedTuple):
     n_ctx: str | None = None
     threads: int | None = None
     backend: str | None = None
+    no_instruction: bool = False
     verbose: bool = False
 
 
@@ -435,7 +439,8 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
     if o.keep_alive is not None or "PHI4_KEEP_ALIVE" in os.environ:
         base["keep_alive"] = settings.keep_alive
     backend = make_backend(paths, settings, model_path or settings.model, env.notice)
-    job = SolveJob(backend, env, base, seed=settings.seed)
+    instruction = None if o.no_instruction else settings.instruction
+    job = SolveJob(backend, env, base, seed=settings.seed, instruction=instruction)
     mode = OutputMode(o.show_reasoning, o.answer_only, o.as_json, o.verbose)
     try:
         if problems is not None:

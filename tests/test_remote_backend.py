@@ -233,7 +233,7 @@ def test_samples_count_equal_answers_together():
 
 def test_answer_only_lines_keep_their_input_lines(tmp_path: Path):
     def script(body: dict[str, Any]) -> list[str | Step]:
-        question = body["messages"][-1]["content"]
+        question = body["messages"][-1]["content"].split("\n\n")[0]  # before the instruction
         a, b = (int(x) for x in question.removeprefix("What is ").rstrip("?").split("+"))
         return separated("reasoning_content", ["Add."], [f"$\\boxed{{{a + b}}}$"])
 
@@ -244,3 +244,20 @@ def test_answer_only_lines_keep_their_input_lines(tmp_path: Path):
                           "-m", "phi4-mini-reasoning")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n") == ["2", "", "", "4", "", "6", "", ""]
+
+
+def test_solve_asks_for_a_boxed_answer_unless_told_not_to(phi4_home: Path):
+    # The instruction Phi-4-mini-reasoning and DeepSeek-R1 were evaluated with.
+    with scripted_server(lambda _body: separated("reasoning", ["Hm."], ["$\\boxed{4}$"])) as server:
+        assert _solve(server.url).returncode == 0
+        assert _solve(server.url, "--no-instruction").returncode == 0
+        config = phi4_home / "config" / "config.toml"
+        config.parent.mkdir(parents=True)
+        config.write_text('instruction = "Answer in one word."\n')
+        assert _solve(server.url).returncode == 0
+        asked = [body["messages"][-1]["content"] for body in server.bodies]
+    assert asked == [
+        "What is 12*13?\n\nPlease reason step by step, and put your final answer within \\boxed{}.",
+        "What is 12*13?",
+        "What is 12*13?\n\nAnswer in one word.",
+    ]
