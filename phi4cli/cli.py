@@ -331,6 +331,83 @@ def solve(
     return run_solve(options)
 
 
+@app.command("eval")
+@with_options(ANSWER_OPTIONS)
+def eval_(
+    answer: DaemonOptions,
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help="Problems with reference answers: JSONL (one object a line) or CSV.",
+            show_default=False,
+        ),
+    ],
+    model: ModelOption = None,
+    problem_field: Annotated[
+        str, typer.Option("--problem-field", help="Field (or CSV column) of the problem.")
+    ] = "problem",
+    answer_field: Annotated[
+        str, typer.Option("--answer-field", help="Field (or CSV column) of the reference answer.")
+    ] = "answer",
+    samples: Annotated[
+        int,
+        typer.Option(
+            "--samples",
+            "-k",
+            min=1,
+            max=64,
+            help="Solve each K times: majority-vote accuracy and pass@K.",
+        ),
+    ] = 1,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            show_default=False,
+            help="Results file (JSONL; a rerun resumes from it) [default: FILE's name "
+            "+ .results.jsonl, next to it].",
+        ),
+    ] = None,
+    jsonl: Annotated[
+        bool, typer.Option("--jsonl", help="Print each problem's record on stdout as it is judged.")
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the summary as one JSON object.")
+    ] = False,
+    no_instruction: Annotated[
+        bool,
+        typer.Option(
+            "--no-instruction",
+            help="Send each problem alone, without the "
+            "instruction to reason step by step and box the answer.",
+        ),
+    ] = False,
+) -> int:
+    """Solve problems with known answers and report accuracy (math-verify judges each answer)."""
+    from phi4cli.environment import Environment
+    from phi4cli.grading import read_items, run_eval, summary
+    from phi4cli.render import format_eval
+    from phi4cli.solving import make_job
+
+    env = Environment()
+    items = read_items(file, problem_field, answer_field)
+    results = output or file.with_name(file.name + ".results.jsonl")
+    job = make_job(env, model, dict(answer), no_instruction)
+    try:
+        records, seconds = run_eval(job, items, samples, results, jsonl)
+    except KeyboardInterrupt:
+        _stderr(f"interrupted: what was finished is in {results}; run the same command to resume")
+        raise
+    result = summary(records, samples)
+    if as_json:
+        print(json.dumps({**result, "seconds": round(seconds, 3), "results": str(results)},
+                         indent=2))  # fmt: skip
+    else:
+        print(format_eval(result, seconds, results), file=sys.stderr if jsonl else sys.stdout)
+    return ExitStatus.ERROR if result["error"] else ExitStatus.OK
+
+
 @app.command()
 @with_options(ANSWER_OPTIONS)
 def chat(

@@ -378,3 +378,29 @@ def format_chat_list(entries: list[tuple[str, int, float]]) -> str:
         return "no saved conversations"
     return "\n".join(f"{name}  {turns} turns, {human_seconds(age)} ago"
                      for name, turns, age in entries)  # fmt: skip
+
+
+def format_eval(summary: dict[str, Any], seconds: float, output: object) -> str:
+    """`phi4 eval`'s table: how many right, wrong, unanswered; pass@k; thinking; time."""
+    total = summary["problems"]
+
+    def share(count: int) -> str:
+        return f"{count:,}  ({count / total:.1%})" if total else f"{count:,}"
+
+    rows: list[tuple[str, object]] = [
+        ("problems", f"{total:,}"),
+        ("correct", share(summary["correct"])),
+        ("wrong", share(summary["wrong"])),
+        ("no answer", share(summary["no_answer"])),
+        ("truncated", share(summary["truncated"]) + "  (the thinking ran out of tokens)"),
+        ("errors", share(summary["error"])),
+    ]
+    if "samples" in summary:
+        rows[1] = ("correct", share(summary["correct"]) + f"  (majority of {summary['samples']})")
+        rows.insert(2, (f"pass@{summary['samples']}", share(summary["pass_at_k_count"])))
+    rows += [
+        ("thinking", f"{summary['mean_reasoning_tokens']:,.0f} tokens a solution on average"),
+        ("time", f"{human_seconds(seconds)} this run"),
+        ("results", str(output)),
+    ]
+    return format_rows(rows)

@@ -403,29 +403,22 @@ def read_prompt(prompt: str | None, env: Environment) -> str:
     return text
 
 
-def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
-    """`phi4 solve`: one question, K samples, or a file of problems; return the exit status."""
+# The options every command asking for answers takes (cli.ANSWER_OPTIONS declares them).
+ANSWER_KEYS = ("think_budget", "system", "temperature", "top_p", "seed", "max_tokens",
+               "keep_alive", "n_ctx", "threads", "backend")  # fmt: skip
+
+
+def make_job(
+    env: Environment, model: str | None, answer_options: dict[str, Any], no_instruction: bool
+) -> SolveJob:
+    """Settings, model and backend for a command that solves (solve, eval): what each request
+    it sends shares."""
     from phi4cli.backends import make_backend
     from phi4cli.config import load_settings
     from phi4cli.models import resolve_model
 
-    env = env or Environment()
-    if (o.file is not None or o.each_line) and o.samples > 1:
-        raise UsageError("--samples works on one question, not with --file or --each-line")
-    if o.jsonl and o.file is None and not o.each_line:
-        raise UsageError("--jsonl goes with --file or --each-line; use --json for one question")
-    if o.each_line and o.file is None and o.prompt not in (None, "-"):
-        raise UsageError("--each-line reads problems from stdin: phi4 solve - --each-line")
     paths = env.paths
-    settings = load_settings(paths.config_file, {
-        "model": o.model, "system": o.system, "temperature": o.temperature, "top_p": o.top_p,
-        "seed": o.seed, "max_tokens": o.max_tokens, "keep_alive": o.keep_alive,
-        "n_ctx": o.n_ctx, "threads": o.threads, "think_budget": o.think_budget,
-        "backend": o.backend,
-    })  # fmt: skip
-    reads_file = o.file is not None or o.each_line
-    problems = read_problems(o.file or "-", env) if reads_file else None
-    question = read_prompt(o.prompt, env) if problems is None else ""
+    settings = load_settings(paths.config_file, {"model": model, **answer_options})
     model_path = None if settings.backend else resolve_model(settings.model, paths)
     base: dict[str, Any] = {
         "model": str(model_path or settings.model),
@@ -436,11 +429,27 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
         "max_tokens": settings.max_tokens,
         "think_budget": settings.think_budget,
     }
-    if o.keep_alive is not None or "PHI4_KEEP_ALIVE" in os.environ:
+    if answer_options.get("keep_alive") is not None or "PHI4_KEEP_ALIVE" in os.environ:
         base["keep_alive"] = settings.keep_alive
     backend = make_backend(paths, settings, model_path or settings.model, env.notice)
-    instruction = None if o.no_instruction else settings.instruction
-    job = SolveJob(backend, env, base, seed=settings.seed, instruction=instruction)
+    instruction = None if no_instruction else settings.instruction
+    return SolveJob(backend, env, base, seed=settings.seed, instruction=instruction)
+
+
+def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
+    """`phi4 solve`: one question, K samples, or a file of problems; return the exit status."""
+    env = env or Environment()
+    if (o.file is not None or o.each_line) and o.samples > 1:
+        raise UsageError("--samples works on one question, not with --file or --each-line")
+    if o.jsonl and o.file is None and not o.each_line:
+        raise UsageError("--jsonl goes with --file or --each-line; use --json for one question")
+    if o.each_line and o.file is None and o.prompt not in (None, "-"):
+        raise UsageError("--each-line reads problems from stdin: phi4 solve - --each-line")
+    reads_file = o.file is not None or o.each_line
+    problems = read_problems(o.file or "-", env) if reads_file else None
+    question = read_prompt(o.prompt, env) if problems is None else ""
+    answer_options = {key: getattr(o, key) for key in ANSWER_KEYS}
+    job = make_job(env, o.model, answer_options, o.no_instruction)
     mode = OutputMode(o.show_reasoning, o.answer_only, o.as_json, o.verbose)
     try:
         if problems is not None:

@@ -261,3 +261,75 @@ def test_solve_asks_for_a_boxed_answer_unless_told_not_to(phi4_home: Path):
         "What is 12*13?",
         "What is 12*13?\n\nAnswer in one word.",
     ]
+
+
+def test_eval_grades_answers_as_a_mathematician_would_and_resumes(tmp_path: Path):
+    # Each problem's "model answer" is scripted: right, right in another form, wrong, unboxed.
+    said = {"one half": "\\boxed{0.5}", "two": "\\boxed{2}", "three": "\\boxed{4}",
+            "four": "four"}  # fmt: skip
+
+    def script(body: dict[str, Any]) -> list[str | Step]:
+        problem = body["messages"][-1]["content"].split("\n\n")[0]
+        return separated("reasoning_content", ["Think."], [f"So ${said[problem]}$."])
+
+    problems = tmp_path / "set.jsonl"
+    problems.write_text("".join(json.dumps(row) + "\n" for row in [
+        {"problem": "one half", "answer": "\\frac{1}{2}"}, {"problem": "two", "answer": "2"},
+        {"problem": "three", "answer": "3"}, {"problem": "four", "answer": "4"}]))  # fmt: skip
+    args = ["eval", str(problems), "--backend", "URL", "-m", "phi4-mini-reasoning", "--json"]
+    with scripted_server(script) as server:
+        args[3] = server.url
+        first = run_phi4(*args)
+        assert first.returncode == 0, first.stderr
+        result = json.loads(first.stdout)
+        assert (result["problems"], result["correct"], result["wrong"], result["no_answer"]) == (
+            4,
+            2,
+            1,
+            1,
+        )
+        assert result["accuracy"] == 0.5
+        records = [json.loads(line) for line in
+                   Path(result["results"]).read_text().splitlines()]  # fmt: skip
+        assert [(r["line"], r["status"]) for r in records] == [
+            (1, "correct"),
+            (2, "correct"),
+            (3, "wrong"),
+            (4, "no_answer"),
+        ]
+        sent = len(server.bodies)
+        again = run_phi4(*args)  # everything is in the results file: nothing is sent again
+        assert json.loads(again.stdout)["correct"] == 2
+        assert len(server.bodies) == sent
+        assert "resuming: 4 of 4 problems are already in" in again.stderr
+
+
+def test_eval_with_samples_reports_pass_at_k_and_reads_csv(tmp_path: Path):
+    answers = iter(["\\boxed{7}", "\\boxed{8}", "\\boxed{8}", "\\boxed{5}", "\\boxed{5}",
+                    "\\boxed{6}"])  # fmt: skip
+
+    def script(_body: dict[str, Any]) -> list[str | Step]:
+        return separated("reasoning_content", ["Think."], [f"${next(answers)}$"])
+
+    problems = tmp_path / "set.csv"
+    problems.write_text("question,solution\nseven?,7\nfive?,6\n")
+    with scripted_server(script) as server:
+        result = run_phi4(
+            "eval",
+            str(problems),
+            "--problem-field",
+            "question",
+            "--answer-field",
+            "solution",
+            "-k",
+            "3",
+            "--backend",
+            server.url,
+            "-m",
+            "phi4-mini",
+        )
+    assert result.returncode == 0, result.stderr
+    table = dict(line.split(None, 1) for line in result.stdout.splitlines())
+    assert table["problems"] == "2"
+    assert table["correct"].startswith("0  (0.0%)"), "majorities: 8 for seven, 5 for five"
+    assert table["pass@3"].startswith("2  (100.0%)"), "each had a right sample"

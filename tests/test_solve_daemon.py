@@ -717,3 +717,31 @@ def test_another_users_socket_gets_no_question(tiny_model: Path, tmp_path: Path,
         forger.kill()
         forger.wait()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_eval_through_the_daemon_resumes_after_an_interruption(tiny_model: Path, tmp_path: Path):
+    problems = tmp_path / "set.jsonl"
+    problems.write_text("".join(json.dumps({"problem": f"Count to {n}.", "answer": str(n)}) + "\n"
+                                for n in range(1, 7)))  # fmt: skip
+    results = tmp_path / "out.jsonl"
+    args = [PHI4, "eval", str(problems), "-m", str(tiny_model), "-n", "400", "-o", str(results)]
+    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--parallel", "1",
+                    "--n-ctx", "1024").returncode == 0  # fmt: skip
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not results.exists() or not results.read_text().strip():
+        assert time.monotonic() < deadline and first.poll() is None
+        time.sleep(0.02)
+    first.send_signal(signal.SIGINT)
+    _out, err = first.communicate(timeout=30)
+    assert first.returncode == 130
+    assert f"interrupted: what was finished is in {results}" in err
+    kept = len(results.read_text().splitlines())
+    assert 1 <= kept < 6
+    second = run_phi4(*args[1:])
+    assert second.returncode == 0, second.stderr
+    assert f"resuming: {kept} of 6 problems are already in {results}" in second.stderr
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert sorted(r["line"] for r in records) == [1, 2, 3, 4, 5, 6]
+    table = dict(line.split(None, 1) for line in second.stdout.splitlines())
+    assert table["problems"] == "6"
