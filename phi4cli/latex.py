@@ -10,10 +10,17 @@ import re
 from functools import lru_cache
 from typing import Any
 
-_SUPERSCRIPT = str.maketrans("0123456789+-=()nixy", "⁰¹²³⁴⁵⁶⁷⁸⁹⁺⁻⁼⁽⁾ⁿⁱˣʸ")
-_SUBSCRIPT = str.maketrans("0123456789+-=()", "₀₁₂₃₄₅₆₇₈₉₊₋₌₍₎")
-_SUPER_CHARS = set("0123456789+-=()nixy")
-_SUB_CHARS = set("0123456789+-=()")
+_SUPER_FROM = "0123456789+-=()abcdefghijklmnoprstuvwxyz"
+_SUPER_TO = "⁰¹²³⁴⁵⁶⁷⁸⁹⁺⁻⁼⁽⁾ᵃᵇᶜᵈᵉᶠᵍʰⁱʲᵏˡᵐⁿᵒᵖʳˢᵗᵘᵛʷˣʸᶻ"
+_SUB_FROM = "0123456789+-=()aehijklmnoprstuvx"
+_SUB_TO = "₀₁₂₃₄₅₆₇₈₉₊₋₌₍₎ₐₑₕᵢⱼₖₗₘₙₒₚᵣₛₜᵤᵥₓ"
+_SUPERSCRIPT = str.maketrans(_SUPER_FROM, _SUPER_TO)
+_SUBSCRIPT = str.maketrans(_SUB_FROM, _SUB_TO)
+_SUPER_CHARS = set(_SUPER_FROM)
+_SUB_CHARS = set(_SUB_FROM)
+# Big operators whose bounds are written as sub- and superscripts.
+_BIG = {"sum": "∑", "prod": "∏", "int": "∫", "oint": "∮", "bigcup": "⋃", "bigcap": "⋂",  # noqa: RUF001
+        "lim": "lim", "max": "max", "min": "min", "sup": "sup", "inf": "inf"}  # fmt: skip
 
 _MATH = re.compile(
     r"\$\$(?P<dd>.+?)\$\$"
@@ -27,22 +34,115 @@ _BARE = re.compile(r"\\(?:boxed|dfrac|tfrac|frac|sqrt)(?![a-zA-Z])")
 
 
 def _scripts(math: str) -> str:
-    """Turn ``^{10}``, ``^2``, ``_{1}``, ``_1`` into Unicode super/subscripts where possible."""
+    """Turn ``^{10}``, ``^2``, ``_{1}``, ``_1`` into Unicode super/subscripts where possible,
+    and the rest into ``^(...)`` and ``_(...)``, so a script never runs into what follows."""
 
     def sup(match: re.Match[str]) -> str:
-        body = match.group(1) or match.group(2)
-        return body.translate(_SUPERSCRIPT) if set(body) <= _SUPER_CHARS else match.group(0)
+        body = _scripts((match.group(1) or match.group(2)).strip())
+        if set(body) <= _SUPER_CHARS:
+            return body.translate(_SUPERSCRIPT)
+        return "^" + (body if len(body) == 1 else f"({body})")
 
     def sub(match: re.Match[str]) -> str:
-        body = match.group(1) or match.group(2)
-        return body.translate(_SUBSCRIPT) if set(body) <= _SUB_CHARS else match.group(0)
+        body = _scripts((match.group(1) or match.group(2)).strip())
+        if set(body) <= _SUB_CHARS:
+            return body.translate(_SUBSCRIPT)
+        return "_" + (body if len(body) == 1 else f"({body})")
 
-    math = re.sub(r"\^\{([^{}]+)\}|\^([0-9a-z])", sup, math)
-    return re.sub(r"_\{([^{}]+)\}|_([0-9])", sub, math)
+    math = re.sub(r"\^\{([^{}]+)\}|\^([0-9a-zA-Z])", sup, math)
+    return re.sub(r"_\{([^{}]+)\}|_([0-9a-zA-Z])", sub, math)
+
+
+def _group_at(math: str, start: int) -> tuple[str, int] | None:
+    """The script argument at ``start`` (``{...}``, or one character or command); with its end."""
+    from phi4cli.reasoning import braced_group
+
+    while start < len(math) and math[start] == " ":
+        start += 1
+    if start >= len(math):
+        return None
+    if math[start] == "{":
+        group = braced_group(math, start)
+        return None if group is None else (group, start + len(group) + 2)
+    command = re.match(r"\\[a-zA-Z]+|.", math[start:])
+    assert command is not None
+    return command.group(0), start + len(command.group(0))
+
+
+def _big_operators(math: str) -> str:
+    """``\\sum_{n=1}^{\\infty}`` → ``∑(n=1..∞)``; ``\\lim_{x \\to 0}`` → ``lim(x→0)``;
+    ``\\int_0^1`` → ``∫₀¹`` (small bounds as scripts)."""
+    out: list[str] = []
+    position = 0
+    for match in re.finditer(r"\\(" + "|".join(_BIG) + r")(?![a-zA-Z])", math):
+        if match.start() < position:
+            continue
+        bounds: dict[str, str] = {}
+        end = match.end()
+        while True:
+            rest = math[end:].lstrip(" ")
+            mark = rest[:1]
+            if mark not in ("_", "^") or mark in bounds:
+                break
+            found = _group_at(math, len(math) - len(rest) + 1)
+            if found is None:
+                break
+            bounds[mark], end = found
+        symbol = _BIG[match.group(1)]
+        low = math_to_unicode(bounds["_"]) if "_" in bounds else ""
+        high = math_to_unicode(bounds["^"]) if "^" in bounds else ""
+        if not bounds:
+            shown = symbol
+        elif symbol in ("∫", "∮") and set(low) <= _SUB_CHARS and set(high) <= _SUPER_CHARS:
+            shown = symbol + low.translate(_SUBSCRIPT) + high.translate(_SUPERSCRIPT)
+        elif high:
+            shown = f"{symbol}({low}..{high})"
+        else:
+            shown = f"{symbol}({low.replace(' ', '')})"
+        out.append(math[position : match.start()] + shown + " ")
+        position = end
+    out.append(math[position:])
+    return "".join(out)
+
+
+def _group_fractions(math: str) -> str:
+    """A fraction followed at once by a letter or command (``\\frac{\\sqrt2}{3}i``) is put in
+    parentheses, so ``√2/3i`` cannot be read as √2/(3i); a digit before one (``1\\frac12``,
+    a mixed number) is kept apart from it."""
+    from phi4cli.reasoning import braced_group
+
+    out: list[str] = []
+    position = 0
+    for match in re.finditer(r"\\[dt]?frac(?![a-zA-Z])", math):
+        if match.start() < position:
+            continue
+        end = match.end()
+        for _ in range(2):
+            found = _group_at(math, end)
+            if found is None:
+                break
+            end = found[1]
+        else:
+            before = math[position : match.start()]
+            fraction = math[match.start() : end]
+            after = math[end:]
+            if re.match(r"[a-zA-Z(]|\\(?:sqrt|pi|theta|alpha|beta|gamma|phi|omega|lambda|mu)"
+                        r"(?![a-zA-Z])", after):  # fmt: skip
+                fraction = f"({fraction})"
+            if before[-1:].isdigit():
+                before += " "
+            out.append(before + fraction)
+            position = end
+    out.append(math[position:])
+    del braced_group
+    return "".join(out)
 
 
 def _wrap(text: str) -> str:
-    return text if re.fullmatch(r"-?[\w.²³⁴⁵⁶⁷⁸⁹⁰¹]+", text) else f"({text})"
+    """A numerator or denominator as written, or in parentheses unless it is one number or one
+    symbol (``2a`` is wrapped: ``1/2a`` would read as (1/2)a)."""
+    single = r"-?[√∛∜]?(?:\d+(?:\.\d+)?|[A-Za-z\u0391-\u03c9])[" + _SUPER_TO + "]*"
+    return text if re.fullmatch(single, text) else f"({text})"
 
 
 def _frac(node: Any, l2tobj: Any) -> str:
@@ -61,6 +161,18 @@ def _sqrt(node: Any, l2tobj: Any) -> str:
 
 def _boxed(node: Any, l2tobj: Any) -> str:
     return str(l2tobj.nodelist_to_text([node.nodeargd.argnlist[0]])).strip()
+
+
+def _binom(node: Any, l2tobj: Any) -> str:
+    top = l2tobj.nodelist_to_text([node.nodeargd.argnlist[0]]).strip()
+    bottom = l2tobj.nodelist_to_text([node.nodeargd.argnlist[1]]).strip()
+    return f"C({top}, {bottom})"
+
+
+def _overline(node: Any, l2tobj: Any) -> str:
+    """A bar over each character (``0.\\overline{3}`` → ``0.3̅``, a repeating decimal)."""
+    body = str(l2tobj.nodelist_to_text([node.nodeargd.argnlist[0]])).strip()
+    return "".join(char + "\u0305" for char in body)
 
 
 @lru_cache(maxsize=1)
@@ -82,14 +194,26 @@ def _converter() -> tuple[Any, Any]:
             MacroTextSpec("tfrac", simplify_repl=_frac),
             MacroTextSpec("sqrt", simplify_repl=_sqrt),
             MacroTextSpec("boxed", simplify_repl=_boxed),
+            MacroTextSpec("binom", simplify_repl=_binom),
+            MacroTextSpec("dbinom", simplify_repl=_binom),
+            MacroTextSpec("tbinom", simplify_repl=_binom),
+            MacroTextSpec("overline", simplify_repl=_overline),
+            MacroTextSpec("triangle", simplify_repl="△"),
+            *(
+                MacroTextSpec(name, simplify_repl=name)
+                for name in ("det", "gcd", "lcm", "deg", "dim", "ker", "arg", "exp", "sgn")
+            ),
         ],
         prepend=True,
     )
     parse_context = walker_context()
     parse_context.add_context_category(
         "phi4",
-        macros=[macrospec.MacroSpec(name, "{{") for name in ("dfrac", "tfrac")]
-        + [macrospec.MacroSpec("boxed", "{")],
+        macros=[
+            macrospec.MacroSpec(name, "{{")
+            for name in ("dfrac", "tfrac", "binom", "dbinom", "tbinom")
+        ]
+        + [macrospec.MacroSpec(name, "{") for name in ("boxed", "overline")],
         prepend=True,
     )
     converter = LatexNodes2Text(
@@ -103,13 +227,31 @@ def math_to_unicode(math: str) -> str:
     from pylatexenc.latexwalker import LatexWalker, LatexWalkerError
 
     converter, parse_context = _converter()
+    math = re.sub(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ(?![a-zA-Z]))", "°", math)  # degrees
+    math = re.sub(r"'{2}", "″", re.sub(r"'{3}", "‴", math))
+    math = re.sub(r"'", "′", math)  # noqa: RUF001 - the prime sign is meant
+    # \left( x \right) and friends: the delimiter itself, without the source's inner spaces.
+    math = re.sub(
+        r"\\left\s*(\\?[(\[|.{])\s*", lambda m: m.group(1).lstrip("\\").replace(".", ""), math
+    )
+    math = re.sub(
+        r"\s*\\right\s*(\\?[)\]|.}])", lambda m: m.group(1).lstrip("\\").replace(".", ""), math
+    )
     try:
-        nodes, _, _ = LatexWalker(_scripts(math), latex_context=parse_context).get_latex_nodes()
+        prepared = _scripts(_group_fractions(_big_operators(math)))
+        nodes, _, _ = LatexWalker(prepared, latex_context=parse_context).get_latex_nodes()
         text: str = converter.nodelist_to_text(nodes)
     except (LatexWalkerError, IndexError, AttributeError, KeyError, TypeError):
         return math
     # pylatexenc drops the space after some symbol macros (\\leq x -> ≤x); put it back.
-    text = re.sub(r"(?<= )([≤≥≠≈→⇒±\u00d7·])(?=\S)", r"\1 ", text)
+    text = re.sub(r"(?<= )([≤≥≠≈→⇒±\u00d7·∈∉⊂⊆∪∩])(?=\S)", r"\1 ", text)  # noqa: RUF001
+    text = re.sub(r"([⌊⌈(\[])\s+", r"\1", text)  # ⌊ x ⌋ -> ⌊x⌋
+    text = re.sub(r"\s+([⌋⌉)\]])", r"\1", text)
+    # A function before a Greek letter loses the source's space (\tan \theta -> tanθ).
+    text = re.sub(
+        r"(?<![A-Za-z])(sin|cos|tan|cot|sec|csc|ln|log|exp|det)(?=[\u0391-\u03c9])", r"\1 ", text
+    )
+    text = re.sub(r"(?<=\S)\s*([±∓])\s*(?=\S)", r" \1 ", text)  # a ± b, not a± b
     return re.sub(r"[ \t]+", " ", text).strip()
 
 

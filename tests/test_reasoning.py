@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +184,21 @@ def test_latex_in_markdown_only_math_is_converted():
         "**Step 1:** solve 3x²+4x+5=1, 50% done.\n\nx = (-4 ± √(-32))/6\n\n"
     )
     assert latex_to_unicode("so \\boxed{\\dfrac{1}{2}} of it") == "so 1/2 of it"
+
+
+NOTATION = Path(__file__).parent / "data" / "notation.tsv"
+
+
+def _notation_cases() -> list[tuple[str, str]]:
+    rows = NOTATION.read_text(encoding="utf-8").splitlines()[1:]
+    return [tuple(row.split("\t")) for row in rows if row]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("latex", "shown"), _notation_cases())
+def test_notation_corpus_reads_cleanly(latex: str, shown: str):
+    # Before: 30^\circ was 30^∘; a sum's bounds ran together (∑_n=1^∞1/(n^s)); a complex root
+    # -2/3±(√2)/3i read as √2/(3i); f''(x) was f”(x); \det and \triangle vanished.
+    text = math_to_unicode(latex)
+    assert text == shown
+    assert "\\" not in text, "no LaTeX command is left over"
+    assert not re.search(r"\^[^(\s]{2}", text), "no ^ runs into a multi-character exponent"
