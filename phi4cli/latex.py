@@ -10,8 +10,8 @@ import re
 from functools import lru_cache
 from typing import Any
 
-_SUPER_FROM = "0123456789+-=()abcdefghijklmnoprstuvwxyz"
-_SUPER_TO = "⁰¹²³⁴⁵⁶⁷⁸⁹⁺⁻⁼⁽⁾ᵃᵇᶜᵈᵉᶠᵍʰⁱʲᵏˡᵐⁿᵒᵖʳˢᵗᵘᵛʷˣʸᶻ"
+_SUPER_FROM = "0123456789+-=()abcdefghijklmnoprstuvwxyzABDEGHIJKLMNOPRTUVW"
+_SUPER_TO = "⁰¹²³⁴⁵⁶⁷⁸⁹⁺⁻⁼⁽⁾ᵃᵇᶜᵈᵉᶠᵍʰⁱʲᵏˡᵐⁿᵒᵖʳˢᵗᵘᵛʷˣʸᶻᴬᴮᴰᴱᴳᴴᴵᴶᴷᴸᴹᴺᴼᴾᴿᵀᵁⱽᵂ"
 _SUB_FROM = "0123456789+-=()aehijklmnoprstuvx"
 _SUB_TO = "₀₁₂₃₄₅₆₇₈₉₊₋₌₍₎ₐₑₕᵢⱼₖₗₘₙₒₚᵣₛₜᵤᵥₓ"
 _SUPERSCRIPT = str.maketrans(_SUPER_FROM, _SUPER_TO)
@@ -19,8 +19,9 @@ _SUBSCRIPT = str.maketrans(_SUB_FROM, _SUB_TO)
 _SUPER_CHARS = set(_SUPER_FROM)
 _SUB_CHARS = set(_SUB_FROM)
 # Big operators whose bounds are written as sub- and superscripts.
-_BIG = {"sum": "∑", "prod": "∏", "int": "∫", "oint": "∮", "bigcup": "⋃", "bigcap": "⋂",  # noqa: RUF001
-        "lim": "lim", "max": "max", "min": "min", "sup": "sup", "inf": "inf"}  # fmt: skip
+_BIG = {"sum": "∑", "prod": "∏", "int": "∫", "iint": "∬", "iiint": "∭", "oint": "∮",
+        "bigcup": "\u22c3", "bigcap": "\u22c2", "lim": "lim", "max": "max", "min": "min",
+        "sup": "sup", "inf": "inf"}  # fmt: skip
 
 _MATH = re.compile(
     r"\$\$(?P<dd>.+?)\$\$"
@@ -37,20 +38,28 @@ def _scripts(math: str) -> str:
     """Turn ``^{10}``, ``^2``, ``_{1}``, ``_1`` into Unicode super/subscripts where possible,
     and the rest into ``^(...)`` and ``_(...)``, so a script never runs into what follows."""
 
-    def sup(match: re.Match[str]) -> str:
-        body = _scripts((match.group(1) or match.group(2)).strip())
-        if set(body) <= _SUPER_CHARS:
-            return body.translate(_SUPERSCRIPT)
-        return "^" + (body if len(body) == 1 else f"({body})")
-
-    def sub(match: re.Match[str]) -> str:
-        body = _scripts((match.group(1) or match.group(2)).strip())
-        if set(body) <= _SUB_CHARS:
-            return body.translate(_SUBSCRIPT)
-        return "_" + (body if len(body) == 1 else f"({body})")
-
-    math = re.sub(r"\^\{([^{}]+)\}|\^([0-9a-zA-Z])", sup, math)
-    return re.sub(r"_\{([^{}]+)\}|_([0-9a-zA-Z])", sub, math)
+    out: list[str] = []
+    position = 0
+    for match in re.finditer(r"(?<!\\)[\^_]", math):
+        if match.start() < position:
+            continue
+        found = _group_at(math, match.end())
+        if found is None:
+            continue
+        raw, end = found
+        if raw.startswith("\\") and raw[1:].isalpha() and raw not in ("\\infty", "\\prime"):
+            continue  # ^\command with arguments: leave it to the parser
+        body = math_to_unicode(raw) if "\\" in raw or "{" in raw else _scripts(raw.strip())
+        table, chars = (_SUPERSCRIPT, _SUPER_CHARS) if match.group(0) == "^" else (
+            _SUBSCRIPT, _SUB_CHARS)  # fmt: skip
+        if body and set(body) <= chars:
+            shown = body.translate(table)
+        else:
+            shown = match.group(0) + (body if len(body) == 1 else f"({body})")
+        out.append(math[position : match.start()] + shown)
+        position = end
+    out.append(math[position:])
+    return "".join(out)
 
 
 def _group_at(math: str, start: int) -> tuple[str, int] | None:
@@ -93,16 +102,45 @@ def _big_operators(math: str) -> str:
         high = math_to_unicode(bounds["^"]) if "^" in bounds else ""
         if not bounds:
             shown = symbol
-        elif symbol in ("∫", "∮") and set(low) <= _SUB_CHARS and set(high) <= _SUPER_CHARS:
+        elif (
+            symbol in ("∫", "∮", "∬", "∭") and set(low) <= _SUB_CHARS and set(high) <= _SUPER_CHARS
+        ):
             shown = symbol + low.translate(_SUBSCRIPT) + high.translate(_SUPERSCRIPT)
         elif high:
             shown = f"{symbol}({low}..{high})"
         else:
             shown = f"{symbol}({low.replace(' ', '')})"
-        out.append(math[position : match.start()] + shown + " ")
+        follows = math[end:].lstrip(" ")[:1]
+        space = " " if bounds or (follows and follows not in "(["[:2]) else ""
+        out.append(math[position : match.start()] + shown + space)
         position = end
     out.append(math[position:])
     return "".join(out)
+
+
+def _environments(math: str) -> str:
+    """``cases`` as ``{a if c; b if d}``; ``vmatrix`` as ``|a b; c d|`` (pylatexenc has the
+    bracketed matrices)."""
+
+    def rows(body: str) -> list[list[str]]:
+        return [[cell.strip() for cell in row.split("&")]
+                for row in re.split(r"\\\\", body) if row.strip()]  # fmt: skip
+
+    def cases(match: re.Match[str]) -> str:
+        parts = []
+        for row in rows(match.group(1)):
+            value = row[0]
+            condition = row[1] if len(row) > 1 else ""
+            condition = re.sub(r"^\\text\{\s*(?:if\s+)?([^{}]*)\}", r"\1", condition).strip()
+            parts.append(f"{value} \\text{{ if }} {condition}" if condition else value)
+        return "\\{" + "; ".join(parts) + "\\}"
+
+    def determinant(match: re.Match[str]) -> str:
+        return "|" + "; ".join(" ".join(row) for row in rows(match.group(1))) + "|"
+
+    math = re.sub(r"\\begin\{cases\}(.*?)\\end\{cases\}", cases, math, flags=re.DOTALL)
+    return re.sub(r"\\begin\{vmatrix\}(.*?)\\end\{vmatrix\}", determinant, math,
+                  flags=re.DOTALL)  # fmt: skip
 
 
 def _group_fractions(math: str) -> str:
@@ -138,17 +176,23 @@ def _group_fractions(math: str) -> str:
     return "".join(out)
 
 
-def _wrap(text: str) -> str:
+def _wrap(text: str, numerator: bool = False) -> str:
     """A numerator or denominator as written, or in parentheses unless it is one number or one
-    symbol (``2a`` is wrapped: ``1/2a`` would read as (1/2)a)."""
-    single = r"-?[√∛∜]?(?:\d+(?:\.\d+)?|[A-Za-z\u0391-\u03c9])[" + _SUPER_TO + "]*"
+    symbol (``2a`` is wrapped: ``1/2a`` would read as (1/2)a; a numerator may be ``3π``).
+    Differentials (``dx``, ``∂f``) and factorials (``n!``) count as one symbol."""
+    compact = re.sub(r"^(d|∂)\s+(?=\w)", r"\1", text)
+    if re.fullmatch(r"(?:d|∂)[A-Za-z\u0391-\u03c9]", compact):
+        return compact
+    if numerator and re.fullmatch(r"-?\d+(?:[√∛∜]\d+|[A-Za-z\u0391-\u03c9])", text):
+        return text
+    single = r"-?[√∛∜]?(?:\d+(?:\.\d+)?|[A-Za-z\u0391-\u03c9])[" + _SUPER_TO + "]*!?"
     return text if re.fullmatch(single, text) else f"({text})"
 
 
 def _frac(node: Any, l2tobj: Any) -> str:
     numerator = l2tobj.nodelist_to_text([node.nodeargd.argnlist[0]]).strip()
     denominator = l2tobj.nodelist_to_text([node.nodeargd.argnlist[1]]).strip()
-    return f"{_wrap(numerator)}/{_wrap(denominator)}"
+    return f"{_wrap(numerator, numerator=True)}/{_wrap(denominator)}"
 
 
 def _sqrt(node: Any, l2tobj: Any) -> str:
@@ -167,6 +211,15 @@ def _binom(node: Any, l2tobj: Any) -> str:
     top = l2tobj.nodelist_to_text([node.nodeargd.argnlist[0]]).strip()
     bottom = l2tobj.nodelist_to_text([node.nodeargd.argnlist[1]]).strip()
     return f"C({top}, {bottom})"
+
+
+def _pmod(node: Any, l2tobj: Any) -> str:
+    return f" (mod {str(l2tobj.nodelist_to_text([node.nodeargd.argnlist[0]])).strip()})"
+
+
+def _arrow(node: Any, l2tobj: Any) -> str:
+    """A vector arrow over the last character (``\\overrightarrow{AB}`` → ``AB⃗``)."""
+    return str(l2tobj.nodelist_to_text([node.nodeargd.argnlist[0]])).strip() + "\u20d7"
 
 
 def _overline(node: Any, l2tobj: Any) -> str:
@@ -199,9 +252,42 @@ def _converter() -> tuple[Any, Any]:
             MacroTextSpec("tbinom", simplify_repl=_binom),
             MacroTextSpec("overline", simplify_repl=_overline),
             MacroTextSpec("triangle", simplify_repl="△"),
+            MacroTextSpec("pmod", simplify_repl=_pmod),
+            MacroTextSpec("overrightarrow", simplify_repl=_arrow),
+            MacroTextSpec("vv", simplify_repl=_arrow),
+            MacroTextSpec("mod", simplify_repl=" mod "),
+            MacroTextSpec("bmod", simplify_repl=" mod "),
+            MacroTextSpec("ne", simplify_repl="≠"),
+            MacroTextSpec("neg", simplify_repl="¬"),
+            MacroTextSpec("lor", simplify_repl="\u2228"),
+            MacroTextSpec("land", simplify_repl="∧"),
+            MacroTextSpec("|", simplify_repl="‖"),
+            MacroTextSpec("lvert", simplify_repl="|"),
+            MacroTextSpec("rvert", simplify_repl="|"),
+            MacroTextSpec("lVert", simplify_repl="‖"),
+            MacroTextSpec("rVert", simplify_repl="‖"),
             *(
                 MacroTextSpec(name, simplify_repl=name)
-                for name in ("det", "gcd", "lcm", "deg", "dim", "ker", "arg", "exp", "sgn")
+                for name in (
+                    "det",
+                    "gcd",
+                    "lcm",
+                    "deg",
+                    "dim",
+                    "ker",
+                    "arg",
+                    "exp",
+                    "sgn",
+                    "sec",
+                    "csc",
+                    "cot",
+                    "sinh",
+                    "cosh",
+                    "tanh",
+                    "arcsin",
+                    "arccos",
+                    "arctan",
+                )
             ),
         ],
         prepend=True,
@@ -213,7 +299,10 @@ def _converter() -> tuple[Any, Any]:
             macrospec.MacroSpec(name, "{{")
             for name in ("dfrac", "tfrac", "binom", "dbinom", "tbinom")
         ]
-        + [macrospec.MacroSpec(name, "{") for name in ("boxed", "overline")],
+        + [
+            macrospec.MacroSpec(name, "{")
+            for name in ("boxed", "overline", "pmod", "overrightarrow", "vv")
+        ],
         prepend=True,
     )
     converter = LatexNodes2Text(
@@ -230,6 +319,10 @@ def math_to_unicode(math: str) -> str:
     math = re.sub(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ(?![a-zA-Z]))", "°", math)  # degrees
     math = re.sub(r"'{2}", "″", re.sub(r"'{3}", "‴", math))
     math = re.sub(r"'", "′", math)  # noqa: RUF001 - the prime sign is meant
+    math = _environments(math)
+    # (√3)² rather than √3², which could be √(3²)
+    math = re.sub(r"(\\sqrt(?:\[[^\]]*\])?\{[^{}]*\})(?=\s*\^)", r"(\1)", math)
+    math = re.sub(r"\\left\s*\\lvert", r"\\left|", re.sub(r"\\right\s*\\rvert", r"\\right|", math))
     # \left( x \right) and friends: the delimiter itself, without the source's inner spaces.
     math = re.sub(
         r"\\left\s*(\\?[(\[|.{])\s*", lambda m: m.group(1).lstrip("\\").replace(".", ""), math
@@ -245,8 +338,10 @@ def math_to_unicode(math: str) -> str:
         return math
     # pylatexenc drops the space after some symbol macros (\\leq x -> ≤x); put it back.
     text = re.sub(r"(?<= )([≤≥≠≈→⇒±\u00d7·∈∉⊂⊆∪∩])(?=\S)", r"\1 ", text)  # noqa: RUF001
-    text = re.sub(r"([⌊⌈(\[])\s+", r"\1", text)  # ⌊ x ⌋ -> ⌊x⌋
-    text = re.sub(r"\s+([⌋⌉)\]])", r"\1", text)
+    text = re.sub(r"([⌊⌈(\[⟨])\s+", r"\1", text)  # ⌊ x ⌋ -> ⌊x⌋
+    text = re.sub(r"\s+([⌋⌉)\]⟩])", r"\1", text)
+    binary = "≈≡\u223c∥⊥·\u00d7÷"  # approx, equiv, sim, parallel, perp, times...: spaced
+    text = re.sub(rf"(?<=\S)\s*([{binary}])\s*(?=\S)", r" \1 ", text)
     # A function before a Greek letter loses the source's space (\tan \theta -> tanθ).
     text = re.sub(
         r"(?<![A-Za-z])(sin|cos|tan|cot|sec|csc|ln|log|exp|det)(?=[\u0391-\u03c9])", r"\1 ", text
