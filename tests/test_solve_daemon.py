@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -745,3 +746,21 @@ def test_eval_through_the_daemon_resumes_after_an_interruption(tiny_model: Path,
     assert sorted(r["line"] for r in records) == [1, 2, 3, 4, 5, 6]
     table = dict(line.split(None, 1) for line in second.stdout.splitlines())
     assert table["problems"] == "6"
+
+
+@pytest.mark.smollm2
+def test_eval_with_smollm2_prints_the_table(smollm2_model: Path, tmp_path: Path):
+    problems = tmp_path / "quiz.jsonl"
+    problems.write_text('{"problem": "What is 2+2?", "answer": "4"}\n'
+                        '{"problem": "What is 3+5?", "answer": "8"}\n')  # fmt: skip
+    result = run_phi4("eval", str(problems), "-m", str(smollm2_model), "-t", "0", "-n", "64")
+    assert result.returncode == 0, result.stderr
+    counts = {label: int(count) for label, count in
+              re.findall(r"^(problems|correct|wrong|no answer|truncated|errors) +(\d+)",
+                         result.stdout, re.MULTILINE)}  # fmt: skip
+    assert counts["problems"] == 2
+    assert sum(counts[k] for k in ("correct", "wrong", "no answer", "truncated", "errors")) == 2
+    records = [json.loads(line) for line in
+               (tmp_path / "quiz.jsonl.results.jsonl").read_text().splitlines()]  # fmt: skip
+    assert sorted(r["line"] for r in records) == [1, 2]
+    assert all(r["status"] in ("correct", "wrong", "no_answer", "truncated") for r in records)
