@@ -147,10 +147,12 @@ class _DaemonStream:
         while True:
             try:
                 if self._connection is None:
+                    # Counted before trying: a send that fails counts as an attempt too, so a
+                    # daemon that always hangs up is tried twice, not forever.
+                    self._sent += 1
                     self._connection = self._backend._take()
                     self.spawned = self.spawned or bool(self._connection.spawned)
                     self._request_id = self._connection.send(self._op, self._params)
-                    self._sent += 1
                 event: Event = self._connection.next_event()
             except DaemonGoneError:
                 self.close()
@@ -160,6 +162,12 @@ class _DaemonStream:
                 again = "restoring the conversation" if self._op == Op.CHAT else "asking again"
                 self._backend.announce(f"the daemon stopped; restarting it and {again}...")
                 continue
+            if event.id is None and event.kind == EventKind.ERROR:
+                # The daemon could not read the request at all (a line over its limit): the
+                # answer is for us, though it cannot name our id.
+                self._finished = True
+                self.close()
+                return event
             if event.id != self._request_id:
                 continue
             if (event.kind == EventKind.ERROR and event.code == ErrorCode.SHUTTING_DOWN

@@ -25,6 +25,7 @@ from phi4cli.errors import (
     DaemonUnavailableError,
     Phi4Error,
     ProtocolMismatchError,
+    RequestError,
     error_for,
 )
 from phi4cli.paths import Paths, check_socket_path, is_our_daemon, peer_uid
@@ -94,11 +95,18 @@ class DaemonConnection:
         self.close()
 
     def send(self, op: str, params: dict[str, Any] | None = None) -> int:
-        """Send one request; return its id."""
+        """Send one request; return its id. Raise RequestError for one longer than the daemon
+        takes (a very long chat transcript, say), before any of it is sent."""
         request_id = next(_ids)
         request = protocol.Request(id=request_id, op=op, params=params or {})
+        line = protocol.encode_request(request)
+        if len(line) > protocol.MAX_LINE_BYTES:
+            raise RequestError(
+                f"the request is {len(line):,} bytes; the daemon takes at most "
+                f"{protocol.MAX_LINE_BYTES:,} (shorten the question, or /reset a long chat)"
+            )
         try:
-            self._sock.sendall(protocol.encode_request(request))
+            self._sock.sendall(line)
         except OSError as exc:
             raise DaemonGoneError(f"lost the connection to the daemon: {exc}") from None
         return request_id
@@ -270,6 +278,11 @@ def stop_daemon(
         spawn.remove_stale_files(paths)
         return None
     if pid is None:
+        if spawn.daemon_alive(paths):
+            raise DaemonUnavailableError(
+                f"a daemon holds {paths.daemon_lock} but does not answer, and its pid is unknown "
+                "(no status file); find it with `pgrep -af 'phi4cli daemon run'`"
+            )
         return None
     if not asked:
         if not is_our_daemon(pid):
@@ -461,6 +474,7 @@ class _Batch:
         self.requests = requests
         self.on_event = on_event
         self.window = window
+        self.max_window = window
         self.waiting: deque[int] = deque(range(len(requests)))
         self.produced: set[int] = set()
         self.shutdown_seen = False
@@ -515,3 +529,5 @@ class _Batch:
         self.on_event(index, event)
         if event.terminal:
             del in_flight[event.id]
+            # After a busy answer the window shrank; it grows back as requests complete.
+            self.window = min(self.max_window, self.window + 1)

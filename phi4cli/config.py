@@ -159,6 +159,18 @@ def _instruction(value: object) -> str | None:
     return None if not text or text.lower() == "none" else text
 
 
+def _backend_url(value: object) -> str | None:
+    text = _optional_str(value)
+    if text is None or text.lower() == "none":
+        return None
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)  # raises ValueError for a malformed one ("http://[::1")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(value)
+    return text
+
+
 def _boolean(value: object) -> bool:
     if isinstance(value, bool):
         return value
@@ -202,7 +214,7 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
     "mlock": (_boolean, "true or false"),
     "max_queue": (_positive_int, "a positive integer (requests)"),
     "parallel": (_positive_int, "a positive integer (requests decoded together)"),
-    "backend": (_optional_str, "the URL of an OpenAI-compatible server, or none (the daemon)"),
+    "backend": (_backend_url, "the http(s) URL of an OpenAI-compatible server, or none"),
     "backend_timeout": (_positive_duration, "a duration such as 300s or 10m"),
     "system": (_optional_str, "text"),
     "instruction": (_instruction, "text added after each question, or none"),

@@ -82,7 +82,7 @@ def judge(item: Item, outcomes: list[Outcome]) -> dict[str, Any]:
     stats = [o.stats for o in outcomes if o.stats is not None]
     record: dict[str, Any] = {
         "line": item.line, "problem": item.problem, "reference": item.reference,
-        "answer": answer, "status": status, "correct": status == "correct",
+        "answer": answer, "status": status, "correct": status == "correct", "k": len(outcomes),
         "reasoning_tokens": sum(s.reasoning_tokens for s in stats),
         "completion_tokens": sum(s.completion_tokens for s in stats),
         "seconds": round(max((s.total_s or 0.0 for s in stats), default=0.0), 3),
@@ -99,9 +99,10 @@ def judge(item: Item, outcomes: list[Outcome]) -> dict[str, Any]:
     return record
 
 
-def load_done(output: Path, items: list[Item]) -> dict[int, dict[str, Any]]:
-    """The records of an earlier run into ``output`` that match these problems, by line."""
-    wanted = {item.line: item.problem for item in items}
+def load_done(output: Path, items: list[Item], samples: int) -> dict[int, dict[str, Any]]:
+    """The records of an earlier run into ``output`` that match these problems, their reference
+    answers and the number of samples, by line; anything else is solved again."""
+    wanted = {item.line: (item.problem, item.reference) for item in items}
     done: dict[int, dict[str, Any]] = {}
     try:
         lines = output.read_text(encoding="utf-8").splitlines()
@@ -116,8 +117,11 @@ def load_done(output: Path, items: list[Item]) -> dict[int, dict[str, Any]]:
             continue  # a line cut short by an interruption: that problem is solved again
         if not isinstance(record, dict) or not isinstance(record.get("line"), int):
             continue
-        same = wanted.get(record["line"]) == record.get("problem")
-        if same and record.get("status") != "error":  # errors are tried again
+        same = wanted.get(record["line"]) == (record.get("problem"), record.get("reference"))
+        complete = (record.get("status") in STATUSES and record.get("k") == samples
+                    and all(isinstance(record.get(key), int)
+                            for key in ("reasoning_tokens", "completion_tokens")))  # fmt: skip
+        if same and complete and record["status"] != "error":  # errors are tried again
             done[record["line"]] = record
     return done
 
@@ -126,7 +130,7 @@ def run_eval(job: SolveJob, items: list[Item], samples: int, output: Path,
              jsonl: bool) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
     """Solve the problems not in ``output`` yet, appending each record as it is judged; return
     every record (earlier ones included) and the seconds this run took."""
-    done = load_done(output, items)
+    done = load_done(output, items, samples)
     todo = [item for item in items if item.line not in done]
     if done:
         job.announce(f"resuming: {len(done)} of {len(items)} problems are already in {output}")

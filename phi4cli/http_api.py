@@ -38,7 +38,7 @@ from starlette.routing import Route
 
 from phi4cli.backends import Backend, RequestStream
 from phi4cli.config import Settings
-from phi4cli.errors import Phi4Error, UsageError, http_status_for
+from phi4cli.errors import Phi4Error, RequestError, UsageError, http_status_for
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Event, EventKind, Op, ProtocolViolation, parse_chat_params
 
@@ -247,6 +247,9 @@ def create_app(
         try:
             # Up to the daemon's acceptance: a refusal (bad request, busy) is an HTTP status.
             first = await _first_events(stream)
+        except RequestError as exc:  # too long to send
+            stream.close()
+            raise ApiError(413, str(exc)) from None
         except Phi4Error as exc:
             stream.close()
             raise ApiError(503, str(exc), "server_error") from None
@@ -257,7 +260,7 @@ def create_app(
             return StreamingResponse(completion.sse(first, stream),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
-        outcome = await completion.fold(first, stream)
+        outcome = await _unless_disconnected(request, stream, completion.fold(first, stream))
         if outcome.error is not None:
             raise ApiError.of(outcome.error.code, outcome.error.message)
         return JSONResponse(completion.whole(outcome))
@@ -268,6 +271,23 @@ def create_app(
         Route("/v1/models", route(models), methods=["GET"]),
         Route("/v1/chat/completions", route(chat), methods=["POST"]),
     ])  # fmt: skip
+
+
+async def _unless_disconnected(request: Request, stream: RequestStream, work: Any) -> Any:
+    """Await ``work`` (a whole answer being read); a client that hangs up meanwhile has its
+    request cancelled, as a streaming one has."""
+    result: Any = None
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await anyio.sleep(0.2)
+            stream.cancel()
+
+        group.start_soon(watch)
+        result = await work
+        group.cancel_scope.cancel()
+    return result
 
 
 async def _next(stream: RequestStream) -> Event | None:

@@ -66,15 +66,16 @@ def _group_at(math: str, start: int) -> tuple[str, int] | None:
     """The script argument at ``start`` (``{...}``, or one character or command); with its end."""
     from phi4cli.reasoning import braced_group
 
-    while start < len(math) and math[start] == " ":
+    while start < len(math) and math[start].isspace():
         start += 1
     if start >= len(math):
         return None
     if math[start] == "{":
         group = braced_group(math, start)
         return None if group is None else (group, start + len(group) + 2)
-    command = re.match(r"\\[a-zA-Z]+|.", math[start:])
-    assert command is not None
+    command = re.match(r"\\[a-zA-Z]+|.", math[start:], re.DOTALL)
+    if command is None:
+        return None
     return command.group(0), start + len(command.group(0))
 
 
@@ -116,6 +117,14 @@ def _big_operators(math: str) -> str:
         position = end
     out.append(math[position:])
     return "".join(out)
+
+
+def _delimiter(written: str) -> str:
+    """What ``\\left`` or ``\\right`` leaves: the delimiter (``\\{`` kept escaped, so it is not
+    taken for a group), or nothing for ``.``."""
+    if written in ("\\{", "\\}"):
+        return written
+    return written.lstrip("\\").replace(".", "")
 
 
 def _environments(math: str) -> str:
@@ -313,7 +322,7 @@ def _converter() -> tuple[Any, Any]:
 
 def math_to_unicode(math: str) -> str:
     """Convert one LaTeX math expression to Unicode text (``\\frac{1}{2}`` → ``1/2``)."""
-    from pylatexenc.latexwalker import LatexWalker, LatexWalkerError
+    from pylatexenc.latexwalker import LatexWalker
 
     converter, parse_context = _converter()
     math = re.sub(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ(?![a-zA-Z]))", "°", math)  # degrees
@@ -324,17 +333,13 @@ def math_to_unicode(math: str) -> str:
     math = re.sub(r"(\\sqrt(?:\[[^\]]*\])?\{[^{}]*\})(?=\s*\^)", r"(\1)", math)
     math = re.sub(r"\\left\s*\\lvert", r"\\left|", re.sub(r"\\right\s*\\rvert", r"\\right|", math))
     # \left( x \right) and friends: the delimiter itself, without the source's inner spaces.
-    math = re.sub(
-        r"\\left\s*(\\?[(\[|.{])\s*", lambda m: m.group(1).lstrip("\\").replace(".", ""), math
-    )
-    math = re.sub(
-        r"\s*\\right\s*(\\?[)\]|.}])", lambda m: m.group(1).lstrip("\\").replace(".", ""), math
-    )
+    math = re.sub(r"\\left\s*(\\?[(\[|.{])\s*", lambda m: _delimiter(m.group(1)), math)
+    math = re.sub(r"\s*\\right\s*(\\?[)\]|.}])", lambda m: _delimiter(m.group(1)), math)
     try:
         prepared = _scripts(_group_fractions(_big_operators(math)))
         nodes, _, _ = LatexWalker(prepared, latex_context=parse_context).get_latex_nodes()
         text: str = converter.nodelist_to_text(nodes)
-    except (LatexWalkerError, IndexError, AttributeError, KeyError, TypeError):
+    except Exception:
         return math
     # pylatexenc drops the space after some symbol macros (\\leq x -> ≤x); put it back.
     text = re.sub(r"(?<= )([≤≥≠≈→⇒±\u00d7·∈∉⊂⊆∪∩])(?=\S)", r"\1 ", text)  # noqa: RUF001

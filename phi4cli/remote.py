@@ -264,6 +264,10 @@ class RemoteEngine:
             raise _Failure(
                 ErrorCode.BACKEND_ERROR, f"the connection to the backend broke: {_reason(error)}"
             ) from None
+        except (httpx.RequestError, httpx.InvalidURL) as error:  # a body it cannot decode, ...
+            raise _Failure(
+                ErrorCode.BACKEND_ERROR, f"the backend's reply cannot be read: {_reason(error)}"
+            ) from None
 
 
 def _reason(error: Exception) -> str:
@@ -344,6 +348,9 @@ class _StreamState:
         details = usage.get("completion_tokens_details") or {}
         completion = int(usage.get("completion_tokens") or self.completion_pieces)
         reasoning = int(details.get("reasoning_tokens") or reader.reasoning_pieces)
+        if self.budget_reached:
+            # Two requests, and the first was cut off before its usage came: count the stream.
+            completion, reasoning = self.completion_pieces, reader.reasoning_pieces
         first = self.first_token_s
         prompt_eval_s = timings.get("prompt_ms", (first or total) * 1000.0) / 1000.0
         decode_s = timings.get("predicted_ms", (total - (first or total)) * 1000.0) / 1000.0

@@ -5,6 +5,7 @@ daemon, where the conversation's tokens stay cached between turns.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -19,7 +20,7 @@ from phi4cli.backends import Backend, RequestStream
 from phi4cli.chats import ChatStore, Conversation, Turn, default_name
 from phi4cli.config import Settings, parse_setting
 from phi4cli.environment import Environment
-from phi4cli.errors import DaemonGoneError, Phi4Error
+from phi4cli.errors import DaemonGoneError, Phi4Error, RequestError
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Op, Stats
 from phi4cli.render import (
@@ -150,6 +151,11 @@ class ChatRepl:
             # goes on, and the next message starts a fresh daemon with the whole transcript.
             presenter.abort()
             self.env.notice(f"error: {exc}; this question is not kept (ask it again)")
+            self.failed += 1
+            return
+        except RequestError as exc:  # refused before it was sent (too long): the chat goes on
+            presenter.abort()
+            self.env.notice(f"error: {exc}")
             self.failed += 1
             return
         except Phi4Error:
@@ -455,7 +461,18 @@ def prompt_reader(history_file: Path, input: Any = None, output: Any = None) -> 
 class AtomicFileHistory(FileHistory):
     """prompt-toolkit's file history, rewritten atomically (and kept to HISTORY_LIMIT entries)."""
 
+    failed = False  # said once: a history that cannot be written is no reason to end the chat
+
     def store_string(self, string: str) -> None:
+        try:
+            self._store(string)
+        except OSError as exc:
+            if not self.failed:
+                self.failed = True
+                print(f"phi4: cannot save the input history to {self.filename!s}: "
+                      f"{exc.strerror}; the chat goes on", file=sys.stderr, flush=True)  # fmt: skip
+
+    def _store(self, string: str) -> None:
         path = Path(os.fsdecode(self.filename))
         entries = list(reversed(list(self.load_history_strings())))[-(HISTORY_LIMIT - 1) :]
         entries.append(string)

@@ -37,8 +37,9 @@ def one_error_line(stderr: str) -> str:
         (["solve", "x", "--n-ctx", "16"], "at least 64"),
         (["solve", "x", "--threads", "100000"], "4 per CPU of this machine"),
         (["serve", "--http", "127.0.0.1:99999"], "a port up to 65535"),
+        (["solve", "x", "--backend", "http://[::1"], "expected the http(s) URL"),
     ],
-    ids=["max-tokens-0", "n-ctx-16", "threads-100000", "port-99999"],
+    ids=["max-tokens-0", "n-ctx-16", "threads-100000", "port-99999", "malformed-backend-url"],
 )
 def test_bad_values_are_refused_before_anything_runs(args: list[str], phrase: str):
     # Before: -n 0 meant unlimited; --n-ctx 16 aborted the daemon; --threads 100000 crashed it;
@@ -279,3 +280,60 @@ def test_no_inodes_left_is_one_line_and_exit_3(tiny_model: Path, tmp_path: Path)
         assert "No space left on device" in line and str(mount / "home") in line
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_request_too_long_for_the_daemon_is_refused_once_not_retried(tiny_model: Path):
+    # Before: the daemon hung up on a line over 1 MiB, and the client took that for a daemon
+    # that stopped: it restarted it and sent again, forever.
+    huge = "word " * 240_000  # 1.2 MB
+    solved = run_phi4("solve", "-", "-m", str(tiny_model), "-n", "2", input=huge)
+    assert solved.returncode == 1
+    line = one_error_line(
+        solved.stderr.replace(
+            "phi4: starting the phi4 daemon (first call; later calls reuse it)...\n", ""
+        )
+    )
+    assert "the daemon takes at most 1,048,576" in line
+    paths = get_paths()
+    out, err = io.StringIO(), io.StringIO()
+    env = Environment(io.StringIO(), out, err, paths=paths)
+    config = Settings(model=str(tiny_model), temperature=0.0, max_tokens=2)
+    repl = ChatRepl(env, DaemonBackend(paths, config, tiny_model, env.notice), config,
+                    str(tiny_model), Conversation(name="long", model=str(tiny_model)),
+                    ChatStore(paths.data_dir / "chats"))  # fmt: skip
+    repl.ask(huge)
+    assert "the daemon takes at most" in err.getvalue() and "restarting" not in err.getvalue()
+    repl.ask("hi")  # the chat goes on
+    assert [t.question for t in repl.conversation.turns] == ["hi"] and repl.failed == 1
+
+
+def test_stop_with_the_lock_held_and_no_status_file_says_so(phi4_home: Path):
+    import sys
+
+    run = phi4_home / "run"
+    run.mkdir(mode=0o700)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+         str(run / "daemon.lock")], stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        result = run_phi4("stop")
+        assert result.returncode == 3
+        assert "does not answer, and its pid is unknown" in one_error_line(result.stderr)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_an_unwritable_input_history_does_not_end_the_chat(tmp_path: Path, capsys):
+    from phi4cli.repl import AtomicFileHistory
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    history = AtomicFileHistory(str(blocker / "chat_history"))
+    history.store_string("first")
+    history.store_string("second")
+    err = capsys.readouterr().err
+    assert err.count("cannot save the input history") == 1 and "the chat goes on" in err

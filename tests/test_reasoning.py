@@ -202,3 +202,13 @@ def test_notation_corpus_reads_cleanly(latex: str, shown: str):
     assert text == shown
     assert "\\" not in text, "no LaTeX command is left over"
     assert not re.search(r"\^[^(\s]{2}", text), "no ^ runs into a multi-character exponent"
+
+
+def test_the_renderer_never_fails_on_what_models_write():
+    # Before: a newline after ^ or _ raised AssertionError after the answer had streamed.
+    assert latex_to_unicode("$$x^\n2$$").strip() == "x²"
+    assert latex_to_unicode("$$\\sum_\n{n}$$").strip() == "∑(n)"
+    # \left\{ ... \right\} kept its braces (they were taken for a group).
+    assert math_to_unicode(r"\left\{ 1, 2 \right\}") == "{1, 2}"
+    assert math_to_unicode(r"x \in \left\{a,b\right\}") == "x ∈ {a,b}"
+    assert math_to_unicode("\\frac{1}{") == "1/()", "an unclosed group, read as empty"

@@ -333,3 +333,29 @@ def test_eval_with_samples_reports_pass_at_k_and_reads_csv(tmp_path: Path):
     assert table["problems"] == "2"
     assert table["correct"].startswith("0  (0.0%)"), "majorities: 8 for seven, 5 for five"
     assert table["pass@3"].startswith("2  (100.0%)"), "each had a right sample"
+
+
+def test_eval_resumes_only_matching_records(tmp_path: Path):
+    # Before: records of a -k 1 run were reused by -k 3, a corrected reference kept its old
+    # verdict, and a damaged record ended in "internal error: KeyError".
+    problems = tmp_path / "set.jsonl"
+    problems.write_text('{"problem": "p1", "answer": "1"}\n{"problem": "p2", "answer": "2"}\n')
+    results = tmp_path / "out.jsonl"
+
+    def script(_body: dict[str, Any]) -> list[str | Step]:
+        return separated("reasoning_content", ["Think."], ["$\\boxed{1}$"])
+
+    with scripted_server(script) as server:
+        base = ["eval", str(problems), "--backend", server.url, "-m", "m", "-o", str(results),
+                "--json"]  # fmt: skip
+        assert json.loads(run_phi4(*base).stdout)["correct"] == 1
+        sent = len(server.bodies)
+        assert json.loads(run_phi4(*base, "-k", "3").stdout)["pass_at_k_count"] == 1
+        assert len(server.bodies) == sent + 6, "other samples: solved again"
+        problems.write_text('{"problem": "p1", "answer": "1"}\n{"problem": "p2", "answer": "1"}\n')
+        assert json.loads(run_phi4(*base).stdout)["correct"] == 2, "a new reference, judged anew"
+        with results.open("a") as handle:
+            handle.write('{"line": 1, "problem": "p1"}\n')  # damaged: no status
+        again = run_phi4(*base)
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)["correct"] == 2
