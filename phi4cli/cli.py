@@ -230,6 +230,16 @@ def with_options(
 with_daemon_options = with_options(DAEMON_OPTIONS, first=True)
 
 
+NoInstructionOption = Annotated[
+    bool,
+    typer.Option(
+        "--no-instruction",
+        help="Send each question alone, without the instruction to reason step by step and "
+        "box the final answer [config instruction].",
+    ),
+]
+
+
 def _stderr(message: str) -> None:
     print(f"phi4: {message}", file=sys.stderr, flush=True)
 
@@ -308,14 +318,7 @@ def solve(
             help="Self-consistency: solve K times, majority-vote the answers.",
         ),
     ] = 1,
-    no_instruction: Annotated[
-        bool,
-        typer.Option(
-            "--no-instruction",
-            help="Send the question alone, without the instruction to reason step by "
-            "step and box the final answer [config instruction].",
-        ),
-    ] = False,
+    no_instruction: NoInstructionOption = False,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print timing and cache statistics to stderr.")
     ] = False,
@@ -375,14 +378,7 @@ def eval_(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the summary as one JSON object.")
     ] = False,
-    no_instruction: Annotated[
-        bool,
-        typer.Option(
-            "--no-instruction",
-            help="Send each problem alone, without the "
-            "instruction to reason step by step and box the answer.",
-        ),
-    ] = False,
+    no_instruction: NoInstructionOption = False,
 ) -> int:
     """Solve problems with known answers and report accuracy (math-verify judges each answer)."""
     from phi4cli.environment import Environment

@@ -112,3 +112,21 @@ def run_phi4(
         env={**os.environ, **(env or {})},
         check=False,
     )
+
+
+@contextlib.contextmanager
+def holding_daemon_lock(run_dir: Path) -> Iterator[None]:
+    """A process that holds ``run_dir/daemon.lock`` as a daemon does, and nothing else: no
+    socket that answers, maybe no status file."""
+    run_dir.mkdir(mode=0o700, exist_ok=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+         str(run_dir / "daemon.lock")], stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()

@@ -20,7 +20,7 @@ from phi4cli.config import Settings
 from phi4cli.environment import Environment
 from phi4cli.paths import get_paths
 from phi4cli.repl import ChatRepl
-from tests.conftest import run_phi4
+from tests.conftest import holding_daemon_lock, run_phi4
 
 
 def one_error_line(stderr: str) -> str:
@@ -308,23 +308,10 @@ def test_a_request_too_long_for_the_daemon_is_refused_once_not_retried(tiny_mode
 
 
 def test_stop_with_the_lock_held_and_no_status_file_says_so(phi4_home: Path):
-    import sys
-
-    run = phi4_home / "run"
-    run.mkdir(mode=0o700)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
-         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
-         str(run / "daemon.lock")], stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    with holding_daemon_lock(phi4_home / "run"):
         result = run_phi4("stop")
         assert result.returncode == 3
         assert "does not answer, and its pid is unknown" in one_error_line(result.stderr)
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_an_unwritable_input_history_does_not_end_the_chat(tmp_path: Path, capsys):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PHI4, run_phi4
+from tests.conftest import PHI4, holding_daemon_lock, run_phi4
 
 
 def status(home: Path) -> dict[str, object]:
@@ -643,27 +643,20 @@ def test_stop_signals_no_process_named_by_a_planted_status_file(phi4_home: Path)
     # SIGTERM, whatever process it named.
     victim = subprocess.Popen(["sleep", "60"])
     run = phi4_home / "run"
-    run.mkdir(mode=0o700)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
-         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
-         str(run / "daemon.lock")], stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
-        (run / "daemon.json").write_text(json.dumps(
-            {"pid": victim.pid, "socket": str(run / "daemon.sock"), "protocol": 1,
-             "state": "ready", "model": None, "started_at": 0}))  # fmt: skip
-        result = run_phi4("stop")
-        assert result.returncode == 3
-        assert f"pid {victim.pid} in {run / 'daemon.json'} is not a phi4 daemon of yours" in (
-            result.stderr
-        )
-        assert victim.poll() is None, "the planted pid was signalled"
+        with holding_daemon_lock(run):
+            (run / "daemon.json").write_text(json.dumps(
+                {"pid": victim.pid, "socket": str(run / "daemon.sock"), "protocol": 1,
+                 "state": "ready", "model": None, "started_at": 0}))  # fmt: skip
+            result = run_phi4("stop")
+            assert result.returncode == 3
+            assert f"pid {victim.pid} in {run / 'daemon.json'} is not a phi4 daemon" in (
+                result.stderr
+            )
+            assert victim.poll() is None, "the planted pid was signalled"
     finally:
-        for proc in (victim, holder):
-            proc.kill()
-            proc.wait()
+        victim.kill()
+        victim.wait()
 
 
 FORGER = r"""
