@@ -17,7 +17,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from phi4cli import __version__, protocol
-from phi4cli.config import Settings, format_duration, load_settings
+from phi4cli.config import ANSWER_KEYS, Settings, format_duration, load_settings
 from phi4cli.errors import ExitStatus, Phi4Error, UsageError
 from phi4cli.paths import Paths, get_paths
 
@@ -162,45 +162,44 @@ GpuLayersOption = Annotated[
 ]  # fmt: skip
 
 
-# The options of every command that may start the daemon (daemon start, daemon run, warm),
-# declared once: ``with_options`` adds them to a command's signature, where Typer finds them,
-# and hands them to the command as one dict.
-DAEMON_OPTIONS: dict[str, tuple[Any, Any]] = {
-    "model": (ModelOption, None),
-    "keep_alive": (KeepAliveOption, None),
-    "n_ctx": (NCtxOption, None),
-    "threads": (ThreadsOption, None),
-    "ramdisk": (RamdiskOption, None),
-    "mlock": (MlockOption, None),
-    "max_queue": (MaxQueueOption, None),
-    "parallel": (ParallelOption, None),
-    "kv_cache_type": (KvCacheTypeOption, None),
-    "gpu_layers": (GpuLayersOption, None),
+# Options shared by several commands, each overriding the setting of its name (None: not given),
+# declared once. ``with_options`` adds a group of them to a command's signature, where Typer
+# finds them, and hands them to the command as one dict.
+SHARED_OPTIONS: dict[str, Any] = {
+    "model": ModelOption,
+    "keep_alive": KeepAliveOption,
+    "n_ctx": NCtxOption,
+    "threads": ThreadsOption,
+    "ramdisk": RamdiskOption,
+    "mlock": MlockOption,
+    "max_queue": MaxQueueOption,
+    "parallel": ParallelOption,
+    "kv_cache_type": KvCacheTypeOption,
+    "gpu_layers": GpuLayersOption,
+    "think_budget": ThinkBudgetOption,
+    "system": SystemOption,
+    "temperature": TemperatureOption,
+    "top_p": TopPOption,
+    "seed": SeedOption,
+    "max_tokens": MaxTokensOption,
+    "backend": BackendOption,
 }
-# The options of every command that asks for answers (solve, chat).
-ANSWER_OPTIONS: dict[str, tuple[Any, Any]] = {
-    "think_budget": (ThinkBudgetOption, None),
-    "system": (SystemOption, None),
-    "temperature": (TemperatureOption, None),
-    "top_p": (TopPOption, None),
-    "seed": (SeedOption, None),
-    "max_tokens": (MaxTokensOption, None),
-    "keep_alive": (KeepAliveOption, None),
-    "n_ctx": (NCtxOption, None),
-    "threads": (ThreadsOption, None),
-    "backend": (BackendOption, None),
-}
+# Every command that may start the daemon (daemon start, daemon run, warm) takes these.
+DAEMON_OPTIONS = ("model", "keep_alive", "n_ctx", "threads", "ramdisk", "mlock", "max_queue",
+                  "parallel", "kv_cache_type", "gpu_layers")  # fmt: skip
+# Every command that asks for answers (solve, chat, eval) takes these.
+ANSWER_OPTIONS = ANSWER_KEYS
 
 
-class DaemonOptions(dict[str, Any]):
-    """The daemon options a command was given (None: not given)."""
+class OptionGroup(dict[str, Any]):
+    """The shared options a command was given, by setting name (None: not given)."""
 
 
 def with_options(
-    group: dict[str, tuple[Any, Any]], first: bool = False
+    group: tuple[str, ...], first: bool = False
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Add the options of ``group`` to a command whose first parameter receives them as one
-    dict (a ``DaemonOptions``), before or after the command's own options."""
+    """Add the SHARED_OPTIONS named in ``group`` to a command whose first parameter receives
+    them as one ``OptionGroup``, before or after the command's own options."""
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         import typing
@@ -210,13 +209,13 @@ def with_options(
         receiver = parameters[0].name
         own = [p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
                for p in parameters[1:]]  # fmt: skip
-        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                   annotation=annotation)
-                 for name, (annotation, default) in group.items()]  # fmt: skip
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                   annotation=SHARED_OPTIONS[name])
+                 for name in group]  # fmt: skip
 
         @functools.wraps(func)
         def command(**kwargs: Any) -> Any:
-            options = DaemonOptions({name: kwargs.pop(name) for name in group})
+            options = OptionGroup({name: kwargs.pop(name) for name in group})
             return func(**{receiver: options}, **kwargs)
 
         every = [*added, *own] if first else [*own, *added]
@@ -272,7 +271,7 @@ def _root(
 @app.command()
 @with_options(ANSWER_OPTIONS)
 def solve(
-    answer: DaemonOptions,
+    answer: OptionGroup,
     prompt: Annotated[
         str | None,
         typer.Argument(
@@ -337,7 +336,7 @@ def solve(
 @app.command("eval")
 @with_options(ANSWER_OPTIONS)
 def eval_(
-    answer: DaemonOptions,
+    answer: OptionGroup,
     file: Annotated[
         Path,
         typer.Argument(
@@ -407,7 +406,7 @@ def eval_(
 @app.command()
 @with_options(ANSWER_OPTIONS)
 def chat(
-    answer: DaemonOptions,
+    answer: OptionGroup,
     model: ModelOption = None,
     resume: Annotated[
         str | None,
@@ -682,7 +681,7 @@ def daemon_stop() -> None:
     print("no daemon was running" if pid is None else f"daemon stopped (pid {pid})")
 
 
-def _daemon_setup(daemon: DaemonOptions, **overrides: object) -> tuple[Paths, Settings, Path]:
+def _daemon_setup(daemon: OptionGroup, **overrides: object) -> tuple[Paths, Settings, Path]:
     """Paths, settings and the resolved model for a command that starts or runs the daemon."""
     from phi4cli.models import resolve_model
 
@@ -696,7 +695,7 @@ def _daemon_setup(daemon: DaemonOptions, **overrides: object) -> tuple[Paths, Se
 
 @daemon_app.command("start")
 @with_daemon_options
-def daemon_start(daemon: DaemonOptions) -> None:
+def daemon_start(daemon: OptionGroup) -> None:
     """Start the daemon in the background and wait until its model is loaded."""
     from phi4cli.client import daemon_status
 
@@ -737,7 +736,7 @@ def _load_model(
 @daemon_app.command("run")
 @with_daemon_options
 def daemon_run(
-    daemon: DaemonOptions,
+    daemon: OptionGroup,
     ramdisk_mode: Annotated[
         str | None, typer.Option("--ramdisk-mode", hidden=True, show_default=False)
     ] = None,
@@ -751,7 +750,7 @@ def daemon_run(
 @app.command()
 @with_daemon_options
 def warm(
-    daemon: DaemonOptions,
+    daemon: OptionGroup,
     no_wait: Annotated[
         bool, typer.Option("--no-wait", help="Return once the daemon is starting.")
     ] = False,

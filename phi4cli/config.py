@@ -248,6 +248,10 @@ class Settings(NamedTuple):
     instruction: str | None = DEFAULT_INSTRUCTION
 
 
+# Settings every command that asks for answers (solve, chat, eval) takes as options.
+ANSWER_KEYS = ("think_budget", "system", "temperature", "top_p", "seed", "max_tokens",
+               "keep_alive", "n_ctx", "threads", "backend")  # fmt: skip
+
 # Settings a daemon takes when it starts and keeps for its life.
 DAEMON_SETTINGS = ("n_ctx", "kv_cache_type", "gpu_layers", "parallel", "threads", "max_queue",
                    "mlock", "ramdisk")  # fmt: skip

@@ -403,11 +403,6 @@ def read_prompt(prompt: str | None, env: Environment) -> str:
     return text
 
 
-# The options every command asking for answers takes (cli.ANSWER_OPTIONS declares them).
-ANSWER_KEYS = ("think_budget", "system", "temperature", "top_p", "seed", "max_tokens",
-               "keep_alive", "n_ctx", "threads", "backend")  # fmt: skip
-
-
 def make_job(
     env: Environment, model: str | None, answer_options: dict[str, Any], no_instruction: bool
 ) -> SolveJob:
@@ -448,6 +443,8 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
     reads_file = o.file is not None or o.each_line
     problems = read_problems(o.file or "-", env) if reads_file else None
     question = read_prompt(o.prompt, env) if problems is None else ""
+    from phi4cli.config import ANSWER_KEYS
+
     answer_options = {key: getattr(o, key) for key in ANSWER_KEYS}
     job = make_job(env, o.model, answer_options, o.no_instruction)
     mode = OutputMode(o.show_reasoning, o.answer_only, o.as_json, o.verbose)
