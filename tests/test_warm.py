@@ -144,7 +144,12 @@ def test_concurrent_streams_are_decoded_together_and_match_their_solo_output(
     from tests.conftest import PHI4
 
     questions = ["Explain why the sky is blue.", "Name three prime numbers and say why."]
-    args = ["-m", str(smollm2_model), "-t", "0", "-n", "80", "--json"]
+    # The questions alone, as when this test was written: with the default instruction added,
+    # the prompts are read in other batch shapes together than alone, and llama.cpp's sums
+    # are not bit-identical across batch shapes, so greedy answers can part after a few
+    # dozen tokens (seen 2 runs in 3 on SmolLM2). That is llama.cpp's arithmetic, not a
+    # mixing of the two streams, which is what this test is about.
+    args = ["-m", str(smollm2_model), "-t", "0", "-n", "80", "--json", "--no-instruction"]
     assert run_phi4("daemon", "start", "-m", str(smollm2_model), "--parallel", "4").returncode == 0
     alone = [json.loads(run_phi4("solve", q, *args).stdout) for q in questions]
     procs = [
