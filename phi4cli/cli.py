@@ -782,7 +782,8 @@ def cache_clear() -> None:
     """Remove staged model copies (RAM), saved system-prompt states and swapped-out chats."""
     import shutil
 
-    from phi4cli.daemon.ramdisk import not_private, ramdisk_dir, remove_staged
+    from phi4cli.daemon.ramdisk import ramdisk_dir, remove_staged
+    from phi4cli.paths import not_private
 
     paths = get_paths()
     directory = ramdisk_dir()

@@ -88,6 +88,25 @@ class Paths(NamedTuple):
         return self.runtime_dir
 
 
+def not_private(directory: Path) -> str | None:
+    """Why ``directory`` is not a private directory of this user's, or None: it must be a real
+    directory (not a link), owned by this user, with no access for group or others. For what
+    phi4 keeps in shared places: ``/dev/shm`` (another user who made ``phi4-<uid>`` first could
+    plant a model there, or a link to your models that `phi4 cache clear` would then empty) and
+    the runtime dir's remembered paths (another user's could redirect the config file)."""
+    try:
+        info = directory.lstat()
+    except OSError as exc:
+        return f"cannot use {directory}: {exc.strerror}"
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        return f"{directory} is not a directory (a link?); remove it"
+    if info.st_uid != os.getuid():
+        return f"{directory} belongs to uid {info.st_uid}, not you; remove it"
+    if info.st_mode & 0o077:
+        return f"{directory} is open to other users (mode {info.st_mode & 0o777:o}); chmod 700 it"
+    return None
+
+
 def peer_uid(sock: socket.socket) -> int | None:
     """Return the uid of the process at the other end of a Unix socket (None if unknowable)."""
     if not hasattr(socket, "SO_PEERCRED"):
@@ -172,17 +191,9 @@ def get_paths() -> Paths:
     return Paths(config, data, state, cache, runtime)
 
 
-def _private_runtime_dir(runtime: Path) -> bool:
-    try:
-        info = runtime.lstat()
-    except OSError:
-        return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
-
-
 def _remembered_dirs(runtime: Path, inputs: list[str | None]) -> list[Path] | None:
     # Only from a directory of this user's: another user's could redirect the config file.
-    if not _private_runtime_dir(runtime):
+    if not_private(runtime) is not None:
         return None
     import json
 
@@ -197,7 +208,7 @@ def _remembered_dirs(runtime: Path, inputs: list[str | None]) -> list[Path] | No
 
 
 def _remember_dirs(runtime: Path, inputs: list[str | None], dirs: list[Path]) -> None:
-    if not _private_runtime_dir(runtime):
+    if not_private(runtime) is not None:
         return  # made by the daemon; until then platformdirs answers each time
     import json
 

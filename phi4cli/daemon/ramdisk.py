@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from phi4cli.paths import not_private
+
 log = logging.getLogger("phi4.ramdisk")
 
 MODES = ("auto", "on", "off")
@@ -65,24 +67,6 @@ def filesystem_type(path: Path) -> str | None:
         if inside and len(mount) > len(best):
             best, best_type = mount, fields[2]
     return best_type
-
-
-def not_private(directory: Path) -> str | None:
-    """Why ``directory`` may not hold staged models, or None: it must be a real directory (not
-    a link), of this user's, with no access for group or others. ``/dev/shm`` is shared: another
-    user who made ``phi4-<uid>`` first could plant a model there, or a link to your models that
-    `phi4 cache clear` would then empty."""
-    try:
-        info = directory.lstat()
-    except OSError as exc:
-        return f"cannot use {directory}: {exc.strerror}"
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        return f"{directory} is not a directory (a link?); remove it"
-    if info.st_uid != os.getuid():
-        return f"{directory} belongs to uid {info.st_uid}, not you; remove it"
-    if info.st_mode & 0o077:
-        return f"{directory} is open to other users (mode {info.st_mode & 0o777:o}); chmod 700 it"
-    return None
 
 
 def _own_file(path: Path) -> bool:
