@@ -17,7 +17,7 @@ from phi4cli.errors import UsageError
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event
 from phi4cli.reasoning import majority_vote, same_answer
-from phi4cli.solving import SolveJob, _FileProgress, _ProgressNotice
+from phi4cli.solving import FileProgress, ProgressNotice, SolveJob
 
 STATUSES = ("correct", "wrong", "no_answer", "truncated", "error")
 
@@ -143,8 +143,8 @@ def run_eval(job: SolveJob, items: list[Item], samples: int, output: Path,
                            **({} if seed is None else {"seed": seed + k}))
                 for i, k in keys]  # fmt: skip
     remaining = [samples] * len(todo)
-    progress = _FileProgress(len(todo), job.env)
-    loading = _ProgressNotice(job.announce)
+    progress = FileProgress(len(todo), job.env)
+    loading = ProgressNotice(job.announce)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         results = output.open("a", encoding="utf-8")

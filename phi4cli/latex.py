@@ -156,8 +156,6 @@ def _group_fractions(math: str) -> str:
     """A fraction followed at once by a letter or command (``\\frac{\\sqrt2}{3}i``) is put in
     parentheses, so ``√2/3i`` cannot be read as √2/(3i); a digit before one (``1\\frac12``,
     a mixed number) is kept apart from it."""
-    from phi4cli.reasoning import braced_group
-
     out: list[str] = []
     position = 0
     for match in re.finditer(r"\\[dt]?frac(?![a-zA-Z])", math):
@@ -181,7 +179,6 @@ def _group_fractions(math: str) -> str:
             out.append(before + fraction)
             position = end
     out.append(math[position:])
-    del braced_group
     return "".join(out)
 
 

@@ -121,7 +121,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     quiet = mode.as_json or mode.answer_only
     presenter = _LazyPresenter(job.env, mode)
     spinner = _StderrStatus(job.env, "solving…")
-    loading = _ProgressNotice(job.announce)
+    loading = ProgressNotice(job.announce)
 
     def on_event(_index: int, event: Event) -> None:
         loading.see(event)
@@ -165,7 +165,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     requests = [
         job.params(question, seed=None if seed is None else seed + i) for i in range(samples)
     ]
-    loading = _ProgressNotice(job.announce)
+    loading = ProgressNotice(job.announce)
     finished = 0
     spinner = _StderrStatus(job.env, f"sampling… 0/{samples} done")
 
@@ -254,8 +254,8 @@ def solve_file(
     next_to_print = 0
     printed_line = 0  # the input line the output has reached (--answer-only)
     failed = 0
-    progress = _FileProgress(len(problems), job.env)
-    loading = _ProgressNotice(job.announce)
+    progress = FileProgress(len(problems), job.env)
+    loading = ProgressNotice(job.announce)
 
     def emit(index: int) -> None:
         nonlocal failed, printed_line
@@ -302,7 +302,7 @@ def solve_file(
     return exit_status(outcomes, answer_required=mode.answer_only)
 
 
-class _FileProgress:
+class FileProgress:
     """A progress bar on stderr for `--file`, only when stderr is a terminal."""
 
     def __init__(self, total: int, env: Environment) -> None:
@@ -311,7 +311,7 @@ class _FileProgress:
         self._progress: Any = None
         self._task: Any = None
 
-    def __enter__(self) -> "_FileProgress":
+    def __enter__(self) -> "FileProgress":
         if self.env.stderr_isatty:
             from rich.console import Console
             from rich.progress import Progress
@@ -331,7 +331,7 @@ class _FileProgress:
             self._progress.stop()
 
 
-class _ProgressNotice:
+class ProgressNotice:
     """Say once on stderr when requests wait for a model to load, and once when they wait for
     room in the daemon's memory."""
 
