@@ -7,16 +7,21 @@ which one it is. A backend streams one request's events (``stream``), answers ma
 
 from __future__ import annotations
 
+import _thread
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
 
 from phi4cli.config import Settings
 from phi4cli.errors import DaemonGoneError
 from phi4cli.paths import Paths
 from phi4cli.protocol import JSON, ErrorCode, Event, EventKind, Op
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Protocol
+else:
+    Protocol = object  # the interfaces below are for the type checker; plain classes at run time
 
 Announce = Callable[[str], None]
 EventSink = Callable[[int, Event], None]  # (index of the request, event)
@@ -78,7 +83,7 @@ class DaemonBackend:
         self.announce = announce
         self.window = window  # requests one `run` keeps in the daemon's queue at once
         self._idle: list[Any] = []  # connections between requests, reused
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()  # threading's, without importing threading
 
     def _take(self) -> Any:
         from phi4cli.client import connect_checked

@@ -8,13 +8,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import signal
 import socket
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 from phi4cli import __version__, protocol
 from phi4cli.config import DAEMON_SETTINGS, Settings
@@ -30,6 +28,10 @@ from phi4cli.errors import (
 )
 from phi4cli.paths import Paths, check_socket_path, is_our_daemon, peer_uid
 from phi4cli.protocol import ErrorCode, Event, EventKind, Op
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
@@ -260,6 +262,8 @@ def stop_daemon(
     a phi4 daemon of this user's (the file may be stale or planted). Raise
     DaemonUnavailableError if it will not exit.
     """
+    import signal  # here, not at the top: a solve never needs it
+
     status = spawn.read_status(paths)
     pid = status.pid if status else None
     asked = False

@@ -4,13 +4,19 @@ The result is one frozen :class:`Settings`; every other module reads settings fr
 else reads the environment or the config file.
 """
 
+from __future__ import annotations
+
 import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
 
 from phi4cli.errors import ConfigError
+from phi4cli.records import Record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 DEFAULT_MODEL = "phi4-mini-reasoning"
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -221,7 +227,7 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
 }
 
 
-class Settings(NamedTuple):
+class Settings(Record):
     model: str = DEFAULT_MODEL
     keep_alive: float = DEFAULT_KEEP_ALIVE
     # KV cache cells shared by all requests; None: planned from the model and free memory.

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TextIO
 
 from phi4cli.paths import Paths, get_paths
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import TextIO
 
 
 def _isatty(stream: TextIO) -> bool:

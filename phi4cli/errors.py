@@ -1,9 +1,11 @@
 """The Phi4Error hierarchy and the exit code each error maps to."""
 
+from __future__ import annotations
+
 from enum import IntEnum
-from typing import NamedTuple
 
 from phi4cli.protocol import ErrorCode
+from phi4cli.records import Record
 
 
 class ExitStatus(IntEnum):
@@ -88,7 +90,7 @@ class CancelledError(Phi4Error):
     exit_status = ExitStatus.INTERRUPTED
 
 
-class ErrorKind(NamedTuple):
+class ErrorKind(Record):
     """What one protocol error code means on each side: the exception the CLI raises (and so
     its exit status) and the HTTP status ``phi4 serve`` answers with."""
 

@@ -5,24 +5,30 @@ so ``0.5`` is right for ``\\frac{1}{2}``. Results go to a JSONL file as each pro
 second run over the same file skips what is already there, so an interrupted evaluation resumes.
 """
 
+from __future__ import annotations
+
 import csv
 import io
 import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
 
 from phi4cli.errors import UsageError
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event
 from phi4cli.reasoning import majority_vote, same_answer
+from phi4cli.records import Record
 from phi4cli.solving import FileProgress, ProgressNotice, SolveJob
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 STATUSES = ("correct", "wrong", "no_answer", "truncated", "error")
 
 
-class Item(NamedTuple):
+class Item(Record):
     line: int  # in the input file (a CSV's header is line 1)
     problem: str
     reference: str

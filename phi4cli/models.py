@@ -4,17 +4,19 @@ Only the standard library at import time: ``phi4 solve`` resolves its model thro
 huggingface_hub and gguf (which pulls in numpy) are imported inside the functions needing them.
 """
 
+from __future__ import annotations
+
 import os
 from pathlib import Path
-from typing import NamedTuple
 
 from phi4cli.errors import DownloadError, InvalidModelError, ModelNotFoundError
 from phi4cli.paths import Paths
+from phi4cli.records import Record
 
 GGUF_MAGIC = b"GGUF"
 
 
-class ModelAlias(NamedTuple):
+class ModelAlias(Record):
     name: str
     description: str
     filename: str
@@ -139,7 +141,7 @@ def validate_gguf(path: Path) -> None:
         ) from None
 
 
-class ModelListing(NamedTuple):
+class ModelListing(Record):
     name: str
     description: str
     path: Path | None

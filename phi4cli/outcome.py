@@ -5,11 +5,13 @@ The one place events become an answer: ``solve``, ``chat`` and ``serve`` all fol
 
 from __future__ import annotations
 
-from typing import Any
-
 from phi4cli.errors import ExitStatus, Phi4Error, error_for
 from phi4cli.protocol import ErrorCode, Event, EventKind, Stats
 from phi4cli.reasoning import extract_final_answer
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class Outcome:

@@ -1,19 +1,22 @@
 """Every file location phi4 uses, from platformdirs; ``PHI4_HOME`` relocates them all."""
 
+from __future__ import annotations
+
 import contextlib
 import os
 import socket
 import stat
 import sys
 from pathlib import Path
-from typing import NamedTuple
+
+from phi4cli.records import Record
 
 APP_NAME = "phi4"
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL on Linux.
 MAX_SOCKET_PATH = 107
 
 
-class Paths(NamedTuple):
+class Paths(Record):
     config_dir: Path
     data_dir: Path
     state_dir: Path

@@ -10,13 +10,19 @@ event lines carrying the same id: ``accepted``, ``progress``, ``reasoning``, ``t
 ``retract``, ``stats``, and then exactly one terminal ``done`` or ``error``.
 """
 
+from __future__ import annotations
+
 import json
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
+from phi4cli.records import Record
+
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any, Final
+
     from phi4cli.config import Settings
 
 PROTOCOL_VERSION: Final = 1
@@ -25,7 +31,7 @@ PROTOCOL_VERSION: Final = 1
 MAX_LINE_BYTES: Final = 1 << 20
 MAX_PROMPT_CHARS: Final = 256_000
 
-JSON = dict[str, Any]
+JSON = dict[str, "Any"]
 
 
 class Op(StrEnum):
@@ -72,7 +78,7 @@ class ErrorCode(StrEnum):
         return self in (ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN)
 
     @classmethod
-    def of(cls, value: object) -> "ErrorCode":
+    def of(cls, value: object) -> ErrorCode:
         """The code named by ``value``; an unknown one (a newer daemon's) counts as internal."""
         try:
             return cls(str(value))
@@ -110,7 +116,7 @@ class ProtocolViolation(Exception):
 # would cost every `phi4 solve` more than the daemon takes to answer a short question.
 
 
-class Stats(NamedTuple):
+class Stats(Record):
     """What one answer cost: tokens by kind, timings, how it ended. The daemon measures all of it;
     a remote engine fills what its server reports (``measured`` says which were counted here)."""
 
@@ -137,7 +143,7 @@ class Stats(NamedTuple):
     extra: Mapping[str, Any] = {}  # anything else the engine reported (never mutated)
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> "Stats":
+    def from_mapping(cls, data: Mapping[str, Any]) -> Stats:
         known = set(cls._fields) - {"extra"}
         extra = {k: v for k, v in data.items() if k not in known and k not in ("v", "id", "event")}
         return cls(**{k: v for k, v in data.items() if k in known}, extra=extra)
@@ -155,7 +161,7 @@ class Stats(NamedTuple):
 # --- events -------------------------------------------------------------------------------------
 
 
-class Event(NamedTuple):
+class Event(Record):
     """One event of a request's stream, as the client side sees it."""
 
     kind: EventKind
@@ -164,7 +170,7 @@ class Event(NamedTuple):
     data: Mapping[str, Any] = {}  # the kind's other fields (never mutated)
 
     @classmethod
-    def from_wire(cls, message: Mapping[str, Any]) -> "Event":
+    def from_wire(cls, message: Mapping[str, Any]) -> Event:
         """Read a decoded event line; raise ProtocolViolation for one that is not an event."""
         try:
             kind = EventKind(str(message.get("event")))
@@ -176,12 +182,12 @@ class Event(NamedTuple):
         return cls(kind, message.get("id"), str(message.get("text") or ""), data)
 
     @classmethod
-    def error(cls, code: ErrorCode, message: str, request_id: Any = None) -> "Event":
+    def error(cls, code: ErrorCode, message: str, request_id: Any = None) -> Event:
         return cls(EventKind.ERROR, request_id, data={"code": code, "message": message,
                                                       "retryable": code.retryable})  # fmt: skip
 
     @classmethod
-    def of_stats(cls, stats: Stats, request_id: Any = None) -> "Event":
+    def of_stats(cls, stats: Stats, request_id: Any = None) -> Event:
         return cls(EventKind.STATS, request_id, data=stats.to_dict())
 
     def to_wire(self) -> JSON:
@@ -224,7 +230,7 @@ _TEXT_KINDS = frozenset({EventKind.TOKEN, EventKind.REASONING})
 # --- requests -----------------------------------------------------------------------------------
 
 
-class Request(NamedTuple):
+class Request(Record):
     id: Any
     op: str
     params: JSON
@@ -238,7 +244,7 @@ PRIORITIES: Final = {"interactive": PRIORITY_INTERACTIVE, "solve": PRIORITY_SOLV
                      "bulk": PRIORITY_BULK}  # fmt: skip
 
 
-class SolveParams(NamedTuple):
+class SolveParams(Record):
     """A solve, chat or load request's parameters, validated (see ``parse_params``)."""
 
     prompt: str
@@ -275,7 +281,7 @@ def _optional_int(params: Mapping[str, Any], key: str, low: int) -> int | None:
     return value
 
 
-def parse_solve_params(params: Mapping[str, Any], defaults: "Settings") -> SolveParams:
+def parse_solve_params(params: Mapping[str, Any], defaults: Settings) -> SolveParams:
     """Validate a solve request's params against the daemon's defaults.
 
     Raise ProtocolViolation(bad_request) naming the offending field.
@@ -345,7 +351,7 @@ def check_history(history: object) -> tuple[dict[str, str], ...]:
     return tuple({"role": m["role"], "content": m["content"]} for m in history)
 
 
-def parse_chat_params(params: Mapping[str, Any], defaults: "Settings") -> SolveParams:
+def parse_chat_params(params: Mapping[str, Any], defaults: Settings) -> SolveParams:
     """Validate a chat request: ``session``, ``message`` and ``history`` (complete turns).
 
     Raise ProtocolViolation(bad_request) naming the offending field.
@@ -360,7 +366,7 @@ def parse_chat_params(params: Mapping[str, Any], defaults: "Settings") -> SolveP
     return solve._replace(session=session, history=turns)
 
 
-def parse_load_params(params: Mapping[str, Any], defaults: "Settings") -> SolveParams:
+def parse_load_params(params: Mapping[str, Any], defaults: Settings) -> SolveParams:
     """Validate a load request (``model``); raise ProtocolViolation(bad_request)."""
     model = params.get("model")
     if not isinstance(model, str) or not model:
@@ -371,7 +377,7 @@ def parse_load_params(params: Mapping[str, Any], defaults: "Settings") -> SolveP
     return parse_solve_params(request, defaults)._replace(prompt="", load_only=True)
 
 
-def parse_params(op: str, params: Mapping[str, Any], defaults: "Settings") -> SolveParams:
+def parse_params(op: str, params: Mapping[str, Any], defaults: Settings) -> SolveParams:
     """Validate the params of a solve, chat or load request."""
     parse = {Op.SOLVE: parse_solve_params, Op.CHAT: parse_chat_params,
              Op.LOAD: parse_load_params}[Op(op)]  # fmt: skip

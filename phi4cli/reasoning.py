@@ -4,11 +4,18 @@ Pure functions and small state machines; no I/O. Both the daemon (which counts r
 for ``--think-budget``) and the client (which folds reasoning away) use them.
 """
 
+from __future__ import annotations
+
 import functools
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+
+from phi4cli.records import Record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -216,7 +223,7 @@ def normalize_answer(answer: str) -> str:
     return text
 
 
-class Vote(NamedTuple):
+class Vote(Record):
     """The outcome of self-consistency voting."""
 
     answer: str | None  # the winning answer in its most common written form; None: no answers

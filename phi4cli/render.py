@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any, TextIO
 
 from phi4cli.environment import Environment
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event, EventKind, Stats
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, TextIO
 
 
 def human_bytes(size: float | None) -> str:

@@ -2,11 +2,12 @@
 showing the results the way the output calls for (terminal, pipe, ``--json``, ``--answer-only``).
 """
 
+from __future__ import annotations
+
 import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
 
 from phi4cli.backends import Backend
 from phi4cli.environment import Environment
@@ -14,12 +15,17 @@ from phi4cli.errors import ExitStatus, UsageError
 from phi4cli.outcome import Outcome, exit_status
 from phi4cli.protocol import Event, EventKind
 from phi4cli.reasoning import majority_vote
+from phi4cli.records import Record
 from phi4cli.render import PlainPresenter, TerminalPresenter, no_answer_reason
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 Announce = Callable[[str], None]
 
 
-class SolveJob(NamedTuple):
+class SolveJob(Record):
     """What answers (the daemon or a remote server) and what every request of this command
     shares."""
 
@@ -44,7 +50,7 @@ class SolveJob(NamedTuple):
         self.backend.run(requests, on_event)
 
 
-class OutputMode(NamedTuple):
+class OutputMode(Record):
     show_reasoning: bool = False
     answer_only: bool = False
     as_json: bool = False
@@ -218,7 +224,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     return ExitStatus.OK
 
 
-class Problems(NamedTuple):
+class Problems(Record):
     """The non-blank lines of the input, with their line numbers, and how many lines it had."""
 
     lines: list[tuple[int, str]]
@@ -311,7 +317,7 @@ class FileProgress:
         self._progress: Any = None
         self._task: Any = None
 
-    def __enter__(self) -> "FileProgress":
+    def __enter__(self) -> FileProgress:
         if self.env.stderr_isatty:
             from rich.console import Console
             from rich.progress import Progress
@@ -358,7 +364,7 @@ class ProgressNotice:
             self._once("loading", "waiting for the daemon to load the model...")
 
 
-class SolveOptions(NamedTuple):
+class SolveOptions(Record):
     """`phi4 solve`'s options, as Typer (or the fast path, from the same table) parsed them."""
 
     prompt: str | None = None

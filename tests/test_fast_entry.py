@@ -71,7 +71,7 @@ def _imported_by_solve(tiny_model: Path, *extra: str) -> tuple[int, list[str]]:
     script = (
         "import atexit, sys\n"
         "heavy = ('typer', 'click', 'rich', 'prompt_toolkit', 'llama_cpp', 'numpy', 'httpx2',\n"
-        "         'math_verify', 'sympy')\n"
+        "         'math_verify', 'sympy', 'typing', 'threading', 'signal', 'dataclasses')\n"
         "atexit.register(lambda: print(json.dumps(sorted({m.split('.')[0] for m in sys.modules\n"
         "    if m.split('.')[0] in heavy})), file=sys.stderr))\n"
         "import json\n"
@@ -83,7 +83,7 @@ def _imported_by_solve(tiny_model: Path, *extra: str) -> tuple[int, list[str]]:
     return result.returncode, json.loads(result.stderr.strip().splitlines()[-1])
 
 
-def test_a_warm_solve_imports_no_typer_rich_or_prompt_toolkit(tiny_model: Path):
+def test_a_warm_solve_imports_no_typer_rich_prompt_toolkit_or_typing(tiny_model: Path):
     assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
     assert _imported_by_solve(tiny_model) == (0, [])
     assert _imported_by_solve(tiny_model, "--json") == (0, [])

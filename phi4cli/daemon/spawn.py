@@ -5,6 +5,8 @@ Liveness is decided by the daemon's lock file, not by pids: the running daemon h
 by SIGKILL, so a lock that can be taken means whatever socket or status file is left is stale.
 """
 
+from __future__ import annotations
+
 import contextlib
 import fcntl
 import json
@@ -12,16 +14,18 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-if TYPE_CHECKING:
-    import subprocess
 
 from phi4cli.config import Settings
 from phi4cli.paths import Paths
+from phi4cli.records import Record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import subprocess
+    from typing import Any
 
 
-class DaemonStatus(NamedTuple):
+class DaemonStatus(Record):
     """What the daemon's status file says (pid, socket, protocol, model, state)."""
 
     pid: int
@@ -130,7 +134,7 @@ def rotate_log(log_file: Path) -> None:
 
 def spawn_daemon(
     paths: Paths, settings: Settings, model_path: Path | None
-) -> "subprocess.Popen[bytes]":
+) -> subprocess.Popen[bytes]:
     """Start ``phi4 daemon run`` in its own session, its output appended to the daemon log."""
     import subprocess
 
