@@ -1,10 +1,19 @@
 """How fast a warm `phi4 solve` starts: the client's own cost, against the floor it cannot beat.
 
-    python bench/client_start.py [--model PATH] [--runs 30] [--llama-server PATH]
+    python bench/client_start.py [--model PATH] [--runs 30] [--llama-server PATH] [--phi4 CMD]
+
+Two installs are timed, each with its own floor, because the floor differs between them:
+
+- **installed**: phi4 as ``pip install phi4cli`` leaves it, in a venv made for the run (the
+  package linked into its site-packages, the dependencies reached through a ``.pth``, and the
+  ``phi4`` script written from pip's own template, ``import re`` and all). This is what users run.
+- **this environment**: the ``phi4`` of the environment running the bench (an editable checkout
+  here: its import hook makes every interpreter start import pathlib and re, so ``python -c
+  pass`` is slower and phi4's own imports look cheaper).
 
 For a one-token answer from a warm daemon, medians over ``--runs`` of:
 
-- ``python -c pass``: starting this interpreter (with this environment's site-packages);
+- ``python -c pass``: starting that install's interpreter (with its site-packages);
 - the daemon's own time: the same request sent from this process over a new connection after a
   pause (as each `phi4 solve` meets the daemon), so no process start and no imports — what the
   daemon itself takes, socket round trips included;
@@ -12,6 +21,8 @@ For a one-token answer from a warm daemon, medians over ``--runs`` of:
 - ``phi4 solve`` at a terminal is not timed (it needs a pty); it sends its request before it
   imports rich, so the daemon starts work as early as in the piped case;
 - with ``--llama-server``: ``curl`` asking llama.cpp's llama-server (same model) for one token.
+
+``--phi4 CMD`` times that command (another checkout's, say) instead of the two installs.
 
 The goal (issue 10): ``phi4 solve`` within 1.5x of ``python -c pass`` + the daemon's own time.
 Writes bench/results/client_start-<model>.json and .md.
@@ -23,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -36,6 +48,16 @@ sys.path.insert(0, str(ROOT))
 
 QUESTION = "What is 2+2?"
 PHI4 = str(Path(sys.executable).with_name("phi4"))
+# pip's console-script template (pip._internal / distlib ScriptMaker), as `pip install` writes it.
+PIP_SCRIPT = """#!{python}
+# -*- coding: utf-8 -*-
+import re
+import sys
+from phi4cli.entry import main
+if __name__ == '__main__':
+    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])
+    sys.exit(main())
+"""
 
 
 def timed(command: list[str], env: dict[str, str], runs: int) -> list[float]:
@@ -98,13 +120,51 @@ def curl_llama_server(binary: str, model: Path, runs: int) -> list[float]:
         server.wait(timeout=30)
 
 
+def installed(root: Path) -> tuple[str, list[str]]:
+    """A venv with phi4 as a regular (not editable) install; return its python and phi4."""
+    import site
+    import sysconfig
+
+    venv = root / "installed"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path("
+                              "'purelib'))"], capture_output=True, text=True,
+                             check=True).stdout.strip()  # fmt: skip
+    (Path(purelib) / "phi4cli").symlink_to(ROOT / "phi4cli")
+    # The dependencies, from this environment: a .pth adds the directory to sys.path, and the
+    # .pth files inside it (this checkout's editable hook) are not run.
+    ours = [p for p in site.getsitepackages() if p != sysconfig.get_path("stdlib")]
+    (Path(purelib) / "deps.pth").write_text("\n".join(ours) + "\n")
+    script = venv / "bin" / "phi4"
+    script.write_text(PIP_SCRIPT.format(python=python))
+    script.chmod(0o755)
+    return str(python), [str(script)]
+
+
+def measure(
+    python: str, phi4: list[str], model: Path, env: dict[str, str], home: Path, runs: int
+) -> dict[str, list[float]]:
+    subprocess.run([*phi4, "daemon", "start", "-m", str(model)], env=env, check=True,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+    try:
+        solve = [*phi4, "solve", QUESTION, "-m", str(model), "-n", "1", "-t", "0"]
+        timed(solve, env, 3)  # the daemon's prompt cache and the page cache, as a user has them
+        return {
+            "python -c pass": timed([python, "-c", "pass"], env, runs),
+            "daemon's own time": daemon_own(home / "run" / "phi4" / "daemon.sock", model, runs),
+            "phi4 solve (piped)": timed(solve, env, runs),
+        }
+    finally:
+        subprocess.run([*phi4, "stop"], env=env, check=False, stdout=subprocess.DEVNULL)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a .gguf (default: the tiny test model)")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--llama-server", help="path to llama.cpp's llama-server binary")
-    parser.add_argument("--phi4", default=PHI4,
-                        help="the phi4 command to time (e.g. another checkout's)")  # fmt: skip
+    parser.add_argument("--phi4", help="time this phi4 command instead (another checkout's, say)")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="phi4-bench-"))
     # A private home through the XDG variables, not PHI4_HOME: the paths are found as for a user,
@@ -124,48 +184,49 @@ def main() -> None:
         from tests.tinymodel import write_tiny_phi3
 
         model = write_tiny_phi3(home / "tiny-phi3.gguf")
-    phi4 = args.phi4.split()
-    subprocess.run([*phi4, "daemon", "start", "-m", str(model)], env=env, check=True,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
+    if args.phi4:
+        setups = {"given": (sys.executable, args.phi4.split())}
+    else:
+        setups = {"installed": installed(home), "this environment": (sys.executable, [PHI4])}
     try:
-        solve = [*phi4, "solve", QUESTION, "-m", str(model), "-n", "1", "-t", "0"]
-        timed(solve, env, 3)  # the daemon's prompt cache and the page cache, as a user has them
-        rows: dict[str, list[float]] = {
-            "python -c pass": timed([sys.executable, "-c", "pass"], env, args.runs),
-            "daemon's own time": daemon_own(
-                home / "run" / "phi4" / "daemon.sock", model, args.runs
-            ),
-            "phi4 solve (piped)": timed(solve, env, args.runs),
-        }
-        if args.llama_server:
-            rows["curl to llama-server"] = curl_llama_server(args.llama_server, model, args.runs)
+        results = {name: measure(python, phi4, model, env, home, args.runs)
+                   for name, (python, phi4) in setups.items()}  # fmt: skip
+        curl = curl_llama_server(args.llama_server, model, args.runs) if args.llama_server else None
     finally:
-        subprocess.run([*phi4, "stop"], env=env, check=False, stdout=subprocess.DEVNULL)
-    medians = {name: statistics.median(times) for name, times in rows.items()}
-    floor = medians["python -c pass"] + medians["daemon's own time"]
-    ratio = medians["phi4 solve (piped)"] / floor
+        shutil.rmtree(home, ignore_errors=True)
     lines = [
         f"# Client start, one-token answer, warm daemon ({model.name})",
         "",
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"median of {args.runs} runs each",
         "",
-        "| what | median | |",
-        "|---|---|---|",
+        "| install | what | median | |",
+        "|---|---|---|---|",
     ]
-    for name, value in medians.items():
-        note = ""
-        if name == "phi4 solve (piped)":
-            note = (f"{ratio:.2f}x the floor (python -c pass + daemon's own time, "
-                    f"{floor * 1000:.1f} ms)")  # fmt: skip
-        lines.append(f"| {name} | {value * 1000:.1f} ms | {note} |")
+    summary: dict[str, dict[str, object]] = {}
+    for name, rows in results.items():
+        medians = {what: statistics.median(times) for what, times in rows.items()}
+        floor = medians["python -c pass"] + medians["daemon's own time"]
+        ratio = medians["phi4 solve (piped)"] / floor
+        summary[name] = {"medians_s": medians, "floor_s": floor, "ratio": ratio,
+                         "samples_s": rows}  # fmt: skip
+        for what, value in medians.items():
+            note = ""
+            if what == "phi4 solve (piped)":
+                note = (f"{ratio:.2f}x the floor (python -c pass + daemon's own time, "
+                        f"{floor * 1000:.1f} ms)")  # fmt: skip
+            lines.append(f"| {name} | {what} | {value * 1000:.1f} ms | {note} |")
+    if curl is not None:
+        lines.append(
+            f"| llama-server | curl, one token | {statistics.median(curl) * 1000:.1f} ms | |"
+        )
     report = "\n".join(lines) + "\n"
     print(report)
     out = ROOT / "bench" / "results" / f"client_start-{model.stem}"
     out.with_suffix(".md").write_text(report)
     out.with_suffix(".json").write_text(json.dumps(
-        {"model": model.name, "runs": args.runs, "medians_s": medians, "floor_s": floor,
-         "ratio": ratio, "samples_s": rows}, indent=2) + "\n")  # fmt: skip
+        {"model": model.name, "runs": args.runs, "installs": summary,
+         "curl_llama_server_s": curl}, indent=2) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":
