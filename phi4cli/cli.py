@@ -154,6 +154,13 @@ KvCacheTypeOption = Annotated[
                  help="KV cache type: q8_0 holds twice the context in the same memory, "
                       "q4_0 four times [default f16]."),
 ]  # fmt: skip
+KvLayoutOption = Annotated[
+    str | None,
+    typer.Option("--kv-layout", metavar="auto|shared|streams", show_default=False,
+                 help="KV cache layout: shared (one cache; short requests pack in) or streams "
+                      "(one per request; faster with several deep answers) [default auto: "
+                      "streams for a reasoning model]."),
+]  # fmt: skip
 GpuLayersOption = Annotated[
     str | None,
     typer.Option("--gpu-layers", metavar="auto|all|N", show_default=False,
@@ -175,6 +182,7 @@ SHARED_OPTIONS: dict[str, Any] = {
     "max_queue": MaxQueueOption,
     "parallel": ParallelOption,
     "kv_cache_type": KvCacheTypeOption,
+    "kv_layout": KvLayoutOption,
     "gpu_layers": GpuLayersOption,
     "think_budget": ThinkBudgetOption,
     "system": SystemOption,
@@ -186,7 +194,7 @@ SHARED_OPTIONS: dict[str, Any] = {
 }
 # Every command that may start the daemon (daemon start, daemon run, warm) takes these.
 DAEMON_OPTIONS = ("model", "keep_alive", "n_ctx", "threads", "ramdisk", "mlock", "max_queue",
-                  "parallel", "kv_cache_type", "gpu_layers")  # fmt: skip
+                  "parallel", "kv_cache_type", "kv_layout", "gpu_layers")  # fmt: skip
 # Every command that asks for answers (solve, chat, eval) takes these.
 ANSWER_OPTIONS = ANSWER_KEYS
 

@@ -100,6 +100,16 @@ def _kv_cache_type(value: object) -> str:
     return text
 
 
+KV_LAYOUTS = ("auto", "shared", "streams")
+
+
+def _kv_layout(value: object) -> str:
+    text = str(value).strip().lower()
+    if text not in KV_LAYOUTS:
+        raise ValueError(value)
+    return text
+
+
 def _gpu_layers(value: object) -> str | int:
     if isinstance(value, bool):
         raise ValueError(value)
@@ -205,6 +215,11 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
         f"auto (planned from free memory) or a number of tokens, at least {MIN_N_CTX}",
     ),
     "kv_cache_type": (_kv_cache_type, "f16, q8_0 (half the memory) or q4_0 (a quarter)"),
+    "kv_layout": (
+        _kv_layout,
+        "auto (streams for a reasoning model), shared (one cache: short requests pack in) or "
+        "streams (one per request: faster at depth)",
+    ),
     "gpu_layers": (_gpu_layers, "auto (as many as fit), all, or a number of layers (0: CPU)"),
     "threads": (
         _threads,
@@ -233,6 +248,7 @@ class Settings(Record):
     # KV cache cells shared by all requests; None: planned from the model and free memory.
     n_ctx: int | None = None
     kv_cache_type: str = "f16"  # f16 | q8_0 | q4_0
+    kv_layout: str = "auto"  # auto | shared | streams: one KV cache for all, or one per request
     gpu_layers: str | int = "auto"  # auto | all | a number of layers
     threads: int | None = None
     temperature: float = 0.8
@@ -259,8 +275,8 @@ ANSWER_KEYS = ("think_budget", "system", "temperature", "top_p", "seed", "max_to
                "keep_alive", "n_ctx", "threads", "backend")  # fmt: skip
 
 # Settings a daemon takes when it starts and keeps for its life.
-DAEMON_SETTINGS = ("n_ctx", "kv_cache_type", "gpu_layers", "parallel", "threads", "max_queue",
-                   "mlock", "ramdisk")  # fmt: skip
+DAEMON_SETTINGS = ("n_ctx", "kv_cache_type", "kv_layout", "gpu_layers", "parallel", "threads",
+                   "max_queue", "mlock", "ramdisk")  # fmt: skip
 
 # PHI4_RAMDISK names the staging directory (as llama.cpp users expect), so the mode is _MODE.
 _ENV_NAMES = {"ramdisk": "PHI4_RAMDISK_MODE"}

@@ -244,14 +244,21 @@ def plan_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
     if not plan:
         return []
     layers = plan.get("gpu_layers", 0)
+    many = "s" if plan["parallel"] != 1 else ""
+    if plan.get("kv_layout") == "streams":
+        stream = plan["n_ctx"] // max(1, plan["slots"])
+        at_once = (f"{plan['slots']} request{'s' if plan['slots'] != 1 else ''}, a stream of "
+                   f"{stream:,} tokens each (kv_layout streams)")  # fmt: skip
+    else:
+        at_once = (f"{plan['parallel']} such request{many}; up to {plan['slots']} shorter ones "
+                   "(one shared cache)")  # fmt: skip
     rows = [
         ("KV cache", f"{plan['n_ctx']:,} tokens x {human_bytes(plan['kv_bytes_per_token'])} "
                      f"({plan['kv_cache_type']}) = {human_bytes(plan['kv_bytes'])}"
                      + (", set by n_ctx" if plan.get("n_ctx_source") == "setting" else "")),
         ("per request", f"{plan['request_tokens']:,} tokens (prompt, thinking and answer) "
                         "unless --max-tokens says otherwise"),
-        ("at once", f"{plan['parallel']} such request{'s' if plan['parallel'] != 1 else ''}; "
-                    f"up to {plan['slots']} shorter ones"),
+        ("at once", at_once),
         ("offload", f"{'all' if layers < 0 else layers} layers on {plan.get('device')}"
                     if layers else "none (CPU)"),
     ]  # fmt: skip

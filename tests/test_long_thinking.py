@@ -195,3 +195,43 @@ def test_cache_clear_removes_swapped_chats(phi4_home: Path):
     assert cleared.returncode == 0, cleared.stderr
     assert "1 swapped-out chat sessions" in cleared.stdout
     assert not sessions.exists()
+
+
+def test_streams_give_each_long_thinker_a_stream_of_its_own(
+    tiny_reasoning_model: Path, tmp_path: Path
+):
+    # --kv-layout streams: 4,096 cells make 4 streams of 1,024, one per request, as
+    # llama-server's slots (attention over a request's own cells only).
+    started = run_phi4("daemon", "start", "-m", str(tiny_reasoning_model), "--n-ctx", "4096",
+                       "--kv-layout", "streams")  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    plan = _status()["memory"]["plan"]
+    assert plan["kv_layout"] == "streams" and plan["slots"] == 4 and plan["n_ctx"] == 4096
+    problems = tmp_path / "six.txt"
+    problems.write_text("".join(f"What is {n} times 7?\n" for n in range(1, 7)))
+    result = run_phi4(
+        "solve", "-m", str(tiny_reasoning_model), "-t", "0.8", "-n", "600",
+        "--file", str(problems), "--jsonl", timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr  # the thinking ran out, as the model does
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["line"] for r in records] == list(range(1, 7))
+    memory = _status()["memory"]
+    for record in records:
+        assert record.get("error") is None, record
+        assert record["stats"]["completion_tokens"] == 600
+        # A fresh stream starts from a copy of the system prompt's KV, not from scratch.
+        assert record["stats"]["cached_tokens"] >= memory["system_tokens"] > 0
+    assert len({r["stats"]["slot"] for r in records}) == 4, "four streams decoded together"
+    # A request larger than a stream is refused at once, with the numbers.
+    refused = run_phi4("solve", "-m", str(tiny_reasoning_model), "-n", "2000", "What is 2+2?")
+    assert refused.returncode == 1
+    assert "stream of the daemon's context holds 1,024" in refused.stderr
+    # The same greedy question gives the same answer in a shared cache.
+    question = ["solve", "-m", str(tiny_reasoning_model), "-t", "0", "-n", "40", "--json", "2+3?"]
+    in_stream = json.loads(run_phi4(*question).stdout)["solution"]
+    assert run_phi4("stop").returncode == 0
+    assert run_phi4("daemon", "start", "-m", str(tiny_reasoning_model), "--n-ctx", "4096",
+                    "--kv-layout", "shared").returncode == 0  # fmt: skip
+    assert _status()["memory"]["plan"]["kv_layout"] == "shared"
+    assert json.loads(run_phi4(*question).stdout)["solution"] == in_stream

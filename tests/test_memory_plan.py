@@ -46,7 +46,41 @@ def test_this_24_gb_machine_serves_four_requests_of_eight_thousand_tokens():
     assert plan.request_tokens == 8192 and plan.parallel == 4
     assert plan.request_tokens * 4 <= plan.n_ctx  # 4 x 8,000-token requests, all reserved
     assert plan.kv_bytes == 4 * GiB and plan.gpu_layers == 0 and not plan.notes
-    assert plan.slots == MAX_SLOTS  # short requests pack in beyond the four
+    # A reasoning model's requests each get a KV stream of their own (attention over its own
+    # cells only, however deep the others are).
+    assert plan.kv_layout == "streams" and plan.slots == 4 and plan.request_capacity == 8192
+
+
+def test_the_shared_layout_packs_short_requests_in_beyond_the_four():
+    plan = plan_memory(PHI4_MINI, machine(23.4, 22.0), MemoryRequest(kv_layout="shared"))
+    assert plan.kv_layout == "shared" and plan.n_ctx == 4 * 8192 and plan.parallel == 4
+    assert plan.slots == MAX_SLOTS and plan.request_capacity == plan.n_ctx
+
+
+def test_auto_shares_one_cache_when_streams_would_not_help():
+    # A model that does not think answers briefly: many short requests pack into one cache.
+    assert plan_memory(SMOLLM2, machine(23.4, 22.0), MemoryRequest()).kv_layout == "shared"
+    # A context that holds one long request: one stream would answer one request at a time,
+    # while a shared cache lets smaller ones run together.
+    small = plan_memory(PHI4_MINI, machine(23.4, 22.0), MemoryRequest(n_ctx=4096))
+    assert small.kv_layout == "shared" and small.slots > 1
+
+
+def test_streams_split_the_context_evenly_and_each_holds_a_request():
+    plan = plan_memory(
+        PHI4_MINI, machine(23.4, 22.0), MemoryRequest(n_ctx=40000, kv_layout="streams")
+    )
+    assert plan.slots == plan.parallel == 4
+    assert plan.n_ctx == plan.slots * plan.request_capacity  # llama.cpp splits it evenly
+    assert plan.request_capacity % CTX_ALIGN == 0 and plan.request_capacity >= 8192
+    assert plan.request_tokens == 8192
+    # Asked for on a small context: --parallel streams, each an even share.
+    asked = MemoryRequest(n_ctx=4096, kv_layout="streams")
+    small = plan_memory(PHI4_MINI, machine(23.4, 22.0), asked)
+    assert small.slots == small.parallel == 4 and small.request_capacity == 1024
+    assert small.request_tokens == 1024
+    with pytest.raises(ValueError, match="unknown KV layout"):
+        plan_memory(PHI4_MINI, machine(23.4, 22.0), MemoryRequest(kv_layout="diagonal"))
 
 
 def test_a_16_gb_machine_still_gets_the_full_plan():

@@ -1,5 +1,5 @@
 """The memory plan: how many tokens the KV cache holds, what one request may reserve of it, how
-many requests can decode together, and how many layers go to a GPU.
+many requests can decode together, how the cache is laid out, and how many layers go to a GPU.
 
 :func:`plan_memory` is a pure function of the model's shape, the machine's free memory and the
 user's settings, so it is unit-tested over many machine sizes; the engine gathers its inputs
@@ -38,6 +38,13 @@ MAX_SLOTS = 16
 # A request with a small budget (a short problem) reserves at least this much, which bounds how
 # many fit: n_ctx // this, up to MAX_SLOTS.
 MIN_RESERVATION = 1024
+# How the KV cache is laid out. "shared": one cache that every request draws on (llama.cpp's unified
+# cache), so a long request can take the cells short ones leave and many short ones pack in; but
+# llama.cpp computes each token's attention over the whole used span, the other requests' cells
+# masked out, so a step slows with the depth of everything running (1.5x slower for 4 requests
+# at a depth of 3,000 on a CPU: bench/kv_layout.py). "streams": a stream of its own per request
+# (as llama-server's slots), n_ctx / slots cells each, attention over its own cells only.
+KV_LAYOUTS = ("auto", "shared", "streams")
 # Memory left to the rest of the machine (and llama.cpp's compute buffers) when planning.
 RAM_HEADROOM_FRACTION = 0.10
 RAM_HEADROOM_MIN = 1 * GiB
@@ -97,14 +104,15 @@ class MemoryRequest:
     parallel: int = 4
     kv_cache_type: str = "f16"
     gpu_layers: str | int = "auto"  # "auto" | "all" | a number of layers
+    kv_layout: str = "auto"  # "auto" | "shared" | "streams" (see KV_LAYOUTS)
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    n_ctx: int  # KV cells, shared by every request (a unified cache)
+    n_ctx: int  # KV cells in all
     request_tokens: int  # what a request reserves (prompt + generation) unless it asks otherwise
     parallel: int  # requests of request_tokens that fit at once
-    slots: int  # the most requests decoding together (short ones pack in)
+    slots: int  # the most requests decoding together (shared: short ones pack in)
     kv_cache_type: str
     # "on": llama.cpp needs it for a quantized V cache; else "auto" (llama.cpp's choice, on for
     # a CPU). Off would decode an f16 cache ~15% faster at depth on a CPU, but then a greedy
@@ -118,6 +126,12 @@ class MemoryPlan:
     device_free: int | None
     n_ctx_source: str  # "auto" | "setting"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    kv_layout: str = "shared"  # "shared" | "streams": one stream of n_ctx / slots cells per slot
+
+    @property
+    def request_capacity(self) -> int:
+        """The most one request may hold: its stream, or the whole shared cache."""
+        return self.n_ctx // self.slots if self.kv_layout == "streams" else self.n_ctx
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "notes": list(self.notes)}
@@ -145,6 +159,8 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
     """
     if request.kv_cache_type not in KV_TYPE_BYTES:
         raise ValueError(f"unknown KV cache type {request.kv_cache_type!r}")
+    if request.kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"unknown KV layout {request.kv_layout!r}")
     notes: list[str] = []
     kv_type = request.kv_cache_type
     if kv_type != "f16" and (shape.head_dim_k % QUANT_BLOCK or shape.head_dim_v % QUANT_BLOCK):
@@ -239,10 +255,26 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
         )
     slots = max(parallel, min(MAX_SLOTS, n_ctx // MIN_RESERVATION))
     parallel_fit = max(1, n_ctx // request_tokens)
+    at_once = min(parallel, parallel_fit) if source == "setting" else parallel_fit
+    layout = request.kv_layout
+    if layout == "auto":
+        # A reasoning model's requests each reserve a long budget, so packing short ones buys
+        # little, and their depth is what slows a shared cache: a stream each, when the context
+        # holds two or more of them (one stream would answer one request at a time).
+        layout = "streams" if shape.thinks and at_once >= 2 else "shared"
+    if layout == "streams":
+        # Chosen here: as many streams as requests of the default budget fit. Asked for: the
+        # --parallel requests, each with an even share (a small context makes small streams).
+        slots = at_once if request.kv_layout == "auto" else min(parallel, n_ctx // CTX_ALIGN)
+        slots = max(1, slots)
+        stream = _align_down(n_ctx // slots)
+        n_ctx = stream * slots  # llama.cpp splits n_ctx evenly between the streams
+        request_tokens = min(request_tokens, stream)
+        at_once = slots
     return MemoryPlan(
         n_ctx=n_ctx,
         request_tokens=request_tokens,
-        parallel=min(parallel, parallel_fit) if source == "setting" else parallel_fit,
+        parallel=at_once,
         slots=slots,
         kv_cache_type=kv_type,
         flash_attn="on" if kv_type != "f16" else "auto",
@@ -254,6 +286,7 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
         device_free=device.free_bytes if device is not None else None,
         n_ctx_source=source,
         notes=tuple(notes),
+        kv_layout=layout,
     )
 
 

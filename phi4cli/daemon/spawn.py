@@ -102,7 +102,7 @@ def daemon_command(settings: Settings, model_path: Path | None) -> list[str]:
     command = [sys.executable, "-P", "-m", "phi4cli", "daemon", "run", "--keep-alive"]
     command.append(str(settings.keep_alive))
     command += ["--n-ctx", str(settings.n_ctx or "auto"), "--ramdisk-mode", settings.ramdisk]
-    command += ["--kv-cache-type", settings.kv_cache_type]
+    command += ["--kv-cache-type", settings.kv_cache_type, "--kv-layout", settings.kv_layout]
     command += ["--gpu-layers", str(settings.gpu_layers)]
     command += ["--max-queue", str(settings.max_queue), "--parallel", str(settings.parallel)]
     if settings.mlock:

@@ -1,11 +1,13 @@
 """Slots, admission by reservation, and one batch per step (continuous batching).
 
-One llama context holds several sequences (slots) over one unified KV cache of ``n_ctx`` cells.
-A request is admitted only when the cells it may ever need — its prompt plus its generation
-budget — fit beside what the running requests have reserved, so a running request never runs out
-of room and is never cut short for another's sake; one that does not fit yet waits in the queue.
-Idle slots keep their tokens (a chat's next turn, a repeated question reuse them) until their
-cells are needed.
+One llama context holds several sequences (slots). With the shared layout they draw on one
+unified KV cache of ``n_ctx`` cells: a request is admitted only when the cells it may ever need —
+its prompt plus its generation budget — fit beside what the running requests have reserved, so a
+running request never runs out of room and is never cut short for another's sake; one that does
+not fit yet waits in the queue. With the streams layout each slot has a stream of its own (the
+memory plan sized them): a request that fits a stream is admitted to any free slot. Idle slots
+keep their tokens (a chat's next turn, a repeated question reuse them) until their cells are
+needed.
 
 Each step gives every answering slot its next token and shares the rest of the batch among the
 prompts being read, in chunks, so a long prompt never stalls the streams already running. A fresh
@@ -122,6 +124,8 @@ class LlamaEngine:
         self._slots: list[_Slot] = []
         self._system_seq = 0
         self._system_tokens: list[int] = []
+        self._system_state: bytes | None = None  # streams layout: the system prompt's KV
+        self._streams = False  # the plan's KV layout is one stream per slot
         self._loads = 0  # models loaded so far: tells a job's tokens from another model's
 
     @property
@@ -138,12 +142,17 @@ class LlamaEngine:
             return {}
         reserved = self._committed()
         idle = sum(s.own_cells for s in self._slots if s.run is None)
+        if self._streams:  # the free streams' cells
+            free = self._capacity() * (len(self._slots) - self.active)
+        else:
+            free = self._capacity() - reserved
         return {
             "n_ctx": self._model.n_ctx,
             "system_tokens": len(self._system_tokens),
             "reserved_tokens": reserved,
             "idle_cached_tokens": idle,
-            "free_tokens": self._capacity() - reserved,
+            "free_tokens": free,
+            "kv_layout": self._model.plan.kv_layout,
             "running": self.active,
             "slots": len(self._slots),
             "swapped_sessions": len(self._swap),
@@ -171,7 +180,10 @@ class LlamaEngine:
         self._loads += 1
         self._swap.clear()  # another model's (or an earlier daemon's) states are of no use
         self._slots = [_Slot(seq=i) for i in range(model.plan.slots)]
-        self._system_seq = model.plan.slots
+        self._streams = model.plan.kv_layout == "streams"
+        # Streams: no sequence of its own for the system prompt (it would take a whole stream);
+        # it is read into the first slot and copied from there.
+        self._system_seq = 0 if self._streams else model.plan.slots
         return dict(model.info)
 
     def close(self) -> None:
@@ -184,6 +196,7 @@ class LlamaEngine:
         self._prompts = None
         self._slots = []
         self._system_tokens = []
+        self._system_state = None
 
     def _loaded(self) -> tuple[LoadedModel, Prompts]:
         assert self._model is not None and self._prompts is not None, "no model loaded"
@@ -212,6 +225,11 @@ class LlamaEngine:
             if state_file is not None:
                 model.save_seq(self._system_seq, prefix, state_file)
         self._system_tokens = prefix
+        if self._streams:
+            # The first slot holds it, as its own cells; fresh slots get a copy of its state.
+            self._system_state = model.seq_state(self._system_seq)
+            self._slots[0].tokens = list(prefix)
+            self._slots[0].last_used = time.monotonic()
         return {
             "warmup_s": round(warmup_s, 4),
             "prefill_s": round(time.monotonic() - started, 4),
@@ -228,7 +246,8 @@ class LlamaEngine:
         key = hashlib.sha256(
             json.dumps(
                 [str(path), stat.st_size, stat.st_mtime_ns, prefix, llama_cpp.__version__,
-                 self._model.plan.kv_cache_type],
+                 self._model.plan.kv_cache_type, self._model.plan.kv_layout,
+                 self._model.plan.slots],
             ).encode()
         ).hexdigest()[:24]  # fmt: skip
         return self.state_dir / f"system-{key}.state"
@@ -236,14 +255,24 @@ class LlamaEngine:
     # --- admitting requests -------------------------------------------------------------------
 
     def _capacity(self) -> int:
-        """KV cells that requests may reserve: all but the system prompt's. A request reserves
-        its whole prompt and budget, though a fresh one shares the system prompt's cells: a few
-        cells' slack that keeps the count exact whichever slot it lands in."""
+        """KV cells that one request may reserve. Shared: all but the system prompt's (a request
+        reserves its whole prompt and budget, though a fresh one shares the system prompt's
+        cells: a few cells' slack that keeps the count exact whichever slot it lands in).
+        Streams: a stream's."""
         model, _ = self._loaded()
+        if self._streams:
+            return model.plan.request_capacity
         return model.n_ctx - len(self._system_tokens)
 
     def _committed(self) -> int:
         return sum(slot.run.reserved for slot in self._slots if slot.run is not None)
+
+    def _free(self) -> int:
+        """Cells a new request may reserve now: beside the running requests' reservations
+        (shared), or a stream's, once a slot is free (streams)."""
+        if self._streams:
+            return self._capacity()
+        return self._capacity() - self._committed()
 
     def _prepare(self, params: SolveParams) -> Prepared:
         """Work out a request's tokens and generation budget.
@@ -261,8 +290,12 @@ class LlamaEngine:
         else:
             tokens = prompts.question(params)
         room = capacity - len(tokens)
-        holds = (f"the daemon's context holds {model.n_ctx:,} ({len(self._system_tokens)} of "
-                 "them the system prompt's)")  # fmt: skip
+        if self._streams:
+            holds = (f"a request's stream of the daemon's context holds {capacity:,} (--n-ctx "
+                     f"{model.n_ctx:,} over {len(self._slots)} streams)")  # fmt: skip
+        else:
+            holds = (f"the daemon's context holds {model.n_ctx:,} ({len(self._system_tokens)} "
+                     "of them the system prompt's)")  # fmt: skip
         if params.max_tokens is not None:
             if params.max_tokens > room:
                 raise ContextOverflowError(
@@ -296,7 +329,7 @@ class LlamaEngine:
         swapped = self._restorable(job.params, tokens)
         if swapped is not None and len(swapped.tokens) > needed:
             swapped = None  # restored whole, it would overrun the reservation, even briefly
-        free = self._capacity() - self._committed()
+        free = self._free()
         if needed > free:
             return Wait("memory", needed, free)
         if all(slot.run is not None for slot in self._slots):
@@ -388,14 +421,22 @@ class LlamaEngine:
         if system and shared < len(system) and tokens[: len(system)] == system:
             best = min(idle, key=lambda s: s.last_used)
             self._drop(best, 0)
-            model.seq_cp(self._system_seq, best.seq, len(system))
+            if not self._streams:
+                model.seq_cp(self._system_seq, best.seq, len(system))
+                best.shared = len(system)
+            elif self._system_state is None or not model.set_seq_state(
+                best.seq, self._system_state
+            ):
+                return best  # empty: the system prompt is read with the question
             best.tokens = list(system)
-            best.shared = len(system)
         return best
 
     def _reclaim(self, needed: int, chosen: _Slot) -> None:
         """Free idle slots' cached cells, least recently used first, until the running
-        requests' reservations and ``needed`` fit beside what stays cached."""
+        requests' reservations and ``needed`` fit beside what stays cached (shared layout; a
+        stream holds only its own slot's cells)."""
+        if self._streams:
+            return
         room = self._capacity() - self._committed() - needed
         idle = sorted(
             (s for s in self._slots if s.run is None and s is not chosen and s.own_cells > 0),

@@ -178,8 +178,10 @@ def model_shape(model: Any, path: Path) -> ModelShape:
 
 @dataclass(eq=False)
 class LoadedModel:
-    """The model, its one context (a unified KV cache of ``plan.n_ctx`` cells over
-    ``plan.slots + 1`` sequences) and a batch of ``n_batch`` tokens."""
+    """The model, its one context and a batch of ``n_batch`` tokens. The context's KV cache has
+    ``plan.n_ctx`` cells: with the shared layout one unified cache over ``plan.slots + 1``
+    sequences (the last holds the system prompt), with the streams layout a stream of
+    ``n_ctx / slots`` cells for each of ``plan.slots`` sequences."""
 
     path: Path
     model: Any  # llama_internals.LlamaModel
@@ -238,6 +240,23 @@ class LoadedModel:
 
     def seq_rm(self, seq: int, start: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.context.memory, seq, start, -1)
+
+    def seq_state(self, seq: int) -> bytes:
+        """The KV state of ``seq``, serialised (to copy it into another sequence)."""
+        size = llama_cpp.llama_state_seq_get_size(self.context.ctx, seq)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self.context.ctx, buffer, size, seq)
+        return bytes(buffer[:written])
+
+    def set_seq_state(self, seq: int, state: bytes) -> bool:
+        """Load a state from :meth:`seq_state` into ``seq`` (emptied first); False if llama.cpp
+        could not (``seq`` is then left empty)."""
+        self.seq_rm(seq, 0)
+        buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if llama_cpp.llama_state_seq_set_data(self.context.ctx, buffer, len(state), seq):
+            return True
+        self.seq_rm(seq, 0)
+        return False
 
     def seq_cp(self, source: int, target: int, count: int) -> None:
         """Share the first ``count`` cells of ``source`` with ``target`` (no copy: the cells of a
@@ -330,6 +349,7 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
                 n_ctx=settings.n_ctx,
                 parallel=settings.parallel,
                 kv_cache_type=settings.kv_cache_type,
+                kv_layout=settings.kv_layout,
                 gpu_layers=settings.gpu_layers,
             ),
         )
@@ -345,8 +365,12 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
         params.n_ctx = plan.n_ctx
         params.n_batch = n_batch
         params.n_ubatch = n_batch
-        params.n_seq_max = plan.slots + 1  # and one for the system prompt
-        params.kv_unified = True  # every sequence draws on the same n_ctx cells
+        streams = plan.kv_layout == "streams"
+        # Shared: every sequence draws on the same n_ctx cells, and one more holds the system
+        # prompt for fresh slots to share. Streams: a stream per slot; the system prompt is
+        # copied into a fresh slot from its saved state instead.
+        params.n_seq_max = plan.slots if streams else plan.slots + 1
+        params.kv_unified = not streams
         params.n_threads = threads
         params.n_threads_batch = threads
         params.type_k = params.type_v = _GGML_TYPES[plan.kv_cache_type]
@@ -362,9 +386,9 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
             ) from None
         raise
     load_s = time.monotonic() - started
-    log.info("loaded %s from %s in %.2f s (threads %d, n_ctx %d, %d slots, %s KV, gpu layers %d)",
-             path, staging.path, load_s, threads, plan.n_ctx, plan.slots, plan.kv_cache_type,
-             plan.gpu_layers)  # fmt: skip
+    log.info("loaded %s from %s in %.2f s (threads %d, n_ctx %d, %d slots, %s KV %s, gpu layers "
+             "%d)", path, staging.path, load_s, threads, plan.n_ctx, plan.slots,
+             plan.kv_cache_type, plan.kv_layout, plan.gpu_layers)  # fmt: skip
     info = {
         "model": str(path),
         "loaded_from": str(staging.path),
