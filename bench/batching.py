@@ -1,15 +1,17 @@
 """Batching: phi4's daemon against llama.cpp's own llama-server, side by side in one run.
 
     python bench/batching.py --model PATH --server PATH/TO/llama-server [--tokens 64]
-                             [--concurrent 1 4 8] [--rounds 2]
+                             [--concurrent 1 4 8] [--rounds 2] [--phi4-arg ARG] [--server-arg ARG]
 
 Both serve the same GGUF with the same threads and stream every token to their clients; each
-round sends k greedy questions at once
-(k = 1, 4, 8) and measures the aggregate completion tokens/s, phi4 and llama-server interleaved
-so that the machine's drift hits both alike. llama-server runs with as many slots as the largest
-k, each with room for its answer. Build it from the llama.cpp sources vendored in the
-llama-cpp-python sdist (cmake target llama-server); without --server this bench has no baseline
-and says so.
+round sends k greedy questions at once (k = 1, 4, 8) and measures the aggregate completion
+tokens/s, phi4 and llama-server interleaved so that the machine's drift hits both alike (each
+goes first in every other round). llama-server runs with as many slots as the largest k, each
+with room for its answer, and phi4 with ``--parallel`` that many (its default plans for 4 long
+requests); ``--phi4-arg`` and ``--server-arg`` pass more to either (``--server-arg=-kvu``:
+llama-server with one KV cache shared by its slots, as phi4's ``kv_layout = shared``). Build
+llama-server from the llama.cpp sources vendored in the llama-cpp-python sdist (cmake target
+llama-server); without --server this bench has no baseline and says so.
 
 Writes bench/results/batching-<model>.json and .md, and prints the Markdown table.
 """
@@ -97,6 +99,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrent", type=int, nargs="*", default=[1, 4, 8])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--phi4-arg", action="append", default=[],
+                        help="pass this to `phi4 daemon start` too (e.g. --phi4-arg=--kv-layout="
+                             "--phi4-arg=shared)")  # fmt: skip
+    parser.add_argument("--server-arg", action="append", default=[],
+                        help="pass this to llama-server too (e.g. --server-arg=-kvu for one KV "
+                             "cache shared by all slots, as phi4 has)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
 
@@ -105,23 +113,29 @@ def main() -> None:
     threads = physical_cores()
     home = Path(tempfile.mkdtemp(prefix="p4b-", dir="/tmp"))
     env = {**os.environ, "PHI4_HOME": str(home)}
-    subprocess.run([*PHI4, "daemon", "start", "-m", str(args.model), "--threads", str(threads)],
+    slots = max(args.concurrent)
+    # As many requests at once as llama-server has slots (phi4's default plans for 4 long ones).
+    subprocess.run([*PHI4, "daemon", "start", "-m", str(args.model), "--threads", str(threads),
+                    "--parallel", str(slots), *args.phi4_arg],
                    env=env, check=True, capture_output=True)  # fmt: skip
+    status = subprocess.run([*PHI4, "status", "--json"], env=env, capture_output=True, text=True,
+                            check=True)  # fmt: skip
+    plan = json.loads(status.stdout)["memory"]["plan"]
     server: subprocess.Popen[bytes] | None = None
     port = free_port()
-    slots = max(args.concurrent)
     if args.server is not None:
         server = subprocess.Popen(
             [str(args.server), "-m", str(args.model), "-t", str(threads), "-tb", str(threads),
              "-np", str(slots), "-c", str(slots * 1024), "--host", "127.0.0.1",
-             "--port", str(port)],
+             "--port", str(port), *args.server_arg],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         wait_healthy(port)
     results: dict[str, Any] = {
         "model": str(args.model), "tokens": args.tokens, "server": str(args.server),
+        "server_args": args.server_arg, "phi4_args": args.phi4_arg, "phi4_plan": plan,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} threads",
-        "phi4": {}, "llama_server": {},
+        "phi4": {}, "llama_server": {}, "rounds": {},
     }  # fmt: skip
     try:
         phi4_round(home, 1, 8)  # warm both: first requests allocate buffers
@@ -129,10 +143,14 @@ def main() -> None:
             server_round(port, 1, 8)
         for k in args.concurrent:
             phi4_rates, server_rates = [], []
-            for _ in range(args.rounds):
-                phi4_rates.append(phi4_round(home, k, args.tokens))
-                if server is not None:
+            for round_ in range(args.rounds):
+                # Each goes first in every other round, so that neither gains from the order.
+                if server is not None and round_ % 2:
                     server_rates.append(server_round(port, k, args.tokens))
+                phi4_rates.append(phi4_round(home, k, args.tokens))
+                if server is not None and not round_ % 2:
+                    server_rates.append(server_round(port, k, args.tokens))
+            results["rounds"][k] = {"phi4": phi4_rates, "llama_server": server_rates}
             results["phi4"][k] = statistics.median(phi4_rates)
             if server_rates:
                 results["llama_server"][k] = statistics.median(server_rates)
@@ -148,8 +166,10 @@ def main() -> None:
             f"| {k} | {ours:.2f} tok/s | "
             + (f"{theirs:.2f} tok/s | **{ours / theirs:.2f}x** |" if theirs else "- | - |")
         )
+    extra = f"; phi4 kv_layout {plan['kv_layout']}, {plan['slots']} slots"
+    extra += f"; llama-server {' '.join(args.server_arg)}" if args.server_arg else ""
     lines = [f"Batching on {args.model.name} ({results['machine']}, {args.tokens}-token greedy "
-             f"answers, median of {args.rounds} interleaved rounds)", "",
+             f"answers, median of {args.rounds} interleaved rounds{extra})", "",
              "| concurrent | phi4 aggregate | llama-server aggregate | phi4 / llama-server |",
              "| --- | --- | --- | --- |", *rows]  # fmt: skip
     table = "\n".join(lines)

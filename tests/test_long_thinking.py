@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import run_phi4
 
 
@@ -156,10 +158,17 @@ def _turn(connection: Any, session: str, message: str, history: list[dict[str, s
     return text, next(e.stats.to_dict() for e in events if e.kind == "stats")
 
 
-def test_an_evicted_chat_is_restored_from_disk_not_re_read(tiny_model: Path, phi4_home: Path):
+@pytest.mark.parametrize(
+    "layout",
+    [(), ("--kv-layout", "streams", "--parallel", "1")],  # one stream: the solve takes the chat's
+    ids=["shared", "streams"],
+)
+def test_an_evicted_chat_is_restored_from_disk_not_re_read(
+    tiny_model: Path, phi4_home: Path, layout: tuple[str, ...]
+):
     from phi4cli.client import DaemonConnection
 
-    started = run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "1024")
+    started = run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "1024", *layout)
     assert started.returncode == 0, started.stderr
     sessions = phi4_home / "cache" / "sessions"
     with DaemonConnection.open(phi4_home / "run" / "daemon.sock") as connection:

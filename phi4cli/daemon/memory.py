@@ -41,9 +41,9 @@ MIN_RESERVATION = 1024
 # How the KV cache is laid out. "shared": one cache that every request draws on (llama.cpp's unified
 # cache), so a long request can take the cells short ones leave and many short ones pack in; but
 # llama.cpp computes each token's attention over the whole used span, the other requests' cells
-# masked out, so a step slows with the depth of everything running (1.5x slower for 4 requests
-# at a depth of 3,000 on a CPU: bench/kv_layout.py). "streams": a stream of its own per request
-# (as llama-server's slots), n_ctx / slots cells each, attention over its own cells only.
+# masked out, so a step slows with the depth of everything running (on a CPU, 1.35x slower for 4
+# requests at a depth of 3,000, 1.47x for 8: bench/kv_layout.py). "streams": a stream of its own
+# per request (as llama-server's slots), n_ctx / slots cells each, attention over its own cells.
 KV_LAYOUTS = ("auto", "shared", "streams")
 # Memory left to the rest of the machine (and llama.cpp's compute buffers) when planning.
 RAM_HEADROOM_FRACTION = 0.10
