@@ -244,3 +244,22 @@ def test_streams_give_each_long_thinker_a_stream_of_its_own(
                     "--kv-layout", "shared").returncode == 0  # fmt: skip
     assert _status()["memory"]["plan"]["kv_layout"] == "shared"
     assert json.loads(run_phi4(*question).stdout)["solution"] == in_stream
+
+
+def test_a_chat_longer_than_its_stream_drops_its_oldest_turns(tiny_model: Path, phi4_home: Path):
+    # Two streams of 512: a conversation fills its stream, not the whole context, and goes on
+    # without its oldest turns rather than failing.
+    from phi4cli.client import DaemonConnection
+
+    started = run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "1024",
+                       "--kv-layout", "streams", "--parallel", "2")  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    history: list[dict[str, str]] = []
+    with DaemonConnection.open(phi4_home / "run" / "daemon.sock") as connection:
+        for turn in range(4):
+            question = f"Turn {turn}: " + "count the primes below one hundred, " * 8
+            answer, stats = _turn(connection, "long", question, history, 60)
+            history += [{"role": "user", "content": question},
+                        {"role": "assistant", "content": answer}]  # fmt: skip
+            assert stats["n_ctx"] == 512 and stats["context_used"] <= 512
+    assert stats["dropped_turns"] > 0, "the oldest turns made room"

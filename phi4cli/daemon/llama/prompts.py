@@ -106,7 +106,7 @@ class Prompts:
         Raise ContextOverflowError when the message alone does not fit.
         """
         assert params.session is not None
-        n_ctx = self.model.n_ctx
+        n_ctx = self.model.plan.request_capacity  # a stream's share, or the whole shared cache
         history = list(params.history)
         question = {"role": "user", "content": params.prompt}
         session = self.sessions.get(params.session)
@@ -162,5 +162,5 @@ class Prompts:
             "dropped_turns": plan.dropped_turns,
             "rebuilt": plan.rebuilt,
             "context_used": len(tokens),
-            "n_ctx": self.model.n_ctx,
+            "n_ctx": self.model.plan.request_capacity,  # what this chat may fill
         }
