@@ -263,3 +263,23 @@ def test_a_chat_longer_than_its_stream_drops_its_oldest_turns(tiny_model: Path, 
                         {"role": "assistant", "content": answer}]  # fmt: skip
             assert stats["n_ctx"] == 512 and stats["context_used"] <= 512
     assert stats["dropped_turns"] > 0, "the oldest turns made room"
+
+
+def test_streams_keep_the_running_slots_consecutive(tiny_reasoning_model: Path, tmp_path: Path):
+    # llama.cpp decodes consecutive sequences in one pass over the weights: running slots 0 and 2
+    # cost two passes a step. A new request takes the lowest idle slot, not the one sharing a
+    # few more tokens of its prompt.
+    started = run_phi4("daemon", "start", "-m", str(tiny_reasoning_model), "--n-ctx", "4096",
+                       "--kv-layout", "streams")  # fmt: skip
+    assert started.returncode == 0, started.stderr
+
+    def slots(*questions: str) -> list[int]:
+        listing = tmp_path / "problems.txt"
+        listing.write_text("".join(f"{q}\n" for q in questions))
+        result = run_phi4("solve", "-m", str(tiny_reasoning_model), "-t", "0", "-n", "60",
+                          "--file", str(listing), "--jsonl")  # fmt: skip
+        return sorted(json.loads(line)["stats"]["slot"] for line in result.stdout.splitlines())
+
+    assert slots("What is 1 times 7?", "What is 2 times 7?", "What is 3 times 7?") == [0, 1, 2]
+    # Slot 2 holds the most of these prompts, but 0 and 1 keep the running ones together.
+    assert slots("What is 3 times 7? Twice.", "What is 3 times 7? Thrice.") == [0, 1]

@@ -79,6 +79,11 @@ def test_streams_split_the_context_evenly_and_each_holds_a_request():
     small = plan_memory(PHI4_MINI, machine(23.4, 22.0), asked)
     assert small.slots == small.parallel == 4 and small.request_capacity == 1024
     assert small.request_tokens == 1024
+    # Too small for --parallel streams of the smallest size: fewer, and a note says so.
+    tiny = plan_memory(PHI4_MINI, machine(23.4, 22.0),
+                       MemoryRequest(n_ctx=600, kv_layout="streams"))  # fmt: skip
+    assert tiny.slots == 2 and tiny.request_capacity == CTX_ALIGN
+    assert any("2 streams of 256 tokens, fewer than --parallel 4" in n for n in tiny.notes)
     with pytest.raises(ValueError, match="unknown KV layout"):
         plan_memory(PHI4_MINI, machine(23.4, 22.0), MemoryRequest(kv_layout="diagonal"))
 

@@ -49,6 +49,9 @@ THINK_CLOSE_ROOM = 16
 # A chat session whose cells are reclaimed is saved to disk if it holds at least this many tokens
 # of its own (fewer are as quick to re-read), in at most SWAP_MAX_BYTES of files.
 SWAP_MIN_TOKENS = 64
+# With a stream per slot, a new request takes the lowest idle slot (keeping the running ones
+# consecutive) unless another idle slot holds at least this many more tokens of its prompt.
+STREAM_REUSE_MIN = 256
 SWAP_MAX_BYTES = 4 << 30
 
 
@@ -246,8 +249,9 @@ class LlamaEngine:
         key = hashlib.sha256(
             json.dumps(
                 [str(path), stat.st_size, stat.st_mtime_ns, prefix, llama_cpp.__version__,
-                 self._model.plan.kv_cache_type, self._model.plan.kv_layout,
-                 self._model.plan.slots],
+                 self._model.plan.kv_cache_type,
+                 # llama.cpp loads a state only into as many streams as it was saved from
+                 [self._model.plan.slots] if self._streams else []],
             ).encode()
         ).hexdigest()[:24]  # fmt: skip
         return self.state_dir / f"system-{key}.state"
@@ -412,23 +416,33 @@ class LlamaEngine:
 
     def _choose_slot(self, tokens: list[int]) -> _Slot:
         """Pick the idle slot sharing the longest prefix with ``tokens`` (least recently used on
-        ties); give a slot that shares less than the system prompt the system prompt's KV."""
+        ties); give a slot that shares less than the system prompt the system prompt's KV.
+
+        With a stream per slot, the lowest idle slot instead, unless another holds at least
+        STREAM_REUSE_MIN more of the prompt (a conversation): llama.cpp decodes a batch in one
+        pass over the weights only for consecutive sequences, so a gap among the running slots
+        costs a whole extra pass every step (a 1-token step of 0 and 2 takes as long as two)."""
         model, _ = self._loaded()
         idle = [slot for slot in self._slots if slot.run is None]
         best = max(idle, key=lambda s: (_common_prefix(s.tokens, tokens), -s.last_used))
         shared = _common_prefix(best.tokens, tokens)
+        if self._streams:
+            lowest = min(idle, key=lambda s: s.seq)
+            if shared - _common_prefix(lowest.tokens, tokens) < STREAM_REUSE_MIN:
+                best, shared = lowest, _common_prefix(lowest.tokens, tokens)
         system = self._system_tokens
         if system and shared < len(system) and tokens[: len(system)] == system:
-            best = min(idle, key=lambda s: s.last_used)
-            self._drop(best, 0)
             if not self._streams:
+                best = min(idle, key=lambda s: s.last_used)
+                self._drop(best, 0)
                 model.seq_cp(self._system_seq, best.seq, len(system))
                 best.shared = len(system)
-            elif self._system_state is None or not model.set_seq_state(
-                best.seq, self._system_state
-            ):
-                return best  # empty: the system prompt is read with the question
-            best.tokens = list(system)
+                best.tokens = list(system)
+                return best
+            self._drop(best, 0)
+            if self._system_state is not None and model.set_seq_state(best.seq, self._system_state):
+                best.tokens = list(system)
+            # else empty: the system prompt is read with the question
         return best
 
     def _reclaim(self, needed: int, chosen: _Slot) -> None:
@@ -467,23 +481,29 @@ class LlamaEngine:
         model, _ = self._loaded()
         finished = [self._finish(slot, "cancelled") for slot in self._slots
                     if slot.run is not None and slot.run.job.cancelled.is_set()]  # fmt: skip
-        entries: list[tuple[int, int, int, bool]] = []
-        fed: list[tuple[_Slot, int, int]] = []  # slot, tokens fed, batch index of the last
+        chunks: list[tuple[_Slot, list[int], bool]] = []  # slot, tokens to feed, prompt done
         answering = [s for s in self._slots if s.run is not None and s.run.prompt_s is not None]
         reading = [s for s in self._slots if s.run is not None and s.run.prompt_s is None]
         # While answers stream, prompts are read in small chunks, so no stream stalls for long.
         prompt_room = PREFILL_CHUNK if answering else self.n_batch
+        used = 0
         for slot in answering + reading:
-            room = self.n_batch - len(entries)
+            room = self.n_batch - used
             if slot.run is not None and slot.run.prompt_s is None:
                 room = min(room, prompt_room)
                 prompt_room -= min(room, len(slot.pending))
             if room <= 0:
                 continue
             chunk = slot.pending[:room]
-            if not chunk:
-                continue
-            done = len(chunk) == len(slot.pending)
+            if chunk:
+                chunks.append((slot, chunk, len(chunk) == len(slot.pending)))
+                used += len(chunk)
+        # In sequence order: with a stream per slot, llama.cpp splits a batch into runs of
+        # consecutive sequences, one pass over the weights each.
+        chunks.sort(key=lambda item: item[0].seq)
+        entries: list[tuple[int, int, int, bool]] = []
+        fed: list[tuple[_Slot, int, int]] = []  # slot, tokens fed, batch index of the last
+        for slot, chunk, done in chunks:
             start = len(slot.tokens)
             for i, token in enumerate(chunk):
                 entries.append((slot.seq, token, start + i, done and i == len(chunk) - 1))
@@ -511,7 +531,8 @@ class LlamaEngine:
         log.error("the KV cache is full although reservations fit: %s", self.memory())
         freed = False
         for slot in self._slots:
-            if slot.run is None and slot.tokens:
+            # (A stream holds only its own slot's cells: freeing others' would not help.)
+            if slot.run is None and slot.tokens and not self._streams:
                 self._drop(slot, 0)
                 freed = True
         if freed:
