@@ -34,9 +34,11 @@ def exit_now(status: int) -> NoReturn:
     its files are closed and it starts no threads that outlive the answer. Only for the ``phi4``
     program itself, never in-process callers (tests, ``python -m`` embedding)."""
     for stream in (sys.stdout, sys.stderr):
-        # A reader that went away, or a closed stream: nothing more can be said.
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
+        # A reader that went away, or a closed stream (None when it was closed at start-up, as
+        # by `2>&-`): nothing more can be said.
+        if stream is not None:
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
     os._exit(status)
 
 
@@ -47,7 +49,8 @@ def run_reporting(run: Callable[[], int | None], fast_exit: bool = False) -> NoR
 
     try:
         code = run()
-        sys.stdout.flush()
+        if sys.stdout is not None:  # None: closed when the command started (`>&-`)
+            sys.stdout.flush()
         status = code if isinstance(code, int) else ExitStatus.OK
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -21,6 +21,10 @@ def _isatty(stream: TextIO) -> bool:
         return False
 
 
+def _devnull(writing: bool) -> TextIO:
+    return open(os.devnull, "w") if writing else open(os.devnull)  # lives as long as the command
+
+
 class Environment:
     def __init__(
         self,
@@ -34,9 +38,11 @@ class Environment:
         colour: bool | None = None,  # None: unless NO_COLOR is set or TERM=dumb
         paths: Paths | None = None,
     ) -> None:
-        self.stdin = stdin or sys.stdin
-        self.stdout = stdout or sys.stdout
-        self.stderr = stderr or sys.stderr
+        # A stream closed when the command started (`>&-`) is None in sys: read nothing from it,
+        # and write to nowhere, as to a reader that went away.
+        self.stdin = stdin or sys.stdin or _devnull(False)
+        self.stdout = stdout or sys.stdout or _devnull(True)
+        self.stderr = stderr or sys.stderr or _devnull(True)
         self.stdin_isatty = _isatty(self.stdin) if stdin_isatty is None else stdin_isatty
         self.stdout_isatty = _isatty(self.stdout) if stdout_isatty is None else stdout_isatty
         self.stderr_isatty = _isatty(self.stderr) if stderr_isatty is None else stderr_isatty

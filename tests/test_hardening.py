@@ -324,3 +324,15 @@ def test_an_unwritable_input_history_does_not_end_the_chat(tmp_path: Path, capsy
     history.store_string("second")
     err = capsys.readouterr().err
     assert err.count("cannot save the input history") == 1 and "the chat goes on" in err
+
+
+@pytest.mark.parametrize("closed", [">&-", "2>&-", ">&- 2>&-"])
+def test_a_solve_with_a_closed_stream_answers_and_exits_0(tiny_model: Path, closed: str):
+    # Python sees a stream closed at start-up as None: writing the answer, or flushing stderr
+    # on the way out, ended in "internal error: AttributeError" and exit 1.
+    from tests.conftest import PHI4
+
+    command = f"{PHI4} solve 'What is 2+2?' -m {tiny_model} -n 4 {closed}"
+    result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr
