@@ -90,24 +90,21 @@ def _threads(value: object) -> int | None:
     return number
 
 
-KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+def _one_of(*choices: str) -> Callable[[object], str]:
+    """A parser for a setting that is one of ``choices`` (any case)."""
+
+    def parse(value: object) -> str:
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise ValueError(value)
+        return text
+
+    return parse
 
 
-def _kv_cache_type(value: object) -> str:
-    text = str(value).strip().lower()
-    if text not in KV_CACHE_TYPES:
-        raise ValueError(value)
-    return text
-
-
-KV_LAYOUTS = ("auto", "shared", "streams")
-
-
-def _kv_layout(value: object) -> str:
-    text = str(value).strip().lower()
-    if text not in KV_LAYOUTS:
-        raise ValueError(value)
-    return text
+_kv_cache_type = _one_of("f16", "q8_0", "q4_0")
+_kv_layout = _one_of("auto", "shared", "streams")
+_ramdisk_choice = _one_of("auto", "on", "off")
 
 
 def _gpu_layers(value: object) -> str | int:
@@ -157,10 +154,7 @@ def _optional_budget(value: object) -> int | None:
 def _ramdisk_mode(value: object) -> str:
     if isinstance(value, bool):  # `ramdisk = true` in TOML
         return "on" if value else "off"
-    text = str(value).strip().lower()
-    if text not in ("auto", "on", "off"):
-        raise ValueError(value)
-    return text
+    return _ramdisk_choice(value)
 
 
 def _positive_duration(value: object) -> float:
