@@ -246,9 +246,8 @@ def plan_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
     layers = plan.get("gpu_layers", 0)
     many = "s" if plan["parallel"] != 1 else ""
     if plan.get("kv_layout") == "streams":
-        stream = plan["n_ctx"] // max(1, plan["slots"])
         at_once = (f"{plan['slots']} request{'s' if plan['slots'] != 1 else ''}, a stream of "
-                   f"{stream:,} tokens each (kv_layout streams)")  # fmt: skip
+                   f"{plan['request_capacity']:,} tokens each (kv_layout streams)")  # fmt: skip
     else:
         at_once = (f"{plan['parallel']} such request{many}; up to {plan['slots']} shorter ones "
                    "(one shared cache)")  # fmt: skip

@@ -134,7 +134,8 @@ class MemoryPlan:
         return self.n_ctx // self.slots if self.kv_layout == "streams" else self.n_ctx
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "notes": list(self.notes)}
+        return {**asdict(self), "notes": list(self.notes),
+                "request_capacity": self.request_capacity}  # fmt: skip
 
 
 def default_request_tokens(shape: ModelShape) -> int:
@@ -267,12 +268,12 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
         # --parallel requests, each with an even share (a small context makes small streams).
         slots = at_once if request.kv_layout == "auto" else min(parallel, n_ctx // CTX_ALIGN)
         slots = max(1, slots)
+        stream = _align_down(n_ctx // slots)
         if slots < parallel and request.kv_layout == "streams":
             notes.append(
                 f"n_ctx {n_ctx:,} makes {slots} stream{'s' if slots != 1 else ''} of "
-                f"{_align_down(n_ctx // slots):,} tokens, fewer than --parallel {parallel}"
+                f"{stream:,} tokens, fewer than --parallel {parallel}"
             )
-        stream = _align_down(n_ctx // slots)
         n_ctx = stream * slots  # llama.cpp splits n_ctx evenly between the streams
         request_tokens = min(request_tokens, stream)
         at_once = slots
