@@ -18,7 +18,7 @@ import typer
 
 from phi4cli import __version__, protocol
 from phi4cli.config import ANSWER_KEYS, Settings, format_duration, load_settings
-from phi4cli.errors import ExitStatus, Phi4Error, UsageError
+from phi4cli.errors import ConfigError, ExitStatus, Phi4Error, UsageError
 from phi4cli.paths import Paths, get_paths
 
 # Typer >= 0.26 vendors its own click: reach its exception classes through a public name.
@@ -558,19 +558,41 @@ def config_set(
 
 @config_app.command("edit")
 def config_edit() -> None:
-    """Open the config file in $VISUAL or $EDITOR, then check what was written."""
+    """Open the config file in $VISUAL or $EDITOR, then check what was written: the file is
+    replaced only by a valid edit (at a terminal, a bad one can be edited again)."""
     import shlex
     import subprocess
 
+    from phi4cli.atomicfile import write_atomic
     from phi4cli.config import check_config_file
 
     path = get_paths().config_file
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("# phi4 settings: see `phi4 config show` for the keys\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        text = b"# phi4 settings: see `phi4 config show` for the keys\n"
+    # The editor works on a copy beside the file (as visudo and crontab -e do), so an invalid
+    # edit never becomes the config that every later command refuses to start with.
+    draft = path.with_name(f".{path.name}.edit.toml")
+    write_atomic(draft, text, mode=0o600)
     editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
-    subprocess.run([*shlex.split(editor), str(path)], check=False)
-    check_config_file(path)
+    try:
+        while True:
+            subprocess.run([*shlex.split(editor), str(draft)], check=False)
+            try:
+                check_config_file(draft, shown_as=path)
+                break
+            except ConfigError as exc:
+                if not (sys.stdin.isatty() and sys.stderr.isatty()):
+                    raise ConfigError(f"{exc}; {path} is unchanged") from None
+                print(f"phi4: {exc}", file=sys.stderr)
+                answer = input("Edit again? [Y/n] ").strip().lower()
+                if answer.startswith("n"):
+                    raise ConfigError(f"{path} is unchanged") from None
+        write_atomic(path, draft.read_bytes(), mode=0o644)
+    finally:
+        draft.unlink(missing_ok=True)
     print(f"{path}: ok")
 
 

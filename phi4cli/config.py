@@ -280,6 +280,17 @@ def env_name(key: str) -> str:
     return _ENV_NAMES.get(key, f"PHI4_{key.upper()}")
 
 
+# Where the allowed values depend on this machine, the docs say the rule instead.
+_DOC_ALLOWED = {"threads": "auto (the physical cores), or from 1 to 4 per CPU of the machine"}
+
+
+def setting_help() -> list[tuple[str, str, str]]:
+    """Return (key, environment variable, allowed values) for every setting, in table order,
+    the same on every machine (for generated docs)."""
+    return [(key, env_name(key), _DOC_ALLOWED.get(key, allowed))
+            for key, (_, allowed) in _FIELDS.items()]  # fmt: skip
+
+
 def parse_setting(key: str, value: object, source: str) -> Any:
     """Return ``value`` parsed for setting ``key``; raise ConfigError naming ``source``."""
     parser, allowed = _FIELDS[key]
@@ -383,7 +394,14 @@ def set_config_value(config_file: Path, key: str, value: str) -> Any:
     return parsed
 
 
-def check_config_file(config_file: Path) -> None:
-    """Raise ConfigError unless every key and value in the file is valid."""
-    for key, value in read_config_file(config_file).items():
-        parse_setting(key, value, str(config_file))
+def check_config_file(config_file: Path, shown_as: Path | None = None) -> None:
+    """Raise ConfigError unless every key and value in the file is valid; the error names
+    ``shown_as`` (the real file, when a draft of it is checked)."""
+    try:
+        data = read_config_file(config_file)
+    except ConfigError as exc:
+        if shown_as is None:
+            raise
+        raise ConfigError(str(exc).replace(str(config_file), str(shown_as))) from None
+    for key, value in data.items():
+        parse_setting(key, value, str(shown_as or config_file))

@@ -77,21 +77,30 @@ def _commands(group: Any, prefix: str = "") -> list[str]:
     return lines
 
 
-ENVIRONMENT = [
+# Variables that are not settings of config.toml; the settings' own follow from config's table.
+_OTHER_ENVIRONMENT = [
     ("PHI4_HOME", "Put every phi4 file under this directory (config, data, state, cache, run)."),
-    ("PHI4_MODEL", "Model alias or path, as --model."),
-    ("PHI4_KEEP_ALIVE", "How long an idle daemon stays resident: 30m, 1h, 0, -1 (forever)."),
-    ("PHI4_N_CTX, PHI4_THREADS, PHI4_PARALLEL, PHI4_MAX_QUEUE", "Daemon settings, as the flags."),
-    (
-        "PHI4_TEMPERATURE, PHI4_TOP_P, PHI4_SEED, PHI4_MAX_TOKENS, PHI4_SYSTEM, PHI4_THINK_BUDGET",
-        "Sampling and answer settings, as the flags.",
-    ),
-    ("PHI4_RAMDISK_MODE", "Stage the model in RAM: auto, on or off."),
     ("PHI4_RAMDISK", "Directory to stage the model in (default /dev/shm/phi4-UID)."),
+    ("PHI4_BACKEND_KEY", "API key sent to the --backend server (Authorization: Bearer)."),
+    ("PHI4_API_KEY", "The key phi4 serve --http requires, as --api-key."),
+    ("PHI4_HTTP_HEADER_TIMEOUT, PHI4_HTTP_BODY_TIMEOUT",
+     "Seconds an HTTP client of phi4 serve has to send its headers (10) and its body (30)."),
     ("PHI4_DEBUG", "Show tracebacks with errors."),
-    ("NO_COLOR", "Plain output even at a terminal."),
+    ("NO_COLOR", "No colour, even at a terminal (the layout stays)."),
+    ("VISUAL, EDITOR", "The editor of phi4 config edit."),
     ("HF_ENDPOINT", "Hugging Face endpoint used by phi4 pull."),
-]
+]  # fmt: skip
+
+
+def environment() -> list[tuple[str, str]]:
+    """Every environment variable phi4 reads, with what it means: each setting's ``PHI4_*``
+    variable (from config's table, so none is left out) and the others."""
+    from phi4cli.config import setting_help
+
+    settings = [(name, f"The {key} setting: {allowed}.") for key, name, allowed in setting_help()]
+    return settings + _OTHER_ENVIRONMENT
+
+
 FILES = [
     ("~/.config/phi4/config.toml", "Settings (keys as the PHI4_ variables, lower case)."),
     ("~/.local/share/phi4/models/", "Models downloaded by phi4 pull."),
@@ -151,7 +160,7 @@ def man_page() -> str:
         *_option_lines(root),
         ".SH ENVIRONMENT",
     ]
-    for name, meaning in ENVIRONMENT:
+    for name, meaning in environment():
         lines += [".TP", f".B {_roff(name)}", _roff(meaning)]
     lines.append(".SH FILES")
     for name, meaning in FILES:
@@ -161,7 +170,9 @@ def man_page() -> str:
         lines += [".TP", f".B {int(status)}", _roff(meaning)]
     lines.append(".SH EXAMPLES")
     for command, meaning in EXAMPLES:
-        lines += [".TP", f".B {_roff(command)}", _roff(meaning)]
+        # A text line, not `.B` arguments: roff would take the quotes as argument delimiters
+        # and drop them, printing a command that fails when typed as shown.
+        lines += [".TP", f"\\fB{_roff(command)}\\fR", _roff(meaning)]
     lines += [".SH SEE ALSO", "llama.cpp, ollama(1)"]
     return "\n".join(line for line in lines if line) + "\n"
 

@@ -335,15 +335,23 @@ def format_status(status: dict[str, Any]) -> str:
 def format_settings(sources: dict[str, tuple[Any, str]]) -> str:
     """`phi4 config show`: each setting, its value and where the value comes from."""
     from phi4cli.config import format_duration
+    from phi4cli.daemon.memory import physical_cores
 
     width = max(map(len, sources))
-    unset = {"n_ctx": "auto", "threads": "auto", "seed": "random"}  # what None means, per key
+    # What None means, per key, as the README's settings table says it.
+    unset = {"n_ctx": "auto", "threads": f"auto ({physical_cores()} physical cores)",
+             "seed": "random"}  # fmt: skip
     lines = []
     for key, (value, source) in sources.items():
-        shown = format_duration(value) if key in ("keep_alive", "backend_timeout") else value
-        if shown is None:
+        if key in ("keep_alive", "backend_timeout"):
+            shown = format_duration(value)
+        elif isinstance(value, bool):
+            shown = "true" if value else "false"  # as config.toml spells it
+        elif value is None:
             shown = unset.get(key, "none")
-        lines.append(f"{key:<{width}}  {shown!s:<24}  {source}")
+        else:
+            shown = str(value)
+        lines.append(f"{key:<{width}}  {shown:<24}  {source}")
     return "\n".join(lines)
 
 

@@ -41,6 +41,12 @@ def test_config_edit_checks_what_the_editor_wrote(phi4_home: Path):
     assert good.returncode == 0 and good.stdout.strip().endswith(": ok")
     bad = run_phi4("config", "edit", env={"EDITOR": 'sh -c \'echo "threads = -4" >> "$0"\''})
     assert bad.returncode == 2 and "invalid threads -4" in bad.stderr
+    assert "is unchanged" in bad.stderr
+    # The bad edit never became the config: it holds the good edit alone, and commands still run.
+    path = Path(run_phi4("config", "path").stdout.strip())
+    assert "threads" not in path.read_text() and "n_ctx = 4096" in path.read_text()
+    assert run_phi4("config", "show").returncode == 0
+    assert [p.name for p in path.parent.iterdir()] == [path.name], "no draft left behind"
 
 
 def test_logs_shows_and_follows_the_daemon_log(tiny_model: Path, phi4_home: Path):

@@ -47,3 +47,25 @@ def test_bash_completion_answers(words: str, cword: str, expected: str):
 
 def test_help_offers_completion_install():
     assert "--install-completion" in run_phi4("--help").stdout
+
+
+@pytest.mark.skipif(shutil.which("groff") is None, reason="groff is not installed")
+def test_man_page_examples_can_be_typed_as_shown_and_every_variable_is_listed():
+    page = next(p for p in expected_files() if p.name == "phi4.1")
+    rendered = subprocess.run(["groff", "-man", "-Tutf8", str(page)], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+    rendered = re.sub(".\x08", "", rendered)
+    assert 'phi4 solve "Solve 3x^2+4x+5=1"' in rendered, "the quotes survive roff"
+    environment = rendered[rendered.index("ENVIRONMENT") : rendered.index("\nFILES")]
+    # Every PHI4_ variable the code names (a setting's, or read directly) has an entry.
+    from phi4cli.docs import ROOT
+
+    named = set()
+    for source in (ROOT / "phi4cli").rglob("*.py"):
+        named |= set(re.findall(r"\bPHI4_[A-Z][A-Z_]*[A-Z]\b", source.read_text()))
+    named -= {"PHI4_COMPLETE"}  # Typer's completion protocol (_PHI4_COMPLETE), not a setting
+    missing = sorted(name for name in named if name not in environment)
+    assert not missing, missing
+    for name in ("PHI4_KV_CACHE_TYPE", "PHI4_KV_LAYOUT", "PHI4_GPU_LAYERS", "PHI4_INSTRUCTION",
+                 "PHI4_MLOCK", "PHI4_BACKEND_TIMEOUT"):  # fmt: skip
+        assert name in environment

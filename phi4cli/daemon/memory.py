@@ -51,6 +51,24 @@ RAM_HEADROOM_MIN = 1 * GiB
 DEVICE_HEADROOM = 512 * MiB
 
 
+def physical_cores() -> int:
+    """Return the number of physical cores this process may run on (hyperthreads count once)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    cores: set[tuple[str, str]] = set()
+    for cpu in allowed:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(
+                (
+                    (topology / "physical_package_id").read_text().strip(),
+                    (topology / "core_id").read_text().strip(),
+                )
+            )
+        except OSError:
+            return max(1, len(allowed))
+    return max(1, len(cores) or (os.cpu_count() or 1))
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the memory plan needs to know about a model (from its GGUF header)."""

@@ -28,6 +28,7 @@ from phi4cli.daemon.memory import (
     MemoryPlan,
     MemoryRequest,
     ModelShape,
+    physical_cores,
     plan_memory,
     read_meminfo,
 )
@@ -80,24 +81,6 @@ _GPU_DEVICE_TYPES = (1, 2)
 
 # (sequence, token, position, wants logits)
 BatchEntry = tuple[int, int, int, bool]
-
-
-def physical_cores() -> int:
-    """Return the number of physical cores this process may run on (hyperthreads count once)."""
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-    cores: set[tuple[str, str]] = set()
-    for cpu in allowed:
-        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            cores.add(
-                (
-                    (topology / "physical_package_id").read_text().strip(),
-                    (topology / "core_id").read_text().strip(),
-                )
-            )
-        except OSError:
-            return max(1, len(allowed))
-    return max(1, len(cores) or (os.cpu_count() or 1))
 
 
 def gpu_devices() -> tuple[Device, ...]:
