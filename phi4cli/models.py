@@ -199,9 +199,19 @@ def pull_model(name: str, paths: Paths) -> Path:
         if path is not None and path.is_file():
             return path
         raise DownloadError(_missing_alias_message(alias))
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.utils import logging as hub_logging
 
+    # huggingface_hub retries a failed request five times with a warning each (26 s of them
+    # with no network); a hub that cannot be reached at all is said in one line at once.
+    hub_logging.set_verbosity_error()
+    unreachable = _unreachable(constants.ENDPOINT)
+    if unreachable:
+        raise DownloadError(
+            f"cannot download {alias.name}: {unreachable}; check the network (or HF_ENDPOINT) "
+            "and run `phi4 pull` again (it resumes)"
+        )
     paths.models_dir.mkdir(parents=True, exist_ok=True)
     try:
         downloaded = Path(
@@ -221,3 +231,30 @@ def pull_model(name: str, paths: Paths) -> Path:
         downloaded.unlink(missing_ok=True)
         raise DownloadError(f"downloaded file failed verification: {exc}") from None
     return downloaded
+
+
+def _unreachable(endpoint: str, timeout: float = 5.0) -> str | None:
+    """Return why ``endpoint``'s host cannot be reached (name unknown, connection refused or
+    timed out), or None when a TCP connection opens or a proxy is configured (the proxy, not
+    this machine, then reaches the hub)."""
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY",
+                                              "http_proxy", "ALL_PROXY", "all_proxy")):  # fmt: skip
+        return None
+    parts = urlsplit(endpoint)
+    host = parts.hostname
+    if not host:
+        return None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except socket.gaierror:
+        return f"the host {host} is unknown (no network, or no DNS?)"
+    except TimeoutError:
+        return f"{host}:{port} did not answer within {timeout:g} s"
+    except OSError as exc:
+        return f"{host}:{port}: {exc.strerror or exc}"
