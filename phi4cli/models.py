@@ -205,7 +205,7 @@ def pull_model(name: str, paths: Paths) -> Path:
 
     # huggingface_hub retries a failed request five times with a warning each (26 s of them
     # with no network); a hub that cannot be reached at all is said in one line at once.
-    hub_logging.set_verbosity_error()
+    hub_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     unreachable = _unreachable(constants.ENDPOINT)
     if unreachable:
         raise DownloadError(
