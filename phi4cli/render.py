@@ -296,6 +296,9 @@ def format_status(status: dict[str, Any]) -> str:
     served = status.get("requests_served", 0)
     active = status.get("requests_active", 0)
     queued = status.get("queued", 0)
+    memory = status.get("memory") or {}
+    # "active" counts the queued too: say running and queued, the words of the kv row below.
+    running = memory.get("running", max(0, active - queued))
     keep_alive = status.get("keep_alive_s")
     if status.get("idle_s") is None:
         idle = "busy"
@@ -312,11 +315,10 @@ def format_status(status: dict[str, Any]) -> str:
         ("pid", status.get("pid")),
         ("uptime", human_seconds(status.get("uptime_s"))),
         ("memory", human_bytes(status.get("rss_bytes"))),
-        ("requests", f"{served} served, {active} active, {queued} queued"),
+        ("requests", f"{served:,} served; now {running:,} running, {queued:,} queued"),
         ("idle", idle),
-        ("context", f"{status['n_ctx']} tokens" if status.get("n_ctx") else "planned at load"),
+        ("context", f"{status['n_ctx']:,} tokens" if status.get("n_ctx") else "planned at load"),
     ]
-    memory = status.get("memory") or {}
     if memory:
         rows.append(("kv now", f"{memory['reserved_tokens']:,} reserved by {memory['running']} "
                                f"running, {memory['free_tokens']:,} free, "

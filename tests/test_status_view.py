@@ -1,0 +1,24 @@
+"""What `phi4 status` says: counts in one vocabulary, thousands separated."""
+
+from __future__ import annotations
+
+from phi4cli.render import format_status
+
+
+def test_status_counts_running_and_queued_in_the_words_of_the_kv_row():
+    shown = format_status({
+        "state": "ready", "requests_served": 12345, "requests_active": 8, "queued": 7,
+        "n_ctx": 32768, "idle_s": None,
+        "memory": {"reserved_tokens": 8192, "running": 1, "free_tokens": 24576,
+                   "idle_cached_tokens": 0},
+    })  # fmt: skip
+    rows = dict(line.split(None, 1) for line in shown.splitlines() if " " in line)
+    assert rows["requests"] == "12,345 served; now 1 running, 7 queued"
+    assert rows["context"] == "32,768 tokens"
+    assert "1 running" in rows["kv"], "the same count as the requests row"
+
+
+def test_status_without_a_memory_report_counts_running_as_active_less_queued():
+    shown = format_status({"state": "ready", "requests_served": 3, "requests_active": 5,
+                           "queued": 2, "idle_s": None})  # fmt: skip
+    assert "3 served; now 3 running, 2 queued" in shown
