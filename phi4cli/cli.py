@@ -812,16 +812,24 @@ def cache_clear() -> None:
     """Remove staged model copies (RAM), saved system-prompt states and swapped-out chats."""
     import shutil
 
-    from phi4cli.daemon.ramdisk import ramdisk_dir, remove_staged
+    from phi4cli.daemon.ramdisk import mapped_by, ramdisk_dir, remove_staged
     from phi4cli.paths import not_private
 
     paths = get_paths()
     directory = ramdisk_dir()
+    in_use: dict[Path, int] = {}
     if directory is not None and os.path.lexists(directory):
         problem = not_private(directory)
         if problem is not None:
             _stderr(f"staged copies left alone: {problem}")
-    staged = remove_staged()
+        elif directory.is_dir():
+            # The staging dir is the user's, shared by every install (PHI4_HOME): a copy that a
+            # running daemon has loaded stays, or its RAM would stay taken and the file gone.
+            in_use = {path: pid for path, pid in mapped_by(directory).items()
+                      if path.suffix == ".gguf"}  # fmt: skip
+    staged = remove_staged(in_use=in_use)
+    for path, pid in sorted(in_use.items()):
+        _stderr(f"kept {path}: in use by pid {pid} (a running daemon: stop it to free that RAM)")
     counts = []
     for name in ("states", "sessions"):
         directory = paths.cache_dir / name

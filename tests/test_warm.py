@@ -52,9 +52,35 @@ def test_warm_stages_prewarms_saves_state_and_a_restart_restores_it(
     cached = int(solved.stderr.split("prompt tokens:")[1].split("(")[1].split()[0])
     assert cached >= timings["system_tokens"], solved.stderr
 
+    # The running daemon has it loaded: the copy stays (deleting it would free no RAM) and
+    # the user is told why.
+    pid = json.loads(run_phi4("status", "--json").stdout)["pid"]
     cleared = run_phi4("cache", "clear")
-    assert "removed 1 staged model copies, 1 saved prompt states and 0 swapped" in cleared.stdout
+    assert "removed 0 staged model copies, 1 saved prompt states and 0 swapped" in cleared.stdout
+    assert f"kept {staged}: in use by pid {pid}" in cleared.stderr
+    assert staged.exists()
+    assert run_phi4("stop").returncode == 0
+    cleared = run_phi4("cache", "clear")
+    assert "removed 1 staged model copies" in cleared.stdout
     assert not staged.exists()
+
+
+def test_cache_clear_of_one_home_keeps_the_copy_another_homes_daemon_runs_on(
+    tiny_model: Path, ram_dir: Path, tmp_path: Path
+):
+    other_home = {"PHI4_HOME": str(tmp_path / "other")}
+    warmed = run_phi4("warm", "-m", str(tiny_model), "--ramdisk", env=other_home)
+    assert warmed.returncode == 0, warmed.stderr
+    staged = ram_dir / ramdisk.staged_name(tiny_model)
+    try:
+        cleared = run_phi4("cache", "clear")  # this test's own PHI4_HOME: no daemon of its own
+        assert cleared.returncode == 0, cleared.stderr
+        assert "removed 0 staged model copies" in cleared.stdout
+        assert staged.exists(), "the other install's daemon still runs on it"
+        solved = run_phi4("solve", "hi", "-m", str(tiny_model), "-n", "2", env=other_home)
+        assert solved.returncode == 0, solved.stderr
+    finally:
+        run_phi4("stop", env=other_home)
 
 
 def test_auto_mode_only_stages_onto_tmpfs(tiny_model: Path, ram_dir: Path):

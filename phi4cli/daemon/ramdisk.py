@@ -134,10 +134,34 @@ def stage(model: Path, mode: str, directory: Path | None = None) -> Staging:
     return Staging(target, True, True, time.monotonic() - started)
 
 
+def mapped_by(directory: Path) -> dict[Path, int]:
+    """Return the files under ``directory`` that a process of this user's has mapped (a daemon
+    of any phi4 install, whatever its PHI4_HOME, loads its model from the staged copy), each
+    with one such pid."""
+    inside = str(directory.resolve()).rstrip("/") + "/"
+    users: dict[Path, int] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if proc.stat().st_uid != os.getuid():
+                continue
+            maps = (proc / "maps").read_text(errors="replace")
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(inside):
+                users.setdefault(Path(fields[5].removesuffix(" (deleted)")), int(proc.name))
+    return users
+
+
 def remove_staged(
-    directory: Path | None = None, keep: Path | None = None, stem: str | None = None
+    directory: Path | None = None,
+    keep: Path | None = None,
+    stem: str | None = None,
+    in_use: dict[Path, int] | None = None,
 ) -> int:
-    """Delete staged copies (of the model named ``stem``, or all); return how many.
+    """Delete staged copies (of the model named ``stem``, or all); return how many. Those in
+    ``in_use`` are kept.
 
     Only in a private directory of this user's, and only regular files of theirs: never through
     a link (to, say, the models directory).
@@ -153,7 +177,7 @@ def remove_staged(
     for path in directory.glob("*.gguf"):
         if path == keep or (stem is not None and path.name.rsplit("-", 2)[0] != stem):
             continue
-        if not _own_file(path):
+        if not _own_file(path) or (in_use and path.resolve() in in_use):
             continue
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
