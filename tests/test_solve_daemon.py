@@ -757,3 +757,16 @@ def test_eval_with_smollm2_prints_the_table(smollm2_model: Path, tmp_path: Path)
                (tmp_path / "quiz.jsonl.results.jsonl").read_text().splitlines()]  # fmt: skip
     assert sorted(r["line"] for r in records) == [1, 2]
     assert all(r["status"] in ("correct", "wrong", "no_answer", "truncated") for r in records)
+
+
+def test_a_question_longer_than_the_context_says_shorten_it_even_with_max_tokens(
+    tiny_model: Path,
+):
+    # Before: with -n given, a prompt over the context alone was told "lower --max-tokens",
+    # which no value would have fixed.
+    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "512").returncode == 0
+    question = "add these numbers " + " ".join(str(i) for i in range(2000))
+    for extra in ((), ("-n", "10")):
+        result = run_phi4("solve", question, "-m", str(tiny_model), *extra)
+        assert result.returncode == 1, result.stderr
+        assert "shorten it" in result.stderr and "lower --max-tokens" not in result.stderr

@@ -300,6 +300,11 @@ class LlamaEngine:
         else:
             holds = (f"the daemon's context holds {model.n_ctx:,} ({len(self._system_tokens)} "
                      "of them the system prompt's)")  # fmt: skip
+        if room < 1:  # the prompt alone: no --max-tokens would make it fit
+            raise ContextOverflowError(
+                f"the question is {len(tokens):,} tokens but {holds}; shorten it, or restart "
+                "the daemon with a larger context (phi4 stop; phi4 daemon start --n-ctx N)"
+            )
         if params.max_tokens is not None:
             if params.max_tokens > room:
                 raise ContextOverflowError(
