@@ -418,6 +418,14 @@ def test_without_a_key_another_local_user_is_refused(tiny_model: Path):
         owner = subprocess.run(_curl(f"{url}/v1/chat/completions", *post), capture_output=True,
                                text=True, timeout=120, check=False)  # fmt: skip
         assert owner.stdout.rpartition("\n")[2] == "200", owner.stdout
+        # An IPv6 socket reaching the IPv4 server (::ffff:127.0.0.1) is found in tcp6.
+        mapped = url.replace("127.0.0.1", "[::ffff:127.0.0.1]")
+        done = _as_nobody(*_curl(f"{mapped}/v1/models", "-g"))
+        if "Could not connect" not in done.stderr and done.stdout.strip() != "000":
+            assert done.stdout.rpartition("\n")[2] == "403", (done.stdout, done.stderr)
+            owner = subprocess.run(_curl(f"{mapped}/v1/models", "-g"), capture_output=True,
+                                   text=True, timeout=120, check=False)  # fmt: skip
+            assert owner.stdout.rpartition("\n")[2] == "200", owner.stdout
     # With a key, the key is enough; --any-local-user opens a keyless server to everyone.
     with serving(tiny_model, "--api-key", "s3cret") as url:
         done = _as_nobody(*_curl(f"{url}/v1/models", "-H", "Authorization: Bearer s3cret"))
