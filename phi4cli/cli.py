@@ -495,24 +495,54 @@ def serve(
             help="Require 'Authorization: Bearer KEY' [env PHI4_API_KEY].",
         ),
     ] = None,
+    allow_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-host",
+            metavar="NAME",
+            show_default=False,
+            help="Also answer requests whose Host is NAME (repeatable; '*' for any).",
+        ),
+    ] = None,
+    allow_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-origin",
+            metavar="ORIGIN",
+            show_default=False,
+            help="Answer browser requests from ORIGIN, e.g. http://localhost:3000, with CORS "
+            "(repeatable; '*' for any).",
+        ),
+    ] = None,
+    any_local_user: Annotated[
+        bool,
+        typer.Option(
+            "--any-local-user",
+            help="Without --api-key, answer every local user, not only you.",
+        ),
+    ] = False,
     model: ModelOption = None,
     keep_alive: KeepAliveOption = None,
 ) -> None:
     """Expose the daemon as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models,
     /health, /metrics)."""
     from phi4cli.backends import DaemonBackend
+    from phi4cli.http_access import check_allowances
     from phi4cli.http_api import check_address
     from phi4cli.http_api import serve as serve_http
-    from phi4cli.models import ALIASES, resolve_model
+    from phi4cli.models import ALIASES, alias_path, resolve_model
 
     check_address(http, api_key)  # before anything else is looked at
+    check_allowances(allow_host or (), allow_origin or ())
     paths = get_paths()
     settings = _settings(paths, model=model, keep_alive=keep_alive)
     model_path = resolve_model(settings.model, paths)
     name = settings.model if settings.model in ALIASES else model_path.stem
+    aliases = [alias.name for alias in ALIASES.values() if alias_path(alias, paths) == model_path]
     backend_ = DaemonBackend(paths, settings, model_path, _stderr)
     try:
-        serve_http(backend_, settings, model_path, name, http, api_key, _stderr)
+        serve_http(backend_, settings, model_path, name, http, api_key, _stderr,
+                   allow_host or (), allow_origin or (), any_local_user, aliases)  # fmt: skip
     except KeyboardInterrupt:
         return
 

@@ -18,7 +18,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from prometheus_client.core import (
     Metric,
 )
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -39,6 +40,7 @@ from starlette.routing import Route
 from phi4cli.backends import Backend, RequestStream
 from phi4cli.config import Settings
 from phi4cli.errors import Phi4Error, RequestError, UsageError, http_status_for
+from phi4cli.http_access import AccessGuard, AccessPolicy
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Event, EventKind, Op, ProtocolViolation, parse_chat_params
 
@@ -63,9 +65,20 @@ def is_loopback(host: str) -> bool:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    """An HTTP error in OpenAI's shape; ``code`` is the status unless OpenAI names one
+    (``model_not_found``), ``param`` the request field at fault."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
+        self.code, self.param = code, param
 
     @classmethod
     def of(cls, code: ErrorCode, message: str) -> ApiError:
@@ -73,10 +86,56 @@ class ApiError(Exception):
         return cls(status, message, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
+        error: dict[str, Any] = {"message": self.message, "type": self.kind,
+                                 "code": self.code or self.status}  # fmt: skip
+        if self.param is not None:
+            error["param"] = self.param
+        return {"error": error}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+
+def unencodable_field(body: Any) -> str | None:
+    """The first field of a parsed JSON body holding text that is not UTF-8-encodable (a lone
+    surrogate such as ``"\\ud800"``, which JSON allows), named ``messages[0].content``; None if
+    every string is text. Iterative: a body's depth is bounded only by the parser."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return path or "the body"
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                try:
+                    key.encode()
+                except UnicodeEncodeError:
+                    return f"a key of {path or 'the body'}"
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
+def check_model(body: dict[str, Any], model_name: str, served: frozenset[str]) -> None:
+    """Accept a request's ``model`` that names the loaded model (its name, file name, an alias
+    of its file, ``default``) or is absent; raise ApiError 404 ``model_not_found`` otherwise,
+    rather than answer with another model than the one asked for."""
+    requested = body.get("model")
+    if requested is None or requested == "":
+        return
+    if not isinstance(requested, str):
+        raise ApiError(400, "'model' must be a string", param="model")
+    if requested.lower() not in served:
+        raise ApiError(
+            404,
+            f"the model {requested!r} is not served here: this server serves {model_name!r} "
+            "(ask for that name, or 'default')",
+            code="model_not_found", param="model",
+        )  # fmt: skip
 
 
 def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[str, Any]:
@@ -176,8 +235,18 @@ def create_app(
     model_name: str,
     created: int,
     api_key: str | None,
-) -> Starlette:
-    """The ASGI application (tests may drive it in-process)."""
+    access: AccessPolicy,
+    aliases: Iterable[str] = (),
+) -> AccessGuard:
+    """The ASGI application behind its access checks (tests may drive it in-process).
+
+    ``model_name`` is what /v1/models lists; requests may name it, the file's name or stem, one
+    of ``aliases`` or ``default``.
+    """
+    served = frozenset(
+        name.lower()
+        for name in (model_name, Path(model).name, Path(model).stem, "default", *aliases)
+    )
     registry = CollectorRegistry()
     registry.register(DaemonCollector(backend))
     http_requests = Counter("phi4_http_requests", "HTTP requests served, by path and status.",
@@ -219,6 +288,16 @@ def create_app(
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def chat(request: Request) -> Response:
+        # Only JSON: a browser sends text/plain, form and multipart bodies cross-site without
+        # asking first (a "simple request"), so those must never start an answer.
+        media, _, parameters = request.headers.get("content-type", "").partition(";")
+        charset = parameters.strip().lower().removeprefix("charset=").strip('"')
+        if media.strip().lower() != "application/json" or charset not in ("", "utf-8"):
+            raise ApiError(
+                415,
+                "the body must be sent as 'Content-Type: application/json' (UTF-8), not "
+                f"{request.headers.get('content-type', 'without a Content-Type')!r}",
+            )
         announced = request.headers.get("content-length")
         if announced is not None and announced.isdigit() and int(announced) > MAX_BODY_BYTES:
             raise ApiError(413, "request body too large")
@@ -239,8 +318,19 @@ def create_app(
             raise ApiError(400, "the body is not UTF-8 text") from None
         except json.JSONDecodeError as exc:
             raise ApiError(400, f"malformed JSON: {exc}") from None
+        except RecursionError:
+            raise ApiError(400, "the JSON is nested too deeply") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
+        bad_text = unencodable_field(body)
+        if bad_text is not None:
+            raise ApiError(
+                400,
+                f"{bad_text} holds a lone surrogate (such as \\ud800), which is not text: "
+                "send UTF-8 text",
+                param=bad_text,
+            )
+        check_model(body, model_name, served)
         params = chat_params(body, model, settings)
         completion = _Completion(model_name)
         stream = backend.stream(Op.CHAT, params)
@@ -265,12 +355,19 @@ def create_app(
             raise ApiError.of(outcome.error.code, outcome.error.message)
         return JSONResponse(completion.whole(outcome))
 
-    return Starlette(routes=[
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # Starlette's own 404 and 405, in the API's JSON shape.
+        assert isinstance(exc, HTTPException)
+        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")\
+            .response()  # fmt: skip
+
+    app = Starlette(routes=[
         Route("/health", route(health), methods=["GET"]),
         Route("/metrics", route(metrics), methods=["GET"]),
         Route("/v1/models", route(models), methods=["GET"]),
         Route("/v1/chat/completions", route(chat), methods=["POST"]),
-    ])  # fmt: skip
+    ], exception_handlers={HTTPException: http_error})  # fmt: skip
+    return AccessGuard(app, access)
 
 
 async def _unless_disconnected(request: Request, stream: RequestStream, work: Any) -> Any:
@@ -450,8 +547,15 @@ def serve(
     address: str,
     api_key: str | None,
     announce: Callable[[str], None],
+    allow_hosts: Iterable[str] = (),
+    allow_origins: Iterable[str] = (),
+    any_local_user: bool = False,
+    aliases: Iterable[str] = (),
 ) -> None:
-    """Serve until interrupted. Raise UsageError for a bad address or a public bind without key."""
+    """Serve until interrupted. Raise UsageError for a bad address or a public bind without key.
+
+    Without a key, only the owner's uid is answered unless ``any_local_user``.
+    """
     import uvicorn
 
     host, port = check_address(address, api_key)
@@ -467,8 +571,15 @@ def serve(
         raise UsageError(f"cannot listen on {address}: {reason}") from None
     backend.connect()  # start the daemon and its model load now
     created = int(model_path.stat().st_mtime)
-    app = create_app(backend, settings, str(model_path), model_name, created, api_key)
     bound_host, bound_port = sock.getsockname()[:2]
+    access = AccessPolicy.create(
+        (host, bound_host),
+        allow_hosts,
+        allow_origins,
+        owner_only=not api_key and not any_local_user,
+    )
+    app = create_app(backend, settings, str(model_path), model_name, created, api_key, access,
+                     aliases)  # fmt: skip
     shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=5, http=_header_deadline_protocol(),

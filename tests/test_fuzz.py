@@ -8,6 +8,7 @@ whole campaign fits in CI's budget.
 from __future__ import annotations
 
 import json
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,34 +126,74 @@ BODIES = st.fixed_dictionaries(
 ) | JSON_VALUES  # fmt: skip
 
 
+ASCII = st.characters(min_codepoint=0x21, max_codepoint=0x7E)  # what a header line carries
+HOSTS = st.sampled_from(["127.0.0.1", "127.0.0.1:8080", "localhost", "LOCALHOST.:1",
+                         "evil.example", "127.0.0.1.evil.example", "[::1]", "[::1", "", "a:b:c",
+                         "127.0.0.2"]) | st.text(ASCII, max_size=12)  # fmt: skip
+ALLOWED_HOSTS = {"127.0.0.1", "127.0.0.1:8080", "localhost", "LOCALHOST.:1"}
+ORIGINS = st.none() | st.text(ASCII, max_size=12) | st.sampled_from(
+    ["http://127.0.0.1", "https://evil.example", "null", "http://localhost:3000"])  # fmt: skip
+CONTENT_TYPES = st.sampled_from(["application/json", "application/json; charset=utf-8",
+                                 "text/plain", "application/x-www-form-urlencoded",
+                                 "multipart/form-data; boundary=x", ""])  # fmt: skip
+# Text with lone surrogates, which JSON can carry but UTF-8 cannot.
+SURROGATE_TEXT = st.text(alphabet=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+                         | st.sampled_from("ab 2+"), min_size=1, max_size=6)  # fmt: skip
+MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", 3]),
+                           "content": st.text(max_size=20) | SURROGATE_TEXT | JSON_VALUES}),
+    max_size=4,
+) | JSON_VALUES  # fmt: skip
+BODIES = st.fixed_dictionaries(
+    {"messages": MESSAGES},
+    optional={"model": JSON_VALUES | SURROGATE_TEXT | st.sampled_from(["tiny", "default", "gpt"]),
+              "temperature": JSON_VALUES, "top_p": JSON_VALUES,
+              "seed": JSON_VALUES, "max_tokens": st.integers(-5, 3) | JSON_VALUES,
+              "stop": st.lists(SURROGATE_TEXT, max_size=2), "stream": st.booleans()},
+) | JSON_VALUES  # fmt: skip
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
           HealthCheck.function_scoped_fixture])  # fmt: skip
-@given(BODIES)
-def test_the_http_api_answers_any_body_without_a_500(daemon: Path, tiny_model: Path, body: Any):
+@given(BODIES, HOSTS, ORIGINS, CONTENT_TYPES)
+def test_the_http_api_answers_any_body_without_a_500(
+    daemon: Path, tiny_model: Path, body: Any, host: str, origin: str | None, content_type: str
+):
     import anyio
     import httpx2
 
     from phi4cli.backends import DaemonBackend
     from phi4cli.config import Settings
+    from phi4cli.http_access import AccessPolicy
     from phi4cli.http_api import create_app
     from phi4cli.paths import get_paths
 
     settings_ = Settings(model=str(tiny_model))
     backend = DaemonBackend(get_paths(), settings_, tiny_model, lambda _m: None)
-    app = create_app(backend, settings_, str(tiny_model), "tiny", 0, None)
+    access = AccessPolicy.create(["127.0.0.1"], peer_uid=lambda _c, _s: os.getuid())
+    app = create_app(backend, settings_, str(tiny_model), "tiny", 0, None, access)
     if isinstance(body, dict) and isinstance(body.get("max_tokens"), int):
         body["max_tokens"] = min(body["max_tokens"], 3)
     elif isinstance(body, dict):
         body["max_tokens"] = 2
+    headers = {"Host": host, "Content-Type": content_type}
+    if origin is not None:
+        headers["Origin"] = origin
 
     async def post() -> httpx2.Response:
         transport = httpx2.ASGITransport(app=app)  # an exception in the app would raise here
-        async with httpx2.AsyncClient(transport=transport, base_url="http://phi4") as client:
-            return await client.post("/v1/chat/completions", content=json.dumps(body))
+        async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            content = json.dumps(body).encode("utf-8", "surrogatepass")
+            return await client.post("/v1/chat/completions", content=content, headers=headers)
 
     response = anyio.run(post)
-    assert response.status_code in (200, 400, 413, 429, 503), response.text
+    assert response.status_code in (200, 400, 403, 404, 413, 415, 429, 503), response.text
+    same_origin = origin == "http://127.0.0.1" and host == "127.0.0.1"
+    foreign = host not in ALLOWED_HOSTS or (origin is not None and not same_origin)
+    assert (response.status_code == 403) == foreign, (host, origin, response.text)
     if response.status_code != 200:
         error = response.json()["error"]
-        assert error["message"] and error["code"] == response.status_code
+        assert error["message"] and error["code"] in (response.status_code, "model_not_found")
+    if not foreign and not content_type.startswith("application/json"):
+        assert response.status_code == 415
     backend.close()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,14 +27,17 @@ from tests.conftest import PHI4, run_phi4
 def start_server(
     model: Path, *extra: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], str]:
+    address = "127.0.0.1:0"
+    if extra and extra[0].startswith("--http="):
+        address, extra = extra[0].removeprefix("--http="), extra[1:]
     proc = subprocess.Popen(
-        [PHI4, "serve", "--http", "127.0.0.1:0", "-m", str(model), *extra],
+        [PHI4, "serve", "--http", address, "-m", str(model), *extra],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={**os.environ, **(env or {})},
     )  # fmt: skip
     assert proc.stderr is not None
     for line in proc.stderr:
-        found = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
+        found = re.search(r"(http://(?:127\.0\.0\.1|\[::1\]):\d+)/v1", line)
         if found:
             return proc, found.group(1)
     raise AssertionError("the server did not start")
@@ -48,30 +53,75 @@ def server(tiny_model: Path) -> Iterator[str]:
         proc.wait(timeout=20)
 
 
-def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
-    request = urllib.request.Request(url, headers=headers or {})
+@contextlib.contextmanager
+def serving(model: Path, *extra: str) -> Iterator[str]:
+    proc, url = start_server(model, *extra)
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    return fetch(url, headers=headers)
+
+
+def fetch(
+    url: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    method: str | None = None,
+) -> tuple[int, str]:
+    """(status, body) of one request; headers may override ``Host``."""
+    request = urllib.request.Request(url, data=body, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
+
+
+def fetch_headers(url: str, headers: dict[str, str], method: str = "GET") -> tuple[int, Any]:
+    request = urllib.request.Request(url, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.headers
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers
+
+
+def chat_body(**fields: Any) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                       **fields}).encode()  # fmt: skip
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+def refusal(status_body: tuple[int, str]) -> tuple[int, str]:
+    """(status, message) of an error answer, which must be one line of OpenAI-shaped JSON."""
+    status, body = status_body
+    assert "\n" not in body.strip(), body
+    error = json.loads(body)["error"]
+    return status, error["message"]
 
 
 def test_chat_completions_streaming_and_not_agree(server: str):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "What is 12*13?"}]  # fmt: skip
-    whole = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+    whole = client.chat.completions.create(model="tiny-phi3", messages=messages, temperature=0,
                                            max_tokens=12)  # fmt: skip
     text = whole.choices[0].message.content
     assert text and whole.choices[0].finish_reason == "length"
     assert whole.usage is not None and whole.usage.completion_tokens == 12
-    streamed = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+    streamed = client.chat.completions.create(model="tiny-phi3", messages=messages, temperature=0,
                                               max_tokens=12, stream=True)  # fmt: skip
     chunks = [c.choices[0].delta.content or "" for c in streamed if c.choices]
     assert "".join(chunks) == text
     follow_up = client.chat.completions.create(
-        model="tiny", temperature=0, max_tokens=4,
+        model="tiny-phi3", temperature=0, max_tokens=4,
         messages=[*messages, {"role": "assistant", "content": text},
                   {"role": "user", "content": "And twice that?"}],
     )  # fmt: skip
@@ -82,7 +132,7 @@ def test_chat_completions_streaming_and_not_agree(server: str):
 def test_models_health_and_metrics(server: str, tiny_model: Path):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     assert [m.id for m in client.models.list()] == [tiny_model.stem]
-    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+    client.chat.completions.create(model="tiny-phi3", messages=[{"role": "user", "content": "hi"}],
                                    max_tokens=2)  # fmt: skip
     status, body = get(f"{server}/health")
     assert (status, json.loads(body)) == (200, {"status": "ok"})
@@ -101,10 +151,10 @@ def test_models_health_and_metrics(server: str, tiny_model: Path):
 def test_bad_requests_get_openai_style_errors(server: str):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="last message must be the user"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "assistant",
+        client.chat.completions.create(model="tiny-phi3", messages=[{"role": "assistant",
                                                                "content": "hi"}])  # fmt: skip
     with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="tiny", prompt="hi")
+        client.completions.create(model="tiny-phi3", prompt="hi")
 
 
 def test_api_key_is_required_when_set_and_for_public_binds(tiny_model: Path):
@@ -127,7 +177,7 @@ def _stream_then(server: str, action: Any) -> tuple[str, Exception | None]:
     """Stream a long answer; once it has begun, run ``action``; return (text, error raised)."""
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
     streamed = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Count."}], temperature=0,
+        model="tiny-phi3", messages=[{"role": "user", "content": "Count."}], temperature=0,
         max_tokens=3000, stream=True,
     )  # fmt: skip
     text = ""
@@ -155,7 +205,7 @@ def test_a_daemon_that_dies_mid_stream_is_an_error_event_not_a_traceback(tiny_mo
         # The server lives on, and starts a fresh daemon for the next request.
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         again = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            model="tiny-phi3", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
         assert again.choices[0].message.content is not None
     finally:
@@ -173,12 +223,12 @@ def test_phi4_stop_mid_stream_is_reported_as_an_error(server: str):
 
 
 def test_a_stuck_client_does_not_hold_up_others(server: str):
-    body = json.dumps({"model": "tiny", "stream": True, "max_tokens": 3000, "temperature": 0,
+    body = json.dumps({"model": "tiny-phi3", "stream": True, "max_tokens": 3000, "temperature": 0,
                        "messages": [{"role": "user", "content": "Count."}]}).encode()  # fmt: skip
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as stuck:
         stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                       b"Content-Type: application/json\r\n"
                       + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
         assert stuck.recv(64).startswith(b"HTTP/1.1 200")  # streaming, and never read again
@@ -186,7 +236,7 @@ def test_a_stuck_client_does_not_hold_up_others(server: str):
                                timeout=60)  # fmt: skip
         for _ in range(3):
             reply = client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                model="tiny-phi3", messages=[{"role": "user", "content": "hi"}], max_tokens=4
             )
             assert reply.choices[0].finish_reason == "length"
 
@@ -208,7 +258,7 @@ def _raw(url: str, data: bytes, wait: float = 10) -> bytes:
         return received
 
 
-BODY = b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
+BODY = b'{"model":"tiny-phi3","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
 
 
 def test_malformed_http_requests_get_an_answer_and_the_server_goes_on(tiny_model: Path):
@@ -217,7 +267,10 @@ def test_malformed_http_requests_get_an_answer_and_the_server_goes_on(tiny_model
     proc, url = start_server(tiny_model, env={"PHI4_HTTP_HEADER_TIMEOUT": "2",
                                               "PHI4_HTTP_BODY_TIMEOUT": "2"})  # fmt: skip
     try:
-        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
+        )
         assert _raw(url, head + b"Content-Length: abc\r\n\r\n" + BODY).startswith(b"HTTP/1.1 400")
         short = _raw(url, head + b"Content-Length: 500\r\n\r\n" + BODY)
         assert short.startswith(b"HTTP/1.1 408") and b"did not arrive within 2 s" in short
@@ -235,10 +288,250 @@ def test_malformed_http_requests_get_an_answer_and_the_server_goes_on(tiny_model
             assert slow.recv(100) == b"", "the server hung up on the unfinished request"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         reply = client.chat.completions.create(
-            model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+            model="tiny-phi3", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
         )
         assert reply.choices[0].message.content is not None
     finally:
         proc.send_signal(signal.SIGINT)
         _out, err = proc.communicate(timeout=20)
     assert "Traceback" not in err, err
+
+
+# --- Who may use the server: Host, Origin, content type, other users ---------------------------
+
+
+def test_a_foreign_host_is_refused_so_dns_rebinding_fails(tiny_model: Path):
+    # Before: `Host: evil.example` got 200, so a page at evil.example resolving to 127.0.0.1
+    # could read answers (DNS rebinding).
+    with serving(tiny_model, "--allow-host", "my-box.lan") as url:
+        port = url.rsplit(":", 1)[1]
+        for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example",
+                     "127.0.0.2", "[::1]", f"localhost.evil:{port}"):  # fmt: skip
+            status, message = refusal(fetch(f"{url}/v1/models", headers={"Host": host}))
+            assert status == 403, host
+            assert "is not this server" in message and "--allow-host" in message
+        for host in (f"127.0.0.1:{port}", "localhost", f"LocalHost.:{port}", "my-box.lan:9000"):
+            assert fetch(f"{url}/v1/models", headers={"Host": host})[0] == 200, host
+        # Unknown paths and methods are refused the same way, and answer JSON otherwise.
+        assert fetch(f"{url}/nope", headers={"Host": "evil.example"})[0] == 403
+        assert refusal(fetch(f"{url}/nope"))[0] == 404
+        post = fetch(f"{url}/v1/chat/completions", chat_body(), JSON | {"Host": "evil.example"})
+        assert post[0] == 403
+
+
+def test_an_ipv6_loopback_server_checks_bracketed_hosts(tiny_model: Path):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with serving(tiny_model, "--http=[::1]:0") as url:
+        port = url.rsplit(":", 1)[1]
+        assert url.startswith("http://[::1]:")
+        for host in (f"[::1]:{port}", "[::1]", "[0:0:0:0:0:0:0:1]", "localhost"):
+            assert fetch(f"{url}/v1/models", headers={"Host": host})[0] == 200, host
+        for host in ("127.0.0.1", "[::2]", "[::1", "evil.example"):
+            assert fetch(f"{url}/v1/models", headers={"Host": host})[0] == 403, host
+        # The uid check finds the peer in /proc/net/tcp6.
+        status, body = fetch(f"{url}/v1/chat/completions", chat_body(), JSON)
+        assert status == 200, body
+
+
+def test_cross_site_requests_and_simple_content_types_are_refused(server: str):
+    # Before: a cross-site `Content-Type: text/plain` POST from a web page ran a completion.
+    url = f"{server}/v1/chat/completions"
+    body = chat_body()
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x"):
+        status, message = refusal(fetch(url, body, {"Content-Type": kind,
+                                                    "Origin": "https://evil.example"}))  # fmt: skip
+        assert status == 403 and "cross-origin" in message and "--allow-origin" in message
+        status, message = refusal(fetch(url, body, {"Content-Type": kind}))
+        assert status == 415 and "application/json" in message, kind
+    assert refusal(fetch(url, body, {"Content-Type": "application/json; charset=latin-1"}))[0] \
+        == 415  # fmt: skip
+    for origin in ("null", "http://localhost:1", "http://127.0.0.1.evil.example"):
+        assert fetch(url, body, JSON | {"Origin": origin})[0] == 403, origin
+    # A preflight from a foreign origin is refused, and nothing is CORS-enabled by default.
+    status, headers = fetch_headers(
+        url, {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}, "OPTIONS"
+    )
+    assert status == 403 and "access-control-allow-origin" not in headers
+    status, headers = fetch_headers(f"{server}/v1/models", {})
+    assert status == 200 and "access-control-allow-origin" not in headers
+    # JSON with a charset parameter, and a same-origin request, are fine.
+    own = server.removeprefix("http://")
+    status, text = fetch(url, body, {"Content-Type": "Application/JSON; charset=UTF-8",
+                                     "Origin": f"http://{own}"})  # fmt: skip
+    assert status == 200, text
+
+
+def test_an_allowed_origin_gets_cors(tiny_model: Path):
+    with serving(tiny_model, "--allow-origin", "http://localhost:3000") as url:
+        origin = {"Origin": "http://localhost:3000"}
+        status, headers = fetch_headers(f"{url}/v1/chat/completions", origin | {
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type"}, "OPTIONS")  # fmt: skip
+        assert status == 204
+        assert headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "POST" in headers["access-control-allow-methods"]
+        status, headers = fetch_headers(f"{url}/v1/models", origin)
+        assert status == 200
+        assert headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert fetch(f"{url}/v1/models", headers={"Origin": "http://localhost:3001"})[0] == 403
+    refused = run_phi4("serve", "--http", "127.0.0.1:0", "--allow-origin", "localhost:3000")
+    assert refused.returncode == 2 and "bad --allow-origin" in refused.stderr
+    refused = run_phi4("serve", "--http", "127.0.0.1:0", "--allow-host", "a b")
+    assert refused.returncode == 2 and "bad --allow-host" in refused.stderr
+
+
+def _as_nobody(*command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                           *command], capture_output=True, text=True, timeout=120,
+                          check=False)  # fmt: skip
+
+
+def _curl(url: str, *extra: str) -> list[str]:
+    return ["curl", "-s", "-w", "\n%{http_code}", *extra, url]
+
+
+needs_second_user = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("curl"),
+    reason="acting as user nobody needs root, setpriv and curl",
+)
+
+
+@needs_second_user
+def test_without_a_key_another_local_user_is_refused(tiny_model: Path):
+    # Before: user nobody got 200 from the owner's keyless server on loopback.
+    with serving(tiny_model) as url:
+        post = ["-H", "Content-Type: application/json", "-d", chat_body().decode()]
+        for path, extra in (("/v1/chat/completions", post), ("/v1/models", []),
+                            ("/health", []), ("/metrics", [])):  # fmt: skip
+            done = _as_nobody(*_curl(f"{url}{path}", *extra))
+            body, _, status = done.stdout.rpartition("\n")
+            assert status == "403", (path, done.stdout, done.stderr)
+            message = json.loads(body)["error"]["message"]
+            assert f"only its owner (uid {os.getuid()})" in message and "--api-key" in message
+            assert f"uid {pwd.getpwnam('nobody').pw_uid}" in message
+        owner = subprocess.run(_curl(f"{url}/v1/chat/completions", *post), capture_output=True,
+                               text=True, timeout=120, check=False)  # fmt: skip
+        assert owner.stdout.rpartition("\n")[2] == "200", owner.stdout
+        # An IPv6 socket reaching the IPv4 server (::ffff:127.0.0.1) is found in tcp6.
+        mapped = url.replace("127.0.0.1", "[::ffff:127.0.0.1]")
+        done = _as_nobody(*_curl(f"{mapped}/v1/models", "-g"))
+        if "Could not connect" not in done.stderr and done.stdout.strip() != "000":
+            assert done.stdout.rpartition("\n")[2] == "403", (done.stdout, done.stderr)
+            owner = subprocess.run(_curl(f"{mapped}/v1/models", "-g"), capture_output=True,
+                                   text=True, timeout=120, check=False)  # fmt: skip
+            assert owner.stdout.rpartition("\n")[2] == "200", owner.stdout
+    # With a key, the key is enough; --any-local-user opens a keyless server to everyone.
+    with serving(tiny_model, "--api-key", "s3cret") as url:
+        done = _as_nobody(*_curl(f"{url}/v1/models", "-H", "Authorization: Bearer s3cret"))
+        assert done.stdout.rpartition("\n")[2] == "200", done.stdout
+        done = _as_nobody(*_curl(f"{url}/v1/models"))
+        assert done.stdout.rpartition("\n")[2] == "401", done.stdout
+    with serving(tiny_model, "--any-local-user") as url:
+        done = _as_nobody(*_curl(f"{url}/v1/models"))
+        assert done.stdout.rpartition("\n")[2] == "200", done.stdout
+
+
+def test_the_peer_uid_is_read_from_proc_and_unknown_peers_are_refused():
+    from phi4cli.http_access import peer_uid_from_proc
+
+    for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        try:
+            listener = socket.socket(family)
+            listener.bind((address, 0))
+        except OSError:
+            continue  # no IPv6 here
+        with listener:
+            listener.listen()
+            with socket.create_connection(listener.getsockname()[:2]) as client:
+                accepted, peer = listener.accept()
+                with accepted:
+                    local = accepted.getsockname()[:2]
+                    assert peer_uid_from_proc(peer[:2], local) == os.getuid()
+                    assert client.getsockname()[:2] == peer[:2]
+                    # No such connection: the uid cannot be told.
+                    assert peer_uid_from_proc((address, 1), local) is None
+
+
+def test_a_peer_whose_uid_cannot_be_told_is_refused_fail_closed(tiny_model: Path):
+    import anyio
+    import httpx2
+
+    from phi4cli.backends import DaemonBackend
+    from phi4cli.config import Settings
+    from phi4cli.http_access import AccessPolicy
+    from phi4cli.http_api import create_app
+    from phi4cli.paths import get_paths
+
+    settings_ = Settings(model=str(tiny_model))
+    backend = DaemonBackend(get_paths(), settings_, tiny_model, lambda _m: None)
+
+    def status_with(uid: int | None) -> tuple[int, str]:
+        policy = AccessPolicy.create(["127.0.0.1"], peer_uid=lambda _c, _s: uid)
+        app = create_app(backend, settings_, str(tiny_model), "tiny-phi3", 0, None, policy)
+
+        async def ask() -> httpx2.Response:
+            transport = httpx2.ASGITransport(app=app)
+            async with httpx2.AsyncClient(transport=transport,
+                                          base_url="http://127.0.0.1") as client:  # fmt: skip
+                return await client.get("/metrics")
+
+        response = anyio.run(ask)
+        return response.status_code, response.text
+
+    status, text = status_with(None)
+    assert status == 403 and "cannot be told" in text and "--api-key" in text
+    assert status_with(os.getuid() + 1)[0] == 403
+    assert status_with(os.getuid())[0] == 200
+    backend.close()
+
+
+# --- What a request may hold, and which model answers it ---------------------------------------
+
+
+def test_lone_surrogates_and_deep_nesting_are_400s_naming_the_field(server: str):
+    # Before: "\ud800" in content gave a 500 (UnicodeEncodeError on the way to the daemon).
+    url = f"{server}/v1/chat/completions"
+    cases = {
+        '{"messages":[{"role":"user","content":"\\ud800"}]}': "messages[0].content",
+        '{"messages":[{"role":"system","content":"ok"},{"role":"user","content":"a\\udfff"}]}':
+            "messages[1].content",
+        '{"model":"\\ud800","messages":[{"role":"user","content":"hi"}]}': "model",
+        '{"stop":["x","\\udc00"],"messages":[{"role":"user","content":"hi"}]}': "stop[1]",
+        '{"messages":[{"role":"us\\ud800er","content":"hi"}]}': "messages[0].role",
+    }  # fmt: skip
+    for raw, field in cases.items():
+        status, message = refusal(fetch(url, raw.encode(), JSON))
+        assert status == 400 and message.startswith(f"{field} holds a lone surrogate"), raw
+    deep = b'{"messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, message = refusal(fetch(url, deep, JSON))
+    assert status == 400 and "nested too deeply" in message
+    status, text = fetch(url, chat_body(), JSON)  # and the server goes on
+    assert status == 200, text
+
+
+def test_a_request_for_another_model_is_a_404_naming_the_served_one(server: str):
+    # Before: a request for phi4-mini-reasoning was answered by whatever model was loaded.
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="phi4-mini-reasoning", max_tokens=2,
+                                       messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert "'phi4-mini-reasoning' is not served here" in error["message"]
+    assert "'tiny-phi3'" in error["message"]
+    for name in ("tiny-phi3", "TINY-PHI3", "tiny-phi3.gguf", "default"):
+        reply = client.chat.completions.create(
+            model=name, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert reply.model == "tiny-phi3"
+    status, text = fetch(f"{server}/v1/chat/completions", chat_body(), JSON)  # no model given
+    assert status == 200, text
+    status, message = refusal(fetch(f"{server}/v1/chat/completions", chat_body(model=3), JSON))
+    assert status == 400 and "'model' must be a string" in message
