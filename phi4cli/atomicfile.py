@@ -55,7 +55,7 @@ def open_user_file(path: Path, what: str) -> BinaryIO:
     (anyone else could have written into it), or cannot be opened at all. Nothing is read
     through a link and opening never blocks.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(path, what)
     fd = -1
     for _attempt in range(3):
         try:
@@ -75,10 +75,11 @@ def open_user_file(path: Path, what: str) -> BinaryIO:
     if fd < 0:
         raise RefusedFileError(f"cannot open the {what} {path}: it keeps changing; use another")
     try:
-        problem = not_ours(os.fstat(fd), path)
+        problem = not_ours(os.fstat(fd))
         if problem is not None:
-            raise RefusedFileError(f"the {what} {path} {problem}; phi4 will not use it: remove "
-                                   "it, or name another file")  # fmt: skip
+            remedy = "chmod go-w it" if "writable" in problem else "remove it"
+            raise RefusedFileError(f"the {what} {path} {problem}; phi4 will not use it: "
+                                   f"{remedy}, or name another file")  # fmt: skip
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         return os.fdopen(fd, "r+b")
     except BaseException:
@@ -90,11 +91,11 @@ def replace_user_file(path: Path, what: str, data: bytes) -> BinaryIO:
     """Put a new 0600 file holding ``data`` at ``path`` in place of whatever is there (a link is
     replaced, never written through), atomically, and return it open to append to. Raise
     RefusedFileError when it cannot (another user's file in a sticky directory such as /tmp)."""
+    _make_parent(path, what)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as exc:
-        raise RefusedFileError(_refusal(path, what, exc)) from None
+        raise RefusedFileError(_refusal(path, what, exc, "create")) from None
     handle = os.fdopen(fd, "r+b")
     try:
         handle.write(data)
@@ -111,7 +112,7 @@ def replace_user_file(path: Path, what: str, data: bytes) -> BinaryIO:
     return handle
 
 
-def not_ours(info: os.stat_result, path: Path) -> str | None:
+def not_ours(info: os.stat_result) -> str | None:
     """Why the file ``info`` describes is not one phi4 may trust as this user's, or None."""
     if stat.S_ISLNK(info.st_mode):
         return "is a symbolic link"
@@ -122,6 +123,16 @@ def not_ours(info: os.stat_result, path: Path) -> str | None:
     if info.st_mode & 0o022:
         return f"is writable by other users (mode {info.st_mode & 0o777:o})"
     return None
+
+
+def _make_parent(path: Path, what: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = "it is not a directory" if isinstance(exc, FileExistsError) else exc.strerror
+        raise RefusedFileError(
+            f"cannot create the {what} {path}: {path.parent}: {reason}"
+        ) from None
 
 
 def _refusal(path: Path, what: str, exc: OSError, verb: str = "open") -> str:

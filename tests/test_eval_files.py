@@ -214,3 +214,48 @@ def test_other_settings_or_another_engine_do_not_resume(tmp_path: Path):
         assert len(server.bodies) == 1 and not elsewhere.bodies, "nothing was asked again"
         again = run_phi4(*base, "--backend", server.url)
         assert again.returncode == 0 and "resuming: 1 of 1" in again.stderr
+
+
+def test_open_user_file_refuses_what_it_cannot_trust_and_never_blocks(tmp_path: Path):
+    from phi4cli.atomicfile import RefusedFileError, open_user_file
+
+    os.mkfifo(tmp_path / "fifo")  # ours, but a FIFO: opening it must not wait for a writer
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")  # O_EXCL must not create "nowhere"
+    (tmp_path / "shared").write_text("")
+    (tmp_path / "shared").chmod(0o664)
+    (tmp_path / "plain").write_text("")
+    cases = {
+        "fifo": "is not a regular file",
+        "dir": "Is a directory",
+        "dangling": "is a symbolic link",
+        "shared": "is writable by other users (mode 664); phi4 will not use it: chmod go-w it",
+        "plain/below": "plain: it is not a directory",
+    }
+    for name, said in cases.items():
+        with pytest.raises(RefusedFileError) as refused:
+            open_user_file(tmp_path / name, "results file")
+        assert said in str(refused.value), (name, str(refused.value))
+        assert "\n" not in str(refused.value)
+    assert not (tmp_path / "nowhere").exists()
+    with open_user_file(tmp_path / "new" / "out.jsonl", "results file") as handle:
+        assert handle.read() == b""
+        handle.write(b"one\n")
+    with open_user_file(tmp_path / "new" / "out.jsonl", "results file") as handle:
+        assert handle.read() == b"one\n"
+        handle.write(b"two\n")  # appended, whatever was read
+    assert (tmp_path / "new" / "out.jsonl").read_bytes() == b"one\ntwo\n"
+    assert stat.S_IMODE((tmp_path / "new" / "out.jsonl").stat().st_mode) == 0o600
+
+
+def test_a_results_path_that_cannot_be_a_file_is_one_line_and_exit_1(
+    tiny_model: Path, tmp_path: Path
+):
+    problems = _write_problems(tmp_path / "quiz.jsonl")
+    (tmp_path / "plain").write_text("")
+    result = _eval(problems, tiny_model, "-o", str(tmp_path / "plain" / "out.jsonl"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"phi4: error: cannot create the results file {tmp_path}/plain/out.jsonl: "
+        f"{tmp_path}/plain: it is not a directory"
+    ]
