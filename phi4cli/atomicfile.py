@@ -51,8 +51,9 @@ def open_user_file(path: Path, what: str) -> BinaryIO:
     """Return ``path`` open to read and to append to, created 0600 if it does not exist.
 
     Raise RefusedFileError, with one line naming ``what`` the file is for and what to do, when
-    it is a symbolic link, not a regular file, another user's, or writable by group or others
-    (anyone else could have written into it), or cannot be opened at all. Nothing is read
+    it is a symbolic link, not a regular file, another user's, a hard link (another user may
+    link a file of yours into /tmp), or writable by group or others (anyone else could have
+    written into it), or cannot be opened at all. Nothing is read
     through a link and opening never blocks.
     """
     _make_parent(path, what)
@@ -120,6 +121,8 @@ def not_ours(info: os.stat_result) -> str | None:
         return "is not a regular file"
     if info.st_uid != os.getuid():
         return f"belongs to uid {info.st_uid}, not you"
+    if info.st_nlink != 1:  # another name for it, made by anyone: ~/.bashrc, say
+        return f"has {info.st_nlink - 1} other name(s) (hard links)"
     if info.st_mode & 0o022:
         return f"is writable by other users (mode {info.st_mode & 0o777:o})"
     return None

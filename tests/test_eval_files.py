@@ -259,3 +259,16 @@ def test_a_results_path_that_cannot_be_a_file_is_one_line_and_exit_1(
         f"phi4: error: cannot create the results file {tmp_path}/plain/out.jsonl: "
         f"{tmp_path}/plain: it is not a directory"
     ]
+
+
+def test_a_hard_link_to_a_file_of_yours_is_not_appended_to(tiny_model: Path, shared_dir: Path):
+    # Where fs.protected_hardlinks is 0, any user can link a file of yours (~/.bashrc) into
+    # /tmp under the results file's name: a regular file of yours, mode 644, but not eval's.
+    problems = _write_problems(shared_dir / "quiz.jsonl")
+    victim = shared_dir / "notes.txt"
+    victim.write_text("my own notes\n")
+    os.link(victim, shared_dir / "quiz.jsonl.results.jsonl")
+    result = _eval(problems, tiny_model)
+    assert result.returncode == 1
+    assert "has 1 other name(s) (hard links); phi4 will not use it" in result.stderr
+    assert victim.read_text() == "my own notes\n"
