@@ -135,12 +135,28 @@ def run_identity(job: SolveJob, samples: int) -> dict[str, Any]:
     from phi4cli.backends import RemoteBackend
 
     base = job.base
-    backend = job.backend.engine.url if isinstance(job.backend, RemoteBackend) else None
+    backend = (
+        _without_secrets(job.backend.engine.url) if isinstance(job.backend, RemoteBackend) else None
+    )
     identity: dict[str, Any] = {key: base.get(key) for key in RUN_KEYS if key in base}
     model_file = None if backend else model_file_identity(Path(base["model"]))
     identity.update(backend=backend, instruction=job.instruction, samples=samples,
                     model_file=model_file)  # fmt: skip
     return dict(json.loads(json.dumps({key: identity.get(key) for key in RUN_KEYS})))
+
+
+def _without_secrets(url: str) -> str:
+    """``url`` without a user name or password: a results file is shared more than a key is."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def model_file_identity(path: Path) -> dict[str, Any] | None:

@@ -272,3 +272,21 @@ def test_a_hard_link_to_a_file_of_yours_is_not_appended_to(tiny_model: Path, sha
     assert result.returncode == 1
     assert "has 1 other name(s) (hard links); phi4 will not use it" in result.stderr
     assert victim.read_text() == "my own notes\n"
+
+
+def test_a_backend_url_is_recorded_without_its_password():
+    import io
+
+    from phi4cli.backends import RemoteBackend
+    from phi4cli.environment import Environment
+    from phi4cli.grading import run_identity
+    from phi4cli.solving import SolveJob
+
+    backend = RemoteBackend("http://me:s3cret@127.0.0.1:8080/v1", "m", "sk-key", 5.0)
+    env = Environment(io.StringIO(), io.StringIO(), io.StringIO())
+    job = SolveJob(backend, env, {"model": "m", "temperature": 0.0}, instruction="Box it.")
+    run = run_identity(job, 2)
+    assert run["backend"] == "http://127.0.0.1:8080/v1"
+    assert "s3cret" not in json.dumps(run) and "sk-key" not in json.dumps(run)
+    assert (run["model"], run["model_file"], run["instruction"], run["samples"]) == (
+        "m", None, "Box it.", 2)  # fmt: skip
