@@ -53,8 +53,8 @@ def open_user_file(path: Path, what: str) -> BinaryIO:
     Raise RefusedFileError, with one line naming ``what`` the file is for and what to do, when
     it is a symbolic link, not a regular file, another user's, a hard link (another user may
     link a file of yours into /tmp), or writable by group or others (anyone else could have
-    written into it), or cannot be opened at all. Nothing is read
-    through a link and opening never blocks.
+    written into it), or cannot be opened at all. Nothing is read through a link and opening
+    never blocks.
     """
     _make_parent(path, what)
     fd = -1

@@ -110,7 +110,7 @@ def judge(item: Item, outcomes: list[Outcome]) -> dict[str, Any]:
     return record
 
 
-RESULTS = "results file"
+RESULTS_FILE = "results file"  # what the refusals call it
 # What a results record says about the run that made it; a rerun resumes only records whose
 # run is this one's, so another model's verdicts are never reported as this model's.
 RUN_KEYS = ("model", "model_file", "backend", "system", "instruction", "temperature", "top_p",
@@ -268,8 +268,8 @@ def open_results(output: Path, items: list[Item], run: dict[str, Any],
     a regular file of this user's, or holds records of another model or other settings and
     ``policy`` does not say what to do with them."""
     if policy.restart:
-        return replace_user_file(output, RESULTS, b""), {}
-    results = open_user_file(output, RESULTS)
+        return replace_user_file(output, RESULTS_FILE, b""), {}
+    results = open_user_file(output, RESULTS_FILE)
     try:
         try:
             text = results.read().decode("utf-8")
@@ -286,11 +286,12 @@ def open_results(output: Path, items: list[Item], run: dict[str, Any],
         raise
     results.close()
     # Forced: the other runs' records become this run's, so that the next rerun resumes them
-    # too; the rest of the file (stale records, other problems) goes.
-    done = {line: {**record, "run": run} for line, record in earlier.adoptable.items()}
+    # too, each saying which run it came from; the rest (stale records, other problems) goes.
+    done = {line: {**record, "run": run, "adopted_from": record.get("run")}
+            for line, record in earlier.adoptable.items()}  # fmt: skip
     done.update(earlier.done)
     kept = [done[item.line] for item in items if item.line in done]
-    return replace_user_file(output, RESULTS, _lines(kept)), done
+    return replace_user_file(output, RESULTS_FILE, _lines(kept)), done
 
 
 def run_eval(

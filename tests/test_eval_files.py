@@ -165,7 +165,9 @@ def test_a_rerun_with_another_model_does_not_resume_and_the_flags_do_what_they_s
     forced = _eval(problems, tiny_model, "--force-resume")
     assert forced.returncode == 0, forced.stderr
     assert "resuming: 2 of 2 problems are already in" in forced.stderr
-    assert {r["run"]["model"] for r in _records(results)} == {str(tiny_model)}
+    adopted = _records(results)
+    assert {r["run"]["model"] for r in adopted} == {str(tiny_model)}
+    assert {r["adopted_from"]["model"] for r in adopted} == {str(tiny_reasoning_model)}
     plain = _eval(problems, tiny_model)  # counted as the tiny model's from now on
     assert plain.returncode == 0, plain.stderr
     assert "resuming: 2 of 2" in plain.stderr
