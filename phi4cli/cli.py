@@ -385,20 +385,38 @@ def eval_(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the summary as one JSON object.")
     ] = False,
+    restart: Annotated[
+        bool,
+        typer.Option(
+            "--restart",
+            help="Start the results file over (replaced atomically), solving every problem.",
+        ),
+    ] = False,
+    force_resume: Annotated[
+        bool,
+        typer.Option(
+            "--force-resume",
+            help="Resume from results made by another model or other settings too, as if "
+            "this run had made them.",
+        ),
+    ] = False,
     no_instruction: NoInstructionOption = False,
 ) -> int:
     """Solve problems with known answers and report accuracy (math-verify judges each answer)."""
     from phi4cli.environment import Environment
-    from phi4cli.grading import read_items, run_eval, summary
+    from phi4cli.grading import MismatchPolicy, read_items, run_eval, summary
     from phi4cli.render import format_eval
     from phi4cli.solving import make_job
 
+    if restart and force_resume:
+        raise UsageError("--restart and --force-resume contradict each other; give one")
     env = Environment()
     items = read_items(file, problem_field, answer_field)
     results = output or file.with_name(file.name + ".results.jsonl")
     job = make_job(env, model, dict(answer), no_instruction)
+    policy = MismatchPolicy(restart=restart, force=force_resume)
     try:
-        records, seconds = run_eval(job, items, samples, results, jsonl)
+        records, seconds = run_eval(job, items, samples, results, jsonl, policy)
     except KeyboardInterrupt:
         _stderr(f"interrupted: what was finished is in {results}; run the same command to resume")
         raise

@@ -2,7 +2,10 @@
 
 Each problem's answer is judged against its reference with math-verify (``reasoning.same_answer``),
 so ``0.5`` is right for ``\\frac{1}{2}``. Results go to a JSONL file as each problem finishes; a
-second run over the same file skips what is already there, so an interrupted evaluation resumes.
+second run over the same file skips what is already there, so an interrupted evaluation resumes,
+but only records that say they were made by the same run (model file, engine, instruction,
+sampling): another model's verdicts must never be reported as this one's. The results file sits
+next to a user-given path, perhaps in /tmp, so it is opened by ``atomicfile.open_user_file``.
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from phi4cli.atomicfile import RefusedFileError, open_user_file, replace_user_file
 from phi4cli.errors import UsageError
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event
@@ -23,7 +28,7 @@ from phi4cli.solving import FileProgress, ProgressNotice, SolveJob
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, BinaryIO
 
 STATUSES = ("correct", "wrong", "no_answer", "truncated", "error")
 
@@ -105,38 +110,202 @@ def judge(item: Item, outcomes: list[Outcome]) -> dict[str, Any]:
     return record
 
 
-def load_done(output: Path, items: list[Item], samples: int) -> dict[int, dict[str, Any]]:
-    """The records of an earlier run into ``output`` that match these problems, their reference
-    answers and the number of samples, by line; anything else is solved again."""
+RESULTS_FILE = "results file"  # what the refusals call it
+# What a results record says about the run that made it; a rerun resumes only records whose
+# run is this one's, so another model's verdicts are never reported as this model's.
+RUN_KEYS = ("model", "model_file", "backend", "system", "instruction", "temperature", "top_p",
+            "seed", "max_tokens", "think_budget", "samples")  # fmt: skip
+# Enough of a GGUF to cover its header and metadata: a file replaced in place under the same
+# size and mtime still differs here.
+_HEAD_BYTES = 1 << 20
+
+
+class MismatchPolicy(Record):
+    """What a rerun does with records of another run: refuse (the default), ``restart`` (replace
+    the file with an empty one) or ``force`` (count them as this run's)."""
+
+    restart: bool = False
+    force: bool = False
+
+
+def run_identity(job: SolveJob, samples: int) -> dict[str, Any]:
+    """What decides a run's answers: the model (its path or name, and for a local file its size,
+    mtime and a hash of its first MiB), the remote engine's URL, the system prompt, the
+    instruction and the sampling settings. As JSON would read it back, to compare with records."""
+    from phi4cli.backends import RemoteBackend
+
+    base = job.base
+    backend = (
+        _without_secrets(job.backend.engine.url) if isinstance(job.backend, RemoteBackend) else None
+    )
+    identity: dict[str, Any] = {key: base.get(key) for key in RUN_KEYS if key in base}
+    model_file = None if backend else model_file_identity(Path(base["model"]))
+    identity.update(backend=backend, instruction=job.instruction, samples=samples,
+                    model_file=model_file)  # fmt: skip
+    return dict(json.loads(json.dumps({key: identity.get(key) for key in RUN_KEYS})))
+
+
+def _without_secrets(url: str) -> str:
+    """``url`` without a user name or password: a results file is shared more than a key is."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def model_file_identity(path: Path) -> dict[str, Any] | None:
+    """Size, mtime and a hash of the head of the GGUF at ``path`` (None if it cannot be read)."""
+    import hashlib
+
+    try:
+        with path.open("rb") as handle:
+            info = os.fstat(handle.fileno())
+            head = hashlib.sha256(handle.read(_HEAD_BYTES)).hexdigest()
+    except OSError:
+        return None
+    return {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "head_sha256": head}
+
+
+class EarlierResults(Record):
+    """What a results file holds, against the problems and the run of now."""
+
+    done: dict[int, dict[str, Any]]  # this run's records of these problems, by line
+    adoptable: dict[int, dict[str, Any]]  # other runs' records of these problems, by line
+    foreign: int  # records of another run (or of no stated run)
+    unlabelled: int  # of those, records that do not say what made them (an older phi4)
+    differences: tuple[str, ...]  # how the first foreign record's run differs, in words
+
+
+def read_earlier(text: str, items: list[Item], run: dict[str, Any]) -> EarlierResults:
+    """Sort the records of ``text`` (a results file) into this run's for these problems, their
+    reference answers and number of samples, and other runs'; a problem whose text or reference
+    changed, an error, or a damaged record is solved again."""
     wanted = {item.line: (item.problem, item.reference) for item in items}
     done: dict[int, dict[str, Any]] = {}
-    try:
-        lines = output.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return done
-    except (OSError, UnicodeDecodeError):
-        raise UsageError(f"cannot read the results file {output}; move it away") from None
-    for raw in lines:
+    adoptable: dict[int, dict[str, Any]] = {}
+    foreign = unlabelled = 0
+    differences: tuple[str, ...] = ()
+    for raw in text.splitlines():
         try:
             record = json.loads(raw)
         except json.JSONDecodeError:
             continue  # a line cut short by an interruption: that problem is solved again
         if not isinstance(record, dict) or not isinstance(record.get("line"), int):
             continue
+        theirs = record.get("run")
+        ours = theirs == run
+        if not ours:
+            foreign += 1
+            if isinstance(theirs, dict):
+                differences = differences or describe_differences(theirs, run)
+            else:
+                unlabelled += 1
         same = wanted.get(record["line"]) == (record.get("problem"), record.get("reference"))
-        complete = (record.get("status") in STATUSES and record.get("k") == samples
+        complete = (record.get("status") in STATUSES and record.get("k") == run["samples"]
                     and all(isinstance(record.get(key), int)
                             for key in ("reasoning_tokens", "completion_tokens")))  # fmt: skip
         if same and complete and record["status"] != "error":  # errors are tried again
-            done[record["line"]] = record
-    return done
+            (done if ours else adoptable)[record["line"]] = record
+    return EarlierResults(done, adoptable, foreign, unlabelled, differences)
 
 
-def run_eval(job: SolveJob, items: list[Item], samples: int, output: Path,
-             jsonl: bool) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
+def describe_differences(theirs: dict[str, Any], run: dict[str, Any]) -> tuple[str, ...]:
+    """How the run ``theirs`` differs from ``run``, one phrase a setting: "model a.gguf, not
+    b.gguf", "max_tokens 16, not 17", "another instruction"."""
+    said = []
+    for key in RUN_KEYS:
+        old, new = theirs.get(key), run[key]
+        if old == new:
+            continue
+        if key == "model":
+            said.append(f"model {_model_name(old)}, not {_model_name(new)}")
+        elif key == "model_file":
+            if theirs.get("model") == run["model"]:  # another model's file differs, of course
+                said.append("the model file changed since")
+        elif key in ("system", "instruction"):
+            said.append(f"another {key}")
+        else:
+            said.append(f"{key} {_short(old)}, not {_short(new)}")
+    return tuple(said) or ("other settings",)
+
+
+def _model_name(model: Any) -> str:
+    return Path(model).name if isinstance(model, str) else _short(model)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _mismatch_message(output: Path, earlier: EarlierResults) -> str:
+    many = earlier.foreign != 1
+    count = f"{earlier.foreign} result{'s' if many else ''}"
+    if earlier.unlabelled == earlier.foreign:
+        what = (f"{count} that {'do' if many else 'does'} not say which model and settings made "
+                f"{'them' if many else 'it'} (an older phi4?)")  # fmt: skip
+    else:
+        what = f"{count} of another run ({'; '.join(earlier.differences)})"
+    return (f"the results file {output} holds {what}: --restart starts it over, --force-resume "
+            "counts them as this run's, or -o names another file")  # fmt: skip
+
+
+def _lines(records: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+
+
+def open_results(output: Path, items: list[Item], run: dict[str, Any],
+                 policy: MismatchPolicy) -> tuple[BinaryIO, dict[int, dict[str, Any]]]:  # fmt: skip
+    """The results file open to append to, and this run's records already in it, by line.
+
+    Raise RefusedFileError (one line, exit 1) when the file is a link, a FIFO or anything but
+    a regular file of this user's, or holds records of another model or other settings and
+    ``policy`` does not say what to do with them."""
+    if policy.restart:
+        return replace_user_file(output, RESULTS_FILE, b""), {}
+    results = open_user_file(output, RESULTS_FILE)
+    try:
+        try:
+            text = results.read().decode("utf-8")
+        except UnicodeDecodeError:
+            raise RefusedFileError(f"the results file {output} is not UTF-8 text (not phi4's?): "
+                                   "move it away, or --restart replaces it") from None  # fmt: skip
+        earlier = read_earlier(text, items, run)
+        if not earlier.foreign:
+            return results, earlier.done
+        if not policy.force:
+            raise RefusedFileError(_mismatch_message(output, earlier))
+    except BaseException:
+        results.close()
+        raise
+    results.close()
+    # Forced: the other runs' records become this run's, so that the next rerun resumes them
+    # too, each saying which run it came from; the rest (stale records, other problems) goes.
+    done = {line: {**record, "run": run, "adopted_from": record.get("run")}
+            for line, record in earlier.adoptable.items()}  # fmt: skip
+    done.update(earlier.done)
+    kept = [done[item.line] for item in items if item.line in done]
+    return replace_user_file(output, RESULTS_FILE, _lines(kept)), done
+
+
+def run_eval(
+    job: SolveJob,
+    items: list[Item],
+    samples: int,
+    output: Path,
+    jsonl: bool,
+    policy: MismatchPolicy | None = None,
+) -> tuple[list[dict[str, Any]], float]:
     """Solve the problems not in ``output`` yet, appending each record as it is judged; return
-    every record (earlier ones included) and the seconds this run took."""
-    done = load_done(output, items, samples)
+    every record (earlier ones of this run included) and the seconds this run took."""
+    run = run_identity(job, samples)
+    results, done = open_results(output, items, run, policy or MismatchPolicy())
     todo = [item for item in items if item.line not in done]
     if done:
         job.announce(f"resuming: {len(done)} of {len(items)} problems are already in {output}")
@@ -151,11 +320,6 @@ def run_eval(job: SolveJob, items: list[Item], samples: int, output: Path,
     remaining = [samples] * len(todo)
     progress = FileProgress(len(todo), job.env)
     loading = ProgressNotice(job.announce)
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        results = output.open("a", encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot write the results file {output}: {exc.strerror}") from None
 
     def on_event(index: int, event: Event) -> None:
         i, k = keys[index]
@@ -167,10 +331,10 @@ def run_eval(job: SolveJob, items: list[Item], samples: int, output: Path,
         remaining[i] -= 1
         if remaining[i]:
             return
-        record = judge(todo[i], [outcomes[(i, s)] for s in range(samples)])
+        record = {**judge(todo[i], [outcomes[(i, s)] for s in range(samples)]), "run": run}
         done[todo[i].line] = record
         line = json.dumps(record, ensure_ascii=False)
-        results.write(line + "\n")
+        results.write(line.encode() + b"\n")
         results.flush()  # an interruption keeps every problem finished so far
         if jsonl:
             job.print(line)

@@ -1,0 +1,294 @@
+"""`phi4 eval`'s results file: nobody else's link, FIFO or records are used, and a rerun resumes
+only the records its own model and settings made."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_phi4
+from tests.scripted_server import Step, scripted_server, separated
+
+PROBLEMS = [{"problem": "What is 1+1?", "answer": "2"}, {"problem": "What is 2+2?", "answer": "4"}]
+NOBODY = 65534
+
+
+def _write_problems(path: Path, rows: list[dict[str, str]] = PROBLEMS) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _eval(problems: Path, model: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return run_phi4("eval", str(problems), "-m", str(model), "-n", "8", "--json", *extra)
+
+
+def _correct(line: int, row: dict[str, str]) -> str:
+    """A forged record: the reference answer, judged correct."""
+    return (
+        json.dumps(
+            {
+                "line": line,
+                "problem": row["problem"],
+                "reference": row["answer"],
+                "answer": row["answer"],
+                "status": "correct",
+                "correct": True,
+                "k": 1,
+                "reasoning_tokens": 0,
+                "completion_tokens": 1,
+                "seconds": 0.1,
+            }
+        )
+        + "\n"
+    )
+
+
+def _as_nobody(*command: str) -> None:
+    subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                    *command], check=True, timeout=30)  # fmt: skip
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory every user may write to, sticky, as /tmp is (and reachable by nobody)."""
+    directory = Path(tempfile.mkdtemp(prefix="p4-shared-", dir="/tmp"))
+    directory.chmod(0o1777)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_fresh_results_file_is_private_and_says_what_made_it(tiny_model: Path, tmp_path: Path):
+    problems = _write_problems(tmp_path / "quiz.jsonl")
+    result = _eval(problems, tiny_model, "-t", "0")
+    assert result.returncode == 0, result.stderr
+    results = tmp_path / "quiz.jsonl.results.jsonl"
+    assert stat.S_IMODE(results.stat().st_mode) == 0o600, "before: 644, as the umask made it"
+    records = _records(results)
+    assert [r["line"] for r in records] == [1, 2]
+    run = records[0]["run"]
+    assert run["model"] == str(tiny_model) and run["backend"] is None
+    assert run["model_file"]["size"] == tiny_model.stat().st_size
+    assert len(run["model_file"]["head_sha256"]) == 64
+    assert (run["temperature"], run["max_tokens"], run["samples"]) == (0.0, 8, 1)
+    assert "boxed" in run["instruction"]
+    again = _eval(problems, tiny_model, "-t", "0")
+    assert again.returncode == 0, again.stderr
+    assert "resuming: 2 of 2 problems are already in" in again.stderr
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second user")
+@pytest.mark.parametrize("plant", ["symlink", "fifo", "their file", "our file they can write"])
+def test_a_results_file_planted_by_another_user_is_refused(
+    plant: str, tiny_model: Path, shared_dir: Path, tmp_path: Path
+):
+    # Before: eval appended through the link into the victim's own file, hung on the FIFO, and
+    # reported "accuracy": 1.0 from forged records ("resuming: 2 of 2").
+    problems = _write_problems(shared_dir / "quiz.jsonl")
+    results = shared_dir / "quiz.jsonl.results.jsonl"
+    victim = tmp_path / "precious.txt"
+    victim.write_text("my own notes\n")
+    forged = "".join(_correct(n, row) for n, row in enumerate(PROBLEMS, 1))
+    if plant == "symlink":
+        _as_nobody("ln", "-s", str(victim), str(results))
+    elif plant == "fifo":
+        _as_nobody("mkfifo", "-m", "666", str(results))
+    elif plant == "their file":
+        _as_nobody("sh", "-c", 'umask 022; printf %s "$1" > "$2"', "sh", forged, str(results))
+    else:
+        results.touch()
+        results.chmod(0o666)
+        _as_nobody("sh", "-c", 'printf %s "$1" >> "$2"', "sh", forged, str(results))
+    before = os.lstat(results)
+    result = _eval(problems, tiny_model)  # a FIFO that blocked would time this out
+    assert result.returncode == 1, result.stderr
+    assert result.stdout == "" and "accuracy" not in result.stdout
+    assert "resuming" not in result.stderr
+    expected = {"symlink": "is a symbolic link", "fifo": "is not a regular file",
+                "their file": "belongs to uid 65534", "our file they can write":
+                "is writable by other users (mode 666)"}[plant]  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"results file {results} {expected}" in lines[0], result.stderr
+    assert victim.read_text() == "my own notes\n", "written through the link"
+    after = os.lstat(results)
+    assert (after.st_ino, after.st_size, after.st_uid) == (before.st_ino, before.st_size,
+                                                          before.st_uid)  # fmt: skip
+    # --restart puts a new file of ours in its place (in a sticky directory, only root may
+    # replace another user's file; anyone else is told they cannot).
+    fresh = _eval(problems, tiny_model, "--restart")
+    assert fresh.returncode == 0, fresh.stderr
+    info = os.lstat(results)
+    assert stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
+    assert stat.S_IMODE(info.st_mode) == 0o600
+    assert victim.read_text() == "my own notes\n"
+    assert json.loads(fresh.stdout)["problems"] == 2
+
+
+def test_a_rerun_with_another_model_does_not_resume_and_the_flags_do_what_they_say(
+    tiny_model: Path, tiny_reasoning_model: Path, tmp_path: Path
+):
+    # Before: a rerun with -m tiny-reasoning.gguf printed "resuming: 2 of 2" and the tiny
+    # model's table.
+    problems = _write_problems(tmp_path / "quiz.jsonl")
+    results = tmp_path / "quiz.jsonl.results.jsonl"
+    assert _eval(problems, tiny_model).returncode == 0
+    made_by_tiny = results.read_bytes()
+    other = _eval(problems, tiny_reasoning_model)
+    assert other.returncode == 1
+    assert "resuming" not in other.stderr
+    assert (f"the results file {results} holds 2 results of another run (model tiny-phi3.gguf, "
+            "not tiny-reasoning.gguf): --restart starts it over") in other.stderr  # fmt: skip
+    assert len(other.stderr.strip().splitlines()) == 1, other.stderr
+    assert results.read_bytes() == made_by_tiny, "refused, and nothing changed"
+
+    restarted = _eval(problems, tiny_reasoning_model, "--restart")
+    assert restarted.returncode == 0, restarted.stderr
+    assert "resuming" not in restarted.stderr
+    records = _records(results)
+    assert [r["line"] for r in records] == [1, 2], "the tiny model's records are gone"
+    assert {r["run"]["model"] for r in records} == {str(tiny_reasoning_model)}
+
+    forced = _eval(problems, tiny_model, "--force-resume")
+    assert forced.returncode == 0, forced.stderr
+    assert "resuming: 2 of 2 problems are already in" in forced.stderr
+    adopted = _records(results)
+    assert {r["run"]["model"] for r in adopted} == {str(tiny_model)}
+    assert {r["adopted_from"]["model"] for r in adopted} == {str(tiny_reasoning_model)}
+    plain = _eval(problems, tiny_model)  # counted as the tiny model's from now on
+    assert plain.returncode == 0, plain.stderr
+    assert "resuming: 2 of 2" in plain.stderr
+    both = run_phi4("eval", str(problems), "-m", str(tiny_model), "--restart", "--force-resume")
+    assert both.returncode == 2 and "contradict" in both.stderr
+
+
+def test_records_that_do_not_say_what_made_them_are_not_resumed(tiny_model: Path, tmp_path: Path):
+    # As an older phi4 wrote them, or as a forger would: all "correct".
+    problems = _write_problems(tmp_path / "quiz.jsonl")
+    results = tmp_path / "out.jsonl"
+    results.write_text("".join(_correct(n, row) for n, row in enumerate(PROBLEMS, 1)))
+    refused = _eval(problems, tiny_model, "-o", str(results))
+    assert refused.returncode == 1
+    assert "holds 2 results that do not say which model and settings made them" in refused.stderr
+    fresh = _eval(problems, tiny_model, "-o", str(results), "--restart")
+    assert fresh.returncode == 0, fresh.stderr
+    assert json.loads(fresh.stdout)["accuracy"] == 0.0, "the tiny model gets nothing right"
+
+
+def _boxed_one(_body: dict[str, Any]) -> list[str | Step]:
+    return separated("reasoning_content", ["Think."], ["$\\boxed{1}$"])
+
+
+def test_other_settings_or_another_engine_do_not_resume(tmp_path: Path):
+    problems = _write_problems(tmp_path / "set.jsonl", [{"problem": "p1", "answer": "1"}])
+    results = tmp_path / "out.jsonl"
+    with scripted_server(_boxed_one) as server, scripted_server(_boxed_one) as elsewhere:
+        base = ["eval", str(problems), "-m", "m", "-o", str(results), "--json"]
+        assert run_phi4(*base, "--backend", server.url).returncode == 0
+        cases = {
+            ("-n", "99"): "max_tokens null, not 99",
+            ("-t", "0.1"): "temperature 0.8, not 0.1",
+            ("--seed", "7"): "seed null, not 7",
+            ("-k", "2"): "samples 1, not 2",
+            ("--no-instruction",): "another instruction",
+            ("-m", "other"): "model m, not other",
+        }
+        for extra, said in cases.items():
+            refused = run_phi4(*base, "--backend", server.url, *extra)
+            assert refused.returncode == 1, (extra, refused.stderr)
+            assert f"of another run ({said})" in refused.stderr, (extra, refused.stderr)
+        moved = run_phi4(*base, "--backend", elsewhere.url)
+        assert moved.returncode == 1
+        assert f'backend "{server.url}", not "{elsewhere.url}"' in moved.stderr, moved.stderr
+        assert len(server.bodies) == 1 and not elsewhere.bodies, "nothing was asked again"
+        again = run_phi4(*base, "--backend", server.url)
+        assert again.returncode == 0 and "resuming: 1 of 1" in again.stderr
+
+
+def test_open_user_file_refuses_what_it_cannot_trust_and_never_blocks(tmp_path: Path):
+    from phi4cli.atomicfile import RefusedFileError, open_user_file
+
+    os.mkfifo(tmp_path / "fifo")  # ours, but a FIFO: opening it must not wait for a writer
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")  # O_EXCL must not create "nowhere"
+    (tmp_path / "shared").write_text("")
+    (tmp_path / "shared").chmod(0o664)
+    (tmp_path / "plain").write_text("")
+    cases = {
+        "fifo": "is not a regular file",
+        "dir": "Is a directory",
+        "dangling": "is a symbolic link",
+        "shared": "is writable by other users (mode 664); phi4 will not use it: chmod go-w it",
+        "plain/below": "plain: it is not a directory",
+    }
+    for name, said in cases.items():
+        with pytest.raises(RefusedFileError) as refused:
+            open_user_file(tmp_path / name, "results file")
+        assert said in str(refused.value), (name, str(refused.value))
+        assert "\n" not in str(refused.value)
+    assert not (tmp_path / "nowhere").exists()
+    with open_user_file(tmp_path / "new" / "out.jsonl", "results file") as handle:
+        assert handle.read() == b""
+        handle.write(b"one\n")
+    with open_user_file(tmp_path / "new" / "out.jsonl", "results file") as handle:
+        assert handle.read() == b"one\n"
+        handle.write(b"two\n")  # appended, whatever was read
+    assert (tmp_path / "new" / "out.jsonl").read_bytes() == b"one\ntwo\n"
+    assert stat.S_IMODE((tmp_path / "new" / "out.jsonl").stat().st_mode) == 0o600
+
+
+def test_a_results_path_that_cannot_be_a_file_is_one_line_and_exit_1(
+    tiny_model: Path, tmp_path: Path
+):
+    problems = _write_problems(tmp_path / "quiz.jsonl")
+    (tmp_path / "plain").write_text("")
+    result = _eval(problems, tiny_model, "-o", str(tmp_path / "plain" / "out.jsonl"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"phi4: error: cannot create the results file {tmp_path}/plain/out.jsonl: "
+        f"{tmp_path}/plain: it is not a directory"
+    ]
+
+
+def test_a_hard_link_to_a_file_of_yours_is_not_appended_to(tiny_model: Path, shared_dir: Path):
+    # Where fs.protected_hardlinks is 0, any user can link a file of yours (~/.bashrc) into
+    # /tmp under the results file's name: a regular file of yours, mode 644, but not eval's.
+    problems = _write_problems(shared_dir / "quiz.jsonl")
+    victim = shared_dir / "notes.txt"
+    victim.write_text("my own notes\n")
+    os.link(victim, shared_dir / "quiz.jsonl.results.jsonl")
+    result = _eval(problems, tiny_model)
+    assert result.returncode == 1
+    assert "has 1 other name(s) (hard links); phi4 will not use it" in result.stderr
+    assert victim.read_text() == "my own notes\n"
+
+
+def test_a_backend_url_is_recorded_without_its_password():
+    import io
+
+    from phi4cli.backends import RemoteBackend
+    from phi4cli.environment import Environment
+    from phi4cli.grading import run_identity
+    from phi4cli.solving import SolveJob
+
+    backend = RemoteBackend("http://me:s3cret@127.0.0.1:8080/v1", "m", "sk-key", 5.0)
+    env = Environment(io.StringIO(), io.StringIO(), io.StringIO())
+    job = SolveJob(backend, env, {"model": "m", "temperature": 0.0}, instruction="Box it.")
+    run = run_identity(job, 2)
+    assert run["backend"] == "http://127.0.0.1:8080/v1"
+    assert "s3cret" not in json.dumps(run) and "sk-key" not in json.dumps(run)
+    assert (run["model"], run["model_file"], run["instruction"], run["samples"]) == (
+        "m", None, "Box it.", 2)  # fmt: skip
