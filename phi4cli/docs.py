@@ -89,7 +89,7 @@ ENVIRONMENT = [
     ("PHI4_RAMDISK_MODE", "Stage the model in RAM: auto, on or off."),
     ("PHI4_RAMDISK", "Directory to stage the model in (default /dev/shm/phi4-UID)."),
     ("PHI4_DEBUG", "Show tracebacks with errors."),
-    ("NO_COLOR", "Plain output even at a terminal."),
+    ("NO_COLOR", "No colour at a terminal; bold, the live line and the layout stay."),
     ("HF_ENDPOINT", "Hugging Face endpoint used by phi4 pull."),
 ]
 FILES = [

@@ -173,7 +173,7 @@ def run_eval(job: SolveJob, items: list[Item], samples: int, output: Path,
         results.write(line + "\n")
         results.flush()  # an interruption keeps every problem finished so far
         if jsonl:
-            job.print(line)
+            job.print_json(record)
         progress.advance()
 
     with results, progress:
