@@ -226,10 +226,7 @@ class TerminalPresenter:
             if self._reasoning_open:
                 self.err.print(self._reasoning_cleaner.flush(), style="dim", markup=False)
                 self._reasoning_open = False
-            if self._reasoning_tokens and self._thought_s is None and self.err.is_terminal:
-                self._thought_s = now - self._started
-                # The spinner goes; this trace of it stays, above the answer (stderr).
-                self.err.print(f"Thought for {self._thought_s:.1f} s", style="dim", markup=False)
+            self._thought()  # the spinner goes; this trace of it stays, above the answer
             self._solution = self._solution + text if kind == EventKind.TOKEN else ""
             if self._live is None:
                 from rich.live import Live
@@ -269,6 +266,13 @@ class TerminalPresenter:
         if outcome.solution.strip():
             self.out.print(Markdown(markdown_source(clean_text(outcome.solution))))
 
+    def _thought(self) -> None:
+        """Once the thinking is over: a dim line on stderr saying how long it took, where the
+        live line was (at a terminal only, once)."""
+        if self._reasoning_tokens and self._thought_s is None and self.err.is_terminal:
+            self._thought_s = time.monotonic() - self._started
+            self.err.print(f"Thought for {self._thought_s:.1f} s", style="dim", markup=False)
+
     def print_outcome(
         self, outcome: Outcome, agreement: str | None, answer: str | None = None
     ) -> None:
@@ -279,6 +283,7 @@ class TerminalPresenter:
         self.stop()
         if self._reasoning_open:
             self.err.print(self._reasoning_cleaner.flush(), style="dim", markup=False)
+        self._thought()  # no answer came after the thinking: say it here
         if outcome.solution.strip():
             self.out.print(Markdown(markdown_source(clean_text(outcome.solution))))
         final = outcome.answer if answer is None else answer
@@ -399,7 +404,7 @@ def format_settings(sources: dict[str, tuple[Any, str]]) -> str:
         if shown is None:
             shown = unset.get(key, "none")
         lines.append(f"{key:<{width}}  {shown!s:<24}  {source}")
-    return "\n".join(lines)
+    return clean_text("\n".join(lines))  # a system prompt in the config is anyone's text
 
 
 def format_models(rows: list[Any]) -> str:
@@ -412,7 +417,7 @@ def format_models(rows: list[Any]) -> str:
         fetch = f"phi4 pull {row.name}" if row.source.startswith("hf:") else row.source
         where = row.path if row.present else f"get it: {fetch}"
         lines.append(f"{'':<{width}}  {'':>11}  {where}")
-    return "\n".join(lines)
+    return clean_text("\n".join(lines))
 
 
 def format_rows(rows: list[tuple[str, object]], gap: int = 2) -> str:

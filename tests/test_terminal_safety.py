@@ -213,6 +213,21 @@ def test_the_terminal_presenter_cleans_thinking_solution_and_answer():
     assert re.search(r"Thought for \d+\.\d s", err.getvalue()), "a trace of the thinking stays"
 
 
+def test_thinking_that_never_reached_an_answer_leaves_its_trace_once():
+    presenter = TerminalPresenter(show_reasoning=False, verbose=False)
+    out, err = io.StringIO(), io.StringIO()
+    presenter.out = Console(file=out, force_terminal=True, width=100, highlight=False)
+    presenter.err = Console(file=err, force_terminal=True, width=100, highlight=False)
+    outcome = Outcome(index=0, question="q")
+    for event in [Event(EventKind.REASONING, text="Hm" + TITLE), Event(EventKind.REASONING)]:
+        outcome.apply(event)
+        presenter.on_event(event)
+    presenter.finish(outcome)
+    assert len(re.findall(r"Thought for \d+\.\d s", err.getvalue())) == 1
+    assert "no final answer" in out.getvalue()
+    assert_clean(out.getvalue() + err.getvalue(), "the terminal")
+
+
 # --- end to end through a hostile OpenAI-compatible backend -------------------------------------
 
 THINKING = ["Let me see: 12*13", CLIPBOARD[:9], CLIPBOARD[9:] + " is 156.", TITLE]
@@ -326,6 +341,13 @@ def test_the_daemon_log_is_shown_clean():
     result = run_phi4("logs")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "request from a client\ufffd\ufffd\ufffd\ufffd\ufffd\nnext line\n"
+
+
+def test_settings_show_a_system_prompt_clean():
+    result = run_phi4("config", "show", env={"PHI4_SYSTEM": "be brief" + CLIPBOARD})
+    assert result.returncode == 0, result.stderr
+    assert "be brief\ufffd" in result.stdout
+    assert_no_escape_at_all(result.stdout, "config show")
 
 
 # --- in a real pseudo-terminal --------------------------------------------------------------
