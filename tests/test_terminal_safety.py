@@ -406,3 +406,24 @@ def test_no_color_keeps_the_answer_line_and_the_thinking_trace(hostile: str):
     colours = re.findall(r"\x1b\[[0-9;]*(?:3[0-9]|4[0-9]|9[0-7])m", screen)
     assert not colours, f"colour with NO_COLOR: {colours}"
     assert_clean(screen, "the terminal with NO_COLOR")
+
+
+def test_chat_at_a_terminal_shows_answers_and_a_saved_system_prompt_clean(hostile: str):
+    store = ChatStore(get_paths().data_dir / "chats")
+    store.save(Conversation(name="evil", model="phi4-mini-reasoning", system="be" + CLIPBOARD))
+    child = pexpect.spawn(PHI4, ["chat", "--backend", hostile, "--resume", "evil"],
+                          encoding="utf-8", dimensions=(40, 120), timeout=90)  # fmt: skip
+    child.logfile_read = transcript = io.StringIO()
+    child.expect_exact("Ctrl-D to leave")
+    child.sendline("/show")
+    child.expect_exact("oldest turn(s)")
+    child.sendline("What is 12*13?")
+    child.expect_exact("Answer:")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    screen = transcript.getvalue()
+    assert child.exitstatus == 0, screen
+    assert_clean(screen, "the chat's terminal")
+    assert "be\ufffd" in _plain(screen)
+    assert re.search(r"Thought for \d+\.\d s", _plain(screen))
