@@ -104,6 +104,14 @@ def markdown_source(solution: str) -> str:
     return "\n".join(lines)
 
 
+def _markdown(solution: str) -> Any:
+    """The solution as rich renders it at a terminal. A link shows its address in full, as text,
+    rather than as an OSC 8 hyperlink: a model cannot hide where a link goes."""
+    from rich.markdown import Markdown
+
+    return Markdown(markdown_source(clean_text(solution)), hyperlinks=False)
+
+
 def no_answer_reason(outcome: Outcome) -> str:
     if outcome.thinking_unfinished:
         return "no final answer: the thinking did not finish (raise --max-tokens or --think-budget)"
@@ -260,11 +268,9 @@ class TerminalPresenter:
 
     def show_partial(self, outcome: Outcome) -> None:
         """After Ctrl-C: put what was written of the solution on screen, without an answer line."""
-        from rich.markdown import Markdown
-
         self.abort()
         if outcome.solution.strip():
-            self.out.print(Markdown(markdown_source(clean_text(outcome.solution))))
+            self.out.print(_markdown(outcome.solution))
 
     def _thought(self) -> None:
         """Once the thinking is over: a dim line on stderr saying how long it took, where the
@@ -276,8 +282,6 @@ class TerminalPresenter:
     def print_outcome(
         self, outcome: Outcome, agreement: str | None, answer: str | None = None
     ) -> None:
-        from rich.markdown import Markdown
-
         from phi4cli.latex import math_to_unicode
 
         self.stop()
@@ -285,7 +289,7 @@ class TerminalPresenter:
             self.err.print(self._reasoning_cleaner.flush(), style="dim", markup=False)
         self._thought()  # no answer came after the thinking: say it here
         if outcome.solution.strip():
-            self.out.print(Markdown(markdown_source(clean_text(outcome.solution))))
+            self.out.print(_markdown(outcome.solution))
         final = outcome.answer if answer is None else answer
         suffix = f"  [dim]({agreement} samples agree)[/dim]" if agreement else ""
         if final is not None:

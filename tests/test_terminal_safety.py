@@ -186,6 +186,19 @@ def test_bold_and_emphasis_still_render_as_styles():
     assert "6*7 = 42." in Text.from_ansi(output).plain
 
 
+def test_a_link_shows_where_it_goes_and_writes_no_hyperlink_sequence():
+    presenter = TerminalPresenter(show_reasoning=False, verbose=False)
+    out = io.StringIO()
+    presenter.out = Console(file=out, force_terminal=True, width=100, highlight=False)
+    presenter.err = Console(file=io.StringIO(), force_terminal=True, width=100)
+    outcome = Outcome(index=0, question="q")
+    event = Event(EventKind.TOKEN, text="See [the proof](https://evil.example/x): $\\boxed{2}$")
+    outcome.apply(event)
+    presenter.finish(outcome)
+    assert "\x1b]8;" not in out.getvalue()  # OSC 8: link text hiding its address
+    assert "the proof (https://evil.example/x)" in Text.from_ansi(out.getvalue()).plain
+
+
 # --- the terminal presenter, in-process -------------------------------------------------------
 
 
