@@ -353,7 +353,7 @@ def format_warm(timings: dict[str, Any]) -> str:
     if timings.get("already_loaded"):
         rows.append(("", "(already warm: these are the timings of its load)"))
     rows += plan_rows(timings.get("memory") or {})
-    return "\n".join(f"{key:<16}{value}" for key, value in rows)
+    return clean_text("\n".join(f"{key:<16}{value}" for key, value in rows))
 
 
 def format_status(status: dict[str, Any]) -> str:

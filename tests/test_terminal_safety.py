@@ -24,7 +24,7 @@ from phi4cli.chats import ChatStore, Conversation
 from phi4cli.outcome import Outcome
 from phi4cli.paths import get_paths
 from phi4cli.protocol import Event, EventKind
-from phi4cli.render import TerminalPresenter, markdown_source
+from phi4cli.render import TerminalPresenter, format_eval, format_warm, markdown_source
 from phi4cli.sanitize import REPLACEMENT, TextCleaner, clean_text, json_safe
 from tests.conftest import PHI4, run_phi4
 from tests.scripted_server import Step, chunk, data, scripted_server, separated
@@ -361,6 +361,15 @@ def test_settings_show_a_system_prompt_clean():
     assert result.returncode == 0, result.stderr
     assert "be brief\ufffd" in result.stdout
     assert_no_escape_at_all(result.stdout, "config show")
+
+
+def test_tables_are_cleaned():
+    summary = {"problems": 2, "correct": 1, "wrong": 1, "no_answer": 0, "truncated": 0,
+               "error": 0, "mean_reasoning_tokens": 3.0}  # fmt: skip
+    table = format_eval(summary, 1.0, "quiz" + TITLE + ".results.jsonl")
+    assert "quiz\ufffd.results.jsonl" in table
+    warm = format_warm({"model": "m" + CLIPBOARD, "load_s": 0.1})
+    assert_no_escape_at_all(table + warm, "tables")
 
 
 # --- in a real pseudo-terminal --------------------------------------------------------------
