@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pexpect
@@ -278,6 +279,21 @@ def test_a_hostile_backend_reaches_no_pipe_raw(hostile: str):
     assert record["reasoning"] == "".join(THINKING)
     raw_json = _solve(hostile, "--json").stdout
     assert_no_control_characters(raw_json.replace("\n", ""), "--json")
+
+
+def test_samples_and_a_file_of_problems_reach_a_pipe_clean(hostile: str, tmp_path: Path):
+    voted = _solve(hostile, "-k", "2")
+    assert voted.returncode == 0, voted.stderr
+    assert_no_escape_at_all(voted.stdout + voted.stderr, "--samples")
+    assert "Answer: 156\ufffd (2/2 samples agree)" in voted.stdout
+    problems = tmp_path / "problems.txt"
+    problems.write_text("What is 12*13?\nAnd 13*12?\n")
+    for extra in ([], ["-a"]):
+        result = run_phi4("solve", "-f", str(problems), "--backend", hostile, "-m", "phi4",
+                          *extra)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert_no_escape_at_all(result.stdout + result.stderr, f"--file {extra}")
+        assert "156\ufffd" in result.stdout
 
 
 def test_raw_output_writes_the_model_text_unchanged_to_a_pipe_only(hostile: str):
