@@ -296,6 +296,19 @@ def test_samples_and_a_file_of_problems_reach_a_pipe_clean(hostile: str, tmp_pat
         assert "156\ufffd" in result.stdout
 
 
+def test_eval_records_on_stdout_are_exact_json_with_nothing_raw(tmp_path: Path):
+    quiz = tmp_path / "quiz.jsonl"
+    quiz.write_text(json.dumps({"problem": "What is 12*13?", "answer": "156"}) + "\n")
+    answer = ["So $\\boxed{156" + C1_CSI + RLO + "}$."]
+    with scripted_server(lambda _body: separated("reasoning", ["Hm."], answer)) as server:
+        result = run_phi4("eval", str(quiz), "--jsonl", "--backend", server.url, "-m", "phi4")
+    assert result.returncode == 0, result.stderr
+    # Before: JSON written with ensure_ascii=False carried C1 and bidi controls raw.
+    assert_no_control_characters(result.stdout.replace("\n", ""), "eval --jsonl")
+    assert_no_escape_at_all(result.stderr, "eval's stderr")
+    assert json.loads(result.stdout.splitlines()[0])["answer"] == "156" + C1_CSI + RLO
+
+
 def test_raw_output_writes_the_model_text_unchanged_to_a_pipe_only(hostile: str):
     raw = _solve(hostile, "--raw-output", "-r")
     assert raw.returncode == 0, raw.stderr
