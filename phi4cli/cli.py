@@ -20,6 +20,7 @@ from phi4cli import __version__, protocol
 from phi4cli.config import ANSWER_KEYS, Settings, format_duration, load_settings
 from phi4cli.errors import ConfigError, ExitStatus, Phi4Error, UsageError
 from phi4cli.paths import Paths, get_paths
+from phi4cli.sanitize import TextCleaner, clean_text
 
 # Typer >= 0.26 vendors its own click: reach its exception classes through a public name.
 _click_exceptions = sys.modules[typer.BadParameter.__module__]
@@ -81,6 +82,12 @@ BackendOption = Annotated[
     typer.Option("--backend", metavar="URL", show_default=False,
                  help="Use this OpenAI-compatible server instead of the local daemon "
                       "[env PHI4_BACKEND; key from PHI4_BACKEND_KEY]."),
+]  # fmt: skip
+RawOutputOption = Annotated[
+    bool,
+    typer.Option("--raw-output",
+                 help="Write the model's text to stdout unchanged, control characters and "
+                      "escape sequences included, when stdout is not a terminal."),
 ]  # fmt: skip
 ShowReasoningOption = Annotated[
     bool,
@@ -248,7 +255,7 @@ NoInstructionOption = Annotated[
 
 
 def _stderr(message: str) -> None:
-    print(f"phi4: {message}", file=sys.stderr, flush=True)
+    print(f"phi4: {clean_text(message)}", file=sys.stderr, flush=True)
 
 
 def _settings(paths: Paths, **overrides: object) -> Settings:
@@ -329,6 +336,7 @@ def solve(
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print timing and cache statistics to stderr.")
     ] = False,
+    raw_output: RawOutputOption = False,
 ) -> int:
     """Solve a problem (or a file of them), streaming the model's answer."""
     from phi4cli.solving import SolveOptions, run_solve
@@ -336,7 +344,7 @@ def solve(
     options = SolveOptions(
         prompt=prompt, model=model, show_reasoning=show_reasoning, answer_only=answer_only,
         as_json=as_json, file=file, each_line=each_line, jsonl=jsonl, samples=samples,
-        no_instruction=no_instruction, verbose=verbose, **answer,
+        no_instruction=no_instruction, verbose=verbose, raw_output=raw_output, **answer,
     )  # fmt: skip
     return run_solve(options)
 
@@ -450,6 +458,7 @@ def chat(
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print statistics after each answer.")
     ] = False,
+    raw_output: RawOutputOption = False,
 ) -> int:
     """Chat: a streaming REPL whose conversation stays cached in the daemon."""
     from phi4cli.backends import make_backend
@@ -479,15 +488,15 @@ def chat(
             name=default_name(), model=str(model_path), system=settings.system
         )
     conversation.model = str(model_path)
-    env = Environment(paths=paths)
+    env = Environment(paths=paths, raw_output=raw_output)
     backend_ = make_backend(paths, settings, model_path, env.notice)
     repl = ChatRepl(env, backend_, settings, str(model_path), conversation, store,
                     show_reasoning, verbose)  # fmt: skip
     interactive = bool(env.stdin_isatty)
     if interactive:
-        print(f"phi4 chat · {model_path.name} · /help for commands, Ctrl-D to leave")
+        print(clean_text(f"phi4 chat · {model_path.name} · /help for commands, Ctrl-D to leave"))
     if conversation.turns:
-        print(f"resumed {conversation.name}: {len(conversation.turns)} turns")
+        print(clean_text(f"resumed {conversation.name}: {len(conversation.turns)} turns"))
     if interactive:
         paths.state_dir.mkdir(parents=True, exist_ok=True)
         return repl.run(prompt_reader(paths.state_dir / "chat_history"))
@@ -657,9 +666,10 @@ def logs(
     path = get_paths().log_file
     if not path.exists():
         raise Phi4Error(f"no daemon log yet ({path}); the daemon writes it once it starts")
+    cleaner = TextCleaner()  # the log quotes requests and engine errors: foreign text
     with path.open("rb") as handle:
         for line in deque(handle, maxlen=lines) if lines else ():
-            sys.stdout.write(line.decode(errors="replace"))
+            sys.stdout.write(cleaner.feed(line.decode(errors="replace")))
         sys.stdout.flush()
         if not follow:
             return
@@ -668,7 +678,7 @@ def logs(
             while True:
                 chunk = handle.read()
                 if chunk:
-                    sys.stdout.write(chunk.decode(errors="replace"))
+                    sys.stdout.write(cleaner.feed(chunk.decode(errors="replace")))
                     sys.stdout.flush()
                     continue
                 time.sleep(0.2)

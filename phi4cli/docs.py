@@ -86,7 +86,7 @@ _OTHER_ENVIRONMENT = [
     ("PHI4_HTTP_HEADER_TIMEOUT, PHI4_HTTP_BODY_TIMEOUT",
      "Seconds an HTTP client of phi4 serve has to send its headers (10) and its body (30)."),
     ("PHI4_DEBUG", "Show tracebacks with errors."),
-    ("NO_COLOR", "No colour, even at a terminal (the layout stays)."),
+    ("NO_COLOR", "No colour at a terminal; bold, the live line and the layout stay."),
     ("VISUAL, EDITOR", "The editor of phi4 config edit."),
     ("HF_ENDPOINT", "Hugging Face endpoint used by phi4 pull."),
 ]  # fmt: skip

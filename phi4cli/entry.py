@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 
 
 def _stderr(message: str) -> None:
-    print(f"phi4: {message}", file=sys.stderr, flush=True)
+    """One line on stderr; an error's text may carry a model's or a remote engine's words."""
+    from phi4cli.sanitize import clean_text
+
+    print(f"phi4: {clean_text(message)}", file=sys.stderr, flush=True)
 
 
 def exit_now(status: int) -> NoReturn:

@@ -8,6 +8,7 @@ import os
 import sys
 
 from phi4cli.paths import Paths, get_paths
+from phi4cli.sanitize import clean_text
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ class Environment:
         stderr_isatty: bool | None = None,
         colour: bool | None = None,  # None: unless NO_COLOR is set or TERM=dumb
         paths: Paths | None = None,
+        raw_output: bool = False,
     ) -> None:
         # A stream closed when the command started (`>&-`) is None in sys: read nothing from it,
         # and write to nowhere, as to a reader that went away.
@@ -49,13 +51,19 @@ class Environment:
         if colour is None:
             colour = not os.environ.get("NO_COLOR") and os.environ.get("TERM", "") != "dumb"
         self.colour = colour
+        self.raw_output = raw_output
         self.paths = paths if paths is not None else get_paths()
 
     @property
     def terminal(self) -> bool:
-        """A person reads stdout: colour, spinners, Markdown, live status."""
-        return self.stdout_isatty and self.colour
+        """A person reads stdout: spinners, Markdown, live status (coloured unless NO_COLOR)."""
+        return self.stdout_isatty and os.environ.get("TERM", "") != "dumb"
+
+    @property
+    def raw_stdout(self) -> bool:
+        """Model text goes to stdout unchanged (``--raw-output``): only when it is no terminal."""
+        return self.raw_output and not self.stdout_isatty
 
     def notice(self, message: str) -> None:
-        """One line for the user on stderr, prefixed ``phi4:``."""
-        print(f"phi4: {message}", file=self.stderr, flush=True)
+        """One line for the user on stderr, prefixed ``phi4:``; foreign text in it is cleaned."""
+        print(f"phi4: {clean_text(message)}", file=self.stderr, flush=True)

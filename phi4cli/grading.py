@@ -337,7 +337,7 @@ def run_eval(
         results.write(line.encode() + b"\n")
         results.flush()  # an interruption keeps every problem finished so far
         if jsonl:
-            job.print(line)
+            job.print_json(record)
         progress.advance()
 
     with results, progress:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 from phi4cli.environment import Environment
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event, EventKind, Stats
+from phi4cli.sanitize import TextCleaner, clean_text
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -68,6 +70,48 @@ def format_stats(stats: Stats) -> str:
     return "\n".join(f"{label + ':':<18}{value}" for label, value in rows)
 
 
+# A run of `*` between two operands is multiplication (12*13, x_1*x_2, (a+b)*(c+d), 2**3), never
+# emphasis; `*` beside a space (`a * b`, a `* ` bullet, `**bold**` at a word's edge) stays
+# Markdown. The lookbehind is one character wide, so each run is tried once: linear.
+_PRODUCT = re.compile(r"(?<=[^\W_)\]}!'′])\*+(?=[^\W_(\[{√+\-−.])")  # noqa: RUF001 - prime
+_FENCE = re.compile(r"^ {0,3}(```|~~~)")
+
+
+def _escape_math(prose: str) -> str:
+    """Escape what Markdown would take from math in ``prose`` (outside code): `*` in products,
+    and `<`, which would open an HTML tag and hide ``x<y and y>z`` up to the `>`."""
+    prose = _PRODUCT.sub(lambda match: "\\*" * len(match.group(0)), prose)
+    return prose.replace("<", "\\<")
+
+
+def markdown_source(solution: str) -> str:
+    """Return the (cleaned) solution as Markdown for the terminal: math converted to Unicode
+    and escaped so that no character of it is lost or read as Markdown; code left as written."""
+    from phi4cli.latex import latex_to_unicode
+
+    lines = latex_to_unicode(solution).split("\n")
+    in_fence = False
+    for number, line in enumerate(lines):
+        if _FENCE.match(line):
+            in_fence = not in_fence
+            continue
+        if in_fence:
+            continue
+        # Inline code spans: the odd pieces between backticks are left as written.
+        pieces = line.split("`")
+        pieces[::2] = [_escape_math(piece) for piece in pieces[::2]]
+        lines[number] = "`".join(pieces)
+    return "\n".join(lines)
+
+
+def _markdown(solution: str) -> Any:
+    """The solution as rich renders it at a terminal. A link shows its address in full, as text,
+    rather than as an OSC 8 hyperlink: a model cannot hide where a link goes."""
+    from rich.markdown import Markdown
+
+    return Markdown(markdown_source(clean_text(solution)), hyperlinks=False)
+
+
 def no_answer_reason(outcome: Outcome) -> str:
     if outcome.thinking_unfinished:
         return "no final answer: the thinking did not finish (raise --max-tokens or --think-budget)"
@@ -75,22 +119,34 @@ def no_answer_reason(outcome: Outcome) -> str:
 
 
 class PlainPresenter:
-    """For pipes: the solution streams to stdout as written; reasoning only on stderr, if asked."""
+    """For pipes: the solution streams to stdout as written, cleaned of control sequences
+    (unless ``raw``); reasoning only on stderr, if asked, always cleaned."""
 
-    def __init__(self, out: TextIO, err: TextIO, show_reasoning: bool, verbose: bool) -> None:
+    def __init__(
+        self, out: TextIO, err: TextIO, show_reasoning: bool, verbose: bool, raw: bool = False
+    ) -> None:
         self.out, self.err = out, err
         self.show_reasoning, self.verbose = show_reasoning, verbose
         self._last = {"out": "\n", "err": "\n"}
+        self._cleaners = {"out": None if raw else TextCleaner(), "err": TextCleaner()}
 
-    def _write(self, stream: str, text: str) -> None:
+    def _write(self, stream: str, text: str, cleaned: bool = False) -> None:
+        cleaner = self._cleaners[stream]
+        if cleaner is not None and not cleaned:
+            text = cleaner.feed(text)
+        if not text:
+            return
         handle = self.out if stream == "out" else self.err
         handle.write(text)
         handle.flush()
         self._last[stream] = text[-1]
 
     def _end_line(self, stream: str) -> None:
+        cleaner = self._cleaners[stream]
+        if cleaner is not None:
+            self._write(stream, cleaner.flush(), cleaned=True)
         if self._last[stream] != "\n":
-            self._write(stream, "\n")
+            self._write(stream, "\n", cleaned=True)
 
     def on_event(self, event: Event) -> None:
         kind, text = event.kind, event.text
@@ -125,11 +181,14 @@ class TerminalPresenter:
             self.out = Console(highlight=False)
             self.err = Console(stderr=True, highlight=False)
         else:
-            self.out = Console(file=env.stdout, highlight=False)
-            self.err = Console(file=env.stderr, highlight=False)
+            # NO_COLOR takes the colour away, not the view: bold, dim and the live lines stay.
+            self.out = Console(file=env.stdout, highlight=False, no_color=not env.colour or None)
+            self.err = Console(file=env.stderr, highlight=False, no_color=not env.colour or None)
         self.show_reasoning, self.verbose = show_reasoning, verbose
         self._started = time.monotonic()
+        self._thought_s: float | None = None  # how long the thinking took, once it ended
         self._reasoning_tokens = 0
+        self._reasoning_cleaner = TextCleaner()
         self._solution = ""
         self._status: Any = None
         self._live: Any = None
@@ -151,7 +210,8 @@ class TerminalPresenter:
         from phi4cli.latex import latex_to_unicode
 
         height = max(3, self.out.size.height - 2)
-        wrapped = Text(latex_to_unicode(self._solution)).wrap(self.out, self.out.width)
+        shown = latex_to_unicode(clean_text(self._solution))
+        wrapped = Text(shown).wrap(self.out, self.out.width)
         return Text("\n").join(wrapped[-height:])
 
     def on_event(self, event: Event) -> None:
@@ -161,7 +221,8 @@ class TerminalPresenter:
             self._reasoning_tokens += 1
             if self.show_reasoning:
                 self._reasoning_open = True
-                self.err.print(text, style="dim", end="", markup=False, soft_wrap=True)
+                shown = self._reasoning_cleaner.feed(text)
+                self.err.print(shown, style="dim", end="", markup=False, soft_wrap=True)
             elif self._status is None:
                 self._status = self.err.status(self._thinking_line(), spinner="dots")
                 self._status.start()
@@ -171,8 +232,9 @@ class TerminalPresenter:
         elif kind in (EventKind.TOKEN, EventKind.RETRACT):
             self._stop_status()
             if self._reasoning_open:
-                self.err.print()
+                self.err.print(self._reasoning_cleaner.flush(), style="dim", markup=False)
                 self._reasoning_open = False
+            self._thought()  # the spinner goes; this trace of it stays, above the answer
             self._solution = self._solution + text if kind == EventKind.TOKEN else ""
             if self._live is None:
                 from rich.live import Live
@@ -206,32 +268,34 @@ class TerminalPresenter:
 
     def show_partial(self, outcome: Outcome) -> None:
         """After Ctrl-C: put what was written of the solution on screen, without an answer line."""
-        from rich.markdown import Markdown
-
-        from phi4cli.latex import latex_to_unicode
-
         self.abort()
         if outcome.solution.strip():
-            self.out.print(Markdown(latex_to_unicode(outcome.solution)))
+            self.out.print(_markdown(outcome.solution))
+
+    def _thought(self) -> None:
+        """Once the thinking is over: a dim line on stderr saying how long it took, where the
+        live line was (at a terminal only, once)."""
+        if self._reasoning_tokens and self._thought_s is None and self.err.is_terminal:
+            self._thought_s = time.monotonic() - self._started
+            self.err.print(f"Thought for {self._thought_s:.1f} s", style="dim", markup=False)
 
     def print_outcome(
         self, outcome: Outcome, agreement: str | None, answer: str | None = None
     ) -> None:
-        from rich.markdown import Markdown
-
-        from phi4cli.latex import latex_to_unicode, math_to_unicode
+        from phi4cli.latex import math_to_unicode
 
         self.stop()
         if self._reasoning_open:
-            self.err.print()
+            self.err.print(self._reasoning_cleaner.flush(), style="dim", markup=False)
+        self._thought()  # no answer came after the thinking: say it here
         if outcome.solution.strip():
-            self.out.print(Markdown(latex_to_unicode(outcome.solution)))
+            self.out.print(_markdown(outcome.solution))
         final = outcome.answer if answer is None else answer
         suffix = f"  [dim]({agreement} samples agree)[/dim]" if agreement else ""
         if final is not None:
             from rich.markup import escape
 
-            shown = escape(math_to_unicode(final))
+            shown = escape(math_to_unicode(clean_text(final)))
             self.out.print(f"[bold green]Answer:[/bold green] [bold]{shown}[/bold]{suffix}")
         else:
             self.out.print(f"[yellow]{no_answer_reason(outcome)}[/yellow]{suffix}")
@@ -289,7 +353,7 @@ def format_warm(timings: dict[str, Any]) -> str:
     if timings.get("already_loaded"):
         rows.append(("", "(already warm: these are the timings of its load)"))
     rows += plan_rows(timings.get("memory") or {})
-    return "\n".join(f"{key:<16}{value}" for key, value in rows)
+    return clean_text("\n".join(f"{key:<16}{value}" for key, value in rows))
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -331,7 +395,7 @@ def format_status(status: dict[str, Any]) -> str:
     rows += [("socket", status.get("socket")), ("log", status.get("log"))]
     if status.get("error"):
         rows.insert(1, ("error", status["error"]))
-    return "\n".join(f"{key:<12}{value}" for key, value in rows)
+    return clean_text("\n".join(f"{key:<12}{value}" for key, value in rows))
 
 
 def format_settings(sources: dict[str, tuple[Any, str]]) -> str:
@@ -354,7 +418,7 @@ def format_settings(sources: dict[str, tuple[Any, str]]) -> str:
         else:
             shown = str(value)
         lines.append(f"{key:<{width}}  {shown:<24}  {source}")
-    return "\n".join(lines)
+    return clean_text("\n".join(lines))  # a system prompt in the config is anyone's text
 
 
 def format_models(rows: list[Any]) -> str:
@@ -367,13 +431,13 @@ def format_models(rows: list[Any]) -> str:
         fetch = f"phi4 pull {row.name}" if row.source.startswith("hf:") else row.source
         where = row.path if row.present else f"get it: {fetch}"
         lines.append(f"{'':<{width}}  {'':>11}  {where}")
-    return "\n".join(lines)
+    return clean_text("\n".join(lines))
 
 
 def format_rows(rows: list[tuple[str, object]], gap: int = 2) -> str:
     """Label-value rows, labels padded to the longest: status, /show, /help and the like."""
     width = max((len(label) for label, _ in rows), default=0) + gap
-    return "\n".join(f"{label:<{width}}{value}" for label, value in rows)
+    return clean_text("\n".join(f"{label:<{width}}{value}" for label, value in rows))
 
 
 def format_chat_show(conversation: Any, stats: Stats, model: str, settings: str,
@@ -395,8 +459,8 @@ def format_chat_list(entries: list[tuple[str, int, float]]) -> str:
     """The chat's `/list`: (name, turns, seconds since last saved), most recent first."""
     if not entries:
         return "no saved conversations"
-    return "\n".join(f"{name}  {turns} turns, {human_seconds(age)} ago"
-                     for name, turns, age in entries)  # fmt: skip
+    return clean_text("\n".join(f"{name}  {turns} turns, {human_seconds(age)} ago"
+                     for name, turns, age in entries))  # fmt: skip
 
 
 def format_eval(summary: dict[str, Any], seconds: float, output: object) -> str:

@@ -31,6 +31,7 @@ from phi4cli.render import (
     format_rows,
     format_stats,
 )
+from phi4cli.sanitize import clean_text
 
 COMMANDS = {
     "/help": "show this help",
@@ -119,7 +120,8 @@ class ChatRepl:
     def _presenter(self) -> PlainPresenter | TerminalPresenter:
         if self.env.terminal:
             return TerminalPresenter(self.show_reasoning, verbose=False)
-        return PlainPresenter(self.env.stdout, self.env.stderr, self.show_reasoning, verbose=False)
+        return PlainPresenter(self.env.stdout, self.env.stderr, self.show_reasoning, verbose=False,
+                              raw=self.env.raw_stdout)  # fmt: skip
 
     def sampling(self) -> dict[str, Any]:
         values = {key: getattr(self.settings, key) for key in SETTABLE}
@@ -261,9 +263,8 @@ class ChatRepl:
             print("new conversation (same model and settings)", file=out)
         elif name == "/system":
             if not argument:
-                print(
-                    f"system prompt: {self.conversation.system or '(the model default)'}", file=out
-                )
+                system = self.conversation.system or "(the model default)"
+                print(clean_text(f"system prompt: {system}"), file=out)
             else:
                 self.conversation.system = None if argument == "-" else argument
                 print("system prompt set; it applies from the next answer", file=out)
@@ -391,7 +392,7 @@ def line_reader(stream: TextIO, echo: TextIO | None = None) -> Reader:
         if not line:
             return None
         if echo is not None:
-            print(f"{prompt}{line.rstrip()}", file=echo)
+            print(clean_text(f"{prompt}{line.rstrip()}"), file=echo)
         return line.rstrip("\n")
 
     return read

@@ -17,6 +17,7 @@ from phi4cli.protocol import Event, EventKind
 from phi4cli.reasoning import majority_vote
 from phi4cli.records import Record
 from phi4cli.render import PlainPresenter, TerminalPresenter, no_answer_reason
+from phi4cli.sanitize import clean_text, json_safe
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -38,7 +39,15 @@ class SolveJob(Record):
         self.env.notice(message)
 
     def print(self, text: str = "") -> None:
-        print(text, file=self.env.stdout, flush=True)
+        """One line of model text on stdout: cleaned of control sequences unless the user
+        asked for it raw (``--raw-output``, not at a terminal)."""
+        shown = text if self.env.raw_stdout else clean_text(text)
+        print(shown, file=self.env.stdout, flush=True)
+
+    def print_json(self, record: dict[str, Any], indent: int | None = None) -> None:
+        """One JSON text on stdout: exact, and with nothing in it a terminal would act on."""
+        text = json.dumps(record, ensure_ascii=False, indent=indent)
+        print(json_safe(text), file=self.env.stdout, flush=True)
 
     instruction: str | None = None  # added after each question
 
@@ -61,7 +70,7 @@ class _StderrStatus:
     """A spinner line on stderr while waiting, for a person at a terminal.
 
     Started on the first event, not before: the request is on its way to the daemon before rich
-    is imported. Not in a pipeline (stdout redirected, or NO_COLOR): plain text only there.
+    is imported. Not in a pipeline (stdout redirected): plain text only there.
     """
 
     def __init__(self, env: Environment, message: str) -> None:
@@ -89,7 +98,7 @@ class _StderrStatus:
 
 
 def _print_json(job: SolveJob, record: dict[str, Any]) -> None:
-    job.print(json.dumps(record, ensure_ascii=False, indent=2))
+    job.print_json(record, indent=2)
 
 
 def _answer_line(job: SolveJob, answer: str) -> str:
@@ -115,7 +124,11 @@ class _LazyPresenter:
                 TerminalPresenter(mode.show_reasoning, mode.verbose, self.env)
                 if self.env.terminal
                 else PlainPresenter(
-                    self.env.stdout, self.env.stderr, mode.show_reasoning, mode.verbose
+                    self.env.stdout,
+                    self.env.stderr,
+                    mode.show_reasoning,
+                    mode.verbose,
+                    raw=self.env.raw_stdout,
                 )
             )
         return self.presenter
@@ -269,7 +282,7 @@ def solve_file(
         line = problems[index][0]
         failed += outcome.error is not None
         if jsonl:
-            job.print(json.dumps({"line": line, **outcome.to_json()}, ensure_ascii=False))
+            job.print_json({"line": line, **outcome.to_json()})
         elif mode.answer_only:
             for _blank in range(printed_line + 1, line):
                 job.print("")
@@ -388,6 +401,7 @@ class SolveOptions(Record):
     backend: str | None = None
     no_instruction: bool = False
     verbose: bool = False
+    raw_output: bool = False
 
 
 def read_prompt(prompt: str | None, env: Environment) -> str:
@@ -440,6 +454,7 @@ def make_job(
 def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
     """`phi4 solve`: one question, K samples, or a file of problems; return the exit status."""
     env = env or Environment()
+    env.raw_output = env.raw_output or o.raw_output
     if (o.file is not None or o.each_line) and o.samples > 1:
         raise UsageError("--samples works on one question, not with --file or --each-line")
     if o.jsonl and o.file is None and not o.each_line:
