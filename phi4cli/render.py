@@ -340,7 +340,11 @@ def format_settings(sources: dict[str, tuple[Any, str]]) -> str:
     unset = {"n_ctx": "auto", "threads": "auto", "seed": "random"}  # what None means, per key
     lines = []
     for key, (value, source) in sources.items():
-        shown = format_duration(value) if key in ("keep_alive", "backend_timeout") else value
+        shown = (
+            format_duration(value)
+            if key in ("keep_alive", "backend_timeout", "backend_deadline")
+            else value
+        )
         if shown is None:
             shown = unset.get(key, "none")
         lines.append(f"{key:<{width}}  {shown!s:<24}  {source}")
