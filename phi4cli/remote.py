@@ -29,10 +29,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
+import threading
 import time
 import unicodedata
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from email.utils import parsedate_to_datetime
 from typing import Any, cast
 
@@ -243,8 +245,9 @@ class RemoteEngine:
         to MAX_RETRIES times, after its Retry-After (or a short backoff). Raise _Failure for a
         refusal, with a short excerpt of the server's message."""
         for attempt in range(MAX_RETRIES + 1):
-            watch.answered = False
-            with client.stream("POST", self.endpoint, json=body) as response:
+            watch.ask()
+            with client.stream("POST", self.endpoint, json=body,
+                               extensions={"trace": watch.trace}) as response:  # fmt: skip
                 watch.answered = True
                 watch.last_event = time.monotonic()
                 if response.status_code < 400:
@@ -271,7 +274,18 @@ class RemoteEngine:
         state: _StreamState,
         budget: int | None,
     ) -> Iterator[tuple[EventKind, str]]:
-        watch = _Watch(self, state)
+        with _Watch(self, state) as watch:
+            yield from self._watched_events(client, body, reader, state, budget, watch)
+
+    def _watched_events(
+        self,
+        client: httpx.Client,
+        body: dict[str, Any],
+        reader: _Reader,
+        state: _StreamState,
+        budget: int | None,
+        watch: _Watch,
+    ) -> Iterator[tuple[EventKind, str]]:
         try:
             with self._opened(client, body, watch) as response:
                 watched = cast(httpx.Response, _WatchedResponse(response, watch))
@@ -307,6 +321,8 @@ class RemoteEngine:
                             state.budget_reached = True
                             return  # leaving the with-block closes the response
                 if not finished:
+                    if watch.alarm is not None:
+                        raise watch.alarm
                     raise _Failure(
                         ErrorCode.BACKEND_ERROR,
                         "the backend closed the stream before the answer was complete",
@@ -316,36 +332,69 @@ class RemoteEngine:
                 f"cannot reach the backend {self.url}: {_reason(error)}"
             ) from None
         except httpx.TimeoutException:
-            if not watch.answered:
-                raise DaemonUnavailableError(
-                    f"the backend {self.url} took the connection but did not answer for "
-                    f"{self.timeout:g} s (PHI4_BACKEND_TIMEOUT sets how long to wait)"
-                ) from None
-            raise watch.silent() from None
+            if watch.alarm is not None:
+                raise watch.alarm from None
+            raise (watch.silent() if watch.answered else watch.unanswered()) from None
         except httpx.SSEError as error:
+            if watch.alarm is not None:
+                raise watch.alarm from None
             raise _Failure(
                 ErrorCode.BACKEND_ERROR, f"the backend's reply is not a stream: {error}"
             ) from None
         except httpx.TransportError as error:
+            if watch.alarm is not None:
+                raise watch.alarm from None
             raise _Failure(
                 ErrorCode.BACKEND_ERROR, f"the connection to the backend broke: {_reason(error)}"
             ) from None
         except (httpx.RequestError, httpx.InvalidURL) as error:  # a body it cannot decode, ...
+            if watch.alarm is not None:
+                raise watch.alarm from None
             raise _Failure(
                 ErrorCode.BACKEND_ERROR, f"the backend's reply cannot be read: {_reason(error)}"
             ) from None
 
 
 class _Watch:
-    """The time and size limits of one response, checked as each piece of it arrives (httpx's
-    read timeout only sees a silent socket, not one that trickles a byte at a time)."""
+    """The time and size limits of one request's responses. Sizes and the time between events
+    are checked as each piece arrives (httpx's read timeout only sees a silent socket, not one
+    that trickles a byte at a time); a guard thread hangs up the connection when the answer's
+    status line is not in within ``timeout`` of asking, or the whole request passes its
+    ``deadline``, since a read that trickles or waits cannot check the clock itself.
+
+    Use as a context manager: the guard runs inside it.
+    """
 
     def __init__(self, engine: RemoteEngine, state: _StreamState) -> None:
         self.url, self.timeout, self.deadline = engine.url, engine.timeout, engine.deadline
         self.started = state.started  # the deadline counts from the request's start
-        self.last_event = time.monotonic()
+        self.asked = time.monotonic()  # when the latest attempt was sent
+        self.last_event = self.asked
         self.received = 0
-        self.answered = False  # the server sent a status line: it is there
+        self.answered = False  # the latest attempt got a status line: the server is there
+        self.alarm: Exception | None = None  # why the guard hung up, when it did
+        self._state = state
+        self._done = threading.Event()
+        self._guard = threading.Thread(target=self._hang_up_when_due, daemon=True,
+                                       name="phi4-backend-guard")  # fmt: skip
+
+    def __enter__(self) -> _Watch:
+        self._guard.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._done.set()
+
+    def trace(self, name: str, info: dict[str, Any]) -> None:
+        """httpcore's trace hook: keep the socket of each new connection, for the guard."""
+        stream = info.get("return_value")
+        if name == "connection.connect_tcp.complete" and stream is not None:
+            self._state.socket = stream.get_extra_info("socket")
+
+    def ask(self) -> None:
+        """A new attempt is being sent."""
+        self.asked = self.last_event = time.monotonic()
+        self.answered = False
 
     def silent(self) -> _Failure:
         return _Failure(
@@ -354,16 +403,25 @@ class _Watch:
             "(PHI4_BACKEND_TIMEOUT sets how long to wait)",
         )
 
+    def unanswered(self) -> DaemonUnavailableError:
+        return DaemonUnavailableError(
+            f"the backend {self.url} took the connection but did not answer for "
+            f"{self.timeout:g} s (PHI4_BACKEND_TIMEOUT sets how long to wait)"
+        )
+
+    def too_long(self) -> _Failure:
+        return _Failure(
+            ErrorCode.TIMEOUT,
+            f"the backend {self.url} took more than {self.deadline:g} s in all "
+            "(PHI4_BACKEND_DEADLINE sets how long a request may take)",
+        )
+
     def check(self, size: int) -> None:
         """Count ``size`` more bytes; raise _Failure past a limit."""
         now = time.monotonic()
         self.received += size
         if now - self.started > self.deadline:
-            raise _Failure(
-                ErrorCode.TIMEOUT,
-                f"the backend {self.url} took more than {self.deadline:g} s in all "
-                "(PHI4_BACKEND_DEADLINE sets how long a request may take)",
-            )
+            raise self.too_long()
         if now - self.last_event > self.timeout:
             raise self.silent()  # bytes came, but no whole event: a trickle is silence too
         if self.received > MAX_STREAM_BYTES:
@@ -372,6 +430,28 @@ class _Watch:
                 f"the backend {self.url} sent more than {MAX_STREAM_BYTES // 2**20} MiB "
                 "for one answer",
             )
+
+    def _due(self) -> tuple[float, Exception]:
+        """When the guard hangs up if nothing changes, and why."""
+        deadline_at = self.started + self.deadline
+        if not self.answered and self.asked + self.timeout < deadline_at:
+            return self.asked + self.timeout, self.unanswered()
+        return deadline_at, self.too_long()
+
+    def _hang_up_when_due(self) -> None:
+        while True:
+            due, _why = self._due()
+            if self._done.wait(max(0.0, due - time.monotonic())):
+                return
+            due, why = self._due()  # the answer may have come, or a new attempt begun
+            if time.monotonic() >= due:
+                self.alarm = why
+                connection = self._state.socket
+                if connection is not None:
+                    # Shutting it down wakes the read blocked on it; closing would not.
+                    with suppress(OSError):
+                        connection.shutdown(socket.SHUT_RDWR)
+                return
 
 
 class _WatchedResponse:
@@ -393,8 +473,7 @@ def _read_bounded(response: httpx.Response, watch: _Watch) -> tuple[str, bool]:
     parts: list[bytes] = []
     size = 0
     for piece in response.iter_bytes():
-        watch.check(len(piece))
-        watch.last_event = time.monotonic()  # an error body is not a stream of events
+        watch.check(len(piece))  # the whole error answer comes within backend_timeout
         parts.append(piece)
         size += len(piece)
         if size >= ERROR_BODY_LIMIT:
@@ -533,6 +612,7 @@ class _StreamState:
     def __init__(self, started: float, limit: int = DEFAULT_TOKEN_LIMIT) -> None:
         self.started = started
         self.limit = limit  # pieces of text the request may stream, thinking included
+        self.socket: socket.socket | None = None  # the connection's, for _Watch's guard
         self.cut = False  # the stream was closed here at the limit
         self.first_token_s: float | None = None
         self.finish: str | None = None

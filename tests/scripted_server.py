@@ -32,10 +32,12 @@ class Step:
 
 @dataclass
 class Head:
-    """The status line and headers to answer with; the script's pieces after it are the body."""
+    """The status line and headers to answer with; the script's pieces after it are the body.
+    With ``raw``, no status line or headers are sent: the pieces are the whole response."""
 
     status: int
     headers: dict[str, str] = field(default_factory=dict)
+    raw: bool = False
 
 
 def data(payload: Any) -> str:
@@ -109,13 +111,14 @@ def scripted_server(script: Script, status: int = 200) -> Iterator[ScriptedServe
             pieces = iter(state.script(body))
             first = next(pieces, None)
             head = first if isinstance(first, Head) else Head(200)
-            self.send_response(head.status)
-            headers = {"Content-Type": "text/event-stream", **head.headers}
-            for name, value in headers.items():
-                self.send_header(name, value)
-            self.send_header("Connection", "close")
-            self.end_headers()
             self.close_connection = True
+            if not head.raw:
+                self.send_response(head.status)
+                headers = {"Content-Type": "text/event-stream", **head.headers}
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Connection", "close")
+                self.end_headers()
             if first is not None and not isinstance(first, Head):
                 pieces = itertools.chain([first], pieces)
             for line in pieces:

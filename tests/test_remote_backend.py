@@ -110,9 +110,9 @@ THINKING = ["Let me see: ", "12*13 ", "is 156."]
 ANSWER = ["The answer is ", "$\\boxed{156}$."]
 
 
-def _solve(url: str, *extra: str, env: dict[str, str] | None = None) -> Any:
+def _solve(url: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 120) -> Any:
     return run_phi4("solve", "What is 12*13?", "--backend", url, "-m", "phi4-mini-reasoning",
-                    *extra, env=env)  # fmt: skip
+                    *extra, env=env, timeout=timeout)  # fmt: skip
 
 
 @pytest.mark.parametrize("field_name", ["reasoning_content", "reasoning"])
@@ -460,6 +460,33 @@ def test_a_stream_that_never_finishes_ends_at_the_total_deadline():
                                          "PHI4_BACKEND_DEADLINE": "2s"})  # fmt: skip
     assert result.returncode == 5, result.stderr
     assert "took more than 2 s in all (PHI4_BACKEND_DEADLINE" in _one_error_line(result)
+
+
+def test_a_stream_silent_past_the_deadline_ends_at_the_deadline():
+    # A read waiting on a silent socket cannot look at the clock: the guard hangs up for it.
+    def script(_body: dict[str, Any]) -> list[str | Step | Head]:
+        return [chunk({"content": "The answer"}), Step(sleep=60)]
+
+    with scripted_server(script) as server:
+        result = _solve(server.url, env={"PHI4_BACKEND_TIMEOUT": "30s",
+                                         "PHI4_BACKEND_DEADLINE": "2s"}, timeout=25)  # fmt: skip
+    assert result.returncode == 5, result.stderr
+    assert "took more than 2 s in all" in _one_error_line(result)
+
+
+def test_a_server_that_trickles_its_status_line_is_unreachable_exit_3():
+    # Bytes keep coming, so httpx's read timeout never fires; no answer ever starts.
+    def script(_body: dict[str, Any]) -> Iterator[str | Step | Head]:
+        yield Head(200, raw=True)
+        yield "HTTP/1.1 200 OK\r\n"
+        for _ in range(600):
+            yield "X"
+            yield Step(sleep=0.25)
+
+    with scripted_server(script) as server:
+        result = _solve(server.url, env={"PHI4_BACKEND_TIMEOUT": "2s"})
+    assert result.returncode == 3, result.stderr
+    assert "took the connection but did not answer for 2 s" in _one_error_line(result)
 
 
 @pytest.mark.parametrize(
