@@ -250,6 +250,13 @@ class RemoteEngine:
                                extensions={"trace": watch.trace}) as response:  # fmt: skip
                 watch.answered = True
                 watch.last_event = time.monotonic()
+                encoding = response.headers.get("content-encoding", "identity").strip().lower()
+                if encoding not in ("", "identity"):
+                    # Not asked for, and a few KiB of it can inflate to gigabytes in one read.
+                    shown = excerpt(encoding, 40)
+                    raise _Failure(ErrorCode.BACKEND_ERROR,
+                                   f"the backend {self.url} sent a compressed answer ({shown}), "
+                                   "which phi4 did not ask for")  # fmt: skip
                 if response.status_code < 400:
                     yield response
                     return
@@ -524,7 +531,7 @@ def _reason(error: Exception) -> str:
     text = str(error) or (str(cause) if cause else type(error).__name__)
     if isinstance(error, httpx.ConnectTimeout):
         text = "it did not take the connection in time"
-    return text.removeprefix("[Errno 111] ")
+    return excerpt(text.removeprefix("[Errno 111] "))  # it may quote what the server sent
 
 
 def _chunk(data: str, url: str) -> dict[str, Any]:

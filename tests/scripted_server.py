@@ -18,10 +18,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 # A script turns the request body into the raw text to send, piece by piece, each written and
-# flushed as it comes (usually a complete SSE "data:" line), or a Step that does something other
-# than write; a Head first answers with another status than a 200 stream. It may be a bounded
-# generator, for bodies too long to build.
-Script = Callable[[dict[str, Any]], Iterable["str | Step | Head"]]
+# flushed as it comes (usually a complete SSE "data:" line; bytes are written as they are), or a
+# Step that does something other than write; a Head first answers with another status than a
+# 200 stream. It may be a bounded generator, for bodies too long to build.
+Script = Callable[[dict[str, Any]], Iterable["str | bytes | Step | Head"]]
 
 
 @dataclass
@@ -131,7 +131,7 @@ def scripted_server(script: Script, status: int = 200) -> Iterator[ScriptedServe
                         return
                     continue
                 try:
-                    self.wfile.write(line.encode())
+                    self.wfile.write(line if isinstance(line, bytes) else line.encode())
                     self.wfile.flush()
                 except (BrokenPipeError, ConnectionResetError):
                     return

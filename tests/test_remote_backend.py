@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import email.utils
+import gzip
 import json
 import math
 import os
@@ -502,6 +503,23 @@ def test_an_oversized_event_or_stream_is_refused_in_bounded_memory(pieces: Any, 
         result, rss_kib = _solve_measured(server.url, env={"PHI4_BACKEND_TIMEOUT": "5s"})
     assert result.returncode == 5, result.stderr
     assert phrase in _one_error_line(result)
+    assert rss_kib < RSS_BOUND_KIB
+
+
+def test_a_compressed_answer_is_refused_before_it_is_inflated():
+    # 64 KiB of gzip that would inflate to 64 MiB in one read, and on and on.
+    bomb = gzip.compress(b"data: " + b"x" * (64 * 2**20))
+
+    def script(_body: dict[str, Any]) -> Iterator[str | bytes | Step | Head]:
+        yield Head(200, {"Content-Encoding": "gzip"})
+        yield bomb
+
+    with scripted_server(script) as server:
+        result, rss_kib = _solve_measured(server.url, env={"PHI4_BACKEND_TIMEOUT": "5s"})
+    assert result.returncode == 5, result.stderr
+    assert "sent a compressed answer (gzip), which phi4 did not ask for" in (
+        _one_error_line(result)
+    )
     assert rss_kib < RSS_BOUND_KIB
 
 
