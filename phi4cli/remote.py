@@ -55,6 +55,7 @@ DEFAULT_TOKEN_LIMIT = 131072
 MAX_RETRIES = 3  # of a 429 or 503 answer
 MAX_RETRY_WAIT_S = 60.0  # a longer Retry-After is not waited for
 RETRY_BACKOFF_S = 0.5  # the first wait when the server gives no Retry-After; doubled each time
+LONGEST_WAIT_S = 1e8  # about three years: longer settings are taken as this
 _MAX_COUNT = 10**9  # a token count above this, as a NaN or a negative one, is not believed
 _CODE_FOR_STATUS = {400: ErrorCode.BAD_REQUEST, 404: ErrorCode.BAD_REQUEST,
                     413: ErrorCode.BAD_REQUEST, 429: ErrorCode.BUSY,
@@ -153,8 +154,10 @@ class RemoteEngine:
         self.url = url.rstrip("/")
         self.model = model
         self.api_key = api_key
-        self.timeout = timeout  # seconds the server may send no event
-        self.deadline = deadline  # seconds one request may take in all, retries included
+        # Seconds the server may send no event, and one request may take in all (retries
+        # included); beyond LONGEST_WAIT_S a socket timeout no longer fits the platform's clock.
+        self.timeout = min(timeout, LONGEST_WAIT_S)
+        self.deadline = min(deadline, LONGEST_WAIT_S)
         self.notice = notice  # one line for the user, e.g. that a busy server is waited for
         self.thinks = model_thinks(model)
         self._retry_told = False
@@ -448,7 +451,7 @@ class _Watch:
     def _hang_up_when_due(self) -> None:
         while True:
             due, _why = self._due()
-            if self._done.wait(max(0.0, due - time.monotonic())):
+            if self._done.wait(min(max(0.0, due - time.monotonic()), 3600.0)):
                 return
             due, why = self._due()  # the answer may have come, or a new attempt begun
             if time.monotonic() >= due:

@@ -609,7 +609,10 @@ def test_a_server_that_takes_the_connection_but_never_answers_is_unreachable_exi
 
 def test_a_refused_connection_is_unreachable_exit_3():
     port = free_port()  # closed again: nothing listens there
-    result = _solve(f"http://127.0.0.1:{port}/v1")
+    # Waits longer than a socket timeout can hold are taken as the longest that fits.
+    result = _solve(f"http://127.0.0.1:{port}/v1", env={
+        "PHI4_BACKEND_TIMEOUT": "99999999999999999999s",
+        "PHI4_BACKEND_DEADLINE": "99999999999999999999s"})  # fmt: skip
     assert result.returncode == 3, result.stderr
     assert f"cannot reach the backend http://127.0.0.1:{port}/v1" in _one_error_line(result)
 
