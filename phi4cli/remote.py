@@ -296,11 +296,11 @@ class RemoteEngine:
         budget: int | None,
         watch: _Watch,
     ) -> Iterator[tuple[EventKind, str]]:
+        finished = False  # a finish_reason came: the answer is whole, whatever follows
         try:
             with self._opened(client, body, watch) as response:
                 watched = cast(httpx.Response, _WatchedResponse(response, watch))
                 source = httpx.EventSource(watched, max_event_size=MAX_EVENT_BYTES)
-                finished = False
                 for sse in source:
                     watch.last_event = time.monotonic()
                     if sse.data.strip() == "[DONE]":
@@ -337,32 +337,34 @@ class RemoteEngine:
                         ErrorCode.BACKEND_ERROR,
                         "the backend closed the stream before the answer was complete",
                     )
-        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
-            raise DaemonUnavailableError(
-                f"cannot reach the backend {self.url}: {_reason(error)}"
-            ) from None
-        except httpx.TimeoutException:
-            if watch.alarm is not None:
-                raise watch.alarm from None
-            raise (watch.silent() if watch.answered else watch.unanswered()) from None
-        except httpx.SSEError as error:
-            if watch.alarm is not None:
-                raise watch.alarm from None
-            raise _Failure(
-                ErrorCode.BACKEND_ERROR, f"the backend's reply is not a stream: {error}"
-            ) from None
-        except httpx.TransportError as error:
-            if watch.alarm is not None:
-                raise watch.alarm from None
-            raise _Failure(
-                ErrorCode.BACKEND_ERROR, f"the connection to the backend broke: {_reason(error)}"
-            ) from None
+        except httpx.TransportError as error:  # timeouts, broken connections, bad streams
+            if finished and not isinstance(error, httpx.SSEError):
+                # The answer ended, then the server went quiet or hung up instead of sending
+                # [DONE]: its usage is lost, not the answer.
+                return
+            raise _transport_failure(error, watch) from None
         except (httpx.RequestError, httpx.InvalidURL) as error:  # a body it cannot decode, ...
             if watch.alarm is not None:
                 raise watch.alarm from None
             raise _Failure(
                 ErrorCode.BACKEND_ERROR, f"the backend's reply cannot be read: {_reason(error)}"
             ) from None
+
+
+def _transport_failure(error: httpx.TransportError, watch: _Watch) -> Exception:
+    """What to report for an error of the connection: unreachable (exit 3) when no answer began,
+    else why the stream ended: the guard's reason when it hung up, silence, or the break."""
+    if isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return DaemonUnavailableError(f"cannot reach the backend {watch.url}: {_reason(error)}")
+    if watch.alarm is not None:
+        return watch.alarm
+    if isinstance(error, httpx.TimeoutException):
+        return watch.silent() if watch.answered else watch.unanswered()
+    if isinstance(error, httpx.SSEError):
+        return _Failure(ErrorCode.BACKEND_ERROR, f"the backend's reply is not a stream: {error}")
+    return _Failure(
+        ErrorCode.BACKEND_ERROR, f"the connection to the backend broke: {_reason(error)}"
+    )
 
 
 class _Watch:

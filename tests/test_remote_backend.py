@@ -178,6 +178,16 @@ def test_a_broken_stream_is_one_line_and_exit_5(lines: list[str | Step], phrase:
     assert "Traceback" not in result.stderr
 
 
+def test_an_answer_that_finished_is_kept_when_done_never_comes():
+    # Before: a finish_reason, then silence instead of [DONE], was exit 5.
+    def script(_body: dict[str, Any]) -> list[str | Step]:
+        return [chunk({"content": "So $\\boxed{156}$."}), chunk({}, "stop"), Step(sleep=60)]
+
+    with scripted_server(script) as server:
+        result = _solve(server.url, "-m", "m", env={"PHI4_BACKEND_TIMEOUT": "1s"})
+    assert (result.returncode, result.stdout) == (0, "So $\\boxed{156}$.\n"), result.stderr
+
+
 def test_a_refusal_maps_to_its_exit_status():
     with scripted_server(lambda _body: [], status=400) as server:
         result = _solve(server.url)
