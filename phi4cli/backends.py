@@ -213,10 +213,18 @@ class _DaemonStream:
 class RemoteBackend:
     """An OpenAI-compatible server; the daemon is not involved."""
 
-    def __init__(self, url: str, model: str, api_key: str | None, timeout: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        api_key: str | None,
+        timeout: float,
+        deadline: float = 3600.0,
+        announce: Announce | None = None,
+    ) -> None:
         from phi4cli.remote import RemoteEngine
 
-        self.engine = RemoteEngine(url, model, api_key, timeout)
+        self.engine = RemoteEngine(url, model, api_key, timeout, deadline, announce)
         self.name = f"the backend {url}"
 
     def stream(self, op: Op, params: JSON) -> _RemoteStream:
@@ -281,5 +289,6 @@ def make_backend(
         from phi4cli.remote import backend_key
 
         return RemoteBackend(settings.backend, str(model), backend_key(),
-                             settings.backend_timeout)  # fmt: skip
+                             settings.backend_timeout, settings.backend_deadline,
+                             announce)  # fmt: skip
     return DaemonBackend(paths, settings, Path(model), announce)

@@ -231,6 +231,7 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
     "parallel": (_positive_int, "a positive integer (requests decoded together)"),
     "backend": (_backend_url, "the http(s) URL of an OpenAI-compatible server, or none"),
     "backend_timeout": (_positive_duration, "a duration such as 300s or 10m"),
+    "backend_deadline": (_positive_duration, "a duration such as 1h or 30m"),
     "system": (_optional_str, "text"),
     "instruction": (_instruction, "text added after each question, or none"),
 }
@@ -256,7 +257,8 @@ class Settings(Record):
     max_queue: int = 64  # requests waiting in the daemon before it answers busy
     parallel: int = 4  # requests decoded together (slots of the one llama context)
     backend: str | None = None  # an OpenAI-compatible server to use instead of the daemon
-    backend_timeout: float = 300.0  # seconds a remote server may send nothing before we give up
+    backend_timeout: float = 300.0  # seconds a remote server may send no event before we give up
+    backend_deadline: float = 3600.0  # seconds one remote request may take in all
     # None: the chat template's own default system prompt ("Your name is Phi, ...").
     system: str | None = None
     # Added after each `phi4 solve` question: what Phi-4-mini-reasoning and DeepSeek-R1 were

@@ -15,15 +15,28 @@ send thinking, and each stream is read as it comes:
 ``--think-budget`` is enforced here, because these servers have no such option: at the budget the
 stream is closed and the server is asked again with the thinking so far closed by ``</think>`` as
 the start of the assistant's reply, so the model goes on with its answer.
+
+A server is not trusted to behave: everything it sends is bounded and checked on this side. An
+error body is read up to 64 KiB and shown as a one-line excerpt; a stream is cut at the request's
+``max_tokens`` (a length stop, whatever the server does with the option), at 64 MiB in all and at
+1 MiB an event; ``backend_timeout`` bounds the silence between events and ``backend_deadline`` the
+whole request; every field read from its JSON is type-checked. 429 and 503 are retried a few
+times, after the server's ``Retry-After`` when it gives one.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import socket
+import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+import unicodedata
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from email.utils import parsedate_to_datetime
+from typing import Any, cast
 
 import httpx2 as httpx
 
@@ -31,7 +44,19 @@ from phi4cli.errors import DaemonUnavailableError
 from phi4cli.protocol import ErrorCode, Event, EventKind, Stats
 from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model_thinks
 
-CONNECT_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0  # at most; a shorter backend_timeout shortens it too
+ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error answer read before the connection is closed
+EXCERPT_CHARS = 200  # of a server's message, shown on one line
+MAX_EVENT_BYTES = 1024 * 1024  # one server-sent event (a line that never ends included)
+MAX_STREAM_BYTES = 64 * 1024 * 1024  # one response stream in all
+# Pieces of text one request may stream when it sets no max_tokens: beyond any context these
+# servers run, so only an endless stream meets it.
+DEFAULT_TOKEN_LIMIT = 131072
+MAX_RETRIES = 3  # of a 429 or 503 answer
+MAX_RETRY_WAIT_S = 60.0  # a longer Retry-After is not waited for
+RETRY_BACKOFF_S = 0.5  # the first wait when the server gives no Retry-After; doubled each time
+LONGEST_WAIT_S = 1e8  # about three years: longer settings are taken as this
+_MAX_COUNT = 10**9  # a token count above this, as a NaN or a negative one, is not believed
 _CODE_FOR_STATUS = {400: ErrorCode.BAD_REQUEST, 404: ErrorCode.BAD_REQUEST,
                     413: ErrorCode.BAD_REQUEST, 429: ErrorCode.BUSY,
                     503: ErrorCode.SHUTTING_DOWN, 504: ErrorCode.TIMEOUT}  # fmt: skip
@@ -118,13 +143,24 @@ class RemoteEngine:
     """One OpenAI-compatible server, with the model name it serves."""
 
     def __init__(
-        self, url: str, model: str, api_key: str | None = None, timeout: float = 300.0
+        self,
+        url: str,
+        model: str,
+        api_key: str | None = None,
+        timeout: float = 300.0,
+        deadline: float = 3600.0,
+        notice: Callable[[str], None] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.api_key = api_key
-        self.timeout = timeout
+        # Seconds the server may send no event, and one request may take in all (retries
+        # included); beyond LONGEST_WAIT_S a socket timeout no longer fits the platform's clock.
+        self.timeout = min(timeout, LONGEST_WAIT_S)
+        self.deadline = min(deadline, LONGEST_WAIT_S)
+        self.notice = notice  # one line for the user, e.g. that a busy server is waited for
         self.thinks = model_thinks(model)
+        self._retry_told = False
 
     @property
     def endpoint(self) -> str:
@@ -148,13 +184,14 @@ class RemoteEngine:
         """
         started = time.monotonic()
         reader = _Reader(self.thinks)
-        state = _StreamState(started)
+        state = _StreamState(started, _token_limit(params.get("max_tokens")))
         budget = params.get("think_budget")
         messages = messages_for(params)
-        headers = {"Accept": "text/event-stream"}
+        # No compression: a small compressed body must not become a huge one in memory.
+        headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        timeout = httpx.Timeout(self.timeout, connect=CONNECT_TIMEOUT_S)
+        timeout = httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT_S, self.timeout))
         with httpx.Client(timeout=timeout, headers=headers) as client:
             try:
                 if budget == 0 and self.thinks:
@@ -166,7 +203,7 @@ class RemoteEngine:
                         yield Event(kind, text=text)
                     for kind, text in reader.finish():
                         yield Event(kind, text=text)
-                if state.budget_reached:
+                if state.budget_reached and not state.cut:
                     yield from self._answer_after_budget(client, params, messages, reader, state)
             except _Failure as failure:
                 yield Event.of_stats(state.stats(self, reader, params))
@@ -203,6 +240,42 @@ class RemoteEngine:
                 yield Event(kind, text=text)
         reader.answer_pieces += answer.answer_pieces
 
+    @contextmanager
+    def _opened(
+        self, client: httpx.Client, body: dict[str, Any], watch: _Watch
+    ) -> Iterator[httpx.Response]:
+        """The response to ``body`` once the server accepts it: a 429 or 503 is asked again, up
+        to MAX_RETRIES times, after its Retry-After (or a short backoff). Raise _Failure for a
+        refusal, with a short excerpt of the server's message."""
+        for attempt in range(MAX_RETRIES + 1):
+            watch.ask()
+            with client.stream("POST", self.endpoint, json=body,
+                               extensions={"trace": watch.trace}) as response:  # fmt: skip
+                watch.answered = True
+                watch.last_event = time.monotonic()
+                encoding = response.headers.get("content-encoding", "identity").strip().lower()
+                if encoding not in ("", "identity"):
+                    # Not asked for, and a few KiB of it can inflate to gigabytes in one read.
+                    shown = excerpt(encoding, 40)
+                    raise _Failure(ErrorCode.BACKEND_ERROR,
+                                   f"the backend {self.url} sent a compressed answer ({shown}), "
+                                   "which phi4 did not ask for")  # fmt: skip
+                if response.status_code < 400:
+                    yield response
+                    return
+                text, whole = _read_bounded(response, watch)
+                wait = _retry_wait(response, attempt)
+            failure = _http_failure(response, text, whole)
+            left = self.deadline - (time.monotonic() - watch.started)
+            if wait is None or attempt == MAX_RETRIES or wait > min(MAX_RETRY_WAIT_S, left):
+                raise failure
+            if self.notice is not None and not self._retry_told:
+                self._retry_told = True  # once per command, however many waits follow
+                self.notice(f"the backend {self.url} is busy ({response.status_code}); "
+                            f"asking again in {wait:g} s (up to {MAX_RETRIES} times)")  # fmt: skip
+            time.sleep(wait)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
     def _events(
         self,
         client: httpx.Client,
@@ -211,27 +284,43 @@ class RemoteEngine:
         state: _StreamState,
         budget: int | None,
     ) -> Iterator[tuple[EventKind, str]]:
+        with _Watch(self, state) as watch:
+            yield from self._watched_events(client, body, reader, state, budget, watch)
+
+    def _watched_events(
+        self,
+        client: httpx.Client,
+        body: dict[str, Any],
+        reader: _Reader,
+        state: _StreamState,
+        budget: int | None,
+        watch: _Watch,
+    ) -> Iterator[tuple[EventKind, str]]:
+        finished = False  # a finish_reason came: the answer is whole, whatever follows
         try:
-            with client.stream("POST", self.endpoint, json=body) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    raise _http_failure(response)
-                source = httpx.EventSource(response)
-                finished = False
+            with self._opened(client, body, watch) as response:
+                watched = cast(httpx.Response, _WatchedResponse(response, watch))
+                source = httpx.EventSource(watched, max_event_size=MAX_EVENT_BYTES)
                 for sse in source:
+                    watch.last_event = time.monotonic()
                     if sse.data.strip() == "[DONE]":
                         finished = True
                         break
-                    chunk = _chunk(sse.data)
+                    chunk = _chunk(sse.data, self.url)
                     state.usage(chunk)
-                    for choice in chunk.get("choices") or []:
-                        if not isinstance(choice, dict):
-                            continue
-                        if choice.get("finish_reason"):
-                            state.finish = str(choice["finish_reason"])
+                    for choice in _choices(chunk, self.url):
+                        finish = choice.get("finish_reason")
+                        if finish is not None and not isinstance(finish, str):
+                            raise _nonsense(self.url, "a finish_reason that is not text")
+                        if finish:
+                            state.finish = finish[:40]
                             finished = True
-                        delta = choice.get("delta") or {}
-                        for kind, text in reader.feed(delta if isinstance(delta, dict) else {}):
+                        for kind, text in reader.feed(_delta(choice, self.url)):
+                            if kind != EventKind.RETRACT and state.completion_pieces >= state.limit:
+                                # The server went past max_tokens (or streams without end):
+                                # stop here, as a length stop; leaving closes the response.
+                                state.finish, state.cut = "length", True
+                                return
                             state.seen(kind, text)
                             yield kind, text
                         if (
@@ -242,75 +331,301 @@ class RemoteEngine:
                             state.budget_reached = True
                             return  # leaving the with-block closes the response
                 if not finished:
+                    if watch.alarm is not None:
+                        raise watch.alarm
                     raise _Failure(
                         ErrorCode.BACKEND_ERROR,
                         "the backend closed the stream before the answer was complete",
                     )
-        except httpx.ConnectError as error:
-            raise DaemonUnavailableError(
-                f"cannot reach the backend {self.url}: {_reason(error)}"
-            ) from None
-        except httpx.TimeoutException:
-            raise _Failure(
-                ErrorCode.TIMEOUT,
-                f"the backend {self.url} sent nothing for {self.timeout:g} s "
-                "(PHI4_BACKEND_TIMEOUT sets how long to wait)",
-            ) from None
-        except httpx.SSEError as error:
-            raise _Failure(
-                ErrorCode.BACKEND_ERROR, f"the backend's reply is not a stream: {error}"
-            ) from None
-        except httpx.TransportError as error:
-            raise _Failure(
-                ErrorCode.BACKEND_ERROR, f"the connection to the backend broke: {_reason(error)}"
-            ) from None
+        except httpx.TransportError as error:  # timeouts, broken connections, bad streams
+            if finished and not isinstance(error, httpx.SSEError):
+                # The answer ended, then the server went quiet or hung up instead of sending
+                # [DONE]: its usage is lost, not the answer.
+                return
+            raise _transport_failure(error, watch) from None
         except (httpx.RequestError, httpx.InvalidURL) as error:  # a body it cannot decode, ...
+            if watch.alarm is not None:
+                raise watch.alarm from None
             raise _Failure(
                 ErrorCode.BACKEND_ERROR, f"the backend's reply cannot be read: {_reason(error)}"
             ) from None
 
 
+def _transport_failure(error: httpx.TransportError, watch: _Watch) -> Exception:
+    """What to report for an error of the connection: unreachable (exit 3) when no answer began,
+    else why the stream ended: the guard's reason when it hung up, silence, or the break."""
+    if isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return DaemonUnavailableError(f"cannot reach the backend {watch.url}: {_reason(error)}")
+    if watch.alarm is not None:
+        return watch.alarm
+    if isinstance(error, httpx.TimeoutException):
+        return watch.silent() if watch.answered else watch.unanswered()
+    if isinstance(error, httpx.SSEError):
+        return _Failure(ErrorCode.BACKEND_ERROR, f"the backend's reply is not a stream: {error}")
+    return _Failure(
+        ErrorCode.BACKEND_ERROR, f"the connection to the backend broke: {_reason(error)}"
+    )
+
+
+class _Watch:
+    """The time and size limits of one request's responses. Sizes and the time between events
+    are checked as each piece arrives (httpx's read timeout only sees a silent socket, not one
+    that trickles a byte at a time); a guard thread hangs up the connection when the answer's
+    status line is not in within ``timeout`` of asking, or the whole request passes its
+    ``deadline``, since a read that trickles or waits cannot check the clock itself.
+
+    Use as a context manager: the guard runs inside it.
+    """
+
+    def __init__(self, engine: RemoteEngine, state: _StreamState) -> None:
+        self.url, self.timeout, self.deadline = engine.url, engine.timeout, engine.deadline
+        self.started = state.started  # the deadline counts from the request's start
+        self.asked = time.monotonic()  # when the latest attempt was sent
+        self.last_event = self.asked
+        self.received = 0
+        self.answered = False  # the latest attempt got a status line: the server is there
+        self.alarm: Exception | None = None  # why the guard hung up, when it did
+        self._state = state
+        self._done = threading.Event()
+        self._guard = threading.Thread(target=self._hang_up_when_due, daemon=True,
+                                       name="phi4-backend-guard")  # fmt: skip
+
+    def __enter__(self) -> _Watch:
+        self._guard.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._done.set()
+
+    def trace(self, name: str, info: dict[str, Any]) -> None:
+        """httpcore's trace hook: keep the socket of each new connection, for the guard."""
+        stream = info.get("return_value")
+        if name == "connection.connect_tcp.complete" and stream is not None:
+            self._state.socket = stream.get_extra_info("socket")
+
+    def ask(self) -> None:
+        """A new attempt is being sent."""
+        self.asked = self.last_event = time.monotonic()
+        self.answered = False
+
+    def silent(self) -> _Failure:
+        return _Failure(
+            ErrorCode.TIMEOUT,
+            f"the backend {self.url} sent nothing for {self.timeout:g} s "
+            "(PHI4_BACKEND_TIMEOUT sets how long to wait)",
+        )
+
+    def unanswered(self) -> DaemonUnavailableError:
+        return DaemonUnavailableError(
+            f"the backend {self.url} took the connection but did not answer for "
+            f"{self.timeout:g} s (PHI4_BACKEND_TIMEOUT sets how long to wait)"
+        )
+
+    def too_long(self) -> _Failure:
+        return _Failure(
+            ErrorCode.TIMEOUT,
+            f"the backend {self.url} took more than {self.deadline:g} s in all "
+            "(PHI4_BACKEND_DEADLINE sets how long a request may take)",
+        )
+
+    def check(self, size: int) -> None:
+        """Count ``size`` more bytes; raise _Failure past a limit."""
+        now = time.monotonic()
+        self.received += size
+        if now - self.started > self.deadline:
+            raise self.too_long()
+        if now - self.last_event > self.timeout:
+            raise self.silent()  # bytes came, but no whole event: a trickle is silence too
+        if self.received > MAX_STREAM_BYTES:
+            raise _Failure(
+                ErrorCode.BACKEND_ERROR,
+                f"the backend {self.url} sent more than {MAX_STREAM_BYTES // 2**20} MiB "
+                "for one answer",
+            )
+
+    def _due(self) -> tuple[float, Exception]:
+        """When the guard hangs up if nothing changes, and why."""
+        deadline_at = self.started + self.deadline
+        if not self.answered and self.asked + self.timeout < deadline_at:
+            return self.asked + self.timeout, self.unanswered()
+        return deadline_at, self.too_long()
+
+    def _hang_up_when_due(self) -> None:
+        while True:
+            due, _why = self._due()
+            if self._done.wait(min(max(0.0, due - time.monotonic()), 3600.0)):
+                return
+            due, why = self._due()  # the answer may have come, or a new attempt begun
+            if time.monotonic() >= due:
+                self.alarm = why
+                connection = self._state.socket
+                if connection is not None:
+                    # Shutting it down wakes the read blocked on it; closing would not.
+                    with suppress(OSError):
+                        connection.shutdown(socket.SHUT_RDWR)
+                return
+
+
+class _WatchedResponse:
+    """What httpx's EventSource reads of a response, with each piece of text checked by a
+    _Watch first, so the SSE parsing stays httpx's."""
+
+    def __init__(self, response: httpx.Response, watch: _Watch) -> None:
+        self._response, self._watch = response, watch
+        self.headers, self.request = response.headers, response.request
+
+    def iter_text(self) -> Iterator[str]:
+        for text in self._response.iter_text():
+            self._watch.check(len(text))
+            yield text
+
+
+def _read_bounded(response: httpx.Response, watch: _Watch) -> tuple[str, bool]:
+    """Up to ERROR_BODY_LIMIT bytes of an error answer, and whether that was all of it."""
+    parts: list[bytes] = []
+    size = 0
+    for piece in response.iter_bytes():
+        watch.check(len(piece))  # the whole error answer comes within backend_timeout
+        parts.append(piece)
+        size += len(piece)
+        if size >= ERROR_BODY_LIMIT:
+            return b"".join(parts)[:ERROR_BODY_LIMIT].decode("utf-8", "replace"), False
+    return b"".join(parts).decode("utf-8", "replace"), True
+
+
+def _retry_wait(response: httpx.Response, attempt: int) -> float | None:
+    """Seconds to wait before asking again, or None when the answer is not worth retrying."""
+    if response.status_code not in (429, 503):
+        return None
+    value = response.headers.get("retry-after", "").strip()
+    if value.isdigit():
+        return float(min(int(value[:12]), 10**9))
+    if value:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            when = None
+        if when is not None and when.tzinfo is not None:
+            return max(0.0, when.timestamp() - time.time())
+    return float(RETRY_BACKOFF_S * 2**attempt)
+
+
+def _token_limit(max_tokens: Any) -> int:
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0:
+        return max_tokens
+    return DEFAULT_TOKEN_LIMIT
+
+
+def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """``text`` as one short line: control and format characters (escape sequences, bidi
+    overrides) become spaces, runs of whitespace one space, and beyond ``limit`` it is cut."""
+    cleaned = "".join(
+        " " if unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp") else char
+        for char in text[: limit * 4]
+    )
+    line = " ".join(cleaned.split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+
+def _nonsense(url: str, what: str) -> _Failure:
+    return _Failure(ErrorCode.BACKEND_ERROR, f"the backend {url} sent {what}")
+
+
 def _reason(error: Exception) -> str:
     cause = error.__cause__ or error.__context__
     text = str(error) or (str(cause) if cause else type(error).__name__)
-    return text.removeprefix("[Errno 111] ")
+    if isinstance(error, httpx.ConnectTimeout):
+        text = "it did not take the connection in time"
+    return excerpt(text.removeprefix("[Errno 111] "))  # it may quote what the server sent
 
 
-def _chunk(data: str) -> dict[str, Any]:
+def _chunk(data: str, url: str) -> dict[str, Any]:
     """One streamed chunk; a malformed one, or one that carries an error, ends the stream."""
     try:
         chunk = json.loads(data)
-    except json.JSONDecodeError:
-        shown = data if len(data) <= 80 else data[:77] + "..."
+    except (ValueError, RecursionError):  # also digits past int's limit, or nesting too deep
+        shown = excerpt(data, 80)
         raise _Failure(ErrorCode.BACKEND_ERROR,
                        f"the backend sent a malformed event: {shown!r}") from None  # fmt: skip
     if not isinstance(chunk, dict):
         raise _Failure(ErrorCode.BACKEND_ERROR, "the backend sent an event that is not an object")
     error = chunk.get("error")
     if error:
-        message = error.get("message") if isinstance(error, dict) else str(error)
+        message = error.get("message") if isinstance(error, dict) else error
         status = error.get("code") if isinstance(error, dict) else None
-        code = _CODE_FOR_STATUS.get(status if isinstance(status, int) else 0,
+        code = _CODE_FOR_STATUS.get(status if type(status) is int else 0,
                                     ErrorCode.BACKEND_ERROR)  # fmt: skip
-        raise _Failure(code, f"the backend reported an error mid-answer: {message}")
+        shown = excerpt(message if isinstance(message, str) else json.dumps(message)[:1000])
+        raise _Failure(code, f"the backend reported an error mid-answer: {shown}")
     return chunk
 
 
-def _http_failure(response: httpx.Response) -> _Failure:
-    detail = response.text
-    try:
-        detail = json.loads(detail)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        detail = detail.strip()[:300] or response.reason_phrase
+def _choices(chunk: dict[str, Any], url: str) -> list[dict[str, Any]]:
+    choices = chunk.get("choices")
+    if choices is None:
+        return []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise _nonsense(url, "'choices' that are not a list of objects")
+    return choices
+
+
+def _delta(choice: dict[str, Any], url: str) -> dict[str, Any]:
+    delta = choice.get("delta")
+    if delta is None:
+        return {}
+    if not isinstance(delta, dict):
+        raise _nonsense(url, "a 'delta' that is not an object")
+    for key in ("content", "reasoning_content", "reasoning"):
+        if delta.get(key) is not None and not isinstance(delta[key], str):
+            raise _nonsense(url, f"a '{key}' that is not text")
+    return delta
+
+
+def _http_failure(response: httpx.Response, text: str, whole: bool) -> _Failure:
+    """The refusal ``response`` means, with the server's message (from ``text``, the start of
+    its body) cut to one line."""
+    detail: Any = None
+    if whole:
+        try:
+            parsed = json.loads(text)
+        except (ValueError, RecursionError):
+            parsed = None
+        if isinstance(parsed, dict):
+            error = parsed.get("error")
+            detail = error.get("message") if isinstance(error, dict) else error
+            if not isinstance(detail, str):
+                detail = parsed.get("message", parsed.get("detail"))
+    if not isinstance(detail, str):
+        detail = text
+    shown = excerpt(detail) or excerpt(response.reason_phrase) or "no message"
     code = _CODE_FOR_STATUS.get(response.status_code, ErrorCode.BACKEND_ERROR)
-    return _Failure(code, f"the backend answered {response.status_code}: {detail}")
+    return _Failure(code, f"the backend answered {response.status_code}: {shown}")
+
+
+def _count(value: Any) -> int | None:
+    """A token count the server reported, or None when it is not a believable one."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if type(value) is int and 0 <= value <= _MAX_COUNT:
+        return value
+    return None
+
+
+def _seconds(millis: Any) -> float | None:
+    """Seconds from a reported number of milliseconds, or None when it is not a believable one."""
+    if type(millis) in (int, float) and math.isfinite(millis) and 0 <= millis <= 1e10:
+        return float(millis) / 1000.0
+    return None
 
 
 class _StreamState:
     """What one request's streams have produced, for its Stats."""
 
-    def __init__(self, started: float) -> None:
+    def __init__(self, started: float, limit: int = DEFAULT_TOKEN_LIMIT) -> None:
         self.started = started
+        self.limit = limit  # pieces of text the request may stream, thinking included
+        self.socket: socket.socket | None = None  # the connection's, for _Watch's guard
+        self.cut = False  # the stream was closed here at the limit
         self.first_token_s: float | None = None
         self.finish: str | None = None
         self.budget_reached = False
@@ -343,23 +658,35 @@ class _StreamState:
             self.timings = timings
 
     def stats(self, engine: RemoteEngine, reader: _Reader, params: dict[str, Any]) -> Stats:
+        """The request's Stats: the server's numbers where it reported believable ones (a
+        count that is not a whole number from 0 to 10**9, or a time that is not a finite
+        positive number, is ignored), else what the stream showed."""
         total = time.monotonic() - self.started
         usage, timings = self.reported, self.timings
-        details = usage.get("completion_tokens_details") or {}
-        completion = int(usage.get("completion_tokens") or self.completion_pieces)
-        reasoning = int(details.get("reasoning_tokens") or reader.reasoning_pieces)
-        if self.budget_reached:
-            # Two requests, and the first was cut off before its usage came: count the stream.
+        details = usage.get("completion_tokens_details")
+        details = details if isinstance(details, dict) else {}
+        completion = _count(usage.get("completion_tokens")) or self.completion_pieces
+        reasoning = _count(details.get("reasoning_tokens")) or reader.reasoning_pieces
+        if self.budget_reached or self.cut:
+            # Cut off before its usage came (two requests, or the limit here): count the stream.
             completion, reasoning = self.completion_pieces, reader.reasoning_pieces
         first = self.first_token_s
-        prompt_eval_s = timings.get("prompt_ms", (first or total) * 1000.0) / 1000.0
-        decode_s = timings.get("predicted_ms", (total - (first or total)) * 1000.0) / 1000.0
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        prompt = int(usage.get("prompt_tokens") or 0)
+        prompt_eval_s = _seconds(timings.get("prompt_ms"))
+        if prompt_eval_s is None:
+            prompt_eval_s = first or total
+        decode_s = _seconds(timings.get("predicted_ms"))
+        if decode_s is None:
+            decode_s = total - (first or total)
+        prompt_details = usage.get("prompt_tokens_details")
+        cached = _count(prompt_details.get("cached_tokens")) if isinstance(
+            prompt_details, dict) else None  # fmt: skip
+        if cached is None:
+            cached = _count(timings.get("cache_n")) or 0
+        prompt = _count(usage.get("prompt_tokens")) or 0
         return Stats(
             prompt_tokens=prompt,
-            cached_tokens=int(cached if cached is not None else timings.get("cache_n") or 0),
-            prompt_eval_tokens=int(timings.get("prompt_n") or prompt),
+            cached_tokens=cached,
+            prompt_eval_tokens=_count(timings.get("prompt_n")) or prompt,
             prompt_eval_s=round(prompt_eval_s, 4),
             completion_tokens=completion,
             reasoning_tokens=min(reasoning, completion),

@@ -409,7 +409,7 @@ def format_settings(sources: dict[str, tuple[Any, str]]) -> str:
              "seed": "random"}  # fmt: skip
     lines = []
     for key, (value, source) in sources.items():
-        if key in ("keep_alive", "backend_timeout"):
+        if key in ("keep_alive", "backend_timeout", "backend_deadline"):
             shown = format_duration(value)
         elif isinstance(value, bool):
             shown = "true" if value else "false"  # as config.toml spells it

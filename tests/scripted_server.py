@@ -1,28 +1,43 @@
 """A scripted OpenAI-compatible server: streams chat completions the way llama-server and vLLM do
 (thinking in ``reasoning_content`` or ``reasoning``, or inline), and misbehaves on request —
-malformed chunks, in-stream errors, stalls, dropped connections — so `--backend` can be tested
-against every failure without a real model. It records each request body it receives."""
+malformed chunks, in-stream errors, stalls, dropped connections, endless or trickling bodies,
+refusals with Retry-After, a socket that never accepts — so `--backend` can be tested against
+every failure without a real model. It records each request body it receives."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-# A script turns the request body into the raw lines to send (each a complete SSE "data:" line,
-# or a Step that does something other than write).
-Script = Callable[[dict[str, Any]], list["str | Step"]]
+# A script turns the request body into the raw text to send, piece by piece, each written and
+# flushed as it comes (usually a complete SSE "data:" line; bytes are written as they are), or a
+# Step that does something other than write; a Head first answers with another status than a
+# 200 stream. It may be a bounded generator, for bodies too long to build.
+Script = Callable[[dict[str, Any]], Iterable["str | bytes | Step | Head"]]
 
 
 @dataclass
 class Step:
     sleep: float = 0.0
     drop: bool = False  # close the connection here, mid-stream
+
+
+@dataclass
+class Head:
+    """The status line and headers to answer with; the script's pieces after it are the body.
+    With ``raw``, no status line or headers are sent: the pieces are the whole response."""
+
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    raw: bool = False
 
 
 def data(payload: Any) -> str:
@@ -93,12 +108,22 @@ def scripted_server(script: Script, status: int = 200) -> Iterator[ScriptedServe
                 self.end_headers()
                 self.wfile.write(payload)
                 return
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Connection", "close")
-            self.end_headers()
+            pieces = iter(state.script(body))
+            first = next(pieces, None)
+            head = first if isinstance(first, Head) else Head(200)
             self.close_connection = True
-            for line in state.script(body):
+            if not head.raw:
+                self.send_response(head.status)
+                headers = {"Content-Type": "text/event-stream", **head.headers}
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Connection", "close")
+                self.end_headers()
+            if first is not None and not isinstance(first, Head):
+                pieces = itertools.chain([first], pieces)
+            for line in pieces:
+                if isinstance(line, Head):
+                    continue
                 if isinstance(line, Step):
                     if line.sleep:
                         time.sleep(line.sleep)
@@ -106,7 +131,7 @@ def scripted_server(script: Script, status: int = 200) -> Iterator[ScriptedServe
                         return
                     continue
                 try:
-                    self.wfile.write(line.encode())
+                    self.wfile.write(line if isinstance(line, bytes) else line.encode())
                     self.wfile.flush()
                 except (BrokenPipeError, ConnectionResetError):
                     return
@@ -121,3 +146,30 @@ def scripted_server(script: Script, status: int = 200) -> Iterator[ScriptedServe
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextmanager
+def never_accepting(backlog_full: bool) -> Iterator[str]:
+    """The URL of a socket that listens and never accepts. With ``backlog_full`` its queue is
+    filled first, so a new connection is never even taken (as from a server too loaded to keep
+    up, or an address that drops packets); without, the kernel takes the connection and the
+    request, and nothing ever answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    fillers: list[socket.socket] = []
+    try:
+        while backlog_full:  # until a connection is not taken: then the queue is full
+            filler = socket.socket()
+            fillers.append(filler)
+            filler.settimeout(0.5)
+            try:
+                filler.connect(listener.getsockname())
+            except TimeoutError:
+                break
+            assert len(fillers) < 16, "the kernel keeps taking connections"
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import email.utils
+import gzip
 import json
+import math
+import os
 import socket
 import subprocess
 import sys
@@ -15,8 +19,16 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_phi4
-from tests.scripted_server import Step, chunk, data, scripted_server, separated
+from tests.conftest import PHI4, run_phi4
+from tests.scripted_server import (
+    Head,
+    Step,
+    chunk,
+    data,
+    never_accepting,
+    scripted_server,
+    separated,
+)
 
 
 def free_port() -> int:
@@ -99,9 +111,9 @@ THINKING = ["Let me see: ", "12*13 ", "is 156."]
 ANSWER = ["The answer is ", "$\\boxed{156}$."]
 
 
-def _solve(url: str, *extra: str, env: dict[str, str] | None = None) -> Any:
+def _solve(url: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 120) -> Any:
     return run_phi4("solve", "What is 12*13?", "--backend", url, "-m", "phi4-mini-reasoning",
-                    *extra, env=env)  # fmt: skip
+                    *extra, env=env, timeout=timeout)  # fmt: skip
 
 
 @pytest.mark.parametrize("field_name", ["reasoning_content", "reasoning"])
@@ -164,6 +176,16 @@ def test_a_broken_stream_is_one_line_and_exit_5(lines: list[str | Step], phrase:
     errors = [line for line in result.stderr.splitlines() if line.startswith("phi4: ")]
     assert errors == [errors[-1]] and phrase in errors[-1], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_an_answer_that_finished_is_kept_when_done_never_comes():
+    # Before: a finish_reason, then silence instead of [DONE], was exit 5.
+    def script(_body: dict[str, Any]) -> list[str | Step]:
+        return [chunk({"content": "So $\\boxed{156}$."}), chunk({}, "stop"), Step(sleep=60)]
+
+    with scripted_server(script) as server:
+        result = _solve(server.url, "-m", "m", env={"PHI4_BACKEND_TIMEOUT": "1s"})
+    assert (result.returncode, result.stdout) == (0, "So $\\boxed{156}$.\n"), result.stderr
 
 
 def test_a_refusal_maps_to_its_exit_status():
@@ -364,3 +386,300 @@ def test_eval_resumes_only_matching_records(tmp_path: Path):
         again = run_phi4(*base, "-k", "3")
         assert again.returncode == 0, again.stderr
         assert json.loads(again.stdout)["correct"] == 2
+
+
+# --- a hostile engine: nothing it sends can hang, bloat or crash the client --------------------
+
+# Runs a command and reports, as its last stderr line, the peak memory of that command (KiB).
+_MEASURED = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+             "print('maxrss-kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "
+             "file=sys.stderr); sys.exit(code)")  # fmt: skip
+RSS_BOUND_KIB = 256 * 1024  # generous: the client peaks near 40 MiB here; before, 3.2 GB
+
+
+def _solve_measured(url: str, *extra: str, env: dict[str, str]) -> tuple[Any, int]:
+    result = subprocess.run(
+        [sys.executable, "-c", _MEASURED, PHI4, "solve", "What is 12*13?", "--backend", url,
+         "-m", "m", *extra],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        env={**os.environ, **env}, check=False,
+    )  # fmt: skip
+    *lines, last = result.stderr.splitlines()
+    assert last.startswith("maxrss-kib "), result.stderr
+    result.stderr = "\n".join(lines)
+    return result, int(last.split()[1])
+
+
+def _one_error_line(result: Any) -> str:
+    assert "Traceback" not in result.stderr and "internal error" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("phi4: error:")]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
+
+
+def test_an_endless_error_body_is_read_to_a_bound_and_shown_as_one_clean_line():
+    # Before: the whole body was read (3.2 GB of RSS in 40 s) and shown raw.
+    def script(_body: dict[str, Any]) -> Iterator[str | Step | Head]:
+        yield Head(500, {"Content-Type": "text/plain"})
+        yield "out of memory\x1b]52;c;cm0gLXJmIH4K\x07\r\n\u202eevil\n"
+        for _ in range(100_000):  # 6.5 GB, if it were all read
+            yield "x" * 65536
+
+    with scripted_server(script) as server:
+        result, rss_kib = _solve_measured(server.url, env={"PHI4_BACKEND_TIMEOUT": "5s"})
+    assert result.returncode == 5, result.stderr
+    line = _one_error_line(result)
+    assert line.startswith("phi4: error: the backend answered 500: out of memory ]52;c;"), line
+    assert len(line) < 300 and line.endswith("…")
+    assert not any(ch in line for ch in "\x1b\x07\r\u202e")
+    assert rss_kib < RSS_BOUND_KIB
+
+
+def test_an_engine_that_ignores_max_tokens_is_cut_as_a_length_stop():
+    # Before: an endless stream was read forever (no client-side max_tokens).
+    def script(body: dict[str, Any]) -> Iterator[str | Step | Head]:
+        assert body["max_tokens"] == 20, "still asked of the server"
+        for i in range(1_000_000):
+            yield chunk({"content": f"w{i} "})
+
+    with scripted_server(script) as server:
+        result = _solve(server.url, "-n", "20", "--json", env={"PHI4_BACKEND_TIMEOUT": "5s"})
+    record = json.loads(result.stdout)
+    assert record["stats"]["finish_reason"] == "length"
+    assert record["stats"]["completion_tokens"] == 20
+    assert record["reasoning"] + record["solution"] == "".join(f"w{i} " for i in range(20))
+
+
+def test_a_trickling_server_ends_by_the_silence_timeout():
+    # One byte at a time, never a whole event: before, this never ended.
+    def script(_body: dict[str, Any]) -> Iterator[str | Step | Head]:
+        yield chunk({"content": "The answer"})
+        for _ in range(600):  # five minutes, if nothing stopped it
+            yield "d"
+            yield Step(sleep=0.5)
+
+    with scripted_server(script) as server:
+        result = _solve(server.url, env={"PHI4_BACKEND_TIMEOUT": "2s"})
+    assert result.returncode == 5, result.stderr
+    assert "sent nothing for 2 s" in _one_error_line(result)
+
+
+def test_a_stream_that_never_finishes_ends_at_the_total_deadline():
+    # Whole events, each in time, but no end: the deadline of the whole request stops it.
+    def script(_body: dict[str, Any]) -> Iterator[str | Step | Head]:
+        for _ in range(600):
+            yield chunk({})
+            yield Step(sleep=0.2)
+
+    with scripted_server(script) as server:
+        result = _solve(server.url, env={"PHI4_BACKEND_TIMEOUT": "5s",
+                                         "PHI4_BACKEND_DEADLINE": "2s"})  # fmt: skip
+    assert result.returncode == 5, result.stderr
+    assert "took more than 2 s in all (PHI4_BACKEND_DEADLINE" in _one_error_line(result)
+
+
+def test_a_stream_silent_past_the_deadline_ends_at_the_deadline():
+    # A read waiting on a silent socket cannot look at the clock: the guard hangs up for it.
+    def script(_body: dict[str, Any]) -> list[str | Step | Head]:
+        return [chunk({"content": "The answer"}), Step(sleep=60)]
+
+    with scripted_server(script) as server:
+        result = _solve(server.url, env={"PHI4_BACKEND_TIMEOUT": "30s",
+                                         "PHI4_BACKEND_DEADLINE": "2s"}, timeout=25)  # fmt: skip
+    assert result.returncode == 5, result.stderr
+    assert "took more than 2 s in all" in _one_error_line(result)
+
+
+def test_a_server_that_trickles_its_status_line_is_unreachable_exit_3():
+    # Bytes keep coming, so httpx's read timeout never fires; no answer ever starts.
+    def script(_body: dict[str, Any]) -> Iterator[str | Step | Head]:
+        yield Head(200, raw=True)
+        yield "HTTP/1.1 200 OK\r\n"
+        for _ in range(600):
+            yield "X"
+            yield Step(sleep=0.25)
+
+    with scripted_server(script) as server:
+        result = _solve(server.url, env={"PHI4_BACKEND_TIMEOUT": "2s"})
+    assert result.returncode == 3, result.stderr
+    assert "took the connection but did not answer for 2 s" in _one_error_line(result)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "phrase"),
+    [
+        (["data: " + "x" * (2 * 2**20)], "Server-sent event exceeded the 1048576 byte limit"),
+        ((chunk({}, pad="y" * 900_000) for _ in range(100)), "sent more than 64 MiB"),
+    ],
+    ids=["one-endless-line", "endless-big-events"],
+)
+def test_an_oversized_event_or_stream_is_refused_in_bounded_memory(pieces: Any, phrase: str):
+    with scripted_server(lambda _body: pieces) as server:
+        result, rss_kib = _solve_measured(server.url, env={"PHI4_BACKEND_TIMEOUT": "5s"})
+    assert result.returncode == 5, result.stderr
+    assert phrase in _one_error_line(result)
+    assert rss_kib < RSS_BOUND_KIB
+
+
+def test_a_compressed_answer_is_refused_before_it_is_inflated():
+    # 64 KiB of gzip that would inflate to 64 MiB in one read, and on and on.
+    bomb = gzip.compress(b"data: " + b"x" * (64 * 2**20))
+
+    def script(_body: dict[str, Any]) -> Iterator[str | bytes | Step | Head]:
+        yield Head(200, {"Content-Encoding": "gzip"})
+        yield bomb
+
+    with scripted_server(script) as server:
+        result, rss_kib = _solve_measured(server.url, env={"PHI4_BACKEND_TIMEOUT": "5s"})
+    assert result.returncode == 5, result.stderr
+    assert "sent a compressed answer (gzip), which phi4 did not ask for" in (
+        _one_error_line(result)
+    )
+    assert rss_kib < RSS_BOUND_KIB
+
+
+_NAN = float("nan")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"usage": {"prompt_tokens": "many", "completion_tokens": _NAN,
+                   "completion_tokens_details": {"reasoning_tokens": 1e300},
+                   "prompt_tokens_details": "none"}},
+        {"usage": {"prompt_tokens": -5, "completion_tokens": float("inf"),
+                   "completion_tokens_details": [1]},
+         "timings": {"prompt_ms": "fast", "predicted_ms": -1, "cache_n": _NAN, "prompt_n": {}}},
+        {"usage": [], "timings": {"prompt_ms": float("inf"), "predicted_ms": 1e308}},
+        {"usage": {"completion_tokens": True, "prompt_tokens": 10**30}},
+    ],
+    ids=["strings-nan-huge", "negative-inf-lists", "not-objects", "bool-and-huge-int"],
+)  # fmt: skip
+def test_wrong_typed_stats_are_ignored(extra: dict[str, Any]):
+    # Before: ValueError, OverflowError or TypeError, shown as "internal error".
+    def script(_body: dict[str, Any]) -> list[str | Step | Head]:
+        return [chunk({"content": "So "}), chunk({"content": "$\\boxed{156}$."}),
+                chunk({}, "stop", **extra), data("[DONE]")]  # fmt: skip
+
+    with scripted_server(script) as server:
+        result = _solve(server.url, "--json", "-m", "m")  # not a reasoning model: all answer
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)["stats"]
+    assert stats["completion_tokens"] == 2, "counted from the stream"
+    assert stats["prompt_tokens"] == 0 and stats["cached_tokens"] == 0
+    assert all(math.isfinite(stats[key]) and stats[key] >= 0
+               for key in ("prompt_eval_s", "decode_s", "total_s"))  # fmt: skip
+
+
+_MALFORMED = "the backend sent a malformed event"
+
+
+@pytest.mark.parametrize(
+    ("line", "phrase"),
+    [
+        (data({"choices": {"delta": {}}}), "sent 'choices' that are not a list of objects"),
+        (data({"choices": ["text"]}), "sent 'choices' that are not a list of objects"),
+        (chunk(["not", "a", "delta"]), "sent a 'delta' that is not an object"),  # type: ignore[arg-type]
+        (chunk({"content": 156}), "sent a 'content' that is not text"),
+        (chunk({"reasoning_content": {"a": 1}}), "sent a 'reasoning_content' that is not text"),
+        (chunk({}, 7), "sent a finish_reason that is not text"),  # type: ignore[arg-type]
+        (data('{"usage": {"prompt_tokens": ' + "9" * 5000 + "}}"), _MALFORMED),
+        (data("[" * 100_000 + "]" * 100_000), _MALFORMED),
+        (data({"error": {"message": ["a", "\x1b[2J"], "code": 1e999}}),
+         'reported an error mid-answer: ["a", "\\u001b[2J"]'),
+    ],
+    ids=["choices-object", "choice-string", "delta-list", "content-number", "reasoning-object",
+         "finish-number", "digits-past-int-limit", "deep-nesting", "error-not-text"],
+)  # fmt: skip
+def test_wrong_typed_content_is_one_line_naming_the_engine_and_exit_5(line: str, phrase: str):
+    with scripted_server(_failing([line])) as server:
+        result = _solve(server.url)
+    assert result.returncode == 5, result.stderr
+    error = _one_error_line(result)
+    assert phrase in error, error
+    if phrase.startswith("sent "):
+        assert f"the backend {server.url} {phrase}" in error
+
+
+def test_a_server_that_never_takes_the_connection_is_unreachable_exit_3():
+    # Before: exit 5 after 10.5 s, "sent nothing for 300 s".
+    with never_accepting(backlog_full=True) as url:
+        result = _solve(url, env={"PHI4_BACKEND_TIMEOUT": "1s"})
+    assert result.returncode == 3, result.stderr
+    line = _one_error_line(result)
+    assert (
+        line
+        == f"phi4: error: cannot reach the backend {url}: it did not take the connection in time"
+    )
+
+
+def test_a_server_that_takes_the_connection_but_never_answers_is_unreachable_exit_3():
+    with never_accepting(backlog_full=False) as url:
+        result = _solve(url, env={"PHI4_BACKEND_TIMEOUT": "1s"})
+    assert result.returncode == 3, result.stderr
+    assert f"the backend {url} took the connection but did not answer for 1 s" in (
+        _one_error_line(result)
+    )
+
+
+def test_a_refused_connection_is_unreachable_exit_3():
+    port = free_port()  # closed again: nothing listens there
+    # Waits longer than a socket timeout can hold are taken as the longest that fits.
+    result = _solve(f"http://127.0.0.1:{port}/v1", env={
+        "PHI4_BACKEND_TIMEOUT": "99999999999999999999s",
+        "PHI4_BACKEND_DEADLINE": "99999999999999999999s"})  # fmt: skip
+    assert result.returncode == 3, result.stderr
+    assert f"cannot reach the backend http://127.0.0.1:{port}/v1" in _one_error_line(result)
+
+
+def _busy_then(statuses: list[tuple[int, dict[str, str]]]) -> Any:
+    """A script that refuses with each (status, headers) in turn, then answers."""
+    refusals = iter(statuses)
+
+    def script(_body: dict[str, Any]) -> list[str | Step | Head]:
+        refusal = next(refusals, None)
+        if refusal is not None:
+            return [Head(refusal[0], {"Content-Type": "application/json", **refusal[1]}),
+                    json.dumps({"error": {"message": "busy, try later"}})]  # fmt: skip
+        return separated("reasoning_content", ["Hm."], ["$\\boxed{156}$"])
+
+    return script
+
+
+@pytest.mark.parametrize(
+    "retry_after",
+    ["1", "__date__", None],
+    ids=["seconds", "http-date", "no-header"],
+)
+def test_429_and_503_are_asked_again_after_retry_after(retry_after: str | None):
+    # Before: Retry-After was ignored and the first refusal ended the command.
+    if retry_after == "__date__":
+        retry_after = email.utils.formatdate(time.time() + 1, usegmt=True)
+    headers = {"Retry-After": retry_after} if retry_after else {}
+    with scripted_server(_busy_then([(429, headers), (503, headers)])) as server:
+        result = _solve(server.url, "--answer-only")
+        asked = len(server.bodies)
+    assert (result.returncode, result.stdout) == (0, "156\n"), result.stderr
+    assert asked == 3
+    notices = [line for line in result.stderr.splitlines() if "is busy" in line]
+    assert len(notices) == 1 and notices[0].startswith(
+        f"phi4: the backend {server.url} is busy (429); asking again in "
+    ), result.stderr
+
+
+def test_a_server_busy_for_good_ends_after_a_bounded_number_of_retries():
+    with scripted_server(_busy_then([(503, {"Retry-After": "0"})] * 10)) as server:
+        result = _solve(server.url)
+        asked = len(server.bodies)
+    assert asked == 4, "the first request and three more"
+    assert result.returncode == 3, result.stderr
+    assert "the backend answered 503: busy, try later" in _one_error_line(result)
+
+
+def test_a_retry_after_beyond_the_bound_is_not_waited_for():
+    with scripted_server(_busy_then([(429, {"Retry-After": "3600"})])) as server:
+        result = _solve(server.url)
+        asked = len(server.bodies)
+    assert asked == 1
+    assert result.returncode == 1, result.stderr
+    assert "the backend answered 429: busy, try later" in _one_error_line(result)
