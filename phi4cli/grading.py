@@ -17,7 +17,7 @@ from pathlib import Path
 from phi4cli.errors import UsageError
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event
-from phi4cli.reasoning import majority_vote, same_answer
+from phi4cli.reasoning import AnswerComparer, majority_vote
 from phi4cli.records import Record
 from phi4cli.solving import FileProgress, ProgressNotice, SolveJob
 
@@ -73,9 +73,12 @@ def _json_lines(path: Path, text: str) -> Iterator[tuple[int, Any]]:
                 raise UsageError(f"{path}:{line}: not JSON ({exc.msg})") from None
 
 
-def judge(item: Item, outcomes: list[Outcome]) -> dict[str, Any]:
-    """One problem's record: the (voted) answer, its status, and for samples pass@k."""
-    vote = majority_vote([o.answer for o in outcomes])
+def judge(item: Item, outcomes: list[Outcome],
+          same_answer: AnswerComparer | None = None) -> dict[str, Any]:  # fmt: skip
+    """One problem's record: the (voted) answer, its status, and for samples pass@k. Answers are
+    compared by ``same_answer``, which counts those too costly to compare but as text."""
+    same_answer = same_answer or AnswerComparer()
+    vote = majority_vote([o.answer for o in outcomes], equal=same_answer)
     answer = vote.answer
     if all(o.error is not None for o in outcomes):
         status = "error"
@@ -151,6 +154,7 @@ def run_eval(job: SolveJob, items: list[Item], samples: int, output: Path,
     remaining = [samples] * len(todo)
     progress = FileProgress(len(todo), job.env)
     loading = ProgressNotice(job.announce)
+    compare = AnswerComparer()  # one count for the run: one notice, not one per problem
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         results = output.open("a", encoding="utf-8")
@@ -167,7 +171,7 @@ def run_eval(job: SolveJob, items: list[Item], samples: int, output: Path,
         remaining[i] -= 1
         if remaining[i]:
             return
-        record = judge(todo[i], [outcomes[(i, s)] for s in range(samples)])
+        record = judge(todo[i], [outcomes[(i, s)] for s in range(samples)], compare)
         done[todo[i].line] = record
         line = json.dumps(record, ensure_ascii=False)
         results.write(line + "\n")
@@ -179,6 +183,9 @@ def run_eval(job: SolveJob, items: list[Item], samples: int, output: Path,
     with results, progress:
         if requests:
             job.run(requests, on_event)
+    notice = compare.notice()
+    if notice:
+        job.announce(notice)
     records = [done[item.line] for item in items if item.line in done]
     return records, time.monotonic() - started
 

@@ -6,6 +6,7 @@ or ``\\frac{}{}`` — so Markdown around it (and a ``%`` in prose) is left alone
 
 from __future__ import annotations
 
+import bisect
 import re
 from functools import lru_cache
 from typing import Any
@@ -32,6 +33,41 @@ _MATH = re.compile(
 )
 # Math commands models also write outside any delimiters.
 _BARE = re.compile(r"\\(?:boxed|dfrac|tfrac|frac|sqrt)(?![a-zA-Z])")
+# What is converted at all: conversion nests (a script's body is converted as math of its own),
+# so deep or huge input would cost time without bound; beyond these it is shown as written.
+MAX_MATH_CHARS = 2_000  # one math expression
+MAX_MATH_DEPTH = 24  # nested {groups} in one expression
+MAX_TEXT_CHARS = 100_000  # a whole solution
+# The work of converting a solution, in units of about 10 µs: each expression costs a fixed
+# part and its length times its depth (a nested script is converted again inside its parent).
+# Real solutions cost a few thousand; the largest converted takes a second or two at worst.
+MAX_CONVERSION_COST = 200_000
+_GROUP_BRACE = re.compile(r"(?<!\\)[{}]")
+
+
+def _depth(math: str) -> int:
+    """How deeply ``{groups}`` nest in ``math``, counted up to just past MAX_MATH_DEPTH."""
+    depth = deepest = 0
+    for match in _GROUP_BRACE.finditer(math):
+        depth += 1 if match.group() == "{" else -1
+        deepest = max(deepest, depth)
+        if deepest > MAX_MATH_DEPTH:
+            break
+    return deepest
+
+
+def _too_deep(math: str) -> bool:
+    return _depth(math) > MAX_MATH_DEPTH
+
+
+def _conversion_cost(spans: list[str]) -> int:
+    cost = 0
+    for math in spans:
+        if len(math) > MAX_MATH_CHARS or _too_deep(math):
+            cost += len(math) // 100  # shown as written: only the check costs
+        else:
+            cost += 30 + len(math) * (1 + _depth(math))
+    return cost
 
 
 def _scripts(math: str) -> str:
@@ -317,10 +353,14 @@ def _converter() -> tuple[Any, Any]:
     return converter, parse_context
 
 
+@lru_cache(maxsize=2048)  # the live view converts the same expressions on every refresh
 def math_to_unicode(math: str) -> str:
-    """Convert one LaTeX math expression to Unicode text (``\\frac{1}{2}`` → ``1/2``)."""
+    """Convert one LaTeX math expression to Unicode text (``\\frac{1}{2}`` → ``1/2``); one longer
+    than MAX_MATH_CHARS or nested deeper than MAX_MATH_DEPTH is returned as written."""
     from pylatexenc.latexwalker import LatexWalker
 
+    if len(math) > MAX_MATH_CHARS or _too_deep(math):
+        return math
     converter, parse_context = _converter()
     math = re.sub(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ(?![a-zA-Z]))", "°", math)  # degrees
     math = re.sub(r"'{2}", "″", re.sub(r"'{3}", "‴", math))
@@ -357,11 +397,13 @@ def _delimit_bare_math(text: str) -> str:
     from phi4cli.reasoning import braced_group
 
     spans = [match.span() for match in _MATH.finditer(text)]
+    starts = [a for a, _b in spans]
     out: list[str] = []
     position = 0
     for match in _BARE.finditer(text):
         start = match.start()
-        if start < position or any(a <= start < b for a, b in spans):
+        inside = bisect.bisect_right(starts, start) - 1  # the last math span opening before it
+        if start < position or (inside >= 0 and start < spans[inside][1]):
             continue
         end = match.end()
         while True:  # consume the arguments: [optional] and {groups}, spaces between allowed
@@ -382,7 +424,17 @@ def _delimit_bare_math(text: str) -> str:
 
 
 def latex_to_unicode(text: str) -> str:
-    """Convert the math inside Markdown text; display math becomes a paragraph of its own."""
+    """Convert the math inside Markdown text; display math becomes a paragraph of its own.
+
+    A text longer than MAX_TEXT_CHARS, or whose math would cost more than MAX_CONVERSION_COST to
+    convert, is returned as written: the cost stays bounded whatever the model wrote."""
+    if len(text) > MAX_TEXT_CHARS:
+        return text
+    delimited = _delimit_bare_math(text)
+    spans = [next(group for group in match.groups() if group is not None)
+             for match in _MATH.finditer(delimited)]  # fmt: skip
+    if _conversion_cost(spans) > MAX_CONVERSION_COST:
+        return text
 
     def replace(match: re.Match[str]) -> str:
         display = match.group("dd") or match.group("bd")
@@ -390,5 +442,5 @@ def latex_to_unicode(text: str) -> str:
             return f"\n\n{math_to_unicode(display)}\n\n"
         return math_to_unicode(match.group("bi") or match.group("di"))
 
-    converted = _MATH.sub(replace, _delimit_bare_math(text))
+    converted = _MATH.sub(replace, delimited)
     return re.sub(r"\n{3,}", "\n\n", converted)
