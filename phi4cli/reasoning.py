@@ -270,7 +270,7 @@ Equal = Callable[[str, str], bool]
 # A comparison's budget: math-verify takes milliseconds on real answers; one that runs longer is
 # given up and compared as text. Answers that would make SymPy compute giant numbers in one C
 # call (which nothing can interrupt) are refused before parsing: see symbolic_too_costly.
-COMPARISON_BUDGET_S = 1.0
+COMPARISON_BUDGET_S = 2.0  # real answers take milliseconds to half a second on a busy machine
 _MAX_SYMBOLIC_CHARS = 200
 _MAX_SYMBOLIC_DEPTH = 12
 _MAX_LITERAL_EXPONENT = 10_000
@@ -308,6 +308,28 @@ def _argument_at(text: str, start: int) -> tuple[str, int]:
     return token.group(), token.end()
 
 
+def _operand_before(text: str, end: int) -> str:
+    """The operand written just before ``end``: a ``{...}`` or ``(...)`` group, or a number or
+    letter with any ``!`` after it."""
+    index = end
+    while index > 0 and text[index - 1] == " ":
+        index -= 1
+    if index > 0 and text[index - 1] in "})":
+        closer = text[index - 1]
+        opener = "{" if closer == "}" else "("
+        depth = 0
+        for start in range(index - 1, -1, -1):
+            if text[start] == closer:
+                depth += 1
+            elif text[start] == opener:
+                depth -= 1
+                if depth == 0:
+                    return text[start:index]
+        return text[:index]
+    token = re.search(r"(?:\d+|[a-zA-Z])?!*$", text[:index])
+    return token.group() if token else ""
+
+
 def symbolic_too_costly(answer: str) -> bool:
     """Whether comparing ``answer`` symbolically could cost more than a vote can wait: very long
     or deeply nested text, a factorial of anything but a small number, a power of numbers whose
@@ -342,6 +364,14 @@ def symbolic_too_costly(answer: str) -> bool:
         number = re.match(r"-?\d+", exponent.strip())
         if number and abs(int(number.group())) > _MAX_LITERAL_EXPONENT:
             return True
+        base = _operand_before(text, caret.start())
+        raised = base.count("^") + base.count("!")
+        if (
+            raised
+            and not _symbolic(base)
+            and (raised > 1 or not number or int(number.group()) > 10)
+        ):
+            return True  # (2^{9999})^{9999}, 1000!^{1000}: a small exponent of a huge number
     return bool(re.search(r"\\[dt]?binom\{\d{6,}|\\Gamma|\\uparrow", text))
 
 
