@@ -219,7 +219,8 @@ def test_samples_of_huge_answers_vote_at_once_with_one_notice(samples: int):
                           "-k", str(samples), "--json", timeout=60)  # fmt: skip
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
-    assert [s["answer"] for s in record["samples"]] == HUGE[:samples]
+    # The samples may reach the engine in any order: which sample got which answer may vary.
+    assert sorted(s["answer"] for s in record["samples"]) == sorted(HUGE[:samples])
     assert record["agreement"] == f"1/{samples}"
     assert len(_notices(result.stderr)) == 1, result.stderr
     assert "Timeout during comparison" not in result.stderr
@@ -231,8 +232,19 @@ def test_eval_of_a_huge_answer_grades_at_once_with_one_notice(tmp_path: Path):
     rows = [{"problem": "big?", "answer": "9^{9^{9^{9}}}"},
             {"problem": "bigger?", "answer": "1000000!"}]  # fmt: skip
     problems.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    boxed = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{1000000!}", "\\boxed{10^{10^{10}}}"]
-    with scripted_server(_answers(*boxed)) as server:
+    # Each problem's samples: two of one answer, one of another, in whatever order they come, so
+    # the majority is the same whatever the order: right for "big?", wrong for "bigger?".
+    said = {"big?": ["9^{9^{9^{9}}}", "9^{9^{9^{9}}}", "1000000!"],
+            "bigger?": ["10^{10^{10}}", "1000000!", "10^{10^{10}}"]}  # fmt: skip
+    lock = threading.Lock()
+
+    def script(body: dict[str, Any]) -> list[str | Step]:
+        question = body["messages"][-1]["content"].split("\n\n")[0]
+        with lock:
+            answer = said[question].pop()
+        return separated("reasoning_content", ["Think."], [f"So $\\boxed{{{answer}}}$."])
+
+    with scripted_server(script) as server:
         result = run_phi4("eval", str(problems), "-k", "3", "--backend", server.url, "-m", "m",
                           "--json", timeout=60)  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -271,6 +283,18 @@ def test_an_empty_box_is_no_answer_in_every_mode(tmp_path: Path):
     assert [s["answer"] for s in samples["samples"]] == [None, None, None]
     assert (server_answers.returncode, server_answers.stdout) == (1, "\n")
     assert "no final answer" in server_answers.stderr
+    lines = tmp_path / "p.txt"
+    lines.write_text("one\ntwo\n")
+    said = {"one": "\\boxed{}", "two": "\\boxed{2}"}  # by question: the two may come in any order
+
+    def by_question(body: dict[str, Any]) -> list[str | Step]:
+        question = body["messages"][-1]["content"].split("\n\n")[0]
+        return separated("reasoning_content", ["Think."], [f"So ${said[question]}$."])
+
+    with scripted_server(by_question) as server:
+        batch = run_phi4("solve", "-f", str(lines), "-a", "--backend", server.url, "-m", "m")
+    assert (batch.returncode, batch.stdout) == (1, "\n2\n")
+    assert "line 1: no final answer stated in the solution" in batch.stderr
     problems = tmp_path / "p.jsonl"
     problems.write_text(json.dumps({"problem": "q", "answer": "3"}) + "\n")
     with scripted_server(_answers("\\boxed{ }")) as server:
