@@ -24,13 +24,52 @@ _BIG = {"sum": "∑", "prod": "∏", "int": "∫", "iint": "∬", "iiint": "∭"
         "bigcup": "\u22c3", "bigcap": "\u22c2", "lim": "lim", "max": "max", "min": "min",
         "sup": "sup", "inf": "inf"}  # fmt: skip
 
-_MATH = re.compile(
-    r"\$\$(?P<dd>.+?)\$\$"
-    r"|\\\[(?P<bd>.+?)\\\]"
-    r"|\\\((?P<bi>.+?)\\\)"
-    r"|(?<![\\$])\$(?P<di>[^$\n]+?)\$",
-    re.DOTALL,
-)
+# Where math may open: $$, \[, \( or $ (a $ after \ or $ opens nothing).
+_MATH_OPEN = re.compile(r"\$\$|\\\[|\\\(|(?<![\\$])\$")
+_DISPLAY, _INLINE = "display", "inline"
+
+
+class _Closers:
+    """Where each closing delimiter occurs in a text, to find the first one after a point in
+    O(log n): a lazy regex (``\\[(.+?)\\]``) rescans to the end from every opener that is
+    never closed, which is quadratic (10 KB of ``\\[`` took 2 s)."""
+
+    def __init__(self, text: str) -> None:
+        self._at = {mark: [m.start() for m in re.finditer(f"(?={re.escape(mark)})", text)]
+                    for mark in ("$$", "\\]", "\\)")}  # fmt: skip
+
+    def after(self, mark: str, start: int) -> int:
+        """The first index >= start where ``mark`` occurs, or -1."""
+        at = self._at[mark]
+        index = bisect.bisect_left(at, start)
+        return at[index] if index < len(at) else -1
+
+
+def _math_matches(text: str) -> list[tuple[int, int, str, str]]:
+    """The math of a text, in order, without overlaps: (start, end, kind, content) for each
+    ``$$...$$`` and ``\\[...\\]`` (display) and ``\\(...\\)`` and one-line ``$...$`` (inline).
+    Content is never empty; linear in the text (up to a log factor)."""
+    closers = _Closers(text)
+    found: list[tuple[int, int, str, str]] = []
+    position = 0
+    while (opener := _MATH_OPEN.search(text, position)) is not None:
+        start, mark = opener.start(), opener.group()
+        position = start + 1  # unless it opens math: then on after it, as a regex scan goes on
+        if mark == "$":
+            close = text.find("$", start + 1)
+            if close > start + 1 and "\n" not in text[start + 1 : close]:
+                found.append((start, close + 1, _INLINE, text[start + 1 : close]))
+                position = close + 1
+            continue
+        closer = {"$$": "$$", "\\[": "\\]", "\\(": "\\)"}[mark]
+        close = closers.after(closer, start + 3)  # at least one character of math
+        if close >= 0:
+            kind = _INLINE if mark == "\\(" else _DISPLAY
+            found.append((start, close + 2, kind, text[start + 2 : close]))
+            position = close + 2
+    return found
+
+
 # Math commands models also write outside any delimiters.
 _BARE = re.compile(r"\\(?:boxed|dfrac|tfrac|frac|sqrt)(?![a-zA-Z])")
 # What is converted at all: conversion nests (a script's body is converted as math of its own),
@@ -396,7 +435,7 @@ def _delimit_bare_math(text: str) -> str:
     """Wrap ``\\boxed{...}`` and friends found outside math in ``\\(...\\)``."""
     from phi4cli.reasoning import braced_group
 
-    spans = [match.span() for match in _MATH.finditer(text)]
+    spans = [(start, end) for start, end, _kind, _math in _math_matches(text)]
     starts = [a for a, _b in spans]
     out: list[str] = []
     position = 0
@@ -410,8 +449,9 @@ def _delimit_bare_math(text: str) -> str:
             scan = end
             while scan < len(text) and text[scan] == " ":
                 scan += 1
-            if scan < len(text) and text[scan] == "[" and text.find("]", scan) > 0:
-                end = text.find("]", scan) + 1
+            close = text.find("]", scan, scan + 200) if text[scan : scan + 1] == "[" else -1
+            if close > 0:  # \\sqrt[3]: a short optional argument (sought within 200 characters)
+                end = close + 1
                 continue
             group = braced_group(text, scan) if scan < len(text) and text[scan] == "{" else None
             if group is None:
@@ -431,16 +471,14 @@ def latex_to_unicode(text: str) -> str:
     if len(text) > MAX_TEXT_CHARS:
         return text
     delimited = _delimit_bare_math(text)
-    spans = [next(group for group in match.groups() if group is not None)
-             for match in _MATH.finditer(delimited)]  # fmt: skip
-    if _conversion_cost(spans) > MAX_CONVERSION_COST:
+    matches = _math_matches(delimited)
+    if _conversion_cost([math for _start, _end, _kind, math in matches]) > MAX_CONVERSION_COST:
         return text
-
-    def replace(match: re.Match[str]) -> str:
-        display = match.group("dd") or match.group("bd")
-        if display is not None:
-            return f"\n\n{math_to_unicode(display)}\n\n"
-        return math_to_unicode(match.group("bi") or match.group("di"))
-
-    converted = _MATH.sub(replace, delimited)
-    return re.sub(r"\n{3,}", "\n\n", converted)
+    out: list[str] = []
+    position = 0
+    for start, end, kind, math in matches:
+        shown = math_to_unicode(math)
+        out.append(delimited[position:start] + (f"\n\n{shown}\n\n" if kind == _DISPLAY else shown))
+        position = end
+    out.append(delimited[position:])
+    return re.sub(r"\n{3,}", "\n\n", "".join(out))

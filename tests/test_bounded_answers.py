@@ -184,6 +184,10 @@ def test_two_thousand_nested_powers_render_as_written():
     powers = "\\boxed{" + "2^{" * 2000 + "2" + "}" * 2000 + "}"
     assert latex_to_unicode(powers) == powers
     assert latex_to_unicode("\\boxed{" * 30_000) == "\\boxed{" * 30_000
+    for unclosed in ("\\[", "\\("):  # a lazy regex rescanned from each one: quadratic
+        assert latex_to_unicode(unclosed * 40_000 + "$x^2$") == unclosed * 40_000 + "x²"
+    roots = "\\sqrt[" * 15_000  # each sought its "]" to the end
+    assert latex_to_unicode(roots) == roots
     many = " ".join("$" + "2^{" * 20 + str(i) + "}" * 20 + "$" for i in range(2000))
     assert latex_to_unicode(many) == many, "past the conversion budget: as written"
     assert math_to_unicode("2^{" * 100 + "}" * 100) == "2^{" * 100 + "}" * 100
