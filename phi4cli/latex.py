@@ -79,8 +79,8 @@ MAX_MATH_DEPTH = 24  # nested {groups} in one expression
 MAX_TEXT_CHARS = 100_000  # a whole solution
 # The work of converting a solution, in units of about 10 µs: each expression costs a fixed
 # part and its length times its depth (a nested script is converted again inside its parent).
-# Real solutions cost a few thousand; the largest converted takes a second or two at worst.
-MAX_CONVERSION_COST = 200_000
+# Real solutions cost a few thousand; the costliest converted takes about a second at worst.
+MAX_CONVERSION_COST = 100_000
 _GROUP_BRACE = re.compile(r"(?<!\\)[{}]")
 
 
