@@ -238,6 +238,7 @@ def extract_final_answer(solution: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1024)  # a vote normalises each answer once per pair it is in
 def normalize_answer(answer: str) -> str:
     """Return a canonical form of an answer for comparing samples: spacing, \\dfrac, \\left..."""
     text = _strip_math(answer)
@@ -330,6 +331,7 @@ def _operand_before(text: str, end: int) -> str:
     return token.group() if token else ""
 
 
+@functools.lru_cache(maxsize=1024)
 def symbolic_too_costly(answer: str) -> bool:
     """Whether comparing ``answer`` symbolically could cost more than a vote can wait: very long
     or deeply nested text, a factorial of anything but a small number, a power of numbers whose
