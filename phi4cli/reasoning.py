@@ -411,17 +411,28 @@ def _within_budget(seconds: float, work: Callable[[], bool]) -> bool:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(target, ctypes.py_object(_OverBudget))
             wait = 0.1  # again, in case a bare "except:" swallowed it
 
+    def disarm() -> None:
+        with lock:
+            finished.set()
+            if fired:  # one set but not raised yet must not land in the caller
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(target, None)
+
     watchdog = threading.Thread(target=interrupt, name="phi4-compare-budget", daemon=True)
     try:
         try:
             watchdog.start()
             return work()
         finally:
-            with lock:
-                finished.set()
-                if fired:  # one set but not raised yet must not land in the caller
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(target, None)
+            disarm()
     except _OverBudget:
+        # The raise may have landed inside disarm, before the watchdog was told to stop (and it
+        # raises again until it is): disarm until one has run to its end.
+        while True:
+            try:
+                disarm()
+                break
+            except _OverBudget:
+                continue
         raise ComparisonTooCostly from None
 
 
