@@ -159,6 +159,40 @@ def test_the_budget_interrupts_a_long_comparison_in_any_thread():
     assert _within_budget(5.0, lambda: True) is True
 
 
+@pytest.mark.timeout(120)
+def test_no_interruption_escapes_a_budget_that_races_the_end_of_its_work():
+    import sys
+
+    def work() -> bool:
+        total = 0
+        for i in range(30_000):
+            total += i
+        return True
+
+    def race(outcomes: list[str]) -> None:
+        for _ in range(300):
+            try:
+                outcomes.append(str(_within_budget(0.001, work)))
+            except ComparisonTooCostly:
+                outcomes.append("over")
+            for _ in range(20_000):  # an interruption still pending would land here
+                pass
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.00005)  # threads switch often: the race is run, not avoided
+    try:
+        here: list[str] = []
+        race(here)
+        there: list[str] = []
+        worker = threading.Thread(target=race, args=(there,))
+        worker.start()
+        worker.join(100)
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(here) == len(there) == 300
+    assert set(here) | set(there) <= {"True", "over"}
+
+
 @pytest.mark.timeout(60)
 def test_a_comparison_past_its_budget_is_text_and_counted(monkeypatch: pytest.MonkeyPatch):
     import phi4cli.reasoning as reasoning
