@@ -22,7 +22,7 @@ from phi4cli.atomicfile import RefusedFileError, open_user_file, replace_user_fi
 from phi4cli.errors import UsageError
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event
-from phi4cli.reasoning import majority_vote, same_answer
+from phi4cli.reasoning import AnswerComparer, majority_vote
 from phi4cli.records import Record
 from phi4cli.solving import FileProgress, ProgressNotice, SolveJob
 
@@ -78,9 +78,12 @@ def _json_lines(path: Path, text: str) -> Iterator[tuple[int, Any]]:
                 raise UsageError(f"{path}:{line}: not JSON ({exc.msg})") from None
 
 
-def judge(item: Item, outcomes: list[Outcome]) -> dict[str, Any]:
-    """One problem's record: the (voted) answer, its status, and for samples pass@k."""
-    vote = majority_vote([o.answer for o in outcomes])
+def judge(item: Item, outcomes: list[Outcome],
+          same_answer: AnswerComparer | None = None) -> dict[str, Any]:  # fmt: skip
+    """One problem's record: the (voted) answer, its status, and for samples pass@k. Answers are
+    compared by ``same_answer``, which counts those too costly to compare but as text."""
+    same_answer = same_answer or AnswerComparer()
+    vote = majority_vote([o.answer for o in outcomes], equal=same_answer)
     answer = vote.answer
     if all(o.error is not None for o in outcomes):
         status = "error"
@@ -320,6 +323,7 @@ def run_eval(
     remaining = [samples] * len(todo)
     progress = FileProgress(len(todo), job.env)
     loading = ProgressNotice(job.announce)
+    compare = AnswerComparer()  # one count for the run: one notice, not one per problem
 
     def on_event(index: int, event: Event) -> None:
         i, k = keys[index]
@@ -331,7 +335,7 @@ def run_eval(
         remaining[i] -= 1
         if remaining[i]:
             return
-        record = {**judge(todo[i], [outcomes[(i, s)] for s in range(samples)]), "run": run}
+        record = {**judge(todo[i], [outcomes[(i, s)] for s in range(samples)], compare), "run": run}
         done[todo[i].line] = record
         line = json.dumps(record, ensure_ascii=False)
         results.write(line.encode() + b"\n")
@@ -343,6 +347,9 @@ def run_eval(
     with results, progress:
         if requests:
             job.run(requests, on_event)
+    notice = compare.notice()
+    if notice:
+        job.announce(notice)
     records = [done[item.line] for item in items if item.line in done]
     return records, time.monotonic() - started
 

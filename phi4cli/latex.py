@@ -6,6 +6,7 @@ or ``\\frac{}{}`` — so Markdown around it (and a ``%`` in prose) is left alone
 
 from __future__ import annotations
 
+import bisect
 import re
 from functools import lru_cache
 from typing import Any
@@ -23,15 +24,89 @@ _BIG = {"sum": "∑", "prod": "∏", "int": "∫", "iint": "∬", "iiint": "∭"
         "bigcup": "\u22c3", "bigcap": "\u22c2", "lim": "lim", "max": "max", "min": "min",
         "sup": "sup", "inf": "inf"}  # fmt: skip
 
-_MATH = re.compile(
-    r"\$\$(?P<dd>.+?)\$\$"
-    r"|\\\[(?P<bd>.+?)\\\]"
-    r"|\\\((?P<bi>.+?)\\\)"
-    r"|(?<![\\$])\$(?P<di>[^$\n]+?)\$",
-    re.DOTALL,
-)
+# Where math may open: $$, \[, \( or $ (a $ after \ or $ opens nothing).
+_MATH_OPEN = re.compile(r"\$\$|\\\[|\\\(|(?<![\\$])\$")
+_DISPLAY, _INLINE = "display", "inline"
+
+
+class _Closers:
+    """Where each closing delimiter occurs in a text, to find the first one after a point in
+    O(log n): a lazy regex (``\\[(.+?)\\]``) rescans to the end from every opener that is
+    never closed, which is quadratic (10 KB of ``\\[`` took 2 s)."""
+
+    def __init__(self, text: str) -> None:
+        self._at = {mark: [m.start() for m in re.finditer(f"(?={re.escape(mark)})", text)]
+                    for mark in ("$$", "\\]", "\\)")}  # fmt: skip
+
+    def after(self, mark: str, start: int) -> int:
+        """The first index >= start where ``mark`` occurs, or -1."""
+        at = self._at[mark]
+        index = bisect.bisect_left(at, start)
+        return at[index] if index < len(at) else -1
+
+
+def _math_matches(text: str) -> list[tuple[int, int, str, str]]:
+    """The math of a text, in order, without overlaps: (start, end, kind, content) for each
+    ``$$...$$`` and ``\\[...\\]`` (display) and ``\\(...\\)`` and one-line ``$...$`` (inline).
+    Content is never empty; linear in the text (up to a log factor)."""
+    closers = _Closers(text)
+    found: list[tuple[int, int, str, str]] = []
+    position = 0
+    while (opener := _MATH_OPEN.search(text, position)) is not None:
+        start, mark = opener.start(), opener.group()
+        position = start + 1  # unless it opens math: then on after it, as a regex scan goes on
+        if mark == "$":
+            close = text.find("$", start + 1)
+            if close > start + 1 and "\n" not in text[start + 1 : close]:
+                found.append((start, close + 1, _INLINE, text[start + 1 : close]))
+                position = close + 1
+            continue
+        closer = {"$$": "$$", "\\[": "\\]", "\\(": "\\)"}[mark]
+        close = closers.after(closer, start + 3)  # at least one character of math
+        if close >= 0:
+            kind = _INLINE if mark == "\\(" else _DISPLAY
+            found.append((start, close + 2, kind, text[start + 2 : close]))
+            position = close + 2
+    return found
+
+
 # Math commands models also write outside any delimiters.
 _BARE = re.compile(r"\\(?:boxed|dfrac|tfrac|frac|sqrt)(?![a-zA-Z])")
+# What is converted at all: conversion nests (a script's body is converted as math of its own),
+# so deep or huge input would cost time without bound; beyond these it is shown as written.
+MAX_MATH_CHARS = 2_000  # one math expression
+MAX_MATH_DEPTH = 24  # nested {groups} in one expression
+MAX_TEXT_CHARS = 100_000  # a whole solution
+# The work of converting a solution, in units of about 10 µs: each expression costs a fixed
+# part and its length times its depth (a nested script is converted again inside its parent).
+# Real solutions cost a few thousand; the costliest converted takes about a second at worst.
+MAX_CONVERSION_COST = 100_000
+_GROUP_BRACE = re.compile(r"(?<!\\)[{}]")
+
+
+def _depth(math: str) -> int:
+    """How deeply ``{groups}`` nest in ``math``, counted up to just past MAX_MATH_DEPTH."""
+    depth = deepest = 0
+    for match in _GROUP_BRACE.finditer(math):
+        depth += 1 if match.group() == "{" else -1
+        deepest = max(deepest, depth)
+        if deepest > MAX_MATH_DEPTH:
+            break
+    return deepest
+
+
+def _too_deep(math: str) -> bool:
+    return _depth(math) > MAX_MATH_DEPTH
+
+
+def _conversion_cost(spans: list[str]) -> int:
+    cost = 0
+    for math in spans:
+        if len(math) > MAX_MATH_CHARS or _too_deep(math):
+            cost += len(math) // 100  # shown as written: only the check costs
+        else:
+            cost += 30 + len(math) * (1 + _depth(math))
+    return cost
 
 
 def _scripts(math: str) -> str:
@@ -317,10 +392,14 @@ def _converter() -> tuple[Any, Any]:
     return converter, parse_context
 
 
+@lru_cache(maxsize=2048)  # the live view converts the same expressions on every refresh
 def math_to_unicode(math: str) -> str:
-    """Convert one LaTeX math expression to Unicode text (``\\frac{1}{2}`` → ``1/2``)."""
+    """Convert one LaTeX math expression to Unicode text (``\\frac{1}{2}`` → ``1/2``); one longer
+    than MAX_MATH_CHARS or nested deeper than MAX_MATH_DEPTH is returned as written."""
     from pylatexenc.latexwalker import LatexWalker
 
+    if len(math) > MAX_MATH_CHARS or _too_deep(math):
+        return math
     converter, parse_context = _converter()
     math = re.sub(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ(?![a-zA-Z]))", "°", math)  # degrees
     math = re.sub(r"'{2}", "″", re.sub(r"'{3}", "‴", math))
@@ -356,20 +435,23 @@ def _delimit_bare_math(text: str) -> str:
     """Wrap ``\\boxed{...}`` and friends found outside math in ``\\(...\\)``."""
     from phi4cli.reasoning import braced_group
 
-    spans = [match.span() for match in _MATH.finditer(text)]
+    spans = [(start, end) for start, end, _kind, _math in _math_matches(text)]
+    starts = [a for a, _b in spans]
     out: list[str] = []
     position = 0
     for match in _BARE.finditer(text):
         start = match.start()
-        if start < position or any(a <= start < b for a, b in spans):
+        inside = bisect.bisect_right(starts, start) - 1  # the last math span opening before it
+        if start < position or (inside >= 0 and start < spans[inside][1]):
             continue
         end = match.end()
         while True:  # consume the arguments: [optional] and {groups}, spaces between allowed
             scan = end
             while scan < len(text) and text[scan] == " ":
                 scan += 1
-            if scan < len(text) and text[scan] == "[" and text.find("]", scan) > 0:
-                end = text.find("]", scan) + 1
+            close = text.find("]", scan, scan + 200) if text[scan : scan + 1] == "[" else -1
+            if close > 0:  # \\sqrt[3]: a short optional argument (sought within 200 characters)
+                end = close + 1
                 continue
             group = braced_group(text, scan) if scan < len(text) and text[scan] == "{" else None
             if group is None:
@@ -382,13 +464,21 @@ def _delimit_bare_math(text: str) -> str:
 
 
 def latex_to_unicode(text: str) -> str:
-    """Convert the math inside Markdown text; display math becomes a paragraph of its own."""
+    """Convert the math inside Markdown text; display math becomes a paragraph of its own.
 
-    def replace(match: re.Match[str]) -> str:
-        display = match.group("dd") or match.group("bd")
-        if display is not None:
-            return f"\n\n{math_to_unicode(display)}\n\n"
-        return math_to_unicode(match.group("bi") or match.group("di"))
-
-    converted = _MATH.sub(replace, _delimit_bare_math(text))
-    return re.sub(r"\n{3,}", "\n\n", converted)
+    A text longer than MAX_TEXT_CHARS, or whose math would cost more than MAX_CONVERSION_COST to
+    convert, is returned as written: the cost stays bounded whatever the model wrote."""
+    if len(text) > MAX_TEXT_CHARS:
+        return text
+    delimited = _delimit_bare_math(text)
+    matches = _math_matches(delimited)
+    if _conversion_cost([math for _start, _end, _kind, math in matches]) > MAX_CONVERSION_COST:
+        return text
+    out: list[str] = []
+    position = 0
+    for start, end, kind, math in matches:
+        shown = math_to_unicode(math)
+        out.append(delimited[position:start] + (f"\n\n{shown}\n\n" if kind == _DISPLAY else shown))
+        position = end
+    out.append(delimited[position:])
+    return re.sub(r"\n{3,}", "\n\n", "".join(out))

@@ -23,6 +23,7 @@ class Outcome:
         self.stats: Stats | None = None
         self.error: Event | None = None  # the terminal error event, if the request failed
         self.done = False
+        self._answer: tuple[str, str | None] | None = None  # (the solution it is of, answer)
 
     def apply(self, event: Event) -> None:
         """Fold one event into the outcome."""
@@ -60,8 +61,11 @@ class Outcome:
 
     @property
     def answer(self) -> str | None:
-        """The solution's final answer (last \\boxed{}, or a "final answer is" sentence)."""
-        return extract_final_answer(self.solution)
+        """The solution's final answer (last \\boxed{}, or a "final answer is" sentence); None
+        when it states none, an empty ``\\boxed{}`` included."""
+        if self._answer is None or self._answer[0] is not self.solution:
+            self._answer = (self.solution, extract_final_answer(self.solution))
+        return self._answer[1]
 
     @property
     def stats_dict(self) -> dict[str, Any]:

@@ -154,36 +154,62 @@ _FINAL_SENTENCE = re.compile(
 )
 
 
+_BRACE = re.compile(r"(?<!\\)[{}]")  # a brace that is not escaped (\\{ is a literal brace)
+_BARE_ANSWER = re.compile(r"[^\s$.,;]{1,200}")  # \\boxed 5: a short bare answer, no braces
+
+
+@functools.lru_cache(maxsize=8)
+def _brace_pairs(text: str) -> dict[int, int]:
+    """Map the index of every ``{`` that is closed in ``text`` to the index of its ``}``.
+
+    One pass with a stack, so finding the groups of a text costs the same whatever its nesting
+    (scanning forward from each opening brace was quadratic in nested or unbalanced text).
+    Cached: the renderer asks for several groups of the same text."""
+    pairs: dict[int, int] = {}
+    opened: list[int] = []
+    for match in _BRACE.finditer(text):
+        if match.group() == "{":
+            opened.append(match.start())
+        elif opened:
+            pairs[opened.pop()] = match.start()
+    return pairs
+
+
 def braced_group(text: str, start: int) -> str | None:
     """Return the content of the balanced ``{...}`` group opening at ``start`` (None if open)."""
-    depth = 0
-    for index in range(start, len(text)):
-        char = text[index]
-        if char == "\\":
-            continue
-        if char == "{" and (index == 0 or text[index - 1] != "\\"):
-            depth += 1
-        elif char == "}" and text[index - 1] != "\\":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1 : index]
-    return None
+    close = _brace_pairs(text).get(start)
+    return None if close is None else text[start + 1 : close]
+
+
+def _boxed_spans(text: str) -> list[tuple[int, int]]:
+    """The (start, end) of the content of every ``\\boxed{...}`` and ``\\boxed 5``, in order of
+    where each box opens; linear in the text, however the boxes nest."""
+    pairs = _brace_pairs(text)
+    spans: list[tuple[int, int]] = []
+    for match in _BOXED.finditer(text):
+        end = match.end()
+        if end < len(text) and text[end] == "{":
+            close = pairs.get(end)
+            if close is not None:
+                spans.append((end + 1, close))
+        else:
+            bare = _BARE_ANSWER.match(text, end)
+            if bare:
+                spans.append(bare.span())
+    return spans
 
 
 def boxed_answers(text: str) -> list[str]:
     """Return the contents of every ``\\boxed{...}`` (nested braces kept) and ``\\boxed 5``."""
-    found: list[str] = []
-    for match in _BOXED.finditer(text):
-        end = match.end()
-        if end < len(text) and text[end] == "{":
-            content = braced_group(text, end)
-            if content is not None:
-                found.append(content.strip())
-        else:
-            bare = re.match(r"[^\s$.,;]+", text[end:])
-            if bare:
-                found.append(bare.group(0))
-    return found
+    return [text[start:end].strip() for start, end in _boxed_spans(text)]
+
+
+def _stated(answer: str) -> str | None:
+    """The answer, or None when it states nothing: ``\\boxed{}``, ``\\boxed{ }``, ``\\boxed{\\,}``
+    are no answer, the same as no box at all."""
+    answer = answer.strip()
+    unboxed = re.sub(r"\\(?:boxed|fbox)|[{}$]", "", answer)  # \\boxed{\\boxed{}} is empty too
+    return answer if normalize_answer(unboxed) else None
 
 
 def _strip_math(answer: str) -> str:
@@ -197,19 +223,22 @@ def _strip_math(answer: str) -> str:
 def extract_final_answer(solution: str) -> str | None:
     """Return the final answer of a solution, or None when it states none (never a guess).
 
-    The last ``\\boxed{...}`` wins; failing that, the last "final answer is ..." sentence.
+    The last ``\\boxed{...}`` that holds something wins (an empty box states nothing); failing
+    that, the last "final answer is ..." sentence. Linear in the solution's length.
     """
-    boxes = boxed_answers(solution)
-    if boxes:
-        return boxes[-1]
+    for start, end in reversed(_boxed_spans(solution)):
+        answer = _stated(solution[start:end])
+        if answer is not None:
+            return answer
     sentences = _FINAL_SENTENCE.findall(solution)
     if sentences:
         answer = _strip_math(sentences[-1])
-        inner = boxed_answers(answer)
-        return inner[-1] if inner else (answer or None)
+        inner = [box for box in boxed_answers(answer) if _stated(box) is not None]
+        return _stated(inner[-1] if inner else answer)
     return None
 
 
+@functools.lru_cache(maxsize=1024)  # a vote normalises each answer once per pair it is in
 def normalize_answer(answer: str) -> str:
     """Return a canonical form of an answer for comparing samples: spacing, \\dfrac, \\left..."""
     text = _strip_math(answer)
@@ -239,33 +268,257 @@ class Vote(Record):
 
 Equal = Callable[[str, str], bool]
 
+# A comparison's budget: math-verify takes milliseconds on real answers; one that runs longer is
+# given up and compared as text. Answers that would make SymPy compute giant numbers in one C
+# call (which nothing can interrupt) are refused before parsing: see symbolic_too_costly.
+COMPARISON_BUDGET_S = 2.0  # real answers take milliseconds to half a second on a busy machine
+_MAX_SYMBOLIC_CHARS = 200
+_MAX_SYMBOLIC_DEPTH = 12
+_MAX_LITERAL_EXPONENT = 10_000
+_MAX_LITERAL_FACTORIAL = 1_000
+_SMALL_NUMBER = re.compile(r"-?\d{1,6}(?:[./]\d{1,6})?|-?\\frac\{?\d{1,6}\}?\{?\d{1,6}\}?")
+# Commands that are operators, not symbols: an exponent made of numbers and these is a number.
+_OPERATORS = re.compile(r"\\(?:cdot|times|div|[dt]?frac|sqrt|left|right|mathrm|text)(?![a-zA-Z])")
 
-def same_answer(a: str, b: str) -> bool:
-    """Whether two final answers are the same mathematically: ``\\frac12``, ``0.5`` and
-    ``x = \\frac{1}{2}`` are; so are ``x = 2 \\text{ or } x = 3`` and ``\\{3, 2\\}``.
 
-    Decided by HuggingFace's math-verify (LaTeX and plain forms parsed to SymPy), imported only
-    when a vote needs it; what it cannot parse is compared as normalised text.
-    """
-    if normalize_answer(a) == normalize_answer(b):
+def _symbolic(text: str) -> bool:
+    """Whether ``text`` names a symbol (``x``, ``\\pi``), so SymPy keeps it unevaluated."""
+    return re.search(r"[a-zA-Z]", _OPERATORS.sub("", text)) is not None
+
+
+def _argument_at(text: str, start: int) -> tuple[str, int]:
+    """The operand written at ``start`` (a ``{...}`` or ``(...)`` group, a number, a command or
+    one character) and where it ends; an open group runs to the end."""
+    while start < len(text) and text[start] == " ":
+        start += 1
+    if start >= len(text):
+        return "", start
+    if text[start] in "{(":
+        closer = "}" if text[start] == "{" else ")"
+        depth = 0
+        for index in range(start, len(text)):
+            if text[index] == text[start]:
+                depth += 1
+            elif text[index] == closer:
+                depth -= 1
+                if depth == 0:
+                    return text[start + 1 : index], index + 1
+        return text[start + 1 :], len(text)
+    token = re.compile(r"\d+(?:\.\d+)?|\\[a-zA-Z]+|.", re.DOTALL).match(text, start)
+    assert token is not None
+    return token.group(), token.end()
+
+
+def _operand_before(text: str, end: int) -> str:
+    """The operand written just before ``end``: a ``{...}`` or ``(...)`` group, or a number or
+    letter with any ``!`` after it."""
+    index = end
+    while index > 0 and text[index - 1] == " ":
+        index -= 1
+    if index > 0 and text[index - 1] in "})":
+        closer = text[index - 1]
+        opener = "{" if closer == "}" else "("
+        depth = 0
+        for start in range(index - 1, -1, -1):
+            if text[start] == closer:
+                depth += 1
+            elif text[start] == opener:
+                depth -= 1
+                if depth == 0:
+                    return text[start:index]
+        return text[:index]
+    token = re.search(r"(?:\d+|[a-zA-Z])?!*$", text[:index])
+    return token.group() if token else ""
+
+
+@functools.lru_cache(maxsize=1024)
+def symbolic_too_costly(answer: str) -> bool:
+    """Whether comparing ``answer`` symbolically could cost more than a vote can wait: very long
+    or deeply nested text, a factorial of anything but a small number, a power of numbers whose
+    exponent is not a small number (``9^{9^{9}}``, ``2^{10^{6}}``, ``10^{100000}``). Such an
+    answer is compared as text. Costs time linear in the (capped) answer."""
+    text = normalize_answer(answer).replace("**", "^")
+    if len(text) > _MAX_SYMBOLIC_CHARS:
         return True
+    depth = deepest = 0
+    for char in text:
+        if char in "{([":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "})]":
+            depth -= 1
+    if deepest > _MAX_SYMBOLIC_DEPTH:
+        return True
+    for bang in re.finditer(r"!(?!=)", text):
+        number = re.search(r"(\d+)\s*$", text[: bang.start()])
+        if number is None:
+            if not _symbolic(text):  # (10^6)! or 5!!: numbers all the same, too big to tell
+                return True
+        elif int(number.group(1)) > _MAX_LITERAL_FACTORIAL:
+            return True
+    for caret in re.finditer(r"\^", text):
+        exponent, end = _argument_at(text, caret.end())
+        if _symbolic(exponent):
+            continue  # symbolic: SymPy keeps x^{y^{z}} as it is
+        following = text[end:].lstrip(" ")
+        if following.startswith("^") or not _SMALL_NUMBER.fullmatch(exponent.strip()):
+            return True
+        number = re.match(r"-?\d+", exponent.strip())
+        if number and abs(int(number.group())) > _MAX_LITERAL_EXPONENT:
+            return True
+        base = _operand_before(text, caret.start())
+        raised = base.count("^") + base.count("!")
+        if (
+            raised
+            and not _symbolic(base)
+            and (raised > 1 or not number or int(number.group()) > 10)
+        ):
+            return True  # (2^{9999})^{9999}, 1000!^{1000}: a small exponent of a huge number
+    return bool(re.search(r"\\[dt]?binom\{\d{6,}|\\Gamma|\\uparrow", text))
+
+
+class _OverBudget(BaseException):
+    """Raised into a comparison that ran past its budget (a BaseException, so that the
+    ``except Exception`` of math-verify and SymPy lets it through)."""
+
+
+class ComparisonTooCostly(Exception):
+    """A comparison ran past its budget."""
+
+
+def _within_budget(seconds: float, work: Callable[[], bool]) -> bool:
+    """Return ``work()``, or raise ComparisonTooCostly once it has run ``seconds``.
+
+    Works in any thread: a watchdog thread raises into this one (``PyThreadState_SetAsyncExc``)
+    rather than by a signal, which only the main thread can take. The raise lands between
+    bytecodes: a single long C call is not interrupted, hence ``symbolic_too_costly``."""
+    import ctypes
+    import threading
+
+    target = ctypes.c_ulong(threading.get_ident())
+    finished = threading.Event()
+    lock = threading.Lock()
+    fired = False
+
+    def interrupt() -> None:
+        nonlocal fired
+        wait = seconds
+        while not finished.wait(wait):
+            with lock:
+                if finished.is_set():
+                    return
+                fired = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(target, ctypes.py_object(_OverBudget))
+            wait = 0.1  # again, in case a bare "except:" swallowed it
+
+    def disarm() -> None:
+        with lock:
+            finished.set()
+            if fired:  # one set but not raised yet must not land in the caller
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(target, None)
+
+    watchdog = threading.Thread(target=interrupt, name="phi4-compare-budget", daemon=True)
+    try:
+        try:
+            watchdog.start()
+            return work()
+        finally:
+            disarm()
+    except _OverBudget:
+        # The raise may have landed inside disarm, before the watchdog was told to stop (and it
+        # raises again until it is): disarm until one has run to its end.
+        while True:
+            try:
+                disarm()
+                break
+            except _OverBudget:
+                continue
+        raise ComparisonTooCostly from None
+
+
+class AnswerComparer:
+    """Decides whether two final answers are the same, in bounded time, and counts the
+    comparisons it had to decide as text (too costly to compare symbolically)."""
+
+    def __init__(self, budget_s: float = COMPARISON_BUDGET_S) -> None:
+        self.budget_s = budget_s
+        self.as_text = 0  # comparisons given up and decided on the normalised text alone
+        self._costly: set[str] = set()  # answers that ran out of budget once: text from now on
+
+    def __call__(self, a: str, b: str) -> bool:
+        """Whether two final answers are the same mathematically: ``\\frac12``, ``0.5`` and
+        ``x = \\frac{1}{2}`` are; so are ``x = 2 \\text{ or } x = 3`` and ``\\{3, 2\\}``.
+
+        Decided by HuggingFace's math-verify (LaTeX and plain forms parsed to SymPy), imported
+        only when a vote needs it; what it cannot parse is compared as normalised text, and so is
+        what is too costly to compare (counted in ``as_text``)."""
+        if normalize_answer(a) == normalize_answer(b):
+            return True
+        if {a, b} & self._costly or symbolic_too_costly(a) or symbolic_too_costly(b):
+            self.as_text += 1
+            return False
+        verify = _math_verify()
+        if verify is None:
+            return False
+        try:
+            return _within_budget(self.budget_s, lambda: _verified(verify, a, b))
+        except ComparisonTooCostly:
+            self._costly.update((a, b))
+            self.as_text += 1
+            return False
+
+    def notice(self) -> str | None:
+        """The one line to tell the user, if any comparison was decided as text."""
+        if not self.as_text:
+            return None
+        count = self.as_text
+        noun = "comparison was" if count == 1 else "comparisons were"
+        return f"{count} answer {noun} too costly; compared them as text"
+
+
+def _verified(verify: Any, a: str, b: str) -> bool:
     left, right = _parsed(a), _parsed(b)
     if not left or not right:
         return False
     try:
-        from math_verify import verify
-
-        return bool(verify(left, right) or verify(right, left))
+        return bool(
+            verify(left, right, timeout_seconds=None) or verify(right, left, timeout_seconds=None)
+        )
     except Exception:  # a parse it cannot compare: not the same, as far as anyone can tell
         return False
 
 
+@functools.lru_cache(maxsize=1)
+def _math_verify() -> Any:
+    """math-verify's ``verify``, with its logging silenced (its own per-pair "Timeout during
+    comparison" warnings, and the note that its signal-based timeout is off: ours replaces it,
+    and works off the main thread). None when it cannot be imported."""
+    import logging
+
+    for name in ("math_verify", "latex2sympy2_extended"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # their modules' loggers inherit it
+    try:
+        from math_verify import verify
+
+        _parsed("\\frac{1}{2}")  # the parser's first use builds its tables: not on any budget
+    except Exception:
+        return None
+    return verify
+
+
+def same_answer(a: str, b: str) -> bool:
+    """Whether two final answers are the same mathematically (see AnswerComparer), each
+    comparison bounded in time; for a count of those decided as text, use an AnswerComparer."""
+    return AnswerComparer()(a, b)
+
+
+# lru_cache keeps only parses that finished: one cut short by its budget raises, caching nothing.
 @functools.lru_cache(maxsize=512)
 def _parsed(answer: str) -> Any:
     try:
         from math_verify import parse
 
-        return parse(f"${_strip_math(answer)}$")
+        return parse(f"${_strip_math(answer)}$", parsing_timeout=None)
     except Exception:
         return []
 

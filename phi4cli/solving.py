@@ -14,7 +14,7 @@ from phi4cli.environment import Environment
 from phi4cli.errors import ExitStatus, UsageError
 from phi4cli.outcome import Outcome, exit_status
 from phi4cli.protocol import Event, EventKind
-from phi4cli.reasoning import majority_vote
+from phi4cli.reasoning import AnswerComparer, majority_vote
 from phi4cli.records import Record
 from phi4cli.render import PlainPresenter, TerminalPresenter, no_answer_reason
 from phi4cli.sanitize import clean_text, json_safe
@@ -204,7 +204,11 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     good = [o for o in outcomes if o.error is None]
     if not good:
         raise outcomes[0].exception()
-    vote = majority_vote([o.answer for o in outcomes])
+    compare = AnswerComparer()
+    vote = majority_vote([o.answer for o in outcomes], equal=compare)
+    notice = compare.notice()
+    if notice:
+        job.announce(notice)
     # Shown: a sample that gave the winning answer in the form reported, else any that agreed.
     agreeing = [outcomes[i] for i in vote.members]
     winner = next((o for o in agreeing if o.answer == vote.answer),
@@ -226,6 +230,8 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     if mode.answer_only:
         job.print(_answer_line(job, vote.answer) if vote.answer is not None else "")
         job.announce(f"{vote.agreement} samples agree" + (" (tie)" if vote.tie else ""))
+        if vote.answer is None:
+            job.announce("no final answer: no sample stated one")
         return ExitStatus.OK if vote.answer is not None else ExitStatus.ERROR
     if job.env.terminal:
         presenter = TerminalPresenter(mode.show_reasoning, mode.verbose, job.env)
