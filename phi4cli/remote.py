@@ -517,11 +517,14 @@ def _token_limit(max_tokens: Any) -> int:
 
 
 def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
-    """``text`` as one short line: control and format characters (escape sequences, bidi
-    overrides) become spaces, runs of whitespace one space, and beyond ``limit`` it is cut."""
+    """``text`` as one short line: escape sequences and bidi controls cleaned as everywhere
+    (one visible U+FFFD each, see phi4cli.sanitize), other control and format characters become
+    spaces, runs of whitespace one space, and beyond ``limit`` it is cut."""
+    from phi4cli.sanitize import clean_text
+
     cleaned = "".join(
         " " if unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp") else char
-        for char in text[: limit * 4]
+        for char in clean_text(text[: limit * 4])
     )
     line = " ".join(cleaned.split())
     return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
