@@ -472,7 +472,9 @@ def chat(
         print(f"resumed {conversation.name}: {len(conversation.turns)} turns")
     if interactive:
         paths.state_dir.mkdir(parents=True, exist_ok=True)
-        return repl.run(prompt_reader(paths.state_dir / "chat_history"))
+        reader = prompt_reader(paths.state_dir / "chat_history")
+        repl.keys = reader.answer_keys()
+        return repl.run(reader)
     return repl.run(line_reader(env.stdin))
 
 

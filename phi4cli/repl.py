@@ -4,10 +4,14 @@ daemon, where the conversation's tokens stay cached between turns.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -56,6 +60,122 @@ CONTEXT_WARNING = 0.8
 Reader = Callable[[str], str | None]  # prompt -> line; None at end of input
 
 
+class Interrupts:
+    """Ctrl-C (SIGINT) during a chat, taken only where it is safe to stop.
+
+    Python's own handler raises KeyboardInterrupt at whatever line runs: in the middle of rich
+    starting its live display (which then fails to stop: "IndexError: pop from empty list"),
+    between reading a line and starting the answer (the Ctrl-C then counted as one at the
+    prompt). Here a Ctrl-C raises only inside ``allowed()`` — around the waits for the daemon
+    and for piped input — and is otherwise noted, for ``take()`` at the next safe point.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._raising = False
+        self._previous: Any = None
+        self.installed = False
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if self._raising:
+            self._raising = False  # a second Ctrl-C in the except block is noted, not raised
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def install(self) -> None:
+        # Only the main thread may set signal handlers; elsewhere (an embedding caller's
+        # thread) Python's default stays, and KeyboardInterrupt is handled where it lands.
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+            self.installed = True
+
+    def uninstall(self) -> None:
+        if self.installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self.installed = False
+
+    def take(self) -> bool:
+        """Whether a Ctrl-C came since the last take (and forget it)."""
+        pending, self.pending = self.pending, False
+        return pending
+
+    @contextlib.contextmanager
+    def allowed(self) -> Iterator[None]:
+        """A wait that a Ctrl-C may break with KeyboardInterrupt (one noted before, too)."""
+        self._raising = True
+        try:
+            if self.take():
+                raise KeyboardInterrupt
+            yield
+        finally:
+            self._raising = False
+
+
+class AnswerKeys:
+    """The keyboard while an answer streams: nothing typed is echoed into it, Ctrl-C stops it.
+
+    From Enter to the next prompt the terminal is put in non-canonical mode without echo, with
+    signals on, so Ctrl-C is a SIGINT whenever it is pressed. A Ctrl-C typed so soon after
+    Enter that the prompt still read it as a key (prompt-toolkit keeps such keys for the next
+    prompt) or the terminal queued it as a byte counts as well. Every other key typed from
+    Enter to the next prompt is discarded: typed blind, it would otherwise land in the next
+    question unseen.
+    """
+
+    def __init__(self, fd: int, prompt_input: Any = None) -> None:
+        self.fd = fd
+        self.prompt_input = prompt_input  # prompt-toolkit's Input, whose typeahead is checked
+        self._saved: list[Any] | None = None
+
+    def begin(self) -> bool:
+        """Quiet the keyboard; return True if a Ctrl-C was typed already."""
+        import termios
+
+        interrupted = self._typeahead_has_ctrl_c()
+        try:
+            self._saved = termios.tcgetattr(self.fd)
+        except (termios.error, OSError):
+            self._saved = None
+            return interrupted
+        mode = [*self._saved[:6], list(self._saved[6])]
+        mode[3] = (mode[3] & ~(termios.ECHO | termios.ICANON)) | termios.ISIG
+        mode[6][termios.VMIN], mode[6][termios.VTIME] = 0, 0
+        with contextlib.suppress(termios.error, OSError):
+            termios.tcsetattr(self.fd, termios.TCSANOW, mode)
+        return b"\x03" in self._drain() or interrupted
+
+    def end(self) -> None:
+        """Discard what was typed, and give the terminal back as it was."""
+        import termios
+
+        self._typeahead_has_ctrl_c()  # and forget the rest of it
+        if self._saved is None:
+            return
+        self._drain()
+        with contextlib.suppress(termios.error, OSError):
+            termios.tcsetattr(self.fd, termios.TCSANOW, self._saved)
+        self._saved = None
+
+    def _typeahead_has_ctrl_c(self) -> bool:
+        if self.prompt_input is None:
+            return False
+        from prompt_toolkit.input.typeahead import get_typeahead
+        from prompt_toolkit.keys import Keys
+
+        return any(press.key == Keys.ControlC for press in get_typeahead(self.prompt_input))
+
+    def _drain(self) -> bytes:
+        """Read what the terminal holds, without waiting."""
+        data = b""
+        with contextlib.suppress(OSError, ValueError):
+            while select.select([self.fd], [], [], 0)[0]:
+                chunk = os.read(self.fd, 4096)
+                if not chunk:
+                    break
+                data += chunk
+        return data
+
+
 class ChatRepl:
     def __init__(
         self,
@@ -78,6 +198,8 @@ class ChatRepl:
         self.verbose = verbose
         self._last_stats: Stats | None = None
         self.failed = 0  # messages that ended in an error
+        self.interrupts = Interrupts()
+        self.keys: AnswerKeys | None = None  # at a terminal: the keyboard during answers
 
     # --- input loop ---------------------------------------------------------------------------
 
@@ -91,10 +213,19 @@ class ChatRepl:
         interrupted_once = False
         # Start the daemon (and its model load) now, while the user types the first question.
         self.backend.connect()
+        # prompt-toolkit takes Ctrl-C itself while it reads (as a key); any other reader's
+        # wait (a pipe) is one a Ctrl-C may break.
+        reading: Callable[[], contextlib.AbstractContextManager[None]] = (
+            contextlib.nullcontext if getattr(read, "handles_ctrl_c", False)
+            else self.interrupts.allowed
+        )  # fmt: skip
+        self.interrupts.install()
         try:
             while True:
                 try:
-                    line = read_message(read)
+                    self.interrupts.take()  # one after an answer was complete: for nothing
+                    with reading():
+                        line = read_message(read)
                 except KeyboardInterrupt:
                     if interrupted_once:
                         return
@@ -112,6 +243,7 @@ class ChatRepl:
                 else:
                     self.ask(line)
         finally:
+            self.interrupts.uninstall()
             self.backend.close()
 
     # --- answering ----------------------------------------------------------------------------
@@ -138,6 +270,17 @@ class ChatRepl:
 
     def ask(self, question: str) -> None:
         """Answer one message; keep the turn in the conversation (and save it)."""
+        typed_ctrl_c = self.keys.begin() if self.keys is not None else False
+        try:
+            if typed_ctrl_c or self.interrupts.take():  # between Enter and now
+                self.env.notice("stopped before the answer began; this question is not kept")
+                return
+            self._ask(question)
+        finally:
+            if self.keys is not None:
+                self.keys.end()
+
+    def _ask(self, question: str) -> None:
         outcome = Outcome(index=0, question=question)
         presenter = self._presenter()
         try:
@@ -188,24 +331,31 @@ class ChatRepl:
         """Send the turn and show its events; return True if the user stopped it with Ctrl-C.
 
         The first Ctrl-C asks the engine to stop and keeps reading, so the partial answer (and
-        its stats) arrive; a second one hangs up.
+        its stats) arrive; a second one hangs up. A Ctrl-C breaks only the wait for the next
+        event: one while an event is shown is taken once it is.
         """
         stream: RequestStream = self.backend.stream(Op.CHAT, params)
         interrupted = False
         while not outcome.done:
-            try:
-                for event in stream:
-                    outcome.apply(event)
-                    presenter.on_event(event)
-                if not outcome.done:
-                    outcome.fail(ErrorCode.BACKEND_ERROR, "the answer ended without an end")
-            except KeyboardInterrupt:
+            if self.interrupts.take():
                 if interrupted:
                     stream.close()
                     outcome.fail(ErrorCode.CANCELLED, "cancelled")
                     break
                 interrupted = True
                 stream.cancel()
+            try:
+                with self.interrupts.allowed():
+                    event = next(stream, None)
+            except KeyboardInterrupt:
+                self.interrupts.pending = True  # taken at the top of the loop
+                continue
+            if event is None:
+                if not outcome.done:
+                    outcome.fail(ErrorCode.BACKEND_ERROR, "the answer ended without an end")
+                break
+            outcome.apply(event)
+            presenter.on_event(event)
         return interrupted
 
     def _record(self, turn: Turn, stats: Stats | None) -> None:
@@ -419,7 +569,31 @@ class SlashCompleter(Completer):
                 yield Completion(command, start_position=-len(text))
 
 
-def prompt_reader(history_file: Path, input: Any = None, output: Any = None) -> Reader:
+class PromptReader:
+    """A Reader on prompt-toolkit's session (a callable, as every Reader)."""
+
+    handles_ctrl_c = True  # read as a key while the prompt is up, never as a signal
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+
+    def __call__(self, prompt: str) -> str | None:
+        try:
+            text: str = self.session.prompt(prompt)
+        except EOFError:
+            return None
+        return text
+
+    def answer_keys(self) -> AnswerKeys | None:
+        """The keyboard during answers, when the input is a terminal."""
+        try:
+            fd = self.session.input.fileno()
+        except (AttributeError, NotImplementedError, OSError, ValueError):
+            return None
+        return AnswerKeys(fd, self.session.input) if os.isatty(fd) else None
+
+
+def prompt_reader(history_file: Path, input: Any = None, output: Any = None) -> PromptReader:
     """Read input with prompt-toolkit: history (Up/Down, Ctrl-R), suggestions, completion."""
     from prompt_toolkit import PromptSession
     from prompt_toolkit.auto_suggest import AutoSuggestFromHistory
@@ -448,14 +622,7 @@ def prompt_reader(history_file: Path, input: Any = None, output: Any = None) -> 
         input=input,
         output=output,
     )
-
-    def read(prompt: str) -> str | None:
-        try:
-            return session.prompt(prompt)
-        except EOFError:
-            return None
-
-    return read
+    return PromptReader(session)
 
 
 class AtomicFileHistory(FileHistory):

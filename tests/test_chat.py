@@ -328,3 +328,89 @@ def test_a_daemon_killed_mid_answer_costs_one_message_not_the_chat(tiny_model: P
     repl.ask("And now?")
     assert repl.conversation.turns[-1].question == "And now?"
     assert repl.failed == 1
+
+
+def _chat_in_a_pty(model: Path, *args: str) -> pexpect.spawn:
+    child = pexpect.spawn(
+        PHI4, ["chat", "-m", str(model), *args], encoding="utf-8", dimensions=(24, 100),
+        timeout=120,
+    )  # fmt: skip
+    child.logfile_read = io.StringIO()
+    child.expect_exact("phi4>")
+    return child
+
+
+STOPPED = ["stopped before the answer began", "the partial answer is kept"]
+
+
+def test_pty_ctrl_c_right_after_enter_cancels_the_answer(tiny_model: Path):
+    # Before: a Ctrl-C typed just after Enter was ignored (the answer streamed on) and arrived
+    # at the next prompt as "press Ctrl-C again to leave".
+    child = _chat_in_a_pty(tiny_model, "-n", "50000", "--n-ctx", "100000", "--verbose")
+    child.send("Count forever\r")
+    child.sendintr()  # at once: no waiting for any output
+    child.expect_exact(STOPPED)
+    child.expect_exact("phi4>")
+    child.sendline("/set max_tokens 4")
+    child.expect_exact("max_tokens = 4")
+    child.expect_exact("phi4>")
+    child.sendline("Say hi")
+    child.expect_exact("prompt tokens")  # --verbose: the answer is complete
+    child.expect_exact("phi4>")  # (keys typed before this prompt would be dropped)
+    child.sendline("/show")
+    child.expect_exact("max_tokens=4")
+    child.sendcontrol("d")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    transcript = child.logfile_read.getvalue()
+    assert "press Ctrl-C again" not in transcript
+    saved = ChatStore(get_paths().data_dir / "chats").load(ChatStore(
+        get_paths().data_dir / "chats").names()[0])  # fmt: skip
+    assert [t.question for t in saved.turns][-1] == "Say hi"
+
+
+def test_pty_keys_typed_during_an_answer_are_not_echoed(tiny_model: Path):
+    child = _chat_in_a_pty(tiny_model, "-n", "50000", "--n-ctx", "100000")
+    child.send("Count forever\r")
+    child.send("zqxjk")  # typed ahead, as the answer begins
+    child.expect(r"\S", timeout=120)  # the answer (or its status line) is on screen
+    child.send("vwvwq")  # typed while it streams
+    child.sendintr()
+    child.expect_exact(STOPPED)
+    child.expect_exact("phi4>")
+    child.sendline("/show")  # neither typed word reaches the next prompt's line either
+    child.expect_exact("max_tokens=50000")
+    child.expect_exact("phi4>")
+    child.sendcontrol("d")
+    child.expect(pexpect.EOF)
+    child.close()
+    transcript = child.logfile_read.getvalue()
+    assert "zqxjk" not in transcript and "vwvwq" not in transcript
+    assert child.exitstatus == 0
+
+
+def test_a_ctrl_c_while_the_answer_is_drawn_stops_it_cleanly(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # Before: a Ctrl-C that landed inside rich starting its live display left it half started,
+    # and stopping it failed: "internal error: IndexError: pop from empty list".
+    from rich.console import Console
+
+    repl, _out, err = make_repl(tiny_model, temperature=0.0, max_tokens=3000)
+    repl.env.stdout_isatty = repl.env.colour = True  # the terminal view, with its live display
+    set_live = Console.set_live
+
+    def interrupted_while_starting(console: Console, live: Any) -> bool:
+        os.kill(os.getpid(), signal.SIGINT)  # delivered here, in the middle of Live.start
+        return set_live(console, live)
+
+    monkeypatch.setattr(Console, "set_live", interrupted_while_starting)
+    repl.interrupts.install()
+    try:
+        repl.ask("Count forever")
+    finally:
+        repl.interrupts.uninstall()
+    assert "the partial answer is kept" in err.getvalue()
+    assert repl.conversation.turns[-1].interrupted
+    assert repl.failed == 0
