@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import signal
 import sys
@@ -293,12 +294,13 @@ class ChatRepl:
             # Mid-answer (before any output the stream itself starts a fresh daemon): the chat
             # goes on, and the next message starts a fresh daemon with the whole transcript.
             presenter.abort()
-            self.env.notice(f"error: {exc}; this question is not kept (ask it again)")
+            self.env.notice(f"error: {chat_hints(str(exc))}; this question is not kept (ask it "
+                            "again)")  # fmt: skip
             self.failed += 1
             return
         except RequestError as exc:  # refused before it was sent (too long): the chat goes on
             presenter.abort()
-            self.env.notice(f"error: {exc}")
+            self.env.notice(f"error: {chat_hints(str(exc))}")
             self.failed += 1
             return
         except Phi4Error:
@@ -306,7 +308,7 @@ class ChatRepl:
             raise
         if outcome.error is not None and not interrupted:
             presenter.abort()
-            self.env.notice(f"error: {outcome.exception()}")
+            self.env.notice(f"error: {chat_hints(str(outcome.exception()))}")
             self.failed += 1
             return
         if interrupted:
@@ -318,9 +320,23 @@ class ChatRepl:
                 "stopped; the partial answer is kept in the conversation (/retry samples it again)"
             )
         else:
-            presenter.finish(outcome)
+            self._show_answer(outcome, presenter)
         turn = Turn(question, outcome.solution, outcome.reasoning, outcome.stats_dict, interrupted)
         self._record(turn, outcome.stats)
+
+    def _show_answer(self, outcome: Outcome, presenter: PlainPresenter | TerminalPresenter) -> None:
+        """Most chat replies are talk, not a solved problem: one without a boxed answer is shown
+        as written, with no "no final answer" line after it. Only thinking that ran out of
+        tokens is said, as that reply is not what the model meant to write."""
+        if outcome.answer is not None:
+            presenter.finish(outcome)
+            return
+        presenter.show_partial(outcome)
+        if outcome.thinking_unfinished:
+            self.env.notice(
+                "no final answer: the thinking did not finish (give it more tokens: "
+                "/set max_tokens N, or /set think_budget N)"
+            )
 
     def _stream(
         self,
@@ -512,6 +528,18 @@ class ChatRepl:
                 continue
             entries.append((name, len(saved.turns), max(0.0, time.time() - saved.updated)))
         print(format_chat_list(entries), file=self.env.stdout)
+
+
+def chat_hints(message: str) -> str:
+    """A message for the command line, told the chat way: the settings a chat changes with
+    /set are named so, not as the options of ``phi4 solve`` (``--max-tokens``)."""
+    named = []
+    for key in SETTABLE:
+        flag = "--" + key.replace("_", "-")
+        message, count = re.subn(rf"{flag}(?![\w-])", key, message)
+        if count:
+            named.append(f"/set {key} N")
+    return f"{message} (in this chat: {', '.join(named)})" if named else message
 
 
 def read_message(read: Reader) -> str | None:

@@ -182,7 +182,7 @@ def test_slash_command_errors_keep_the_repl_going(tiny_model: Path):
 
 def test_pty_ctrl_c_during_answer_then_save_exit_and_resume(tiny_model: Path):
     child = pexpect.spawn(
-        PHI4, ["chat", "-m", str(tiny_model), "-n", "50000", "--n-ctx", "100000"],
+        PHI4, ["chat", "-m", str(tiny_model), "-n", "50000", "--n-ctx", "100000", "--verbose"],
         encoding="utf-8", dimensions=(24, 100), timeout=60,
     )  # fmt: skip
     child.expect_exact("phi4>")
@@ -194,7 +194,8 @@ def test_pty_ctrl_c_during_answer_then_save_exit_and_resume(tiny_model: Path):
     child.sendline("/set max_tokens 4")
     child.expect_exact("max_tokens = 4")
     child.sendline("Say hi")
-    child.expect_exact("no final answer stated")
+    child.expect_exact("prompt tokens")  # --verbose: the answer is complete
+    child.expect_exact("phi4>")
     child.sendline("/save ptychat")
     child.expect_exact("saved as ptychat")
     child.sendline("/exit")
@@ -414,3 +415,35 @@ def test_a_ctrl_c_while_the_answer_is_drawn_stops_it_cleanly(
     assert "the partial answer is kept" in err.getvalue()
     assert repl.conversation.turns[-1].interrupted
     assert repl.failed == 0
+
+
+def test_chat_replies_without_a_boxed_answer_are_not_nagged(tiny_model: Path):
+    # Before: at a terminal every casual reply ended in "no final answer stated".
+    child = _chat_in_a_pty(tiny_model, "-n", "3", "--verbose")
+    child.sendline("Say hi")
+    child.expect_exact("prompt tokens")  # --verbose: the answer is complete
+    child.expect_exact("phi4>")
+    child.sendcontrol("d")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    saved = ChatStore(get_paths().data_dir / "chats")
+    assert saved.load(saved.names()[0]).turns[0].answer.strip()
+    assert "final answer" not in child.logfile_read.getvalue()
+
+
+def test_chat_says_when_thinking_ran_out_naming_the_chat_setting(tiny_reasoning_model: Path):
+    result = run_phi4("chat", "-m", str(tiny_reasoning_model), "-n", "4", input="Think hard\n")
+    assert result.returncode == 0, result.stderr
+    assert "the thinking did not finish" in result.stderr
+    assert "/set max_tokens N" in result.stderr and "--max-tokens" not in result.stderr
+
+
+def test_chat_error_hints_name_set_not_command_line_options(tiny_model: Path):
+    # The daemon's context-overflow message says "lower --max-tokens"; in a chat it is /set.
+    result = run_phi4(
+        "chat", "-m", str(tiny_model), "--n-ctx", "128", "-n", "5000", input="hi\n/exit\n"
+    )
+    assert result.returncode == 1
+    assert "lower max_tokens" in result.stderr and "/set max_tokens N" in result.stderr
+    assert "--max-tokens" not in result.stderr
