@@ -22,10 +22,12 @@ from prompt_toolkit.history import FileHistory
 
 from phi4cli.atomicfile import write_atomic
 from phi4cli.backends import Backend, RequestStream
+from phi4cli.chats import SETTINGS as CHAT_SETTINGS
 from phi4cli.chats import ChatStore, Conversation, Turn, default_name
 from phi4cli.config import Settings, parse_setting
 from phi4cli.environment import Environment
 from phi4cli.errors import DaemonGoneError, Phi4Error, RequestError
+from phi4cli.inputs import replace_bad
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Op, Stats
 from phi4cli.render import (
@@ -51,7 +53,7 @@ COMMANDS = {
     "/reasoning": "/reasoning on|off shows the model's thinking, or folds it into one line",
     "/exit": "leave (also /bye or Ctrl-D)",
 }
-SETTABLE = ("temperature", "top_p", "max_tokens", "think_budget", "seed")
+SETTABLE = CHAT_SETTINGS
 PROMPT = "phi4> "
 CONTINUATION = "... "
 HISTORY_LIMIT = 1000
@@ -236,6 +238,10 @@ class ChatRepl:
                 interrupted_once = False
                 if line is None:
                     return
+                line, replaced = replace_bad(line)  # typed bytes that are not UTF-8
+                if replaced:
+                    self.env.notice("your input is not valid UTF-8; its bad bytes are read as "
+                                    "U+FFFD, the replacement character")  # fmt: skip
                 if not line.strip():
                     continue
                 if line.strip().startswith("/"):
@@ -561,13 +567,31 @@ def read_message(read: Reader) -> str | None:
         parts.append(more)
 
 
-def line_reader(stream: TextIO, echo: TextIO | None = None) -> Reader:
-    """Read input from a non-terminal stream (a pipe or file), one line per call."""
+def line_reader(
+    stream: TextIO, echo: TextIO | None = None, notice: Callable[[str], None] | None = None
+) -> Reader:
+    """Read input from a non-terminal stream (a pipe or file), one line per call.
+
+    A line that is not valid UTF-8 is read with U+FFFD in place of each bad byte, and
+    ``notice`` says so with its line number: one bad line in a file of questions is no reason to
+    end the chat (as the decoder's exception would)."""
+    raw = getattr(stream, "buffer", None)  # bytes, so a bad line can be decoded on its own
+    number = 0
 
     def read(prompt: str) -> str | None:
-        line = stream.readline()
+        nonlocal number
+        if raw is not None:
+            data = raw.readline()
+            line = data.decode("utf-8", errors="surrogateescape")
+        else:
+            line = stream.readline()
         if not line:
             return None
+        number += 1
+        line, replaced = replace_bad(line)
+        if replaced and notice is not None:
+            notice(f"stdin line {number} is not valid UTF-8; its bad bytes are read as "
+                   "U+FFFD, the replacement character")  # fmt: skip
         if echo is not None:
             print(f"{prompt}{line.rstrip()}", file=echo)
         return line.rstrip("\n")
