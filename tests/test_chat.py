@@ -360,6 +360,7 @@ def test_pty_ctrl_c_right_after_enter_cancels_the_answer(tiny_model: Path):
     child.expect_exact("phi4>")  # (keys typed before this prompt would be dropped)
     child.sendline("/show")
     child.expect_exact("max_tokens=4")
+    child.expect_exact("phi4>")  # Ctrl-D before the prompt is up would be read as no key
     child.sendcontrol("d")
     child.expect(pexpect.EOF)
     child.close()

@@ -97,6 +97,7 @@ def test_a_typed_chat_line_that_is_not_utf8_is_read_with_replacement(tiny_model:
     child.expect_exact("phi4>")
     child.sendline("/save typed")
     child.expect_exact("saved as typed")
+    child.expect_exact("phi4>")
     child.sendcontrol("d")
     child.expect(pexpect.EOF)
     child.close()
