@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -15,6 +16,8 @@ from phi4cli.errors import Phi4Error, UsageError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 FORMAT_VERSION = 1
+SETTINGS = ("temperature", "top_p", "max_tokens", "think_budget", "seed")  # a chat's own (/set)
+MAX_SESSION = 200  # characters of a session id, as the daemon takes them
 
 
 @dataclass
@@ -64,8 +67,67 @@ class Conversation:
             _check(turn, {"question": str, "answer": str}, {"reasoning": str, "stats": dict,
                    "interrupted": bool}, f"turn {index + 1}: ")  # fmt: skip
             turns.append(Turn(**turn))
-        fields = {k: v for k, v in data.items() if k not in ("format", "turns")}
-        return cls(turns=turns, **fields)
+        _check_values(data, len(turns))
+        fields = {k: v for k, v in data.items() if k not in ("format", "turns", "settings")}
+        return cls(turns=turns, settings=_check_settings(data.get("settings", {})), **fields)
+
+
+def _check_values(data: dict[str, Any], turns: int) -> None:
+    """Raise ValueError for a value of the right type that phi4 still cannot use."""
+    bad = _bad_text(data)
+    if bad is not None:
+        raise ValueError(f"{bad} is not valid text (a lone surrogate)")
+    if "name" in data and not _NAME.match(data["name"]):
+        raise ValueError(f"'name' {data['name']!r} is not a conversation name")
+    if not 0 <= data.get("dropped", 0) <= turns:
+        raise ValueError(f"'dropped' is {data['dropped']}, not from 0 to the {turns} turns")
+    session = data.get("session", "-")
+    if not 0 < len(session) <= MAX_SESSION:
+        raise ValueError(f"'session' must be 1 to {MAX_SESSION} characters")
+    for key in ("created", "updated"):
+        if key in data and not math.isfinite(data[key]):
+            raise ValueError(f"'{key}' is not a time ({data[key]})")
+
+
+def _check_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The saved settings, each parsed as /set would parse it; raise ValueError naming one
+    that is unknown or out of range (they are sent with every turn)."""
+    from phi4cli.config import parse_setting
+
+    checked = {}
+    for key, value in settings.items():
+        if key not in SETTINGS:
+            raise ValueError(f"unknown setting '{key}' (a chat has {', '.join(SETTINGS)})")
+        try:
+            checked[key] = parse_setting(key, value, f"setting {key}")
+        except Phi4Error as exc:
+            raise ValueError(str(exc)) from None
+    return checked
+
+
+def _bad_text(value: object, where: str = "") -> str | None:
+    """Where in a saved chat a string holds a lone surrogate (``"\\ud800"`` in the JSON), which
+    cannot be sent on as UTF-8; None when nowhere."""
+    from phi4cli.inputs import find_bad
+
+    if isinstance(value, str):
+        return where or "a value" if find_bad(value) else None
+    items: list[tuple[object, object]] = []
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list):
+        items = list(enumerate(value, 1))
+    for key, item in items:
+        if isinstance(key, str) and find_bad(key):
+            return f"a key in {where or 'the file'}"
+        if isinstance(key, int):  # a list's
+            name = f"turn {key}" if where == "'turns'" else f"{where} item {key}"
+        else:
+            name = f"{where}: '{key}'" if where else f"'{key}'"
+        found = _bad_text(item, name)
+        if found is not None:
+            return found
+    return None
 
 
 def _check(data: dict[str, Any], required: dict[str, Any], optional: dict[str, Any],

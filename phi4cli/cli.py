@@ -466,11 +466,13 @@ def chat(
     from phi4cli.environment import Environment
     from phi4cli.models import resolve_model
     from phi4cli.repl import ChatRepl, line_reader, prompt_reader
+    from phi4cli.solving import check_sent_text
 
     if resume and continue_last:
         raise UsageError("give --resume NAME or --continue, not both")
     paths = get_paths()
     settings = _settings(paths, model=model, **answer)
+    check_sent_text(settings)
     store = ChatStore(paths.data_dir / "chats")
 
     def model_for(spec: str) -> Path:
@@ -499,8 +501,10 @@ def chat(
         print(clean_text(f"resumed {conversation.name}: {len(conversation.turns)} turns"))
     if interactive:
         paths.state_dir.mkdir(parents=True, exist_ok=True)
-        return repl.run(prompt_reader(paths.state_dir / "chat_history"))
-    return repl.run(line_reader(env.stdin))
+        reader = prompt_reader(paths.state_dir / "chat_history")
+        repl.keys = reader.answer_keys()
+        return repl.run(reader)
+    return repl.run(line_reader(env.stdin, notice=env.notice))
 
 
 @app.command()

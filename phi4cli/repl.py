@@ -4,10 +4,15 @@ daemon, where the conversation's tokens stay cached between turns.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import select
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -17,10 +22,12 @@ from prompt_toolkit.history import FileHistory
 
 from phi4cli.atomicfile import write_atomic
 from phi4cli.backends import Backend, RequestStream
+from phi4cli.chats import SETTINGS as CHAT_SETTINGS
 from phi4cli.chats import ChatStore, Conversation, Turn, default_name
 from phi4cli.config import Settings, parse_setting
 from phi4cli.environment import Environment
 from phi4cli.errors import DaemonGoneError, Phi4Error, RequestError
+from phi4cli.inputs import replace_bad
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Op, Stats
 from phi4cli.render import (
@@ -47,7 +54,7 @@ COMMANDS = {
     "/reasoning": "/reasoning on|off shows the model's thinking, or folds it into one line",
     "/exit": "leave (also /bye or Ctrl-D)",
 }
-SETTABLE = ("temperature", "top_p", "max_tokens", "think_budget", "seed")
+SETTABLE = CHAT_SETTINGS
 PROMPT = "phi4> "
 CONTINUATION = "... "
 HISTORY_LIMIT = 1000
@@ -55,6 +62,122 @@ CONTEXT_WARNING = 0.8
 
 
 Reader = Callable[[str], str | None]  # prompt -> line; None at end of input
+
+
+class Interrupts:
+    """Ctrl-C (SIGINT) during a chat, taken only where it is safe to stop.
+
+    Python's own handler raises KeyboardInterrupt at whatever line runs: in the middle of rich
+    starting its live display (which then fails to stop: "IndexError: pop from empty list"),
+    between reading a line and starting the answer (the Ctrl-C then counted as one at the
+    prompt). Here a Ctrl-C raises only inside ``allowed()`` — around the waits for the daemon
+    and for piped input — and is otherwise noted, for ``take()`` at the next safe point.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._raising = False
+        self._previous: Any = None
+        self.installed = False
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if self._raising:
+            self._raising = False  # a second Ctrl-C in the except block is noted, not raised
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def install(self) -> None:
+        # Only the main thread may set signal handlers; elsewhere (an embedding caller's
+        # thread) Python's default stays, and KeyboardInterrupt is handled where it lands.
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+            self.installed = True
+
+    def uninstall(self) -> None:
+        if self.installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self.installed = False
+
+    def take(self) -> bool:
+        """Whether a Ctrl-C came since the last take (and forget it)."""
+        pending, self.pending = self.pending, False
+        return pending
+
+    @contextlib.contextmanager
+    def allowed(self) -> Iterator[None]:
+        """A wait that a Ctrl-C may break with KeyboardInterrupt (one noted before, too)."""
+        self._raising = True
+        try:
+            if self.take():
+                raise KeyboardInterrupt
+            yield
+        finally:
+            self._raising = False
+
+
+class AnswerKeys:
+    """The keyboard while an answer streams: nothing typed is echoed into it, Ctrl-C stops it.
+
+    From Enter to the next prompt the terminal is put in non-canonical mode without echo, with
+    signals on, so Ctrl-C is a SIGINT whenever it is pressed. A Ctrl-C typed so soon after
+    Enter that the prompt still read it as a key (prompt-toolkit keeps such keys for the next
+    prompt) or the terminal queued it as a byte counts as well. Every other key typed from
+    Enter to the next prompt is discarded: typed blind, it would otherwise land in the next
+    question unseen.
+    """
+
+    def __init__(self, fd: int, prompt_input: Any = None) -> None:
+        self.fd = fd
+        self.prompt_input = prompt_input  # prompt-toolkit's Input, whose typeahead is checked
+        self._saved: list[Any] | None = None
+
+    def begin(self) -> bool:
+        """Quiet the keyboard; return True if a Ctrl-C was typed already."""
+        import termios
+
+        interrupted = self._typeahead_has_ctrl_c()
+        try:
+            self._saved = termios.tcgetattr(self.fd)
+        except (termios.error, OSError):
+            self._saved = None
+            return interrupted
+        mode = [*self._saved[:6], list(self._saved[6])]
+        mode[3] = (mode[3] & ~(termios.ECHO | termios.ICANON)) | termios.ISIG
+        mode[6][termios.VMIN], mode[6][termios.VTIME] = 0, 0
+        with contextlib.suppress(termios.error, OSError):
+            termios.tcsetattr(self.fd, termios.TCSANOW, mode)
+        return b"\x03" in self._drain() or interrupted
+
+    def end(self) -> None:
+        """Discard what was typed, and give the terminal back as it was."""
+        import termios
+
+        self._typeahead_has_ctrl_c()  # and forget the rest of it
+        if self._saved is None:
+            return
+        self._drain()
+        with contextlib.suppress(termios.error, OSError):
+            termios.tcsetattr(self.fd, termios.TCSANOW, self._saved)
+        self._saved = None
+
+    def _typeahead_has_ctrl_c(self) -> bool:
+        if self.prompt_input is None:
+            return False
+        from prompt_toolkit.input.typeahead import get_typeahead
+        from prompt_toolkit.keys import Keys
+
+        return any(press.key == Keys.ControlC for press in get_typeahead(self.prompt_input))
+
+    def _drain(self) -> bytes:
+        """Read what the terminal holds, without waiting."""
+        data = b""
+        with contextlib.suppress(OSError, ValueError):
+            while select.select([self.fd], [], [], 0)[0]:
+                chunk = os.read(self.fd, 4096)
+                if not chunk:
+                    break
+                data += chunk
+        return data
 
 
 class ChatRepl:
@@ -79,6 +202,8 @@ class ChatRepl:
         self.verbose = verbose
         self._last_stats: Stats | None = None
         self.failed = 0  # messages that ended in an error
+        self.interrupts = Interrupts()
+        self.keys: AnswerKeys | None = None  # at a terminal: the keyboard during answers
 
     # --- input loop ---------------------------------------------------------------------------
 
@@ -92,10 +217,19 @@ class ChatRepl:
         interrupted_once = False
         # Start the daemon (and its model load) now, while the user types the first question.
         self.backend.connect()
+        # prompt-toolkit takes Ctrl-C itself while it reads (as a key); any other reader's
+        # wait (a pipe) is one a Ctrl-C may break.
+        reading: Callable[[], contextlib.AbstractContextManager[None]] = (
+            contextlib.nullcontext if getattr(read, "handles_ctrl_c", False)
+            else self.interrupts.allowed
+        )  # fmt: skip
+        self.interrupts.install()
         try:
             while True:
                 try:
-                    line = read_message(read)
+                    self.interrupts.take()  # one after an answer was complete: for nothing
+                    with reading():
+                        line = read_message(read)
                 except KeyboardInterrupt:
                     if interrupted_once:
                         return
@@ -105,6 +239,10 @@ class ChatRepl:
                 interrupted_once = False
                 if line is None:
                     return
+                line, replaced = replace_bad(line)  # typed bytes that are not UTF-8
+                if replaced:
+                    self.env.notice("your input is not valid UTF-8; its bad bytes are read as "
+                                    "U+FFFD, the replacement character")  # fmt: skip
                 if not line.strip():
                     continue
                 if line.strip().startswith("/"):
@@ -113,6 +251,7 @@ class ChatRepl:
                 else:
                     self.ask(line)
         finally:
+            self.interrupts.uninstall()
             self.backend.close()
 
     # --- answering ----------------------------------------------------------------------------
@@ -140,6 +279,17 @@ class ChatRepl:
 
     def ask(self, question: str) -> None:
         """Answer one message; keep the turn in the conversation (and save it)."""
+        typed_ctrl_c = self.keys.begin() if self.keys is not None else False
+        try:
+            if typed_ctrl_c or self.interrupts.take():  # between Enter and now
+                self.env.notice("stopped before the answer began; this question is not kept")
+                return
+            self._ask(question)
+        finally:
+            if self.keys is not None:
+                self.keys.end()
+
+    def _ask(self, question: str) -> None:
         outcome = Outcome(index=0, question=question)
         presenter = self._presenter()
         try:
@@ -152,12 +302,13 @@ class ChatRepl:
             # Mid-answer (before any output the stream itself starts a fresh daemon): the chat
             # goes on, and the next message starts a fresh daemon with the whole transcript.
             presenter.abort()
-            self.env.notice(f"error: {exc}; this question is not kept (ask it again)")
+            self.env.notice(f"error: {chat_hints(str(exc))}; this question is not kept (ask it "
+                            "again)")  # fmt: skip
             self.failed += 1
             return
         except RequestError as exc:  # refused before it was sent (too long): the chat goes on
             presenter.abort()
-            self.env.notice(f"error: {exc}")
+            self.env.notice(f"error: {chat_hints(str(exc))}")
             self.failed += 1
             return
         except Phi4Error:
@@ -165,7 +316,7 @@ class ChatRepl:
             raise
         if outcome.error is not None and not interrupted:
             presenter.abort()
-            self.env.notice(f"error: {outcome.exception()}")
+            self.env.notice(f"error: {chat_hints(str(outcome.exception()))}")
             self.failed += 1
             return
         if interrupted:
@@ -177,9 +328,23 @@ class ChatRepl:
                 "stopped; the partial answer is kept in the conversation (/retry samples it again)"
             )
         else:
-            presenter.finish(outcome)
+            self._show_answer(outcome, presenter)
         turn = Turn(question, outcome.solution, outcome.reasoning, outcome.stats_dict, interrupted)
         self._record(turn, outcome.stats)
+
+    def _show_answer(self, outcome: Outcome, presenter: PlainPresenter | TerminalPresenter) -> None:
+        """Most chat replies are talk, not a solved problem: one without a boxed answer is shown
+        as written, with no "no final answer" line after it. Only thinking that ran out of
+        tokens is said, as that reply is not what the model meant to write."""
+        if outcome.answer is not None:
+            presenter.finish(outcome)
+            return
+        presenter.show_partial(outcome)
+        if outcome.thinking_unfinished:
+            self.env.notice(
+                "no final answer: the thinking did not finish (give it more tokens: "
+                "/set max_tokens N, or /set think_budget N)"
+            )
 
     def _stream(
         self,
@@ -190,24 +355,31 @@ class ChatRepl:
         """Send the turn and show its events; return True if the user stopped it with Ctrl-C.
 
         The first Ctrl-C asks the engine to stop and keeps reading, so the partial answer (and
-        its stats) arrive; a second one hangs up.
+        its stats) arrive; a second one hangs up. A Ctrl-C breaks only the wait for the next
+        event: one while an event is shown is taken once it is.
         """
         stream: RequestStream = self.backend.stream(Op.CHAT, params)
         interrupted = False
         while not outcome.done:
-            try:
-                for event in stream:
-                    outcome.apply(event)
-                    presenter.on_event(event)
-                if not outcome.done:
-                    outcome.fail(ErrorCode.BACKEND_ERROR, "the answer ended without an end")
-            except KeyboardInterrupt:
+            if self.interrupts.take():
                 if interrupted:
                     stream.close()
                     outcome.fail(ErrorCode.CANCELLED, "cancelled")
                     break
                 interrupted = True
                 stream.cancel()
+            try:
+                with self.interrupts.allowed():
+                    event = next(stream, None)
+            except KeyboardInterrupt:
+                self.interrupts.pending = True  # taken at the top of the loop
+                continue
+            if event is None:
+                if not outcome.done:
+                    outcome.fail(ErrorCode.BACKEND_ERROR, "the answer ended without an end")
+                break
+            outcome.apply(event)
+            presenter.on_event(event)
         return interrupted
 
     def _record(self, turn: Turn, stats: Stats | None) -> None:
@@ -365,6 +537,18 @@ class ChatRepl:
         print(format_chat_list(entries), file=self.env.stdout)
 
 
+def chat_hints(message: str) -> str:
+    """A message for the command line, told the chat way: the settings a chat changes with
+    /set are named so, not as the options of ``phi4 solve`` (``--max-tokens``)."""
+    named = []
+    for key in SETTABLE:
+        flag = "--" + key.replace("_", "-")
+        message, count = re.subn(rf"{flag}(?![\w-])", key, message)
+        if count:
+            named.append(f"/set {key} N")
+    return f"{message} (in this chat: {', '.join(named)})" if named else message
+
+
 def read_message(read: Reader) -> str | None:
     """Read one message: a line, or a block between lines that start and end with triple quotes."""
     line = read(PROMPT)
@@ -384,13 +568,31 @@ def read_message(read: Reader) -> str | None:
         parts.append(more)
 
 
-def line_reader(stream: TextIO, echo: TextIO | None = None) -> Reader:
-    """Read input from a non-terminal stream (a pipe or file), one line per call."""
+def line_reader(
+    stream: TextIO, echo: TextIO | None = None, notice: Callable[[str], None] | None = None
+) -> Reader:
+    """Read input from a non-terminal stream (a pipe or file), one line per call.
+
+    A line that is not valid UTF-8 is read with U+FFFD in place of each bad byte, and
+    ``notice`` says so with its line number: one bad line in a file of questions is no reason to
+    end the chat (as the decoder's exception would)."""
+    raw = getattr(stream, "buffer", None)  # bytes, so a bad line can be decoded on its own
+    number = 0
 
     def read(prompt: str) -> str | None:
-        line = stream.readline()
+        nonlocal number
+        if raw is not None:
+            data = raw.readline()
+            line = data.decode("utf-8", errors="surrogateescape")
+        else:
+            line = stream.readline()
         if not line:
             return None
+        number += 1
+        line, replaced = replace_bad(line)
+        if replaced and notice is not None:
+            notice(f"stdin line {number} is not valid UTF-8; its bad bytes are read as "
+                   "U+FFFD, the replacement character")  # fmt: skip
         if echo is not None:
             print(clean_text(f"{prompt}{line.rstrip()}"), file=echo)
         return line.rstrip("\n")
@@ -420,7 +622,31 @@ class SlashCompleter(Completer):
                 yield Completion(command, start_position=-len(text))
 
 
-def prompt_reader(history_file: Path, input: Any = None, output: Any = None) -> Reader:
+class PromptReader:
+    """A Reader on prompt-toolkit's session (a callable, as every Reader)."""
+
+    handles_ctrl_c = True  # read as a key while the prompt is up, never as a signal
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+
+    def __call__(self, prompt: str) -> str | None:
+        try:
+            text: str = self.session.prompt(prompt)
+        except EOFError:
+            return None
+        return text
+
+    def answer_keys(self) -> AnswerKeys | None:
+        """The keyboard during answers, when the input is a terminal."""
+        try:
+            fd = self.session.input.fileno()
+        except (AttributeError, NotImplementedError, OSError, ValueError):
+            return None
+        return AnswerKeys(fd, self.session.input) if os.isatty(fd) else None
+
+
+def prompt_reader(history_file: Path, input: Any = None, output: Any = None) -> PromptReader:
     """Read input with prompt-toolkit: history (Up/Down, Ctrl-R), suggestions, completion."""
     from prompt_toolkit import PromptSession
     from prompt_toolkit.auto_suggest import AutoSuggestFromHistory
@@ -449,14 +675,7 @@ def prompt_reader(history_file: Path, input: Any = None, output: Any = None) -> 
         input=input,
         output=output,
     )
-
-    def read(prompt: str) -> str | None:
-        try:
-            return session.prompt(prompt)
-        except EOFError:
-            return None
-
-    return read
+    return PromptReader(session)
 
 
 class AtomicFileHistory(FileHistory):

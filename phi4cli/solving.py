@@ -252,13 +252,16 @@ class Problems(Record):
 
 def read_problems(source: str, env: Environment) -> Problems:
     """Return (line number, problem) for each non-blank line of a file, or of stdin for ``-``."""
+    from phi4cli.inputs import decode, read_all
+
     if source == "-":
-        text = env.stdin.read()
+        text = read_all(env.stdin)
     else:
         try:
-            text = Path(source).read_text(encoding="utf-8")
+            data = Path(source).read_bytes()
         except OSError as exc:
             raise UsageError(f"cannot read {source}: {exc.strerror}") from None
+        text = decode(data, source)
     rows = text.splitlines()
     return Problems(
         [(n, line.strip()) for n, line in enumerate(rows, 1) if line.strip()], len(rows)
@@ -416,10 +419,12 @@ def read_prompt(prompt: str | None, env: Environment) -> str:
     Stdin is read only then: in ``while read q; do phi4 solve "$q"; done < file`` it is the
     loop's, and ``sleep 100 | phi4 solve "q"`` must not wait for its end.
     """
+    from phi4cli.inputs import check_text, read_all
+
     if prompt is not None and prompt != "-":
-        text = prompt
+        text = check_text(prompt, "the question (argument)")
     elif prompt == "-" or not env.stdin_isatty:
-        text = env.stdin.read().strip("\n")
+        text = read_all(env.stdin).strip("\n")
     else:
         raise UsageError(
             'no question given: phi4 solve "What is 12*13?" or echo ... | phi4 solve -'
@@ -427,6 +432,21 @@ def read_prompt(prompt: str | None, env: Environment) -> str:
     if not text.strip():
         raise UsageError("the question is empty")
     return text
+
+
+def check_sent_text(settings: Any) -> None:
+    """Refuse, before any daemon starts, settings text that cannot be sent as UTF-8 (bytes that
+    were not UTF-8 in an argument or a PHI4_* variable)."""
+    from phi4cli.inputs import check_text
+
+    for value, where in (
+        (settings.system, "the system prompt (-s/--system or PHI4_SYSTEM)"),
+        (settings.instruction, "the instruction (PHI4_INSTRUCTION or the config)"),
+        (settings.model, "the model (-m/--model or PHI4_MODEL)"),
+        (settings.backend, "the backend URL (--backend or PHI4_BACKEND)"),
+    ):
+        if isinstance(value, str):
+            check_text(value, where)
 
 
 def make_job(
@@ -440,6 +460,7 @@ def make_job(
 
     paths = env.paths
     settings = load_settings(paths.config_file, {"model": model, **answer_options})
+    check_sent_text(settings)
     model_path = None if settings.backend else resolve_model(settings.model, paths)
     base: dict[str, Any] = {
         "model": str(model_path or settings.model),

@@ -182,7 +182,7 @@ def test_slash_command_errors_keep_the_repl_going(tiny_model: Path):
 
 def test_pty_ctrl_c_during_answer_then_save_exit_and_resume(tiny_model: Path):
     child = pexpect.spawn(
-        PHI4, ["chat", "-m", str(tiny_model), "-n", "50000", "--n-ctx", "100000"],
+        PHI4, ["chat", "-m", str(tiny_model), "-n", "50000", "--n-ctx", "100000", "--verbose"],
         encoding="utf-8", dimensions=(24, 100), timeout=60,
     )  # fmt: skip
     child.expect_exact("phi4>")
@@ -194,7 +194,8 @@ def test_pty_ctrl_c_during_answer_then_save_exit_and_resume(tiny_model: Path):
     child.sendline("/set max_tokens 4")
     child.expect_exact("max_tokens = 4")
     child.sendline("Say hi")
-    child.expect_exact("no final answer stated")
+    child.expect_exact("prompt tokens")  # --verbose: the answer is complete
+    child.expect_exact("phi4>")
     child.sendline("/save ptychat")
     child.expect_exact("saved as ptychat")
     child.sendline("/exit")
@@ -328,3 +329,122 @@ def test_a_daemon_killed_mid_answer_costs_one_message_not_the_chat(tiny_model: P
     repl.ask("And now?")
     assert repl.conversation.turns[-1].question == "And now?"
     assert repl.failed == 1
+
+
+def _chat_in_a_pty(model: Path, *args: str) -> pexpect.spawn:
+    child = pexpect.spawn(
+        PHI4, ["chat", "-m", str(model), *args], encoding="utf-8", dimensions=(24, 100),
+        timeout=120,
+    )  # fmt: skip
+    child.logfile_read = io.StringIO()
+    child.expect_exact("phi4>")
+    return child
+
+
+STOPPED = ["stopped before the answer began", "the partial answer is kept"]
+
+
+def test_pty_ctrl_c_right_after_enter_cancels_the_answer(tiny_model: Path):
+    # Before: a Ctrl-C typed just after Enter was ignored (the answer streamed on) and arrived
+    # at the next prompt as "press Ctrl-C again to leave".
+    child = _chat_in_a_pty(tiny_model, "-n", "50000", "--n-ctx", "100000", "--verbose")
+    child.send("Count forever\r")
+    child.sendintr()  # at once: no waiting for any output
+    child.expect_exact(STOPPED)
+    child.expect_exact("phi4>")
+    child.sendline("/set max_tokens 4")
+    child.expect_exact("max_tokens = 4")
+    child.expect_exact("phi4>")
+    child.sendline("Say hi")
+    child.expect_exact("prompt tokens")  # --verbose: the answer is complete
+    child.expect_exact("phi4>")  # (keys typed before this prompt would be dropped)
+    child.sendline("/show")
+    child.expect_exact("max_tokens=4")
+    child.expect_exact("phi4>")  # Ctrl-D before the prompt is up would be read as no key
+    child.sendcontrol("d")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    transcript = child.logfile_read.getvalue()
+    assert "press Ctrl-C again" not in transcript
+    saved = ChatStore(get_paths().data_dir / "chats").load(ChatStore(
+        get_paths().data_dir / "chats").names()[0])  # fmt: skip
+    assert [t.question for t in saved.turns][-1] == "Say hi"
+
+
+def test_pty_keys_typed_during_an_answer_are_not_echoed(tiny_model: Path):
+    child = _chat_in_a_pty(tiny_model, "-n", "50000", "--n-ctx", "100000")
+    child.send("Count forever\r")
+    child.send("zqxjk")  # typed ahead, as the answer begins
+    child.expect(r"\S", timeout=120)  # the answer (or its status line) is on screen
+    child.send("vwvwq")  # typed while it streams
+    child.sendintr()
+    child.expect_exact(STOPPED)
+    child.expect_exact("phi4>")
+    child.sendline("/show")  # neither typed word reaches the next prompt's line either
+    child.expect_exact("max_tokens=50000")
+    child.expect_exact("phi4>")
+    child.sendcontrol("d")
+    child.expect(pexpect.EOF)
+    child.close()
+    transcript = child.logfile_read.getvalue()
+    assert "zqxjk" not in transcript and "vwvwq" not in transcript
+    assert child.exitstatus == 0
+
+
+def test_a_ctrl_c_while_the_answer_is_drawn_stops_it_cleanly(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # Before: a Ctrl-C that landed inside rich starting its live display left it half started,
+    # and stopping it failed: "internal error: IndexError: pop from empty list".
+    from rich.console import Console
+
+    repl, _out, err = make_repl(tiny_model, temperature=0.0, max_tokens=3000)
+    repl.env.stdout_isatty = repl.env.colour = True  # the terminal view, with its live display
+    set_live = Console.set_live
+
+    def interrupted_while_starting(console: Console, live: Any) -> bool:
+        os.kill(os.getpid(), signal.SIGINT)  # delivered here, in the middle of Live.start
+        return set_live(console, live)
+
+    monkeypatch.setattr(Console, "set_live", interrupted_while_starting)
+    repl.interrupts.install()
+    try:
+        repl.ask("Count forever")
+    finally:
+        repl.interrupts.uninstall()
+    assert "the partial answer is kept" in err.getvalue()
+    assert repl.conversation.turns[-1].interrupted
+    assert repl.failed == 0
+
+
+def test_chat_replies_without_a_boxed_answer_are_not_nagged(tiny_model: Path):
+    # Before: at a terminal every casual reply ended in "no final answer stated".
+    child = _chat_in_a_pty(tiny_model, "-n", "3", "--verbose")
+    child.sendline("Say hi")
+    child.expect_exact("prompt tokens")  # --verbose: the answer is complete
+    child.expect_exact("phi4>")
+    child.sendcontrol("d")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    saved = ChatStore(get_paths().data_dir / "chats")
+    assert saved.load(saved.names()[0]).turns[0].answer.strip()
+    assert "final answer" not in child.logfile_read.getvalue()
+
+
+def test_chat_says_when_thinking_ran_out_naming_the_chat_setting(tiny_reasoning_model: Path):
+    result = run_phi4("chat", "-m", str(tiny_reasoning_model), "-n", "4", input="Think hard\n")
+    assert result.returncode == 0, result.stderr
+    assert "the thinking did not finish" in result.stderr
+    assert "/set max_tokens N" in result.stderr and "--max-tokens" not in result.stderr
+
+
+def test_chat_error_hints_name_set_not_command_line_options(tiny_model: Path):
+    # The daemon's context-overflow message says "lower --max-tokens"; in a chat it is /set.
+    result = run_phi4(
+        "chat", "-m", str(tiny_model), "--n-ctx", "128", "-n", "5000", input="hi\n/exit\n"
+    )
+    assert result.returncode == 1
+    assert "lower max_tokens" in result.stderr and "/set max_tokens N" in result.stderr
+    assert "--max-tokens" not in result.stderr
