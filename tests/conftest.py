@@ -98,7 +98,7 @@ def phi4_home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 def run_phi4(
     *args: str,
     input: str | None = None,
-    timeout: float = 120,
+    timeout: float = 600,
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run the installed ``phi4`` command to completion, stdin closed unless ``input`` is given."""
