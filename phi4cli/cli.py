@@ -143,6 +143,12 @@ MlockOption = Annotated[
     bool | None,
     typer.Option("--mlock/--no-mlock", show_default=False, help="Pin the model's pages in RAM."),
 ]
+OvercommitOption = Annotated[
+    bool | None,
+    typer.Option("--overcommit/--no-overcommit", show_default=False,
+                 help="Load an --n-ctx whose KV cache is more than the free memory (it is "
+                      "refused otherwise, with the numbers)."),
+]  # fmt: skip
 MaxQueueOption = Annotated[
     int | None,
     typer.Option("--max-queue", min=1, show_default=False,
@@ -186,6 +192,7 @@ SHARED_OPTIONS: dict[str, Any] = {
     "threads": ThreadsOption,
     "ramdisk": RamdiskOption,
     "mlock": MlockOption,
+    "overcommit": OvercommitOption,
     "max_queue": MaxQueueOption,
     "parallel": ParallelOption,
     "kv_cache_type": KvCacheTypeOption,
@@ -200,8 +207,8 @@ SHARED_OPTIONS: dict[str, Any] = {
     "backend": BackendOption,
 }
 # Every command that may start the daemon (daemon start, daemon run, warm) takes these.
-DAEMON_OPTIONS = ("model", "keep_alive", "n_ctx", "threads", "ramdisk", "mlock", "max_queue",
-                  "parallel", "kv_cache_type", "kv_layout", "gpu_layers")  # fmt: skip
+DAEMON_OPTIONS = ("model", "keep_alive", "n_ctx", "threads", "ramdisk", "mlock", "overcommit",
+                  "max_queue", "parallel", "kv_cache_type", "kv_layout", "gpu_layers")  # fmt: skip
 # Every command that asks for answers (solve, chat, eval) takes these.
 ANSWER_OPTIONS = ANSWER_KEYS
 

@@ -227,6 +227,7 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
     "think_budget": (_optional_budget, "a number of tokens (0 skips thinking), or none"),
     "ramdisk": (_ramdisk_mode, "auto (stage on tmpfs if there is room), on or off"),
     "mlock": (_boolean, "true or false"),
+    "overcommit": (_boolean, "true (load an n_ctx whose KV is over the free memory) or false"),
     "max_queue": (_positive_int, "a positive integer (requests)"),
     "parallel": (_positive_int, "a positive integer (requests decoded together)"),
     "backend": (_backend_url, "the http(s) URL of an OpenAI-compatible server, or none"),
@@ -254,6 +255,8 @@ class Settings(Record):
     think_budget: int | None = None
     ramdisk: str = "auto"  # stage the model on tmpfs: auto | on | off
     mlock: bool = False  # pin the model's pages in RAM
+    # An explicit n_ctx whose KV cache is over the free memory is refused unless this is true.
+    overcommit: bool = False
     max_queue: int = 64  # requests waiting in the daemon before it answers busy
     parallel: int = 4  # requests decoded together (slots of the one llama context)
     backend: str | None = None  # an OpenAI-compatible server to use instead of the daemon
@@ -272,7 +275,7 @@ ANSWER_KEYS = ("think_budget", "system", "temperature", "top_p", "seed", "max_to
 
 # Settings a daemon takes when it starts and keeps for its life.
 DAEMON_SETTINGS = ("n_ctx", "kv_cache_type", "kv_layout", "gpu_layers", "parallel", "threads",
-                   "max_queue", "mlock", "ramdisk")  # fmt: skip
+                   "max_queue", "mlock", "ramdisk", "overcommit")  # fmt: skip
 
 # PHI4_RAMDISK names the staging directory (as llama.cpp users expect), so the mode is _MODE.
 _ENV_NAMES = {"ramdisk": "PHI4_RAMDISK_MODE"}

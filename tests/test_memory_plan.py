@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from phi4cli.daemon.memory import (
@@ -15,6 +17,7 @@ from phi4cli.daemon.memory import (
     plan_memory,
     read_meminfo,
 )
+from tests.conftest import run_phi4
 
 GiB = 1 << 30
 
@@ -128,7 +131,12 @@ def test_an_explicit_context_is_honoured():
     plan = plan_memory(PHI4_MINI, machine(23.4, 22.0), MemoryRequest(n_ctx=4096))
     assert plan.n_ctx == 4096 and plan.n_ctx_source == "setting"
     assert plan.request_tokens == 4096 and plan.parallel == 1
-    huge = plan_memory(PHI4_MINI, machine(7.7, 5.0), MemoryRequest(n_ctx=131072))
+    # Before: a 16 GiB KV cache with 5 GiB free got only a note, and llama.cpp allocated it
+    # (on a machine without a memory limit, the OOM killer picks a victim).
+    with pytest.raises(ValueError, match=r"n_ctx 131,072 needs 16\.0 GiB of f16 KV cache") as exc:
+        plan_memory(PHI4_MINI, machine(7.7, 5.0), MemoryRequest(n_ctx=131072))
+    assert "--overcommit" in str(exc.value) and "fits)" in str(exc.value)
+    huge = plan_memory(PHI4_MINI, machine(7.7, 5.0), MemoryRequest(n_ctx=131072, overcommit=True))
     assert huge.n_ctx == 131072 and any("may swap" in note for note in huge.notes)
 
 
@@ -269,3 +277,18 @@ def test_ggml_device_listing_and_the_offload_load_path_run_on_this_build(tiny_mo
         assert loaded.plan.notes == (), "auto with no device: no noise"
     finally:
         loaded.close()
+
+
+def test_an_explicit_context_over_the_free_memory_is_refused_with_the_numbers(tiny_model: Path):
+    # Before: `--n-ctx 1000000` for SmolLM2 (21.5 GiB of KV, 8 GiB free) got a "may swap"
+    # note and went to llama.cpp. A context no machine here holds is refused before llama.cpp
+    # allocates anything, and the daemon says so where status shows it.
+    started = run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "4000000000")
+    assert started.returncode == 5, started.stderr
+    line = started.stderr.strip().splitlines()[-1]
+    assert "n_ctx 4,000,000,000 needs" in line and "GiB is free beside the model" in line
+    assert "fits)" in line and "--overcommit" in line
+    assert "failed" in run_phi4("status").stdout
+    assert run_phi4("stop").returncode == 0
+    fine = run_phi4("solve", "hi", "-m", str(tiny_model), "-n", "2", "--n-ctx", "1024")
+    assert fine.returncode == 0, fine.stderr

@@ -123,6 +123,7 @@ class MemoryRequest:
     kv_cache_type: str = "f16"
     gpu_layers: str | int = "auto"  # "auto" | "all" | a number of layers
     kv_layout: str = "auto"  # "auto" | "shared" | "streams" (see KV_LAYOUTS)
+    overcommit: bool = False  # load an explicit n_ctx whose KV cache is over the free memory
 
 
 @dataclass(frozen=True)
@@ -268,10 +269,18 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
             gpu_layers = -1  # llama.cpp's "all": the output layer goes too
 
     if source == "setting" and gpu_layers == 0 and per_token * n_ctx > ram_room:
-        notes.append(
-            f"n_ctx {n_ctx:,} needs {per_token * n_ctx / GiB:.1f} GiB of KV cache, more than "
-            "the free memory; the machine may swap"
-        )
+        needed = (f"n_ctx {n_ctx:,} needs {per_token * n_ctx / GiB:.1f} GiB of {kv_type} KV "
+                  f"cache, but {max(0, ram_room) / GiB:.1f} GiB is free beside the model "
+                  f"(and {headroom / GiB:.1f} GiB kept for the rest of the machine)")  # fmt: skip
+        if not request.overcommit:
+            # On a machine without a memory limit the OOM killer would pick a victim: maybe
+            # not this daemon.
+            fits = max(0, _align_down(int(max(0, ram_room) / per_token)))
+            raise ValueError(
+                f"{needed}; lower it (--n-ctx {fits:,} fits), use --kv-cache-type q8_0 (half "
+                "the memory), or load it anyway with --overcommit"
+            )
+        notes.append(f"{needed}; loaded anyway (overcommit): the machine may swap")
     slots = max(parallel, min(MAX_SLOTS, n_ctx // MIN_RESERVATION))
     parallel_fit = max(1, n_ctx // request_tokens)
     at_once = min(parallel, parallel_fit) if source == "setting" else parallel_fit

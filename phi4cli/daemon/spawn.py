@@ -107,6 +107,8 @@ def daemon_command(settings: Settings, model_path: Path | None) -> list[str]:
     command += ["--max-queue", str(settings.max_queue), "--parallel", str(settings.parallel)]
     if settings.mlock:
         command.append("--mlock")
+    if settings.overcommit:
+        command.append("--overcommit")
     if settings.threads:
         command += ["--threads", str(settings.threads)]
     if model_path is not None:

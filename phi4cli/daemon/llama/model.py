@@ -333,6 +333,7 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
                 parallel=settings.parallel,
                 kv_cache_type=settings.kv_cache_type,
                 kv_layout=settings.kv_layout,
+                overcommit=settings.overcommit,
                 gpu_layers=settings.gpu_layers,
             ),
         )
