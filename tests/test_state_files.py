@@ -286,3 +286,60 @@ def test_a_damaged_swapped_chat_is_re_read_and_the_daemon_answers_everyone(
         assert chat.call("status").result["pid"] == pid, "the daemon never went down"
     assert len(lines) == len(CHAT_DAMAGES), "one log line for each bad file"
     assert run_phi4("stop").returncode == 0
+
+
+def test_a_damaged_saved_system_prompt_state_is_recomputed_at_the_next_start(
+    tiny_model: Path, tiny_reasoning_model: Path, phi4_home: Path
+):
+    states = phi4_home / "cache" / "states"
+    log = phi4_home / "state" / "daemon.log"
+
+    def warm(model: Path, *options: str) -> dict[str, Any]:
+        warmed = run_phi4("warm", "-m", str(model), "--n-ctx", "1024", "--json", *options)
+        assert warmed.returncode == 0, warmed.stderr
+        return dict(json.loads(warmed.stdout))
+
+    def solve() -> str:
+        solved = run_phi4("solve", "What is 12*13?", "-m", str(tiny_model), "-t", "0", "-n", "30")
+        assert solved.returncode == 0, solved.stderr
+        return solved.stdout
+
+    def stop() -> None:
+        assert run_phi4("stop").returncode == 0
+
+    # Real states of another model, and of this model in the other KV layout.
+    foreign = {}
+    streams = ("--kv-layout", "streams")
+    for name, model, options in (("other_model", tiny_reasoning_model, ()),
+                                 ("other_layout", tiny_model, streams)):  # fmt: skip
+        assert warm(model, *options)["prefill"] == "computed"
+        stop()
+        (made,) = states.glob("system-*.state")
+        foreign[name] = made.read_bytes()
+        made.unlink()
+    assert warm(tiny_model)["prefill"] == "computed"
+    reference = solve()
+    stop()
+    (state,) = states.glob("system-*.state")
+    good = state.read_bytes()
+    damages: list[tuple[str, bytes, str]] = [
+        ("half", good[: len(good) // 2], "bytes where its header says"),
+        ("one_byte_short", good[:-1], "bytes where its header says"),
+        ("flipped_magic", _flip(good, 2), "wrong magic"),
+        ("flipped_payload", _flip(good, len(good) - 100), "payload checksum"),
+        ("other_model", foreign["other_model"], "made for another"),
+        ("other_layout", foreign["other_layout"], "made for another kv_layout"),
+        ("empty", b"", "too short"),
+    ]
+    for name, damaged, reason in damages:
+        state.write_bytes(damaged)
+        assert warm(tiny_model)["prefill"] == "computed", f"{name}: recomputed at start"
+        assert solve() == reference, f"{name}: the answer is as if the state were good"
+        stop()
+        lines = [line for line in log.read_text().splitlines()
+                 if f"removed unusable saved state {state}" in line]  # fmt: skip
+        assert reason in lines[-1], (name, lines[-1:])
+        assert state.read_bytes() != damaged, f"{name}: a good state is saved in its place"
+    assert len(lines) == len(damages)
+    assert warm(tiny_model)["prefill"] == "restored", "the state saved last is good"
+    assert solve() == reference
