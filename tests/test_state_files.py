@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from phi4cli.daemon import statefile
-from phi4cli.daemon.statefile import StateFileError
+from phi4cli.daemon.statefile import StateDirError, StateFileError
 from tests.conftest import run_phi4
 
 IDENTITY = {"model_path": "/m/a.gguf", "model_bytes": 1234, "n_ctx": 1024, "kv_layout": "shared",
@@ -163,9 +163,12 @@ def test_state_files_are_written_private_and_read_only_when_regular_and_ours(tmp
     elsewhere.mkdir()
     linked_dir = tmp_path / "linked"
     linked_dir.symlink_to(elsewhere)
-    with pytest.raises(StateFileError, match="not a directory"):
+    with pytest.raises(StateDirError, match="not a directory"):
         statefile.write_state(linked_dir / "session-b.state", IDENTITY, TOKENS, PAYLOAD)
     assert not list(elsewhere.iterdir()), "nothing is written through a linked directory"
+    os.replace(path, elsewhere / path.name)
+    with pytest.raises(StateDirError, match="not a directory"):  # nor read through one
+        statefile.read_state(linked_dir / path.name, IDENTITY, TOKENS, size)
 
 
 # --- the real daemon ------------------------------------------------------------------------
@@ -343,3 +346,19 @@ def test_a_damaged_saved_system_prompt_state_is_recomputed_at_the_next_start(
     assert len(lines) == len(damages)
     assert warm(tiny_model)["prefill"] == "restored", "the state saved last is good"
     assert solve() == reference
+
+
+def test_whatever_is_planted_among_swapped_chats_a_daemon_starts_and_clears_it(
+    tiny_model: Path, phi4_home: Path
+):
+    sessions = phi4_home / "cache" / "sessions"
+    sessions.mkdir(parents=True)
+    (sessions / "session-full.state").mkdir()
+    (sessions / "session-full.state" / "x").write_bytes(b"x")
+    os.mkfifo(sessions / "session-fifo.state")
+    (sessions / "session-link.state").symlink_to(tiny_model)
+    (sessions / ".session-left.state.tmp").write_bytes(b"half a state")
+    solved = run_phi4("solve", "What is 2+2?", "-m", str(tiny_model), "-t", "0", "-n", "8")
+    assert solved.returncode == 0, solved.stderr
+    assert [p.name for p in sessions.iterdir()] == ["session-full.state"], "a full dir stays"
+    assert tiny_model.is_file(), "a link is removed, not its target"

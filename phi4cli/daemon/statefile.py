@@ -47,6 +47,11 @@ class StateFileError(Exception):
     """A state file that must not be restored; the message says why (for the daemon log)."""
 
 
+class StateDirError(StateFileError):
+    """The directory of state files is not a private one of ours: nothing in it is read,
+    written or removed."""
+
+
 def _token_bytes(tokens: Sequence[int]) -> bytes:
     packed = array("i", tokens)
     if sys.byteorder != "little":
@@ -146,14 +151,22 @@ def private_dir(directory: Path) -> Path:
     of ours. Raise StateFileError if it is a link, not a directory or another user's."""
     with contextlib.suppress(FileExistsError):
         directory.mkdir(mode=0o700, parents=True)
-    info = directory.lstat()
-    if not stat.S_ISDIR(info.st_mode):
-        raise StateFileError(f"{directory} is not a directory (a link?)")
-    if info.st_uid != os.geteuid():
-        raise StateFileError(f"{directory} belongs to uid {info.st_uid}")
-    if info.st_mode & 0o077:
+    if _check_dir(directory).st_mode & 0o077:
         os.chmod(directory, 0o700)
     return directory
+
+
+def _check_dir(directory: Path) -> os.stat_result:
+    """Raise StateDirError unless ``directory`` is a real directory (not a link) of ours."""
+    try:
+        info = directory.lstat()
+    except OSError as exc:
+        raise StateDirError(f"cannot use {directory}: {exc.strerror}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise StateDirError(f"{directory} is not a directory (a link?)")
+    if info.st_uid != os.geteuid():
+        raise StateDirError(f"{directory} belongs to uid {info.st_uid}")
+    return info
 
 
 def write_state(path: Path, identity: Identity, tokens: Sequence[int], payload: Any) -> int:
@@ -183,9 +196,13 @@ def read_state(path: Path, identity: Identity, tokens: Sequence[int], max_bytes:
     :func:`decode`), writable, for llama.cpp to read from.
 
     The file must be a regular file of ours (a link, FIFO, device or directory is refused
-    without being read or waited on) of at most ``max_bytes``. Raise FileNotFoundError when
-    there is none, StateFileError for anything else.
+    without being read or waited on) of at most ``max_bytes``, in a directory of ours that is
+    not a link. Raise FileNotFoundError when there is none, StateDirError for a directory that
+    is not ours, StateFileError for anything else.
     """
+    if not os.path.lexists(path.parent):
+        raise FileNotFoundError(path)
+    _check_dir(path.parent)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:

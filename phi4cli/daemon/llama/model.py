@@ -343,6 +343,9 @@ class LoadedModel:
             payload = statefile.read_state(path, self.state_identity, tokens, max_bytes)
         except FileNotFoundError:
             return False
+        except statefile.StateDirError as exc:  # nothing in it is ours to trust or to remove
+            log.warning("not using saved state %s: %s", path, exc)
+            return False
         except statefile.StateFileError as exc:
             log.warning("removed unusable saved state %s: %s; re-reading its tokens", path, exc)
             statefile.remove_state(path)
