@@ -362,3 +362,31 @@ def test_whatever_is_planted_among_swapped_chats_a_daemon_starts_and_clears_it(
     assert solved.returncode == 0, solved.stderr
     assert [p.name for p in sessions.iterdir()] == ["session-full.state"], "a full dir stays"
     assert tiny_model.is_file(), "a link is removed, not its target"
+
+
+def test_a_real_models_damaged_chat_state_is_re_read(smollm2_model: Path, phi4_home: Path):
+    # SmolLM2's states are megabytes of real KV: half of one, or one flipped bit in it, used to
+    # abort the daemon or to continue the chat from garbage cells.
+    from phi4cli.client import DaemonConnection
+
+    started = run_phi4("daemon", "start", "-m", str(smollm2_model), "--n-ctx", "1024")
+    assert started.returncode == 0, started.stderr
+    socket_path = phi4_home / "run" / "daemon.sock"
+    sessions = phi4_home / "cache" / "sessions"
+    with DaemonConnection.open(socket_path) as chat:
+        pid = chat.call("status").result["pid"]
+        first, _ = _turn(chat, "Write a long story about a cat.", [], 100)
+        history = [{"role": "user", "content": "Write a long story about a cat."},
+                   {"role": "assistant", "content": first}]  # fmt: skip
+        second, _ = _turn(chat, "Go on.", history, 20)
+        for name, damage in (("half", lambda d: d[: len(d) // 2]),
+                             ("flipped_payload", lambda d: _flip(d, len(d) // 2))):  # fmt: skip
+            _evict_chat(socket_path)
+            (state,) = sessions.glob("session-*.state")
+            assert state.stat().st_size > 1 << 20, "a real state: megabytes"
+            state.write_bytes(damage(state.read_bytes()))
+            again, stats = _turn(chat, "Go on.", history, 20)
+            assert stats["restored_tokens"] == 0, name
+            assert again == second, f"{name}: the answer is as if nothing was swapped"
+        assert chat.call("status").result["pid"] == pid, "the daemon never went down"
+    assert run_phi4("stop").returncode == 0

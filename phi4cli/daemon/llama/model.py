@@ -8,7 +8,6 @@ slots, batching) lives in :mod:`.prompts` and :mod:`.batch`.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -197,6 +196,7 @@ class LoadedModel:
     def __post_init__(self) -> None:
         self.vocab = self.model.vocab
         self._piece_buffer = ctypes.create_string_buffer(64)
+        self.state_identity = self._state_identity()
 
     @property
     def n_ctx(self) -> int:
@@ -292,29 +292,33 @@ class LoadedModel:
             if code != DECODE_OK:
                 raise RuntimeError(f"llama_decode returned {code}")
 
-    @functools.cached_property
-    def state_identity(self) -> dict[str, str | int | bool]:
+    def _state_identity(self) -> dict[str, str | int | bool]:
         """What a saved sequence state depends on, written into its header and compared on
         restore (see :mod:`phi4cli.daemon.statefile`): the llama.cpp build, the model file (its
         size, mtime and a hash of its first MiB: the GGUF header and metadata), and the
         context's shape and KV layout (llama.cpp restores a state only into as many streams,
-        of the same cell type and V layout, as it was saved from)."""
+        of the same cell type and V layout, as it was saved from). Taken once, at load: the
+        states of this daemon are of the model it loaded, whatever happens to the file since."""
         library = Path(str(getattr(llama_cpp.llama_cpp._lib, "_name", "") or ""))
         try:
             lib_stat = library.stat()
             build = f"{library.name}:{lib_stat.st_size}:{lib_stat.st_mtime_ns}"
         except OSError:
             build = "unknown"
-        model_stat = self.path.stat()
-        with open(self.path, "rb") as handle:
-            head = hashlib.sha256(handle.read(1 << 20)).hexdigest()
+        try:
+            model_stat = self.path.stat()
+            with open(self.path, "rb") as handle:
+                head = hashlib.sha256(handle.read(1 << 20)).hexdigest()
+            model_bytes, model_mtime = model_stat.st_size, model_stat.st_mtime_ns
+        except OSError:  # gone since it was loaded: a later daemon cannot match these states
+            head, model_bytes, model_mtime = "unreadable", -1, -1
         plan = self.plan
         return {
             "llama_cpp_python": llama_cpp.__version__,
             "llama_build": build,
             "model_path": str(self.path),
-            "model_bytes": model_stat.st_size,
-            "model_mtime_ns": model_stat.st_mtime_ns,
+            "model_bytes": model_bytes,
+            "model_mtime_ns": model_mtime,
             "model_head_sha256": head,
             "n_ctx": plan.n_ctx,
             "slots": plan.slots,
