@@ -358,10 +358,16 @@ def test_whatever_is_planted_among_swapped_chats_a_daemon_starts_and_clears_it(
     os.mkfifo(sessions / "session-fifo.state")
     (sessions / "session-link.state").symlink_to(tiny_model)
     (sessions / ".session-left.state.tmp").write_bytes(b"half a state")
+    states = phi4_home / "cache" / "states"
+    states.mkdir(parents=True)
+    (states / ".system-left.state.tmp").write_bytes(b"half a state")
     solved = run_phi4("solve", "What is 2+2?", "-m", str(tiny_model), "-t", "0", "-n", "8")
     assert solved.returncode == 0, solved.stderr
     assert [p.name for p in sessions.iterdir()] == ["session-full.state"], "a full dir stays"
     assert tiny_model.is_file(), "a link is removed, not its target"
+    assert [p.name for p in states.iterdir()] == [next(states.glob("system-*.state")).name], (
+        "a killed daemon's temp file is removed; the computed state is saved"
+    )
 
 
 def test_a_real_models_damaged_chat_state_is_re_read(smollm2_model: Path, phi4_home: Path):

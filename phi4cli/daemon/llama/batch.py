@@ -35,6 +35,7 @@ from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, Solve
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
 from phi4cli.daemon.sessions import SwappedSession, SwapStore
+from phi4cli.daemon.statefile import remove_state
 from phi4cli.reasoning import THINK_CLOSE, ThinkSplitter
 
 log = logging.getLogger("phi4.engine")
@@ -226,6 +227,9 @@ class LlamaEngine:
             model.seq_rm(self._system_seq, 0)
             model.evaluate(self._system_seq, prefix, 0)
             if state_file is not None:
+                # One daemon per home: a temp file here is a killed daemon's, never finished.
+                for leftover in state_file.parent.glob(".system-*.tmp"):
+                    remove_state(leftover)
                 model.save_seq(self._system_seq, prefix, state_file)
         self._system_tokens = prefix
         if self._streams:
