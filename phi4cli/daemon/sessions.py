@@ -13,6 +13,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from phi4cli.daemon.statefile import remove_state
+
 MAX_SESSIONS = 32
 
 Message = dict[str, str]
@@ -70,9 +72,9 @@ class SessionStore:
 
 @dataclass(frozen=True)
 class SwappedSession:
-    path: Path  # the sequence state llama.cpp wrote
+    path: Path  # the sequence state saved (see phi4cli.daemon.statefile)
     tokens: list[int]  # what it holds
-    size: int
+    size: int  # its size as written: a restore reads no more
 
 
 class SwapStore:
@@ -89,17 +91,17 @@ class SwapStore:
     def path_for(self, session_id: str) -> Path | None:
         if self.directory is None:
             return None
-        digest = hashlib.sha256(session_id.encode()).hexdigest()[:24]
+        digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
         return self.directory / f"session-{digest}.state"
 
-    def add(self, session_id: str, tokens: list[int]) -> None:
-        """Record that ``path_for(session_id)`` now holds ``tokens``; drop the oldest over the
-        bound."""
+    def add(self, session_id: str, tokens: list[int], size: int) -> None:
+        """Record that ``path_for(session_id)`` now holds ``tokens`` in ``size`` bytes; drop the
+        oldest over the bound."""
         path = self.path_for(session_id)
-        if path is None or not path.is_file():
+        if path is None:
             return
         self.discard(session_id, remove=False)
-        self._swapped[session_id] = SwappedSession(path, list(tokens), path.stat().st_size)
+        self._swapped[session_id] = SwappedSession(path, list(tokens), size)
         while sum(s.size for s in self._swapped.values()) > self.max_bytes and self._swapped:
             oldest = next(iter(self._swapped))
             self.discard(oldest)
@@ -110,14 +112,16 @@ class SwapStore:
     def discard(self, session_id: str, remove: bool = True) -> None:
         swapped = self._swapped.pop(session_id, None)
         if swapped is not None and remove:
-            swapped.path.unlink(missing_ok=True)
+            remove_state(swapped.path)
 
     def clear(self) -> None:
-        """Forget every swapped session and remove the directory's state files."""
+        """Forget every swapped session and remove the directory's state files (and any temp
+        file a killed daemon left), whatever they are: nothing there is trusted."""
         self._swapped.clear()
         if self.directory is not None and self.directory.is_dir():
-            for path in self.directory.glob("session-*.state"):
-                path.unlink(missing_ok=True)
+            for pattern in ("session-*.state", ".session-*.tmp"):
+                for path in self.directory.glob(pattern):
+                    remove_state(path)
 
     def __len__(self) -> int:
         return len(self._swapped)

@@ -35,6 +35,7 @@ from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, Solve
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
 from phi4cli.daemon.sessions import SwappedSession, SwapStore
+from phi4cli.daemon.statefile import remove_state
 from phi4cli.reasoning import THINK_CLOSE, ThinkSplitter
 
 log = logging.getLogger("phi4.engine")
@@ -127,7 +128,7 @@ class LlamaEngine:
         self._slots: list[_Slot] = []
         self._system_seq = 0
         self._system_tokens: list[int] = []
-        self._system_state: bytes | None = None  # streams layout: the system prompt's KV
+        self._system_state: Any = None  # streams layout: the system prompt's KV (a buffer)
         self._streams = False  # the plan's KV layout is one stream per slot
         self._loads = 0  # models loaded so far: tells a job's tokens from another model's
 
@@ -220,12 +221,15 @@ class LlamaEngine:
         started = time.monotonic()
         state_file = self._state_file(prefix)
         restored = state_file is not None and model.restore_seq(
-            self._system_seq, prefix, state_file
+            self._system_seq, prefix, state_file, self._state_bound(len(prefix))
         )
         if not restored:
             model.seq_rm(self._system_seq, 0)
             model.evaluate(self._system_seq, prefix, 0)
             if state_file is not None:
+                # One daemon per home: a temp file here is a killed daemon's, never finished.
+                for leftover in state_file.parent.glob(".system-*.tmp"):
+                    remove_state(leftover)
                 model.save_seq(self._system_seq, prefix, state_file)
         self._system_tokens = prefix
         if self._streams:
@@ -239,6 +243,12 @@ class LlamaEngine:
             "prefill": "restored" if restored else "computed",
             "system_tokens": len(prefix),
         }
+
+    def _state_bound(self, tokens: int) -> int:
+        """The most bytes a saved state of ``tokens`` tokens may take: their KV, and a generous
+        allowance for the header and llama.cpp's per-layer framing."""
+        model, _ = self._loaded()
+        return tokens * (model.plan.kv_bytes_per_token + 4) + (4 << 20)
 
     def _state_file(self, prefix: list[int]) -> Path | None:
         """Where the prefilled state of ``prefix`` is kept, keyed by everything it depends on."""
@@ -349,7 +359,7 @@ class LlamaEngine:
             self._drop(slot, 0)
             self._reclaim(needed, slot)
             started = time.monotonic()
-            if model.restore_seq(slot.seq, swapped.tokens, swapped.path):
+            if model.restore_seq(slot.seq, swapped.tokens, swapped.path, swapped.size):
                 slot.tokens = list(swapped.tokens)
                 restored = min(_common_prefix(swapped.tokens, tokens), len(tokens) - 1)
                 restore_s = time.monotonic() - started
@@ -410,8 +420,9 @@ class LlamaEngine:
             and len(slot.tokens) - keep >= SWAP_MIN_TOKENS
         ):
             started = time.monotonic()
-            if model.save_seq(slot.seq, slot.tokens, path):
-                self._swap.add(session.id, slot.tokens)
+            size = model.save_seq(slot.seq, slot.tokens, path)
+            if size is not None:
+                self._swap.add(session.id, slot.tokens, size)
                 log.info("swapped session %s out (%d tokens, %.3f s)", session.id,
                          len(slot.tokens), time.monotonic() - started)  # fmt: skip
         slot.session = None

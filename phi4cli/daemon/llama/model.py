@@ -7,8 +7,8 @@ slots, batching) lives in :mod:`.prompts` and :mod:`.batch`.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import hashlib
 import logging
 import os
 import time
@@ -21,6 +21,7 @@ import llama_cpp
 from llama_cpp import _internals as llama_internals
 
 from phi4cli.config import Settings
+from phi4cli.daemon import statefile
 from phi4cli.daemon.jobs import ModelLoadError
 from phi4cli.daemon.memory import (
     Device,
@@ -178,6 +179,7 @@ class LoadedModel:
     def __post_init__(self) -> None:
         self.vocab = self.model.vocab
         self._piece_buffer = ctypes.create_string_buffer(64)
+        self.state_identity = self._state_identity()
 
     @property
     def n_ctx(self) -> int:
@@ -224,19 +226,23 @@ class LoadedModel:
     def seq_rm(self, seq: int, start: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.context.memory, seq, start, -1)
 
-    def seq_state(self, seq: int) -> bytes:
-        """The KV state of ``seq``, serialised (to copy it into another sequence)."""
+    def seq_state(self, seq: int) -> Any:
+        """The KV state of ``seq``, serialised into a ctypes buffer (to copy it into another
+        sequence, or to save it)."""
         size = llama_cpp.llama_state_seq_get_size(self.context.ctx, seq)
         buffer = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(self.context.ctx, buffer, size, seq)
-        return bytes(buffer[:written])
+        return (ctypes.c_uint8 * written).from_buffer(buffer) if written < size else buffer
 
-    def set_seq_state(self, seq: int, state: bytes) -> bool:
-        """Load a state from :meth:`seq_state` into ``seq`` (emptied first); False if llama.cpp
-        could not (``seq`` is then left empty)."""
+    def set_seq_state(self, seq: int, state: Any) -> bool:
+        """Load a state from :meth:`seq_state` (any writable buffer) into ``seq``, emptied first;
+        False if llama.cpp could not (``seq`` is then left empty)."""
         self.seq_rm(seq, 0)
-        buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if llama_cpp.llama_state_seq_set_data(self.context.ctx, buffer, len(state), seq):
+        view = memoryview(state).cast("B")
+        buffer = (ctypes.c_uint8 * view.nbytes).from_buffer(view)
+        if llama_cpp.llama_state_seq_set_data(self.context.ctx, buffer, view.nbytes, seq) == (
+            view.nbytes
+        ):
             return True
         self.seq_rm(seq, 0)
         return False
@@ -269,40 +275,73 @@ class LoadedModel:
             if code != DECODE_OK:
                 raise RuntimeError(f"llama_decode returned {code}")
 
-    def save_seq(self, seq: int, tokens: list[int], path: Path) -> bool:
-        """Write the KV of ``seq`` (holding ``tokens``) to ``path`` atomically; False if
-        llama.cpp could not."""
-        partial = path.with_name(f".{path.name}.{os.getpid()}.part")
-        array = (llama_cpp.llama_token * len(tokens))(*tokens)
+    def _state_identity(self) -> dict[str, str | int | bool]:
+        """What a saved sequence state depends on, written into its header and compared on
+        restore (see :mod:`phi4cli.daemon.statefile`): the llama.cpp build, the model file (its
+        size, mtime and a hash of its first MiB: the GGUF header and metadata), and the
+        context's shape and KV layout (llama.cpp restores a state only into as many streams,
+        of the same cell type and V layout, as it was saved from). Taken once, at load: the
+        states of this daemon are of the model it loaded, whatever happens to the file since."""
+        library = Path(str(getattr(llama_cpp.llama_cpp._lib, "_name", "") or ""))
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if llama_cpp.llama_state_seq_save_file(
-                self.context.ctx, str(partial).encode(), seq, array, len(tokens)
-            ):
-                os.replace(partial, path)  # a reader never finds half a state
-                return True
-        except OSError as exc:  # a full disk: the state is only a cache
-            log.warning("cannot save a sequence state to %s: %s", path, exc.strerror)
-        with contextlib.suppress(OSError):
-            partial.unlink(missing_ok=True)
-        return False
+            lib_stat = library.stat()
+            build = f"{library.name}:{lib_stat.st_size}:{lib_stat.st_mtime_ns}"
+        except OSError:
+            build = "unknown"
+        try:
+            model_stat = self.path.stat()
+            with open(self.path, "rb") as handle:
+                head = hashlib.sha256(handle.read(1 << 20)).hexdigest()
+            model_bytes, model_mtime = model_stat.st_size, model_stat.st_mtime_ns
+        except OSError:  # gone since it was loaded: a later daemon cannot match these states
+            head, model_bytes, model_mtime = "unreadable", -1, -1
+        plan = self.plan
+        return {
+            "llama_cpp_python": llama_cpp.__version__,
+            "llama_build": build,
+            "model_path": str(self.path),
+            "model_bytes": model_bytes,
+            "model_mtime_ns": model_mtime,
+            "model_head_sha256": head,
+            "n_ctx": plan.n_ctx,
+            "slots": plan.slots,
+            "kv_layout": plan.kv_layout,
+            "kv_cache_type": plan.kv_cache_type,
+            "flash_attn": plan.flash_attn,
+            "gpu_layers": plan.gpu_layers,
+        }
 
-    def restore_seq(self, seq: int, tokens: list[int], path: Path) -> bool:
-        """Load into ``seq`` the state saved at ``path``; True only if it holds exactly
-        ``tokens`` (else ``seq`` is left empty)."""
-        if not path.is_file():
-            return False
-        array = (llama_cpp.llama_token * len(tokens))()
-        count = ctypes.c_size_t(0)
+    def save_seq(self, seq: int, tokens: list[int], path: Path) -> int | None:
+        """Write the KV of ``seq`` (holding ``tokens``) to ``path`` as a phi4 state file,
+        atomically; return its size, or None if it could not be written (it is only a cache)."""
+        try:
+            return statefile.write_state(path, self.state_identity, tokens, self.seq_state(seq))
+        except (OSError, statefile.StateFileError) as exc:  # a full disk, a foreign directory
+            log.warning("cannot save a sequence state to %s: %s", path, exc)
+            return None
+
+    def restore_seq(self, seq: int, tokens: list[int], path: Path, max_bytes: int) -> bool:
+        """Load into ``seq`` the state saved at ``path`` by :meth:`save_seq`; True only if the
+        file is whole, unaltered, made for this model and context, holds exactly ``tokens`` and
+        llama.cpp took all of it. Else ``seq`` is left empty and a damaged or foreign file is
+        removed, with one log line saying why: the caller re-reads the tokens instead."""
         self.seq_rm(seq, 0)
-        size = llama_cpp.llama_state_seq_load_file(
-            self.context.ctx, str(path).encode(), seq, array, len(tokens), ctypes.byref(count)
-        )
-        if not size or list(array[: count.value]) != tokens:
-            log.warning("ignoring unusable state %s", path)
-            self.seq_rm(seq, 0)
+        try:
+            payload = statefile.read_state(path, self.state_identity, tokens, max_bytes)
+        except FileNotFoundError:
             return False
-        return True
+        except statefile.StateDirError as exc:  # nothing in it is ours to trust or to remove
+            log.warning("not using saved state %s: %s", path, exc)
+            return False
+        except statefile.StateFileError as exc:
+            log.warning("removed unusable saved state %s: %s; re-reading its tokens", path, exc)
+            statefile.remove_state(path)
+            return False
+        if self.set_seq_state(seq, payload):
+            return True
+        log.warning("removed saved state %s: llama.cpp refused it; re-reading its tokens", path)
+        statefile.remove_state(path)
+        return False
 
     def close(self) -> None:
         for resource in (self.batch, self.context, self.model):
