@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
