@@ -54,13 +54,19 @@ def test_logs_shows_and_follows_the_daemon_log(tiny_model: Path, phi4_home: Path
     assert run_phi4("solve", "hi", "-m", str(tiny_model), "-n", "1").returncode == 0
     shown = run_phi4("logs", "-n", "2")
     assert shown.returncode == 0 and len(shown.stdout.splitlines()) == 2
-    follower = subprocess.Popen([PHI4, "logs", "-f", "-n", "0"], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.5)
-    assert run_phi4("stop").returncode == 0
-    time.sleep(0.6)
-    follower.terminate()
-    followed, _ = follower.communicate(timeout=10)
-    assert "shutting down" in followed
+    # Waits on what the follower printed, not on sleeps: on a busy machine it may take seconds
+    # to start, and a line written before it opened the log would never be seen.
+    follower = subprocess.Popen([PHI4, "logs", "-f", "-n", "1"], stdout=subprocess.PIPE, text=True)
+    assert follower.stdout is not None
+    try:
+        assert follower.stdout.readline(), "it printed the last line: it is following now"
+        assert run_phi4("stop").returncode == 0
+        deadline = time.monotonic() + 600
+        while "shutting down" not in follower.stdout.readline():
+            assert time.monotonic() < deadline, "the stop never reached the followed log"
+    finally:
+        follower.terminate()
+        follower.communicate(timeout=60)
 
 
 def test_log_rotation_keeps_three(tmp_path: Path):
