@@ -204,6 +204,11 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     good = [o for o in outcomes if o.error is None]
     if not good:
         raise outcomes[0].exception()
+    failed = [o for o in outcomes if o.error is not None]
+    if failed:
+        # The vote is over the samples that answered; say what the others met, once.
+        job.announce(f"{len(failed)} of {samples} samples failed and are not counted: "
+                     f"{failed[0].exception()}")  # fmt: skip
     compare = AnswerComparer()
     vote = majority_vote([o.answer for o in outcomes], equal=compare)
     notice = compare.notice()

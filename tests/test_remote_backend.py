@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -251,6 +252,27 @@ def test_samples_count_equal_answers_together():
     assert result.returncode == 0, result.stderr
     # One half, in its most common written form (\\dfrac and \\frac count as one form).
     assert result.stdout.splitlines()[-1] == "Answer: \\dfrac{1}{2} (3/5 samples agree)"
+
+
+def test_samples_that_failed_are_said_not_silently_dropped():
+    # Before: one sample's 500 and another's bad content printed nothing; the vote of what was
+    # left read as if all three had answered.
+    answers = iter(["ok", "fail", "ok"])
+    lock = threading.Lock()
+
+    def script(_body: dict[str, Any]) -> list[str | Step | Head]:
+        with lock:
+            which = next(answers)
+        if which == "fail":
+            return [Head(500), '{"error": {"message": "replica out of memory"}}']
+        return separated("reasoning_content", ["Hmm."], ["So $\\boxed{156}$."])
+
+    with scripted_server(script) as server:
+        result = _solve(server.url, "--samples", "3")
+    assert result.returncode == 0, result.stderr
+    assert "1 of 3 samples failed and are not counted: " in result.stderr
+    assert "replica out of memory" in result.stderr
+    assert result.stdout.splitlines()[-1] == "Answer: 156 (2/3 samples agree)"
 
 
 def test_answer_only_lines_keep_their_input_lines(tmp_path: Path):
