@@ -160,10 +160,14 @@ class Prompts:
         costs: dict[int, int] = {}
 
         def cost(turn: int) -> int:
+            # Counted as plain text: linear whatever the text holds, and never fewer tokens
+            # than the render will make of it, so what is kept holds no more special tokens
+            # than the room (llama.cpp's search for them is quadratic in their number).
             if turn not in costs:
                 texts = history[2 * turn : 2 * turn + 2]
                 costs[turn] = self.turn_glue + sum(
-                    len(self.model.tokenize(m["content"], add_bos=False)) for m in texts
+                    len(self.model.tokenize(m["content"], add_bos=False, special=False))
+                    for m in texts
                 )
             return costs[turn]
 
