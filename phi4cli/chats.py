@@ -42,9 +42,13 @@ class Conversation:
     updated: float = field(default_factory=time.time)
 
     def history(self) -> list[dict[str, str]]:
-        """The complete turns the model still sees, as chat messages."""
+        """The complete turns the model still sees, as chat messages (no more than the daemon
+        takes in one request: the newest of them)."""
+        from phi4cli.protocol import MAX_HISTORY_MESSAGES
+
         messages: list[dict[str, str]] = []
-        for turn in self.turns[self.dropped :]:
+        start = max(self.dropped, len(self.turns) - MAX_HISTORY_MESSAGES // 2)
+        for turn in self.turns[start:]:
             messages.append({"role": "user", "content": turn.question})
             messages.append({"role": "assistant", "content": turn.answer})
         return messages

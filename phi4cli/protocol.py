@@ -13,6 +13,7 @@ event lines carrying the same id: ``accepted``, ``progress``, ``reasoning``, ``t
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -30,6 +31,15 @@ PROTOCOL_VERSION: Final = 1
 # one client make the daemon buffer arbitrary amounts of memory.
 MAX_LINE_BYTES: Final = 1 << 20
 MAX_PROMPT_CHARS: Final = 256_000
+# Brackets nested deeper than this are refused before the line is parsed: no request needs more
+# than a few levels, and a deep one would take the JSON decoder (recursive) past Python's limit.
+MAX_NESTING: Final = 32
+# A chat request's history holds at most this many messages (the daemon drops turns that do not
+# fit its context anyway): it bounds what one request costs the engine's thread to prepare.
+MAX_HISTORY_MESSAGES: Final = 2_000
+# A chat session id becomes part of the daemon's bookkeeping and (hashed) of a file name: plain
+# words only. Clients send a uuid's hex.
+SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 JSON = dict[str, "Any"]
 
@@ -288,6 +298,7 @@ def parse_solve_params(params: Mapping[str, Any], defaults: Settings) -> SolvePa
     """
     from phi4cli.config import parse_duration
 
+    _check_text(params)
     prompt = params.get("prompt")
     if not isinstance(prompt, str):
         raise ProtocolViolation(BAD_REQUEST, "'prompt' (the question) must be a string")
@@ -331,6 +342,19 @@ def parse_solve_params(params: Mapping[str, Any], defaults: Settings) -> SolvePa
     )
 
 
+def _check_text(params: Mapping[str, Any]) -> None:
+    """Refuse params holding text UTF-8 cannot encode, naming the field (for callers that
+    validate params without a wire line, as `phi4 serve` does)."""
+    bad = unencodable(dict(params))
+    if bad is not None:
+        raise ProtocolViolation(BAD_REQUEST, _not_unicode(bad))
+
+
+def _not_unicode(where: str) -> str:
+    return f"{where} is not valid Unicode text (it holds a lone surrogate such as \\ud800); " \
+        "send UTF-8 text"  # fmt: skip
+
+
 def check_history(history: object) -> tuple[dict[str, str], ...]:
     """Validate a conversation's complete turns (user, assistant, user, ...); return them."""
     valid = isinstance(history, list) and len(history) % 2 == 0
@@ -356,10 +380,22 @@ def parse_chat_params(params: Mapping[str, Any], defaults: Settings) -> SolvePar
 
     Raise ProtocolViolation(bad_request) naming the offending field.
     """
+    _check_text(params)
     session = params.get("session")
-    if not isinstance(session, str) or not session or len(session) > 200:
-        raise ProtocolViolation(BAD_REQUEST, "'session' must be a non-empty string")
-    turns = check_history(params.get("history", []))
+    if not isinstance(session, str) or not SESSION_ID.fullmatch(session):
+        raise ProtocolViolation(
+            BAD_REQUEST,
+            "'session' must be 1 to 128 letters, digits and . _ : - (starting with a letter or "
+            "digit)",
+        )
+    history = params.get("history", [])
+    if isinstance(history, list) and len(history) > MAX_HISTORY_MESSAGES:
+        raise ProtocolViolation(
+            BAD_REQUEST,
+            f"'history' holds {len(history):,} messages; the limit is {MAX_HISTORY_MESSAGES:,} "
+            "(send the most recent turns only)",
+        )
+    turns = check_history(history)
     solve = parse_solve_params(
         {**params, "prompt": params.get("message"), "priority": "interactive"}, defaults
     )
@@ -422,16 +458,55 @@ class LineFramer:
 
 
 def encode(message: JSON) -> bytes:
-    """Return one wire line (UTF-8 JSON, no embedded newlines, trailing newline)."""
-    return json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    """Return one wire line (UTF-8 JSON, no embedded newlines, trailing newline).
+
+    Never raises for text that UTF-8 cannot hold (a lone surrogate): such characters go out as
+    U+FFFD, so an event that echoes a bad string still reaches its client.
+    """
+    text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode() + b"\n"
+    except UnicodeEncodeError:
+        # Only lone surrogates fail here; UTF-16 with surrogatepass keeps them as code units
+        # that its decoder then replaces.
+        clean = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        return clean.encode() + b"\n"
 
 
 def encode_request(request: Request) -> bytes:
     return encode({"v": request.v, "id": request.id, "op": request.op, "params": request.params})
 
 
+# A JSON string (escapes included), to be skipped when counting brackets.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def nesting_depth(line: bytes) -> int:
+    """How deep the line's brackets nest, strings aside (counted up to one past MAX_NESTING): a
+    linear scan, no parsing. Brackets of a malformed line (an unclosed string) count as they
+    come; the parser refuses it anyway."""
+    if line.count(b"[") + line.count(b"{") <= MAX_NESTING:
+        return 0  # too few brackets to matter: the common case costs two counts
+    depth = deepest = 0
+    for bracket in _BRACKET.finditer(_JSON_STRING.sub(b"", line)):
+        if bracket[0] in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_NESTING:
+                break  # too deep already: the rest cannot make it acceptable
+        else:
+            depth -= 1
+    return deepest
+
+
 def decode(line: bytes) -> JSON:
-    """Parse one wire line into a JSON object; raise ProtocolViolation(bad_request) otherwise."""
+    """Parse one wire line into a JSON object; raise ProtocolViolation(bad_request) otherwise
+    (nesting deeper than MAX_NESTING is refused before parsing)."""
+    if nesting_depth(line) > MAX_NESTING:
+        raise ProtocolViolation(
+            BAD_REQUEST, f"JSON nested deeper than {MAX_NESTING} levels; flatten the request"
+        )
     try:
         message = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -441,10 +516,52 @@ def decode(line: bytes) -> JSON:
     return message
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_]{1,32}")
+
+
+def unencodable(value: object, where: str = "") -> str | None:
+    """Where in ``value`` (a decoded JSON value) a string holds what UTF-8 cannot encode (a lone
+    surrogate, as JSON's ``\\ud800`` makes one), said for a message: ``'params.prompt'``,
+    ``'params.history[3].content'``, ``a key in 'params'``; None if nowhere. Iterative: the
+    depth was bounded, but the walk needs no recursion either way."""
+    stack: list[tuple[object, str]] = [(value, f"'{where}'" if where else "the value")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode()
+                except UnicodeEncodeError:
+                    return path
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                name = key if isinstance(key, str) and _PLAIN_KEY.fullmatch(key) else "?"
+                inside = path.strip("'") if path.startswith("'") else ""
+                stack.append((key, f"a key in '{inside}'" if inside else "a key of the request"))
+                stack.append((inner, f"'{inside}.{name}'" if inside else f"'{name}'"))
+        elif isinstance(item, list):
+            inside = path[1:-1] if path.startswith("'") else "?"
+            stack.extend((inner, f"'{inside}[{i}]'") for i, inner in enumerate(item))
+    return None
+
+
 def parse_request(line: bytes) -> Request:
-    """Validate one request line; raise ProtocolViolation with the matching code when invalid."""
+    """Validate one request line; raise ProtocolViolation with the matching code when invalid.
+
+    Text that is not valid Unicode anywhere in the request is refused (bad_request naming the
+    field) before anything else reads it; the answer carries the request's id unless the id
+    itself is the bad text.
+    """
     message = decode(line)
     request_id = message.get("id")
+    bad = unencodable(message)
+    if bad is not None:
+        usable = unencodable(request_id) is None and isinstance(request_id, (str, int))
+        raise ProtocolViolation(
+            BAD_REQUEST,
+            _not_unicode(bad),
+            request_id if usable and not isinstance(request_id, bool) else None,
+        )
     version = message.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolViolation(

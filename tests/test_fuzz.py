@@ -1,5 +1,7 @@
 """Fuzzing with hypothesis: the daemon's socket protocol and the HTTP API take whatever a client
-sends, answer each request exactly once, never with an internal error, and keep serving.
+sends, answer each request exactly once, never with an internal error, and keep serving — text
+that is not Unicode (lone surrogates), deep nesting, floods cut off by a hang-up and huge chat
+histories included.
 
 One real daemon (the tiny model) serves every example; generation is kept to a few tokens so the
 whole campaign fits in CI's budget.
@@ -20,11 +22,17 @@ from hypothesis import strategies as st
 
 from tests.conftest import run_phi4
 
+# Text as a hostile client sends it: lone surrogates among ordinary characters (JSON's "\ud800"
+# escapes decode to them, and UTF-8 cannot encode them).
+# (st.characters never yields surrogates, so they are made from their code points.)
+SURROGATES = st.lists(st.integers(0xD800, 0xDFFF).map(chr) | st.characters(), min_size=1,
+                      max_size=10).map("".join)  # fmt: skip
+TEXT = st.text(max_size=30) | SURROGATES
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False)
-    | st.text(max_size=30),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
-                                                                  max_size=3),
+    | TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8) | SURROGATES,
+                                                                  inner, max_size=3),
     max_leaves=8,
 )  # fmt: skip
 KEYS = st.sampled_from(["prompt", "message", "session", "history", "system", "model",
@@ -82,14 +90,18 @@ def _exchange(path: Path, lines: list[bytes]) -> list[dict[str, Any]]:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
           HealthCheck.function_scoped_fixture])  # fmt: skip
-@given(st.lists(st.tuples(OPS, PARAMS, st.booleans()), min_size=1, max_size=4),
+@given(st.lists(st.tuples(OPS, PARAMS, st.sampled_from(["number", "list", "surrogate"])),
+                min_size=1, max_size=4),
        st.sampled_from([1, 2]))  # fmt: skip
 def test_the_socket_answers_every_request_once_and_lives(
-    daemon: Path, requests: list[tuple[Any, dict[str, Any], bool]], version: int
+    daemon: Path, requests: list[tuple[Any, dict[str, Any], str]], version: int
 ):
     lines = []
-    for number, (op, params, valid_id) in enumerate(requests):
-        request_id: Any = number if valid_id else [number]  # a list is not a valid id
+    for number, (op, params, id_kind) in enumerate(requests):
+        # a list is not a valid id, and one with a lone surrogate is not text
+        request_id: Any = {"number": number, "list": [number], "surrogate": f"{number}\udc80"}[
+            id_kind
+        ]
         message = {"v": version, "id": request_id, "op": op, "params": _bounded(params)}
         lines.append(json.dumps(message).encode() + b"\n")
     terminals = _exchange(daemon, lines)  # exactly one terminal event per request
@@ -197,3 +209,67 @@ def test_the_http_api_answers_any_body_without_a_500(
     if not foreign and not content_type.startswith("application/json"):
         assert response.status_code == 415
     backend.close()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+          HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(st.integers(1, 20_000), st.sampled_from(["[", '{"k":']), st.sampled_from(["x", "prompt"]))
+def test_nesting_is_bounded_before_parsing(daemon: Path, depth: int, opener: str, key: str):
+    from phi4cli.protocol import MAX_NESTING
+
+    closer = "]" if opener == "[" else "}"
+    value = opener * depth + "1" + closer * depth
+    params = f'{{"prompt":"2+2?","max_tokens":2,"{key}":{value}}}'
+    line = ('{"v":1,"id":"n","op":"solve","params":' + params + "}\n").encode()
+    (answer,) = _exchange(daemon, [line])
+    assert answer.get("code") != "internal", answer
+    if depth + 2 > MAX_NESTING:  # the params object and the request's own count too
+        assert answer["code"] == "bad_request" and "nested deeper" in answer["message"]
+    assert _exchange(daemon, [b'{"v":1,"id":"p","op":"ping"}\n'])[0]["event"] == "done"
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+          HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(st.integers(1, 300), st.integers(0, 3))
+def test_a_flood_then_a_hang_up_leaves_room_for_the_next_client(
+    daemon: Path, flood: int, read_first: int
+):
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(30)
+        sock.connect(str(daemon))
+        sock.sendall(b"".join(
+            json.dumps({"v": 1, "id": n, "op": "solve",
+                        "params": {"prompt": f"{n}+1?", "max_tokens": 3}}).encode() + b"\n"
+            for n in range(flood)
+        ))  # fmt: skip
+        reader = sock.makefile("rb")
+        for _ in range(read_first):  # hang up at once, or after a few events
+            reader.readline()
+    # Whatever the flood left queued, another client is answered, not refused busy.
+    (answer,) = _exchange(daemon, [json.dumps({"v": 1, "id": "next", "op": "solve", "params": {
+        "prompt": "2+2?", "max_tokens": 2}}).encode() + b"\n"])  # fmt: skip
+    assert answer["event"] == "done", answer
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+          HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(st.sampled_from([2, 40, 400, 1_998, 2_000, 2_002, 6_000]), st.text(max_size=3))
+def test_a_huge_chat_history_is_refused_or_trimmed(daemon: Path, messages: int, content: str):
+    from phi4cli.protocol import MAX_HISTORY_MESSAGES
+
+    history = [{"role": ("user", "assistant")[n % 2], "content": content}
+               for n in range(messages)]  # fmt: skip
+    line = json.dumps(
+        {
+            "v": 1,
+            "id": "h",
+            "op": "chat",
+            "params": {"session": "fuzz", "message": "hi", "history": history, "max_tokens": 2},
+        }
+    ).encode()
+    (answer,) = _exchange(daemon, [line + b"\n"])  # fmt: skip
+    if messages > MAX_HISTORY_MESSAGES:
+        assert answer["code"] == "bad_request" and "the limit is 2,000" in answer["message"]
+    else:
+        assert answer["event"] == "done", answer
+    assert _exchange(daemon, [b'{"v":1,"id":"p","op":"ping"}\n'])[0]["event"] == "done"

@@ -107,8 +107,11 @@ class Job:
     load_s: float = 0.0
     waiting: Wait | None = None  # why the engine has not taken it yet (the last answer)
     prepared: Any = None  # the engine's work on it before admission (its tokens), kept
+    owner: object = None  # who sent it (the server's connection): the queue's fairness unit
 
     finished: bool = False  # its one terminal event has gone out
+    # The event loop (a cancel) and the engine's thread may both end a job at once.
+    _finishing: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def cancel(self, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         self.cancel_code = code
@@ -120,9 +123,11 @@ class Job:
 
     def finish(self, event: dict[str, Any]) -> None:
         """Send the request's terminal event: exactly once, whoever gets there first."""
-        if not self.finished:
+        with self._finishing:
+            if self.finished:
+                return
             self.finished = True
-            self.emit(event)
+        self.emit(event)
 
     def fail(self, code: ErrorCode, message: str) -> None:
         self.finish(protocol.error_event(self.request_id, code, message))

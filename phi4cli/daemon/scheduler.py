@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,17 +36,29 @@ AGING_S = 10.0
 
 class JobQueue:
     """Waiting jobs: most urgent first, in arrival order within a priority — except that a job
-    waiting longer than AGING_S goes next whatever its priority, so no request starves."""
+    waiting longer than AGING_S goes next whatever its priority, so no request starves.
+
+    Counts each owner's (connection's) jobs, and knows the one job the worker has in hand (the
+    last ``peek``): any other can leave the queue at once (``discard``), from any thread.
+    """
 
     def __init__(self) -> None:
         self._jobs: list[Job] = []
+        self._owned: Counter[object] = Counter()
+        self._in_hand: Job | None = None
         self._stopping = False
         self._changed = threading.Condition()
 
     def put(self, job: Job) -> None:
         with self._changed:
             self._jobs.append(job)
+            self._owned[job.owner] += 1
             self._changed.notify()
+
+    def owned(self, owner: object) -> int:
+        """How many of ``owner``'s jobs wait here."""
+        with self._changed:
+            return self._owned[owner]
 
     def stop(self) -> None:
         """Make ``peek`` return None from now on: the worker is to shut down."""
@@ -65,16 +78,41 @@ class JobQueue:
                 return None
             oldest = self._jobs[0]
             if time.monotonic() - oldest.submitted_at > AGING_S:
-                return oldest
-            return min(self._jobs, key=lambda j: (j.params.priority, j.seq))
+                self._in_hand = oldest
+            else:
+                self._in_hand = min(self._jobs, key=lambda j: (j.params.priority, j.seq))
+            return self._in_hand
 
     def remove(self, job: Job) -> None:
+        """The worker is done with ``job`` and it leaves the queue (if still there)."""
         with self._changed:
+            self._in_hand = None
+            self._drop(job)
+
+    def keep(self, job: Job) -> None:
+        """The worker is done with ``job`` for now; it keeps its place."""
+        with self._changed:
+            self._in_hand = None
+
+    def discard(self, job: Job) -> bool:
+        """Take ``job`` out unless the worker has it in hand; return whether it was taken out."""
+        with self._changed:
+            return job is not self._in_hand and self._drop(job)
+
+    def _drop(self, job: Job) -> bool:
+        try:
             self._jobs.remove(job)
+        except ValueError:
+            return False
+        self._owned[job.owner] -= 1
+        if not self._owned[job.owner]:
+            del self._owned[job.owner]
+        return True
 
     def take_all(self) -> list[Job]:
         with self._changed:
             jobs, self._jobs = self._jobs, []
+            self._owned.clear()
             return jobs
 
     def qsize(self) -> int:
@@ -82,7 +120,7 @@ class JobQueue:
 
 
 class QueueFullError(Exception):
-    pass
+    """No room for the job: the message says whose (the whole queue's, or its connection's)."""
 
 
 # What became of a job offered to the engine (RequestScheduler._take).
@@ -102,6 +140,10 @@ class RequestScheduler:
         self._engine = engine
         self._default_model = default_model
         self._max_queue = max_queue
+        # One owner (connection) may fill at most half the queue, so one client's flood leaves
+        # room for everyone else's requests.
+        self.max_per_owner = max(1, max_queue // 2)
+        self._count_lock = threading.Lock()  # _outstanding changes in both threads
         self._on_state = on_state
         self._queue = JobQueue()
         self._admitted: set[Job] = set()  # in the engine now
@@ -133,16 +175,30 @@ class RequestScheduler:
         """
         ahead = self._queue.qsize() + len(self._admitted)
         if self._queue.qsize() >= self._max_queue:
-            raise QueueFullError
-        self._outstanding += 1
+            raise QueueFullError("the daemon's queue is full; try again in a moment")
+        if job.owner is not None and self._queue.owned(job.owner) >= self.max_per_owner:
+            raise QueueFullError(
+                f"this connection already has {self.max_per_owner} requests waiting (half the "
+                "daemon's queue); send more as their answers come"
+            )
+        with self._count_lock:
+            self._outstanding += 1
         self._queue.put(job)
         return ahead
 
     def cancel(self, job: Job) -> None:
-        """Stop a job: a running one within a decode step, a queued one at once."""
+        """Stop a job: a running one within a decode step, a queued one at once (it leaves the
+        queue now, whatever the worker is doing). Called from the event loop's thread."""
         job.cancel()
-        if job not in self._admitted:
+        if self._queue.discard(job):
+            self._settle(job, ErrorCode.CANCELLED, "cancelled before it started")
+        elif job not in self._admitted:
+            # In the worker's hand: answered now, and the worker drops it when it sees it done.
             job.fail(ErrorCode.CANCELLED, "cancelled before it started")
+
+    def _finished_one(self) -> None:
+        with self._count_lock:
+            self._outstanding -= 1
 
     def stop(self, timeout: float) -> bool:
         """Cancel the running job, let queued ones fail fast, and wait for the worker to finish.
@@ -172,7 +228,9 @@ class RequestScheduler:
                         self._shut_down()
                         return
                     outcome = self._take(job)
-                    if outcome is not _WAITING:
+                    if outcome is _WAITING:
+                        self._queue.keep(job)
+                    else:
                         self._queue.remove(job)
                         self.waiting = None
                         if outcome is _HELD:
@@ -191,7 +249,7 @@ class RequestScheduler:
         engine is idle) or _WAITING (no room yet: it stays queued, in its place)."""
         try:
             if job.finished:  # cancelled while queued: it has had its answer
-                self._outstanding -= 1
+                self._finished_one()
                 return _SETTLED
             if job.cancelled.is_set():
                 self._settle(job, job.cancel_code, "cancelled before it started")
@@ -214,7 +272,7 @@ class RequestScheduler:
                 load_s = float(self.last_load.get("load_s", 0.0))
             if job.params.load_only:
                 job.done(result={**self.last_load, "already_loaded": load_s == 0.0})
-                self._outstanding -= 1
+                self._finished_one()
                 return _SETTLED
             job.load_s += load_s
             wait = self._engine.admit(job)
@@ -248,7 +306,7 @@ class RequestScheduler:
 
     def _settle(self, job: Job, code: ErrorCode, message: str) -> None:
         job.fail(code, message)
-        self._outstanding -= 1
+        self._finished_one()
 
     def _step(self) -> None:
         try:
@@ -264,7 +322,7 @@ class RequestScheduler:
             return
         for job, stats in finished:
             self._admitted.discard(job)
-            self._outstanding -= 1
+            self._finished_one()
             stats["queue_s"] = round(job.admitted_at - job.submitted_at, 4)
             stats["load_s"] = job.load_s
             # Stats go out for a cancelled request too: a chat keeps its partial answer, and
@@ -286,7 +344,7 @@ class RequestScheduler:
     def _drain(self) -> None:
         for job in self._queue.take_all():
             if job is not None:
-                self._outstanding -= 1
+                self._finished_one()
                 job.fail(
                     ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; run the command again"
                 )

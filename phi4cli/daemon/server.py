@@ -214,6 +214,12 @@ class DaemonServer:
         self._loop.call_soon_threadsafe(self._set_state, state, model, error)
 
     def _set_state(self, state: str, model: Path, error: str | None) -> None:
+        try:
+            self._apply_state(state, model, error)
+        except Exception:
+            log.exception("recording the daemon's state %r failed", state)  # in the event loop
+
+    def _apply_state(self, state: str, model: Path, error: str | None) -> None:
         if self._stopping:
             return
         self.state, self.model_path, self.error = state, model, error
@@ -246,7 +252,7 @@ class DaemonServer:
                     break
                 if not data:
                     if framer.pending.strip():
-                        self._dispatch(connection, framer.pending)
+                        self._dispatch_guarded(connection, framer.pending)
                     break
                 try:
                     lines = framer.feed(data)
@@ -263,7 +269,7 @@ class DaemonServer:
                     break
                 for line in lines:
                     if line.strip():
-                        self._dispatch(connection, line)
+                        self._dispatch_guarded(connection, line)
                 await writer.drain()
         except ConnectionError:
             pass
@@ -281,6 +287,18 @@ class DaemonServer:
         connection.writer.close()
         with contextlib.suppress(ConnectionError, RuntimeError):
             await connection.writer.wait_closed()
+
+    def _dispatch_guarded(self, connection: Connection, line: bytes) -> None:
+        """Dispatch a line; whatever fails, even answering the failure, costs this line's answer
+        (logged), never the connection's other requests or the event loop."""
+        try:
+            self._dispatch(connection, line)
+        except Exception:
+            log.exception("answering %r failed", line[:200])
+            with contextlib.suppress(Exception):
+                connection.send(protocol.error_event(
+                    None, ErrorCode.INTERNAL, "internal error in the daemon (see its log)"
+                ))  # fmt: skip
 
     def _dispatch(self, connection: Connection, line: bytes) -> None:
         request: Request | None = None
@@ -369,15 +387,11 @@ class DaemonServer:
         def emit(message: dict[str, Any]) -> None:
             self._post(connection, request.id, message)
 
-        job = Job(request_id=request.id, params=params, emit=emit)
+        job = Job(request_id=request.id, params=params, emit=emit, owner=connection)
         try:
             ahead = self.scheduler.submit(job)
-        except QueueFullError:
-            raise ProtocolViolation(
-                protocol.BUSY,
-                "the daemon's queue is full; try again in a moment",
-                request.id,
-            ) from None
+        except QueueFullError as exc:
+            raise ProtocolViolation(protocol.BUSY, str(exc), request.id) from None
         connection.jobs[request.id] = job
         connection.send(
             protocol.event(request.id, EventKind.ACCEPTED, ahead=ahead, state=self.state)
@@ -396,13 +410,41 @@ class DaemonServer:
         self._loop.call_soon_threadsafe(self._flush_outbox)
 
     def _flush_outbox(self) -> None:
+        """Deliver what the engine posted. Runs in the event loop, so nothing may escape: an event
+        that cannot be delivered costs its request (an error event, the job cancelled), logged
+        once, and everyone else's events still go out."""
         with self._outbox_lock:
             posted, self._outbox = self._outbox, []
             self._flush_scheduled = False
+        failed: set[tuple[int, Any]] = set()
         for connection, request_id, message in posted:
-            self._deliver(connection, request_id, message)
+            key = (id(connection), _hashable(request_id))
+            if key in failed:
+                continue
+            try:
+                self._deliver(connection, request_id, message)
+            except Exception:
+                failed.add(key)
+                self._undeliverable(connection, request_id, message)
         for connection in {connection for connection, _, _ in posted}:
-            connection.flush()
+            try:
+                connection.flush()
+            except Exception:
+                log.exception("writing to a client failed; closing its connection")
+                connection.closed = True
+
+    def _undeliverable(self, connection: Connection, request_id: Any, message: Any) -> None:
+        log.exception("request %r: cannot deliver a %r event", request_id,
+                      message.get("event") if isinstance(message, dict) else message)  # fmt: skip
+        job = connection.jobs.pop(request_id, None)
+        if job is not None:
+            job.emit = _silent  # its answer is the error below: nothing more of it goes out
+            self.scheduler.cancel(job)
+        with contextlib.suppress(Exception):
+            connection.hold(protocol.error_event(
+                request_id, ErrorCode.INTERNAL, "internal error in the daemon: an event of this "
+                "request could not be sent; the request was stopped (see the daemon's log)",
+            ))  # fmt: skip
 
     def _deliver(self, connection: Connection, request_id: Any, message: dict[str, Any]) -> None:
         connection.hold(message)
@@ -439,9 +481,13 @@ class DaemonServer:
             return  # a wedged engine: let the clients' deadlines speak
         self._last_beats = beats
         for connection in list(self._connections):
-            for request_id in list(connection.jobs):
-                connection.hold(protocol.event(request_id, EventKind.PROGRESS, stage="alive"))
-            connection.flush()
+            try:
+                for request_id in list(connection.jobs):
+                    connection.hold(protocol.event(request_id, EventKind.PROGRESS, stage="alive"))
+                connection.flush()
+            except Exception:
+                log.exception("a heartbeat failed; closing that client's connection")
+                connection.closed = True
 
     async def _watch_idle(self) -> None:
         last_beat = time.monotonic()
@@ -501,6 +547,15 @@ class DaemonServer:
                 os._exit(0)
             self.engine.close()
             log.info("stopped")
+
+
+def _silent(message: dict[str, Any]) -> None:
+    """The emit of a request that has had its last word."""
+
+
+def _hashable(request_id: Any) -> Any:
+    """A request id as a set member (ids are strings or numbers; anything else by identity)."""
+    return request_id if isinstance(request_id, (str, int, float)) else id(request_id)
 
 
 def _take_daemon_lock(paths: Paths) -> int:

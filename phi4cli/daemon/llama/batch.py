@@ -300,7 +300,8 @@ class LlamaEngine:
         default = min(model.plan.request_tokens, capacity)
         chat: ChatPlan | None = None
         if params.session is not None:
-            tokens, chat = prompts.chat_turn(params, params.max_tokens or default // 4)
+            # Trimmed to what admit() checks, so a chat that must drop turns drops enough.
+            tokens, chat = prompts.chat_turn(params, params.max_tokens or default // 4, capacity)
         else:
             tokens = prompts.question(params)
         room = capacity - len(tokens)

@@ -199,13 +199,16 @@ class LoadedModel:
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
-    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        """The tokens of ``text``; with ``special``, special-token text (``<|end|>``) becomes
+        the special token. Without, the cost is linear in the text: llama.cpp's search for
+        special tokens grows with the square of how many the text holds."""
         data = text.encode()
         capacity = len(data) + 16
         while True:
             buffer = (llama_cpp.llama_token * capacity)()
             count = llama_cpp.llama_tokenize(
-                self.vocab, data, len(data), buffer, capacity, add_bos, True
+                self.vocab, data, len(data), buffer, capacity, add_bos, special
             )
             if count >= 0:
                 return list(buffer[:count])

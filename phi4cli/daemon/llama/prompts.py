@@ -24,6 +24,11 @@ FALLBACK_TEMPLATE = (
 )
 
 
+# Renders a trim may take past the first, however the per-turn estimates err: a request's
+# preparation stays a few renders of its history, never one per turn.
+_CORRECTIONS = 3
+
+
 @dataclass
 class ChatPlan:
     """How a chat turn's tokens were made (for the stats, and to store the session after)."""
@@ -47,6 +52,7 @@ class Prompts:
         )
         self.sessions = SessionStore()
         self.glue = self._turn_glue()
+        self.turn_glue = self._glue_tokens()  # tokens a turn costs beyond its two texts
         self._tag_tokens: dict[int, bytes] = {}
         for tag in (THINK_OPEN, THINK_CLOSE):
             ids = model.tokenize(tag, add_bos=False)
@@ -97,41 +103,101 @@ class Prompts:
             return None
         return after_answer, after_question
 
-    def chat_turn(self, params: SolveParams, reserve: int) -> tuple[list[int], ChatPlan]:
+    def chat_turn(
+        self, params: SolveParams, reserve: int, capacity: int | None = None
+    ) -> tuple[list[int], ChatPlan]:
         """Return the tokens for a chat turn and how they were made.
 
         A known session is continued from the tokens it already has; otherwise (new session,
         daemon restarted, another system prompt) the transcript is rendered once. Turns that do
-        not fit, with ``reserve`` tokens of room for the answer, are dropped oldest first.
-        Raise ContextOverflowError when the message alone does not fit.
+        not fit in ``capacity`` (the cells a request may reserve; by default the plan's
+        request capacity), with ``reserve`` tokens of room for the answer, are dropped oldest
+        first, in one pass (see ``_fit``). Raise ContextOverflowError when the message alone
+        does not fit.
         """
         assert params.session is not None
-        n_ctx = self.model.plan.request_capacity  # a stream's share, or the whole shared cache
+        # A stream's share, or the whole shared cache (less the system prompt's cells)
+        n_ctx = capacity or self.model.plan.request_capacity
+        room = n_ctx - reserve
         history = list(params.history)
-        question = {"role": "user", "content": params.prompt}
         session = self.sessions.get(params.session)
-        dropped = 0
-        while True:
-            base = session.continues(self.model.path, params.system, history) if session else None
-            if base is not None and self.glue is not None and session is not None:
-                after_answer, after_question = self.glue
-                glue = after_answer + params.prompt + after_question
-                tokens = session.tokens[:base] + self.model.tokenize(glue, add_bos=False)
-                rebuilt = False
-            else:
-                tokens = self.model.tokenize(self.render(params.system, [*history, question]))
-                rebuilt = bool(history)
-            if len(tokens) + reserve <= n_ctx or not history:
-                break
-            history = history[2:]
-            dropped += 1
-            session = None  # what is left is rendered afresh
+        base = session.continues(self.model.path, params.system, history) if session else None
+        tokens: list[int] | None = None
+        dropped, rebuilt = 0, False
+        if base is not None and self.glue is not None and session is not None:
+            after_answer, after_question = self.glue
+            glue = after_answer + params.prompt + after_question
+            tokens = session.tokens[:base] + self.model.tokenize(glue, add_bos=False)
+        if tokens is None or (len(tokens) > room and history):
+            dropped, tokens = self._fit(params, history, room)
+            history = history[2 * dropped :]
+            rebuilt = bool(history)
+            if dropped or base is not None:
+                session = None  # what is left was rendered afresh: its turn ends are not known
         if len(tokens) >= n_ctx:
             raise ContextOverflowError(
                 f"the message is {len(tokens)} tokens with the system prompt but the context "
                 f"holds {n_ctx}; shorten it or raise n_ctx"
             )
         return tokens, ChatPlan(history, dropped, rebuilt, session)
+
+    def _rendered(self, params: SolveParams, history: list[Message]) -> list[int]:
+        question = {"role": "user", "content": params.prompt}
+        return self.model.tokenize(self.render(params.system, [*history, question]))
+
+    def _fit(self, params: SolveParams, history: list[Message], room: int) -> tuple[int, list[int]]:
+        """Render the question after as many of the newest turns as fit in ``room`` tokens (all
+        of them if they do); return (the oldest turns dropped, the tokens).
+
+        In proportion to the room, not to the history, and never a render per dropped turn:
+        the newest turns are counted (their texts tokenised once, plus the template's glue)
+        while they fit, older ones are never read, and what is kept is rendered once to check.
+        A turn's count can be off by a token or two at the seams, so a check that does not fit
+        drops as many more as its own excess needs, and one that fits with little to spare
+        tries one turn more.
+        """
+        turns = len(history) // 2
+        costs: dict[int, int] = {}
+
+        def cost(turn: int) -> int:
+            # Counted as plain text: linear whatever the text holds, and never fewer tokens
+            # than the render will make of it, so what is kept holds no more special tokens
+            # than the room (llama.cpp's search for them is quadratic in their number).
+            if turn not in costs:
+                texts = history[2 * turn : 2 * turn + 2]
+                costs[turn] = self.turn_glue + sum(
+                    len(self.model.tokenize(m["content"], add_bos=False, special=False))
+                    for m in texts
+                )
+            return costs[turn]
+
+        total, dropped = len(self._rendered(params, [])), turns
+        while dropped > 0 and total + cost(dropped - 1) <= room:
+            dropped -= 1
+            total += cost(dropped)
+        tokens = self._rendered(params, history[2 * dropped :])
+        for _ in range(_CORRECTIONS):
+            if len(tokens) <= room or dropped == turns:
+                break
+            excess, start = len(tokens) - room, dropped
+            while dropped < turns and (excess > 0 or dropped == start):
+                excess -= cost(dropped)
+                dropped += 1
+            tokens = self._rendered(params, history[2 * dropped :])
+        if len(tokens) > room and dropped < turns:
+            dropped, tokens = turns, self._rendered(params, [])  # the estimates are no guide
+        if dropped > 0 and len(tokens) <= room and len(tokens) + cost(dropped - 1) <= room + 2:
+            more = self._rendered(params, history[2 * (dropped - 1) :])
+            if len(more) <= room:
+                return dropped - 1, more
+        return dropped, tokens
+
+    def _glue_tokens(self) -> int:
+        """Tokens the template adds around one turn's two texts (an empty turn's)."""
+        empty = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
+        with_turn = self.model.tokenize(self.render(None, [*empty, *empty]), add_bos=False)
+        without = self.model.tokenize(self.render(None, empty), add_bos=False)
+        return max(0, len(with_turn) - len(without))
 
     def remember_turn(
         self, params: SolveParams, plan: ChatPlan, tokens: list[int], answer: str
