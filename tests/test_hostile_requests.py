@@ -11,6 +11,7 @@ it did before.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import threading
@@ -472,23 +473,27 @@ def test_phi4_serve_refuses_the_same_requests_with_400(daemon: Any, tiny_model: 
     import httpx2
 
     from phi4cli.backends import DaemonBackend
+    from phi4cli.http_access import AccessPolicy
     from phi4cli.http_api import create_app
 
     settings = Settings(model=str(tiny_model))
     backend = DaemonBackend(get_paths(), settings, tiny_model, lambda _m: None)
-    app = create_app(backend, settings, str(tiny_model), "tiny", 0, None)
+    access = AccessPolicy.create(["127.0.0.1"], peer_uid=lambda _c, _s: os.getuid())
+    app = create_app(backend, settings, str(tiny_model), "tiny", 0, None, access)
     tiny = [{"role": r, "content": "ok"} for r in ("user", "assistant")]
     bodies = {
         "'messages' holds 10,000 messages; the limit is 2,000": tiny * 5_000
         + [{"role": "user", "content": "hi"}],
-        "'message' is not valid Unicode": [{"role": "user", "content": f"hi{LONE}"}],
+        "messages[0].content holds a lone surrogate": [{"role": "user", "content": f"hi{LONE}"}],
     }
 
     async def post(messages: list[dict[str, str]]) -> httpx2.Response:
         transport = httpx2.ASGITransport(app=app)
-        async with httpx2.AsyncClient(transport=transport, base_url="http://phi4") as client:
+        async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
             body = json.dumps({"messages": messages, "max_tokens": 2})  # surrogates escaped
-            return await client.post("/v1/chat/completions", content=body)
+            return await client.post(
+                "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+            )
 
     bystander = Bystander(daemon.socket)
     for phrase, messages in bodies.items():
