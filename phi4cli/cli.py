@@ -281,9 +281,10 @@ def _root(
 def solve(
     answer: OptionGroup,
     prompt: Annotated[
-        str | None,
+        list[str] | None,
         typer.Argument(
-            help="The problem to solve; '-' (or piped stdin) reads it from stdin.",
+            help="The problem to solve: one quoted argument, or words joined with single "
+            "spaces; '-' (or piped stdin) reads it from stdin.",
             show_default=False,
         ),
     ] = None,
@@ -331,12 +332,13 @@ def solve(
     ] = False,
 ) -> int:
     """Solve a problem (or a file of them), streaming the model's answer."""
+    from phi4cli.entry import join_words
     from phi4cli.solving import SolveOptions, run_solve
 
     options = SolveOptions(
-        prompt=prompt, model=model, show_reasoning=show_reasoning, answer_only=answer_only,
-        as_json=as_json, file=file, each_line=each_line, jsonl=jsonl, samples=samples,
-        no_instruction=no_instruction, verbose=verbose, **answer,
+        prompt=join_words(prompt), model=model, show_reasoning=show_reasoning,
+        answer_only=answer_only, as_json=as_json, file=file, each_line=each_line, jsonl=jsonl,
+        samples=samples, no_instruction=no_instruction, verbose=verbose, **answer,
     )  # fmt: skip
     return run_solve(options)
 

@@ -55,8 +55,8 @@ def _option_lines(command: Any) -> list[str]:
 
 def _synopsis(name: str, command: Any) -> str:
     arguments = " ".join(
-        f"[{p.human_readable_name.upper()}]" for p in command.params
-        if p.param_type_name == "argument"
+        f"[{p.human_readable_name.upper()}]" + ("..." if p.nargs == -1 else "")
+        for p in command.params if p.param_type_name == "argument"
     )  # fmt: skip
     return f"phi4 {name} [OPTIONS] {arguments}".rstrip()
 

@@ -118,11 +118,17 @@ def parse_solve(args: list[str]) -> dict[str, Any] | None:
             if (low is not None and value < low) or (high is not None and value > high):
                 return None
         values[dest] = value
-    if len(positional) > 1:
-        return None
-    if positional:
-        values[ARGUMENT] = positional[0]
+    values[ARGUMENT] = join_words(positional)
     return values
+
+
+def join_words(words: list[str] | tuple[str, ...] | None) -> str | None:
+    """The question given as arguments: several words joined with single spaces, as
+    ``ollama run`` and ``llm`` do (``phi4 solve what is 2+2``); None when none was given.
+
+    A lone ``-`` stays ``-`` (read stdin); a ``-`` among words is just a word, and a question
+    given as words leaves stdin alone."""
+    return " ".join(words) if words else None
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
