@@ -37,6 +37,32 @@ daemon_app = typer.Typer(
 )
 app.add_typer(daemon_app, name="daemon")
 
+
+def _complete_model(incomplete: str) -> list[tuple[str, str]]:
+    from phi4cli.completion import models
+
+    return models(incomplete)
+
+
+def _complete_alias(incomplete: str) -> list[tuple[str, str]]:
+    from phi4cli.models import ALIASES
+
+    return [(name, alias.description) for name, alias in ALIASES.items()
+            if name.startswith(incomplete)]  # fmt: skip
+
+
+def _complete_setting_key(incomplete: str) -> list[str]:
+    from phi4cli.completion import setting_keys
+
+    return setting_keys(incomplete)
+
+
+def _complete_setting_value(ctx: typer.Context, incomplete: str) -> list[str]:
+    from phi4cli.completion import setting_values
+
+    return setting_values(ctx.params.get("key"), incomplete)
+
+
 ModelOption = Annotated[
     str | None,
     typer.Option(
@@ -44,6 +70,7 @@ ModelOption = Annotated[
         "-m",
         help="Model alias or path to a .gguf file [env PHI4_MODEL].",
         show_default=False,
+        autocompletion=_complete_model,
     ),
 ]
 KeepAliveOption = Annotated[
@@ -546,8 +573,19 @@ def config_path() -> None:
 
 @config_app.command("set")
 def config_set(
-    key: Annotated[str, typer.Argument(help="Setting name, e.g. temperature.")],
-    value: Annotated[str, typer.Argument(help="New value; 'none' clears an optional one.")],
+    key: Annotated[
+        str,
+        typer.Argument(
+            help="Setting name, e.g. temperature.", autocompletion=_complete_setting_key
+        ),
+    ],
+    value: Annotated[
+        str,
+        typer.Argument(
+            help="New value; 'none' clears an optional one.",
+            autocompletion=_complete_setting_value,
+        ),
+    ],
 ) -> None:
     """Set one setting in the config file, after checking the value."""
     from phi4cli.config import set_config_value
@@ -854,7 +892,9 @@ def models() -> None:
 
 @app.command()
 def pull(
-    name: Annotated[str, typer.Argument(help="Model alias to download.")] = "phi4-mini-reasoning",
+    name: Annotated[
+        str, typer.Argument(help="Model alias to download.", autocompletion=_complete_alias)
+    ] = "phi4-mini-reasoning",
 ) -> None:
     """Download a model (resumable, verified as GGUF) into the models directory."""
     from phi4cli.models import pull_model
