@@ -11,6 +11,7 @@ from phi4cli.paths import Paths, get_paths
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import TextIO
 
 
@@ -50,6 +51,9 @@ class Environment:
             colour = not os.environ.get("NO_COLOR") and os.environ.get("TERM", "") != "dumb"
         self.colour = colour
         self.paths = paths if paths is not None else get_paths()
+        # Set while a live display (a progress bar) holds stderr's last line: it prints notices
+        # above itself, where a plain write would land on its line.
+        self.print_above_live: Callable[[str], None] | None = None
 
     @property
     def terminal(self) -> bool:
@@ -57,5 +61,8 @@ class Environment:
         return self.stdout_isatty and self.colour
 
     def notice(self, message: str) -> None:
-        """One line for the user on stderr, prefixed ``phi4:``."""
-        print(f"phi4: {message}", file=self.stderr, flush=True)
+        """One line for the user on stderr, prefixed ``phi4:`` (above a live progress bar)."""
+        if self.print_above_live is not None:
+            self.print_above_live(f"phi4: {message}")
+        else:
+            print(f"phi4: {message}", file=self.stderr, flush=True)

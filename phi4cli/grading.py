@@ -150,7 +150,7 @@ def run_eval(job: SolveJob, items: list[Item], samples: int, output: Path,
                 for i, k in keys]  # fmt: skip
     remaining = [samples] * len(todo)
     progress = FileProgress(len(todo), job.env)
-    loading = ProgressNotice(job.announce)
+    loading = ProgressNotice(progress.notice)  # above the bar while it is shown
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         results = output.open("a", encoding="utf-8")
@@ -160,6 +160,7 @@ def run_eval(job: SolveJob, items: list[Item], samples: int, output: Path,
     def on_event(index: int, event: Event) -> None:
         i, k = keys[index]
         loading.see(event)
+        progress.see(i, event)
         outcome = outcomes[(i, k)]
         outcome.apply(event)
         if not (event.terminal and outcome.done):
@@ -173,8 +174,8 @@ def run_eval(job: SolveJob, items: list[Item], samples: int, output: Path,
         results.write(line + "\n")
         results.flush()  # an interruption keeps every problem finished so far
         if jsonl:
-            job.print(line)
-        progress.advance()
+            progress.out(line)
+        progress.advance(i)
 
     with results, progress:
         if requests:

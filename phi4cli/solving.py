@@ -16,7 +16,7 @@ from phi4cli.outcome import Outcome, exit_status
 from phi4cli.protocol import Event, EventKind
 from phi4cli.reasoning import majority_vote
 from phi4cli.records import Record
-from phi4cli.render import PlainPresenter, TerminalPresenter, no_answer_reason
+from phi4cli.render import PlainPresenter, TerminalPresenter, human_seconds, no_answer_reason
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -261,7 +261,7 @@ def solve_file(
     printed_line = 0  # the input line the output has reached (--answer-only)
     failed = 0
     progress = FileProgress(len(problems), job.env)
-    loading = ProgressNotice(job.announce)
+    loading = ProgressNotice(progress.notice)  # above the bar while it is shown
 
     def emit(index: int) -> None:
         nonlocal failed, printed_line
@@ -269,31 +269,33 @@ def solve_file(
         line = problems[index][0]
         failed += outcome.error is not None
         if jsonl:
-            job.print(json.dumps({"line": line, **outcome.to_json()}, ensure_ascii=False))
+            progress.out(json.dumps({"line": line, **outcome.to_json()}, ensure_ascii=False))
         elif mode.answer_only:
             for _blank in range(printed_line + 1, line):
-                job.print("")
+                progress.out("")
             printed_line = line
-            job.print(outcome.answer or "")
+            progress.out(outcome.answer or "")
             if outcome.error is not None:
-                job.announce(f"line {line}: {outcome.error_message}")
+                progress.notice(f"line {line}: {outcome.error_message}")
             elif outcome.answer is None:
-                job.announce(f"line {line}: {no_answer_reason(outcome)}")
+                progress.notice(f"line {line}: {no_answer_reason(outcome)}")
         else:
-            job.print(f"[{index + 1}] {outcome.question}")
+            progress.out(f"[{index + 1}] {outcome.question}")
             if outcome.error is not None:
-                job.print(f"error: {outcome.error_message}\n")
+                progress.out(f"error: {outcome.error_message}\n")
             else:
-                job.print(outcome.solution.strip())
-                job.print(f"Answer: {outcome.answer if outcome.answer is not None else '(none)'}\n")
+                progress.out(outcome.solution.strip())
+                shown = outcome.answer if outcome.answer is not None else "(none)"
+                progress.out(f"Answer: {shown}\n")
 
     def on_event(index: int, event: Event) -> None:
         nonlocal next_to_print
         loading.see(event)
+        progress.see(index, event)
         outcomes[index].apply(event)
         if not outcomes[index].done:
             return
-        progress.advance()
+        progress.advance(index)
         while next_to_print < len(outcomes) and outcomes[next_to_print].done:
             emit(next_to_print)
             next_to_print += 1
@@ -309,32 +311,114 @@ def solve_file(
 
 
 class FileProgress:
-    """A progress bar on stderr for `--file`, only when stderr is a terminal."""
+    """A progress bar on stderr for `--file` and `eval`, only when stderr is a terminal.
 
-    def __init__(self, total: int, env: Environment) -> None:
+    From the start it shows n/N done, how many problems are being solved, and the time taken;
+    once one is done, the rate and the time left. While it is shown, lines for the terminal
+    (``notice``, and ``out`` when stdout is a terminal too) are printed above the bar through
+    rich's live console, never onto the bar's line.
+    """
+
+    def __init__(self, total: int, env: Environment, label: str = "solving") -> None:
         self.total = total
         self.env = env
+        self.label = label
         self._progress: Any = None
         self._task: Any = None
+        self._started: set[int] = set()
+        self._finished: set[int] = set()
+        self._loading = False
 
     def __enter__(self) -> FileProgress:
         if self.env.stderr_isatty:
+            from rich import progress as bar
             from rich.console import Console
-            from rich.progress import Progress
 
             console = Console(file=self.env.stderr, force_terminal=True)
-            self._progress = Progress(console=console, transient=True)
+            self._progress = bar.Progress(
+                bar.TextColumn("{task.description}"),
+                bar.BarColumn(),
+                bar.MofNCompleteColumn(),
+                bar.TextColumn("{task.fields[activity]}"),
+                bar.TimeElapsedColumn(),
+                _RateColumn(),
+                console=console,
+                transient=True,
+            )
             self._progress.start()
-            self._task = self._progress.add_task("solving", total=self.total)
+            self._task = self._progress.add_task(self.label, total=self.total, activity="")
+            self._progress.refresh()  # 0/N at once, not at the first tick
+            self.env.print_above_live = self._print_above
         return self
 
-    def advance(self) -> None:
+    def see(self, index: int, event: Event) -> None:
+        """Follow one request's event: it has started once the model writes for it."""
+        if self._progress is None:
+            return
+        kind = event.kind
+        loading = (kind == EventKind.ACCEPTED and event.get("state") in ("loading", "warming")) or (
+            kind == EventKind.PROGRESS and event.get("stage") == "loading"
+        )
+        if loading:
+            self._loading = True
+        elif kind in (EventKind.REASONING, EventKind.TOKEN) and index not in self._started:
+            self._started.add(index)
+            self._loading = False
+        else:
+            return
+        self._show_activity()
+
+    def advance(self, index: int) -> None:
+        """Problem ``index`` is done."""
         if self._progress is not None:
+            self._finished.add(index)
             self._progress.advance(self._task)
+            self._show_activity()
+
+    def _show_activity(self) -> None:
+        running = len(self._started - self._finished)
+        activity = "loading the model" if self._loading else f"{running} running" if running else ""
+        self._progress.update(self._task, activity=activity)
+
+    def notice(self, message: str) -> None:
+        """One ``phi4:`` line on stderr: above the bar while it is shown (as is every
+        ``env.notice`` then, the backend's included)."""
+        self.env.notice(message)
+
+    def out(self, text: str) -> None:
+        """A line of output on stdout; above the bar when stdout is the bar's terminal too."""
+        if self._progress is not None and self.env.stdout_isatty:
+            self._print_above(text)
+        else:
+            print(text, file=self.env.stdout, flush=True)
+
+    def _print_above(self, text: str) -> None:
+        self._progress.console.print(text, markup=False, highlight=False, emoji=False,
+                                     soft_wrap=True)  # fmt: skip
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
+            self.env.print_above_live = None
             self._progress.stop()
+            self._progress = None
+
+
+def _RateColumn() -> Any:
+    """A rich column: problems a minute (or a second) and the time left, once one is done."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class RateColumn(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            elapsed = task.elapsed or 0.0
+            if not task.completed or elapsed <= 0:
+                return Text("")
+            rate = task.completed / elapsed
+            shown = f"{rate:.1f}/s" if rate >= 1 else f"{rate * 60:.1f}/min"
+            left = (task.total - task.completed) / rate if task.total else 0.0
+            return Text(f"{shown}, {human_seconds(left)} left" if left > 0 else shown)
+
+    return RateColumn()
 
 
 class ProgressNotice:
