@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,10 +67,15 @@ class _StderrStatus:
 
     def __init__(self, env: Environment, message: str) -> None:
         self._wanted = env.terminal and bool(env.stderr_isatty)
-        self._env, self._message = env, message
+        self._env, self._message = env, message  # text, or a renderable
         self._status: Any = None
 
-    def update(self, message: str) -> None:
+    @property
+    def message(self) -> Any:
+        return self._message
+
+    def update(self, message: Any) -> None:
+        """Show ``message``: text, or anything rich renders (a ``LoadLine``)."""
         self._message = message
         if self._status is not None:
             self._status.update(message)
@@ -127,7 +133,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     quiet = mode.as_json or mode.answer_only
     presenter = _LazyPresenter(job.env, mode)
     spinner = _StderrStatus(job.env, "solving…")
-    loading = ProgressNotice(job.announce)
+    loading = ProgressNotice(job.announce, LoadLine(job.env, spinner if quiet else None))
 
     def on_event(_index: int, event: Event) -> None:
         loading.see(event)
@@ -140,6 +146,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     try:
         job.run([job.params(question)], on_event)
     finally:
+        loading.stop()
         spinner.stop()
         if isinstance(presenter.presenter, TerminalPresenter):
             presenter.presenter.stop()
@@ -171,9 +178,9 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     requests = [
         job.params(question, seed=None if seed is None else seed + i) for i in range(samples)
     ]
-    loading = ProgressNotice(job.announce)
     finished = 0
     spinner = _StderrStatus(job.env, f"sampling… 0/{samples} done")
+    loading = ProgressNotice(job.announce, LoadLine(job.env, spinner))
 
     def on_event(index: int, event: Event) -> None:
         nonlocal finished
@@ -187,6 +194,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     try:
         job.run(requests, on_event)
     finally:
+        loading.stop()
         spinner.stop()
     good = [o for o in outcomes if o.error is None]
     if not good:
@@ -423,16 +431,24 @@ def _RateColumn() -> Any:
 
 class ProgressNotice:
     """Say once on stderr when requests wait for a model to load, and once when they wait for
-    room in the daemon's memory."""
+    room in the daemon's memory. With a ``LoadLine`` that is wanted (a terminal), the wait for
+    a load is that live line instead of a notice."""
 
-    def __init__(self, announce: Announce) -> None:
+    def __init__(self, announce: Announce, load_line: LoadLine | None = None) -> None:
         self._announce = announce
         self._said: set[str] = set()
+        self._load_line = load_line if load_line is not None and load_line.wanted else None
 
     def _once(self, topic: str, message: str) -> None:
         if topic not in self._said:
             self._said.add(topic)
             self._announce(message)
+
+    def _loading(self, model: str | None, message: str) -> None:
+        if self._load_line is not None:
+            self._load_line.start(model)
+        else:
+            self._once("loading", message)
 
     def see(self, event: Event) -> None:
         kind = event.kind
@@ -443,9 +459,83 @@ class ProgressNotice:
                 f"context and {event.get('free', 0):,} are free until a running one finishes",
             )
         elif kind == EventKind.PROGRESS and event.get("stage") == "loading":
-            self._once("loading", f"loading {event.get('model', 'the model')}...")
+            self._loading(event.get("model"), f"loading {event.get('model', 'the model')}...")
         elif kind == EventKind.ACCEPTED and event.get("state") in ("loading", "warming"):
-            self._once("loading", "waiting for the daemon to load the model...")
+            self._loading(None, "waiting for the daemon to load the model...")
+        elif kind in (EventKind.REASONING, EventKind.TOKEN, EventKind.RETRACT) or kind.terminal:
+            self.stop()
+
+    def stop(self) -> None:
+        if self._load_line is not None:
+            self._load_line.stop()
+
+
+class LoadLine:
+    """At a terminal, while the daemon loads the model a request waits for: one live line with
+    what the daemon is doing (loading, then warming up: its status file says) and the seconds
+    since the command began, gone once the model writes. Shown in the command's spinner when
+    it has one (a terminal holds one live line at a time), else in a line of its own."""
+
+    def __init__(self, env: Environment, spinner: _StderrStatus | None = None) -> None:
+        self.wanted = env.terminal and bool(env.stderr_isatty)
+        self._env, self._spinner = env, spinner
+        self._began = time.monotonic()
+        self._model = "the model"
+        self._path: str | None = None  # the model being loaded, once a `progress` event says
+        self._state, self._read_at = "loading", 0.0
+        self._live: Any = None
+        self._restore: Any = None
+        self._shown = False
+
+    def start(self, model: str | None) -> None:
+        if model:
+            self._path, self._model, self._state = model, os.path.basename(model), "loading"
+        if self._shown:
+            return
+        self._shown = True
+        if self._spinner is not None:
+            self._restore = self._spinner.message
+            self._spinner.update(self)
+            return
+        from rich.console import Console
+        from rich.live import Live
+        from rich.spinner import Spinner
+
+        console = Console(file=self._env.stderr, force_terminal=True)
+        self._live = Live(Spinner("dots", text=self), console=console, transient=True,
+                          refresh_per_second=4)  # fmt: skip
+        self._live.start(refresh=True)
+
+    def stop(self) -> None:
+        if not self._shown:
+            return
+        self._shown = False
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        elif self._spinner is not None:
+            self._spinner.update(self._restore)
+
+    def __rich__(self) -> Any:
+        from rich.text import Text
+
+        now = time.monotonic()
+        if now - self._read_at > 0.5:
+            from phi4cli.daemon.spawn import read_status
+
+            status = read_status(self._env.paths)
+            # What the file says of another model (the one loaded before) is not this wait's.
+            if status is not None and self._path in (None, status.model):
+                self._state = status.state
+                if status.model and self._path is None:
+                    self._model = os.path.basename(status.model)
+            self._read_at = now
+        model = self._model
+        doing = {"starting": "starting the daemon", "loading": f"loading {model}",
+                 "warming": f"warming up {model}",
+                 "ready": f"{model} is loaded, reading the question"}.get(
+            self._state, f"waiting for {model}")  # fmt: skip
+        return Text(f"{doing}… {now - self._began:.0f} s")
 
 
 class SolveOptions(Record):

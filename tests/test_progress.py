@@ -12,7 +12,7 @@ import pexpect
 from phi4cli.environment import Environment
 from phi4cli.protocol import Event, EventKind
 from phi4cli.solving import FileProgress
-from tests.conftest import PHI4
+from tests.conftest import PHI4, run_phi4
 
 # Cursor movement, erase and colour sequences: what a terminal acts on, not what it shows.
 _CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -109,3 +109,32 @@ def test_file_progress_through_a_terminal(tiny_model: Path, tmp_path: Path):
     assert "phi4: starting the phi4 daemon (first call; later calls reuse it)..." in lines, lines
     assert all(not (line.startswith("phi4:") and "/3" in line) for line in lines), lines
     assert "[3] What is 3+3?" in lines
+
+
+def test_a_model_load_is_one_live_line_with_seconds_at_a_terminal_and_a_notice_in_a_pipe(
+    tiny_model: Path, tiny_reasoning_model: Path
+):
+    # A daemon holding another model must load this one: it says so (a `progress` event)
+    # before it starts loading, however fast the machine.
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    child = pexpect.spawn(
+        PHI4, ["solve", "What is 2+2?", "-m", str(tiny_reasoning_model), "-n", "3", "-t", "0"],
+        encoding="utf-8", dimensions=(24, 120), timeout=120,
+    )  # fmt: skip
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus in (0, 1), child.before  # 1: -n 3 ends the thinking unfinished
+    lines = screen_lines(child.before)
+    # What the daemon is doing (as fast as this machine goes: loading, warming up or loaded)
+    # and the seconds so far, rewritten in place.
+    model = r"tiny-reasoning\.gguf"
+    states = rf"(loading {model}|warming up {model}|{model} is loaded, reading the question)"
+    live = [line for line in lines if re.search(states + r"… \d+ s$", line)]
+    assert live, lines
+    assert not any(line.startswith("phi4: loading") or "waiting for the daemon" in line
+                   for line in lines), lines  # fmt: skip
+    # In a pipe: the one notice, no live line.
+    piped = run_phi4("solve", "What is 2+2?", "-m", str(tiny_model), "-n", "3", "-t", "0")
+    assert piped.returncode == 0, piped.stderr
+    assert f"phi4: loading {tiny_model}...\n" in piped.stderr
+    assert "…" not in piped.stderr and "\x1b" not in piped.stderr
