@@ -133,6 +133,16 @@ def join_words(words: list[str] | tuple[str, ...] | None) -> str | None:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
+    if "_PHI4_COMPLETE" in os.environ:
+        # A Tab: answered from a table when it can be, without building the Typer app.
+        from phi4cli.completion import answer
+
+        answered = answer(os.environ)
+        if answered is not None:
+            text, status = answered
+            if text is not None:
+                print(text)
+            exit_now(status) if argv is None else sys.exit(status)
     if args[:1] == ["solve"] and "_PHI4_COMPLETE" not in os.environ:
         parsed = parse_solve(args[1:])
         if parsed is not None:
