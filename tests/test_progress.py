@@ -138,3 +138,19 @@ def test_a_model_load_is_one_live_line_with_seconds_at_a_terminal_and_a_notice_i
     assert piped.returncode == 0, piped.stderr
     assert f"phi4: loading {tiny_model}...\n" in piped.stderr
     assert "…" not in piped.stderr and "\x1b" not in piped.stderr
+
+
+def test_eval_progress_through_a_terminal(tiny_model: Path, tmp_path: Path):
+    problems = tmp_path / "quiz.jsonl"
+    problems.write_text('{"problem": "What is 1+1?", "answer": "2"}\n'
+                        '{"problem": "What is 2+2?", "answer": "4"}\n')  # fmt: skip
+    child = pexpect.spawn(
+        PHI4, ["eval", str(problems), "-m", str(tiny_model), "-n", "3", "-t", "0"],
+        encoding="utf-8", dimensions=(24, 120), timeout=120,
+    )  # fmt: skip
+    child.expect(pexpect.EOF)
+    child.close()
+    lines = screen_lines(child.before)
+    assert any("0/2" in line and "0:00:0" in line for line in lines), lines
+    assert "phi4: starting the phi4 daemon (first call; later calls reuse it)..." in lines, lines
+    assert all(not (line.startswith("phi4:") and "/2" in line) for line in lines), lines
