@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
             text, status = answered
             if text is not None:
                 print(text)
-            exit_now(status) if argv is None else sys.exit(status)
+            if argv is None:
+                exit_now(status)
+            sys.exit(status)
     if args[:1] == ["solve"] and "_PHI4_COMPLETE" not in os.environ:
         parsed = parse_solve(args[1:])
         if parsed is not None:

@@ -620,6 +620,9 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
         raise UsageError("--jsonl goes with --file or --each-line; use --json for one question")
     if o.each_line and o.file is None and o.prompt not in (None, "-"):
         raise UsageError("--each-line reads problems from stdin: phi4 solve - --each-line")
+    if o.file is not None and o.prompt is not None:
+        # Else the question would be dropped without a word.
+        raise UsageError(f"give a question or --file, not both: {o.prompt!r} and {o.file}")
     reads_file = o.file is not None or o.each_line
     problems = read_problems(o.file or "-", env) if reads_file else None
     question = read_prompt(o.prompt, env) if problems is None else ""

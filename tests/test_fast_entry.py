@@ -172,3 +172,11 @@ def test_a_question_of_unquoted_words_is_joined_and_stdin_left_alone(tiny_model:
     # A lone '-' still reads the question from stdin.
     piped = run_phi4("solve", "-", "-m", str(tiny_model), "-n", "2", "--json", input="x + 1\n")
     assert piped.returncode == 0 and json.loads(piped.stdout)["question"] == "x + 1"
+
+
+def test_a_question_beside_file_is_refused_not_dropped(tmp_path: Path):
+    problems = tmp_path / "p.txt"
+    problems.write_text("What is 1+1?\n")
+    result = run_phi4("solve", "--file", str(problems), "what", "is", "2+2")
+    assert result.returncode == 2 and result.stdout == ""
+    assert "give a question or --file, not both: 'what is 2+2'" in result.stderr
