@@ -149,7 +149,9 @@ def run_eval(job: SolveJob, items: list[Item], samples: int, output: Path,
                            **({} if seed is None else {"seed": seed + k}))
                 for i, k in keys]  # fmt: skip
     remaining = [samples] * len(todo)
-    progress = FileProgress(len(todo), job.env)
+    # A problem's budget is that of its K samples together.
+    budget = job.base.get("max_tokens")
+    progress = FileProgress(len(todo), job.env, budget=budget * samples if budget else None)
     loading = ProgressNotice(progress.notice)  # above the bar while it is shown
     try:
         output.parent.mkdir(parents=True, exist_ok=True)

@@ -268,7 +268,7 @@ def solve_file(
     next_to_print = 0
     printed_line = 0  # the input line the output has reached (--answer-only)
     failed = 0
-    progress = FileProgress(len(problems), job.env)
+    progress = FileProgress(len(problems), job.env, budget=job.base.get("max_tokens"))
     loading = ProgressNotice(progress.notice)  # above the bar while it is shown
 
     def emit(index: int) -> None:
@@ -322,19 +322,24 @@ class FileProgress:
     """A progress bar on stderr for `--file` and `eval`, only when stderr is a terminal.
 
     From the start it shows n/N done, how many problems are being solved, and the time taken;
-    once one is done, the rate and the time left. While it is shown, lines for the terminal
-    (``notice``, and ``out`` when stdout is a terminal too) are printed above the bar through
-    rich's live console, never onto the bar's line.
+    once one is done, the rate and the time left. With a token ``budget`` (``--max-tokens``) the
+    bar also moves as the model writes: a problem counts for the share of its budget it has
+    used (at most 0.95 until it is done). While it is shown, lines for the terminal (``notice``,
+    and ``out`` when stdout is a terminal too) are printed above the bar through rich's live
+    console, never onto the bar's line.
     """
 
-    def __init__(self, total: int, env: Environment, label: str = "solving") -> None:
+    def __init__(self, total: int, env: Environment, label: str = "solving",
+                 budget: int | None = None) -> None:  # fmt: skip
         self.total = total
         self.env = env
         self.label = label
+        self.budget = budget
         self._progress: Any = None
         self._task: Any = None
         self._started: set[int] = set()
         self._finished: set[int] = set()
+        self._pieces: dict[int, int] = {}  # pieces of text written, per running problem
         self._loading = False
 
     def __enter__(self) -> FileProgress:
@@ -346,7 +351,7 @@ class FileProgress:
             self._progress = bar.Progress(
                 bar.TextColumn("{task.description}"),
                 bar.BarColumn(),
-                bar.MofNCompleteColumn(),
+                bar.TextColumn("{task.fields[done]}/{task.total:.0f}"),  # done, not partial
                 bar.TextColumn("{task.fields[activity]}"),
                 bar.TimeElapsedColumn(),
                 _RateColumn(),
@@ -354,7 +359,8 @@ class FileProgress:
                 transient=True,
             )
             self._progress.start()
-            self._task = self._progress.add_task(self.label, total=self.total, activity="")
+            self._task = self._progress.add_task(self.label, total=self.total, activity="",
+                                                 done=0)  # fmt: skip
             self._progress.refresh()  # 0/N at once, not at the first tick
             self.env.print_above_live = self._print_above
         return self
@@ -369,7 +375,12 @@ class FileProgress:
         )
         if loading:
             self._loading = True
-        elif kind in (EventKind.REASONING, EventKind.TOKEN) and index not in self._started:
+        elif kind in (EventKind.REASONING, EventKind.TOKEN):
+            self._pieces[index] = self._pieces.get(index, 0) + 1
+            if index in self._started:
+                if self.budget:
+                    self._show_completed()
+                return
             self._started.add(index)
             self._loading = False
         else:
@@ -380,8 +391,16 @@ class FileProgress:
         """Problem ``index`` is done."""
         if self._progress is not None:
             self._finished.add(index)
-            self._progress.advance(self._task)
+            self._pieces.pop(index, None)
+            self._show_completed()
             self._show_activity()
+
+    def _show_completed(self) -> None:
+        partial = 0.0
+        if self.budget:
+            partial = sum(min(n / self.budget, 0.95) for n in self._pieces.values())
+        done = len(self._finished)
+        self._progress.update(self._task, completed=done + partial, done=done)
 
     def _show_activity(self) -> None:
         running = len(self._started - self._finished)
@@ -412,18 +431,19 @@ class FileProgress:
 
 
 def _RateColumn() -> Any:
-    """A rich column: problems a minute (or a second) and the time left, once one is done."""
+    """A rich column: problems a minute (or a second) and the time left, once one is done
+    (from the problems done, not the bar's share of budgets, which only guesses)."""
     from rich.progress import ProgressColumn
     from rich.text import Text
 
     class RateColumn(ProgressColumn):
         def render(self, task: Any) -> Text:
-            elapsed = task.elapsed or 0.0
-            if not task.completed or elapsed <= 0:
+            elapsed, done = task.elapsed or 0.0, task.fields.get("done", 0)
+            if not done or elapsed <= 0:
                 return Text("")
-            rate = task.completed / elapsed
+            rate = done / elapsed
             shown = f"{rate:.1f}/s" if rate >= 1 else f"{rate * 60:.1f}/min"
-            left = (task.total - task.completed) / rate if task.total else 0.0
+            left = (task.total - done) / rate if task.total else 0.0
             return Text(f"{shown}, {human_seconds(left)} left" if left > 0 else shown)
 
     return RateColumn()

@@ -50,6 +50,22 @@ def test_the_bar_shows_n_of_n_and_time_before_the_first_result():
         assert shown and "1 running" in shown[-1] and "left" in shown[-1], shown
 
 
+def test_with_a_token_budget_the_bar_moves_as_the_model_writes():
+    env, _out, err = terminal_env()
+    with FileProgress(2, env, budget=10) as progress:
+        task = progress._progress.tasks[0]
+        for _piece in range(5):
+            progress.see(0, token())
+        assert task.completed == 0.5
+        for _piece in range(50):  # past its budget: never counted as done before it is
+            progress.see(1, token())
+        assert task.completed == 0.5 + 0.95
+        progress._progress.refresh()
+        assert "0/2" in screen_lines(err.getvalue())[-1]
+        progress.advance(1)
+        assert task.completed == 1.5
+
+
 def test_a_loading_model_is_said_on_the_bar_until_the_model_writes():
     env, _out, err = terminal_env()
     with FileProgress(2, env) as progress:
