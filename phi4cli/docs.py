@@ -241,7 +241,8 @@ def _value_kind(param: Any) -> Any:
         return ("choice", *map(str, param.type.choices))
     if type_name in ("Path", "File"):
         return "file"
-    if type_name in ("StringParamType", "IntParamType", "FloatParamType", "IntRange",
+    # TyperPath offers nothing, so that the shell completes the path itself.
+    if type_name in ("TyperPath", "StringParamType", "IntParamType", "FloatParamType", "IntRange",
                      "FloatRange", "BoolParamType", "UUIDParameterType"):  # fmt: skip
         return "none"
     return "typer"
@@ -291,6 +292,8 @@ def completion_table() -> str:
             takes_value = not (param.is_flag or param.count)
             kind = _value_kind(param) if takes_value else None
             names = [*param.opts, *param.secondary_opts]
+            if param.name == "help":
+                names.sort()  # click makes them from a set: another order in each process
             order.append((param.name, names, help_forms(param.help), bool(param.multiple)))
             for name in names:
                 options[name] = (param.name, takes_value, kind)
