@@ -138,6 +138,8 @@ def items(args: list[str], incomplete: str, shell: str) -> list[Item] | None:
         word = args[index]
         index += 1
         if word == "--" and not after_dashes:
+            if node["commands"] is not None:
+                return None  # "--" before a subcommand: rare, and click's handling is its own
             after_dashes = True
             continue
         if not after_dashes and word.startswith("-") and word != "-":
@@ -147,9 +149,11 @@ def items(args: list[str], incomplete: str, shell: str) -> list[Item] | None:
             spec = node["options"].get(name)
             if spec is None or (equals and not spec[1]):
                 return None
-            given.add(spec[0])
             if spec[1] and not equals:
+                if index == len(args):
+                    continue  # its value is still to come: not given yet, to click
                 index += 1
+            given.add(spec[0])
             continue
         if node["commands"] is not None:
             if " ".join([*path, word]) not in TABLE:
@@ -165,7 +169,7 @@ def items(args: list[str], incomplete: str, shell: str) -> list[Item] | None:
         args = [*args, name]
     if "--" not in args and incomplete.startswith("-"):
         return _names(node, incomplete, given, shell)
-    if args and args[-1].startswith("-") and args[-1] in node["options"] and "--" not in args:
+    if args and args[-1] in node["options"]:  # after "--" too, as click does
         _param, takes_value, kind = node["options"][args[-1]]
         if takes_value:
             return _values(kind, incomplete, positionals, shell)

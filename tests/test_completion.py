@@ -139,7 +139,8 @@ WORDS = ["solve", "config", "set", "daemon", "start", "pull", "chat", "kv_layout
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(words=st.lists(st.sampled_from(WORDS), max_size=5),
-       incomplete=st.sampled_from(["", "-", "--m", "s", "k"]))  # fmt: skip
+       incomplete=st.sampled_from(["", "-", "--m", "s", "k", "=", "--model=", "--model=s",
+                                   "-m"]))  # fmt: skip
 def test_the_fast_completer_agrees_with_typer_on_any_words(words, incomplete, monkeypatch,
                                                            capsys):  # fmt: skip
     from phi4cli.completion import answer
