@@ -87,11 +87,22 @@ class _StderrStatus:
             console = Console(file=self._env.stderr, force_terminal=True)
             self._status = console.status(self._message, spinner="dots")
             self._status.start()
+            self._env.print_above_live = _printer(console)
 
     def stop(self) -> None:
         if self._status is not None:
+            self._env.print_above_live = None
             self._status.stop()
             self._status = None
+
+
+def _printer(console: Any) -> Callable[[str], None]:
+    """Print a line through ``console``: above its live display, while one is shown."""
+
+    def print_line(text: str) -> None:
+        console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
+
+    return print_line
 
 
 def _print_json(job: SolveJob, record: dict[str, Any]) -> None:
@@ -420,8 +431,7 @@ class FileProgress:
             print(text, file=self.env.stdout, flush=True)
 
     def _print_above(self, text: str) -> None:
-        self._progress.console.print(text, markup=False, highlight=False, emoji=False,
-                                     soft_wrap=True)  # fmt: skip
+        _printer(self._progress.console)(text)
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
@@ -525,12 +535,14 @@ class LoadLine:
         self._live = Live(Spinner("dots", text=self), console=console, transient=True,
                           refresh_per_second=4)  # fmt: skip
         self._live.start(refresh=True)
+        self._env.print_above_live = _printer(console)
 
     def stop(self) -> None:
         if not self._shown:
             return
         self._shown = False
         if self._live is not None:
+            self._env.print_above_live = None
             self._live.stop()
             self._live = None
         elif self._spinner is not None:

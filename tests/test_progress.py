@@ -170,3 +170,24 @@ def test_eval_progress_through_a_terminal(tiny_model: Path, tmp_path: Path):
     assert any("0/2" in line and "0:00:0" in line for line in lines), lines
     assert "phi4: starting the phi4 daemon (first call; later calls reuse it)..." in lines, lines
     assert all(not (line.startswith("phi4:") and "/2" in line) for line in lines), lines
+
+
+def test_a_notice_during_the_load_line_or_the_spinner_has_a_line_of_its_own():
+    from phi4cli.solving import LoadLine, _StderrStatus
+
+    env, _out, err = terminal_env()
+    line = LoadLine(env)
+    line.start("/models/tiny.gguf")
+    env.notice("waiting for memory: a request reserves 4,096 tokens of context")
+    line.stop()
+    spinner = _StderrStatus(env, "solving…")
+    spinner.see(token())
+    env.notice("line 2: no final answer")
+    spinner.stop()
+    env.notice("after: plain")
+    lines = screen_lines(err.getvalue())
+    assert any(re.search(r"loading tiny\.gguf… \d+ s$", text) for text in lines), lines
+    for notice in ("phi4: waiting for memory: a request reserves 4,096 tokens of context",
+                   "phi4: line 2: no final answer", "phi4: after: plain"):  # fmt: skip
+        assert notice in lines, lines
+    assert env.print_above_live is None
