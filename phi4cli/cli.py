@@ -38,6 +38,32 @@ daemon_app = typer.Typer(
 )
 app.add_typer(daemon_app, name="daemon")
 
+
+def _complete_model(incomplete: str) -> list[tuple[str, str]]:
+    from phi4cli.completion import models
+
+    return models(incomplete)
+
+
+def _complete_alias(incomplete: str) -> list[tuple[str, str]]:
+    from phi4cli.models import ALIASES
+
+    return [(name, alias.description) for name, alias in ALIASES.items()
+            if name.startswith(incomplete)]  # fmt: skip
+
+
+def _complete_setting_key(incomplete: str) -> list[str]:
+    from phi4cli.completion import setting_keys
+
+    return setting_keys(incomplete)
+
+
+def _complete_setting_value(ctx: typer.Context, incomplete: str) -> list[str]:
+    from phi4cli.completion import setting_values
+
+    return setting_values(ctx.params.get("key"), incomplete)
+
+
 ModelOption = Annotated[
     str | None,
     typer.Option(
@@ -45,6 +71,7 @@ ModelOption = Annotated[
         "-m",
         help="Model alias or path to a .gguf file [env PHI4_MODEL].",
         show_default=False,
+        autocompletion=_complete_model,
     ),
 ]
 KeepAliveOption = Annotated[
@@ -295,9 +322,10 @@ def _root(
 def solve(
     answer: OptionGroup,
     prompt: Annotated[
-        str | None,
+        list[str] | None,
         typer.Argument(
-            help="The problem to solve; '-' (or piped stdin) reads it from stdin.",
+            help="The problem to solve: one quoted argument, or words joined with single "
+            "spaces; '-' (or piped stdin) reads it from stdin.",
             show_default=False,
         ),
     ] = None,
@@ -346,12 +374,14 @@ def solve(
     raw_output: RawOutputOption = False,
 ) -> int:
     """Solve a problem (or a file of them), streaming the model's answer."""
+    from phi4cli.entry import join_words
     from phi4cli.solving import SolveOptions, run_solve
 
     options = SolveOptions(
-        prompt=prompt, model=model, show_reasoning=show_reasoning, answer_only=answer_only,
-        as_json=as_json, file=file, each_line=each_line, jsonl=jsonl, samples=samples,
-        no_instruction=no_instruction, verbose=verbose, raw_output=raw_output, **answer,
+        prompt=join_words(prompt), model=model, show_reasoning=show_reasoning,
+        answer_only=answer_only, as_json=as_json, file=file, each_line=each_line, jsonl=jsonl,
+        samples=samples, no_instruction=no_instruction, verbose=verbose, raw_output=raw_output,
+        **answer,
     )  # fmt: skip
     return run_solve(options)
 
@@ -612,8 +642,19 @@ def config_path() -> None:
 
 @config_app.command("set")
 def config_set(
-    key: Annotated[str, typer.Argument(help="Setting name, e.g. temperature.")],
-    value: Annotated[str, typer.Argument(help="New value; 'none' clears an optional one.")],
+    key: Annotated[
+        str,
+        typer.Argument(
+            help="Setting name, e.g. temperature.", autocompletion=_complete_setting_key
+        ),
+    ],
+    value: Annotated[
+        str,
+        typer.Argument(
+            help="New value; 'none' clears an optional one.",
+            autocompletion=_complete_setting_value,
+        ),
+    ],
 ) -> None:
     """Set one setting in the config file, after checking the value."""
     from phi4cli.config import set_config_value
@@ -921,7 +962,9 @@ def models() -> None:
 
 @app.command()
 def pull(
-    name: Annotated[str, typer.Argument(help="Model alias to download.")] = "phi4-mini-reasoning",
+    name: Annotated[
+        str, typer.Argument(help="Model alias to download.", autocompletion=_complete_alias)
+    ] = "phi4-mini-reasoning",
 ) -> None:
     """Download a model (resumable, verified as GGUF) into the models directory."""
     from phi4cli.models import pull_model

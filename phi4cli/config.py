@@ -102,9 +102,16 @@ def _one_of(*choices: str) -> Callable[[object], str]:
     return parse
 
 
-_kv_cache_type = _one_of("f16", "q8_0", "q4_0")
-_kv_layout = _one_of("auto", "shared", "streams")
-_ramdisk_choice = _one_of("auto", "on", "off")
+# The settings whose values are a fixed set (also what shell completion offers).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "kv_cache_type": ("f16", "q8_0", "q4_0"),
+    "kv_layout": ("auto", "shared", "streams"),
+    "ramdisk": ("auto", "on", "off"),
+    "mlock": ("true", "false"),
+}
+_kv_cache_type = _one_of(*CHOICES["kv_cache_type"])
+_kv_layout = _one_of(*CHOICES["kv_layout"])
+_ramdisk_choice = _one_of(*CHOICES["ramdisk"])
 
 
 def _gpu_layers(value: object) -> str | int:

@@ -55,8 +55,8 @@ def _option_lines(command: Any) -> list[str]:
 
 def _synopsis(name: str, command: Any) -> str:
     arguments = " ".join(
-        f"[{p.human_readable_name.upper()}]" for p in command.params
-        if p.param_type_name == "argument"
+        f"[{p.human_readable_name.upper()}]" + ("..." if p.nargs == -1 else "")
+        for p in command.params if p.param_type_name == "argument"
     )  # fmt: skip
     return f"phi4 {name} [OPTIONS] {arguments}".rstrip()
 
@@ -217,10 +217,121 @@ def solve_option_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+# The completion callbacks of cli.py, by the name the fast completer knows each by.
+_COMPLETERS = {
+    "_complete_model": "model",
+    "_complete_alias": "alias",
+    "_complete_setting_key": "setting_key",
+    "_complete_setting_value": "setting_value",
+}
+
+
+def _value_kind(param: Any) -> Any:
+    """How the fast completer completes ``param``'s value: a completer's name, ("choice", ...),
+    "file" (the shell's own), "none" (nothing to offer), or "typer" (hand over)."""
+    custom = getattr(param, "_custom_shell_complete", None)
+    if custom is not None:
+        for cell in custom.__closure__ or ():
+            wrapped = getattr(cell.cell_contents, "__wrapped__", None)
+            if wrapped is not None:
+                return _COMPLETERS.get(wrapped.__name__, "typer")
+        return "typer"
+    type_name = type(param.type).__name__
+    if type_name == "Choice" and param.type.case_sensitive:
+        return ("choice", *map(str, param.type.choices))
+    if type_name in ("Path", "File"):
+        return "file"
+    # TyperPath offers nothing, so that the shell completes the path itself.
+    if type_name in ("TyperPath", "StringParamType", "IntParamType", "FloatParamType", "IntRange",
+                     "FloatRange", "BoolParamType", "UUIDParameterType"):  # fmt: skip
+        return "none"
+    return "typer"
+
+
+def _rendered(text: str) -> str:
+    """What Typer shows of a completion's help: rich's rendering of it, never wrapped."""
+    from rich.console import Console
+
+    console = Console(width=100_000)
+    return "".join(segment.text for segment in console.render(text)).rstrip("\n")
+
+
+def _zsh_escape(text: str) -> str:
+    return (text.replace('"', '""').replace("'", "''").replace("$", "\\$")
+            .replace("`", "\\`").replace(":", r"\\:"))  # fmt: skip
+
+
+def completion_table() -> str:
+    """The fast completer's table (``phi4cli/_completion_table.py``): each command's
+    subcommands, options and arguments as Typer would complete them, so Tab does not import
+    Typer or build the app. Help texts are stored as each shell is sent them."""
+    import re as _re
+
+    import typer
+
+    from phi4cli.cli import app
+
+    def help_forms(text: str | None) -> tuple[str, str] | None:
+        if not text:
+            return None
+        return (_rendered(_zsh_escape(text)), _rendered(_re.sub(r"\s", " ", text)))
+
+    table: dict[str, Any] = {}
+
+    def visit(command: Any, path: str, parent: Any) -> None:
+        ctx = command.make_context(path.split(" ")[-1] if path else "phi4", [], parent=parent,
+                                   resilient_parsing=True)  # fmt: skip
+        options, arguments = {}, []
+        order = []
+        for param in command.get_params(ctx):
+            if param.param_type_name == "argument":
+                arguments.append((param.name, param.nargs, _value_kind(param)))
+                continue
+            if param.param_type_name != "option" or param.hidden:
+                continue
+            takes_value = not (param.is_flag or param.count)
+            kind = _value_kind(param) if takes_value else None
+            names = [*param.opts, *param.secondary_opts]
+            if param.name == "help":
+                names.sort()  # click makes them from a set: another order in each process
+            order.append((param.name, names, help_forms(param.help), bool(param.multiple)))
+            for name in names:
+                options[name] = (param.name, takes_value, kind)
+        commands = []
+        if hasattr(command, "commands"):
+            for name in command.list_commands(ctx):
+                sub = command.get_command(ctx, name)
+                if sub is None or sub.hidden:
+                    continue
+                commands.append((name, help_forms(sub.get_short_help_str())))
+        table[path] = {"options": options, "order": order, "arguments": arguments,
+                       "commands": commands if hasattr(command, "commands") else None}  # fmt: skip
+        if hasattr(command, "commands"):
+            for name in command.list_commands(ctx):
+                sub = command.get_command(ctx, name)
+                if sub is not None:
+                    visit(sub, f"{path} {name}".strip(), ctx)
+
+    visit(typer.main.get_command(app), "", None)
+    lines = [
+        '"""Shell completion\'s table for ``phi4cli.completion``, generated by',
+        '``python -m phi4cli.docs`` from the Typer app; a test fails when it is stale."""',
+        "",
+        "# command path -> options (name -> (parameter, takes a value, value kind)), their",
+        "# order (parameter, names, (zsh help, fish help), multiple), arguments (name, nargs,",
+        "# value kind) and subcommands ((name, help forms), or None for a command)",
+        "TABLE = {",
+        *(f"    {path!r}: {entry!r}," for path, entry in table.items()),
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def expected_files() -> dict[Path, str]:
     files = {ROOT / "completions" / f"phi4.{shell}": completion_script(shell) for shell in SHELLS}
     files[ROOT / "man" / "phi4.1"] = man_page()
     files[ROOT / "phi4cli" / "_solve_options.py"] = solve_option_table()
+    files[ROOT / "phi4cli" / "_completion_table.py"] = completion_table()
     return files
 
 

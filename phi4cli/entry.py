@@ -121,15 +121,33 @@ def parse_solve(args: list[str]) -> dict[str, Any] | None:
             if (low is not None and value < low) or (high is not None and value > high):
                 return None
         values[dest] = value
-    if len(positional) > 1:
-        return None
-    if positional:
-        values[ARGUMENT] = positional[0]
+    values[ARGUMENT] = join_words(positional)
     return values
+
+
+def join_words(words: list[str] | tuple[str, ...] | None) -> str | None:
+    """The question given as arguments: several words joined with single spaces, as
+    ``ollama run`` and ``llm`` do (``phi4 solve what is 2+2``); None when none was given.
+
+    A lone ``-`` stays ``-`` (read stdin); a ``-`` among words is just a word, and a question
+    given as words leaves stdin alone."""
+    return " ".join(words) if words else None
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
+    if "_PHI4_COMPLETE" in os.environ:
+        # A Tab: answered from a table when it can be, without building the Typer app.
+        from phi4cli.completion import answer
+
+        answered = answer(os.environ)
+        if answered is not None:
+            text, status = answered
+            if text is not None:
+                print(text)
+            if argv is None:
+                exit_now(status)
+            sys.exit(status)
     if args[:1] == ["solve"] and "_PHI4_COMPLETE" not in os.environ:
         parsed = parse_solve(args[1:])
         if parsed is not None:

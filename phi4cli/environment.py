@@ -12,6 +12,7 @@ from phi4cli.sanitize import clean_text
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import TextIO
 
 
@@ -53,6 +54,9 @@ class Environment:
         self.colour = colour
         self.raw_output = raw_output
         self.paths = paths if paths is not None else get_paths()
+        # Set while a live display (a progress bar) holds stderr's last line: it prints notices
+        # above itself, where a plain write would land on its line.
+        self.print_above_live: Callable[[str], None] | None = None
 
     @property
     def terminal(self) -> bool:
@@ -65,5 +69,9 @@ class Environment:
         return self.raw_output and not self.stdout_isatty
 
     def notice(self, message: str) -> None:
-        """One line for the user on stderr, prefixed ``phi4:``; foreign text in it is cleaned."""
-        print(f"phi4: {clean_text(message)}", file=self.stderr, flush=True)
+        """One line for the user on stderr, prefixed ``phi4:`` (above a live progress bar);
+        foreign text in it is cleaned."""
+        if self.print_above_live is not None:
+            self.print_above_live(f"phi4: {clean_text(message)}")
+        else:
+            print(f"phi4: {clean_text(message)}", file=self.stderr, flush=True)

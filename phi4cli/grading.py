@@ -24,6 +24,7 @@ from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event
 from phi4cli.reasoning import AnswerComparer, majority_vote
 from phi4cli.records import Record
+from phi4cli.sanitize import json_safe
 from phi4cli.solving import FileProgress, ProgressNotice, SolveJob
 
 TYPE_CHECKING = False
@@ -321,13 +322,16 @@ def run_eval(
                            **({} if seed is None else {"seed": seed + k}))
                 for i, k in keys]  # fmt: skip
     remaining = [samples] * len(todo)
-    progress = FileProgress(len(todo), job.env)
-    loading = ProgressNotice(job.announce)
+    # A problem's budget is that of its K samples together.
+    budget = job.base.get("max_tokens")
+    progress = FileProgress(len(todo), job.env, budget=budget * samples if budget else None)
+    loading = ProgressNotice(progress.notice)  # above the bar while it is shown
     compare = AnswerComparer()  # one count for the run: one notice, not one per problem
 
     def on_event(index: int, event: Event) -> None:
         i, k = keys[index]
         loading.see(event)
+        progress.see(i, event)
         outcome = outcomes[(i, k)]
         outcome.apply(event)
         if not (event.terminal and outcome.done):
@@ -337,12 +341,14 @@ def run_eval(
             return
         record = {**judge(todo[i], [outcomes[(i, s)] for s in range(samples)], compare), "run": run}
         done[todo[i].line] = record
-        line = json.dumps(record, ensure_ascii=False)
+        # Escaped where a terminal would act on a character (`cat` of the file) or UTF-8 has
+        # none (a lone surrogate from a problem's JSON): the same value when read back.
+        line = json_safe(json.dumps(record, ensure_ascii=False))
         results.write(line.encode() + b"\n")
         results.flush()  # an interruption keeps every problem finished so far
         if jsonl:
-            job.print_json(record)
-        progress.advance()
+            progress.out(line)
+        progress.advance(i)
 
     with results, progress:
         if requests:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from phi4cli.outcome import Outcome, exit_status
 from phi4cli.protocol import Event, EventKind
 from phi4cli.reasoning import AnswerComparer, majority_vote
 from phi4cli.records import Record
-from phi4cli.render import PlainPresenter, TerminalPresenter, no_answer_reason
+from phi4cli.render import PlainPresenter, TerminalPresenter, human_seconds, no_answer_reason
 from phi4cli.sanitize import clean_text, json_safe
 
 TYPE_CHECKING = False
@@ -75,10 +76,15 @@ class _StderrStatus:
 
     def __init__(self, env: Environment, message: str) -> None:
         self._wanted = env.terminal and bool(env.stderr_isatty)
-        self._env, self._message = env, message
+        self._env, self._message = env, message  # text, or a renderable
         self._status: Any = None
 
-    def update(self, message: str) -> None:
+    @property
+    def message(self) -> Any:
+        return self._message
+
+    def update(self, message: Any) -> None:
+        """Show ``message``: text, or anything rich renders (a ``LoadLine``)."""
         self._message = message
         if self._status is not None:
             self._status.update(message)
@@ -90,11 +96,22 @@ class _StderrStatus:
             console = Console(file=self._env.stderr, force_terminal=True)
             self._status = console.status(self._message, spinner="dots")
             self._status.start()
+            self._env.print_above_live = _printer(console)
 
     def stop(self) -> None:
         if self._status is not None:
+            self._env.print_above_live = None
             self._status.stop()
             self._status = None
+
+
+def _printer(console: Any) -> Callable[[str], None]:
+    """Print a line through ``console``: above its live display, while one is shown."""
+
+    def print_line(text: str) -> None:
+        console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
+
+    return print_line
 
 
 def _print_json(job: SolveJob, record: dict[str, Any]) -> None:
@@ -140,7 +157,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     quiet = mode.as_json or mode.answer_only
     presenter = _LazyPresenter(job.env, mode)
     spinner = _StderrStatus(job.env, "solving…")
-    loading = ProgressNotice(job.announce)
+    loading = ProgressNotice(job.announce, LoadLine(job.env, spinner if quiet else None))
 
     def on_event(_index: int, event: Event) -> None:
         loading.see(event)
@@ -153,6 +170,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     try:
         job.run([job.params(question)], on_event)
     finally:
+        loading.stop()
         spinner.stop()
         if isinstance(presenter.presenter, TerminalPresenter):
             presenter.presenter.stop()
@@ -184,9 +202,9 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     requests = [
         job.params(question, seed=None if seed is None else seed + i) for i in range(samples)
     ]
-    loading = ProgressNotice(job.announce)
     finished = 0
     spinner = _StderrStatus(job.env, f"sampling… 0/{samples} done")
+    loading = ProgressNotice(job.announce, LoadLine(job.env, spinner))
 
     def on_event(index: int, event: Event) -> None:
         nonlocal finished
@@ -200,6 +218,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     try:
         job.run(requests, on_event)
     finally:
+        loading.stop()
         spinner.stop()
     good = [o for o in outcomes if o.error is None]
     if not good:
@@ -287,8 +306,8 @@ def solve_file(
     next_to_print = 0
     printed_line = 0  # the input line the output has reached (--answer-only)
     failed = 0
-    progress = FileProgress(len(problems), job.env)
-    loading = ProgressNotice(job.announce)
+    progress = FileProgress(len(problems), job.env, budget=job.base.get("max_tokens"))
+    loading = ProgressNotice(progress.notice)  # above the bar while it is shown
 
     def emit(index: int) -> None:
         nonlocal failed, printed_line
@@ -296,31 +315,35 @@ def solve_file(
         line = problems[index][0]
         failed += outcome.error is not None
         if jsonl:
-            job.print_json({"line": line, **outcome.to_json()})
+            progress.out(
+                json_safe(json.dumps({"line": line, **outcome.to_json()}, ensure_ascii=False))
+            )
         elif mode.answer_only:
             for _blank in range(printed_line + 1, line):
-                job.print("")
+                progress.out("")
             printed_line = line
-            job.print(outcome.answer or "")
+            progress.out(outcome.answer or "")
             if outcome.error is not None:
-                job.announce(f"line {line}: {outcome.error_message}")
+                progress.notice(f"line {line}: {outcome.error_message}")
             elif outcome.answer is None:
-                job.announce(f"line {line}: {no_answer_reason(outcome)}")
+                progress.notice(f"line {line}: {no_answer_reason(outcome)}")
         else:
-            job.print(f"[{index + 1}] {outcome.question}")
+            progress.out(f"[{index + 1}] {outcome.question}")
             if outcome.error is not None:
-                job.print(f"error: {outcome.error_message}\n")
+                progress.out(f"error: {outcome.error_message}\n")
             else:
-                job.print(outcome.solution.strip())
-                job.print(f"Answer: {outcome.answer if outcome.answer is not None else '(none)'}\n")
+                progress.out(outcome.solution.strip())
+                shown = outcome.answer if outcome.answer is not None else "(none)"
+                progress.out(f"Answer: {shown}\n")
 
     def on_event(index: int, event: Event) -> None:
         nonlocal next_to_print
         loading.see(event)
+        progress.see(index, event)
         outcomes[index].apply(event)
         if not outcomes[index].done:
             return
-        progress.advance()
+        progress.advance(index)
         while next_to_print < len(outcomes) and outcomes[next_to_print].done:
             emit(next_to_print)
             next_to_print += 1
@@ -336,46 +359,157 @@ def solve_file(
 
 
 class FileProgress:
-    """A progress bar on stderr for `--file`, only when stderr is a terminal."""
+    """A progress bar on stderr for `--file` and `eval`, only when stderr is a terminal.
 
-    def __init__(self, total: int, env: Environment) -> None:
+    From the start it shows n/N done, how many problems are being solved, and the time taken;
+    once one is done, the rate and the time left. With a token ``budget`` (``--max-tokens``) the
+    bar also moves as the model writes: a problem counts for the share of its budget it has
+    used (at most 0.95 until it is done). While it is shown, lines for the terminal (``notice``,
+    and ``out`` when stdout is a terminal too) are printed above the bar through rich's live
+    console, never onto the bar's line.
+    """
+
+    def __init__(self, total: int, env: Environment, label: str = "solving",
+                 budget: int | None = None) -> None:  # fmt: skip
         self.total = total
         self.env = env
+        self.label = label
+        self.budget = budget
         self._progress: Any = None
         self._task: Any = None
+        self._started: set[int] = set()
+        self._finished: set[int] = set()
+        self._pieces: dict[int, int] = {}  # pieces of text written, per running problem
+        self._loading = False
 
     def __enter__(self) -> FileProgress:
         if self.env.stderr_isatty:
+            from rich import progress as bar
             from rich.console import Console
-            from rich.progress import Progress
 
             console = Console(file=self.env.stderr, force_terminal=True)
-            self._progress = Progress(console=console, transient=True)
+            self._progress = bar.Progress(
+                bar.TextColumn("{task.description}"),
+                bar.BarColumn(),
+                bar.TextColumn("{task.fields[done]}/{task.total:.0f}"),  # done, not partial
+                bar.TextColumn("{task.fields[activity]}"),
+                bar.TimeElapsedColumn(),
+                _RateColumn(),
+                console=console,
+                transient=True,
+            )
             self._progress.start()
-            self._task = self._progress.add_task("solving", total=self.total)
+            self._task = self._progress.add_task(self.label, total=self.total, activity="",
+                                                 done=0)  # fmt: skip
+            self._progress.refresh()  # 0/N at once, not at the first tick
+            self.env.print_above_live = self._print_above
         return self
 
-    def advance(self) -> None:
+    def see(self, index: int, event: Event) -> None:
+        """Follow one request's event: it has started once the model writes for it."""
+        if self._progress is None:
+            return
+        kind = event.kind
+        loading = (kind == EventKind.ACCEPTED and event.get("state") in ("loading", "warming")) or (
+            kind == EventKind.PROGRESS and event.get("stage") == "loading"
+        )
+        if loading:
+            self._loading = True
+        elif kind in (EventKind.REASONING, EventKind.TOKEN):
+            self._pieces[index] = self._pieces.get(index, 0) + 1
+            if index in self._started:
+                if self.budget:
+                    self._show_completed()
+                return
+            self._started.add(index)
+            self._loading = False
+        else:
+            return
+        self._show_activity()
+
+    def advance(self, index: int) -> None:
+        """Problem ``index`` is done."""
         if self._progress is not None:
-            self._progress.advance(self._task)
+            self._finished.add(index)
+            self._pieces.pop(index, None)
+            self._show_completed()
+            self._show_activity()
+
+    def _show_completed(self) -> None:
+        partial = 0.0
+        if self.budget:
+            partial = sum(min(n / self.budget, 0.95) for n in self._pieces.values())
+        done = len(self._finished)
+        self._progress.update(self._task, completed=done + partial, done=done)
+
+    def _show_activity(self) -> None:
+        running = len(self._started - self._finished)
+        activity = "loading the model" if self._loading else f"{running} running" if running else ""
+        self._progress.update(self._task, activity=activity)
+
+    def notice(self, message: str) -> None:
+        """One ``phi4:`` line on stderr: above the bar while it is shown (as is every
+        ``env.notice`` then, the backend's included)."""
+        self.env.notice(message)
+
+    def out(self, text: str) -> None:
+        """A line of output on stdout; above the bar when stdout is the bar's terminal too.
+        Cleaned of control sequences as ``SolveJob.print`` does (unless ``--raw-output``)."""
+        text = text if self.env.raw_stdout else clean_text(text)
+        if self._progress is not None and self.env.stdout_isatty:
+            self._print_above(text)
+        else:
+            print(text, file=self.env.stdout, flush=True)
+
+    def _print_above(self, text: str) -> None:
+        _printer(self._progress.console)(text)
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
+            self.env.print_above_live = None
             self._progress.stop()
+            self._progress = None
+
+
+def _RateColumn() -> Any:
+    """A rich column: problems a minute (or a second) and the time left, once one is done
+    (from the problems done, not the bar's share of budgets, which only guesses)."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class RateColumn(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            elapsed, done = task.elapsed or 0.0, task.fields.get("done", 0)
+            if not done or elapsed <= 0:
+                return Text("")
+            rate = done / elapsed
+            shown = f"{rate:.1f}/s" if rate >= 1 else f"{rate * 60:.1f}/min"
+            left = (task.total - done) / rate if task.total else 0.0
+            return Text(f"{shown}, {human_seconds(left)} left" if left > 0 else shown)
+
+    return RateColumn()
 
 
 class ProgressNotice:
     """Say once on stderr when requests wait for a model to load, and once when they wait for
-    room in the daemon's memory."""
+    room in the daemon's memory. With a ``LoadLine`` that is wanted (a terminal), the wait for
+    a load is that live line instead of a notice."""
 
-    def __init__(self, announce: Announce) -> None:
+    def __init__(self, announce: Announce, load_line: LoadLine | None = None) -> None:
         self._announce = announce
         self._said: set[str] = set()
+        self._load_line = load_line if load_line is not None and load_line.wanted else None
 
     def _once(self, topic: str, message: str) -> None:
         if topic not in self._said:
             self._said.add(topic)
             self._announce(message)
+
+    def _loading(self, model: str | None, message: str) -> None:
+        if self._load_line is not None:
+            self._load_line.start(model)
+        else:
+            self._once("loading", message)
 
     def see(self, event: Event) -> None:
         kind = event.kind
@@ -386,9 +520,85 @@ class ProgressNotice:
                 f"context and {event.get('free', 0):,} are free until a running one finishes",
             )
         elif kind == EventKind.PROGRESS and event.get("stage") == "loading":
-            self._once("loading", f"loading {event.get('model', 'the model')}...")
+            self._loading(event.get("model"), f"loading {event.get('model', 'the model')}...")
         elif kind == EventKind.ACCEPTED and event.get("state") in ("loading", "warming"):
-            self._once("loading", "waiting for the daemon to load the model...")
+            self._loading(None, "waiting for the daemon to load the model...")
+        elif kind in (EventKind.REASONING, EventKind.TOKEN, EventKind.RETRACT) or kind.terminal:
+            self.stop()
+
+    def stop(self) -> None:
+        if self._load_line is not None:
+            self._load_line.stop()
+
+
+class LoadLine:
+    """At a terminal, while the daemon loads the model a request waits for: one live line with
+    what the daemon is doing (loading, then warming up: its status file says) and the seconds
+    since the command began, gone once the model writes. Shown in the command's spinner when
+    it has one (a terminal holds one live line at a time), else in a line of its own."""
+
+    def __init__(self, env: Environment, spinner: _StderrStatus | None = None) -> None:
+        self.wanted = env.terminal and bool(env.stderr_isatty)
+        self._env, self._spinner = env, spinner
+        self._began = time.monotonic()
+        self._model = "the model"
+        self._path: str | None = None  # the model being loaded, once a `progress` event says
+        self._state, self._read_at = "loading", 0.0
+        self._live: Any = None
+        self._restore: Any = None
+        self._shown = False
+
+    def start(self, model: str | None) -> None:
+        if model:
+            self._path, self._model, self._state = model, os.path.basename(model), "loading"
+        if self._shown:
+            return
+        self._shown = True
+        if self._spinner is not None:
+            self._restore = self._spinner.message
+            self._spinner.update(self)
+            return
+        from rich.console import Console
+        from rich.live import Live
+        from rich.spinner import Spinner
+
+        console = Console(file=self._env.stderr, force_terminal=True)
+        self._live = Live(Spinner("dots", text=self), console=console, transient=True,
+                          refresh_per_second=4)  # fmt: skip
+        self._live.start(refresh=True)
+        self._env.print_above_live = _printer(console)
+
+    def stop(self) -> None:
+        if not self._shown:
+            return
+        self._shown = False
+        if self._live is not None:
+            self._env.print_above_live = None
+            self._live.stop()
+            self._live = None
+        elif self._spinner is not None:
+            self._spinner.update(self._restore)
+
+    def __rich__(self) -> Any:
+        from rich.text import Text
+
+        now = time.monotonic()
+        if now - self._read_at > 0.5:
+            from phi4cli.daemon.spawn import read_status
+
+            status = read_status(self._env.paths)
+            # What the file says of another model (the one loaded before) is not this wait's.
+            if status is not None and self._path in (None, status.model):
+                self._state = status.state
+                if status.model and self._path is None:
+                    self._model = os.path.basename(status.model)
+            self._read_at = now
+        model = self._model
+        doing = {"starting": "starting the daemon", "loading": f"loading {model}",
+                 "warming": f"warming up {model}",
+                 "ready": f"{model} is loaded, reading the question"}.get(
+            self._state, f"waiting for {model}")  # fmt: skip
+        return Text(f"{doing}… {now - self._began:.0f} s")
 
 
 class SolveOptions(Record):
@@ -493,6 +703,9 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
         raise UsageError("--jsonl goes with --file or --each-line; use --json for one question")
     if o.each_line and o.file is None and o.prompt not in (None, "-"):
         raise UsageError("--each-line reads problems from stdin: phi4 solve - --each-line")
+    if o.file is not None and o.prompt is not None:
+        # Else the question would be dropped without a word.
+        raise UsageError(f"give a question or --file, not both: {o.prompt!r} and {o.file}")
     reads_file = o.file is not None or o.each_line
     problems = read_problems(o.file or "-", env) if reads_file else None
     question = read_prompt(o.prompt, env) if problems is None else ""

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from phi4cli._solve_options import OPTIONS
 from phi4cli.cli import app
-from phi4cli.entry import parse_solve
+from phi4cli.entry import join_words, parse_solve
 from tests.conftest import run_phi4
 
 SOLVE = typer.main.get_command(app).commands["solve"]  # type: ignore[attr-defined]
@@ -29,7 +29,9 @@ def typer_parse(args: list[str]) -> dict[str, Any] | None:
         context = SOLVE.make_context("solve", list(args), resilient_parsing=False)
     except Exception:
         return None
-    return dict(context.params)
+    params = dict(context.params)
+    params["prompt"] = join_words(params["prompt"])  # as the Typer command does with the words
+    return params
 
 
 VALUES = st.sampled_from(["0", "1", "7", "64", "65", "-1", "0.5", "x", "", "-", "--json", "3e2"])
@@ -38,7 +40,7 @@ TOKENS = st.one_of(
     st.sampled_from(["--help", "-h", "--nope", "-ar", "--json=1", "--", "-", "-n4", "-t0.2"]),
     st.builds(lambda o, v: f"{o}={v}", st.sampled_from(sorted(OPTIONS)), VALUES),
     VALUES,
-    st.sampled_from(["What is 2+2?", "x"]),
+    st.sampled_from(["What is 2+2?", "x", "what", "is"]),
 )
 
 
@@ -60,6 +62,8 @@ def test_the_fast_parser_agrees_with_typer_or_hands_over(args: list[str]):
         ["-a", "--think-budget", "0", "--max-tokens=9", "q"],
         ["--file", "p.txt", "--jsonl", "-k", "1"],
         ["--", "-5 + 3?"],
+        ["what", "is", "2+2", "-n", "3"],
+        ["-t", "0", "--", "-5", "+", "3?"],
     ],
 )
 def test_common_commands_take_the_fast_path(args: list[str]):
@@ -94,7 +98,7 @@ def test_a_warm_solve_imports_no_typer_rich_prompt_toolkit_or_typing(tiny_model:
 
 def test_help_and_errors_are_still_typers():
     helped = run_phi4("solve", "--help")
-    assert helped.returncode == 0 and "Usage: phi4 solve [OPTIONS] [prompt]" in helped.stdout
+    assert helped.returncode == 0 and "Usage: phi4 solve [OPTIONS] [prompt]..." in helped.stdout
     refused = run_phi4("solve", "x", "--samples", "65")
     assert refused.returncode == 2 and "65 is not in the range 1<=x<=64" in refused.stderr
 
@@ -150,3 +154,29 @@ def test_the_answer_options_are_declared_once_for_solve_and_chat():
     for key in ANSWER_OPTIONS:
         assert in_solve[key].opts == in_chat[key].opts
         assert in_solve[key].help == in_chat[key].help
+
+
+def test_a_question_of_unquoted_words_is_joined_and_stdin_left_alone(tiny_model: Path):
+    # `ollama run m why is the sky blue` works; so does `phi4 solve what is 2+2`, on the fast
+    # path and on Typer's, and the words are the question even when stdin has text waiting.
+    args = ["solve", "what", "is", "2+2", "-m", str(tiny_model), "-n", "2", "-t", "0", "--json"]
+    fast = run_phi4(*args, input="from stdin\n")
+    assert fast.returncode == 0, fast.stderr
+    assert json.loads(fast.stdout)["question"] == "what is 2+2"
+    typer_path = subprocess.run(
+        [sys.executable, "-c", "import sys; from phi4cli.cli import main; main(sys.argv[1:])",
+         *args], input="from stdin\n", capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert typer_path.returncode == 0, typer_path.stderr
+    assert json.loads(typer_path.stdout)["question"] == "what is 2+2"
+    # A lone '-' still reads the question from stdin.
+    piped = run_phi4("solve", "-", "-m", str(tiny_model), "-n", "2", "--json", input="x + 1\n")
+    assert piped.returncode == 0 and json.loads(piped.stdout)["question"] == "x + 1"
+
+
+def test_a_question_beside_file_is_refused_not_dropped(tmp_path: Path):
+    problems = tmp_path / "p.txt"
+    problems.write_text("What is 1+1?\n")
+    result = run_phi4("solve", "--file", str(problems), "what", "is", "2+2")
+    assert result.returncode == 2 and result.stdout == ""
+    assert "give a question or --file, not both: 'what is 2+2'" in result.stderr
