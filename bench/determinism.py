@@ -8,9 +8,9 @@ One greedy question is answered on a fresh engine, then again after each of: the
 and beside a concurrent request — each time normally and in deterministic mode. It prints, for
 each history, whether the answer's tokens equal the fresh engine's (and at which token they
 first differ), then the cost: one request alone normally and deterministically, and four
-requests sent together normally (batched) and deterministically (one after another), as
-completion tokens/s in the same run (medians of ``--rounds``, the modes taking turns to go
-first).
+requests sent together normally (batched) and deterministically (one after another), in CPU
+seconds and completion tokens per CPU second (this process's, so that a busy machine's other load
+does not count), medians of ``--rounds`` in the same run, the modes taking turns to go first.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ def job(prompt: str, tokens: int, deterministic: bool, **extra: Any) -> tuple[Jo
 def run(engine: LlamaEngine, jobs: list[Job]) -> tuple[float, int]:
     """Decode ``jobs`` to the end, admitting each as the engine takes it (a deterministic one
     only when nothing else runs, and nothing beside it, as the scheduler does); return the
-    seconds it took and the tokens generated."""
-    started = time.monotonic()
+    CPU seconds it took (this process's: the machine's other load does not count, as it does
+    in wall time on a busy machine) and the tokens generated."""
+    started = time.process_time()
     waiting, running, tokens = list(jobs), set(), 0
     while waiting or running:
         while waiting and not any(j.params.deterministic for j in running):
@@ -65,7 +66,7 @@ def run(engine: LlamaEngine, jobs: list[Job]) -> tuple[float, int]:
         for done, stats in engine.step():
             running.discard(done)
             tokens += int(stats["completion_tokens"])
-    return time.monotonic() - started, tokens
+    return time.process_time() - started, tokens
 
 
 def answer(engine: LlamaEngine, tokens: int, deterministic: bool, beside: str = "") -> str:
@@ -92,8 +93,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--kv-layout", default="shared")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    settings = Settings(kv_layout=args.kv_layout, n_ctx=4096, ramdisk="off")
+    settings = Settings(kv_layout=args.kv_layout, n_ctx=4096, ramdisk="off", threads=args.threads)
     engine = LlamaEngine(settings)
     engine.load(args.model)
     engine.warm()
@@ -116,20 +118,22 @@ def main() -> None:
         beside = answer(engine, n, deterministic, beside="Write a long story about numbers.")
         print(f"  beside a concurrent request: {first_difference(fresh, beside)}")
     # Cost, in the same run: each round both modes, in alternating order, on questions new to
-    # the cache (a normal request would also reuse a cached prompt; that is not counted here).
+    # the cache (but for the system prompt and the instruction's words).
     costs: dict[str, dict[str, list[float]]] = {}
     for round_ in range(args.rounds):
         modes = [("normal", False), ("deterministic", True)]
         for name, deterministic in modes if round_ % 2 == 0 else modes[::-1]:
             tag = f"(round {round_}, {name})"
-            alone, _ = run(engine, [job(f"{QUESTION} {tag}", n, deterministic)[0]])
-            seconds, tokens = run(engine, [job(f"{q} {tag}", n, deterministic)[0] for q in OTHERS])
+            alone, _ = run(engine, [job(f"{tag} {QUESTION}", n, deterministic)[0]])
+            seconds, tokens = run(engine, [job(f"{tag} {q}", n, deterministic)[0] for q in OTHERS])
             cost = costs.setdefault(name, {"alone": [], "rate": []})
             cost["alone"].append(alone)
             cost["rate"].append(tokens / seconds)
+            print(f"  round {round_} {name}: alone {alone:.2f} s, four {tokens} tokens in "
+                  f"{seconds:.2f} s", flush=True)  # fmt: skip
     for name, cost in costs.items():
-        print(f"{name}: one request {statistics.median(cost['alone']):.2f} s; four sent "
-              f"together {statistics.median(cost['rate']):.1f} tokens/s "
+        print(f"{name}: one request {statistics.median(cost['alone']):.2f} CPU s; four sent "
+              f"together {statistics.median(cost['rate']):.1f} tokens per CPU s "
               f"(medians of {args.rounds} rounds)")  # fmt: skip
     engine.close()
 
