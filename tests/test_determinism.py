@@ -150,3 +150,18 @@ def test_the_http_api_passes_deterministic_on_and_checks_it():
     assert "deterministic" not in chat_params({**body, "deterministic": None}, "m", Settings())
     with pytest.raises(ApiError, match="deterministic"):
         chat_params({**body, "deterministic": 1}, "m", Settings())
+
+
+def test_a_deterministic_chat_repeats_its_answers_turn_by_turn(tiny_model: Path):
+    """A chat turn reads the whole conversation afresh, so the same conversation gets the same
+    answers again after the daemon has cached (and answered beside) other things."""
+    conversation = "What is 2+2?\nAnd plus one?\n/bye\n"
+    args = ("chat", "-m", str(tiny_model), "-t", "0", "-n", "6", "--deterministic")
+    first = run_phi4(*args, input=conversation)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip(), "it answered"
+    busy = run_phi4("solve", "Something else entirely", "-m", str(tiny_model), "-k", "3", "-n", "8")
+    assert busy.returncode in (0, 1), busy.stderr
+    again = run_phi4(*args, input=conversation)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == first.stdout
