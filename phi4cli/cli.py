@@ -159,6 +159,12 @@ MaxTokensOption = Annotated[
         show_default=False,
     ),
 ]
+DeterministicOption = Annotated[
+    bool | None,
+    typer.Option("--deterministic/--no-deterministic", show_default=False,
+                 help="Decode each request alone from a clean cache, so -t 0 and --seed "
+                      "answers repeat exactly (slower under load) [default false]."),
+]  # fmt: skip
 
 
 RamdiskOption = Annotated[
@@ -231,6 +237,7 @@ SHARED_OPTIONS: dict[str, Any] = {
     "top_p": TopPOption,
     "seed": SeedOption,
     "max_tokens": MaxTokensOption,
+    "deterministic": DeterministicOption,
     "backend": BackendOption,
 }
 # Every command that may start the daemon (daemon start, daemon run, warm) takes these.

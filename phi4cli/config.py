@@ -232,6 +232,10 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
     "max_tokens": (_optional_positive_int, "a positive integer, or none"),
     "seed": (_optional_seed, "a whole number >= 0, or random"),
     "think_budget": (_optional_budget, "a number of tokens (0 skips thinking), or none"),
+    "deterministic": (
+        _boolean,
+        "true (each request alone, from a clean cache: -t 0 and --seed answers repeat) or false",
+    ),
     "ramdisk": (_ramdisk_mode, "auto (stage on tmpfs if there is room), on or off"),
     "mlock": (_boolean, "true or false"),
     "overcommit": (_boolean, "true (load an n_ctx whose KV is over the free memory) or false"),
@@ -260,6 +264,8 @@ class Settings(Record):
     seed: int | None = None
     # After this many reasoning tokens the daemon closes the thinking; None: no budget.
     think_budget: int | None = None
+    # Each request decoded alone from a clean KV cache: -t 0 and --seed N answers repeat exactly.
+    deterministic: bool = False
     ramdisk: str = "auto"  # stage the model on tmpfs: auto | on | off
     mlock: bool = False  # pin the model's pages in RAM
     # An explicit n_ctx whose KV cache is over the free memory is refused unless this is true.
@@ -278,7 +284,7 @@ class Settings(Record):
 
 # Settings every command that asks for answers (solve, chat, eval) takes as options.
 ANSWER_KEYS = ("think_budget", "system", "temperature", "top_p", "seed", "max_tokens",
-               "keep_alive", "n_ctx", "threads", "backend")  # fmt: skip
+               "deterministic", "keep_alive", "n_ctx", "threads", "backend")  # fmt: skip
 
 # Settings a daemon takes when it starts and keeps for its life.
 DAEMON_SETTINGS = ("n_ctx", "kv_cache_type", "kv_layout", "gpu_layers", "parallel", "threads",

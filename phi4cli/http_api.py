@@ -169,7 +169,7 @@ def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[st
         "system": "\n\n".join(system_parts) or None,
         "model": model,
     }
-    for key in ("temperature", "top_p", "seed"):
+    for key in ("temperature", "top_p", "seed", "deterministic"):  # (the last is phi4's own)
         if body.get(key) is not None:
             params[key] = body[key]
     limit = body.get("max_completion_tokens", body.get("max_tokens"))

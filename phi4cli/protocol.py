@@ -271,6 +271,9 @@ class SolveParams(Record):
     session: str | None = None
     history: tuple[dict[str, str], ...] = ()
     load_only: bool = False  # `phi4 warm`: load (and warm) the model, generate nothing
+    # Evaluated alone by a fixed recipe, so a greedy or seeded answer is the same whatever the
+    # daemon did before (see the engine's ``admit`` and the scheduler's exclusive runs).
+    deterministic: bool = False
 
 
 def _number(params: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -324,6 +327,9 @@ def parse_solve_params(params: Mapping[str, Any], defaults: Settings) -> SolvePa
     priority = params.get("priority", "solve")
     if not isinstance(priority, str) or priority not in PRIORITIES:
         raise ProtocolViolation(BAD_REQUEST, f"'priority' must be one of {', '.join(PRIORITIES)}")
+    deterministic = params.get("deterministic", defaults.deterministic)
+    if not isinstance(deterministic, bool):
+        raise ProtocolViolation(BAD_REQUEST, "'deterministic' must be true or false")
     return SolveParams(
         prompt=prompt,
         system=system or None,
@@ -339,6 +345,7 @@ def parse_solve_params(params: Mapping[str, Any], defaults: Settings) -> SolvePa
         ),
         keep_alive=keep_alive_s,
         priority=PRIORITIES[priority],
+        deterministic=deterministic,
     )
 
 

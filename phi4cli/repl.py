@@ -275,6 +275,7 @@ class ChatRepl:
             "history": self.conversation.history(),
             "system": self.conversation.system,
             "model": self.model,
+            "deterministic": self.settings.deterministic,
         }
 
     def ask(self, question: str) -> None:

@@ -619,6 +619,7 @@ class SolveOptions(Record):
     top_p: float | None = None
     seed: int | None = None
     max_tokens: int | None = None
+    deterministic: bool | None = None
     keep_alive: str | None = None
     n_ctx: str | None = None
     threads: int | None = None
@@ -685,6 +686,7 @@ def make_job(
         "seed": settings.seed,
         "max_tokens": settings.max_tokens,
         "think_budget": settings.think_budget,
+        "deterministic": settings.deterministic,
     }
     if answer_options.get("keep_alive") is not None or "PHI4_KEEP_ALIVE" in os.environ:
         base["keep_alive"] = settings.keep_alive

@@ -214,11 +214,12 @@ class RequestScheduler:
     def _run(self) -> None:
         if self._default_model is not None:
             self._load(self._default_model)
-        held: Job | None = None  # needs another model: waits until the engine is idle
+        # Needs another model, or is deterministic: waits until the engine is idle.
+        held: Job | None = None
         while True:
             self.beats += 1  # the worker goes round: the server's heartbeats say it lives
             self.memory = self._engine.memory()
-            if held is None:
+            if held is None and not self._exclusive():
                 try:
                     job = self._queue.peek(block=self._engine.active == 0)
                 except queue.Empty:
@@ -246,7 +247,8 @@ class RequestScheduler:
     def _take(self, job: Job, switch_model: bool = False) -> object:
         """Offer a job to the engine (loading its model first if need be); return _ADMITTED,
         _SETTLED (it has had its answer), _HELD (it needs another model: it waits until the
-        engine is idle) or _WAITING (no room yet: it stays queued, in its place)."""
+        engine is idle; so does a deterministic one while others run) or _WAITING (no room yet:
+        it stays queued, in its place)."""
         try:
             if job.finished:  # cancelled while queued: it has had its answer
                 self._finished_one()
@@ -274,6 +276,10 @@ class RequestScheduler:
                 job.done(result={**self.last_load, "already_loaded": load_s == 0.0})
                 self._finished_one()
                 return _SETTLED
+            if job.params.deterministic and self._engine.active:
+                # Decoded alone: the running ones finish first (never cut short), and nothing
+                # else is admitted meanwhile, so it is not overtaken for ever.
+                return _HELD
             job.load_s += load_s
             wait = self._engine.admit(job)
             if wait is not None:
@@ -303,6 +309,11 @@ class RequestScheduler:
                          "internal error in the daemon:\n" + traceback.format_exc())  # fmt: skip
             return _SETTLED
         return _ADMITTED
+
+    def _exclusive(self) -> bool:
+        """A deterministic request is decoding: it has the engine to itself until it ends
+        (its batches must hold its tokens alone for its arithmetic to be a fresh daemon's)."""
+        return any(job.params.deterministic for job in self._admitted)
 
     def _settle(self, job: Job, code: ErrorCode, message: str) -> None:
         job.fail(code, message)

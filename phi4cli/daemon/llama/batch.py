@@ -232,9 +232,11 @@ class LlamaEngine:
                     remove_state(leftover)
                 model.save_seq(self._system_seq, prefix, state_file)
         self._system_tokens = prefix
+        # Streams: fresh slots get a copy of it. Both layouts: a deterministic request puts it
+        # back into an emptied cache (_clean_start).
+        self._system_state = model.seq_state(self._system_seq)
         if self._streams:
-            # The first slot holds it, as its own cells; fresh slots get a copy of its state.
-            self._system_state = model.seq_state(self._system_seq)
+            # The first slot holds it, as its own cells.
             self._slots[0].tokens = list(prefix)
             self._slots[0].last_used = time.monotonic()
         return {
@@ -346,14 +348,16 @@ class LlamaEngine:
         prepared: Prepared = job.prepared
         tokens = prepared.tokens
         needed = len(tokens) + prepared.budget + prepared.extra
-        swapped = self._restorable(job.params, tokens)
+        deterministic = job.params.deterministic
+        # A deterministic request reads its whole prompt afresh: a saved state is not used.
+        swapped = None if deterministic else self._restorable(job.params, tokens)
         if swapped is not None and len(swapped.tokens) > needed:
             swapped = None  # restored whole, it would overrun the reservation, even briefly
         free = self._free()
         if needed > free:
             return Wait("memory", needed, free)
-        if all(slot.run is not None for slot in self._slots):
-            return Wait("slot", needed, free)
+        if all(slot.run is not None for slot in self._slots) or (deterministic and self.active):
+            return Wait("slot", needed, free)  # (the scheduler runs a deterministic one alone)
         restored, restore_s = 0, 0.0
         if swapped is not None:
             slot = min((s for s in self._slots if s.run is None), key=lambda s: s.last_used)
@@ -366,7 +370,9 @@ class LlamaEngine:
                 restore_s = time.monotonic() - started
             assert job.params.session is not None
             self._swap.discard(job.params.session)
-        if not restored:
+        if deterministic:
+            slot = self._clean_start(tokens)
+        elif not restored:
             slot = self._choose_slot(tokens)
         # At least one prompt token is always evaluated: sampling needs fresh logits.
         keep = min(_common_prefix(slot.tokens, tokens), len(tokens) - 1)
@@ -461,6 +467,45 @@ class LlamaEngine:
                 best.tokens = list(system)
             # else empty: the system prompt is read with the question
         return best
+
+    def _clean_start(self, tokens: list[int]) -> _Slot:
+        """The first slot, its cache as on a fresh daemon, for a deterministic request (nothing
+        else running): llama.cpp's arithmetic depends on the cells around a sequence, not only
+        on its tokens.
+
+        Shared layout: every idle slot's cells go (a chat session's are saved to disk first, as
+        always) and the system prompt's state is put back into the emptied cache, so it lies at
+        cells 0..S-1 and the question is read into the cells after it, the used span (n_kv) and
+        the mask the same as after ``warm``. Streams: the first slot's own stream gets the same
+        treatment; the other streams do not take part in its arithmetic and keep their cells.
+        The prompt is then read from there in the step loop's n_batch chunks, alone."""
+        model, _ = self._loaded()
+        slot = self._slots[0]
+        system = self._system_tokens
+        starts_with_system = bool(system) and tokens[: len(system)] == system
+        if self._streams:
+            self._drop(slot, 0)
+            if (
+                starts_with_system
+                and self._system_state is not None
+                and model.set_seq_state(slot.seq, self._system_state)
+            ):
+                slot.tokens = list(system)
+            return slot
+        for other in self._slots:
+            self._drop(other, 0)
+        # Emptying the cache moves llama.cpp's search for free cells back to cell 0; failing a
+        # restore, the system prompt is computed again there, as ``warm`` did.
+        if system and not (
+            self._system_state is not None
+            and model.set_seq_state(self._system_seq, self._system_state)
+        ):
+            model.evaluate(self._system_seq, system, 0)
+        if starts_with_system:
+            model.seq_cp(self._system_seq, slot.seq, len(system))
+            slot.shared = len(system)
+            slot.tokens = list(system)
+        return slot
 
     def _reclaim(self, needed: int, chosen: _Slot) -> None:
         """Free idle slots' cached cells, least recently used first, until the running
