@@ -667,9 +667,10 @@ def config_set(
     from phi4cli.config import set_config_value
 
     path = get_paths().config_file
+    from phi4cli.render import format_setting
+
     parsed = set_config_value(path, key, value)
-    shown = format_duration(parsed) if key == "keep_alive" else parsed
-    print(f"{key} = {shown} ({path})")
+    print(clean_text(f"{key} = {format_setting(key, parsed)} ({path})"))
 
 
 @config_app.command("edit")

@@ -398,26 +398,28 @@ def format_status(status: dict[str, Any]) -> str:
     return clean_text("\n".join(f"{key:<12}{value}" for key, value in rows))
 
 
-def format_settings(sources: dict[str, tuple[Any, str]]) -> str:
-    """`phi4 config show`: each setting, its value and where the value comes from."""
+def format_setting(key: str, value: Any) -> str:
+    """One setting's value as `phi4 config show` and `config set` print it: durations as
+    written (30m), booleans as config.toml spells them, None as what it means for that key."""
     from phi4cli.config import format_duration
     from phi4cli.daemon.memory import physical_cores
 
+    if key in ("keep_alive", "backend_timeout", "backend_deadline"):
+        return format_duration(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        if key == "threads":
+            return f"auto ({physical_cores()} physical cores)"
+        return {"n_ctx": "auto", "seed": "random"}.get(key, "none")
+    return str(value)
+
+
+def format_settings(sources: dict[str, tuple[Any, str]]) -> str:
+    """`phi4 config show`: each setting, its value and where the value comes from."""
     width = max(map(len, sources))
-    # What None means, per key, as the README's settings table says it.
-    unset = {"n_ctx": "auto", "threads": f"auto ({physical_cores()} physical cores)",
-             "seed": "random"}  # fmt: skip
-    lines = []
-    for key, (value, source) in sources.items():
-        if key in ("keep_alive", "backend_timeout", "backend_deadline"):
-            shown = format_duration(value)
-        elif isinstance(value, bool):
-            shown = "true" if value else "false"  # as config.toml spells it
-        elif value is None:
-            shown = unset.get(key, "none")
-        else:
-            shown = str(value)
-        lines.append(f"{key:<{width}}  {shown:<24}  {source}")
+    lines = [f"{key:<{width}}  {format_setting(key, value):<24}  {source}"
+             for key, (value, source) in sources.items()]  # fmt: skip
     return clean_text("\n".join(lines))  # a system prompt in the config is anyone's text
 
 

@@ -32,7 +32,10 @@ def test_config_set_show_path_and_validation(phi4_home: Path):
     assert re.search(r"^max_tokens +none +default$", table, re.M)
     assert run_phi4("config", "set", "temperature", "none").returncode == 2, "not optional"
     assert run_phi4("config", "set", "seed", "5").returncode == 0
-    assert run_phi4("config", "set", "seed", "random").returncode == 0
+    cleared = run_phi4("config", "set", "seed", "random")
+    assert cleared.returncode == 0 and cleared.stdout.startswith("seed = random ("), cleared.stdout
+    assert run_phi4("config", "set", "threads", "auto").stdout.startswith("threads = auto (")
+    assert run_phi4("config", "set", "mlock", "yes").stdout.startswith("mlock = true (")
     assert "seed" not in path.read_text()
 
 
