@@ -88,6 +88,11 @@ def phi4_home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     for name in list(os.environ):
         if name.startswith("PHI4_") and name != "PHI4_HOME":
             monkeypatch.delenv(name)
+    # One llama.cpp thread per daemon: on a shared machine threads that spin at llama.cpp's
+    # barriers wait for each other's time slices. With two busy processes on 2 cores, two
+    # threads took 179 s for 48 SmolLM2 tokens, one thread 2.8 s. A test that sets threads
+    # itself still can.
+    monkeypatch.setenv("PHI4_THREADS", "1")
     try:
         yield home
     finally:
