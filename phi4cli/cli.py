@@ -88,8 +88,9 @@ NCtxOption = Annotated[
     typer.Option(
         "--n-ctx",
         metavar="auto|N",
-        help="KV cache tokens, shared by all requests, of a daemon this command starts "
-        "[default auto: planned from the model and free memory].",
+        help="KV cache tokens in all (shared by the requests, or split into their streams) "
+        "of a daemon this command starts [default auto: planned from the model and free "
+        "memory].",
         show_default=False,
     ),
 ]

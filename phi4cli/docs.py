@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from phi4cli import __version__
-from phi4cli.errors import ExitStatus
 
 SHELLS = ("bash", "zsh", "fish")
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,19 +106,26 @@ FILES = [
     ("~/.local/share/phi4/chats/", "Saved conversations, JSON."),
     ("~/.local/state/phi4/daemon.log", "The daemon's log."),
     ("~/.local/state/phi4/chat_history", "Chat input history."),
-    ("~/.cache/phi4/states/", "Saved system-prompt states."),
+    ("~/.cache/phi4/states/", "Saved system-prompt states (checked before they are used)."),
+    ("~/.cache/phi4/sessions/", "Idle chats swapped out to disk (checked the same way)."),
+    ("/dev/shm/phi4-UID/", "Staged model copies in RAM (or $PHI4_RAMDISK)."),
     ("$XDG_RUNTIME_DIR/phi4/", "Socket, status file and locks (else /tmp/phi4-UID/)."),
 ]
-EXIT_MEANINGS = {
-    ExitStatus.OK: "Success.",
-    ExitStatus.ERROR: "An error phi4 reports: bad input, model missing, context overflow, "
-    "a failed problem of --file.",
-    ExitStatus.USAGE: "Usage: a bad option or setting.",
-    ExitStatus.DAEMON_UNAVAILABLE: "The daemon is unreachable or could not start.",
-    ExitStatus.PROTOCOL_MISMATCH: "The daemon speaks another protocol version after a restart.",
-    ExitStatus.ENGINE_FAILURE: "The model could not be loaded, or llama.cpp failed.",
-    ExitStatus.INTERRUPTED: "Interrupted (Ctrl-C).",
-}
+
+
+def exit_meanings() -> list[tuple[str, str]]:
+    """The README's "Exit status" table, code and meaning, Markdown taken out: one text for the
+    README and the man page."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Exit status") :].split("\n\n")[1]
+    rows = []
+    for line in table.splitlines()[2:]:
+        code, meaning = (cell.strip() for cell in line.strip("|").split("|", 1))
+        meaning = meaning.replace("`", "").replace("\\|", "|")
+        rows.append((code, meaning[0].upper() + meaning[1:] + "."))
+    return rows
+
+
 EXAMPLES = [
     ('phi4 solve "Solve 3x^2+4x+5=1"', "Solve one problem; the thinking is folded away."),
     ('echo "12*13?" | phi4 solve - --answer-only', "Just the answer, for scripts."),
@@ -166,8 +172,8 @@ def man_page() -> str:
     for name, meaning in FILES:
         lines += [".TP", f".I {_roff(name)}", _roff(meaning)]
     lines.append(".SH EXIT STATUS")
-    for status, meaning in EXIT_MEANINGS.items():
-        lines += [".TP", f".B {int(status)}", _roff(meaning)]
+    for code, meaning in exit_meanings():
+        lines += [".TP", f".B {code}", _roff(meaning)]
     lines.append(".SH EXAMPLES")
     for command, meaning in EXAMPLES:
         # A text line, not `.B` arguments: roff would take the quotes as argument delimiters

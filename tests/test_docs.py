@@ -69,3 +69,13 @@ def test_man_page_examples_can_be_typed_as_shown_and_every_variable_is_listed():
     for name in ("PHI4_KV_CACHE_TYPE", "PHI4_KV_LAYOUT", "PHI4_GPU_LAYERS", "PHI4_INSTRUCTION",
                  "PHI4_MLOCK", "PHI4_BACKEND_TIMEOUT"):  # fmt: skip
         assert name in environment
+
+
+def test_the_man_pages_exit_status_is_the_readmes_table_for_every_code():
+    from phi4cli.docs import exit_meanings
+    from phi4cli.errors import ExitStatus
+
+    rows = dict(exit_meanings())
+    assert set(rows) == {str(int(status)) for status in ExitStatus}
+    assert "the thinking ran out of tokens" in rows["1"] and "empty question" in rows["2"]
+    assert "`" not in "".join(rows.values())
