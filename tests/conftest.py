@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,3 +136,23 @@ def holding_daemon_lock(run_dir: Path) -> Iterator[None]:
     finally:
         holder.kill()
         holder.wait()
+
+
+def exchange(path: Path, lines: list[bytes]) -> list[dict[str, Any]]:
+    """Send ``lines`` to the daemon's socket on one connection; return every event it answers,
+    up to one terminal event (done or error) per line."""
+    import socket
+
+    events: list[dict[str, Any]] = []
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(120)  # a hang, not a slow machine
+        sock.connect(str(path))
+        sock.sendall(b"".join(lines))
+        reader = sock.makefile("rb")
+        pending = len(lines)
+        while pending:
+            line = reader.readline()
+            assert line, f"the daemon hung up with {pending} requests unanswered"
+            events.append(json.loads(line))
+            pending -= events[-1].get("event") in ("done", "error")
+    return events

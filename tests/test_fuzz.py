@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import run_phi4
+from tests.conftest import exchange, run_phi4
 
 # Text as a hostile client sends it: lone surrogates among ordinary characters (JSON's "\ud800"
 # escapes decode to them, and UTF-8 cannot encode them).
@@ -71,21 +71,7 @@ def daemon(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def _exchange(path: Path, lines: list[bytes]) -> list[dict[str, Any]]:
     """Send the lines on one connection; return the terminal events, one per line."""
-    terminals: list[dict[str, Any]] = []
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(30)
-        sock.connect(str(path))
-        sock.sendall(b"".join(lines))
-        reader = sock.makefile("rb")
-        pending = len(lines)
-        while pending:
-            line = reader.readline()
-            assert line, f"the daemon hung up with {pending} requests unanswered"
-            event = json.loads(line)
-            if event.get("event") in ("done", "error"):
-                terminals.append(event)
-                pending -= 1
-    return terminals
+    return [e for e in exchange(path, lines) if e.get("event") in ("done", "error")]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,

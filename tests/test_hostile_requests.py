@@ -27,7 +27,7 @@ from phi4cli.daemon.llama.prompts import Prompts
 from phi4cli.daemon.scheduler import QueueFullError
 from phi4cli.daemon.server import Connection, DaemonServer
 from phi4cli.paths import get_paths
-from tests.conftest import run_phi4
+from tests.conftest import exchange, run_phi4
 from tests.test_protocol_scheduler import Collector, FakeEngine, busy_scheduler
 
 LONE = "\ud800"  # a lone surrogate: what JSON's "\ud800" decodes to, and UTF-8 cannot encode
@@ -324,23 +324,6 @@ def _still_serving(daemon: Any) -> None:
     assert after.stdout == daemon.reference, "the same greedy answer as before"
 
 
-def _exchange(path: Path, lines: list[bytes]) -> list[dict[str, Any]]:
-    """Send the lines on one connection; return every event up to one terminal per line."""
-    events: list[dict[str, Any]] = []
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(120)
-        sock.connect(str(path))
-        sock.sendall(b"".join(lines))
-        reader = sock.makefile("rb")
-        pending = len(lines)
-        while pending:
-            line = reader.readline()
-            assert line, f"the daemon hung up with {pending} requests unanswered"
-            events.append(json.loads(line))
-            pending -= events[-1]["event"] in ("done", "error")
-    return events
-
-
 def _log_has_no_traceback(daemon: Any) -> None:
     log = daemon.log.read_text() if daemon.log.exists() else ""
     assert "Traceback" not in log and "Exception in callback" not in log, log[-2000:]
@@ -363,7 +346,7 @@ def test_a_lone_surrogate_gets_bad_request_naming_the_field(
     daemon: Any, op: str, params: dict[str, Any], field: str
 ):
     bystander = Bystander(daemon.socket)
-    events = _exchange(daemon.socket, [_line("h1", op, {**params, "max_tokens": 4})])
+    events = exchange(daemon.socket, [_line("h1", op, {**params, "max_tokens": 4})])
     assert events[-1]["id"] == "h1" and events[-1]["code"] == "bad_request", events
     assert events[-1]["message"].startswith(f"{field} is not valid Unicode")
     bystander.check()
@@ -375,7 +358,7 @@ def test_a_lone_surrogate_gets_bad_request_naming_the_field(
 
 def test_a_lone_surrogate_in_the_id_is_answered_and_the_connection_goes_on(daemon: Any):
     bystander = Bystander(daemon.socket)
-    events = _exchange(daemon.socket, [_line(f"x{LONE}", "solve", {"prompt": "hi"}),
+    events = exchange(daemon.socket, [_line(f"x{LONE}", "solve", {"prompt": "hi"}),
                                        _line("after", "ping", {})])  # fmt: skip
     assert events[0]["id"] is None and events[0]["code"] == "bad_request"
     assert "'id' is not valid Unicode" in events[0]["message"]
@@ -389,7 +372,7 @@ def test_deeply_nested_params_get_bad_request(daemon: Any):
     bystander = Bystander(daemon.socket)
     deep = b'{"v":1,"id":"deep","op":"solve","params":{"prompt":"x","x":' + b"[" * 50_000
     deep += b"]" * 50_000 + b"}}\n"
-    events = _exchange(daemon.socket, [deep])
+    events = exchange(daemon.socket, [deep])
     assert events[-1]["code"] == "bad_request", events
     assert "nested deeper than" in events[-1]["message"]
     bystander.check()
@@ -437,7 +420,7 @@ def test_a_flood_then_a_hang_up_leaves_nothing_behind(tiny_model: Path, phi4_hom
 def test_a_chat_of_ten_thousand_messages_is_refused_and_two_thousand_are_trimmed(daemon: Any):
     tiny = [{"role": r, "content": "ok"} for r in ("user", "assistant")]
     bystander = Bystander(daemon.socket)
-    refused = _exchange(
+    refused = exchange(
         daemon.socket,
         [_line("big", "chat", {"session": "big", "message": "hi", "history": tiny * 5_000})],
     )
@@ -445,7 +428,7 @@ def test_a_chat_of_ten_thousand_messages_is_refused_and_two_thousand_are_trimmed
     assert "the limit is 2,000" in refused[-1]["message"]
     bystander.check()
     bystander = Bystander(daemon.socket)
-    trimmed = _exchange(daemon.socket, [_line("long", "chat", {
+    trimmed = exchange(daemon.socket, [_line("long", "chat", {
         "session": "long", "message": "hi", "history": tiny * 1_000, "max_tokens": 4,
         "temperature": 0})])  # fmt: skip
     assert trimmed[-1]["event"] == "done", trimmed[-1]
