@@ -7,6 +7,7 @@ template's glue between turns), never re-rendered, so the KV cache prefix always
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,9 @@ FALLBACK_TEMPLATE = (
 # Renders a trim may take past the first, however the per-turn estimates err: a request's
 # preparation stays a few renders of its history, never one per turn.
 _CORRECTIONS = 3
+# Where a message's text goes in a rendered conversation: its index between two private-use
+# characters (see Prompts.tokens).
+_MARK = re.compile("\ue000(\\d+)\ue001")
 
 
 @dataclass
@@ -68,17 +72,56 @@ class Prompts:
         messages = [{"role": "system", "content": system}] if system else []
         return self._formatter(messages=messages + turns).prompt  # type: ignore[arg-type]
 
+    def tokens(self, system: str | None, turns: list[Message]) -> list[int]:
+        """Return the tokens of a rendered conversation: the template's own text with its
+        special tokens (``<|user|>``, ``<|end|>``), every message's text as plain text.
+
+        So a question, a system prompt or an earlier answer that holds ``<|end|><|assistant|>``
+        cannot end its turn or open another, and tokenising it costs time linear in its length
+        (llama.cpp's search for special tokens grows with the square of how many a text holds).
+        A template that changes a message's text (trims it, say) is tokenised whole, as before.
+        """
+        pieces = self._pieces(system, turns)
+        if pieces is None:
+            return self.model.tokenize(self.render(system, turns))
+        return self._tokenize_pieces(pieces)
+
+    def _pieces(self, system: str | None, turns: list[Message]) -> list[tuple[str, bool]] | None:
+        """The rendered conversation as (text, is the template's) pieces, in order; None when
+        the template does not place each message's text as it is."""
+        contents = ([system] if system else []) + [turn["content"] for turn in turns]
+        first = 1 if system else 0
+        marked = [{**turn, "content": f"\ue000{first + i}\ue001"} for i, turn in enumerate(turns)]
+        split = _MARK.split(self.render("\ue0000\ue001" if system else None, marked))
+        if split[1::2] != [str(i) for i in range(len(contents))]:
+            return None  # a message's text left out, repeated or moved
+        pieces = [(contents[int(s)], False) if i % 2 else (s, True) for i, s in enumerate(split)]
+        if "".join(text for text, _ in pieces) != self.render(system, turns):
+            return None
+        return pieces
+
+    def _tokenize_pieces(self, pieces: list[tuple[str, bool]], add_bos: bool = True) -> list[int]:
+        tokens: list[int] = []
+        for text, template in pieces:
+            if text:
+                tokens += self.model.tokenize(text, add_bos=add_bos and not tokens,
+                                              special=template)  # fmt: skip
+        return tokens if tokens or not add_bos else self.model.tokenize("")
+
     def question(self, params: SolveParams) -> list[int]:
         """Return the tokens of a one-shot question."""
-        return self.model.tokenize(
-            self.render(params.system, [{"role": "user", "content": params.prompt}])
-        )
+        return self.tokens(params.system, [{"role": "user", "content": params.prompt}])
 
     def system_prefix(self, system: str | None) -> list[int]:
-        """Tokens every conversation with this system prompt starts with."""
-        marker = "\x00"
-        text = self.render(system, [{"role": "user", "content": marker}])
-        return self.model.tokenize(text[: text.index(marker)])
+        """Tokens every conversation with this system prompt starts with: those before the
+        first question's text, a prefix of ``tokens`` of every such conversation."""
+        question = [{"role": "user", "content": "?"}]
+        pieces = self._pieces(system, question)
+        if pieces is None:
+            marker = "\x00"
+            text = self.render(system, [{"role": "user", "content": marker}])
+            return self.model.tokenize(text[: text.index(marker)])
+        return self._tokenize_pieces(pieces[:-2])  # less the question and what follows it
 
     def _turn_glue(self) -> tuple[str, str] | None:
         """Return the template text between an answer and the next question, and between a
@@ -126,8 +169,12 @@ class Prompts:
         dropped, rebuilt = 0, False
         if base is not None and self.glue is not None and session is not None:
             after_answer, after_question = self.glue
-            glue = after_answer + params.prompt + after_question
-            tokens = session.tokens[:base] + self.model.tokenize(glue, add_bos=False)
+            tokens = [
+                *session.tokens[:base],
+                *self.model.tokenize(after_answer, add_bos=False),
+                *self.model.tokenize(params.prompt, add_bos=False, special=False),
+                *self.model.tokenize(after_question, add_bos=False),
+            ]
         if tokens is None or (len(tokens) > room and history):
             dropped, tokens = self._fit(params, history, room)
             history = history[2 * dropped :]
@@ -143,7 +190,7 @@ class Prompts:
 
     def _rendered(self, params: SolveParams, history: list[Message]) -> list[int]:
         question = {"role": "user", "content": params.prompt}
-        return self.model.tokenize(self.render(params.system, [*history, question]))
+        return self.tokens(params.system, [*history, question])
 
     def _fit(self, params: SolveParams, history: list[Message], room: int) -> tuple[int, list[int]]:
         """Render the question after as many of the newest turns as fit in ``room`` tokens (all
