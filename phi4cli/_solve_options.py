@@ -33,6 +33,7 @@ OPTIONS = {
     '--keep-alive': ('keep_alive', 'str', None),
     '--n-ctx': ('n_ctx', 'str', None),
     '--threads': ('threads', 'int', None),
+    '--overcommit': ('overcommit', 'flag', None),
     '--backend': ('backend', 'str', None),
 }
 ARGUMENT = 'prompt'
@@ -59,5 +60,6 @@ DEFAULTS = {
     'keep_alive': None,
     'n_ctx': None,
     'threads': None,
+    'overcommit': None,
     'backend': None,
 }

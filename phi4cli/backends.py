@@ -77,7 +77,7 @@ class DaemonBackend:
         settings: Settings,
         model_path: Path,
         announce: Announce,
-        window: int = 48,
+        window: int = 32,  # the daemon's per-connection share of its default queue (64 // 2)
     ) -> None:
         self.paths, self.settings, self.model_path = paths, settings, model_path
         self.announce = announce

@@ -284,7 +284,8 @@ class Settings(Record):
 
 # Settings every command that asks for answers (solve, chat, eval) takes as options.
 ANSWER_KEYS = ("think_budget", "system", "temperature", "top_p", "seed", "max_tokens",
-               "deterministic", "keep_alive", "n_ctx", "threads", "backend")  # fmt: skip
+               "deterministic", "keep_alive", "n_ctx", "threads", "overcommit",
+               "backend")  # fmt: skip
 
 # Settings a daemon takes when it starts and keeps for its life.
 DAEMON_SETTINGS = ("n_ctx", "kv_cache_type", "kv_layout", "gpu_layers", "parallel", "threads",

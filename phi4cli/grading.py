@@ -260,8 +260,15 @@ def _mismatch_message(output: Path, earlier: EarlierResults) -> str:
             "counts them as this run's, or -o names another file")  # fmt: skip
 
 
+def result_line(record: dict[str, Any]) -> str:
+    """One results-file line: JSON escaped where a terminal would act on a character (`cat` of
+    the file) or UTF-8 has none (a lone surrogate from a problem's JSON); the same value read
+    back."""
+    return json_safe(json.dumps(record, ensure_ascii=False))
+
+
 def _lines(records: list[dict[str, Any]]) -> bytes:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+    return "".join(result_line(r) + "\n" for r in records).encode()
 
 
 def open_results(output: Path, items: list[Item], run: dict[str, Any],
@@ -341,9 +348,7 @@ def run_eval(
             return
         record = {**judge(todo[i], [outcomes[(i, s)] for s in range(samples)], compare), "run": run}
         done[todo[i].line] = record
-        # Escaped where a terminal would act on a character (`cat` of the file) or UTF-8 has
-        # none (a lone surrogate from a problem's JSON): the same value when read back.
-        line = json_safe(json.dumps(record, ensure_ascii=False))
+        line = result_line(record)
         results.write(line.encode() + b"\n")
         results.flush()  # an interruption keeps every problem finished so far
         if jsonl:

@@ -320,6 +320,8 @@ def create_app(
             raise ApiError(400, f"malformed JSON: {exc}") from None
         except RecursionError:
             raise ApiError(400, "the JSON is nested too deeply") from None
+        except ValueError as exc:  # an integer of more digits than Python converts (4,300)
+            raise ApiError(400, f"malformed JSON: {exc}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         bad_text = unencodable_field(body)

@@ -516,7 +516,7 @@ def decode(line: bytes) -> JSON:
         )
     try:
         message = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of 5,000 digits
         raise ProtocolViolation(BAD_REQUEST, f"malformed JSON: {exc}") from None
     if not isinstance(message, dict):
         raise ProtocolViolation(BAD_REQUEST, "a message must be a JSON object")

@@ -623,6 +623,7 @@ class SolveOptions(Record):
     keep_alive: str | None = None
     n_ctx: str | None = None
     threads: int | None = None
+    overcommit: bool | None = None
     backend: str | None = None
     no_instruction: bool = False
     verbose: bool = False

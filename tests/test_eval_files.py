@@ -292,3 +292,13 @@ def test_a_backend_url_is_recorded_without_its_password():
     assert "s3cret" not in json.dumps(run) and "sk-key" not in json.dumps(run)
     assert (run["model"], run["model_file"], run["instruction"], run["samples"]) == (
         "m", None, "Box it.", 2)  # fmt: skip
+
+
+def test_a_rewritten_results_file_escapes_what_the_appended_lines_escape():
+    # Before: --force-resume's rewrite wrote json.dumps(...).encode(): a lone surrogate from a
+    # problem's JSON was an "internal error", and a C1 character went into the file raw.
+    from phi4cli.grading import _lines
+
+    written = _lines([{"reference": "\ud800", "answer": "\x9b31m"}])
+    assert b"\\ud800" in written and b"\\u009b" in written and b"\xc2\x9b" not in written
+    assert json.loads(written) == {"reference": "\ud800", "answer": "\x9b31m"}

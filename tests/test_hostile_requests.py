@@ -526,3 +526,13 @@ def test_a_message_cannot_hold_the_templates_special_tokens(tiny_model: Path):
     assert long.returncode == 1, long.stderr  # over the context: counted, then refused
     counted = int(re.search(r"the question is ([\d,]+) tokens", long.stderr)[1].replace(",", ""))
     assert counted > 20_000 * 2, "each marker is several text tokens, not one special one"
+
+
+def test_an_integer_of_five_thousand_digits_is_a_bad_request(daemon: Any):
+    # Before: json.loads' digit limit raised a bare ValueError: an `internal` error, id null,
+    # and a traceback in the log.
+    line = b'{"v":1,"id":"big","op":"solve","params":{"prompt":"x","seed":' + b"1" * 5000 + b"}}\n"
+    (event,) = exchange(daemon.socket, [line])
+    assert event["event"] == "error" and event["code"] == "bad_request", event
+    assert "malformed JSON" in event["message"]
+    _still_serving(daemon)

@@ -511,6 +511,10 @@ def test_lone_surrogates_and_deep_nesting_are_400s_naming_the_field(server: str)
     deep = b'{"messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     status, message = refusal(fetch(url, deep, JSON))
     assert status == 400 and "nested too deeply" in message
+    # Before: Python's int() limit (4,300 digits) raised a bare ValueError: a 500, text/plain.
+    huge = b'{"seed":' + b"1" * 5000 + b',"messages":[{"role":"user","content":"hi"}]}'
+    status, message = refusal(fetch(url, huge, JSON))
+    assert status == 400 and "malformed JSON" in message and "digits" in message
     status, text = fetch(url, chat_body(), JSON)  # and the server goes on
     assert status == 200, text
 

@@ -292,3 +292,7 @@ def test_an_explicit_context_over_the_free_memory_is_refused_with_the_numbers(ti
     assert run_phi4("stop").returncode == 0
     fine = run_phi4("solve", "hi", "-m", str(tiny_model), "-n", "2", "--n-ctx", "1024")
     assert fine.returncode == 0, fine.stderr
+    # The advice can be taken where --n-ctx is given: solve, chat and eval start a daemon too.
+    for command in ("solve", "chat", "eval", "daemon", "warm"):
+        shown = run_phi4(command, *(["start"] if command == "daemon" else []), "--help").stdout
+        assert "--overcommit" in shown, command

@@ -164,7 +164,10 @@ class Prompts:
         room = n_ctx - reserve
         history = list(params.history)
         session = self.sessions.get(params.session)
-        base = session.continues(self.model.path, params.system, history) if session else None
+        # A deterministic turn is rendered from the transcript, as a fresh daemon would: the
+        # session's tokens hold what this daemon happened to generate (its thinking too).
+        base = (session.continues(self.model.path, params.system, history)
+                if session and not params.deterministic else None)  # fmt: skip
         tokens: list[int] | None = None
         dropped, rebuilt = 0, False
         if base is not None and self.glue is not None and session is not None:
