@@ -109,29 +109,25 @@ def _check_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return checked
 
 
-def _bad_text(value: object, where: str = "") -> str | None:
+def _bad_text(value: object) -> str | None:
     """Where in a saved chat a string holds a lone surrogate (``"\\ud800"`` in the JSON), which
-    cannot be sent on as UTF-8; None when nowhere."""
-    from phi4cli.inputs import find_bad
+    cannot be sent on as UTF-8, as a person reads the file (``turn 3: 'answer'``); None when
+    nowhere."""
+    from phi4cli.inputs import find_unencodable
 
-    if isinstance(value, str):
-        return where or "a value" if find_bad(value) else None
-    items: list[tuple[object, object]] = []
-    if isinstance(value, dict):
-        items = list(value.items())
-    elif isinstance(value, list):
-        items = list(enumerate(value, 1))
-    for key, item in items:
-        if isinstance(key, str) and find_bad(key):
-            return f"a key in {where or 'the file'}"
-        if isinstance(key, int):  # a list's
-            name = f"turn {key}" if where == "'turns'" else f"{where} item {key}"
+    found = find_unencodable(value)
+    if found is None:
+        return None
+    path, is_key = found
+    where = ""
+    for step in path:
+        if isinstance(step, int):  # a list's, counted from 1
+            where = f"turn {step + 1}" if where == "'turns'" else f"{where} item {step + 1}"
         else:
-            name = f"{where}: '{key}'" if where else f"'{key}'"
-        found = _bad_text(item, name)
-        if found is not None:
-            return found
-    return None
+            where = f"{where}: '{step}'" if where else f"'{step}'"
+    if is_key:
+        return f"a key in {where or 'the file'}"
+    return where or "a value"
 
 
 def _check(data: dict[str, Any], required: dict[str, Any], optional: dict[str, Any],

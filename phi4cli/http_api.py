@@ -99,25 +99,20 @@ class ApiError(Exception):
 def unencodable_field(body: Any) -> str | None:
     """The first field of a parsed JSON body holding text that is not UTF-8-encodable (a lone
     surrogate such as ``"\\ud800"``, which JSON allows), named ``messages[0].content``; None if
-    every string is text. Iterative: a body's depth is bounded only by the parser."""
-    stack: list[tuple[str, Any]] = [("", body)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode()
-            except UnicodeEncodeError:
-                return path or "the body"
-        elif isinstance(value, dict):
-            for key, item in reversed(value.items()):
-                try:
-                    key.encode()
-                except UnicodeEncodeError:
-                    return f"a key of {path or 'the body'}"
-                stack.append((f"{path}.{key}" if path else key, item))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
-    return None
+    every string is text."""
+    from phi4cli.inputs import find_unencodable
+
+    found = find_unencodable(body)
+    if found is None:
+        return None
+    path, is_key = found
+    named = ""
+    for step in path:
+        if isinstance(step, int):
+            named = f"{named}[{step}]"
+        else:
+            named = f"{named}.{step}" if named else step
+    return f"a key of {named or 'the body'}" if is_key else named or "the body"
 
 
 def check_model(body: dict[str, Any], model_name: str, served: frozenset[str]) -> None:

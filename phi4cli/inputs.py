@@ -35,6 +35,30 @@ def find_bad(text: str) -> re.Match[str] | None:
     return _SURROGATE.search(text)
 
 
+# The way to a value inside decoded JSON: a dict's key (str) or a list's index (int) a step.
+JsonPath = tuple[str | int, ...]
+
+
+def find_unencodable(value: object) -> tuple[JsonPath, bool] | None:
+    """Where the first string of a decoded JSON value (in document order) holds what UTF-8
+    cannot encode (a lone surrogate, as JSON's ``"\\ud800"`` makes one): its path, and whether
+    it is a key of the dict at that path rather than the value there. None if every string is
+    text. Iterative: a value's depth is bounded only by whoever parsed it."""
+    stack: list[tuple[JsonPath, object, bool]] = [((), value, False)]
+    while stack:
+        path, item, is_key = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and find_bad(item):
+                return path, is_key
+        elif isinstance(item, dict):
+            for key, inner in reversed(list(item.items())):  # popped in order: key, then value
+                stack.append(((*path, key), inner, False))
+                stack.append((path, key, True))
+        elif isinstance(item, list):
+            stack.extend(((*path, i), inner, False) for i, inner in reversed(list(enumerate(item))))
+    return None
+
+
 def check_text(text: str, where: str) -> str:
     """Return ``text``; raise UsageError naming ``where`` when it is not valid UTF-8 text."""
     bad = find_bad(text)

@@ -526,30 +526,26 @@ def decode(line: bytes) -> JSON:
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_]{1,32}")
 
 
-def unencodable(value: object, where: str = "") -> str | None:
+def unencodable(value: object) -> str | None:
     """Where in ``value`` (a decoded JSON value) a string holds what UTF-8 cannot encode (a lone
     surrogate, as JSON's ``\\ud800`` makes one), said for a message: ``'params.prompt'``,
-    ``'params.history[3].content'``, ``a key in 'params'``; None if nowhere. Iterative: the
-    depth was bounded, but the walk needs no recursion either way."""
-    stack: list[tuple[object, str]] = [(value, f"'{where}'" if where else "the value")]
-    while stack:
-        item, path = stack.pop()
-        if isinstance(item, str):
-            if not item.isascii():
-                try:
-                    item.encode()
-                except UnicodeEncodeError:
-                    return path
-        elif isinstance(item, dict):
-            for key, inner in item.items():
-                name = key if isinstance(key, str) and _PLAIN_KEY.fullmatch(key) else "?"
-                inside = path.strip("'") if path.startswith("'") else ""
-                stack.append((key, f"a key in '{inside}'" if inside else "a key of the request"))
-                stack.append((inner, f"'{inside}.{name}'" if inside else f"'{name}'"))
-        elif isinstance(item, list):
-            inside = path[1:-1] if path.startswith("'") else "?"
-            stack.extend((inner, f"'{inside}[{i}]'") for i, inner in enumerate(item))
-    return None
+    ``'params.history[3].content'``, ``a key in 'params'``; None if nowhere."""
+    from phi4cli.inputs import find_unencodable
+
+    found = find_unencodable(value)
+    if found is None:
+        return None
+    path, is_key = found
+    inside = ""
+    for step in path:  # a key that is no plain name is not repeated back: it is shown as ?
+        if isinstance(step, int):
+            inside = f"{inside or '?'}[{step}]"
+        else:
+            name = step if _PLAIN_KEY.fullmatch(step) else "?"
+            inside = f"{inside}.{name}" if inside else name
+    if is_key:
+        return f"a key in '{inside}'" if inside else "a key of the request"
+    return f"'{inside}'" if inside else "the value"
 
 
 def parse_request(line: bytes) -> Request:
