@@ -156,3 +156,10 @@ def exchange(path: Path, lines: list[bytes]) -> list[dict[str, Any]]:
             events.append(json.loads(line))
             pending -= events[-1].get("event") in ("done", "error")
     return events
+
+
+# Both KV layouts, for tests of what each does with a chat's cells; one stream, so a solve takes
+# the chat's.
+both_kv_layouts = pytest.mark.parametrize(
+    "layout", [(), ("--kv-layout", "streams", "--parallel", "1")], ids=["shared", "streams"]
+)

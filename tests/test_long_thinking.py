@@ -10,9 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from tests.conftest import run_phi4
+from tests.conftest import both_kv_layouts, run_phi4
 
 
 def _status() -> dict[str, Any]:
@@ -158,11 +156,7 @@ def _turn(connection: Any, session: str, message: str, history: list[dict[str, s
     return text, next(e.stats.to_dict() for e in events if e.kind == "stats")
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [(), ("--kv-layout", "streams", "--parallel", "1")],  # one stream: the solve takes the chat's
-    ids=["shared", "streams"],
-)
+@both_kv_layouts
 def test_an_evicted_chat_is_restored_from_disk_not_re_read(
     tiny_model: Path, phi4_home: Path, layout: tuple[str, ...]
 ):

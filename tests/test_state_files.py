@@ -16,7 +16,7 @@ import pytest
 
 from phi4cli.daemon import statefile
 from phi4cli.daemon.statefile import StateDirError, StateFileError
-from tests.conftest import run_phi4
+from tests.conftest import both_kv_layouts, run_phi4
 
 IDENTITY = {"model_path": "/m/a.gguf", "model_bytes": 1234, "n_ctx": 1024, "kv_layout": "shared",
             "slots": 4, "flash_attn": "auto"}  # fmt: skip
@@ -233,11 +233,7 @@ CHAT_DAMAGES: list[tuple[str, Callable[[Path, bytes], None], str]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [(), ("--kv-layout", "streams", "--parallel", "1")],  # one stream: the solve takes the chat's
-    ids=["shared", "streams"],
-)
+@both_kv_layouts
 def test_a_damaged_swapped_chat_is_re_read_and_the_daemon_answers_everyone(
     tiny_model: Path, phi4_home: Path, layout: tuple[str, ...]
 ):

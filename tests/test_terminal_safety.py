@@ -187,11 +187,17 @@ def test_bold_and_emphasis_still_render_as_styles():
     assert "6*7 = 42." in Text.from_ansi(output).plain
 
 
-def test_a_link_shows_where_it_goes_and_writes_no_hyperlink_sequence():
-    presenter = TerminalPresenter(show_reasoning=False, verbose=False)
-    out = io.StringIO()
+def _presenter(show_reasoning: bool) -> tuple[TerminalPresenter, io.StringIO, io.StringIO]:
+    """A terminal presenter writing to two in-memory terminals: (presenter, stdout, stderr)."""
+    presenter = TerminalPresenter(show_reasoning=show_reasoning, verbose=False)
+    out, err = io.StringIO(), io.StringIO()
     presenter.out = Console(file=out, force_terminal=True, width=100, highlight=False)
-    presenter.err = Console(file=io.StringIO(), force_terminal=True, width=100)
+    presenter.err = Console(file=err, force_terminal=True, width=100, highlight=False)
+    return presenter, out, err
+
+
+def test_a_link_shows_where_it_goes_and_writes_no_hyperlink_sequence():
+    presenter, out, _err = _presenter(show_reasoning=False)
     outcome = Outcome(index=0, question="q")
     event = Event(EventKind.TOKEN, text="See [the proof](https://evil.example/x): $\\boxed{2}$")
     outcome.apply(event)
@@ -204,10 +210,7 @@ def test_a_link_shows_where_it_goes_and_writes_no_hyperlink_sequence():
 
 
 def test_the_terminal_presenter_cleans_thinking_solution_and_answer():
-    presenter = TerminalPresenter(show_reasoning=True, verbose=False)
-    out, err = io.StringIO(), io.StringIO()
-    presenter.out = Console(file=out, force_terminal=True, width=100, highlight=False)
-    presenter.err = Console(file=err, force_terminal=True, width=100, highlight=False)
+    presenter, out, err = _presenter(show_reasoning=True)
     outcome = Outcome(index=0, question="q")
     events = [
         Event(EventKind.REASONING, text="Let me think." + CLIPBOARD[:6]),
@@ -228,10 +231,7 @@ def test_the_terminal_presenter_cleans_thinking_solution_and_answer():
 
 
 def test_thinking_that_never_reached_an_answer_leaves_its_trace_once():
-    presenter = TerminalPresenter(show_reasoning=False, verbose=False)
-    out, err = io.StringIO(), io.StringIO()
-    presenter.out = Console(file=out, force_terminal=True, width=100, highlight=False)
-    presenter.err = Console(file=err, force_terminal=True, width=100, highlight=False)
+    presenter, out, err = _presenter(show_reasoning=False)
     outcome = Outcome(index=0, question="q")
     for event in [Event(EventKind.REASONING, text="Hm" + TITLE), Event(EventKind.REASONING)]:
         outcome.apply(event)
