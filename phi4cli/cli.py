@@ -18,6 +18,7 @@ import typer
 
 from phi4cli import __version__, protocol
 from phi4cli.config import ANSWER_KEYS, Settings, format_duration, load_settings
+from phi4cli.entry import _stderr  # the one `phi4:` line on stderr, cleaned
 from phi4cli.errors import ConfigError, ExitStatus, Phi4Error, UsageError
 from phi4cli.paths import Paths, get_paths
 from phi4cli.sanitize import TextCleaner, clean_text
@@ -294,10 +295,6 @@ NoInstructionOption = Annotated[
         "box the final answer [config instruction].",
     ),
 ]
-
-
-def _stderr(message: str) -> None:
-    print(f"phi4: {clean_text(message)}", file=sys.stderr, flush=True)
 
 
 def _settings(paths: Paths, **overrides: object) -> Settings:
