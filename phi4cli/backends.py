@@ -1,19 +1,23 @@
-"""One interface for whatever answers: the local daemon or a remote OpenAI-compatible server.
+"""One interface for whatever answers: the local daemon, or remote OpenAI-compatible servers.
 
 ``solve``, ``--samples``, ``--file``, ``chat`` and ``serve`` hold a :class:`Backend` and never ask
 which one it is. A backend streams one request's events (``stream``), answers many at once
-(``run``), and reports its status.
+(``run``), and reports its status. Both go through the one request path, a
+:class:`~phi4cli.dispatch.Flight` over replicas: here the daemon as one (``DaemonReplica``); the
+remote servers' replicas are in ``phi4cli.remote``.
 """
 
 from __future__ import annotations
 
 import _thread
 import contextlib
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from phi4cli.config import Settings
-from phi4cli.errors import DaemonGoneError
+from phi4cli.dispatch import Delivery, Failure, Flight, FlightStream, Probe, Replica, Slow
+from phi4cli.errors import DaemonGoneError, RequestError
 from phi4cli.paths import Paths
 from phi4cli.protocol import JSON, ErrorCode, Event, EventKind, Op
 
@@ -50,8 +54,10 @@ class Backend(Protocol):
         """Send one solve or chat request and return its events."""
         ...
 
-    def run(self, requests: list[JSON], on_event: EventSink) -> None:
-        """Answer many solve requests, passing each event to ``on_event(index, event)``."""
+    def run(self, requests: list[JSON], on_event: EventSink, restart: bool = False) -> None:
+        """Answer many solve requests, passing each event to ``on_event(index, event)``. With
+        ``restart``, a request cut off mid-answer may be sent again after a ``restart`` event
+        (the caller folds events and can drop what came before)."""
         ...
 
     def connect(self) -> None:
@@ -100,14 +106,16 @@ class DaemonBackend:
     def connect(self) -> None:
         self._give_back(self._take())
 
-    def stream(self, op: Op, params: JSON) -> _DaemonStream:
-        return _DaemonStream(self, op, params)
+    def _flight(self, op: Op, requests: list[JSON], window: int, restart: bool) -> Flight:
+        replica = DaemonReplica(self, window)
+        return Flight(requests, [replica], replica, op=op, restart=restart,
+                      announce=self.announce)  # fmt: skip
 
-    def run(self, requests: list[JSON], on_event: EventSink) -> None:
-        from phi4cli.client import solve_many
+    def stream(self, op: Op, params: JSON) -> FlightStream:
+        return FlightStream(self._flight(op, [params], 1, restart=False))
 
-        solve_many(self.paths, self.settings, self.model_path, requests, on_event,
-                   self.announce, window=self.window)  # fmt: skip
+    def run(self, requests: list[JSON], on_event: EventSink, restart: bool = False) -> None:
+        self._flight(Op.SOLVE, requests, self.window, restart).run(on_event)
 
     def status(self) -> JSON:
         from phi4cli.client import daemon_status
@@ -121,164 +129,213 @@ class DaemonBackend:
             connection.close()
 
 
-class _DaemonStream:
-    """One request on a connection of its own. A daemon that goes away before the request
-    produced anything is replaced, and the request sent again, once: the request carries all
-    it needs (a chat its transcript), so a fresh daemon answers it the same.
+class DaemonReplica(Replica):
+    """The daemon as a flight's one replica: its requests share one connection, and the
+    daemon's events are read from it as the flight asks (no thread). A daemon that goes away
+    is replaced by a fresh one, once per flight: a request carries all it needs (a chat its
+    transcript), so the fresh daemon answers it the same."""
 
-    An iterator object rather than a generator, so a Ctrl-C while it waits for the next event
-    leaves it usable: the caller can ``cancel()`` and read on to the partial answer's end.
-    """
+    name = "the daemon"
 
-    def __init__(self, backend: DaemonBackend, op: Op, params: JSON) -> None:
-        self._backend, self._op, self._params = backend, op, params
-        self._connection: Any = None
-        self._request_id: Any = None
-        self._sent = 0
-        self._produced = False
-        self._finished = False
-        self._cancelled_unsent = False
-        self.spawned = False  # a daemon was started for this request
+    def __init__(self, backend: DaemonBackend, window: int) -> None:
+        super().__init__(window)
+        self.backend = backend
+        self.connection: Any = None
+        self.serial_of: dict[Any, int] = {}  # the daemon's request id -> serial
+        self.id_of: dict[int, Any] = {}  # serial -> request id
+        self.pending: deque[Delivery] = deque()  # said before the connection is read again
+        self.recoveries = 0
+        self.spawned = False  # a daemon was started for this flight
+        self.op: str = Op.SOLVE
 
-    def __iter__(self) -> _DaemonStream:
-        return self
+    def room(self, now: float) -> int:
+        return 0 if self.pending else super().room(now)
 
-    def __next__(self) -> Event:
-        if self._finished:
-            raise StopIteration
-        if self._cancelled_unsent:
-            self._finished = True
-            return Event.error(ErrorCode.CANCELLED, "cancelled before it was sent")
-        while True:
-            try:
-                if self._connection is None:
-                    # Counted before trying: a send that fails counts as an attempt too, so a
-                    # daemon that always hangs up is tried twice, not forever.
-                    self._sent += 1
-                    self._connection = self._backend._take()
-                    self.spawned = self.spawned or bool(self._connection.spawned)
-                    self._request_id = self._connection.send(self._op, self._params)
-                event: Event = self._connection.next_event()
-            except DaemonGoneError:
-                self.close()
-                self._backend.close()
-                if self._sent > 1 or self._produced:
-                    raise
-                again = "restoring the conversation" if self._op == Op.CHAT else "asking again"
-                self._backend.announce(f"the daemon stopped; restarting it and {again}...")
-                continue
-            if event.id is None and event.kind == EventKind.ERROR:
-                # The daemon could not read the request at all (a line over its limit): the
-                # answer is for us, though it cannot name our id.
-                self._finished = True
-                self.close()
-                return event
-            if event.id != self._request_id:
-                continue
-            if (event.kind == EventKind.ERROR and event.code == ErrorCode.SHUTTING_DOWN
-                    and not self._produced and self._sent == 1):  # fmt: skip
-                # Refused, or dropped from the queue, by a daemon on its way out: nothing of it
-                # was answered, so a fresh daemon can take it.
-                self.close()
-                self._backend.close()  # its idle connections are to the same daemon
-                from phi4cli.client import wait_until_gone
+    def send(self, serial: int, op: str, params: JSON) -> None:
+        self.op = op
+        if self.connection is None:
+            self.connection = self.backend._take()
+            self.spawned = self.spawned or bool(self.connection.spawned)
+        try:
+            request_id = self.connection.send(op, params)
+        except DaemonGoneError as exc:
+            self._gone(exc)  # the failure covers this request too
+            return
+        except RequestError as exc:  # longer than the daemon takes: this request's answer
+            self.pending.append((self, serial, Event.error(ErrorCode.BAD_REQUEST, str(exc))))
+            return
+        self.serial_of[request_id], self.id_of[serial] = serial, request_id
 
-                wait_until_gone(self._backend.paths)
-                self._backend.announce("the daemon was shutting down; starting a fresh one...")
-                continue
-            if event.kind in (EventKind.TOKEN, EventKind.REASONING):
-                self._produced = True
-            if event.terminal:
-                self._finished = True
-                connection, self._connection = self._connection, None
-                self._backend._give_back(connection)
-            return event
+    def _gone(self, exc: Exception) -> None:
+        self._drop_connection()
+        self.backend.close()  # its idle connections are to the same daemon
+        self.pending.append(
+            (
+                self,
+                None,
+                Failure(
+                    ErrorCode.SHUTTING_DOWN, f"the daemon went away mid-answer: {exc}", down=True
+                ),
+            )
+        )
 
-    def cancel(self) -> None:
-        if self._connection is None and not self._finished:
-            self._cancelled_unsent = True  # interrupted while the daemon was starting
-        elif self._connection is not None and not self._finished:
+    def _drop_connection(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None
+        self.serial_of.clear()
+        self.id_of.clear()
+
+    def get(self, timeout: float | None) -> Delivery | None:
+        """The next delivery: the daemon's events are read as they come (its heartbeats keep a
+        live connection from being silent), so ``timeout`` is not needed here."""
+        if self.pending:
+            return self.pending.popleft()
+        if self.connection is None:
+            return None
+        try:
+            event: Event = self.connection.next_event()
+        except DaemonGoneError as exc:
+            self._gone(exc)
+            return self.pending.popleft()
+        request_id = event.id
+        if request_id is None and event.kind == EventKind.ERROR and len(self.id_of) == 1:
+            # The daemon could not read a request at all (a line over its limit): it cannot
+            # name the id, but only one is ours.
+            request_id = next(iter(self.id_of.values()))
+        serial = self.serial_of.get(request_id)
+        if serial is None:
+            return None
+        code = event.code if event.kind == EventKind.ERROR else None
+        if event.terminal:
+            del self.serial_of[request_id], self.id_of[serial]
+        if code == ErrorCode.BUSY:
+            # Its queue is full (other clients too): keep fewer in flight, send this one later.
+            from phi4cli.client import BUSY_RETRY_S
+
+            return self, serial, Slow(BUSY_RETRY_S, requeue=True)
+        if code == ErrorCode.SHUTTING_DOWN:
+            # Refused, dropped from the queue or cut short by a daemon on its way out: a fresh
+            # daemon can take it (from the start).
+            return self, serial, Failure(code, event.message, draining=True)
+        return self, serial, event
+
+    def cancel(self, serial: int) -> Event | None:
+        request_id = self.id_of.get(serial)
+        if self.connection is not None and request_id is not None:
             with contextlib.suppress(DaemonGoneError):
-                self._connection.send(Op.CANCEL, {"target": self._request_id})
+                self.connection.send(Op.CANCEL, {"target": request_id})
+        return None  # the daemon ends it, with the partial answer
 
-    def close(self) -> None:
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
+    def may_recover(self, failure: Failure) -> bool:
+        return self.recoveries < 1
+
+    def recover(self, flight: Flight) -> None:
+        self.recoveries += 1
+        if self.recoveries > 1:
+            self.pending.append((self, None, Probe(False, Failure(
+                ErrorCode.SHUTTING_DOWN,
+                "the daemon stopped twice while answering; see its log"))))  # fmt: skip
+            return
+        draining = self.state == "draining"
+        self._drop_connection()
+        self.backend.close()
+        if draining:
+            from phi4cli.client import wait_until_gone
+
+            wait_until_gone(self.backend.paths)
+            self.backend.announce("the daemon was shutting down; starting a fresh one...")
+        else:
+            again = "restoring the conversation" if self.op == Op.CHAT else "asking again"
+            self.backend.announce(f"the daemon stopped; restarting it and {again}...")
+        self.pending.append((self, None, Probe(True)))
+
+    def close(self, idle: bool) -> None:
+        if self.connection is None:
+            return
+        if idle and not self.pending:
+            self.backend._give_back(self.connection)
+            self.connection = None
+        else:
+            self._drop_connection()  # hanging up cancels what still runs
 
 
-# --- a remote server ----------------------------------------------------------------------------
+# --- remote servers -----------------------------------------------------------------------------
 
 
 class RemoteBackend:
-    """An OpenAI-compatible server; the daemon is not involved."""
+    """One or more OpenAI-compatible servers (replicas of one model); no daemon involved."""
 
     def __init__(
         self,
-        url: str,
+        urls: list[str] | str,
         model: str,
         api_key: str | None,
         timeout: float,
         deadline: float = 3600.0,
         announce: Announce | None = None,
+        concurrency: int = 16,
     ) -> None:
         from phi4cli.remote import RemoteEngine
 
-        self.engine = RemoteEngine(url, model, api_key, timeout, deadline, announce)
-        self.name = f"the backend {url}"
+        urls = [urls] if isinstance(urls, str) else urls
+        self.engines = [RemoteEngine(url, model, api_key, timeout, deadline, announce,
+                                     connections=concurrency) for url in urls]  # fmt: skip
+        self.engine = self.engines[0]
+        self.concurrency = concurrency
+        self.announce = announce
+        shown = " and ".join(e.url for e in self.engines) if len(urls) <= 3 else \
+            f"{self.engine.url} and {len(urls) - 1} more"  # fmt: skip
+        self.name = f"the backend {shown}"
+        self.last_summary: list[JSON] = []
 
-    def stream(self, op: Op, params: JSON) -> _RemoteStream:
-        return _RemoteStream(self.engine.stream(params))
+    def _flight(self, op: Op, requests: list[JSON], restart: bool) -> Flight:
+        from phi4cli.remote import RemoteReplica, ReplicaInbox
 
-    def run(self, requests: list[JSON], on_event: EventSink) -> None:
-        # A remote server batches as it sees fit; ours are sent one after another.
-        for index, params in enumerate(requests):
-            for event in self.engine.stream(params):
-                on_event(index, event)
+        inbox = ReplicaInbox()
+        replicas: list[Replica] = [RemoteReplica(engine, self.concurrency, inbox)
+                                   for engine in self.engines]  # fmt: skip
+        return Flight(requests, replicas, inbox, op=op, restart=restart, announce=self.announce)
+
+    def stream(self, op: Op, params: JSON) -> FlightStream:
+        return FlightStream(self._flight(op, [params], restart=False))
+
+    def run(self, requests: list[JSON], on_event: EventSink, restart: bool = False) -> None:
+        flight = self._flight(Op.SOLVE, requests, restart)
+        try:
+            flight.run(on_event)
+        finally:
+            self.last_summary = flight.summary()
+        if len(self.engines) > 1 and self.announce is not None and len(requests) > 1:
+            self.announce("replicas: " + "; ".join(_replica_line(r) for r in self.last_summary))
 
     def connect(self) -> None:
         pass  # nothing to start: the first request finds out whether the server answers
 
     def status(self) -> JSON:
-        return {"state": "remote", "backend": self.engine.url, "model": self.engine.model}
+        from phi4cli.remote import probe_all
+
+        replicas = probe_all(self.engines)
+        up = sum(1 for r in replicas if r["state"] == "up")
+        return {"state": "remote" if up else "down", "backend": self.engine.url,
+                "model": self.engine.model, "replicas": replicas}  # fmt: skip
 
     def close(self) -> None:
-        pass
+        for engine in self.engines:
+            engine.close()
 
 
-class _RemoteStream:
-    """A remote request's events; like ``_DaemonStream``, usable after a Ctrl-C."""
+def _replica_line(part: JSON) -> str:
+    rate = f", {part['tokens_per_s']:g} tokens/s" if part["tokens_per_s"] else ""
+    line = f"{part['replica']} answered {part['answered']}{rate}"
+    if part["failed"]:
+        line += f", {part['failed']} failed"
+    return line + (f" ({part['state']})" if part["state"] != "up" else "")
 
-    def __init__(self, events: Iterator[Event]) -> None:
-        self._events = events
-        self._cancelled = False
-        self._finished = False
 
-    def __iter__(self) -> _RemoteStream:
-        return self
-
-    def __next__(self) -> Event:
-        if self._finished:
-            raise StopIteration
-        if not self._cancelled:
-            with contextlib.suppress(StopIteration):
-                event = next(self._events)
-                self._finished = event.terminal
-                return event
-        self._finished = True
-        if self._cancelled:
-            return Event.error(ErrorCode.CANCELLED, "cancelled")
-        return Event.error(ErrorCode.BACKEND_ERROR, "the backend's stream ended early")
-
-    def cancel(self) -> None:
-        # Closing the HTTP response is the only way to stop an OpenAI-compatible server.
-        self._cancelled = True
-        self.close()
-
-    def close(self) -> None:
-        close = getattr(self._events, "close", None)
-        if close is not None:
-            close()
+def backend_urls(value: str | None) -> list[str]:
+    """The URLs a ``backend`` setting names: one, or several separated by spaces or commas."""
+    return [url for url in (value or "").replace(",", " ").split() if url]
 
 
 def make_backend(
@@ -288,7 +345,7 @@ def make_backend(
     if settings.backend:
         from phi4cli.remote import backend_key
 
-        return RemoteBackend(settings.backend, str(model), backend_key(),
-                             settings.backend_timeout, settings.backend_deadline,
-                             announce)  # fmt: skip
+        return RemoteBackend(backend_urls(settings.backend), str(model), backend_key(),
+                             settings.backend_timeout, settings.backend_deadline, announce,
+                             settings.backend_concurrency)  # fmt: skip
     return DaemonBackend(paths, settings, Path(model), announce)

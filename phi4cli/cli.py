@@ -107,10 +107,16 @@ ThreadsOption = Annotated[
 
 # Options shared by solve and chat.
 BackendOption = Annotated[
-    str | None,
+    list[str] | None,
     typer.Option("--backend", metavar="URL", show_default=False,
-                 help="Use this OpenAI-compatible server instead of the local daemon "
+                 help="Use this OpenAI-compatible server instead of the local daemon; give it "
+                      "again for replicas of the model, each sent requests at once "
                       "[env PHI4_BACKEND; key from PHI4_BACKEND_KEY]."),
+]  # fmt: skip
+BackendConcurrencyOption = Annotated[
+    int | None,
+    typer.Option("--backend-concurrency", metavar="N", min=1, show_default=False,
+                 help="Requests in flight at once on each --backend [default: 16]."),
 ]  # fmt: skip
 RawOutputOption = Annotated[
     bool,
@@ -241,6 +247,7 @@ SHARED_OPTIONS: dict[str, Any] = {
     "max_tokens": MaxTokensOption,
     "deterministic": DeterministicOption,
     "backend": BackendOption,
+    "backend_concurrency": BackendConcurrencyOption,
 }
 # Every command that may start the daemon (daemon start, daemon run, warm) takes these.
 DAEMON_OPTIONS = ("model", "keep_alive", "n_ctx", "threads", "ramdisk", "mlock", "overcommit",
@@ -471,6 +478,9 @@ def eval_(
         _stderr(f"interrupted: what was finished is in {results}; run the same command to resume")
         raise
     result = summary(records, samples)
+    replicas = getattr(job.backend, "last_summary", None)
+    if replicas and len(replicas) > 1:
+        result["replicas"] = replicas  # how many each answered (also said on stderr)
     if as_json:
         print(json.dumps({**result, "seconds": round(seconds, 3), "results": str(results)},
                          indent=2))  # fmt: skip
@@ -801,9 +811,47 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable
 
 
 @app.command()
-def status(as_json: JsonOption = False) -> None:
+def status(
+    as_json: JsonOption = False,
+    backend: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--backend",
+            metavar="URL",
+            show_default=False,
+            help="Probe these OpenAI-compatible servers instead (give it once per "
+            "replica): up or down, and how long each took to answer.",
+        ),
+    ] = None,
+) -> None:
     """Show the daemon's state, model, pid, uptime, memory, requests and idle time left."""
+    if backend:
+        _print_backend_status(backend, as_json)
+        return
     _print_status(_status_of(get_paths()), as_json)
+
+
+def _print_backend_status(urls: list[str], as_json: bool) -> None:
+    """`phi4 status --backend A --backend B`: each replica probed (``/health``, else
+    ``/v1/models``); exit 3 when none is up."""
+    from phi4cli.backends import RemoteBackend, backend_urls
+    from phi4cli.config import parse_setting
+    from phi4cli.remote import backend_key
+
+    paths = get_paths()
+    settings = _settings(paths)
+    parsed = backend_urls(parse_setting("backend", urls, "--backend"))
+    remote = RemoteBackend(parsed, settings.model, backend_key(), settings.backend_timeout)
+    status = remote.status()
+    if as_json:
+        print(json.dumps(status, indent=2))
+    else:
+        for replica in status["replicas"]:
+            how = f"answered in {replica['probe_s']:.2f} s" if replica["state"] == "up" else (
+                replica["reason"] or "")  # fmt: skip
+            print(clean_text(f"{replica['replica']}  {replica['state']}  {how}"))
+    if status["state"] != "remote":
+        raise typer.Exit(ExitStatus.DAEMON_UNAVAILABLE)
 
 
 @app.command()

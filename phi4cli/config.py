@@ -176,16 +176,24 @@ def _instruction(value: object) -> str | None:
     return None if not text or text.lower() == "none" else text
 
 
-def _backend_url(value: object) -> str | None:
-    text = _optional_str(value)
-    if text is None or text.lower() == "none":
-        return None
-    from urllib.parse import urlsplit
+def _backend_urls(value: object) -> str | None:
+    """One URL, or several (replicas of one model): a list (TOML, repeated --backend) or text
+    with spaces or commas between them. Kept as one space-separated text."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    urls: list[str] = []
+    for item in items:
+        text = _optional_str(item)
+        if text is None or text.lower() == "none":
+            continue
+        for url in text.replace(",", " ").split():
+            from urllib.parse import urlsplit
 
-    parts = urlsplit(text)  # raises ValueError for a malformed one ("http://[::1")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(value)
-    return text
+            parts = urlsplit(url)  # raises ValueError for a malformed one ("http://[::1")
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(value)
+            if url not in urls:
+                urls.append(url)
+    return " ".join(urls) or None
 
 
 def _boolean(value: object) -> bool:
@@ -241,7 +249,11 @@ _FIELDS: dict[str, tuple[Callable[[object], Any], str]] = {
     "overcommit": (_boolean, "true (load an n_ctx whose KV is over the free memory) or false"),
     "max_queue": (_positive_int, "a positive integer (requests)"),
     "parallel": (_positive_int, "a positive integer (requests decoded together)"),
-    "backend": (_backend_url, "the http(s) URL of an OpenAI-compatible server, or none"),
+    "backend": (
+        _backend_urls,
+        "the http(s) URL of an OpenAI-compatible server (several: replicas), or none",
+    ),
+    "backend_concurrency": (_positive_int, "a positive integer (requests at once per backend)"),
     "backend_timeout": (_positive_duration, "a duration such as 300s or 10m"),
     "backend_deadline": (_positive_duration, "a duration such as 1h or 30m"),
     "system": (_optional_str, "text"),
@@ -272,7 +284,11 @@ class Settings(Record):
     overcommit: bool = False
     max_queue: int = 64  # requests waiting in the daemon before it answers busy
     parallel: int = 4  # requests decoded together (slots of the one llama context)
-    backend: str | None = None  # an OpenAI-compatible server to use instead of the daemon
+    # OpenAI-compatible servers to use instead of the daemon: one URL, or several (replicas of
+    # one model) separated by spaces.
+    backend: str | None = None
+    # Requests in flight at once on each of them: enough to fill a GPU server's batch.
+    backend_concurrency: int = 16
     backend_timeout: float = 300.0  # seconds a remote server may send no event before we give up
     backend_deadline: float = 3600.0  # seconds one remote request may take in all
     # None: the chat template's own default system prompt ("Your name is Phi, ...").
@@ -285,7 +301,7 @@ class Settings(Record):
 # Settings every command that asks for answers (solve, chat, eval) takes as options.
 ANSWER_KEYS = ("think_budget", "system", "temperature", "top_p", "seed", "max_tokens",
                "deterministic", "keep_alive", "n_ctx", "threads", "overcommit",
-               "backend")  # fmt: skip
+               "backend", "backend_concurrency")  # fmt: skip
 
 # Settings a daemon takes when it starts and keeps for its life.
 DAEMON_SETTINGS = ("n_ctx", "kv_cache_type", "kv_layout", "gpu_layers", "parallel", "threads",
@@ -336,6 +352,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not a text file (TOML); fix or remove it") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    if "backends" in data:  # the plural reads better for a list of replicas
+        if "backend" in data:
+            raise ConfigError(f"{path}: give backend or backends, not both")
+        data["backend"] = data.pop("backends")
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
         raise ConfigError(
@@ -359,7 +379,7 @@ def load_settings(
         if name in environ:
             values[key] = parse_setting(key, environ[name], name)
     for key, value in (overrides or {}).items():
-        if value is not None:
+        if value is not None and value != () and value != []:  # () : a repeatable flag not given
             values[key] = parse_setting(key, value, f"--{key.replace('_', '-')}")
     return Settings(**values)
 

@@ -120,6 +120,8 @@ def parse_solve(args: list[str]) -> dict[str, Any] | None:
             low, high = bounds
             if (low is not None and value < low) or (high is not None and value > high):
                 return None
+        if kind == "list":
+            value = (*(values[dest] or ()), value)  # a tuple, as Typer gives it
         values[dest] = value
     values[ARGUMENT] = join_words(positional)
     return values

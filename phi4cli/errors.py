@@ -109,6 +109,7 @@ ERRORS: dict[ErrorCode, ErrorKind] = {
     ErrorCode.CANCELLED: ErrorKind(CancelledError, 499),
     ErrorCode.TIMEOUT: ErrorKind(BackendError, 504),
     ErrorCode.BACKEND_ERROR: ErrorKind(BackendError, 502),
+    ErrorCode.UNREACHABLE: ErrorKind(DaemonUnavailableError, 502),
     ErrorCode.MODEL_ERROR: ErrorKind(EngineError, 500),
     ErrorCode.INTERNAL: ErrorKind(EngineError, 500),
 }

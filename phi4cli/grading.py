@@ -140,8 +140,10 @@ def run_identity(job: SolveJob, samples: int) -> dict[str, Any]:
 
     base = job.base
     backend = (
-        _without_secrets(job.backend.engine.url) if isinstance(job.backend, RemoteBackend) else None
-    )
+        # Replicas of one model, in any order: the same run.
+        " ".join(sorted(_without_secrets(e.url) for e in job.backend.engines))
+        if isinstance(job.backend, RemoteBackend) else None
+    )  # fmt: skip
     identity: dict[str, Any] = {key: base.get(key) for key in RUN_KEYS if key in base}
     model_file = None if backend else model_file_identity(Path(base["model"]))
     identity.update(backend=backend, instruction=job.instruction, samples=samples,
@@ -357,7 +359,7 @@ def run_eval(
 
     with results, progress:
         if requests:
-            job.run(requests, on_event)
+            job.run(requests, on_event, restart=True)
     notice = compare.notice()
     if notice:
         job.announce(notice)

@@ -42,6 +42,9 @@ class Outcome:
             self.done = True
         elif kind == EventKind.DONE:
             self.done = True
+        elif kind == EventKind.RESTART:  # sent again elsewhere: what came so far is void
+            self.reasoning = self.solution = ""
+            self.stats = None
 
     @property
     def error_code(self) -> ErrorCode | None:

@@ -61,6 +61,9 @@ class EventKind(StrEnum):
     TOKEN = "token"  # a piece of the answer
     RETRACT = "retract"  # all answer text so far was thinking after all
     STATS = "stats"  # the request's Stats, just before its terminal event
+    # Client side only (never on the wire): the request was sent again, to a fresh daemon or
+    # another replica, after its engine failed mid-answer; what it produced so far is void.
+    RESTART = "restart"
     DONE = "done"
     ERROR = "error"
 
@@ -82,6 +85,7 @@ class ErrorCode(StrEnum):
     # A remote engine's failures: no answer in time, or a stream that broke or made no sense.
     TIMEOUT = "timeout"
     BACKEND_ERROR = "backend_error"
+    UNREACHABLE = "unreachable"  # no replica could be reached (or every one went away)
 
     @property
     def retryable(self) -> bool:

@@ -40,8 +40,9 @@ from typing import Any, cast
 
 import httpx2 as httpx
 
+from phi4cli.dispatch import Delivery, Failure, Flight, Probe, Replica, Slow
 from phi4cli.errors import DaemonUnavailableError
-from phi4cli.protocol import ErrorCode, Event, EventKind, Stats
+from phi4cli.protocol import JSON, ErrorCode, Event, EventKind, Stats
 from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model_thinks
 
 CONNECT_TIMEOUT_S = 10.0  # at most; a shorter backend_timeout shortens it too
@@ -77,11 +78,38 @@ def messages_for(params: dict[str, Any]) -> list[dict[str, str]]:
 
 
 class _Failure(Exception):
-    """The stream ended in an error: the terminal event to report."""
+    """The stream ended in an error: the terminal event to report. ``fault``: the server
+    failed, not the request ("down": it went away, hung up or went quiet mid-answer; "busy": it
+    stayed busy), so another replica, or the same one once it is back, may answer it."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, fault: str | None = None) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.fault = code, message, fault
+
+
+class ReplicaFault(Exception):
+    """An attempt the server failed (see ``_Failure.fault``): for the flight to send again."""
+
+    def __init__(self, code: ErrorCode, message: str, down: bool, elsewhere: bool) -> None:
+        super().__init__(message)
+        self.code, self.message, self.down, self.elsewhere = code, message, down, elsewhere
+
+
+class Attempt:
+    """One request's hold on its HTTP stream, for the flight's thread: cancel it (hang up), and
+    hear when the server answers busy."""
+
+    def __init__(self, on_busy: Callable[[float], None] | None = None) -> None:
+        self.cancelled = False
+        self.on_busy = on_busy
+        self.state: _StreamState | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        connection = self.state.socket if self.state is not None else None
+        if connection is not None:
+            with suppress(OSError):  # wakes the read blocked on it
+                connection.shutdown(socket.SHUT_RDWR)
 
 
 class _Reader:
@@ -150,6 +178,7 @@ class RemoteEngine:
         timeout: float = 300.0,
         deadline: float = 3600.0,
         notice: Callable[[str], None] | None = None,
+        connections: int = 16,
     ) -> None:
         self.url = url.rstrip("/")
         self.model = model
@@ -161,6 +190,55 @@ class RemoteEngine:
         self.notice = notice  # one line for the user, e.g. that a busy server is waited for
         self.thinks = model_thinks(model)
         self._retry_told = False
+        self.connections = max(1, connections)  # kept open to the server, for the requests at once
+        self._client: httpx.Client | None = None
+        self._client_lock = threading.Lock()
+
+    def _http(self) -> httpx.Client:
+        """The engine's one HTTP client: its connection pool is shared by every request in
+        flight (httpx's pool is thread-safe), so a run of thousands opens few connections."""
+        with self._client_lock:
+            if self._client is None:
+                # No compression: a small compressed body must not become a huge one in memory.
+                headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
+                if self.api_key:
+                    headers["Authorization"] = f"Bearer {self.api_key}"
+                timeout = httpx.Timeout(self.timeout,
+                                        connect=min(CONNECT_TIMEOUT_S, self.timeout))  # fmt: skip
+                limits = httpx.Limits(max_connections=self.connections + 4,
+                                      max_keepalive_connections=self.connections)  # fmt: skip
+                self._client = httpx.Client(timeout=timeout, headers=headers, limits=limits)
+            return self._client
+
+    def close(self) -> None:
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    @property
+    def root(self) -> str:
+        """The server's address without its ``/v1``: where ``/health`` is."""
+        return self.url[: -len("/v1")] if self.url.endswith("/v1") else self.url
+
+    def probe(self, timeout: float = 5.0) -> str | None:
+        """Whether the server is there and ready: None when it is, else why not. ``/health``
+        (llama-server, vLLM, SGLang, phi4 serve) answering 200 says ready and 503 not yet;
+        a server without that route is asked for ``/v1/models`` (Ollama, LiteLLM); one that
+        answers HTTP but has neither route counts as there."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        base = self.url if self.url.endswith("/v1") else self.url + "/v1"
+        try:
+            with httpx.Client(timeout=min(timeout, self.timeout), headers=headers) as client:
+                for url in (self.root + "/health", base + "/models"):
+                    status = client.get(url).status_code
+                    if status < 300:
+                        return None
+                    if status >= 500 and status != 501:  # 503: loading, or overloaded
+                        return f"it answered {status} to {url}"
+                return None
+        except (httpx.HTTPError, httpx.InvalidURL, OSError) as error:
+            return f"cannot reach it: {_reason(error)}"
 
     @property
     def endpoint(self) -> str:
@@ -175,40 +253,49 @@ class RemoteEngine:
                 body[key] = params[key]
         return body
 
-    def stream(self, params: dict[str, Any]) -> Iterator[Event]:
+    def stream(self, params: dict[str, Any], attempt: Attempt | None = None) -> Iterator[Event]:
         """Yield the events of one solve or chat request: ``reasoning``, ``token``, ``retract``,
-        ``stats``, then ``done`` or ``error``. Closing the iterator closes the HTTP response,
-        which stops the server's generation.
+        ``stats``, then ``done`` or ``error``. Closing the iterator, or cancelling ``attempt``,
+        closes the HTTP response, which stops the server's generation.
 
-        Raise DaemonUnavailableError when the server cannot be reached at all.
+        With ``attempt`` (a flight's), a failure of the server rather than of the request is
+        raised as ReplicaFault, for the flight to send the request again; without, it is the
+        stream's error event, and a server that cannot be reached at all raises
+        DaemonUnavailableError.
         """
         started = time.monotonic()
         reader = _Reader(self.thinks)
         state = _StreamState(started, _token_limit(params.get("max_tokens")))
+        state.attempt = attempt
+        if attempt is not None:
+            attempt.state = state
         budget = params.get("think_budget")
         messages = messages_for(params)
-        # No compression: a small compressed body must not become a huge one in memory.
-        headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        timeout = httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT_S, self.timeout))
-        with httpx.Client(timeout=timeout, headers=headers) as client:
-            try:
-                if budget == 0 and self.thinks:
-                    # No thinking at all: start the answer straight away.
-                    state.budget_reached = True
-                else:
-                    body = self._body(params, messages)
-                    for kind, text in self._events(client, body, reader, state, budget):
-                        yield Event(kind, text=text)
-                    for kind, text in reader.finish():
-                        yield Event(kind, text=text)
-                if state.budget_reached and not state.cut:
-                    yield from self._answer_after_budget(client, params, messages, reader, state)
-            except _Failure as failure:
-                yield Event.of_stats(state.stats(self, reader, params))
-                yield Event.error(failure.code, failure.message)
-                return
+        client = self._http()
+        try:
+            if budget == 0 and self.thinks:
+                # No thinking at all: start the answer straight away.
+                state.budget_reached = True
+            else:
+                body = self._body(params, messages)
+                for kind, text in self._events(client, body, reader, state, budget):
+                    yield Event(kind, text=text)
+                for kind, text in reader.finish():
+                    yield Event(kind, text=text)
+            if state.budget_reached and not state.cut:
+                yield from self._answer_after_budget(client, params, messages, reader, state)
+        except _Failure as failure:
+            if failure.fault is not None and attempt is not None:
+                raise ReplicaFault(failure.code, failure.message, down=failure.fault == "down",
+                                   elsewhere=failure.fault == "busy") from None  # fmt: skip
+            yield Event.of_stats(state.stats(self, reader, params))
+            yield Event.error(failure.code, failure.message)
+            return
+        except DaemonUnavailableError as error:
+            if attempt is None:
+                raise
+            raise ReplicaFault(ErrorCode.UNREACHABLE, str(error), down=True,
+                               elsewhere=False) from None  # fmt: skip
         yield Event.of_stats(state.stats(self, reader, params))
         yield Event(EventKind.DONE, data={"finish_reason": state.finish})
 
@@ -261,11 +348,18 @@ class RemoteEngine:
                                    f"the backend {self.url} sent a compressed answer ({shown}), "
                                    "which phi4 did not ask for")  # fmt: skip
                 if response.status_code < 400:
+                    stream = response.extensions.get("network_stream")
+                    if stream is not None and watch.state.socket is None:
+                        # A connection from the pool: the trace saw no connect this time.
+                        watch.state.socket = stream.get_extra_info("socket")
                     yield response
                     return
                 text, whole = _read_bounded(response, watch)
                 wait = _retry_wait(response, attempt)
             failure = _http_failure(response, text, whole)
+            if wait is not None and watch.state.attempt is not None \
+                    and watch.state.attempt.on_busy is not None:  # fmt: skip
+                watch.state.attempt.on_busy(wait)  # the flight sends less to this server now
             left = self.deadline - (time.monotonic() - watch.started)
             if wait is None or attempt == MAX_RETRIES or wait > min(MAX_RETRY_WAIT_S, left):
                 raise failure
@@ -303,6 +397,8 @@ class RemoteEngine:
                 source = httpx.EventSource(watched, max_event_size=MAX_EVENT_BYTES)
                 for sse in source:
                     watch.last_event = time.monotonic()
+                    if state.attempt is not None and state.attempt.cancelled:
+                        return  # the flight has ended it already; leaving hangs up
                     if sse.data.strip() == "[DONE]":
                         finished = True
                         break
@@ -336,6 +432,7 @@ class RemoteEngine:
                     raise _Failure(
                         ErrorCode.BACKEND_ERROR,
                         "the backend closed the stream before the answer was complete",
+                        fault="down",
                     )
         except httpx.TransportError as error:  # timeouts, broken connections, bad streams
             if finished and not isinstance(error, httpx.SSEError):
@@ -363,7 +460,9 @@ def _transport_failure(error: httpx.TransportError, watch: _Watch) -> Exception:
     if isinstance(error, httpx.SSEError):
         return _Failure(ErrorCode.BACKEND_ERROR, f"the backend's reply is not a stream: {error}")
     return _Failure(
-        ErrorCode.BACKEND_ERROR, f"the connection to the backend broke: {_reason(error)}"
+        ErrorCode.BACKEND_ERROR,
+        f"the connection to the backend broke: {_reason(error)}",
+        fault="down",
     )
 
 
@@ -385,7 +484,7 @@ class _Watch:
         self.received = 0
         self.answered = False  # the latest attempt got a status line: the server is there
         self.alarm: Exception | None = None  # why the guard hung up, when it did
-        self._state = state
+        self.state = state
         self._done = threading.Event()
         self._guard = threading.Thread(target=self._hang_up_when_due, daemon=True,
                                        name="phi4-backend-guard")  # fmt: skip
@@ -401,7 +500,7 @@ class _Watch:
         """httpcore's trace hook: keep the socket of each new connection, for the guard."""
         stream = info.get("return_value")
         if name == "connection.connect_tcp.complete" and stream is not None:
-            self._state.socket = stream.get_extra_info("socket")
+            self.state.socket = stream.get_extra_info("socket")
 
     def ask(self) -> None:
         """A new attempt is being sent."""
@@ -413,6 +512,7 @@ class _Watch:
             ErrorCode.TIMEOUT,
             f"the backend {self.url} sent nothing for {self.timeout:g} s "
             "(PHI4_BACKEND_TIMEOUT sets how long to wait)",
+            fault="down",
         )
 
     def unanswered(self) -> DaemonUnavailableError:
@@ -458,7 +558,7 @@ class _Watch:
             due, why = self._due()  # the answer may have come, or a new attempt begun
             if time.monotonic() >= due:
                 self.alarm = why
-                connection = self._state.socket
+                connection = self.state.socket
                 if connection is not None:
                     # Shutting it down wakes the read blocked on it; closing would not.
                     with suppress(OSError):
@@ -601,8 +701,13 @@ def _http_failure(response: httpx.Response, text: str, whole: bool) -> _Failure:
     if not isinstance(detail, str):
         detail = text
     shown = excerpt(detail) or excerpt(response.reason_phrase) or "no message"
-    code = _CODE_FOR_STATUS.get(response.status_code, ErrorCode.BACKEND_ERROR)
-    return _Failure(code, f"the backend answered {response.status_code}: {shown}")
+    status = response.status_code
+    code = _CODE_FOR_STATUS.get(status, ErrorCode.BACKEND_ERROR)
+    # Busy for good (429, 503): another replica may have room. A proxy's 502 or 504 (LiteLLM's
+    # for an upstream that died, say): that server failed, not the request. A 500 is the
+    # server's own answer to this request, and stays its error.
+    fault = "busy" if status in (429, 503) else "down" if status in (502, 504) else None
+    return _Failure(code, f"the backend answered {status}: {shown}", fault)
 
 
 def _count(value: Any) -> int | None:
@@ -628,6 +733,7 @@ class _StreamState:
         self.started = started
         self.limit = limit  # pieces of text the request may stream, thinking included
         self.socket: socket.socket | None = None  # the connection's, for _Watch's guard
+        self.attempt: Attempt | None = None  # the flight's hold on this request
         self.cut = False  # the stream was closed here at the limit
         self.first_token_s: float | None = None
         self.finish: str | None = None
@@ -704,3 +810,131 @@ class _StreamState:
             model=f"{engine.model} at {engine.url}",
             extra={"usage_reported": bool(usage)},
         )
+
+
+# --- replicas: remote servers in a flight --------------------------------------------------------
+
+# A replica that went away mid-run is probed this long after (seconds, one after another)
+# before it is given up on for the run: about 15 s in all, time for a server to restart.
+PROBE_DELAYS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+class ReplicaInbox:
+    """Where the threads of a flight's remote requests leave what their servers sent."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self._queue: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
+        self._empty = queue.Empty
+
+    def put(self, delivery: Delivery) -> None:
+        self._queue.put(delivery)
+
+    def get(self, timeout: float | None) -> Delivery | None:
+        try:
+            return self._queue.get(timeout=timeout)
+        except self._empty:
+            return None
+
+
+class RemoteReplica(Replica):
+    """One OpenAI-compatible server in a flight: each request in flight on it is a thread
+    reading its stream (httpx is blocking; a few dozen threads cost little next to a model's
+    answer), and what comes goes to the flight's inbox."""
+
+    def __init__(self, engine: RemoteEngine, window: int, inbox: ReplicaInbox) -> None:
+        super().__init__(window)
+        self.engine, self.inbox = engine, inbox
+        self.name = engine.url
+        self.attempts: dict[int, Attempt] = {}
+
+    def send(self, serial: int, op: str, params: JSON) -> None:
+        def busy(wait: float) -> None:
+            self.inbox.put((self, serial, Slow(wait)))
+
+        attempt = Attempt(on_busy=busy)
+        self.attempts[serial] = attempt
+        threading.Thread(target=self._read, args=(serial, params, attempt), daemon=True,
+                         name="phi4-remote").start()  # fmt: skip
+
+    def _read(self, serial: int, params: JSON, attempt: Attempt) -> None:
+        try:
+            for event in self.engine.stream(params, attempt):
+                if attempt.cancelled:
+                    return
+                self.inbox.put((self, serial, event))
+        except ReplicaFault as fault:
+            self.inbox.put((self, serial, Failure(fault.code, fault.message, down=fault.down,
+                                                  elsewhere=fault.elsewhere)))  # fmt: skip
+        except Exception as error:  # a bug here must not leave the request without an end
+            self.inbox.put(
+                (
+                    self,
+                    serial,
+                    Failure(
+                        ErrorCode.INTERNAL,
+                        f"reading the backend {self.engine.url} failed: {error!r}",
+                    ),
+                )
+            )
+        finally:
+            self.attempts.pop(serial, None)
+
+    def cancel(self, serial: int) -> Event | None:
+        attempt = self.attempts.pop(serial, None)
+        if attempt is not None:
+            attempt.cancel()
+        # Hanging up is the only way to stop an OpenAI-compatible server, and it sends no end.
+        return Event.error(ErrorCode.CANCELLED, "cancelled")
+
+    def may_recover(self, failure: Failure) -> bool:
+        # A server that never answered in this run and cannot be reached is not waited for:
+        # a wrong URL fails at once.
+        return self.worked or failure.code != ErrorCode.UNREACHABLE
+
+    def recover(self, flight: Flight) -> None:
+        failure = self.last_failure
+        if failure is not None and not self.may_recover(failure):
+            self.inbox.put((self, None, Probe(False, failure)))
+            return
+
+        def probe() -> None:
+            reason = None
+            for delay in PROBE_DELAYS_S:
+                time.sleep(delay)
+                if flight.closed:
+                    return
+                reason = self.engine.probe()
+                if reason is None:
+                    self.inbox.put((self, None, Probe(True)))
+                    return
+            gone = Failure(ErrorCode.UNREACHABLE,
+                           f"the backend {self.engine.url} went away: {reason}")  # fmt: skip
+            self.inbox.put((self, None, Probe(False, failure or gone)))
+
+        threading.Thread(target=probe, daemon=True, name="phi4-probe").start()
+
+    def close(self, idle: bool) -> None:
+        for attempt in list(self.attempts.values()):
+            attempt.cancel()
+
+
+def probe_all(engines: list[RemoteEngine]) -> list[JSON]:
+    """Each server's state now (``phi4 status --backend``): up or down, with how long the
+    probe took; all probed at once."""
+    results: list[JSON] = [{} for _ in engines]
+
+    def probe(i: int) -> None:
+        started = time.monotonic()
+        reason = engines[i].probe()
+        results[i] = {"replica": engines[i].url, "state": "up" if reason is None else "down",
+                      "reason": reason,
+                      "probe_s": round(time.monotonic() - started, 3)}  # fmt: skip
+
+    threads = [threading.Thread(target=probe, args=(i,), daemon=True) for i in range(len(engines))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results

@@ -317,7 +317,12 @@ class ChatRepl:
             raise
         if outcome.error is not None and not interrupted:
             presenter.abort()
-            self.env.notice(f"error: {chat_hints(str(outcome.exception()))}")
+            kept = ""
+            if outcome.error_code in (ErrorCode.SHUTTING_DOWN, ErrorCode.UNREACHABLE):
+                # The engine went away mid-answer: the chat goes on, and the next message
+                # goes to a fresh daemon (or a replica still up) with the whole transcript.
+                kept = "; this question is not kept (ask it again)"
+            self.env.notice(f"error: {chat_hints(str(outcome.exception()))}{kept}")
             self.failed += 1
             return
         if interrupted:

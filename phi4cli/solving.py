@@ -56,8 +56,15 @@ class SolveJob(Record):
         prompt = f"{question}\n\n{self.instruction}" if self.instruction else question
         return {**self.base, "prompt": prompt, **extra}
 
-    def run(self, requests: list[dict[str, Any]], on_event: Callable[[int, Event], None]) -> None:
-        self.backend.run(requests, on_event)
+    def run(
+        self,
+        requests: list[dict[str, Any]],
+        on_event: Callable[[int, Event], None],
+        restart: bool = False,
+    ) -> None:
+        """Send ``requests``; ``restart``: the caller folds each request's events and takes a
+        ``restart`` event (a request sent again elsewhere after its engine failed mid-answer)."""
+        self.backend.run(requests, on_event, restart=restart)
 
 
 class OutputMode(Record):
@@ -216,7 +223,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
             spinner.update(f"sampling… {finished}/{samples} done")
 
     try:
-        job.run(requests, on_event)
+        job.run(requests, on_event, restart=True)
     finally:
         loading.stop()
         spinner.stop()
@@ -349,7 +356,7 @@ def solve_file(
             next_to_print += 1
 
     with progress:
-        job.run(requests, on_event)
+        job.run(requests, on_event, restart=True)
     if mode.answer_only and not jsonl:
         for _blank in range(printed_line + 1, (total_lines or 0) + 1):
             job.print("")  # trailing blank input lines keep their places too
@@ -413,6 +420,9 @@ class FileProgress:
         loading = (kind == EventKind.ACCEPTED and event.get("state") in ("loading", "warming")) or (
             kind == EventKind.PROGRESS and event.get("stage") == "loading"
         )
+        if kind == EventKind.RESTART:  # sent again: its pieces so far do not count
+            self._pieces.pop(index, None)
+            return
         if loading:
             self._loading = True
         elif kind in (EventKind.REASONING, EventKind.TOKEN):
@@ -624,7 +634,8 @@ class SolveOptions(Record):
     n_ctx: str | None = None
     threads: int | None = None
     overcommit: bool | None = None
-    backend: str | None = None
+    backend: tuple[str, ...] | list[str] | None = None
+    backend_concurrency: int | None = None
     no_instruction: bool = False
     verbose: bool = False
     raw_output: bool = False

@@ -242,13 +242,15 @@ def test_think_budget_against_a_real_server(backend: str):
 
 def test_samples_count_equal_answers_together():
     # Before: \frac12 and \frac{1}{2} were two answers, and one third won: "2/5 samples agree".
-    written = iter(["\\frac{1}{3}", "\\frac12", "\\frac{1}{3}", "\\dfrac{1}{2}", "\\frac{1}{2}"])
+    # By seed, since the samples are asked at once: sample i has seed 10 + i.
+    written = ["\\frac{1}{3}", "\\frac12", "\\frac{1}{3}", "\\dfrac{1}{2}", "\\frac{1}{2}"]
 
-    def script(_body: dict[str, Any]) -> list[str | Step]:
-        return separated("reasoning_content", ["Hmm."], [f"So $\\boxed{{{next(written)}}}$."])
+    def script(body: dict[str, Any]) -> list[str | Step]:
+        answer = written[body["seed"] - 10]
+        return separated("reasoning_content", ["Hmm."], [f"So $\\boxed{{{answer}}}$."])
 
     with scripted_server(script) as server:
-        result = _solve(server.url, "--samples", "5")
+        result = _solve(server.url, "--samples", "5", "--seed", "10")
     assert result.returncode == 0, result.stderr
     # One half, in its most common written form (\\dfrac and \\frac count as one form).
     assert result.stdout.splitlines()[-1] == "Answer: \\dfrac{1}{2} (3/5 samples agree)"
@@ -333,8 +335,10 @@ def test_eval_grades_answers_as_a_mathematician_would_and_resumes(tmp_path: Path
             1,
         )
         assert result["accuracy"] == 0.5
-        records = [json.loads(line) for line in
-                   Path(result["results"]).read_text().splitlines()]  # fmt: skip
+        # Appended as each finishes (problems are asked at once): in any order.
+        records = sorted((json.loads(line) for line in
+                          Path(result["results"]).read_text().splitlines()),
+                         key=lambda r: r["line"])  # fmt: skip
         assert [(r["line"], r["status"]) for r in records] == [
             (1, "correct"),
             (2, "correct"),
@@ -349,11 +353,15 @@ def test_eval_grades_answers_as_a_mathematician_would_and_resumes(tmp_path: Path
 
 
 def test_eval_with_samples_reports_pass_at_k_and_reads_csv(tmp_path: Path):
-    answers = iter(["\\boxed{7}", "\\boxed{8}", "\\boxed{8}", "\\boxed{5}", "\\boxed{5}",
-                    "\\boxed{6}"])  # fmt: skip
+    # By problem, since all six samples are asked at once.
+    answers = {"seven?": ["\\boxed{7}", "\\boxed{8}", "\\boxed{8}"],
+               "five?": ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}"]}  # fmt: skip
+    lock = threading.Lock()
 
-    def script(_body: dict[str, Any]) -> list[str | Step]:
-        return separated("reasoning_content", ["Think."], [f"${next(answers)}$"])
+    def script(body: dict[str, Any]) -> list[str | Step]:
+        with lock:
+            answer = answers[body["messages"][-1]["content"].split("\n\n")[0]].pop()
+        return separated("reasoning_content", ["Think."], [f"${answer}$"])
 
     problems = tmp_path / "set.csv"
     problems.write_text("question,solution\nseven?,7\nfive?,6\n")

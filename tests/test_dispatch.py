@@ -1,0 +1,280 @@
+"""The one request path (phi4cli.dispatch) with fake replicas: the window, the choice of replica,
+exactly one terminal event per request, the resend rule and its bound, restarts, busy answers,
+cancellation. The real daemon and real servers go through the same Flight in test_solve_daemon,
+test_chat, test_remote_backend and test_replicas; here each rule is pinned down alone."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phi4cli.dispatch import DEAD, Delivery, Failure, Flight, Probe, Replica, Slow
+from phi4cli.errors import DaemonUnavailableError, Phi4Error
+from phi4cli.protocol import ErrorCode, Event, EventKind
+
+# What one attempt does: the items its replica delivers, in order.
+Script = Callable[["FakeReplica", int, dict[str, Any]], list[Any]]
+
+
+def answer(text: str) -> list[Any]:
+    return [Event(EventKind.TOKEN, text=text), Event(EventKind.DONE)]
+
+
+class FakeInbox:
+    def __init__(self) -> None:
+        self.queue: deque[Delivery] = deque()
+
+    def get(self, timeout: float | None) -> Delivery | None:
+        if self.queue:
+            return self.queue.popleft()
+        time.sleep(min(timeout or 0.0, 0.01))
+        return None
+
+
+class FakeReplica(Replica):
+    def __init__(self, name: str, window: int, inbox: FakeInbox, script: Script,
+                 probe_up: bool = True) -> None:  # fmt: skip
+        super().__init__(window)
+        self.name, self.inbox, self.script, self.probe_up = name, inbox, script, probe_up
+        self.attempts: list[int] = []  # the request index of each attempt sent here
+        self.peak = 0
+        self.recoveries = 0
+        self.cancelled: list[int] = []
+
+    def send(self, serial: int, op: str, params: dict[str, Any]) -> None:
+        self.attempts.append(params["i"])
+        self.peak = max(self.peak, len(self.in_flight))
+        for item in self.script(self, serial, params):
+            self.inbox.queue.append((self, serial, item))
+
+    def cancel(self, serial: int) -> Event | None:
+        self.cancelled.append(serial)
+        return Event.error(ErrorCode.CANCELLED, "cancelled")
+
+    def recover(self, flight: Flight) -> None:
+        self.recoveries += 1
+        self.inbox.queue.append((self, None, Probe(self.probe_up, self.last_failure)))
+
+
+def fly(n: int, replicas: list[FakeReplica], inbox: FakeInbox,
+        restart: bool = False) -> dict[int, list[Event]]:  # fmt: skip
+    events: dict[int, list[Event]] = {i: [] for i in range(n)}
+    Flight([{"i": i} for i in range(n)], list(replicas), inbox, restart=restart).run(
+        lambda index, event: events[index].append(event)
+    )
+    return events
+
+
+def terminals(events: dict[int, list[Event]]) -> dict[int, list[Event]]:
+    return {i: [e for e in evs if e.terminal] for i, evs in events.items()}
+
+
+def text(events: list[Event]) -> str:
+    out = ""
+    for event in events:
+        if event.kind == EventKind.RESTART:
+            out = ""
+        elif event.kind == EventKind.TOKEN:
+            out += event.text
+    return out
+
+
+def test_requests_spread_over_replicas_within_each_window():
+    inbox = FakeInbox()
+    replicas = [FakeReplica(name, 3, inbox, lambda r, s, p: answer(f"{r.name}{p['i']}"))
+                for name in "ab"]  # fmt: skip
+    events = fly(12, replicas, inbox)
+    assert all(len(t) == 1 and t[0].kind == EventKind.DONE for t in terminals(events).values())
+    assert sorted(replicas[0].attempts + replicas[1].attempts) == list(range(12))
+    assert replicas[0].attempts and replicas[1].attempts, "both replicas get work"
+    assert max(r.peak for r in replicas) <= 3
+
+
+def test_the_replica_with_fewest_in_flight_gets_the_next_request():
+    inbox = FakeInbox()
+    slow_done: list[Any] = []
+
+    def holds(r: FakeReplica, serial: int, p: dict[str, Any]) -> list[Any]:
+        slow_done.append((r, serial))  # answered later, by hand
+        return [Event(EventKind.TOKEN, text="x")]
+
+    a = FakeReplica("a", 4, inbox, holds)
+    b = FakeReplica("b", 4, inbox, holds)
+    flight = Flight([{"i": i} for i in range(6)], [a, b], inbox)
+    next(flight)  # fills both windows' worth, fewest in flight first
+    assert (len(a.attempts), len(b.attempts)) == (3, 3)
+
+
+def test_work_a_replica_failed_before_any_output_goes_to_another():
+    inbox = FakeInbox()
+
+    def dies(r: FakeReplica, s: int, p: dict[str, Any]) -> list[Any]:
+        return [Failure(ErrorCode.BACKEND_ERROR, "the connection broke", down=True)]
+
+    a = FakeReplica("a", 2, inbox, dies, probe_up=False)
+    b = FakeReplica("b", 2, inbox, lambda r, s, p: answer(f"b{p['i']}"))
+    events = fly(6, [a, b], inbox)
+    assert [text(events[i]) for i in range(6)] == [f"b{i}" for i in range(6)]
+    assert a.recoveries == 1 and a.state == DEAD, "probed once, given up on"
+    assert all(not any(e.kind == EventKind.RESTART for e in evs) for evs in events.values())
+
+
+def test_a_request_cut_mid_answer_restarts_elsewhere_only_when_the_caller_folds():
+    def cut(r: FakeReplica, s: int, p: dict[str, Any]) -> list[Any]:
+        return [Event(EventKind.TOKEN, text="half"),
+                Failure(ErrorCode.BACKEND_ERROR, "the stream was cut", down=True)]  # fmt: skip
+
+    inbox = FakeInbox()
+    a = FakeReplica("a", 1, inbox, cut, probe_up=False)
+    b = FakeReplica("b", 1, inbox, lambda r, s, p: answer("whole"))
+    a.window = a.limit = 5  # a takes the request first
+    events = fly(1, [a, b], inbox, restart=True)
+    kinds = [e.kind for e in events[0]]
+    assert kinds == [EventKind.TOKEN, EventKind.RESTART, EventKind.TOKEN, EventKind.DONE]
+    assert text(events[0]) == "whole", "the output never holds an answer twice"
+
+    # A stream to a screen cannot take back what it showed: the cut is its error.
+    inbox = FakeInbox()
+    a = FakeReplica("a", 5, inbox, cut)
+    b = FakeReplica("b", 1, inbox, lambda r, s, p: answer("whole"))
+    events = fly(1, [a, b], inbox, restart=False)
+    assert [e.kind for e in events[0]] == [EventKind.TOKEN, EventKind.ERROR]
+    assert events[0][-1].message == "the stream was cut"
+    assert b.attempts == []
+
+
+def test_a_request_is_sent_at_most_once_more_than_there_are_replicas():
+    inbox = FakeInbox()
+
+    def worked_then_dies(r: FakeReplica, s: int, p: dict[str, Any]) -> list[Any]:
+        r.worked = True  # it had answered before: worth recovering
+        return [Failure(ErrorCode.UNREACHABLE, f"{r.name} went away", down=True)]
+
+    replicas = [FakeReplica(name, 2, inbox, worked_then_dies) for name in "ab"]
+    events = fly(3, replicas, inbox)
+    for i in range(3):
+        sends = replicas[0].attempts.count(i) + replicas[1].attempts.count(i)
+        assert sends == 3, "1 + 2 replicas"
+        assert [e.kind for e in events[i]] == [EventKind.ERROR]
+        assert events[i][0].code == ErrorCode.UNREACHABLE
+
+
+def test_nothing_reachable_at_all_is_the_commands_error_not_n_records():
+    inbox = FakeInbox()
+
+    def refused(r: FakeReplica, s: int, p: dict[str, Any]) -> list[Any]:
+        return [Failure(ErrorCode.UNREACHABLE, "cannot reach the backend", down=True)]
+
+    class Remote(FakeReplica):
+        def may_recover(self, failure: Failure) -> bool:  # as RemoteReplica's rule
+            return self.worked or failure.code != ErrorCode.UNREACHABLE
+
+    replicas = [Remote(name, 4, inbox, refused, probe_up=False) for name in "ab"]
+    with pytest.raises(DaemonUnavailableError, match="cannot reach the backend"):
+        fly(8, replicas, inbox)
+
+
+def test_busy_is_sent_again_later_with_a_smaller_window_and_is_not_an_attempt():
+    inbox = FakeInbox()
+    refusals = {0: 3}
+
+    def busy_first(r: FakeReplica, s: int, p: dict[str, Any]) -> list[Any]:
+        if refusals.get(p["i"], 0):
+            refusals[p["i"]] -= 1
+            return [Slow(0.01, requeue=True)]
+        return answer(f"ok{p['i']}")
+
+    a = FakeReplica("a", 4, inbox, busy_first)
+    events = fly(4, [a], inbox)
+    assert [text(events[i]) for i in range(4)] == ["ok0", "ok1", "ok2", "ok3"]
+    assert a.attempts.count(0) == 4, "three refusals, then the answer: refusals do not count"
+
+
+def test_a_slow_note_pauses_new_work_on_that_replica():
+    inbox = FakeInbox()
+    a = FakeReplica("a", 8, inbox, lambda r, s, p: answer("x"))
+    flight = Flight([{"i": i} for i in range(3)], [a], inbox)
+    flight._take(a, None, Slow(0.3))
+    assert a.room(time.monotonic()) == 0
+    started = time.monotonic()
+    assert len([e for _i, e in flight if e.terminal]) == 3
+    assert time.monotonic() - started >= 0.25
+
+
+def test_cancel_ends_waiting_requests_at_once_and_live_ones_through_their_replica():
+    inbox = FakeInbox()
+    a = FakeReplica("a", 1, inbox, lambda r, s, p: [Event(EventKind.TOKEN, text="x")])
+    flight = Flight([{"i": i} for i in range(3)], [a], inbox)
+    first = next(flight)
+    assert first[1].kind == EventKind.TOKEN
+    flight.cancel()
+    rest = list(flight)
+    ends = {i: e for i, e in rest if e.terminal}
+    assert set(ends) == {0, 1, 2}
+    assert all(e.code == ErrorCode.CANCELLED for e in ends.values())
+    assert ends[1].message == "cancelled before it was sent"
+    assert a.cancelled and a.attempts == [0]
+
+
+OUTCOMES = st.sampled_from(["done", "token-done", "busy", "down", "token-down", "draining"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    windows=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    plan=st.lists(OUTCOMES, min_size=1, max_size=40),
+    restart=st.booleans(),
+    probe_up=st.booleans(),
+)
+def test_every_request_ends_exactly_once_whatever_the_replicas_do(
+    n: int, windows: list[int], plan: list[str], restart: bool, probe_up: bool
+):
+    inbox = FakeInbox()
+    steps = iter(plan)
+    busy_left = [20]  # busy answers are not attempts: bound them so the run ends
+    refused: list[int] = []
+
+    def script(r: FakeReplica, s: int, p: dict[str, Any]) -> list[Any]:
+        outcome = next(steps, "done")
+        if outcome == "busy":
+            busy_left[0] -= 1
+            outcome = "busy" if busy_left[0] > 0 else "done"
+            if outcome == "busy":
+                refused.append(p["i"])
+        token = [Event(EventKind.TOKEN, text=f"{r.name}{p['i']}")]
+        return {
+            "done": answer(f"{r.name}{p['i']}"),
+            "token-done": [*token, Event(EventKind.DONE)],
+            "busy": [Slow(0.0, requeue=True)],
+            "down": [Failure(ErrorCode.BACKEND_ERROR, "broke", down=True)],
+            "token-down": [*token, Failure(ErrorCode.BACKEND_ERROR, "cut", down=True)],
+            "draining": [Failure(ErrorCode.SHUTTING_DOWN, "stopping", draining=True)],
+        }[outcome]
+
+    replicas = [FakeReplica(f"r{k}", w, inbox, script, probe_up) for k, w in enumerate(windows)]
+    try:
+        events = fly(n, replicas, inbox, restart=restart)
+    except Phi4Error:  # no replica ever answered: the failure is the command's
+        assert not any(r.worked for r in replicas)
+        return
+    for i in range(n):
+        ends = [e for e in events[i] if e.terminal]
+        assert len(ends) == 1, (i, events[i])
+        assert events[i][-1].terminal, "nothing after the terminal event"
+        sent = sum(r.attempts.count(i) for r in replicas)
+        assert sent or all(r.state == DEAD for r in replicas), "unsent only when none is left"
+        assert sent - refused.count(i) <= len(replicas) + 1, "busy refusals do not count"
+        if not restart:
+            assert all(e.kind != EventKind.RESTART for e in events[i])
+        if ends[0].kind == EventKind.DONE:
+            shown = text(events[i])
+            assert shown.endswith(str(i)) and len(shown) == len(f"r0{i}"), "one answer, once"
+    for replica in replicas:
+        assert replica.peak <= replica.limit

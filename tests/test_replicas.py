@@ -1,0 +1,383 @@
+"""Many problems over remote engines: requests at once, several replicas, and failures that lose
+no problem. Scripted servers (tests/scripted_server.py) for each failure, and two real engines
+(llama-cpp-python's `llama_cpp.server` on the tiny model), one killed mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import PHI4, run_phi4
+from tests.scripted_server import Head, Step, chunk, data, never_accepting, scripted_server
+
+
+def question_of(body: dict[str, Any]) -> str:
+    return str(body["messages"][-1]["content"]).split("\n\n")[0]
+
+
+def doubled(body: dict[str, Any]) -> str:
+    """Problem "What is i+i?" has the answer 2i: each line's answer says which line it is."""
+    i = int(question_of(body).removeprefix("What is ").split("+")[0])
+    return str(2 * i)
+
+
+def answer_lines(body: dict[str, Any], pieces: int = 3) -> list[str | Step]:
+    lines: list[str | Step] = [chunk({"role": "assistant", "content": ""})]
+    lines += [chunk({"reasoning_content": f"step {k}. "}) for k in range(pieces)]
+    lines += [chunk({"content": f"So $\\boxed{{{doubled(body)}}}$."}), chunk({}, "stop"),
+              data("[DONE]")]  # fmt: skip
+    return lines
+
+
+def problems_file(tmp_path: Path, n: int) -> Path:
+    path = tmp_path / "problems.txt"
+    path.write_text("".join(f"What is {i}+{i}?\n" for i in range(1, n + 1)))
+    return path
+
+
+def solve_file(urls: list[str], path: Path, *extra: str, **kwargs: Any) -> Any:
+    backends = [arg for url in urls for arg in ("--backend", url)]
+    return run_phi4("solve", "-f", str(path), *backends, "-m", "phi4-mini-reasoning",
+                    "--no-instruction", *extra, **kwargs)  # fmt: skip
+
+
+class Gate:
+    """Holds each request until ``size`` are in at once (or ``patience`` passes), and counts
+    the most that were: a client that sends one after another never gets past one."""
+
+    def __init__(self, size: int, patience: float = 30.0) -> None:
+        self.size, self.patience = size, patience
+        self.inside = self.peak = 0
+        self.lock = threading.Condition()
+
+    def hold(self) -> None:
+        with self.lock:
+            self.inside += 1
+            self.peak = max(self.peak, self.inside)
+            self.lock.notify_all()
+            self.lock.wait_for(lambda: self.peak >= self.size, timeout=self.patience)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.inside -= 1
+
+
+def gated(gate: Gate) -> Any:
+    def script(body: dict[str, Any]) -> Iterator[str | Step]:
+        gate.hold()
+        try:
+            yield from answer_lines(body)
+        finally:
+            gate.leave()
+
+    return script
+
+
+def test_sixteen_problems_are_asked_at_once_and_printed_in_order(tmp_path: Path):
+    # Before: sent one after another, so the server never saw two at once.
+    gate = Gate(16)
+    with scripted_server(gated(gate)) as server:
+        result = solve_file([server.url], problems_file(tmp_path, 16), "--answer-only")
+    assert result.returncode == 0, result.stderr
+    assert gate.peak == 16
+    assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 17)]
+
+
+def test_backend_concurrency_bounds_the_requests_at_once(tmp_path: Path):
+    gate = Gate(3, patience=2.0)
+    with scripted_server(gated(gate)) as server:
+        result = solve_file([server.url], problems_file(tmp_path, 9), "--answer-only",
+                            "--backend-concurrency", "3")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert gate.peak == 3
+    assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 10)]
+
+
+def test_backend_concurrency_from_the_environment_and_its_bad_value(tmp_path: Path):
+    gate = Gate(2, patience=2.0)
+    path = problems_file(tmp_path, 4)
+    with scripted_server(gated(gate)) as server:
+        env = {**os.environ, "PHI4_BACKEND_CONCURRENCY": "2"}
+        result = solve_file([server.url], path, "--answer-only", env=env)
+        assert result.returncode == 0, result.stderr
+        assert gate.peak == 2
+        bad = solve_file([server.url], path, env={**os.environ, "PHI4_BACKEND_CONCURRENCY": "0"})
+    assert bad.returncode == 2
+    assert "PHI4_BACKEND_CONCURRENCY" in bad.stderr and "positive integer" in bad.stderr
+
+
+def test_two_replicas_share_the_work_and_the_summary_says_how(tmp_path: Path):
+    gates = [Gate(4, patience=2.0), Gate(4, patience=2.0)]
+    with scripted_server(gated(gates[0])) as a, scripted_server(gated(gates[1])) as b:
+        result = solve_file([a.url, b.url], problems_file(tmp_path, 16), "--answer-only",
+                            "--backend-concurrency", "4")  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 17)]
+        assert len(a.bodies) + len(b.bodies) == 16, "each problem asked once"
+        assert a.bodies and b.bodies
+    assert gates[0].peak == 4 and gates[1].peak == 4
+    assert f"replicas: {a.url} answered {len(a.bodies)}" in result.stderr
+    assert f"{b.url} answered {len(b.bodies)}" in result.stderr
+
+
+def test_replicas_from_the_config_file(tmp_path: Path, phi4_home: Path):
+    with scripted_server(answer_lines) as a, scripted_server(answer_lines) as b:
+        config = phi4_home / "config" / "config.toml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(f'backends = ["{a.url}", "{b.url}"]\nbackend_concurrency = 2\n')
+        result = run_phi4("solve", "-f", str(problems_file(tmp_path, 8)), "-a",
+                          "-m", "phi4-mini-reasoning")  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert len(a.bodies) + len(b.bodies) == 8 and a.bodies and b.bodies
+
+
+def test_a_replica_that_refuses_connections_costs_nothing(tmp_path: Path):
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"  # nothing listens there
+    with scripted_server(answer_lines) as good:
+        result = solve_file([dead, good.url], problems_file(tmp_path, 10), "--jsonl")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["line"] for r in records] == list(range(1, 11))
+    assert [r["answer"] for r in records] == [str(2 * i) for i in range(1, 11)]
+    assert len(good.bodies) == 10
+    assert f"{dead} answered 0" in result.stderr and "(dead)" in result.stderr
+
+
+def test_a_replica_that_never_takes_the_connection_costs_its_timeout_once(tmp_path: Path):
+    with never_accepting(backlog_full=True) as stuck, scripted_server(answer_lines) as good:
+        env = {**os.environ, "PHI4_BACKEND_TIMEOUT": "2s"}
+        result = solve_file([stuck, good.url], problems_file(tmp_path, 6), "--answer-only",
+                            env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 7)]
+
+
+def test_every_replica_unreachable_is_one_line_and_exit_3(tmp_path: Path):
+    ports = []
+    for _ in range(2):
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            ports.append(closed.getsockname()[1])
+    urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
+    result = solve_file(urls, problems_file(tmp_path, 5), "--answer-only")
+    assert result.returncode == 3
+    assert result.stderr.count("cannot reach the backend") == 1, result.stderr
+    assert result.stdout == ""
+
+
+def test_a_stream_cut_mid_answer_is_asked_again_and_printed_once(tmp_path: Path):
+    cut = {"done": False}
+    lock = threading.Lock()
+
+    def first_one_cut(body: dict[str, Any]) -> Iterator[str | Step]:
+        with lock:
+            cut_this = doubled(body) == "6" and not cut["done"]
+            cut["done"] = cut["done"] or cut_this
+        lines = answer_lines(body)
+        if cut_this:
+            yield from lines[:3]
+            yield Step(drop=True)
+            return
+        yield from lines
+
+    with scripted_server(first_one_cut) as a, scripted_server(first_one_cut) as b:
+        result = solve_file([a.url, b.url], problems_file(tmp_path, 6), "--jsonl")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["answer"] for r in records] == [str(2 * i) for i in range(1, 7)]
+    third = records[2]
+    assert third["reasoning"].count("step 0.") == 1, "the cut attempt's text is gone"
+    assert len(a.bodies) + len(b.bodies) == 7, "one problem asked twice, the rest once"
+
+
+def test_a_stream_cut_mid_answer_of_one_question_is_not_shown_twice():
+    # One question streams to the screen: what it showed cannot be taken back, so a cut is
+    # its error, as before (exit 5), not a second answer after the first half.
+    def cut(body: dict[str, Any]) -> Iterator[str | Step]:
+        yield from [chunk({"content": "So far"}), Step(drop=True)]
+
+    with scripted_server(cut) as a, scripted_server(answer_lines) as b:
+        result = run_phi4("solve", "What is 1+1?", "--backend", a.url, "--backend", b.url,
+                          "-m", "phi4-mini")  # fmt: skip
+    assert result.returncode == 5
+    assert "the backend closed the stream before the answer was complete" in result.stderr
+    assert result.stdout.count("So far") <= 1 and "\\boxed" not in result.stdout
+
+
+def test_429_and_503_slow_the_client_and_every_problem_is_answered(tmp_path: Path):
+    refused = {"429": 0, "503": 0}
+    lock = threading.Lock()
+
+    def busy_at_first(body: dict[str, Any]) -> list[str | Step | Head]:
+        with lock:
+            total = sum(refused.values())
+            kind = "429" if total < 3 else "503" if total < 5 else None
+            if kind:
+                refused[kind] += 1
+        if kind == "429":
+            return [Head(429, {"Retry-After": "0"}), '{"error": {"message": "slow down"}}']
+        if kind == "503":
+            return [Head(503), '{"error": {"message": "overloaded"}}']
+        return list(answer_lines(body))
+
+    with scripted_server(busy_at_first) as server:
+        result = solve_file([server.url], problems_file(tmp_path, 8), "--answer-only",
+                            "--backend-concurrency", "4")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 9)]
+    assert refused == {"429": 3, "503": 2}
+    assert "is busy (429); asking again" in result.stderr
+
+
+def test_a_replica_busy_for_good_hands_its_problems_to_the_other(tmp_path: Path):
+    def always_busy(_body: dict[str, Any]) -> list[str | Head]:
+        return [Head(429, {"Retry-After": "0"}), '{"error": {"message": "full"}}']
+
+    with scripted_server(always_busy) as full, scripted_server(answer_lines) as good:
+        result = solve_file([full.url, good.url], problems_file(tmp_path, 6), "--answer-only")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 7)]
+    assert len(good.bodies) == 6
+
+
+def test_what_still_fails_is_that_problems_error_record_and_the_rest_complete(tmp_path: Path):
+    def one_is_refused(body: dict[str, Any]) -> list[str | Step | Head]:
+        if doubled(body) == "4":
+            return [Head(400), '{"error": {"message": "this one is not allowed"}}']
+        return list(answer_lines(body))
+
+    with scripted_server(one_is_refused) as server:
+        result = solve_file([server.url], problems_file(tmp_path, 4), "--jsonl")
+    assert result.returncode == 1
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["line"] for r in records] == [1, 2, 3, 4]
+    assert records[1]["error"]["message"].endswith("this one is not allowed")
+    assert [r["answer"] for r in records if "error" not in r] == ["2", "6", "8"]
+
+
+def test_status_probes_each_replica(tmp_path: Path):
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"
+    with scripted_server(answer_lines) as good:
+        result = run_phi4("status", "--backend", good.url, "--backend", dead, "--json")
+        shown = run_phi4("status", "--backend", good.url, "--backend", dead)
+    assert result.returncode == 0, result.stderr
+    replicas = json.loads(result.stdout)["replicas"]
+    assert [(r["replica"], r["state"]) for r in replicas] == [(good.url, "up"), (dead, "down")]
+    assert "cannot reach it" in replicas[1]["reason"]
+    assert f"{good.url}  up  answered in" in shown.stdout
+    alone = run_phi4("status", "--backend", dead)
+    assert alone.returncode == 3
+
+
+# --- two real engines, one killed mid-run ------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_engine(model: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
+         "--port", str(port), "--n_ctx", "2048", "--n_threads", "1",
+         # Its default ends the request being answered when another comes in: a server that
+         # takes requests at once must not.
+         "--interrupt_requests", "False"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/models", timeout=2):
+                return proc, url
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise AssertionError("llama_cpp.server did not start") from None
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def two_engines(tiny_model: Path) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+    engines = [start_engine(tiny_model) for _ in range(2)]
+    try:
+        yield engines
+    finally:
+        for proc, _url in engines:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+
+
+def test_killing_one_of_two_real_engines_mid_run_loses_no_problem(
+    two_engines: list[tuple[subprocess.Popen[bytes], str]], tmp_path: Path
+):
+    (victim, victim_url), (_survivor, survivor_url) = two_engines
+    path = tmp_path / "forty.txt"
+    path.write_text("".join(f"What is {i}*13?\n" for i in range(1, 41)))
+    proc = subprocess.Popen(
+        [PHI4, "solve", "-f", str(path), "--jsonl", "--backend", victim_url, "--backend",
+         survivor_url, "-m", "tiny", "-t", "0", "-n", "24", "--backend-concurrency", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    errors: list[str] = []
+    reader = threading.Thread(target=lambda: errors.append(proc.stderr.read()))  # type: ignore[union-attr]
+    reader.start()
+    first = proc.stdout.readline()  # one answered: others are in flight on both engines
+    assert first, "no record came"
+    victim.send_signal(signal.SIGKILL)
+    rest = proc.stdout.read()  # the same buffered reader as readline: nothing lost between
+    proc.wait(timeout=600)
+    reader.join(timeout=60)
+    err = errors[0]
+    records = [json.loads(line) for line in [first, *rest.splitlines()]]
+    assert [r["line"] for r in records] == list(range(1, 41)), err
+    failed = [r for r in records if "error" in r]
+    assert proc.returncode == (1 if failed else 0), err
+    assert not failed, f"the survivor answers what the victim held: {failed[:2]}"
+    empty = [r for r in records if not (r["solution"] or r["reasoning"])]
+    assert not empty, empty[:1]
+    assert re.search(re.escape(victim_url) + r" answered \d+[^;]*, \d+ failed \((down|dead)\)", err)
+
+
+def test_backend_settings_name_replicas_one_way_or_another(tmp_path: Path):
+    from phi4cli.config import ConfigError, load_settings
+
+    config = tmp_path / "config.toml"
+    config.write_text('backends = ["http://a:1/v1", "http://b:2/v1"]\n')
+    assert load_settings(config, environ={}).backend == "http://a:1/v1 http://b:2/v1"
+    env = {"PHI4_BACKEND": "http://a:1/v1, http://c:3/v1 http://a:1/v1"}
+    assert load_settings(config, environ=env).backend == "http://a:1/v1 http://c:3/v1"
+    flags = {"backend": ("http://d:4/v1",)}
+    assert load_settings(config, flags, environ=env).backend == "http://d:4/v1"
+    assert load_settings(config, {"backend": ()}, environ=env).backend == (
+        "http://a:1/v1 http://c:3/v1"
+    ), "a repeatable flag not given overrides nothing"
+    config.write_text('backend = "http://a:1/v1"\nbackends = ["http://b:2/v1"]\n')
+    with pytest.raises(ConfigError, match="give backend or backends, not both"):
+        load_settings(config, environ={})
+    config.write_text('backends = ["http://a:1/v1", "ftp://b/v1"]\n')
+    with pytest.raises(ConfigError, match="invalid backend"):
+        load_settings(config, environ={})
