@@ -381,3 +381,35 @@ def test_backend_settings_name_replicas_one_way_or_another(tmp_path: Path):
     config.write_text('backends = ["http://a:1/v1", "ftp://b/v1"]\n')
     with pytest.raises(ConfigError, match="invalid backend"):
         load_settings(config, environ={})
+
+
+def test_phi4_serve_as_a_replica_decodes_concurrent_requests_together(
+    tiny_model: Path, tmp_path: Path
+):
+    from tests.test_http_api import start_server
+
+    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--parallel", "4",
+                    "--n-ctx", "8192").returncode == 0  # fmt: skip
+    proc, url = start_server(tiny_model)
+    try:
+        path = tmp_path / "eight.txt"
+        path.write_text("".join(f"What is {i}*13?\n" for i in range(1, 9)))
+        run = subprocess.Popen(
+            [PHI4, "solve", "-f", str(path), "--jsonl", "--backend", f"{url}/v1", "-m",
+             "tiny-phi3", "-t", "0", "-n", "1500"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        most = 0
+        while run.poll() is None:
+            status = json.loads(run_phi4("status", "--json").stdout or "{}")
+            most = max(most, status.get("memory", {}).get("running") or 0)
+            time.sleep(0.05)
+        out, err = run.communicate(timeout=600)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    assert run.returncode == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["line"] for r in records] == list(range(1, 9))
+    assert all(r["stats"]["completion_tokens"] > 0 for r in records)
+    assert most >= 2, "the daemon behind `phi4 serve` had requests of this run at once"
