@@ -12,7 +12,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from phi4cli.config import Settings
@@ -54,7 +54,7 @@ class Backend(Protocol):
         """Send one solve or chat request and return its events."""
         ...
 
-    def run(self, requests: list[JSON], on_event: EventSink, restart: bool = False) -> None:
+    def run(self, requests: Sequence[JSON], on_event: EventSink, restart: bool = False) -> None:
         """Answer many solve requests, passing each event to ``on_event(index, event)``. With
         ``restart``, a request cut off mid-answer may be sent again after a ``restart`` event
         (the caller folds events and can drop what came before)."""
@@ -106,7 +106,7 @@ class DaemonBackend:
     def connect(self) -> None:
         self._give_back(self._take())
 
-    def _flight(self, op: Op, requests: list[JSON], window: int, restart: bool) -> Flight:
+    def _flight(self, op: Op, requests: Sequence[JSON], window: int, restart: bool) -> Flight:
         replica = DaemonReplica(self, window)
         return Flight(requests, [replica], replica, op=op, restart=restart,
                       announce=self.announce)  # fmt: skip
@@ -114,7 +114,7 @@ class DaemonBackend:
     def stream(self, op: Op, params: JSON) -> FlightStream:
         return FlightStream(self._flight(op, [params], 1, restart=False))
 
-    def run(self, requests: list[JSON], on_event: EventSink, restart: bool = False) -> None:
+    def run(self, requests: Sequence[JSON], on_event: EventSink, restart: bool = False) -> None:
         self._flight(Op.SOLVE, requests, self.window, restart).run(on_event)
 
     def status(self) -> JSON:
@@ -289,7 +289,7 @@ class RemoteBackend:
         self.name = f"the backend {shown}"
         self.last_summary: list[JSON] = []
 
-    def _flight(self, op: Op, requests: list[JSON], restart: bool) -> Flight:
+    def _flight(self, op: Op, requests: Sequence[JSON], restart: bool) -> Flight:
         from phi4cli.remote import RemoteReplica, ReplicaInbox
 
         inbox = ReplicaInbox()
@@ -300,7 +300,7 @@ class RemoteBackend:
     def stream(self, op: Op, params: JSON) -> FlightStream:
         return FlightStream(self._flight(op, [params], restart=False))
 
-    def run(self, requests: list[JSON], on_event: EventSink, restart: bool = False) -> None:
+    def run(self, requests: Sequence[JSON], on_event: EventSink, restart: bool = False) -> None:
         flight = self._flight(Op.SOLVE, requests, restart)
         try:
             flight.run(on_event)

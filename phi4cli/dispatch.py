@@ -31,7 +31,7 @@ import itertools
 import time
 from bisect import insort
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from phi4cli.errors import error_for
 from phi4cli.protocol import JSON, ErrorCode, Event, EventKind
@@ -162,7 +162,7 @@ class Flight:
 
     def __init__(
         self,
-        requests: list[JSON],
+        requests: Sequence[JSON],
         replicas: list[Replica],
         inbox: Inbox,
         *,

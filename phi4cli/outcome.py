@@ -11,7 +11,20 @@ from phi4cli.reasoning import extract_final_answer
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from collections.abc import Sequence
+    from typing import Any, Protocol
+
+    class Answered(Protocol):
+        """What the exit status asks of a request's result (an Outcome, or what is kept of it)."""
+
+        @property
+        def error(self) -> Event | None: ...
+
+        @property
+        def thinking_unfinished(self) -> bool: ...
+
+        @property
+        def answer(self) -> str | None: ...
 
 
 class Outcome:
@@ -97,7 +110,7 @@ class Outcome:
         return record
 
 
-def exit_status(outcomes: list[Outcome], answer_required: bool) -> ExitStatus:
+def exit_status(outcomes: Sequence[Answered], answer_required: bool) -> ExitStatus:
     """The exit status of a command's results, the same for one question and a file of them:
     1 when any request failed, any thinking ran out of tokens before an answer, or (with
     ``--answer-only``) any solution stated no final answer. (A lone request's failure is raised

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from phi4cli.backends import Backend
@@ -58,7 +58,7 @@ class SolveJob(Record):
 
     def run(
         self,
-        requests: list[dict[str, Any]],
+        requests: Sequence[dict[str, Any]],
         on_event: Callable[[int, Event], None],
         restart: bool = False,
     ) -> None:
@@ -308,8 +308,9 @@ def solve_file(
     With ``--answer-only`` output line N belongs to input line N: a blank input line gets an
     empty output line. ``--jsonl`` records skip blank lines and carry their ``line`` number.
     """
-    outcomes = [Outcome(index=i, question=q) for i, (_line, q) in enumerate(problems)]
-    requests = [job.params(q, priority="bulk") for _line, q in problems]
+    outcomes: list[Outcome | Printed] = [Outcome(index=i, question=q)
+                                         for i, (_line, q) in enumerate(problems)]  # fmt: skip
+    requests = Requests(lambda i: job.params(problems[i][1], priority="bulk"), len(problems))
     next_to_print = 0
     printed_line = 0  # the input line the output has reached (--answer-only)
     failed = 0
@@ -319,6 +320,9 @@ def solve_file(
     def emit(index: int) -> None:
         nonlocal failed, printed_line
         outcome = outcomes[index]
+        assert isinstance(outcome, Outcome)
+        # Printed: only what the exit status needs is kept, so a run of 10,000 stays small.
+        outcomes[index] = Printed(outcome.error, outcome.thinking_unfinished, outcome.answer)
         line = problems[index][0]
         failed += outcome.error is not None
         if jsonl:
@@ -347,8 +351,10 @@ def solve_file(
         nonlocal next_to_print
         loading.see(event)
         progress.see(index, event)
-        outcomes[index].apply(event)
-        if not outcomes[index].done:
+        outcome = outcomes[index]
+        assert isinstance(outcome, Outcome), "no event after the terminal one"
+        outcome.apply(event)
+        if not outcome.done:
             return
         progress.advance(index)
         while next_to_print < len(outcomes) and outcomes[next_to_print].done:
@@ -363,6 +369,34 @@ def solve_file(
     if failed:
         job.announce(f"{failed} of {len(problems)} problems failed")
     return exit_status(outcomes, answer_required=mode.answer_only)
+
+
+class Printed(Record):
+    """What ``solve_file`` keeps of a problem once its answer is printed: what the exit status
+    asks of it."""
+
+    error: Event | None
+    thinking_unfinished: bool
+    answer: str | None
+    done: bool = True
+
+
+class Requests(Sequence["dict[str, Any]"]):  # a string: typing is not imported to run
+    """A run's requests, each made when it is sent (a 10,000-line file holds its questions, not
+    10,000 request dicts)."""
+
+    def __init__(self, make: Callable[[int], dict[str, Any]], length: int) -> None:
+        self._make, self._length = make, length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self._make(i) for i in range(*index.indices(self._length))]
+        if not -self._length <= index < self._length:
+            raise IndexError(index)
+        return self._make(index % self._length)
 
 
 class FileProgress:
