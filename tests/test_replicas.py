@@ -97,7 +97,7 @@ def test_sixteen_problems_are_asked_at_once_and_printed_in_order(tmp_path: Path)
 
 
 def test_backend_concurrency_bounds_the_requests_at_once(tmp_path: Path):
-    gate = Gate(3, patience=2.0)
+    gate = Gate(3)
     with scripted_server(gated(gate)) as server:
         result = solve_file([server.url], problems_file(tmp_path, 9), "--answer-only",
                             "--backend-concurrency", "3")  # fmt: skip
@@ -107,7 +107,7 @@ def test_backend_concurrency_bounds_the_requests_at_once(tmp_path: Path):
 
 
 def test_backend_concurrency_from_the_environment_and_its_bad_value(tmp_path: Path):
-    gate = Gate(2, patience=2.0)
+    gate = Gate(2)
     path = problems_file(tmp_path, 4)
     with scripted_server(gated(gate)) as server:
         env = {**os.environ, "PHI4_BACKEND_CONCURRENCY": "2"}
@@ -120,7 +120,7 @@ def test_backend_concurrency_from_the_environment_and_its_bad_value(tmp_path: Pa
 
 
 def test_two_replicas_share_the_work_and_the_summary_says_how(tmp_path: Path):
-    gates = [Gate(4, patience=2.0), Gate(4, patience=2.0)]
+    gates = [Gate(4), Gate(4)]
     with scripted_server(gated(gates[0])) as a, scripted_server(gated(gates[1])) as b:
         result = solve_file([a.url, b.url], problems_file(tmp_path, 16), "--answer-only",
                             "--backend-concurrency", "4")  # fmt: skip
