@@ -163,3 +163,35 @@ def exchange(path: Path, lines: list[bytes]) -> list[dict[str, Any]]:
 both_kv_layouts = pytest.mark.parametrize(
     "layout", [(), ("--kv-layout", "streams", "--parallel", "1")], ids=["shared", "streams"]
 )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_llama_cpp_server(model: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    """llama-cpp-python's own OpenAI-compatible server on ``model``, once it answers; return
+    the process and its /v1 URL."""
+    import urllib.request
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
+         "--port", str(port), "--n_ctx", "2048", *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/models", timeout=2):
+                return proc, url
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise AssertionError("llama_cpp.server did not start") from None
+            time.sleep(0.2)

@@ -8,19 +8,17 @@ import gzip
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import PHI4, run_phi4
+from tests.conftest import PHI4, free_port, run_phi4, start_llama_cpp_server
 from tests.scripted_server import (
     Head,
     Step,
@@ -32,31 +30,9 @@ from tests.scripted_server import (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def backend(tiny_model: Path) -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(tiny_model), "--host",
-         "127.0.0.1", "--port", str(port), "--n_ctx", "2048"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/models", timeout=2):
-                break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise AssertionError("llama_cpp.server did not start") from None
-            time.sleep(0.2)
+    proc, url = start_llama_cpp_server(tiny_model)
     try:
         yield url
     finally:

@@ -10,17 +10,15 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import PHI4, run_phi4
+from tests.conftest import PHI4, run_phi4, start_llama_cpp_server
 from tests.scripted_server import Head, Step, chunk, data, never_accepting, scripted_server
 
 
@@ -289,33 +287,10 @@ def test_status_probes_each_replica(tmp_path: Path):
 # --- two real engines, one killed mid-run ------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start_engine(model: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
-         "--port", str(port), "--n_ctx", "2048", "--n_threads", "1",
-         # Its default ends the request being answered when another comes in: a server that
-         # takes requests at once must not.
-         "--interrupt_requests", "False"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/models", timeout=2):
-                return proc, url
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise AssertionError("llama_cpp.server did not start") from None
-            time.sleep(0.2)
+    # Its default ends the request being answered when another comes in: a server that takes
+    # requests at once must not.
+    return start_llama_cpp_server(model, "--n_threads", "1", "--interrupt_requests", "False")
 
 
 @pytest.fixture
