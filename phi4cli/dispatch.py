@@ -52,7 +52,7 @@ POLL_S = 0.5
 class Failure:
     """An attempt that ended without its terminal event, and what that says of its replica."""
 
-    __slots__ = ("code", "down", "draining", "elsewhere", "message")
+    __slots__ = ("code", "down", "draining", "elsewhere", "message", "stats")
 
     def __init__(
         self,
@@ -62,8 +62,10 @@ class Failure:
         down: bool = False,
         draining: bool = False,
         elsewhere: bool = False,
+        stats: Event | None = None,
     ) -> None:
         self.code, self.message = code, message
+        self.stats = stats  # the attempt's stats event, given before the error if it is the end
         self.down = down  # the replica is gone: nothing more goes to it until it recovers
         self.draining = draining  # it takes no new work, and ends what it has (a daemon stopping)
         self.elsewhere = elsewhere  # worth sending again only to another replica (busy for good)
@@ -184,6 +186,7 @@ class Flight:
         self.ready: deque[tuple[int, Event]] = deque()
         self.finished: set[int] = set()
         self.closed = False
+        self.last_failure: Failure | None = None  # the latest seen, for what cannot be sent
         self.began = time.monotonic()
         self._serials = itertools.count(1)
 
@@ -223,6 +226,12 @@ class Flight:
                 self._take(*delivery)
             return
         if not self.waiting:
+            # Nothing waits, runs or recovers, yet not all have ended (an interrupt between
+            # two steps of the bookkeeping): end those rather than wait for nothing.
+            for index in range(len(self.requests)):
+                if index not in self.finished:
+                    self._finish(index, Event.error(ErrorCode.INTERNAL,
+                                                    "the request was lost on its way"))  # fmt: skip
             return
         paused = [r.not_before for r in self.replicas if r.state == UP and r.not_before > now]
         if paused:
@@ -248,16 +257,17 @@ class Flight:
             self.live[serial] = (index, replica)
             self.serial_of[index] = serial
             replica.in_flight.add(serial)
-            try:
-                replica.send(serial, self.op, self.requests[index])
-            except BaseException:
-                # Not sent (an interrupt while the daemon starts, say): it is still waiting.
-                self._forget(serial)
-                raise
             if self.waiting[0] == index:
                 self.waiting.popleft()
             else:
                 self.waiting.remove(index)
+            try:
+                replica.send(serial, self.op, self.requests[index])
+            except BaseException:
+                # Not sent (an interrupt while the daemon starts, say): it is waiting again.
+                self._forget(serial)
+                self.waiting.appendleft(index)
+                raise
             self.sends[index] = self.sends.get(index, 0) + 1
             replica.sent += 1
 
@@ -293,6 +303,10 @@ class Flight:
         elif isinstance(item, Failure):
             serials = [s for s, (_i, r) in self.live.items() if r is replica] if serial is None \
                 else [serial]  # fmt: skip
+            serials = [s for s in serials if s in self.live]
+            if not serials:
+                return  # an attempt already ended (cancelled): it says nothing of the replica
+            self.last_failure = item
             for each in serials:
                 self._failed(each, item)
             self._mark(replica, item)
@@ -344,10 +358,13 @@ class Flight:
         if again and not self._someone_for(index, replica, failure):
             again = False
         if not again:
-            if failure.code == ErrorCode.UNREACHABLE and not any(r.worked for r in self.replicas):
+            if failure.code == ErrorCode.UNREACHABLE and not self.live \
+                    and not any(r.worked for r in self.replicas):  # fmt: skip
                 # No engine could be reached at all: that is the command's one error, not the
                 # same record for every request.
                 raise error_for(failure.code, failure.message)
+            if failure.stats is not None:
+                self.ready.append((index, failure.stats))
             self._finish(index, failure.event())
             return
         if produced:
@@ -395,8 +412,9 @@ class Flight:
         """Nothing is in flight, work waits, and no replica will take it: every replica is
         dead. Each waiting request ends with the last failure seen; when no replica ever
         answered, that is the command's error instead."""
-        failure = next((r.last_failure for r in self.replicas if r.last_failure is not None),
-                       Failure(ErrorCode.INTERNAL, "no engine to send the request to"))  # fmt: skip
+        failure = self.last_failure or next(
+            (r.last_failure for r in self.replicas if r.last_failure is not None),
+            Failure(ErrorCode.INTERNAL, "no engine to send the request to"))  # fmt: skip
         if not any(r.worked for r in self.replicas):
             raise error_for(failure.code, failure.message)
         while self.waiting:

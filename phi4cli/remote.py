@@ -90,9 +90,11 @@ class _Failure(Exception):
 class ReplicaFault(Exception):
     """An attempt the server failed (see ``_Failure.fault``): for the flight to send again."""
 
-    def __init__(self, code: ErrorCode, message: str, down: bool, elsewhere: bool) -> None:
+    def __init__(self, code: ErrorCode, message: str, down: bool, elsewhere: bool,
+                 stats: Event | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.code, self.message, self.down, self.elsewhere = code, message, down, elsewhere
+        self.stats = stats  # what the attempt cost, for its error record if it stays the end
 
 
 class Attempt:
@@ -286,8 +288,11 @@ class RemoteEngine:
                 yield from self._answer_after_budget(client, params, messages, reader, state)
         except _Failure as failure:
             if failure.fault is not None and attempt is not None:
-                raise ReplicaFault(failure.code, failure.message, down=failure.fault == "down",
-                                   elsewhere=failure.fault == "busy") from None  # fmt: skip
+                raise ReplicaFault(failure.code, failure.message,
+                                   down=failure.fault in ("down", "silent"),
+                                   elsewhere=failure.fault in ("busy", "silent"),
+                                   stats=Event.of_stats(state.stats(self, reader, params))
+                                   ) from None  # fmt: skip
             yield Event.of_stats(state.stats(self, reader, params))
             yield Event.error(failure.code, failure.message)
             return
@@ -349,8 +354,9 @@ class RemoteEngine:
                                    "which phi4 did not ask for")  # fmt: skip
                 if response.status_code < 400:
                     stream = response.extensions.get("network_stream")
-                    if stream is not None and watch.state.socket is None:
-                        # A connection from the pool: the trace saw no connect this time.
+                    if stream is not None:
+                        # The connection this answer came on (from the pool, the trace saw no
+                        # connect): the one a cancel or the guard hangs up.
                         watch.state.socket = stream.get_extra_info("socket")
                     yield response
                     return
@@ -503,16 +509,18 @@ class _Watch:
             self.state.socket = stream.get_extra_info("socket")
 
     def ask(self) -> None:
-        """A new attempt is being sent."""
+        """A new attempt is being sent (on a connection of its own: the pool's, or new)."""
         self.asked = self.last_event = time.monotonic()
         self.answered = False
+        self.state.socket = None  # the last attempt's connection may be another request's now
 
     def silent(self) -> _Failure:
         return _Failure(
             ErrorCode.TIMEOUT,
             f"the backend {self.url} sent nothing for {self.timeout:g} s "
             "(PHI4_BACKEND_TIMEOUT sets how long to wait)",
-            fault="down",
+            # Another replica may answer; this one, which went quiet, is not waited for again.
+            fault="silent",
         )
 
     def unanswered(self) -> DaemonUnavailableError:
@@ -865,8 +873,11 @@ class RemoteReplica(Replica):
                     return
                 self.inbox.put((self, serial, event))
         except ReplicaFault as fault:
+            if attempt.cancelled:
+                return  # the hang-up was ours: it says nothing of the server
             self.inbox.put((self, serial, Failure(fault.code, fault.message, down=fault.down,
-                                                  elsewhere=fault.elsewhere)))  # fmt: skip
+                                                  elsewhere=fault.elsewhere,
+                                                  stats=fault.stats)))  # fmt: skip
         except Exception as error:  # a bug here must not leave the request without an end
             self.inbox.put(
                 (
@@ -890,8 +901,9 @@ class RemoteReplica(Replica):
 
     def may_recover(self, failure: Failure) -> bool:
         # A server that never answered in this run and cannot be reached is not waited for:
-        # a wrong URL fails at once.
-        return self.worked or failure.code != ErrorCode.UNREACHABLE
+        # a wrong URL fails at once. While others of its requests are still in flight, one
+        # connection that failed says too little.
+        return self.worked or failure.code != ErrorCode.UNREACHABLE or bool(self.in_flight)
 
     def recover(self, flight: Flight) -> None:
         failure = self.last_failure

@@ -278,3 +278,42 @@ def test_every_request_ends_exactly_once_whatever_the_replicas_do(
             assert shown.endswith(str(i)) and len(shown) == len(f"r0{i}"), "one answer, once"
     for replica in replicas:
         assert replica.peak <= replica.limit
+
+
+def test_the_failure_of_an_attempt_already_cancelled_says_nothing_of_its_replica():
+    # Before: a hang-up of our own, reported late as the server's failure, marked it down.
+    inbox = FakeInbox()
+    a = FakeReplica("a", 2, inbox, lambda r, s, p: [Event(EventKind.TOKEN, text="x")])
+    flight = Flight([{"i": i} for i in range(3)], [a], inbox)
+    assert next(flight)[1].kind == EventKind.TOKEN
+    flight.cancel(0)
+    inbox.queue.append((a, 1, Failure(ErrorCode.BACKEND_ERROR, "the connection broke",
+                                      down=True)))  # fmt: skip
+    ends = {}
+    for index, event in flight:
+        if event.terminal:
+            ends[index] = event
+        if index != 0 and event.kind == EventKind.TOKEN:
+            flight.cancel(index)
+    assert a.state == "up" and a.recoveries == 0
+    assert ends[0].code == ErrorCode.CANCELLED and set(ends) == {0, 1, 2}
+
+
+def test_a_request_interrupted_while_it_is_sent_is_waiting_again_not_cancelled_twice():
+    inbox = FakeInbox()
+
+    class Interrupted(FakeReplica):
+        def send(self, serial: int, op: str, params: dict[str, Any]) -> None:
+            if not self.attempts:
+                self.attempts.append(-1)
+                raise KeyboardInterrupt  # the daemon was starting
+            super().send(serial, op, params)
+
+    a = Interrupted("a", 1, inbox, lambda r, s, p: answer("ok"))
+    flight = Flight([{"i": 0}], [a], inbox)
+    with pytest.raises(KeyboardInterrupt):
+        next(flight)
+    flight.cancel(0)
+    events = list(flight)
+    assert [e.kind for _i, e in events] == [EventKind.ERROR]
+    assert events[0][1].message == "cancelled before it was sent"
