@@ -108,8 +108,7 @@ class DaemonBackend:
 
     def _flight(self, op: Op, requests: Sequence[JSON], window: int, restart: bool) -> Flight:
         replica = DaemonReplica(self, window)
-        return Flight(requests, [replica], replica, op=op, restart=restart,
-                      announce=self.announce)  # fmt: skip
+        return Flight(requests, [replica], replica, op=op, restart=restart)
 
     def stream(self, op: Op, params: JSON) -> FlightStream:
         return FlightStream(self._flight(op, [params], 1, restart=False))
@@ -295,7 +294,7 @@ class RemoteBackend:
         inbox = ReplicaInbox()
         replicas: list[Replica] = [RemoteReplica(engine, self.concurrency, inbox)
                                    for engine in self.engines]  # fmt: skip
-        return Flight(requests, replicas, inbox, op=op, restart=restart, announce=self.announce)
+        return Flight(requests, replicas, inbox, op=op, restart=restart)
 
     def stream(self, op: Op, params: JSON) -> FlightStream:
         return FlightStream(self._flight(op, [params], restart=False))

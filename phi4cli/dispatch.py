@@ -43,7 +43,6 @@ else:
     Protocol = object  # the interfaces below are for the type checker; plain classes at run time
 
 EventSink = Callable[[int, Event], None]  # (index of the request, event)
-Announce = Callable[[str], None]
 # The longest the flight blocks on its inbox at once: a Ctrl-C is seen at least this often, and
 # a replica's busy pause ends on time.
 POLL_S = 0.5
@@ -170,12 +169,10 @@ class Flight:
         *,
         op: str = "solve",
         restart: bool = False,
-        announce: Announce | None = None,
     ) -> None:
         assert replicas, "a flight needs a replica"
         self.requests, self.replicas, self.inbox = requests, replicas, inbox
         self.op, self.restart = op, restart
-        self.announce = announce or (lambda _message: None)
         self.max_sends = 1 + len(replicas)
         self.waiting: deque[int] = deque(range(len(requests)))
         self.sends: dict[int, int] = {}  # index -> times sent (a busy refusal not counted)
@@ -210,10 +207,6 @@ class Flight:
                 on_event(index, event)
         finally:
             self.close()
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.live)
 
     def _step(self) -> None:
         self._fill()

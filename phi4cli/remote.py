@@ -255,22 +255,19 @@ class RemoteEngine:
                 body[key] = params[key]
         return body
 
-    def stream(self, params: dict[str, Any], attempt: Attempt | None = None) -> Iterator[Event]:
+    def stream(self, params: dict[str, Any], attempt: Attempt) -> Iterator[Event]:
         """Yield the events of one solve or chat request: ``reasoning``, ``token``, ``retract``,
-        ``stats``, then ``done`` or ``error``. Closing the iterator, or cancelling ``attempt``,
-        closes the HTTP response, which stops the server's generation.
+        ``stats``, then ``done`` or ``error``. Closing the iterator, or cancelling ``attempt``
+        (the flight's hold on it), closes the HTTP response, which stops the server's generation.
 
-        With ``attempt`` (a flight's), a failure of the server rather than of the request is
-        raised as ReplicaFault, for the flight to send the request again; without, it is the
-        stream's error event, and a server that cannot be reached at all raises
-        DaemonUnavailableError.
+        A failure of the server rather than of the request (it cannot be reached, hung up, went
+        quiet, stayed busy) is raised as ReplicaFault, for the flight to send the request again;
+        one of the request is the stream's error event.
         """
         started = time.monotonic()
         reader = _Reader(self.thinks)
         state = _StreamState(started, _token_limit(params.get("max_tokens")))
-        state.attempt = attempt
-        if attempt is not None:
-            attempt.state = state
+        state.attempt, attempt.state = attempt, state
         budget = params.get("think_budget")
         messages = messages_for(params)
         client = self._http()
@@ -287,7 +284,7 @@ class RemoteEngine:
             if state.budget_reached and not state.cut:
                 yield from self._answer_after_budget(client, params, messages, reader, state)
         except _Failure as failure:
-            if failure.fault is not None and attempt is not None:
+            if failure.fault is not None:
                 raise ReplicaFault(failure.code, failure.message,
                                    down=failure.fault in ("down", "silent"),
                                    elsewhere=failure.fault in ("busy", "silent"),
@@ -297,8 +294,6 @@ class RemoteEngine:
             yield Event.error(failure.code, failure.message)
             return
         except DaemonUnavailableError as error:
-            if attempt is None:
-                raise
             raise ReplicaFault(ErrorCode.UNREACHABLE, str(error), down=True,
                                elsewhere=False) from None  # fmt: skip
         yield Event.of_stats(state.stats(self, reader, params))
