@@ -820,7 +820,8 @@ def status(
             metavar="URL",
             show_default=False,
             help="Probe these OpenAI-compatible servers instead (give it once per "
-            "replica): up or down, and how long each took to answer.",
+            "replica): up or down, how long each took to answer and, from its /metrics, "
+            "requests in flight, waiting and answered, and tokens/s.",
         ),
     ] = None,
 ) -> None:
@@ -847,11 +848,25 @@ def _print_backend_status(urls: list[str], as_json: bool) -> None:
         print(json.dumps(status, indent=2))
     else:
         for replica in status["replicas"]:
-            how = f"answered in {replica['probe_s']:.2f} s" if replica["state"] == "up" else (
-                replica["reason"] or "")  # fmt: skip
+            if replica["state"] == "up":
+                how = f"answered in {replica['probe_s']:.2f} s  {_replica_load(replica)}"
+            else:
+                how = replica["reason"] or ""
             print(clean_text(f"{replica['replica']}  {replica['state']}  {how}"))
     if status["state"] != "remote":
         raise typer.Exit(ExitStatus.DAEMON_UNAVAILABLE)
+
+
+def _replica_load(replica: dict[str, Any]) -> str:
+    """ "in flight 3, waiting 0, answered 120, 45.2 tokens/s": what the server's /metrics says
+    (a part it does not publish is left out)."""
+    parts = [f"{label} {int(replica[key]):,}"
+             for key, label in (("in_flight", "in flight"), ("waiting", "waiting"),
+                                ("answered", "answered"))
+             if replica.get(key) is not None]  # fmt: skip
+    if replica.get("tokens_per_s") is not None:
+        parts.append(f"{replica['tokens_per_s']:g} tokens/s")
+    return ", ".join(parts) if parts else "(it publishes no load metrics)"
 
 
 @app.command()

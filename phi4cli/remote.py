@@ -63,6 +63,24 @@ _CODE_FOR_STATUS = {400: ErrorCode.BAD_REQUEST, 404: ErrorCode.BAD_REQUEST,
                     503: ErrorCode.SHUTTING_DOWN, 504: ErrorCode.TIMEOUT}  # fmt: skip
 
 
+# What phi4 shows of a server's load (``phi4 status --backend``), and the metric each kind of
+# server publishes it as at /metrics: (sample name, labels it must have); the first found counts.
+# llama-server publishes its metrics with --metrics, SGLang with --enable-metrics; vLLM and
+# phi4 serve always; Ollama and LiteLLM publish none of these.
+LOAD_METRICS: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
+    "in_flight": (("phi4_requests_active", {}), ("llamacpp:requests_processing", {}),
+                  ("vllm:num_requests_running", {}), ("sglang:num_running_reqs", {})),
+    "waiting": (("phi4_queue_depth", {}), ("llamacpp:requests_deferred", {}),
+                ("vllm:num_requests_waiting", {}), ("sglang:num_queue_reqs", {})),
+    "answered": (("phi4_requests_total", {}), ("vllm:request_success_total", {}),
+                 ("sglang:num_requests_total", {})),
+    "tokens": (("phi4_tokens_total", {"kind": "completion"}),
+               ("llamacpp:tokens_predicted_total", {}), ("vllm:generation_tokens_total", {}),
+               ("sglang:generation_tokens_total", {})),
+}  # fmt: skip
+LOAD_WINDOW_S = 1.0  # tokens/s: the server's count of generated tokens over this long
+
+
 def backend_key() -> str | None:
     """The API key for the remote backend, from PHI4_BACKEND_KEY."""
     return os.environ.get("PHI4_BACKEND_KEY")
@@ -241,6 +259,36 @@ class RemoteEngine:
                 return None
         except (httpx.HTTPError, httpx.InvalidURL, OSError) as error:
             return f"cannot reach it: {_reason(error)}"
+
+    def load(self, timeout: float = 5.0) -> dict[str, float]:
+        """What the server says of its own load at ``/metrics`` (Prometheus text): requests in
+        flight and waiting, requests answered and tokens generated since it started, where it
+        publishes them (:data:`LOAD_METRICS`); empty when it has no such page."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            with httpx.Client(timeout=min(timeout, self.timeout), headers=headers) as client:
+                response = client.get(self.root + "/metrics")
+                if response.status_code != 200 or len(response.content) > MAX_STREAM_BYTES:
+                    return {}
+                text = response.text
+        except (httpx.HTTPError, httpx.InvalidURL, OSError):
+            return {}
+        found: dict[str, float] = {}
+        try:
+            samples = [s for family in text_string_to_metric_families(text)
+                       for s in family.samples]  # fmt: skip
+        except (ValueError, TypeError, IndexError):
+            return {}  # not Prometheus text after all
+        for key, names in LOAD_METRICS.items():
+            for name, labels in names:
+                values = [s.value for s in samples if s.name == name
+                          and all(s.labels.get(k) == v for k, v in labels.items())]  # fmt: skip
+                if values and all(math.isfinite(v) and v >= 0 for v in values):
+                    found[key] = sum(values)
+                    break
+        return found
 
     @property
     def endpoint(self) -> str:
@@ -928,8 +976,9 @@ class RemoteReplica(Replica):
 
 
 def probe_all(engines: list[RemoteEngine]) -> list[JSON]:
-    """Each server's state now (``phi4 status --backend``): up or down, with how long the
-    probe took; all probed at once."""
+    """Each server's state now (``phi4 status --backend``): up or down, how long the probe
+    took and, where the server publishes metrics, its requests in flight, waiting and answered
+    and the tokens a second it generates (over :data:`LOAD_WINDOW_S`); all probed at once."""
     results: list[JSON] = [{} for _ in engines]
 
     def probe(i: int) -> None:
@@ -938,6 +987,17 @@ def probe_all(engines: list[RemoteEngine]) -> list[JSON]:
         results[i] = {"replica": engines[i].url, "state": "up" if reason is None else "down",
                       "reason": reason,
                       "probe_s": round(time.monotonic() - started, 3)}  # fmt: skip
+        if reason is not None:
+            return
+        first = engines[i].load()
+        results[i].update({key: first.get(key) for key in LOAD_METRICS})
+        if "tokens" in first:
+            time.sleep(LOAD_WINDOW_S)
+            later = engines[i].load()
+            if "tokens" in later:
+                rate = max(0.0, later["tokens"] - first["tokens"]) / LOAD_WINDOW_S
+                results[i]["tokens_per_s"] = round(rate, 1)
+        results[i].setdefault("tokens_per_s", None)
 
     threads = [threading.Thread(target=probe, args=(i,), daemon=True) for i in range(len(engines))]
     for thread in threads:

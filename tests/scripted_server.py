@@ -84,17 +84,29 @@ class ScriptedServer:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     status: int = 200
     url: str = ""
+    metrics: Callable[[], str] | None = None  # the /metrics page, made at each GET
 
 
 @contextmanager
-def scripted_server(script: Script, status: int = 200) -> Iterator[ScriptedServer]:
-    state = ScriptedServer(script, status=status)
+def scripted_server(
+    script: Script, status: int = 200, metrics: Callable[[], str] | None = None
+) -> Iterator[ScriptedServer]:
+    state = ScriptedServer(script, status=status, metrics=metrics)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def log_message(self, format: str, *args: Any) -> None:
             pass
+
+        def do_GET(self) -> None:
+            page = state.metrics() if state.metrics and self.path == "/metrics" else None
+            payload = (page or "not here").encode()
+            self.send_response(200 if page is not None else 404)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

@@ -4,6 +4,7 @@ no problem. Scripted servers (tests/scripted_server.py) for each failure, and tw
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -284,6 +285,43 @@ def test_status_probes_each_replica(tmp_path: Path):
     assert alone.returncode == 3
 
 
+def test_status_shows_each_replicas_load_from_its_metrics():
+    # llama-server's names (with --metrics): 3 in flight, 40 more tokens at each scrape; vLLM's
+    # count finished requests by reason, summed.
+    scrapes = itertools.count()
+
+    def llama_server() -> str:
+        return ("# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 3\n"
+                "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 1\n"
+                "# TYPE llamacpp:tokens_predicted_total counter\n"
+                f"llamacpp:tokens_predicted_total {1000 + 40 * next(scrapes)}\n")  # fmt: skip
+
+    def vllm() -> str:
+        return ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{m="a"} 0\n'
+                "# TYPE vllm:request_success counter\n"
+                'vllm:request_success_total{finished_reason="stop"} 5\n'
+                'vllm:request_success_total{finished_reason="length"} 2\n')  # fmt: skip
+
+    with (
+        scripted_server(answer_lines, metrics=llama_server) as a,
+        scripted_server(answer_lines, metrics=vllm) as b,
+        scripted_server(answer_lines) as bare,
+    ):
+        result = run_phi4("status", "--backend", a.url, "--backend", b.url, "--backend",
+                          bare.url, "--json")  # fmt: skip
+        shown = run_phi4("status", "--backend", a.url, "--backend", b.url, "--backend", bare.url)
+    assert result.returncode == 0, result.stderr
+    first, second, third = json.loads(result.stdout)["replicas"]
+    assert (first["in_flight"], first["waiting"], first["answered"]) == (3, 1, None)
+    assert first["tokens_per_s"] == 40  # one scrape a second apart
+    assert (second["in_flight"], second["answered"], second["tokens_per_s"]) == (0, 7, None)
+    assert third["in_flight"] is None and third["tokens_per_s"] is None
+    lines = shown.stdout.splitlines()
+    assert lines[0].endswith("in flight 3, waiting 1, 40 tokens/s"), lines
+    assert lines[1].endswith("in flight 0, answered 7"), lines
+    assert lines[2].endswith("(it publishes no load metrics)"), lines
+
+
 # --- two real engines, one killed mid-run ------------------------------------------------------
 
 
@@ -380,11 +418,63 @@ def test_phi4_serve_as_a_replica_decodes_concurrent_requests_together(
             most = max(most, status.get("memory", {}).get("running") or 0)
             time.sleep(0.05)
         out, err = run.communicate(timeout=600)
+        load = json.loads(run_phi4("status", "--backend", f"{url}/v1", "--json").stdout)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
     assert run.returncode == 0, err
+    # phi4 serve's /metrics, as `status --backend` reads it: this run's eight answered.
+    (replica,) = load["replicas"]
+    assert replica["answered"] >= 8 and replica["in_flight"] == 0, replica
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["line"] for r in records] == list(range(1, 9))
     assert all(r["stats"]["completion_tokens"] > 0 for r in records)
     assert most >= 2, "the daemon behind `phi4 serve` had requests of this run at once"
+
+
+def test_a_client_that_hangs_up_on_phi4_serve_cancels_its_request(tiny_model: Path):
+    # The daemon's own count says so: the request ended cancelled, not answered to its end.
+    from tests.test_http_api import start_server
+
+    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "8192").returncode == 0
+    proc, url = start_server(tiny_model)
+    body = {"model": "default", "max_tokens": 8000, "temperature": 0,
+            "messages": [{"role": "user", "content": "Count to a million."}]}  # fmt: skip
+
+    def errors() -> dict[str, int]:
+        status = json.loads(run_phi4("status", "--json").stdout or "{}")
+        return dict(status.get("metrics", {}).get("errors") or {})
+
+    def cancelled_soon(before: int) -> int:
+        deadline = time.monotonic() + 120  # a bound on a stuck daemon, not a speed check
+        while time.monotonic() < deadline and errors().get("cancelled", 0) <= before:
+            time.sleep(0.1)
+        return errors().get("cancelled", 0)
+
+    try:
+        import httpx2 as httpx
+
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream(
+                "POST", f"{url}/v1/chat/completions", json={**body, "stream": True}
+            ) as response,  # fmt: skip
+        ):
+            assert response.status_code == 200
+            next(response.iter_lines())  # the answer has begun; now hang up
+        streamed = cancelled_soon(0)
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as raw:
+            payload = json.dumps(body).encode()
+            raw.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            time.sleep(0.5)  # the request is in; hang up before the whole answer comes
+        whole = cancelled_soon(streamed)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    assert streamed == 1, "a stream the client left was cancelled"
+    assert whole == 2, "a whole answer the client left was cancelled too"
