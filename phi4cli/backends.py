@@ -16,7 +16,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from phi4cli.config import Settings
-from phi4cli.dispatch import Delivery, Failure, Flight, FlightStream, Probe, Replica, Slow
+from phi4cli.dispatch import (
+    Delivery,
+    Failure,
+    Feed,
+    Flight,
+    FlightStream,
+    Probe,
+    Replica,
+    Slow,
+)
 from phi4cli.errors import DaemonGoneError, RequestError
 from phi4cli.paths import Paths
 from phi4cli.protocol import JSON, ErrorCode, Event, EventKind, Op
@@ -54,10 +63,13 @@ class Backend(Protocol):
         """Send one solve or chat request and return its events."""
         ...
 
-    def run(self, requests: Sequence[JSON], on_event: EventSink, restart: bool = False) -> None:
+    def run(self, requests: Sequence[JSON | Event], on_event: EventSink, restart: bool = False,
+            feed: Feed | None = None) -> None:  # fmt: skip
         """Answer many solve requests, passing each event to ``on_event(index, event)``. With
         ``restart``, a request cut off mid-answer may be sent again after a ``restart`` event
-        (the caller folds events and can drop what came before)."""
+        (the caller folds events and can drop what came before). With a ``feed``, ``requests``
+        grows as the feed adds to it, until it ends (lines read from a pipe); a request that is
+        an error event is not sent, and ends with it."""
         ...
 
     def connect(self) -> None:
@@ -106,15 +118,17 @@ class DaemonBackend:
     def connect(self) -> None:
         self._give_back(self._take())
 
-    def _flight(self, op: Op, requests: Sequence[JSON], window: int, restart: bool) -> Flight:
+    def _flight(self, op: Op, requests: Sequence[JSON | Event], window: int, restart: bool,
+                feed: Feed | None = None) -> Flight:  # fmt: skip
         replica = DaemonReplica(self, window)
-        return Flight(requests, [replica], replica, op=op, restart=restart)
+        return Flight(requests, [replica], replica, op=op, restart=restart, feed=feed)
 
     def stream(self, op: Op, params: JSON) -> FlightStream:
         return FlightStream(self._flight(op, [params], 1, restart=False))
 
-    def run(self, requests: Sequence[JSON], on_event: EventSink, restart: bool = False) -> None:
-        self._flight(Op.SOLVE, requests, self.window, restart).run(on_event)
+    def run(self, requests: Sequence[JSON | Event], on_event: EventSink, restart: bool = False,
+            feed: Feed | None = None) -> None:  # fmt: skip
+        self._flight(Op.SOLVE, requests, self.window, restart, feed).run(on_event)
 
     def status(self) -> JSON:
         from phi4cli.client import daemon_status
@@ -288,19 +302,21 @@ class RemoteBackend:
         self.name = f"the backend {shown}"
         self.last_summary: list[JSON] = []
 
-    def _flight(self, op: Op, requests: Sequence[JSON], restart: bool) -> Flight:
+    def _flight(self, op: Op, requests: Sequence[JSON | Event], restart: bool,
+                feed: Feed | None = None) -> Flight:  # fmt: skip
         from phi4cli.remote import RemoteReplica, ReplicaInbox
 
         inbox = ReplicaInbox()
         replicas: list[Replica] = [RemoteReplica(engine, self.concurrency, inbox)
                                    for engine in self.engines]  # fmt: skip
-        return Flight(requests, replicas, inbox, op=op, restart=restart)
+        return Flight(requests, replicas, inbox, op=op, restart=restart, feed=feed)
 
     def stream(self, op: Op, params: JSON) -> FlightStream:
         return FlightStream(self._flight(op, [params], restart=False))
 
-    def run(self, requests: Sequence[JSON], on_event: EventSink, restart: bool = False) -> None:
-        flight = self._flight(Op.SOLVE, requests, restart)
+    def run(self, requests: Sequence[JSON | Event], on_event: EventSink, restart: bool = False,
+            feed: Feed | None = None) -> None:  # fmt: skip
+        flight = self._flight(Op.SOLVE, requests, restart, feed)
         try:
             flight.run(on_event)
         finally:

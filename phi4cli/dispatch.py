@@ -97,6 +97,16 @@ class Probe:
 Delivery = tuple["Replica", "int | None", "Event | Failure | Slow | Probe"]
 
 
+class Feed(Protocol):
+    """Requests that are still coming (lines read from a pipe): the flight's ``requests``
+    grows as they do, and ``ended`` says that no more will come."""
+
+    ended: bool
+
+    def wait(self, timeout: float) -> None:
+        """Until a request is added or the feed ends, at most ``timeout`` seconds."""
+
+
 class Inbox(Protocol):
     def get(self, timeout: float | None) -> Delivery | None:
         """The next delivery, or None when ``timeout`` passed first."""
@@ -163,25 +173,28 @@ class Flight:
 
     def __init__(
         self,
-        requests: Sequence[JSON],
+        requests: Sequence[JSON | Event],
         replicas: list[Replica],
         inbox: Inbox,
         *,
         op: str = "solve",
         restart: bool = False,
+        feed: Feed | None = None,
     ) -> None:
         assert replicas, "a flight needs a replica"
         self.requests, self.replicas, self.inbox = requests, replicas, inbox
-        self.op, self.restart = op, restart
+        self.op, self.restart, self.feed = op, restart, feed
         self.max_sends = 1 + len(replicas)
-        self.waiting: deque[int] = deque(range(len(requests)))
+        self.known = len(requests)  # the requests seen so far (a feed adds more)
+        self.waiting: deque[int] = deque(range(self.known))
         self.sends: dict[int, int] = {}  # index -> times sent (a busy refusal not counted)
         self.avoid: dict[int, set[Replica]] = {}  # index -> replicas busy for good for it
         self.produced: set[int] = set()
         self.live: dict[int, tuple[int, Replica]] = {}  # serial -> (index, replica)
         self.serial_of: dict[int, int] = {}  # index -> its live serial
         self.ready: deque[tuple[int, Event]] = deque()
-        self.finished: set[int] = set()
+        # The requests known and not ended yet: a run of a million keeps a window's worth.
+        self.open: set[int] = set(range(self.known))
         self.closed = False
         self.last_failure: Failure | None = None  # the latest seen, for what cannot be sent
         self.began = time.monotonic()
@@ -194,10 +207,20 @@ class Flight:
 
     def __next__(self) -> tuple[int, Event]:
         while not self.ready:
-            if len(self.finished) == len(self.requests):
+            if self._pull() and not self.open:
                 raise StopIteration
             self._step()
         return self.ready.popleft()
+
+    def _pull(self) -> bool:
+        """Take in the requests a feed added; whether all there will be are in."""
+        ended = self.feed is None or self.feed.ended  # read first: more may come before it
+        count = len(self.requests)
+        if count > self.known:
+            self.waiting.extend(range(self.known, count))
+            self.open.update(range(self.known, count))
+            self.known = count
+        return ended
 
     def run(self, on_event: EventSink) -> None:
         """Hand every event to ``on_event``; whatever happens, close the flight (an interrupt
@@ -218,13 +241,15 @@ class Flight:
             if delivery is not None:
                 self._take(*delivery)
             return
+        if not self.waiting and self.feed is not None and not self._pull():
+            self.feed.wait(POLL_S)  # all answered so far; more is coming
+            return
         if not self.waiting:
             # Nothing waits, runs or recovers, yet not all have ended (an interrupt between
             # two steps of the bookkeeping): end those rather than wait for nothing.
-            for index in range(len(self.requests)):
-                if index not in self.finished:
-                    self._finish(index, Event.error(ErrorCode.INTERNAL,
-                                                    "the request was lost on its way"))  # fmt: skip
+            for index in sorted(self.open):
+                self._finish(index, Event.error(ErrorCode.INTERNAL,
+                                                "the request was lost on its way"))  # fmt: skip
             return
         paused = [r.not_before for r in self.replicas if r.state == UP and r.not_before > now]
         if paused:
@@ -246,6 +271,11 @@ class Flight:
             if chosen is None:
                 return
             replica, index = chosen
+            request = self.requests[index]
+            if isinstance(request, Event):  # refused before sending: its error is its end
+                self.waiting.remove(index)
+                self._finish(index, request)
+                continue
             serial = next(self._serials)
             self.live[serial] = (index, replica)
             self.serial_of[index] = serial
@@ -255,7 +285,7 @@ class Flight:
             else:
                 self.waiting.remove(index)
             try:
-                replica.send(serial, self.op, self.requests[index])
+                replica.send(serial, self.op, request)
             except BaseException:
                 # Not sent (an interrupt while the daemon starts, say): it is waiting again.
                 self._forget(serial)
@@ -321,7 +351,8 @@ class Flight:
                 replica.answered += 1
             # After a busy answer the window shrank; it grows back as requests complete.
             replica.window = min(replica.limit, replica.window + 1)
-            self.finished.add(index)
+            self.open.discard(index)
+            self.sends.pop(index, None)
         self.ready.append((index, event))
         if kind.terminal and replica.state != UP:
             self._recover_idle()  # a draining daemon, say, whose last answer just ended
@@ -414,7 +445,8 @@ class Flight:
             self._finish(self.waiting.popleft(), failure.event())
 
     def _finish(self, index: int, event: Event) -> None:
-        self.finished.add(index)
+        self.open.discard(index)
+        self.sends.pop(index, None)
         self.avoid.pop(index, None)
         self.ready.append((index, event))
 
@@ -422,9 +454,9 @@ class Flight:
 
     def cancel(self, index: int | None = None) -> None:
         """Stop request ``index`` (None: every one); each still ends with its terminal event."""
-        targets = range(len(self.requests)) if index is None else [index]
+        targets = sorted(self.open) if index is None else [index]
         for i in targets:
-            if i in self.finished:
+            if i not in self.open:
                 continue
             if i in self.waiting:
                 self.waiting.remove(i)

@@ -8,13 +8,13 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from contextlib import closing, nullcontext
 
 from phi4cli.backends import Backend
 from phi4cli.environment import Environment
 from phi4cli.errors import ExitStatus, UsageError
 from phi4cli.outcome import Outcome, exit_status
-from phi4cli.protocol import Event, EventKind
+from phi4cli.protocol import ErrorCode, Event, EventKind
 from phi4cli.reasoning import AnswerComparer, majority_vote
 from phi4cli.records import Record
 from phi4cli.render import PlainPresenter, TerminalPresenter, human_seconds, no_answer_reason
@@ -23,6 +23,8 @@ from phi4cli.sanitize import clean_text, json_safe
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
+
+    from phi4cli.dispatch import Feed
 
 Announce = Callable[[str], None]
 
@@ -58,13 +60,15 @@ class SolveJob(Record):
 
     def run(
         self,
-        requests: Sequence[dict[str, Any]],
+        requests: Sequence[dict[str, Any] | Event],
         on_event: Callable[[int, Event], None],
         restart: bool = False,
+        feed: Feed | None = None,
     ) -> None:
         """Send ``requests``; ``restart``: the caller folds each request's events and takes a
-        ``restart`` event (a request sent again elsewhere after its engine failed mid-answer)."""
-        self.backend.run(requests, on_event, restart=restart)
+        ``restart`` event (a request sent again elsewhere after its engine failed mid-answer);
+        ``feed``: more requests are coming (see :meth:`Backend.run`)."""
+        self.backend.run(requests, on_event, restart=restart, feed=feed)
 
 
 class OutputMode(Record):
@@ -274,56 +278,194 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
     return ExitStatus.OK
 
 
-class Problems(Record):
-    """The non-blank lines of the input, with their line numbers, and how many lines it had."""
-
-    lines: list[tuple[int, str]]
-    total: int
+AHEAD = 4096  # problems read ahead of the last one printed, at most (more than any window)
 
 
-def read_problems(source: str, env: Environment) -> Problems:
-    """Return (line number, problem) for each non-blank line of a file, or of stdin for ``-``."""
-    from phi4cli.inputs import decode, read_all
+class ProblemFeed(Sequence["dict[str, Any] | Event"]):  # a string: typing is not imported to run
+    """The non-blank lines of a file or of stdin, each a problem, read as the run goes: a pipe's
+    first problems are answered while its later lines are still being written, and a file of a
+    million lines is never held at once (at most :data:`AHEAD` problems ahead of the output).
 
-    if source == "-":
-        text = read_all(env.stdin)
+    It is the run's list of requests, growing as lines come (``len`` is what has come so far,
+    ``ended`` once the input has), and the flight's :class:`~phi4cli.dispatch.Feed`. Lines are
+    numbered as ``str.splitlines`` numbers them. A line of a pipe that is not UTF-8 is that
+    problem's error (the lines before it were already on their way); a file's, and a file's
+    on stdin, are refused before anything is sent (:func:`open_problems`).
+    """
+
+    def __init__(self, source: Any, where: str, make: Callable[[str], dict[str, Any]]) -> None:
+        import threading
+
+        self.where, self._make = where, make
+        self.numbers: list[int] = []  # the input line of each problem
+        self._texts: list[str | Event | None] = []  # None once printed
+        self.total = 0  # lines read, blank ones too
+        self.ended = False
+        self.failure: str | None = None  # why the input could not be read to its end
+        self._printed = 0
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(source,), daemon=True,
+                                        name="phi4-input")  # fmt: skip
+        self._thread.start()
+
+    def _read(self, source: Any) -> None:
+        try:
+            for raw in source:
+                for text in _lines_of(raw, self.where, self.total + 1):
+                    self.total += 1
+                    if isinstance(text, str) and not text.strip():
+                        continue
+                    with self._changed:
+                        while len(self.numbers) - self._printed >= AHEAD:
+                            self._changed.wait()
+                        self.numbers.append(self.total)
+                        self._texts.append(text.strip() if isinstance(text, str) else text)
+                        self._changed.notify_all()
+        except OSError as exc:
+            self.failure = f"cannot read {self.where}: {exc.strerror or exc}"
+        finally:
+            with self._changed:
+                self.ended = True
+                self._changed.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        with self._changed:
+            if not self.ended:
+                self._changed.wait(timeout)
+
+    def wait_for(self, count: int) -> None:
+        """Until ``count`` problems have come, or the input has ended."""
+        with self._changed:
+            while len(self.numbers) < count and not self.ended:
+                self._changed.wait()
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+    def question(self, index: int) -> str:
+        text = self._texts[index]
+        return text if isinstance(text, str) else ""
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        text = self._texts[index]
+        assert text is not None, "a problem is not asked again once it is printed"
+        return text if isinstance(text, Event) else self._make(text)
+
+    def printed(self, index: int) -> None:
+        """Problem ``index`` is printed: its text is let go, and the reader may go on."""
+        with self._changed:
+            self._texts[index] = None
+            self._printed += 1
+            self._changed.notify_all()
+
+
+def _lines_of(raw: bytes | str, where: str, number: int) -> list[str | Event]:
+    """The lines of one ``\\n``-ended piece of input: more than one where it holds another line
+    break that ``str.splitlines`` knows (``\\r``, form feed, ...), an error event for one that is
+    not UTF-8."""
+    from phi4cli.inputs import HOW_TO_FIX, check_text
+
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            message = (f"{where} line {number} is not valid UTF-8 (byte 0x{raw[exc.start]:02x}): "
+                       f"{HOW_TO_FIX}")  # fmt: skip
+            return [Event.error(ErrorCode.BAD_REQUEST, message)]
     else:
         try:
-            data = Path(source).read_bytes()
+            text = check_text(raw, f"{where} line {number}")
+        except UsageError as exc:
+            return [Event.error(ErrorCode.BAD_REQUEST, str(exc))]
+    return list(text.splitlines() or [""])
+
+
+class Opened(Record):
+    """The input of ``--file``: lines to read, what to call it in messages, how many problems
+    it holds if that is known before the run, and whether it is ours to close."""
+
+    stream: Any
+    where: str
+    known: int | None
+    owned: bool
+
+
+def open_problems(source: str, env: Environment) -> Opened:
+    """The input of ``--file`` to read lines from, what to call it, and how many problems it
+    holds when that is known before the run (a regular file: checked to its end first, so one
+    that is not UTF-8 is refused, exit 2, before any daemon is started; a pipe: None)."""
+    import stat
+
+    owned = source != "-"
+    if not owned:
+        stream, where = getattr(env.stdin, "buffer", env.stdin), "stdin"
+    else:
+        where = source
+        try:
+            stream = open(source, "rb")  # noqa: SIM115 (closed when the run ends)
         except OSError as exc:
             raise UsageError(f"cannot read {source}: {exc.strerror}") from None
-        text = decode(data, source)
-    rows = text.splitlines()
-    return Problems(
-        [(n, line.strip()) for n, line in enumerate(rows, 1) if line.strip()], len(rows)
-    )
+    try:
+        regular = stat.S_ISREG(os.fstat(stream.fileno()).st_mode) and stream.seekable()
+    except (AttributeError, OSError, ValueError):
+        regular = False  # a test's StringIO, say
+    if not regular:
+        return Opened(stream, where, None, owned)
+    try:
+        start = stream.tell()
+        problems = 0
+        number = 0
+        for raw in stream:
+            for text in _lines_of(raw, where, number + 1):
+                number += 1
+                if isinstance(text, Event):
+                    raise UsageError(text.message)
+                problems += bool(text.strip())
+        if not problems:
+            raise UsageError("no problems: the input has no non-blank lines")
+        stream.seek(start)
+    except BaseException:
+        if owned:
+            stream.close()
+        raise
+    return Opened(stream, where, problems, owned)
 
 
-def solve_file(
-    job: SolveJob, problems: list[tuple[int, str]], mode: OutputMode, jsonl: bool,
-    total_lines: int | None = None,
-) -> int:  # fmt: skip
-    """Answer every problem, all submitted at once, printed in input order; exit 1 if any failed.
+def solve_file(job: SolveJob, opened: Opened, mode: OutputMode, jsonl: bool) -> int:
+    """Answer every problem of an input (:func:`open_problems`) as it is read, at most a
+    window at once, printed in input order; exit 1 if any failed.
 
     With ``--answer-only`` output line N belongs to input line N: a blank input line gets an
     empty output line. ``--jsonl`` records skip blank lines and carry their ``line`` number.
     """
-    outcomes: list[Outcome | Printed] = [Outcome(index=i, question=q)
-                                         for i, (_line, q) in enumerate(problems)]  # fmt: skip
-    requests = Requests(lambda i: job.params(problems[i][1], priority="bulk"), len(problems))
+    with closing(opened.stream) if opened.owned else nullcontext():  # stdin is not ours
+        feed = ProblemFeed(opened.stream, opened.where,
+                           lambda question: job.params(question, priority="bulk"))  # fmt: skip
+        return _solve_feed(job, feed, opened.known, mode, jsonl)
+
+
+def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: OutputMode,
+                jsonl: bool) -> int:  # fmt: skip
+    pending: dict[int, Outcome] = {}  # problems begun and not printed yet
+    flagged: list[Printed] = []  # of those printed, what the exit status looks at
+    count = 0  # problems begun
     next_to_print = 0
     printed_line = 0  # the input line the output has reached (--answer-only)
     failed = 0
-    progress = FileProgress(len(problems), job.env, budget=job.base.get("max_tokens"))
+    progress = FileProgress(known, job.env, budget=job.base.get("max_tokens"))
     loading = ProgressNotice(progress.notice)  # above the bar while it is shown
 
     def emit(index: int) -> None:
         nonlocal failed, printed_line
-        outcome = outcomes[index]
-        assert isinstance(outcome, Outcome)
-        # Printed: only what the exit status needs is kept, so a run of 10,000 stays small.
-        outcomes[index] = Printed(outcome.error, outcome.thinking_unfinished, outcome.answer)
-        line = problems[index][0]
+        outcome = pending.pop(index)
+        # Only what the exit status needs is kept, and only of the problems it looks at: a run
+        # of a million holds its problems in flight and a window of text read ahead.
+        if outcome.error is not None or outcome.thinking_unfinished or outcome.answer is None:
+            flagged.append(Printed(outcome.error, outcome.thinking_unfinished, outcome.answer))
+        line = feed.numbers[index]
+        feed.printed(index)
         failed += outcome.error is not None
         if jsonl:
             progress.out(
@@ -348,37 +490,44 @@ def solve_file(
                 progress.out(f"Answer: {shown}\n")
 
     def on_event(index: int, event: Event) -> None:
-        nonlocal next_to_print
+        nonlocal next_to_print, count
+        while count <= index:  # the first event of a problem (and of any before it)
+            pending[count] = Outcome(index=count, question=feed.question(count))
+            count += 1
         loading.see(event)
         progress.see(index, event)
-        outcome = outcomes[index]
-        assert isinstance(outcome, Outcome), "no event after the terminal one"
+        outcome = pending.get(index)
+        assert outcome is not None, "no event after the terminal one"
         outcome.apply(event)
         if not outcome.done:
             return
         progress.advance(index)
-        while next_to_print < len(outcomes) and outcomes[next_to_print].done:
+        while next_to_print < count and pending[next_to_print].done:
             emit(next_to_print)
             next_to_print += 1
 
     with progress:
-        job.run(requests, on_event, restart=True)
+        progress.reading(feed)
+        job.run(feed, on_event, restart=True, feed=feed)
+    if feed.failure is not None:
+        raise UsageError(feed.failure)
+    if not count:
+        raise UsageError("no problems: the input has no non-blank lines")
     if mode.answer_only and not jsonl:
-        for _blank in range(printed_line + 1, (total_lines or 0) + 1):
+        for _blank in range(printed_line + 1, feed.total + 1):
             job.print("")  # trailing blank input lines keep their places too
     if failed:
-        job.announce(f"{failed} of {len(problems)} problems failed")
-    return exit_status(outcomes, answer_required=mode.answer_only)
+        job.announce(f"{failed} of {count} problems failed")
+    return exit_status(flagged, answer_required=mode.answer_only)
 
 
 class Printed(Record):
-    """What ``solve_file`` keeps of a problem once its answer is printed: what the exit status
-    asks of it."""
+    """What ``solve_file`` keeps of a printed problem that the exit status looks at (one that
+    failed or has no answer): what the exit status asks of it."""
 
     error: Event | None
     thinking_unfinished: bool
     answer: str | None
-    done: bool = True
 
 
 class Requests(Sequence["dict[str, Any]"]):  # a string: typing is not imported to run
@@ -410,16 +559,17 @@ class FileProgress:
     console, never onto the bar's line.
     """
 
-    def __init__(self, total: int, env: Environment, label: str = "solving",
+    def __init__(self, total: int | None, env: Environment, label: str = "solving",
                  budget: int | None = None) -> None:  # fmt: skip
-        self.total = total
+        self.total = total  # None: not known yet (a pipe); :meth:`reading` follows the input
+        self._feed: ProblemFeed | None = None
         self.env = env
         self.label = label
         self.budget = budget
         self._progress: Any = None
         self._task: Any = None
-        self._started: set[int] = set()
-        self._finished: set[int] = set()
+        self._started: set[int] = set()  # running: the model has written for them
+        self._done = 0
         self._pieces: dict[int, int] = {}  # pieces of text written, per running problem
         self._loading = False
 
@@ -432,7 +582,7 @@ class FileProgress:
             self._progress = bar.Progress(
                 bar.TextColumn("{task.description}"),
                 bar.BarColumn(),
-                bar.TextColumn("{task.fields[done]}/{task.total:.0f}"),  # done, not partial
+                bar.TextColumn("{task.fields[done]}/{task.fields[of]}"),  # done, not partial
                 bar.TextColumn("{task.fields[activity]}"),
                 bar.TimeElapsedColumn(),
                 _RateColumn(),
@@ -440,11 +590,24 @@ class FileProgress:
                 transient=True,
             )
             self._progress.start()
-            self._task = self._progress.add_task(self.label, total=self.total, activity="",
-                                                 done=0)  # fmt: skip
+            self._task = self._progress.add_task(self.label, total=self.total or 1, activity="",
+                                                 done=0, of=self._of(),
+                                                 known=self.total is not None)  # fmt: skip
             self._progress.refresh()  # 0/N at once, not at the first tick
             self.env.print_above_live = self._print_above
         return self
+
+    def reading(self, feed: ProblemFeed) -> None:
+        """The problems come from ``feed`` (a pipe, its length unknown until it ends): N in
+        n/N is what has come so far, with a ``+`` until the input ends."""
+        self._feed = feed
+
+    def _of(self) -> str:
+        if self.total is not None:
+            return str(self.total)
+        if self._feed is None:
+            return "?"
+        return f"{len(self._feed)}" + ("" if self._feed.ended else "+")
 
     def see(self, index: int, event: Event) -> None:
         """Follow one request's event: it has started once the model writes for it."""
@@ -474,7 +637,8 @@ class FileProgress:
     def advance(self, index: int) -> None:
         """Problem ``index`` is done."""
         if self._progress is not None:
-            self._finished.add(index)
+            self._done += 1
+            self._started.discard(index)
             self._pieces.pop(index, None)
             self._show_completed()
             self._show_activity()
@@ -483,11 +647,15 @@ class FileProgress:
         partial = 0.0
         if self.budget:
             partial = sum(min(n / self.budget, 0.95) for n in self._pieces.values())
-        done = len(self._finished)
+        done = self._done
+        if self.total is None and self._feed is not None:
+            known = self._feed.ended
+            self._progress.update(self._task, total=max(len(self._feed), 1), of=self._of(),
+                                  known=known)  # fmt: skip
         self._progress.update(self._task, completed=done + partial, done=done)
 
     def _show_activity(self) -> None:
-        running = len(self._started - self._finished)
+        running = len(self._started)
         activity = "loading the model" if self._loading else f"{running} running" if running else ""
         self._progress.update(self._task, activity=activity)
 
@@ -528,7 +696,8 @@ def _RateColumn() -> Any:
                 return Text("")
             rate = done / elapsed
             shown = f"{rate:.1f}/s" if rate >= 1 else f"{rate * 60:.1f}/min"
-            left = (task.total - done) / rate if task.total else 0.0
+            known = task.fields.get("known", True)  # how many in all: not yet from a pipe
+            left = (task.total - done) / rate if task.total and known else 0.0
             return Text(f"{shown}, {human_seconds(left)} left" if left > 0 else shown)
 
     return RateColumn()
@@ -755,18 +924,17 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
         # Else the question would be dropped without a word.
         raise UsageError(f"give a question or --file, not both: {o.prompt!r} and {o.file}")
     reads_file = o.file is not None or o.each_line
-    problems = read_problems(o.file or "-", env) if reads_file else None
-    question = read_prompt(o.prompt, env) if problems is None else ""
+    # Checked before anything starts: a file that is not there or not UTF-8 is refused first.
+    opened = open_problems(o.file or "-", env) if reads_file else None
+    question = read_prompt(o.prompt, env) if opened is None else ""
     from phi4cli.config import ANSWER_KEYS
 
     answer_options = {key: getattr(o, key) for key in ANSWER_KEYS}
     job = make_job(env, o.model, answer_options, o.no_instruction)
     mode = OutputMode(o.show_reasoning, o.answer_only, o.as_json, o.verbose)
     try:
-        if problems is not None:
-            if not problems.lines:
-                raise UsageError("no problems: the input has no non-blank lines")
-            return solve_file(job, problems.lines, mode, o.jsonl, problems.total)
+        if opened is not None:
+            return solve_file(job, opened, mode, o.jsonl)
         if o.samples > 1:
             return solve_samples(job, question, o.samples, mode)
         return solve_one(job, question, mode)

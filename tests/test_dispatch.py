@@ -317,3 +317,50 @@ def test_a_request_interrupted_while_it_is_sent_is_waiting_again_not_cancelled_t
     events = list(flight)
     assert [e.kind for _i, e in events] == [EventKind.ERROR]
     assert events[0][1].message == "cancelled before it was sent"
+
+
+class GrowingFeed:
+    """Requests that come in over time, as lines of a pipe do: one more each time the flight
+    waits for them, until ``total``."""
+
+    def __init__(self, requests: list[Any], total: int) -> None:
+        self.requests, self.total = requests, total
+        self.ended = False
+        self.waits = 0
+
+    def wait(self, timeout: float) -> None:
+        self.waits += 1
+        self.add()
+
+    def add(self) -> None:
+        if len(self.requests) < self.total:
+            i = len(self.requests)
+            self.requests.append(
+                Event.error(ErrorCode.BAD_REQUEST, f"line {i} is bad") if i == 3 else {"i": i}
+            )
+        self.ended = len(self.requests) >= self.total
+
+
+def test_a_feed_adds_requests_as_they_come_and_the_flight_ends_with_it():
+    inbox = FakeInbox()
+    a = FakeReplica("a", 4, inbox, lambda r, s, p: answer(str(p["i"])))
+    requests: list[Any] = []
+    feed = GrowingFeed(requests, 6)
+    events: dict[int, list[Event]] = {}
+    Flight(requests, [a], inbox, feed=feed).run(
+        lambda index, event: events.setdefault(index, []).append(event)
+    )
+    assert sorted(events) == list(range(6))
+    assert all(len(t) == 1 for t in terminals(events).values())
+    assert [text(events[i]) for i in (0, 1, 2, 4, 5)] == ["0", "1", "2", "4", "5"]
+    # A request that is an error event is not sent: it ends with that error.
+    assert events[3] == [Event.error(ErrorCode.BAD_REQUEST, "line 3 is bad")]
+    assert 3 not in a.attempts and feed.waits >= 6
+
+
+def test_a_feed_that_ends_with_nothing_sends_nothing():
+    inbox = FakeInbox()
+    a = FakeReplica("a", 4, inbox, lambda r, s, p: answer("x"))
+    feed = GrowingFeed([], 0)
+    Flight([], [a], inbox, feed=feed).run(lambda index, event: None)
+    assert a.attempts == [] and feed.waits == 1
