@@ -184,14 +184,23 @@ def run_variant(
     return {"wall_s": wall, "peaks": [server.peak for server in backends], "served": served}
 
 
-def peak_rss(server: Server, problems: int, home: Path, env: dict[str, str]) -> dict[str, Any]:
-    """The most memory one `phi4 solve --file` of ``problems`` lines held (its maximum resident
-    set, from a fresh parent's RUSAGE_CHILDREN, so no earlier run counts), answers checked."""
-    file = home / f"rss-{problems}.txt"
-    file.write_text("".join(f"What is {i}+{i}?\n" for i in range(1, problems + 1)))
-    out = home / f"rss-{problems}.out"
-    command = [PHI4, "solve", "--backend", server.url, "-m", MODEL, "--answer-only",
-               "--file", str(file)]  # fmt: skip
+def peak_rss(server: Server, problems: int, home: Path, env: dict[str, str],
+             kind: str = "file") -> dict[str, Any]:  # fmt: skip
+    """The most memory one `phi4 solve --file` (or, with ``kind`` "eval", one `phi4 eval`) of
+    ``problems`` lines held (its maximum resident set, from a fresh parent's RUSAGE_CHILDREN,
+    so no earlier run counts), answers checked."""
+    out = home / f"rss-{kind}-{problems}.out"
+    if kind == "eval":
+        file = home / f"rss-{problems}.jsonl"
+        file.write_text("".join(json.dumps({"problem": f"What is {i}+{i}?", "answer": 2 * i})
+                                + "\n" for i in range(1, problems + 1)))  # fmt: skip
+        command = [PHI4, "eval", str(file), "--backend", server.url, "-m", MODEL, "--json",
+                   "--restart", "-o", str(home / f"rss-{problems}.results.jsonl")]  # fmt: skip
+    else:
+        file = home / f"rss-{problems}.txt"
+        file.write_text("".join(f"What is {i}+{i}?\n" for i in range(1, problems + 1)))
+        command = [PHI4, "solve", "--backend", server.url, "-m", MODEL, "--answer-only",
+                   "--file", str(file)]  # fmt: skip
     probe = ("import resource, subprocess, sys\n"
              "with open(sys.argv[1], 'w') as out:\n"
              "    code = subprocess.run(sys.argv[2:], stdout=out, stdin=subprocess.DEVNULL)"
@@ -202,10 +211,16 @@ def peak_rss(server: Server, problems: int, home: Path, env: dict[str, str]) -> 
                             capture_output=True, text=True, timeout=1200, check=False)  # fmt: skip
     wall = time.monotonic() - started
     code, rss_kib = (int(word) for word in result.stdout.split())
-    lines = out.read_text().splitlines()
-    if code != 0 or lines != [str(2 * i) for i in range(1, problems + 1)]:
-        raise SystemExit(f"phi4 failed on {problems} problems: exit {code}\n{result.stderr}")
-    return {"problems": problems, "max_rss_mib": round(rss_kib / 1024, 1), "wall_s": wall}
+    if kind == "eval":
+        right = code == 0 and json.loads(out.read_text())["correct"] == problems
+    else:
+        right = code == 0 and out.read_text().splitlines() == [
+            str(2 * i) for i in range(1, problems + 1)
+        ]
+    if not right:
+        raise SystemExit(f"phi4 {kind} failed on {problems} problems: exit {code}\n{result.stderr}")
+    return {"kind": kind, "problems": problems, "max_rss_mib": round(rss_kib / 1024, 1),
+            "wall_s": wall}  # fmt: skip
 
 
 def main() -> None:
@@ -259,7 +274,8 @@ def main() -> None:
                     samples[name].append(sample)
                     print(f"round {round_ + 1}: {name}: {sample['wall_s']:.2f} s, "
                           f"peak {sample['peaks']}", file=sys.stderr)  # fmt: skip
-            memory = [peak_rss(instant, size, home, env) for size in args.rss]
+            memory = [peak_rss(instant, size, home, env, kind)
+                      for kind in ("file", "eval") for size in args.rss]  # fmt: skip
     finally:
         shutil.rmtree(home, ignore_errors=True)
     wall = {name: statistics.median(s["wall_s"] for s in rows) for name, rows in samples.items()}
@@ -291,9 +307,11 @@ def main() -> None:
         f"{zero_one:.3f} s) / {n - 1} = {overhead_ms:.1f} ms",
     ]
     if memory:
-        lines += ["", "Memory of one `--file` run (latency 0, default concurrency):", "",
-                  "| problems | peak RSS (MiB) | wall seconds |", "| --- | --- | --- |",
-                  *(f"| {m['problems']:,} | {m['max_rss_mib']:.1f} | {m['wall_s']:.1f} |"
+        lines += ["", "Memory of one run (latency 0, default concurrency):", "",
+                  "| command | problems | peak RSS (MiB) | wall seconds |",
+                  "| --- | --- | --- | --- |",
+                  *(f"| {'phi4 eval' if m['kind'] == 'eval' else 'phi4 solve --file'} "
+                    f"| {m['problems']:,} | {m['max_rss_mib']:.1f} | {m['wall_s']:.1f} |"
                     for m in memory)]  # fmt: skip
     table = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)

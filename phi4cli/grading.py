@@ -25,7 +25,7 @@ from phi4cli.protocol import Event
 from phi4cli.reasoning import AnswerComparer, majority_vote
 from phi4cli.records import Record
 from phi4cli.sanitize import json_safe
-from phi4cli.solving import FileProgress, ProgressNotice, SolveJob
+from phi4cli.solving import FileProgress, ProgressNotice, Requests, SolveJob
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -316,20 +316,26 @@ def run_eval(
     policy: MismatchPolicy | None = None,
 ) -> tuple[list[dict[str, Any]], float]:
     """Solve the problems not in ``output`` yet, appending each record as it is judged; return
-    every record (earlier ones of this run included) and the seconds this run took."""
+    every record (earlier ones of this run included), as much of it as :func:`summary` counts,
+    and the seconds this run took."""
     run = run_identity(job, samples)
     results, done = open_results(output, items, run, policy or MismatchPolicy())
     todo = [item for item in items if item.line not in done]
     if done:
         job.announce(f"resuming: {len(done)} of {len(items)} problems are already in {output}")
     started = time.monotonic()
-    outcomes = {(i, k): Outcome(index=i, question=item.problem)
-                for i, item in enumerate(todo) for k in range(samples)}  # fmt: skip
-    keys = list(outcomes)
+    # Only the problems being answered have outcomes (each with its whole solution text), and
+    # requests are made as they are sent: a run of 10,000 holds its records, not their answers.
+    outcomes: dict[tuple[int, int], Outcome] = {}
+    keys = [(i, k) for i in range(len(todo)) for k in range(samples)]
     seed = job.seed
-    requests = [job.params(todo[i].problem, priority="bulk",
-                           **({} if seed is None else {"seed": seed + k}))
-                for i, k in keys]  # fmt: skip
+
+    def request(index: int) -> dict[str, Any]:
+        i, k = keys[index]
+        return job.params(todo[i].problem, priority="bulk",
+                          **({} if seed is None else {"seed": seed + k}))  # fmt: skip
+
+    requests = Requests(request, len(keys))
     remaining = [samples] * len(todo)
     # A problem's budget is that of its K samples together.
     budget = job.base.get("max_tokens")
@@ -341,15 +347,18 @@ def run_eval(
         i, k = keys[index]
         loading.see(event)
         progress.see(i, event)
-        outcome = outcomes[(i, k)]
+        outcome = outcomes.get((i, k))
+        if outcome is None:
+            outcome = outcomes[(i, k)] = Outcome(index=i, question=todo[i].problem)
         outcome.apply(event)
         if not (event.terminal and outcome.done):
             return
         remaining[i] -= 1
         if remaining[i]:
             return
-        record = {**judge(todo[i], [outcomes[(i, s)] for s in range(samples)], compare), "run": run}
-        done[todo[i].line] = record
+        judged = [outcomes.pop((i, s)) for s in range(samples)]
+        record = {**judge(todo[i], judged, compare), "run": run}
+        done[todo[i].line] = _counted(record)
         line = result_line(record)
         results.write(line.encode() + b"\n")
         results.flush()  # an interruption keeps every problem finished so far
@@ -363,8 +372,14 @@ def run_eval(
     notice = compare.notice()
     if notice:
         job.announce(notice)
-    records = [done[item.line] for item in items if item.line in done]
+    records = [_counted(done[item.line]) for item in items if item.line in done]
     return records, time.monotonic() - started
+
+
+def _counted(record: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`summary` counts of a record: the rest is in the results file."""
+    return {key: record[key] for key in ("line", "status", "reasoning_tokens", "pass_at_k")
+            if key in record}  # fmt: skip
 
 
 def summary(records: list[dict[str, Any]], samples: int) -> dict[str, Any]:
