@@ -318,8 +318,9 @@ class ProblemFeed(Sequence["dict[str, Any] | Event"]):  # a string: typing is no
                     with self._changed:
                         while len(self.numbers) - self._printed >= AHEAD:
                             self._changed.wait()
-                        self.numbers.append(self.total)
+                        # The text first: the flight reads len() (the numbers), then the text.
                         self._texts.append(text.strip() if isinstance(text, str) else text)
+                        self.numbers.append(self.total)
                         self._changed.notify_all()
         except OSError as exc:
             self.failure = f"cannot read {self.where}: {exc.strerror or exc}"

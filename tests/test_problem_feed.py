@@ -101,8 +101,9 @@ def test_a_pipe_is_not_read_before_the_run():
 def test_a_pipes_first_problems_are_answered_before_it_ends(tiny_model: Path):
     # Before: all of stdin was read before the first problem was sent.
     import json
-    import select
+    import queue
     import subprocess
+    import threading
 
     from tests.conftest import PHI4
 
@@ -111,20 +112,29 @@ def test_a_pipes_first_problems_are_answered_before_it_ends(tiny_model: Path):
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdin is not None and proc.stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()  # stdout's lines, then None at its end
+
+    def read() -> None:
+        for line in proc.stdout or ():
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
     try:
         proc.stdin.write("What is 1+1?\n\nWhat is 2+2?\n")
         proc.stdin.flush()
         # The input is still open: two records come all the same (a bound on a stuck run).
-        first = []
-        for _ in range(2):
-            ready, _, _ = select.select([proc.stdout], [], [], 300)
-            assert ready, "no answer while the input was still open"
-            first.append(json.loads(proc.stdout.readline()))
-        rest, err = proc.communicate("What is 3+3?\n", timeout=300)
+        first = [lines.get(timeout=300) for _ in range(2)]
+        proc.stdin.write("What is 3+3?\n")
+        proc.stdin.close()
+        proc.wait(timeout=300)
+        err = proc.stderr.read() if proc.stderr else ""
     finally:
-        proc.kill() if proc.poll() is None else None
+        if proc.poll() is None:
+            proc.kill()
+    rest = list(iter(lambda: lines.get(timeout=60), None))
     assert proc.returncode == 0, err
-    records = first + [json.loads(line) for line in rest.splitlines()]
+    records = [json.loads(line or "null") for line in [*first, *rest]]
     assert [(r["line"], r["question"]) for r in records] == [
         (1, "What is 1+1?"), (3, "What is 2+2?"), (4, "What is 3+3?")]  # fmt: skip
 
