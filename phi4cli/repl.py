@@ -30,6 +30,7 @@ from phi4cli.errors import DaemonGoneError, Phi4Error, RequestError
 from phi4cli.inputs import replace_bad
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Op, Stats
+from phi4cli.records import Record
 from phi4cli.render import (
     PlainPresenter,
     TerminalPresenter,
@@ -40,20 +41,6 @@ from phi4cli.render import (
 )
 from phi4cli.sanitize import clean_text
 
-COMMANDS = {
-    "/help": "show this help",
-    "/reset": "start a new conversation (same model and settings)",
-    "/system": "/system TEXT sets the system prompt; /system - restores the model's own",
-    "/set": "/set temperature|top_p|max_tokens|think_budget|seed VALUE",
-    "/show": "model, settings, context used of n_ctx, cached tokens, dropped turns",
-    "/retry": "sample the last answer again",
-    "/save": "/save NAME saves the conversation under NAME",
-    "/load": "/load NAME continues a saved conversation",
-    "/list": "list saved conversations",
-    "/stats": "statistics of the last answer",
-    "/reasoning": "/reasoning on|off shows the model's thinking, or folds it into one line",
-    "/exit": "leave (also /bye or Ctrl-D)",
-}
 SETTABLE = CHAT_SETTINGS
 PROMPT = "phi4> "
 CONTINUATION = "... "
@@ -425,51 +412,46 @@ class ChatRepl:
     def command(self, line: str) -> bool:
         """Run one slash command; return False to leave the REPL."""
         name, _, argument = line.partition(" ")
-        argument = argument.strip()
-        out = self.env.stdout
-        if name in ("/exit", "/bye", "/quit"):
-            return False
-        if name == "/help":
-            print(format_rows(list(COMMANDS.items())), file=out)
-            print('Multi-line input: start and end it with """, or press Alt-Enter (Esc Enter) '
-                  "for a new line. Ctrl-C stops an answer.", file=out)  # fmt: skip
-        elif name == "/reset":
-            old = self.conversation
-            self.conversation = Conversation(
-                name=default_name(), model=old.model, system=old.system, settings=dict(old.settings)
-            )
-            print("new conversation (same model and settings)", file=out)
-        elif name == "/system":
-            if not argument:
-                system = self.conversation.system or "(the model default)"
-                print(clean_text(f"system prompt: {system}"), file=out)
-            else:
-                self.conversation.system = None if argument == "-" else argument
-                print("system prompt set; it applies from the next answer", file=out)
-        elif name == "/set":
-            self._set(argument)
-        elif name == "/show":
-            self._show()
-        elif name == "/retry":
-            self._retry()
-        elif name == "/save":
-            self._save(argument)
-        elif name == "/load":
-            self._load(argument)
-        elif name == "/list":
-            self._list()
-        elif name == "/stats":
-            shown = format_stats(self._last_stats) if self._last_stats else "no answer yet"
-            print(shown, file=out)
-        elif name == "/reasoning":
-            if argument not in ("on", "off"):
-                self.env.notice("usage: /reasoning on|off")
-            else:
-                self.show_reasoning = argument == "on"
-                print(f"reasoning {'shown' if self.show_reasoning else 'folded'}", file=out)
-        else:
+        found = COMMAND_NAMES.get(name)
+        if found is None:
             self.env.notice(f"unknown command {name}; /help lists them")
-        return True
+            return True
+        return found.handler(self, argument.strip()) is not False
+
+    def _exit(self, _argument: str) -> bool:
+        return False
+
+    def _help(self, _argument: str) -> None:
+        out = self.env.stdout
+        print(format_rows([(c.name, c.help) for c in COMMANDS]), file=out)
+        print('Multi-line input: start and end it with """, or press Alt-Enter (Esc Enter) '
+              "for a new line. Ctrl-C stops an answer.", file=out)  # fmt: skip
+
+    def _reset(self, _argument: str) -> None:
+        old = self.conversation
+        self.conversation = Conversation(
+            name=default_name(), model=old.model, system=old.system, settings=dict(old.settings)
+        )
+        print("new conversation (same model and settings)", file=self.env.stdout)
+
+    def _system(self, argument: str) -> None:
+        if not argument:
+            system = self.conversation.system or "(the model default)"
+            print(clean_text(f"system prompt: {system}"), file=self.env.stdout)
+        else:
+            self.conversation.system = None if argument == "-" else argument
+            print("system prompt set; it applies from the next answer", file=self.env.stdout)
+
+    def _stats(self, _argument: str) -> None:
+        shown = format_stats(self._last_stats) if self._last_stats else "no answer yet"
+        print(shown, file=self.env.stdout)
+
+    def _reasoning(self, argument: str) -> None:
+        if argument not in ("on", "off"):
+            self.env.notice("usage: /reasoning on|off")
+            return
+        self.show_reasoning = argument == "on"
+        print(f"reasoning {'shown' if self.show_reasoning else 'folded'}", file=self.env.stdout)
 
     def _set(self, argument: str) -> None:
         key, _, value = argument.partition(" ")
@@ -484,14 +466,14 @@ class ChatRepl:
         self.conversation.settings[key] = parsed
         print(f"{key} = {parsed}", file=self.env.stdout)
 
-    def _show(self) -> None:
+    def _show(self, _argument: str = "") -> None:
         stats = self._last_stats or Stats()
         n_ctx = stats.n_ctx or self.settings.n_ctx or "auto (planned by the daemon)"
         settings = ", ".join(f"{k}={v}" for k, v in self.sampling().items())
         shown = format_chat_show(self.conversation, stats, self.model, settings, n_ctx)
         print(shown, file=self.env.stdout)
 
-    def _retry(self) -> None:
+    def _retry(self, _argument: str = "") -> None:
         conversation = self.conversation
         if not conversation.turns:
             self.env.notice("nothing to retry yet")
@@ -532,7 +514,7 @@ class ChatRepl:
             return
         print(f"loaded {name}: {len(self.conversation.turns)} turns", file=self.env.stdout)
 
-    def _list(self) -> None:
+    def _list(self, _argument: str = "") -> None:
         entries = []
         for name in self.store.names():
             try:
@@ -541,6 +523,38 @@ class ChatRepl:
                 continue
             entries.append((name, len(saved.turns), max(0.0, time.time() - saved.updated)))
         print(format_chat_list(entries), file=self.env.stdout)
+
+
+class SlashCommand(Record):
+    """One of the chat's slash commands: what ``/help`` says of it, what Tab completes, and the
+    method that runs it (given the rest of the line; False leaves the chat)."""
+
+    name: str
+    help: str
+    handler: Callable[[ChatRepl, str], bool | None]
+    aliases: tuple[str, ...] = ()
+
+
+# The chat's commands: /help, completion and dispatch are all read from this table.
+COMMANDS = (
+    SlashCommand("/help", "show this help", ChatRepl._help),
+    SlashCommand("/reset", "start a new conversation (same model and settings)", ChatRepl._reset),
+    SlashCommand("/system", "/system TEXT sets the system prompt; /system - restores the "
+                 "model's own", ChatRepl._system),
+    SlashCommand("/set", f"/set {'|'.join(SETTABLE)} VALUE", ChatRepl._set),
+    SlashCommand("/show", "model, settings, context used of n_ctx, cached tokens, dropped turns",
+                 ChatRepl._show),
+    SlashCommand("/retry", "sample the last answer again", ChatRepl._retry),
+    SlashCommand("/save", "/save NAME saves the conversation under NAME", ChatRepl._save),
+    SlashCommand("/load", "/load NAME continues a saved conversation", ChatRepl._load),
+    SlashCommand("/list", "list saved conversations", ChatRepl._list),
+    SlashCommand("/stats", "statistics of the last answer", ChatRepl._stats),
+    SlashCommand("/reasoning", "/reasoning on|off shows the model's thinking, or folds it into "
+                 "one line", ChatRepl._reasoning),
+    SlashCommand("/exit", "leave (also /bye, /quit or Ctrl-D)", ChatRepl._exit,
+                 ("/bye", "/quit")),
+)  # fmt: skip
+COMMAND_NAMES = {name: c for c in COMMANDS for name in (c.name, *c.aliases)}
 
 
 def chat_hints(message: str) -> str:
@@ -623,7 +637,7 @@ class SlashCompleter(Completer):
             return
         if " " in text:
             return
-        for command in (*COMMANDS, "/bye"):
+        for command in COMMAND_NAMES:
             if command.startswith(text):
                 yield Completion(command, start_position=-len(text))
 

@@ -180,6 +180,30 @@ def test_slash_command_errors_keep_the_repl_going(tiny_model: Path):
     assert repl.command("/bye") is False
 
 
+def test_help_completion_and_dispatch_come_from_one_table(tiny_model: Path):
+    # Before: /bye and /quit were known to dispatch and (one of them) to completion only.
+    from prompt_toolkit.completion import CompleteEvent
+    from prompt_toolkit.document import Document
+
+    from phi4cli.repl import COMMANDS, SlashCompleter
+
+    repl, out, _err = make_repl(tiny_model)
+    assert repl.command("/help") is True
+    shown = out.getvalue()
+    assert all(command.name in shown for command in COMMANDS)
+
+    def completes(text: str) -> list[str]:
+        found = SlashCompleter().get_completions(Document(text), CompleteEvent())
+        return [c.text for c in found]
+
+    assert completes("/q") == ["/quit"] and completes("/b") == ["/bye"]
+    assert sorted(completes("/")) == sorted(
+        name for command in COMMANDS for name in (command.name, *command.aliases)
+    )
+    for leave in ("/exit", "/bye", "/quit"):
+        assert make_repl(tiny_model)[0].command(leave) is False
+
+
 def test_pty_ctrl_c_during_answer_then_save_exit_and_resume(tiny_model: Path):
     child = pexpect.spawn(
         PHI4, ["chat", "-m", str(tiny_model), "-n", "50000", "--n-ctx", "100000", "--verbose"],
