@@ -21,9 +21,9 @@ sys.path.insert(0, str(ROOT))
 
 from tests.tinymodel import (  # noqa: E402
     SPECIAL_TOKENS,
-    _bytes_to_unicode,
-    _train_bpe,
     add_phi3_metadata,
+    bytes_to_unicode,
+    train_bpe,
 )
 
 CACHE = Path(os.environ.get("PHI4_BENCH_CACHE", Path.home() / ".cache" / "phi4-bench"))
@@ -35,8 +35,8 @@ LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
 
 
 def _vocab() -> tuple[list[str], list[int], list[str]]:
-    byte_tokens = list(_bytes_to_unicode().values())
-    merged, merges = _train_bpe(400)
+    byte_tokens = list(bytes_to_unicode().values())
+    merged, merges = train_bpe(400)
     tokens = byte_tokens + merged
     normal = len(tokens)
     tokens += SPECIAL_TOKENS

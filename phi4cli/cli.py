@@ -18,8 +18,8 @@ import typer
 
 from phi4cli import __version__, protocol
 from phi4cli.config import ANSWER_KEYS, Settings, format_duration, load_settings
-from phi4cli.entry import _stderr  # the one `phi4:` line on stderr, cleaned
 from phi4cli.errors import ConfigError, ExitStatus, Phi4Error, UsageError
+from phi4cli.exits import say  # the one `phi4:` line on stderr, cleaned
 from phi4cli.paths import Paths, get_paths
 from phi4cli.sanitize import TextCleaner, clean_text
 
@@ -386,7 +386,7 @@ def solve(
     raw_output: RawOutputOption = False,
 ) -> int:
     """Solve a problem (or a file of them), streaming the model's answer."""
-    from phi4cli.entry import join_words
+    from phi4cli.inputs import join_words
     from phi4cli.solving import SolveOptions, run_solve
 
     options = SolveOptions(
@@ -475,7 +475,7 @@ def eval_(
     try:
         records, seconds = run_eval(job, items, samples, results, jsonl, policy)
     except KeyboardInterrupt:
-        _stderr(f"interrupted: what was finished is in {results}; run the same command to resume")
+        say(f"interrupted: what was finished is in {results}; run the same command to resume")
         raise
     result = summary(records, samples)
     replicas = getattr(job.backend, "last_summary", None)
@@ -622,9 +622,9 @@ def serve(
     model_path = resolve_model(settings.model, paths)
     name = settings.model if settings.model in ALIASES else model_path.stem
     aliases = [alias.name for alias in ALIASES.values() if alias_path(alias, paths) == model_path]
-    backend_ = DaemonBackend(paths, settings, model_path, _stderr)
+    backend_ = DaemonBackend(paths, settings, model_path, say)
     try:
-        serve_http(backend_, settings, model_path, name, http, api_key, _stderr,
+        serve_http(backend_, settings, model_path, name, http, api_key, say,
                    allow_host or (), allow_origin or (), any_local_user, aliases)  # fmt: skip
     except KeyboardInterrupt:
         return
@@ -886,7 +886,7 @@ def daemon_stop() -> None:
     """Stop the daemon, also in the middle of a generation."""
     from phi4cli.client import stop_daemon
 
-    pid = stop_daemon(get_paths(), announce=_stderr)
+    pid = stop_daemon(get_paths(), announce=say)
     print("no daemon was running" if pid is None else f"daemon stopped (pid {pid})")
 
 
@@ -931,7 +931,7 @@ def _load_model(
     if set_keep_alive:
         params["keep_alive"] = settings.keep_alive
     # Through the backend, so a daemon on its way out is replaced as for any request.
-    backend = DaemonBackend(paths, settings, model_path, _stderr)
+    backend = DaemonBackend(paths, settings, model_path, say)
     try:
         stream = backend.stream(protocol.Op.LOAD, params)
         *_, terminal = stream
@@ -971,7 +971,7 @@ def warm(
 
     paths, settings, model_path = _daemon_setup(daemon)
     if no_wait:
-        connect_checked(paths, settings, model_path, _stderr).close()
+        connect_checked(paths, settings, model_path, say).close()
         print(f"the daemon is loading {model_path.name}; `phi4 status` shows its progress")
         return
     started = time.monotonic()
@@ -1000,7 +1000,7 @@ def cache_clear() -> None:
     if directory is not None and os.path.lexists(directory):
         problem = not_private(directory)
         if problem is not None:
-            _stderr(f"staged copies left alone: {problem}")
+            say(f"staged copies left alone: {problem}")
         elif directory.is_dir():
             # The staging dir is the user's, shared by every install (PHI4_HOME): a copy that a
             # running daemon has loaded stays, or its RAM would stay taken and the file gone.
@@ -1008,7 +1008,7 @@ def cache_clear() -> None:
                       if path.suffix == ".gguf"}  # fmt: skip
     staged = remove_staged(in_use=in_use)
     for path, pid in sorted(in_use.items()):
-        _stderr(f"kept {path}: in use by pid {pid} (a running daemon: stop it to free that RAM)")
+        say(f"kept {path}: in use by pid {pid} (a running daemon: stop it to free that RAM)")
     counts = []
     for name in ("states", "sessions"):
         directory = paths.cache_dir / name
@@ -1047,7 +1047,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     ``phi4cli.entry.main`` (the ``phi4`` script) comes here for everything but the fast solve.
     """
-    from phi4cli.entry import run_reporting
+    from phi4cli.exits import run_reporting
 
     command = typer.main.get_command(app)
 

@@ -26,7 +26,7 @@ from phi4cli.errors import (
     RequestError,
     error_for,
 )
-from phi4cli.paths import Paths, check_socket_path, is_our_daemon, peer_uid
+from phi4cli.paths import Paths, check_socket_path, install_id, is_our_daemon, peer_uid
 from phi4cli.protocol import ErrorCode, Event, EventKind, Op
 
 TYPE_CHECKING = False
@@ -394,11 +394,6 @@ def connect_checked(
         announce(f"the running daemon {other}; restarting it...")
         stop_daemon(paths, announce=announce)
     raise DaemonUnavailableError("could not reach a working daemon")
-
-
-def install_id() -> str:
-    """Where this phi4 lives: two installs of one version are still two daemons' worth."""
-    return os.path.dirname(os.path.abspath(__file__))
 
 
 def _other_install(ping: dict[str, Any]) -> str | None:

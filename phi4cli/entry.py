@@ -7,72 +7,20 @@ a table generated from the Typer command itself (``_solve_options``, kept curren
 parser is not sure of (``--help``, completion, an unknown option, a value Typer would refuse)
 goes to Typer, which then says exactly what it always says.
 
-This is also the one place that turns an exception into an exit status and a line on stderr.
+Both ways end in ``exits.run_reporting``, the one place that turns an exception into an exit
+status and a line on stderr.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-from collections.abc import Callable
+
+from phi4cli.exits import exit_now, run_reporting
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, NoReturn
-
-
-def _stderr(message: str) -> None:
-    """One line on stderr; an error's text may carry a model's or a remote engine's words."""
-    from phi4cli.sanitize import clean_text
-
-    print(f"phi4: {clean_text(message)}", file=sys.stderr, flush=True)
-
-
-def exit_now(status: int) -> NoReturn:
-    """Exit without the interpreter's teardown: flush what was written, then leave.
-
-    Tearing down the modules a solve imported takes longer than the daemon takes to answer a
-    short question (about 5 ms here), and a finished `phi4 solve` has nothing left to clean up:
-    its files are closed and it starts no threads that outlive the answer. Only for the ``phi4``
-    program itself, never in-process callers (tests, ``python -m`` embedding)."""
-    for stream in (sys.stdout, sys.stderr):
-        # A reader that went away, or a closed stream (None when it was closed at start-up, as
-        # by `2>&-`): nothing more can be said.
-        if stream is not None:
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-    os._exit(status)
-
-
-def run_reporting(run: Callable[[], int | None], fast_exit: bool = False) -> NoReturn:
-    """Run a command and exit with the documented status for whatever happened (with
-    ``fast_exit``, skipping the interpreter's teardown: see ``exit_now``)."""
-    from phi4cli.errors import ExitStatus, Phi4Error
-
-    try:
-        code = run()
-        if sys.stdout is not None:  # None: closed when the command started (`>&-`)
-            sys.stdout.flush()
-        status = code if isinstance(code, int) else ExitStatus.OK
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        status = ExitStatus.INTERRUPTED
-    except Phi4Error as exc:
-        if os.environ.get("PHI4_DEBUG"):
-            import traceback
-
-            traceback.print_exc()
-        _stderr(f"error: {exc}")
-        status = exc.exit_status
-    except Exception as exc:
-        if os.environ.get("PHI4_DEBUG"):
-            raise
-        _stderr(f"internal error: {type(exc).__name__}: {exc} (PHI4_DEBUG=1 shows the traceback)")
-        status = ExitStatus.ERROR
-    if fast_exit:
-        exit_now(int(status))
-    sys.exit(status)
 
 
 def parse_solve(args: list[str]) -> dict[str, Any] | None:
@@ -123,17 +71,10 @@ def parse_solve(args: list[str]) -> dict[str, Any] | None:
         if kind == "list":
             value = (*(values[dest] or ()), value)  # a tuple, as Typer gives it
         values[dest] = value
+    from phi4cli.inputs import join_words
+
     values[ARGUMENT] = join_words(positional)
     return values
-
-
-def join_words(words: list[str] | tuple[str, ...] | None) -> str | None:
-    """The question given as arguments: several words joined with single spaces, as
-    ``ollama run`` and ``llm`` do (``phi4 solve what is 2+2``); None when none was given.
-
-    A lone ``-`` stays ``-`` (read stdin); a ``-`` among words is just a word, and a question
-    given as words leaves stdin alone."""
-    return " ".join(words) if words else None
 
 
 def main(argv: list[str] | None = None) -> NoReturn:

@@ -8,7 +8,6 @@ import os
 import sys
 
 from phi4cli.paths import Paths, get_paths
-from phi4cli.sanitize import clean_text
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -71,7 +70,9 @@ class Environment:
     def notice(self, message: str) -> None:
         """One line for the user on stderr, prefixed ``phi4:`` (above a live progress bar);
         foreign text in it is cleaned."""
+        from phi4cli.exits import notice_line, say
+
         if self.print_above_live is not None:
-            self.print_above_live(f"phi4: {clean_text(message)}")
+            self.print_above_live(notice_line(message))
         else:
-            print(f"phi4: {clean_text(message)}", file=self.stderr, flush=True)
+            say(message, file=self.stderr)

@@ -1,11 +1,40 @@
-"""The Phi4Error hierarchy and the exit code each error maps to."""
+"""Every failure phi4 names: the protocol's error codes, the Phi4Error hierarchy, and the one
+table from a code to the exception the CLI raises (so its exit status) and the HTTP status
+``phi4 serve`` answers with. A leaf: it imports nothing of phi4 but ``records``."""
 
 from __future__ import annotations
 
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 
-from phi4cli.protocol import ErrorCode
 from phi4cli.records import Record
+
+
+class ErrorCode(StrEnum):
+    BAD_REQUEST = "bad_request"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    BUSY = "busy"
+    CONTEXT_OVERFLOW = "context_overflow"
+    MODEL_ERROR = "model_error"
+    CANCELLED = "cancelled"
+    SHUTTING_DOWN = "shutting_down"
+    FORBIDDEN = "forbidden"
+    INTERNAL = "internal"
+    # A remote engine's failures: no answer in time, or a stream that broke or made no sense.
+    TIMEOUT = "timeout"
+    BACKEND_ERROR = "backend_error"
+    UNREACHABLE = "unreachable"  # no replica could be reached (or every one went away)
+
+    @property
+    def retryable(self) -> bool:
+        return self in (ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN)
+
+    @classmethod
+    def of(cls, value: object) -> ErrorCode:
+        """The code named by ``value``; an unknown one (a newer daemon's) counts as internal."""
+        try:
+            return cls(str(value))
+        except ValueError:
+            return cls.INTERNAL
 
 
 class ExitStatus(IntEnum):
@@ -124,10 +153,6 @@ def error_for(code: ErrorCode, message: str) -> Phi4Error:
         error.__notes__ = [rest]
         return error
     return kind.exception(message)
-
-
-def exit_status_for(code: ErrorCode) -> ExitStatus:
-    return ERRORS[code].exception.exit_status
 
 
 def http_status_for(code: ErrorCode) -> int:

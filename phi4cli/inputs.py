@@ -94,3 +94,12 @@ def replace_bad(text: str) -> tuple[str, bool]:
     was."""
     replaced, count = _SURROGATE.subn(REPLACEMENT, text)
     return replaced, bool(count)
+
+
+def join_words(words: list[str] | tuple[str, ...] | None) -> str | None:
+    """The question given as arguments: several words joined with single spaces, as
+    ``ollama run`` and ``llm`` do (``phi4 solve what is 2+2``); None when none was given.
+
+    A lone ``-`` stays ``-`` (read stdin); a ``-`` among words is just a word, and a question
+    given as words leaves stdin alone."""
+    return " ".join(words) if words else None

@@ -91,6 +91,12 @@ class Paths(Record):
         return self.runtime_dir
 
 
+def install_id() -> str:
+    """Where this phi4 lives (the ``phi4cli`` package's directory): two installs of one version
+    are still two daemons' worth. The client and the daemon both ask."""
+    return os.path.dirname(os.path.abspath(__file__))
+
+
 def not_private(directory: Path) -> str | None:
     """Why ``directory`` is not a private directory of this user's, or None: it must be a real
     directory (not a link), owned by this user, with no access for group or others. For what

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 
+from phi4cli.errors import ErrorCode as ErrorCode  # the wire's error codes
 from phi4cli.records import Record
 
 TYPE_CHECKING = False
@@ -70,47 +71,6 @@ class EventKind(StrEnum):
     @property
     def terminal(self) -> bool:
         return self in (EventKind.DONE, EventKind.ERROR)
-
-
-class ErrorCode(StrEnum):
-    BAD_REQUEST = "bad_request"
-    UNSUPPORTED_VERSION = "unsupported_version"
-    BUSY = "busy"
-    CONTEXT_OVERFLOW = "context_overflow"
-    MODEL_ERROR = "model_error"
-    CANCELLED = "cancelled"
-    SHUTTING_DOWN = "shutting_down"
-    FORBIDDEN = "forbidden"
-    INTERNAL = "internal"
-    # A remote engine's failures: no answer in time, or a stream that broke or made no sense.
-    TIMEOUT = "timeout"
-    BACKEND_ERROR = "backend_error"
-    UNREACHABLE = "unreachable"  # no replica could be reached (or every one went away)
-
-    @property
-    def retryable(self) -> bool:
-        return self in (ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN)
-
-    @classmethod
-    def of(cls, value: object) -> ErrorCode:
-        """The code named by ``value``; an unknown one (a newer daemon's) counts as internal."""
-        try:
-            return cls(str(value))
-        except ValueError:
-            return cls.INTERNAL
-
-
-# The names the daemon and older code use; each is the enum member itself.
-BAD_REQUEST: Final = ErrorCode.BAD_REQUEST
-UNSUPPORTED_VERSION: Final = ErrorCode.UNSUPPORTED_VERSION
-BUSY: Final = ErrorCode.BUSY
-CONTEXT_OVERFLOW: Final = ErrorCode.CONTEXT_OVERFLOW
-MODEL_ERROR: Final = ErrorCode.MODEL_ERROR
-CANCELLED: Final = ErrorCode.CANCELLED
-SHUTTING_DOWN: Final = ErrorCode.SHUTTING_DOWN
-FORBIDDEN: Final = ErrorCode.FORBIDDEN
-INTERNAL: Final = ErrorCode.INTERNAL
-TERMINAL_EVENTS: Final = frozenset({EventKind.DONE, EventKind.ERROR})
 
 
 class ProtocolViolation(Exception):
@@ -190,7 +150,7 @@ class Event(Record):
             kind = EventKind(str(message.get("event")))
         except ValueError:
             raise ProtocolViolation(
-                BAD_REQUEST, f"unknown event {message.get('event')!r}"
+                ErrorCode.BAD_REQUEST, f"unknown event {message.get('event')!r}"
             ) from None
         data = {k: v for k, v in message.items() if k not in ("v", "id", "event", "text")}
         return cls(kind, message.get("id"), str(message.get("text") or ""), data)
@@ -285,7 +245,9 @@ def _number(params: Mapping[str, Any], key: str, default: float, low: float, hig
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ProtocolViolation(BAD_REQUEST, f"'{key}' must be a number from {low} to {high}")
+        raise ProtocolViolation(
+            ErrorCode.BAD_REQUEST, f"'{key}' must be a number from {low} to {high}"
+        )
     return float(value)
 
 
@@ -294,7 +256,7 @@ def _optional_int(params: Mapping[str, Any], key: str, low: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ProtocolViolation(BAD_REQUEST, f"'{key}' must be an integer >= {low}")
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, f"'{key}' must be an integer >= {low}")
     return value
 
 
@@ -308,32 +270,35 @@ def parse_solve_params(params: Mapping[str, Any], defaults: Settings) -> SolvePa
     _check_text(params)
     prompt = params.get("prompt")
     if not isinstance(prompt, str):
-        raise ProtocolViolation(BAD_REQUEST, "'prompt' (the question) must be a string")
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'prompt' (the question) must be a string")
     if not prompt.strip():
-        raise ProtocolViolation(BAD_REQUEST, "empty question: give a problem to solve")
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "empty question: give a problem to solve")
     if len(prompt) > MAX_PROMPT_CHARS:
         raise ProtocolViolation(
-            BAD_REQUEST, f"question is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}"
+            ErrorCode.BAD_REQUEST,
+            f"question is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}",
         )
     system = params.get("system", defaults.system)
     if system is not None and not isinstance(system, str):
-        raise ProtocolViolation(BAD_REQUEST, "'system' must be a string or null")
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'system' must be a string or null")
     model = params.get("model")
     if model is not None and (not isinstance(model, str) or not model):
-        raise ProtocolViolation(BAD_REQUEST, "'model' must be a path to a .gguf file")
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'model' must be a path to a .gguf file")
     keep_alive = params.get("keep_alive")
     try:
         keep_alive_s = None if keep_alive is None else parse_duration(keep_alive)
     except ValueError:
         raise ProtocolViolation(
-            BAD_REQUEST, "'keep_alive' must be a duration like 30m, 0 or -1"
+            ErrorCode.BAD_REQUEST, "'keep_alive' must be a duration like 30m, 0 or -1"
         ) from None
     priority = params.get("priority", "solve")
     if not isinstance(priority, str) or priority not in PRIORITIES:
-        raise ProtocolViolation(BAD_REQUEST, f"'priority' must be one of {', '.join(PRIORITIES)}")
+        raise ProtocolViolation(
+            ErrorCode.BAD_REQUEST, f"'priority' must be one of {', '.join(PRIORITIES)}"
+        )
     deterministic = params.get("deterministic", defaults.deterministic)
     if not isinstance(deterministic, bool):
-        raise ProtocolViolation(BAD_REQUEST, "'deterministic' must be true or false")
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'deterministic' must be true or false")
     return SolveParams(
         prompt=prompt,
         system=system or None,
@@ -358,7 +323,7 @@ def _check_text(params: Mapping[str, Any]) -> None:
     validate params without a wire line, as `phi4 serve` does)."""
     bad = unencodable(dict(params))
     if bad is not None:
-        raise ProtocolViolation(BAD_REQUEST, _not_unicode(bad))
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, _not_unicode(bad))
 
 
 def _not_unicode(where: str) -> str:
@@ -380,7 +345,8 @@ def check_history(history: object) -> tuple[dict[str, str], ...]:
             )
     if not valid:
         raise ProtocolViolation(
-            BAD_REQUEST, "'history' must be complete turns: user, assistant, user, assistant, ..."
+            ErrorCode.BAD_REQUEST,
+            "'history' must be complete turns: user, assistant, user, assistant, ...",
         )
     assert isinstance(history, list)
     return tuple({"role": m["role"], "content": m["content"]} for m in history)
@@ -395,14 +361,14 @@ def parse_chat_params(params: Mapping[str, Any], defaults: Settings) -> SolvePar
     session = params.get("session")
     if not isinstance(session, str) or not SESSION_ID.fullmatch(session):
         raise ProtocolViolation(
-            BAD_REQUEST,
+            ErrorCode.BAD_REQUEST,
             "'session' must be 1 to 128 letters, digits and . _ : - (starting with a letter or "
             "digit)",
         )
     history = params.get("history", [])
     if isinstance(history, list) and len(history) > MAX_HISTORY_MESSAGES:
         raise ProtocolViolation(
-            BAD_REQUEST,
+            ErrorCode.BAD_REQUEST,
             f"'history' holds {len(history):,} messages; the limit is {MAX_HISTORY_MESSAGES:,} "
             "(send the most recent turns only)",
         )
@@ -417,7 +383,7 @@ def parse_load_params(params: Mapping[str, Any], defaults: Settings) -> SolvePar
     """Validate a load request (``model``); raise ProtocolViolation(bad_request)."""
     model = params.get("model")
     if not isinstance(model, str) or not model:
-        raise ProtocolViolation(BAD_REQUEST, "'model' must be a path to a .gguf file")
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'model' must be a path to a .gguf file")
     request = {"prompt": "-", "model": model, "priority": "interactive"}
     if "keep_alive" in params:
         request["keep_alive"] = params["keep_alive"]
@@ -516,14 +482,15 @@ def decode(line: bytes) -> JSON:
     (nesting deeper than MAX_NESTING is refused before parsing)."""
     if nesting_depth(line) > MAX_NESTING:
         raise ProtocolViolation(
-            BAD_REQUEST, f"JSON nested deeper than {MAX_NESTING} levels; flatten the request"
+            ErrorCode.BAD_REQUEST,
+            f"JSON nested deeper than {MAX_NESTING} levels; flatten the request",
         )
     try:
         message = json.loads(line)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of 5,000 digits
-        raise ProtocolViolation(BAD_REQUEST, f"malformed JSON: {exc}") from None
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, f"malformed JSON: {exc}") from None
     if not isinstance(message, dict):
-        raise ProtocolViolation(BAD_REQUEST, "a message must be a JSON object")
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "a message must be a JSON object")
     return message
 
 
@@ -565,27 +532,29 @@ def parse_request(line: bytes) -> Request:
     if bad is not None:
         usable = unencodable(request_id) is None and isinstance(request_id, (str, int))
         raise ProtocolViolation(
-            BAD_REQUEST,
+            ErrorCode.BAD_REQUEST,
             _not_unicode(bad),
             request_id if usable and not isinstance(request_id, bool) else None,
         )
     version = message.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolViolation(
-            UNSUPPORTED_VERSION,
+            ErrorCode.UNSUPPORTED_VERSION,
             f"protocol version {version!r} is not supported (daemon speaks {PROTOCOL_VERSION})",
             request_id,
         )
     if request_id is None or isinstance(request_id, (dict, list, bool)):
-        raise ProtocolViolation(BAD_REQUEST, "a request needs an 'id' (string or number)")
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "a request needs an 'id' (string or number)")
     op = message.get("op")
     if op not in set(Op):
         raise ProtocolViolation(
-            BAD_REQUEST, f"unknown op {op!r}; expected one of {', '.join(sorted(Op))}", request_id
+            ErrorCode.BAD_REQUEST,
+            f"unknown op {op!r}; expected one of {', '.join(sorted(Op))}",
+            request_id,
         )
     params = message.get("params", {})
     if not isinstance(params, dict):
-        raise ProtocolViolation(BAD_REQUEST, "'params' must be a JSON object", request_id)
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'params' must be a JSON object", request_id)
     return Request(id=request_id, op=op, params=params)
 
 

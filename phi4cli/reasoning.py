@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from phi4cli.records import Record
 
@@ -549,11 +549,3 @@ def majority_vote(answers: Sequence[str | None], equal: Equal = same_answer) -> 
     best = max(forms.values())
     form = next(w for w in written if forms[normalize_answer(w)] == best)
     return Vote(form, top, len(answers), len(leaders) > 1, tuple(winner))
-
-
-def _first_seen(items: Iterable[str | None]) -> list[str | None]:
-    seen: list[str | None] = []
-    for item in items:
-        if item not in seen:
-            seen.append(item)
-    return seen

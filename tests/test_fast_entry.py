@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from phi4cli._solve_options import OPTIONS
 from phi4cli.cli import app
-from phi4cli.entry import join_words, parse_solve
+from phi4cli.entry import parse_solve
+from phi4cli.inputs import join_words
 from tests.conftest import run_phi4
 
 SOLVE = typer.main.get_command(app).commands["solve"]  # type: ignore[attr-defined]

@@ -57,7 +57,7 @@ def _line(request_id: Any, op: str, params: dict[str, Any]) -> bytes:
 def test_text_that_is_not_unicode_is_refused_naming_the_field(params: dict[str, Any], field: str):
     with pytest.raises(protocol.ProtocolViolation) as caught:
         protocol.parse_request(_line("r1", "solve", params))
-    assert caught.value.code == protocol.BAD_REQUEST
+    assert caught.value.code == protocol.ErrorCode.BAD_REQUEST
     assert caught.value.message.startswith(f"{field} is not valid Unicode"), caught.value.message
     assert caught.value.request_id == "r1", "the answer goes to the request"
 
@@ -82,7 +82,7 @@ def test_deep_nesting_is_refused_before_parsing(opener: str):
     line = b'{"v":1,"id":1,"op":"solve","params":{"prompt":' + deep.encode() + b"}}"
     with pytest.raises(protocol.ProtocolViolation) as caught:
         protocol.parse_request(line)
-    assert caught.value.code == protocol.BAD_REQUEST
+    assert caught.value.code == protocol.ErrorCode.BAD_REQUEST
     assert f"nested deeper than {protocol.MAX_NESTING}" in caught.value.message
 
 
@@ -126,7 +126,7 @@ def test_a_gone_clients_queued_jobs_leave_the_queue_at_once():
     # all the same, and each got its answer.
     assert scheduler.queued == 0
     for number in range(1, 5):
-        assert out.terminal(number)[0]["code"] == protocol.CANCELLED
+        assert out.terminal(number)[0]["code"] == protocol.ErrorCode.CANCELLED
     late = out.job(9, "late")
     late.owner = other
     scheduler.submit(late)

@@ -42,12 +42,12 @@ def test_parse_request_accepts_a_valid_request():
 @pytest.mark.parametrize(
     ("line", "code"),
     [
-        (b"{", protocol.BAD_REQUEST),
-        (b"\xff\xfe", protocol.BAD_REQUEST),
-        (b'{"v": 2, "id": 1, "op": "ping"}', protocol.UNSUPPORTED_VERSION),
-        (b'{"id": 1, "op": "ping"}', protocol.UNSUPPORTED_VERSION),
-        (b'{"v": 1, "id": [1], "op": "ping"}', protocol.BAD_REQUEST),
-        (b'{"v": 1, "id": 1, "op": "ping", "params": []}', protocol.BAD_REQUEST),
+        (b"{", protocol.ErrorCode.BAD_REQUEST),
+        (b"\xff\xfe", protocol.ErrorCode.BAD_REQUEST),
+        (b'{"v": 2, "id": 1, "op": "ping"}', protocol.ErrorCode.UNSUPPORTED_VERSION),
+        (b'{"id": 1, "op": "ping"}', protocol.ErrorCode.UNSUPPORTED_VERSION),
+        (b'{"v": 1, "id": [1], "op": "ping"}', protocol.ErrorCode.BAD_REQUEST),
+        (b'{"v": 1, "id": 1, "op": "ping", "params": []}', protocol.ErrorCode.BAD_REQUEST),
     ],
 )
 def test_parse_request_rejects_with_a_code(line: bytes, code: str):
@@ -57,8 +57,8 @@ def test_parse_request_rejects_with_a_code(line: bytes, code: str):
 
 
 def test_error_events_say_whether_to_retry():
-    assert protocol.error_event(1, protocol.BUSY, "full")["retryable"] is True
-    assert protocol.error_event(1, protocol.BAD_REQUEST, "no")["retryable"] is False
+    assert protocol.error_event(1, protocol.ErrorCode.BUSY, "full")["retryable"] is True
+    assert protocol.error_event(1, protocol.ErrorCode.BAD_REQUEST, "no")["retryable"] is False
 
 
 def test_solve_params_defaults_and_validation():
@@ -187,7 +187,7 @@ class Collector:
         return Job(request_id=request_id, params=params, emit=emit)
 
     def terminal(self, request_id: Any) -> list[dict[str, Any]]:
-        return [e for e in self.events[request_id] if e["event"] in protocol.TERMINAL_EVENTS]
+        return [e for e in self.events[request_id] if protocol.EventKind(e["event"]).terminal]
 
     def wait(self, *ids: Any, timeout: float = 10) -> None:
         deadline = time.monotonic() + timeout
@@ -270,7 +270,7 @@ def test_a_job_that_could_never_fit_is_refused_without_waiting():
     out = Collector()
     scheduler.submit(out.job(0, "huge:11"))
     out.wait(0)
-    assert out.terminal(0)[0]["code"] == protocol.CONTEXT_OVERFLOW
+    assert out.terminal(0)[0]["code"] == protocol.ErrorCode.CONTEXT_OVERFLOW
     assert "needs 11, the context holds 10" in out.terminal(0)[0]["message"]
     scheduler.stop(5)
 
@@ -285,7 +285,7 @@ def test_full_queue_raises_and_cancelled_queued_job_never_reaches_engine():
     engine.gate.set()
     out.wait(0, 1)
     assert engine.served == ["running"]
-    assert out.terminal(1)[0]["code"] == protocol.CANCELLED
+    assert out.terminal(1)[0]["code"] == protocol.ErrorCode.CANCELLED
     scheduler.stop(5)
 
 
@@ -298,9 +298,9 @@ def test_engine_crash_becomes_an_error_with_traceback_and_worker_survives():
     scheduler.submit(out.job(2, "too long"))
     out.wait(0, 1, 2)
     crash = out.terminal(0)
-    assert len(crash) == 1 and crash[0]["code"] == protocol.MODEL_ERROR
+    assert len(crash) == 1 and crash[0]["code"] == protocol.ErrorCode.MODEL_ERROR
     assert "RuntimeError: boom" in crash[0]["message"]
-    assert out.terminal(2)[0]["code"] == protocol.CONTEXT_OVERFLOW
+    assert out.terminal(2)[0]["code"] == protocol.ErrorCode.CONTEXT_OVERFLOW
     assert out.terminal(1)[0]["event"] == "done"
     scheduler.stop(5)
 
@@ -311,7 +311,7 @@ def test_a_failed_load_is_a_model_error_and_the_loaded_model_serves_on():
     out = Collector()
     scheduler.submit(out.job(0, "x", model=Path("/m/broken.gguf")))
     out.wait(0)
-    assert out.terminal(0)[0]["code"] == protocol.MODEL_ERROR
+    assert out.terminal(0)[0]["code"] == protocol.ErrorCode.MODEL_ERROR
     assert "truncated" in out.terminal(0)[0]["message"]
     assert states[3:] == ["loading", "ready"]
     # A failure after the old model was let go: it is loaded again.
@@ -332,7 +332,7 @@ def test_a_failed_first_load_leaves_the_state_failed():
     out = Collector()
     scheduler.submit(out.job(0, "x"))
     out.wait(0)
-    assert out.terminal(0)[0]["code"] == protocol.MODEL_ERROR
+    assert out.terminal(0)[0]["code"] == protocol.ErrorCode.MODEL_ERROR
     assert states == ["loading", "failed", "loading", "failed"]  # at start, then for the job
     scheduler.stop(5)
 
@@ -343,8 +343,8 @@ def test_stop_fails_queued_jobs_as_shutting_down():
     threading.Timer(0.2, engine.gate.set).start()
     scheduler.stop(5)
     out.wait(0, 1)
-    assert out.terminal(0)[0]["code"] == protocol.SHUTTING_DOWN
-    assert out.terminal(1)[0]["code"] == protocol.SHUTTING_DOWN
+    assert out.terminal(0)[0]["code"] == protocol.ErrorCode.SHUTTING_DOWN
+    assert out.terminal(1)[0]["code"] == protocol.ErrorCode.SHUTTING_DOWN
 
 
 def test_peer_check_compares_the_connecting_uid():
@@ -427,7 +427,7 @@ def test_cancelling_a_queued_job_answers_it_at_once():
     scheduler.submit(waiting)
     scheduler.cancel(waiting)
     out.wait(1, timeout=2)  # while job 0 still holds the engine
-    assert out.terminal(1)[0]["code"] == protocol.CANCELLED
+    assert out.terminal(1)[0]["code"] == protocol.ErrorCode.CANCELLED
     engine.gate.set()
     out.wait(0)
     assert engine.served == ["running"]
@@ -448,7 +448,7 @@ def test_a_warm_up_failure_leaves_the_worker_serving():
     scheduler.submit(out.job(0, "x"))
     out.wait(0)
     failure = out.terminal(0)[0]
-    assert failure["code"] == protocol.MODEL_ERROR
+    assert failure["code"] == protocol.ErrorCode.MODEL_ERROR
     assert "RuntimeError: llama_decode failed" in failure["message"]
     assert states[:3] == ["loading", "warming", "failed"]
     assert engine.model_path is None, "the half-loaded model was closed"

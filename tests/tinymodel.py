@@ -36,7 +36,7 @@ _CORPUS = (
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable unicode characters."""
     printable = (
         list(range(ord("!"), ord("~") + 1))
@@ -53,9 +53,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {byte: chr(code) for byte, code in zip(printable, codes, strict=True)}
 
 
-def _train_bpe(n_merges: int) -> tuple[list[str], list[str]]:
+def train_bpe(n_merges: int) -> tuple[list[str], list[str]]:
     """Return (merged token strings, merges) learned greedily on the corpus."""
-    table = _bytes_to_unicode()
+    table = bytes_to_unicode()
     words = Counter(
         tuple(table[b] for b in (" " + word if i else word).encode())
         for i, word in enumerate(_CORPUS.split(" "))
@@ -144,8 +144,8 @@ def write_tiny_phi3(
 ) -> Path:
     """Write the model to ``path`` and return it. Deterministic for a given seed."""
     rng = np.random.default_rng(seed)
-    byte_tokens = list(_bytes_to_unicode().values())
-    merged, merges = _train_bpe(vocab_size - len(byte_tokens) - len(SPECIAL_TOKENS))
+    byte_tokens = list(bytes_to_unicode().values())
+    merged, merges = train_bpe(vocab_size - len(byte_tokens) - len(SPECIAL_TOKENS))
     tokens = byte_tokens + merged
     n_normal = len(tokens)
     tokens += SPECIAL_TOKENS
@@ -169,7 +169,7 @@ def write_tiny_phi3(
     embeddings = normal((vocab_size, embed), 0.02)
     # Control, padding and non-printable-byte rows small, so decoding prefers printable text.
     embeddings[n_normal:] *= 0.01
-    to_byte = {char: byte for byte, char in _bytes_to_unicode().items()}
+    to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
     for index, token in enumerate(tokens[:n_normal]):
         if any(not 0x20 <= to_byte[char] <= 0x7E for char in token):
             embeddings[index] *= 0.01

@@ -1,1 +1,4 @@
-"""The resident daemon. Only ``engine`` imports llama_cpp; ``spawn`` is light for the client."""
+"""The resident daemon: ``server`` (the socket, clients, lifecycle), ``scheduler`` and ``jobs``
+(requests waiting for the engine), ``memory`` (the memory plan), ``llama/`` (the batching engine:
+the only package that imports llama_cpp), ``ramdisk`` and ``statefile``. ``spawn`` starts a
+daemon and is light enough for the client to import."""

@@ -20,7 +20,6 @@ from phi4cli.protocol import PRIORITIES, ErrorCode, EventKind, SolveParams
 __all__ = ["PRIORITIES", "SolveParams"]  # re-exported for the engine and the tests
 
 Emit = Callable[[dict[str, Any]], None]
-TokenSink = Callable[[str, str], None]  # ("reasoning" | "answer", text)
 
 
 class ModelLoadError(Exception):

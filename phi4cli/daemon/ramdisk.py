@@ -22,7 +22,6 @@ from phi4cli.paths import not_private
 
 log = logging.getLogger("phi4.ramdisk")
 
-MODES = ("auto", "on", "off")
 # Keep this much RAM free beyond the copy itself: the daemon needs memory of its own.
 HEADROOM_BYTES = 512 << 20
 _RAM_FILESYSTEMS = {"tmpfs", "ramfs"}

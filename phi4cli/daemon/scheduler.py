@@ -1,8 +1,9 @@
-"""Requests waiting for the engine: validation, a bounded priority queue, cancellation.
+"""Requests waiting for the engine: a bounded priority queue (with aging), cancellation, and the
+worker thread that hands jobs to the engine (requests arrive validated by ``protocol``).
 
-The engine is driven by one worker thread. The server submits :class:`Job` objects and gets events
-back through each job's ``emit`` callback; whether one request or several are decoding is the
-engine's business, so a batching engine can replace this worker without touching the server.
+The server submits :class:`Job` objects and gets events back through each job's ``emit``
+callback; how many decode at once is the batching engine's business (``llama/batch.py``), so the
+server never needs to know.
 """
 
 from __future__ import annotations

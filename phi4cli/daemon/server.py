@@ -32,7 +32,6 @@ from phi4cli.protocol import ErrorCode, EventKind, Op, ProtocolViolation, Reques
 
 log = logging.getLogger("phi4.daemon")
 
-MAX_QUEUE = 64
 IDLE_CHECK_S = 0.2
 # While a client's requests are queued or running, it hears from the daemon at least this often
 # (a `progress` event, stage "alive") — as long as the engine is going round: a client that hears
@@ -130,7 +129,6 @@ class DaemonServer:
         settings: Settings,
         engine: Engine,
         model_path: Path | None,
-        max_queue: int = MAX_QUEUE,
     ) -> None:
         self.paths = paths
         self.settings = settings
@@ -152,7 +150,8 @@ class DaemonServer:
         self._stopping = False
         self._uid = os.getuid()
         self._last_beats = -1
-        self.scheduler = RequestScheduler(engine, model_path, max_queue, self._state_from_worker)
+        self.scheduler = RequestScheduler(engine, model_path, settings.max_queue,
+                                          self._state_from_worker)  # fmt: skip
 
     # --- status -------------------------------------------------------------------------------
 
@@ -237,7 +236,9 @@ class DaemonServer:
             log.warning("refused a connection from uid %s", peer_uid(sock))
             connection.send(
                 protocol.error_event(
-                    None, protocol.FORBIDDEN, "this daemon belongs to another user; start your own"
+                    None,
+                    ErrorCode.FORBIDDEN,
+                    "this daemon belongs to another user; start your own",
                 )
             )
             await self._close(connection)
@@ -328,7 +329,7 @@ class DaemonServer:
             )
 
     def _op_ping(self, connection: Connection, request: Request) -> None:
-        from phi4cli.client import install_id
+        from phi4cli.paths import install_id
 
         # The client compares these with its own, and replaces a daemon from another install.
         result = {
@@ -354,7 +355,7 @@ class DaemonServer:
         target = request.params.get("target")
         if not isinstance(target, (str, int)) or isinstance(target, bool):
             raise ProtocolViolation(
-                protocol.BAD_REQUEST, "'target' must be the id of a request", request.id
+                ErrorCode.BAD_REQUEST, "'target' must be the id of a request", request.id
             )
         job = connection.jobs.get(target)
         if job is not None:
@@ -366,11 +367,13 @@ class DaemonServer:
     def _op_solve(self, connection: Connection, request: Request) -> None:
         if request.id in connection.jobs:
             raise ProtocolViolation(
-                protocol.BAD_REQUEST, f"request id {request.id!r} is already in use", request.id
+                ErrorCode.BAD_REQUEST,
+                f"request id {request.id!r} is already in use",
+                request.id,
             )
         if self._stopping:
             raise ProtocolViolation(
-                protocol.SHUTTING_DOWN,
+                ErrorCode.SHUTTING_DOWN,
                 "the daemon is shutting down; run the command again",
                 request.id,
             )
@@ -391,7 +394,7 @@ class DaemonServer:
         try:
             ahead = self.scheduler.submit(job)
         except QueueFullError as exc:
-            raise ProtocolViolation(protocol.BUSY, str(exc), request.id) from None
+            raise ProtocolViolation(ErrorCode.BUSY, str(exc), request.id) from None
         connection.jobs[request.id] = job
         connection.send(
             protocol.event(request.id, EventKind.ACCEPTED, ahead=ahead, state=self.state)
@@ -448,12 +451,12 @@ class DaemonServer:
 
     def _deliver(self, connection: Connection, request_id: Any, message: dict[str, Any]) -> None:
         connection.hold(message)
-        kind = message.get("event")
+        kind = message["event"]  # every message the daemon makes names its event
         if kind == EventKind.STATS:
             self.metrics.record(message)
         elif kind == EventKind.ERROR:
             self.metrics.errors[str(message.get("code"))] += 1
-        if kind in protocol.TERMINAL_EVENTS:
+        if EventKind(kind).terminal:
             connection.jobs.pop(request_id, None)
             if kind == EventKind.DONE:
                 self.requests_served += 1
@@ -469,7 +472,7 @@ class DaemonServer:
         self.state = "stopping"
         for connection in self._connections:
             for job in connection.jobs.values():
-                job.cancel(protocol.SHUTTING_DOWN)
+                job.cancel(ErrorCode.SHUTTING_DOWN)
         if self._stopped is not None:
             self._stopped.set()
 
@@ -586,7 +589,7 @@ def run_daemon(paths: Paths, settings: Settings, model_path: Path | None) -> Non
         engine = LlamaEngine(
             settings, state_dir=paths.cache_dir / "states", swap_dir=paths.cache_dir / "sessions"
         )
-        server = DaemonServer(paths, settings, engine, model_path, max_queue=settings.max_queue)
+        server = DaemonServer(paths, settings, engine, model_path)
         asyncio.run(server.serve())
     finally:
         os.close(lock_fd)

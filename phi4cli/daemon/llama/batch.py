@@ -602,7 +602,7 @@ class LlamaEngine:
         running = [s for s in self._slots if s.run is not None]
         victim = max(running, key=lambda s: s.run.started if s.run else 0.0)
         assert victim.run is not None
-        victim.run.job.cancel(protocol.CONTEXT_OVERFLOW)
+        victim.run.job.cancel(protocol.ErrorCode.CONTEXT_OVERFLOW)
         return [self._finish(victim, "context")]
 
     def _advance(self, slot: _Slot, logits_index: int) -> tuple[Job, dict[str, Any]] | None:

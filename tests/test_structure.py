@@ -1,0 +1,122 @@
+"""The house has no circles: no import cycle among phi4cli's modules, counting imports inside
+functions (most of phi4's are, for start-up time) and under ``TYPE_CHECKING``, and none when
+each subpackage (``daemon``) is taken as one room; the benches take no private names from the
+tests. Read from the source with ``ast``, so nothing is imported to check it."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "phi4cli"
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(module: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str, int]]:
+    """(module of the package it imports, line) for every import statement in ``path``."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            # `from phi4cli import protocol` imports the module phi4cli.protocol.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]  # fmt: skip
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                yield target, node.lineno
+
+
+def graph(group: bool) -> dict[str, dict[str, str]]:
+    """Importer -> imported -> where (file:line); with ``group``, a subpackage is one node."""
+    known = modules()
+    # The package's own subpackages (``daemon``, with ``daemon.llama`` inside it).
+    rooms = {m for m, p in known.items() if p.name == "__init__.py" and m.count(".") == 1}
+
+    def node(module: str) -> str:
+        if group:
+            for room in rooms:
+                if module == room or module.startswith(room + "."):
+                    return room
+        return module
+
+    edges: dict[str, dict[str, str]] = {}
+    for module, path in known.items():
+        for target, line in imports(module, path, known):
+            source, sink = node(module), node(target)
+            if source != sink:
+                edges.setdefault(source, {}).setdefault(sink, f"{path.relative_to(ROOT)}:{line}")
+    return edges
+
+
+def cycle(edges: dict[str, dict[str, str]]) -> list[str] | None:
+    """One import cycle, as the path around it with where each import is; None if none."""
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(edges.get(node, {})):
+            if state.get(target) == 1:
+                loop = [*path[path.index(target) :], target]
+                return [f"{a} -> {b} ({edges[a][b]})" for a, b in itertools.pairwise(loop)]
+            if target not in state:
+                found = walk(target)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state:
+            found = walk(start)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle_among_the_modules():
+    assert cycle(graph(group=False)) is None
+
+
+def test_no_import_cycle_between_the_rooms():
+    # The daemon package as one room: it and the client may not import each other.
+    assert cycle(graph(group=True)) is None
+
+
+def test_the_checker_finds_a_cycle():
+    edges = {"a": {"b": "a.py:1"}, "b": {"c": "b.py:2"}, "c": {"a": "c.py:3"}}
+    assert cycle(edges) == ["a -> b (a.py:1)", "b -> c (b.py:2)", "c -> a (c.py:3)"]
+    assert cycle({"a": {"b": "a.py:1"}, "b": {}}) is None
+
+
+def test_the_benches_take_no_private_names_from_the_tests():
+    taken = []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests"):
+                taken += [f"{path.name}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert taken == []
