@@ -12,12 +12,13 @@ from __future__ import annotations
 import _thread
 import contextlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from phi4cli.config import Settings
 from phi4cli.dispatch import (
     Delivery,
+    EventSink,
     Failure,
     Feed,
     Flight,
@@ -27,6 +28,7 @@ from phi4cli.dispatch import (
     Slow,
 )
 from phi4cli.errors import DaemonGoneError, RequestError
+from phi4cli.exits import Announce
 from phi4cli.paths import Paths
 from phi4cli.protocol import JSON, ErrorCode, Event, EventKind, Op
 
@@ -35,9 +37,6 @@ if TYPE_CHECKING:
     from typing import Any, Protocol
 else:
     Protocol = object  # the interfaces below are for the type checker; plain classes at run time
-
-Announce = Callable[[str], None]
-EventSink = Callable[[int, Event], None]  # (index of the request, event)
 
 
 class RequestStream(Protocol):

@@ -11,7 +11,7 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from phi4cli import __version__, protocol
@@ -26,6 +26,7 @@ from phi4cli.errors import (
     RequestError,
     error_for,
 )
+from phi4cli.exits import Announce
 from phi4cli.paths import Paths, check_socket_path, install_id, is_our_daemon, peer_uid
 from phi4cli.protocol import ErrorCode, Event, EventKind, Op
 
@@ -193,7 +194,7 @@ def ensure_daemon(
     paths: Paths,
     settings: Settings,
     model_path: Path | None,
-    announce: Callable[[str], None],
+    announce: Announce,
 ) -> DaemonConnection:
     """Return a connection to the daemon, starting one (and cleaning a dead one's files) if needed.
 
@@ -252,7 +253,7 @@ def _wait_for_socket(paths: Paths, process: Any) -> DaemonConnection | None:
 
 
 def stop_daemon(
-    paths: Paths, timeout: float = STOP_TIMEOUT, announce: Callable[[str], None] | None = None
+    paths: Paths, timeout: float = STOP_TIMEOUT, announce: Announce | None = None
 ) -> int | None:
     """Stop the running daemon and wait for it to exit; return its pid, or None if none ran.
 
@@ -345,7 +346,7 @@ def wait_until_gone(paths: Paths, timeout: float = STOP_TIMEOUT, pid: int | None
 
 
 def connect_checked(
-    paths: Paths, settings: Settings, model_path: Path | None, announce: Callable[[str], None]
+    paths: Paths, settings: Settings, model_path: Path | None, announce: Announce
 ) -> DaemonConnection:
     """Return a connection to a daemon that answers and speaks our protocol version.
 
@@ -409,9 +410,7 @@ def _other_install(ping: dict[str, Any]) -> str | None:
     return None
 
 
-def _warn_settings(
-    running: dict[str, Any] | None, settings: Settings, announce: Callable[[str], None]
-) -> None:
+def _warn_settings(running: dict[str, Any] | None, settings: Settings, announce: Announce) -> None:
     """Say when the running daemon was started with other settings than these (say, n_ctx in
     the config file changed since). It keeps them: other clients may be mid-answer, and
     restarting it would cut them off; `phi4 stop` applies the new ones. Settings left at their

@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import sys
 
+from phi4cli.exits import Announce, notice_line, say
 from phi4cli.paths import Paths, get_paths
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from typing import TextIO
 
 
@@ -55,7 +55,7 @@ class Environment:
         self.paths = paths if paths is not None else get_paths()
         # Set while a live display (a progress bar) holds stderr's last line: it prints notices
         # above itself, where a plain write would land on its line.
-        self.print_above_live: Callable[[str], None] | None = None
+        self.print_above_live: Announce | None = None
 
     @property
     def terminal(self) -> bool:
@@ -70,8 +70,6 @@ class Environment:
     def notice(self, message: str) -> None:
         """One line for the user on stderr, prefixed ``phi4:`` (above a live progress bar);
         foreign text in it is cleaned."""
-        from phi4cli.exits import notice_line, say
-
         if self.print_above_live is not None:
             self.print_above_live(notice_line(message))
         else:

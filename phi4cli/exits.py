@@ -14,6 +14,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import NoReturn, TextIO
 
+# What says one line to the user (without its ``phi4:``): ``say``, an ``Environment``'s
+# notice, a progress bar's line above itself.
+Announce = Callable[[str], None]
+
 
 def notice_line(message: str) -> str:
     """A ``phi4:`` line as it is shown: cleaned, since an error's text may carry a model's or a

@@ -40,6 +40,7 @@ from starlette.routing import Route
 from phi4cli.backends import Backend, RequestStream
 from phi4cli.config import Settings
 from phi4cli.errors import Phi4Error, RequestError, UsageError, http_status_for
+from phi4cli.exits import Announce
 from phi4cli.http_access import AccessGuard, AccessPolicy
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Event, EventKind, Op, ProtocolViolation, parse_chat_params
@@ -543,7 +544,7 @@ def serve(
     model_name: str,
     address: str,
     api_key: str | None,
-    announce: Callable[[str], None],
+    announce: Announce,
     allow_hosts: Iterable[str] = (),
     allow_origins: Iterable[str] = (),
     any_local_user: bool = False,

@@ -42,6 +42,7 @@ import httpx2 as httpx
 
 from phi4cli.dispatch import Delivery, Failure, Flight, Probe, Replica, Slow
 from phi4cli.errors import DaemonUnavailableError
+from phi4cli.exits import Announce
 from phi4cli.protocol import JSON, ErrorCode, Event, EventKind, Stats
 from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model_thinks
 
@@ -197,7 +198,7 @@ class RemoteEngine:
         api_key: str | None = None,
         timeout: float = 300.0,
         deadline: float = 3600.0,
-        notice: Callable[[str], None] | None = None,
+        notice: Announce | None = None,
         connections: int = 16,
     ) -> None:
         self.url = url.rstrip("/")

@@ -27,6 +27,7 @@ from phi4cli.chats import ChatStore, Conversation, Turn, default_name
 from phi4cli.config import Settings, parse_setting
 from phi4cli.environment import Environment
 from phi4cli.errors import DaemonGoneError, Phi4Error, RequestError
+from phi4cli.exits import Announce
 from phi4cli.inputs import replace_bad
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Op, Stats
@@ -589,7 +590,7 @@ def read_message(read: Reader) -> str | None:
 
 
 def line_reader(
-    stream: TextIO, echo: TextIO | None = None, notice: Callable[[str], None] | None = None
+    stream: TextIO, echo: TextIO | None = None, notice: Announce | None = None
 ) -> Reader:
     """Read input from a non-terminal stream (a pipe or file), one line per call.
 

@@ -13,6 +13,7 @@ from contextlib import closing, nullcontext
 from phi4cli.backends import Backend
 from phi4cli.environment import Environment
 from phi4cli.errors import ExitStatus, UsageError
+from phi4cli.exits import Announce
 from phi4cli.outcome import Outcome, exit_status
 from phi4cli.protocol import ErrorCode, Event, EventKind
 from phi4cli.reasoning import AnswerComparer, majority_vote
@@ -24,9 +25,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from phi4cli.dispatch import Feed
-
-Announce = Callable[[str], None]
+    from phi4cli.dispatch import EventSink, Feed
 
 
 class SolveJob(Record):
@@ -61,7 +60,7 @@ class SolveJob(Record):
     def run(
         self,
         requests: Sequence[dict[str, Any] | Event],
-        on_event: Callable[[int, Event], None],
+        on_event: EventSink,
         restart: bool = False,
         feed: Feed | None = None,
     ) -> None:
