@@ -7,10 +7,12 @@ else reads the environment or the config file.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from phi4cli.durations import FOREVER as FOREVER
+from phi4cli.durations import format_duration as format_duration
+from phi4cli.durations import parse_duration
 from phi4cli.errors import ConfigError
 from phi4cli.records import Record
 
@@ -21,37 +23,6 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "phi4-mini-reasoning"
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 DEFAULT_KEEP_ALIVE = 30 * 60.0
-FOREVER = -1.0
-
-_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-
-
-def parse_duration(value: object) -> float:
-    """Return seconds for ``30m``, ``1h``, ``90s``, ``250ms`` or a number; any negative is forever.
-
-    Raise ValueError when the value is none of those.
-    """
-    if isinstance(value, bool):
-        raise ValueError(value)
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    else:
-        match = _DURATION.match(str(value))
-        if not match:
-            raise ValueError(value)
-        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-    return FOREVER if seconds < 0 else seconds
-
-
-def format_duration(seconds: float) -> str:
-    if seconds < 0:
-        return "forever"
-    if seconds >= 3600 and seconds % 3600 == 0:
-        return f"{int(seconds // 3600)}h"
-    if seconds >= 60 and seconds % 60 == 0:
-        return f"{int(seconds // 60)}m"
-    return f"{seconds:g}s"
 
 
 def _positive_int(value: object) -> int:

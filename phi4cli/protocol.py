@@ -23,9 +23,9 @@ from phi4cli.records import Record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Final
-
-    from phi4cli.config import Settings
+    from typing import Any, Final, Protocol
+else:
+    Protocol = object  # RequestDefaults is for the type checker; a plain class at run time
 
 PROTOCOL_VERSION: Final = 1
 # A request line longer than this is refused: questions are short, and an unbounded line would let
@@ -260,12 +260,34 @@ def _optional_int(params: Mapping[str, Any], key: str, low: int) -> int | None:
     return value
 
 
-def parse_solve_params(params: Mapping[str, Any], defaults: Settings) -> SolveParams:
+class RequestDefaults(Protocol):
+    """What a request does not say takes from the daemon's settings (``config.Settings`` is
+    one): the protocol reads these and nothing else of them."""
+
+    @property
+    def system(self) -> str | None: ...
+    @property
+    def deterministic(self) -> bool: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def seed(self) -> int | None: ...
+    @property
+    def max_tokens(self) -> int | None: ...
+    @property
+    def think_budget(self) -> int | None: ...
+    @property
+    def keep_alive(self) -> float: ...
+
+
+def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> SolveParams:
     """Validate a solve request's params against the daemon's defaults.
 
     Raise ProtocolViolation(bad_request) naming the offending field.
     """
-    from phi4cli.config import parse_duration
+    from phi4cli.durations import parse_duration
 
     _check_text(params)
     prompt = params.get("prompt")
@@ -352,7 +374,7 @@ def check_history(history: object) -> tuple[dict[str, str], ...]:
     return tuple({"role": m["role"], "content": m["content"]} for m in history)
 
 
-def parse_chat_params(params: Mapping[str, Any], defaults: Settings) -> SolveParams:
+def parse_chat_params(params: Mapping[str, Any], defaults: RequestDefaults) -> SolveParams:
     """Validate a chat request: ``session``, ``message`` and ``history`` (complete turns).
 
     Raise ProtocolViolation(bad_request) naming the offending field.
@@ -379,7 +401,7 @@ def parse_chat_params(params: Mapping[str, Any], defaults: Settings) -> SolvePar
     return solve._replace(session=session, history=turns)
 
 
-def parse_load_params(params: Mapping[str, Any], defaults: Settings) -> SolveParams:
+def parse_load_params(params: Mapping[str, Any], defaults: RequestDefaults) -> SolveParams:
     """Validate a load request (``model``); raise ProtocolViolation(bad_request)."""
     model = params.get("model")
     if not isinstance(model, str) or not model:
@@ -390,7 +412,7 @@ def parse_load_params(params: Mapping[str, Any], defaults: Settings) -> SolvePar
     return parse_solve_params(request, defaults)._replace(prompt="", load_only=True)
 
 
-def parse_params(op: str, params: Mapping[str, Any], defaults: Settings) -> SolveParams:
+def parse_params(op: str, params: Mapping[str, Any], defaults: RequestDefaults) -> SolveParams:
     """Validate the params of a solve, chat or load request."""
     parse = {Op.SOLVE: parse_solve_params, Op.CHAT: parse_chat_params,
              Op.LOAD: parse_load_params}[Op(op)]  # fmt: skip

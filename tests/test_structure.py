@@ -120,3 +120,11 @@ def test_the_benches_take_no_private_names_from_the_tests():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests"):
                 taken += [f"{path.name}: {a.name}" for a in node.names if a.name.startswith("_")]
     assert taken == []
+
+
+def test_the_protocol_stands_on_leaves_only():
+    # It does not import config: its parsers take a RequestDefaults (Settings is one).
+    known = modules()
+    taken = {target for target, _line in imports("phi4cli.protocol", known["phi4cli.protocol"],
+                                                 known)}  # fmt: skip
+    assert taken <= {"phi4cli.errors", "phi4cli.records", "phi4cli.durations", "phi4cli.inputs"}
