@@ -578,13 +578,3 @@ def parse_request(line: bytes) -> Request:
     if not isinstance(params, dict):
         raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'params' must be a JSON object", request_id)
     return Request(id=request_id, op=op, params=params)
-
-
-def event(request_id: Any, kind: EventKind, **fields: Any) -> JSON:
-    """An event line's content, as the daemon sends it."""
-    return {"v": PROTOCOL_VERSION, "id": request_id, "event": kind.value, **fields}
-
-
-def error_event(request_id: Any, code: ErrorCode, message: str) -> JSON:
-    return event(request_id, EventKind.ERROR, code=code.value, message=message,
-                 retryable=code.retryable)  # fmt: skip

@@ -66,8 +66,8 @@ def test_a_bad_id_is_answered_with_a_null_id_and_the_answer_can_be_sent():
     with pytest.raises(protocol.ProtocolViolation) as caught:
         protocol.parse_request(_line("a" + LONE, "ping", {}))
     assert caught.value.request_id is None and "'id'" in caught.value.message
-    error = protocol.error_event(caught.value.request_id, caught.value.code, caught.value.message)
-    assert json.loads(protocol.encode(error))["id"] is None
+    error = protocol.Event.error(caught.value.code, caught.value.message, caught.value.request_id)
+    assert json.loads(protocol.encode(error.to_wire()))["id"] is None
 
 
 def test_encode_never_fails_on_a_lone_surrogate():
@@ -177,9 +177,9 @@ def test_an_event_that_cannot_be_sent_costs_its_request_only(phi4_home: Path):
     first = out.job(1, "a")
     connection.jobs.update({1: first, 2: out.job(2, "b")})
     server._outbox = [
-        (connection, 1, protocol.event(1, protocol.EventKind.TOKEN, text="x", bad={1, 2})),
-        (connection, 1, protocol.event(1, protocol.EventKind.TOKEN, text="y")),
-        (connection, 2, protocol.event(2, protocol.EventKind.TOKEN, text="fine")),
+        (connection, 1, protocol.Event(protocol.EventKind.TOKEN, 1, "x", {"bad": {1, 2}})),
+        (connection, 1, protocol.Event(protocol.EventKind.TOKEN, 1, "y")),
+        (connection, 2, protocol.Event(protocol.EventKind.TOKEN, 2, "fine")),
     ]
     server._flush_outbox()  # raised TypeError in the event loop before
     events = [json.loads(line) for line in writer.data.splitlines()]

@@ -57,8 +57,11 @@ def test_parse_request_rejects_with_a_code(line: bytes, code: str):
 
 
 def test_error_events_say_whether_to_retry():
-    assert protocol.error_event(1, protocol.ErrorCode.BUSY, "full")["retryable"] is True
-    assert protocol.error_event(1, protocol.ErrorCode.BAD_REQUEST, "no")["retryable"] is False
+    assert protocol.Event.error(protocol.ErrorCode.BUSY, "full", 1).to_wire()["retryable"] is True
+    assert (
+        protocol.Event.error(protocol.ErrorCode.BAD_REQUEST, "no", 1).to_wire()["retryable"]
+        is False
+    )
 
 
 def test_solve_params_defaults_and_validation():
@@ -141,7 +144,7 @@ class FakeEngine:
         self._runs.append((job, ["a", "b"]))
         return None
 
-    def step(self) -> list[tuple[Job, dict[str, Any]]]:
+    def step(self) -> list[tuple[Job, protocol.Stats]]:
         self.started.set()
         self.gate.wait(10)
         finished = []
@@ -157,7 +160,7 @@ class FakeEngine:
             if not left or job.cancelled.is_set():
                 self._runs.remove(run)
                 self.reserved.pop(job, None)
-                finished.append((job, {"finish_reason": "stop"}))
+                finished.append((job, protocol.Stats(finish_reason="stop")))
         return finished
 
     def reset(self) -> None:
@@ -175,9 +178,9 @@ class Collector:
     def job(self, request_id: Any, prompt: str, priority: int = PRIORITY_SOLVE, **kw: Any) -> Job:
         self.events[request_id] = []
 
-        def emit(event: dict[str, Any]) -> None:
+        def emit(event: protocol.Event) -> None:
             with self.done:
-                self.events[request_id].append(event)
+                self.events[request_id].append(event.to_wire())  # as the server writes it
                 self.done.notify_all()
 
         params = SolveParams(

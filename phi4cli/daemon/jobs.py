@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from phi4cli import protocol
-from phi4cli.protocol import PRIORITIES, ErrorCode, EventKind, SolveParams
+from phi4cli.protocol import PRIORITIES, ErrorCode, Event, EventKind, SolveParams, Stats
 
 __all__ = ["PRIORITIES", "SolveParams"]  # re-exported for the engine and the tests
 
-Emit = Callable[[dict[str, Any]], None]
+Emit = Callable[[Event], None]  # a request's events, as records: the server writes them
 
 
 class ModelLoadError(Exception):
@@ -73,7 +72,7 @@ class Engine(Protocol):
         """
         ...
 
-    def step(self) -> list[tuple[Job, dict[str, Any]]]:
+    def step(self) -> list[tuple[Job, Stats]]:
         """Decode one batch; stream text through each job's ``emit_token``; return the jobs that
         finished (cancelled ones included), each with its stats."""
         ...
@@ -118,9 +117,9 @@ class Job:
 
     def emit_token(self, kind: str, text: str) -> None:
         event = _TOKEN_EVENTS.get(kind, EventKind.TOKEN)
-        self.emit(protocol.event(self.request_id, event, text=text))
+        self.emit(Event(event, self.request_id, text))
 
-    def finish(self, event: dict[str, Any]) -> None:
+    def finish(self, event: Event) -> None:
         """Send the request's terminal event: exactly once, whoever gets there first."""
         with self._finishing:
             if self.finished:
@@ -129,7 +128,7 @@ class Job:
         self.emit(event)
 
     def fail(self, code: ErrorCode, message: str) -> None:
-        self.finish(protocol.error_event(self.request_id, code, message))
+        self.finish(Event.error(code, message, self.request_id))
 
     def done(self, **fields: Any) -> None:
-        self.finish(protocol.event(self.request_id, EventKind.DONE, **fields))
+        self.finish(Event(EventKind.DONE, self.request_id, data=fields))

@@ -18,9 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from phi4cli import protocol
 from phi4cli.daemon.jobs import ContextOverflowError, Engine, Job, ModelLoadError
-from phi4cli.protocol import ErrorCode, EventKind
+from phi4cli.protocol import ErrorCode, Event, EventKind
 
 log = logging.getLogger("phi4.daemon")
 
@@ -265,8 +264,8 @@ class RequestScheduler:
             if model != self._engine.model_path:
                 if self._engine.active and not switch_model:
                     return _HELD
-                job.emit(protocol.event(job.request_id, EventKind.PROGRESS, stage="loading",
-                                        model=str(model)))  # fmt: skip
+                job.emit(Event(EventKind.PROGRESS, job.request_id,
+                               data={"stage": "loading", "model": str(model)}))  # fmt: skip
                 if not self._load(model):
                     self._settle(
                         job, ErrorCode.MODEL_ERROR, self.last_error or f"cannot load {model}"
@@ -293,9 +292,9 @@ class RequestScheduler:
                 if wait.reason == "memory" and job.waiting != wait:
                     # A slot wait is ordinary queueing (`accepted` said how many are ahead);
                     # waiting for memory is news worth a line.
-                    job.emit(protocol.event(job.request_id, EventKind.PROGRESS, stage="waiting",
-                                            reason=wait.reason, needed=wait.needed,
-                                            free=wait.free))  # fmt: skip
+                    job.emit(Event(EventKind.PROGRESS, job.request_id,
+                                   data={"stage": "waiting", "reason": wait.reason,
+                                         "needed": wait.needed, "free": wait.free}))  # fmt: skip
                 job.waiting = wait
                 self.waiting = job
                 return _WAITING
@@ -335,15 +334,15 @@ class RequestScheduler:
         for job, stats in finished:
             self._admitted.discard(job)
             self._finished_one()
-            stats["queue_s"] = round(job.admitted_at - job.submitted_at, 4)
-            stats["load_s"] = job.load_s
+            queue_s = round(job.admitted_at - job.submitted_at, 4)
+            stats = stats._replace(load_s=job.load_s, extra={**stats.extra, "queue_s": queue_s})
             # Stats go out for a cancelled request too: a chat keeps its partial answer, and
             # how much context it used.
-            job.emit(protocol.event(job.request_id, EventKind.STATS, **stats))
+            job.emit(Event.of_stats(stats, job.request_id))
             if job.cancelled.is_set():
                 job.fail(job.cancel_code, _CANCEL_MESSAGES.get(job.cancel_code, "cancelled"))
             else:
-                job.done(finish_reason=stats.get("finish_reason"))
+                job.done(finish_reason=stats.finish_reason)
 
     def _shut_down(self) -> None:
         """Stop: running requests end within a step, queued ones fail at once."""

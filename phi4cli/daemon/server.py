@@ -28,7 +28,7 @@ from phi4cli.daemon.jobs import Engine, Job
 from phi4cli.daemon.scheduler import QueueFullError, RequestScheduler
 from phi4cli.errors import DaemonUnavailableError
 from phi4cli.paths import Paths, check_socket_path, peer_uid
-from phi4cli.protocol import ErrorCode, EventKind, Op, ProtocolViolation, Request
+from phi4cli.protocol import ErrorCode, Event, EventKind, Op, ProtocolViolation, Request, Stats
 
 log = logging.getLogger("phi4.daemon")
 
@@ -72,12 +72,12 @@ class RequestMetrics:
     latency_buckets: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
     errors: Counter[str] = field(default_factory=Counter)
 
-    def record(self, stats: dict[str, Any]) -> None:
+    def record(self, stats: Stats) -> None:
         self.requests += 1
-        self.prompt_tokens += int(stats.get("prompt_tokens", 0))
-        self.cached_tokens += int(stats.get("cached_tokens", 0))
-        self.completion_tokens += int(stats.get("completion_tokens", 0))
-        latency = float(stats.get("total_s") or 0.0)
+        self.prompt_tokens += stats.prompt_tokens
+        self.cached_tokens += stats.cached_tokens
+        self.completion_tokens += stats.completion_tokens
+        latency = stats.total_s or 0.0
         self.latency_sum += latency
         for index, bound in enumerate(LATENCY_BUCKETS):
             if latency <= bound:
@@ -104,13 +104,13 @@ class Connection:
     closed: bool = False
     held: list[bytes] = field(default_factory=list)  # lines to write in one go (see flush)
 
-    def send(self, message: dict[str, Any]) -> None:
-        self.hold(message)
+    def send(self, event: Event) -> None:
+        self.hold(event)
         self.flush()
 
-    def hold(self, message: dict[str, Any]) -> None:
+    def hold(self, event: Event) -> None:
         if not self.closed:
-            self.held.append(protocol.encode(message))
+            self.held.append(protocol.encode(event.to_wire()))
 
     def flush(self) -> None:
         if self.closed or not self.held:
@@ -142,7 +142,7 @@ class DaemonServer:
         self.metrics = RequestMetrics()
         self.last_activity = time.monotonic()
         self._connections: set[Connection] = set()
-        self._outbox: list[tuple[Connection, Any, dict[str, Any]]] = []
+        self._outbox: list[tuple[Connection, Any, Event]] = []
         self._outbox_lock = threading.Lock()
         self._flush_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -235,10 +235,8 @@ class DaemonServer:
         if sock is not None and not peer_allowed(sock, self._uid):
             log.warning("refused a connection from uid %s", peer_uid(sock))
             connection.send(
-                protocol.error_event(
-                    None,
-                    ErrorCode.FORBIDDEN,
-                    "this daemon belongs to another user; start your own",
+                Event.error(
+                    ErrorCode.FORBIDDEN, "this daemon belongs to another user; start your own"
                 )
             )
             await self._close(connection)
@@ -261,8 +259,7 @@ class DaemonServer:
                     # The rest of the line is still unread, so the stream cannot be resynchronised:
                     # answer, then hang up on this client only.
                     connection.send(
-                        protocol.error_event(
-                            None,
+                        Event.error(
                             ErrorCode.BAD_REQUEST,
                             f"request line longer than {protocol.MAX_LINE_BYTES} bytes",
                         )
@@ -297,9 +294,9 @@ class DaemonServer:
         except Exception:
             log.exception("answering %r failed", line[:200])
             with contextlib.suppress(Exception):
-                connection.send(protocol.error_event(
-                    None, ErrorCode.INTERNAL, "internal error in the daemon (see its log)"
-                ))  # fmt: skip
+                connection.send(
+                    Event.error(ErrorCode.INTERNAL, "internal error in the daemon (see its log)")
+                )
 
     def _dispatch(self, connection: Connection, line: bytes) -> None:
         request: Request | None = None
@@ -316,15 +313,15 @@ class DaemonServer:
             }[Op(request.op)]
             handler(connection, request)
         except ProtocolViolation as exc:
-            connection.send(protocol.error_event(exc.request_id, exc.code, exc.message))
+            connection.send(Event.error(exc.code, exc.message, exc.request_id))
         except Exception as exc:
             # A bug must cost this request an answer, not the connection or the daemon.
             log.exception("handling %r failed", line[:200])
             connection.send(
-                protocol.error_event(
-                    request.id if request is not None else None,
+                Event.error(
                     ErrorCode.INTERNAL,
                     f"internal error in the daemon: {type(exc).__name__}: {exc}",
+                    request.id if request is not None else None,
                 )
             )
 
@@ -338,17 +335,17 @@ class DaemonServer:
             "install": install_id(),
             "settings": {key: getattr(self.settings, key) for key in DAEMON_SETTINGS},
         }
-        connection.send(protocol.event(request.id, EventKind.DONE, result=result))
+        connection.send(_done(request.id, result))
 
     def _op_status(self, connection: Connection, request: Request) -> None:
-        connection.send(protocol.event(request.id, EventKind.DONE, result=self.live_status()))
+        connection.send(_done(request.id, self.live_status()))
 
     def _op_stop(self, connection: Connection, request: Request) -> None:
         # Remove the status file before replying: once the client has the reply it may start a new
         # daemon, which must not find (and trust) ours.
         with contextlib.suppress(FileNotFoundError):
             self.paths.status_file.unlink()
-        connection.send(protocol.event(request.id, EventKind.DONE, result={"pid": os.getpid()}))
+        connection.send(_done(request.id, {"pid": os.getpid()}))
         self.request_shutdown("stop requested")
 
     def _op_cancel(self, connection: Connection, request: Request) -> None:
@@ -360,9 +357,7 @@ class DaemonServer:
         job = connection.jobs.get(target)
         if job is not None:
             self.scheduler.cancel(job)
-        connection.send(
-            protocol.event(request.id, EventKind.DONE, result={"cancelled": job is not None})
-        )
+        connection.send(_done(request.id, {"cancelled": job is not None}))
 
     def _op_solve(self, connection: Connection, request: Request) -> None:
         if request.id in connection.jobs:
@@ -387,8 +382,8 @@ class DaemonServer:
         loop = self._loop
         assert loop is not None
 
-        def emit(message: dict[str, Any]) -> None:
-            self._post(connection, request.id, message)
+        def emit(event: Event) -> None:
+            self._post(connection, request.id, event)
 
         job = Job(request_id=request.id, params=params, emit=emit, owner=connection)
         try:
@@ -397,15 +392,15 @@ class DaemonServer:
             raise ProtocolViolation(ErrorCode.BUSY, str(exc), request.id) from None
         connection.jobs[request.id] = job
         connection.send(
-            protocol.event(request.id, EventKind.ACCEPTED, ahead=ahead, state=self.state)
+            Event(EventKind.ACCEPTED, request.id, data={"ahead": ahead, "state": self.state})
         )
 
-    def _post(self, connection: Connection, request_id: Any, message: dict[str, Any]) -> None:
+    def _post(self, connection: Connection, request_id: Any, event: Event) -> None:
         """Hand an event from the engine thread to the event loop. Events posted before the loop
         gets to them go out together: one wake-up and one write per connection per decode step,
         not one per token, which on a small machine takes cores from llama.cpp's threads."""
         with self._outbox_lock:
-            self._outbox.append((connection, request_id, message))
+            self._outbox.append((connection, request_id, event))
             if self._flush_scheduled:
                 return
             self._flush_scheduled = True
@@ -420,15 +415,15 @@ class DaemonServer:
             posted, self._outbox = self._outbox, []
             self._flush_scheduled = False
         failed: set[tuple[int, Any]] = set()
-        for connection, request_id, message in posted:
+        for connection, request_id, event in posted:
             key = (id(connection), _hashable(request_id))
             if key in failed:
                 continue
             try:
-                self._deliver(connection, request_id, message)
+                self._deliver(connection, request_id, event)
             except Exception:
                 failed.add(key)
-                self._undeliverable(connection, request_id, message)
+                self._undeliverable(connection, request_id, event)
         for connection in {connection for connection, _, _ in posted}:
             try:
                 connection.flush()
@@ -436,27 +431,26 @@ class DaemonServer:
                 log.exception("writing to a client failed; closing its connection")
                 connection.closed = True
 
-    def _undeliverable(self, connection: Connection, request_id: Any, message: Any) -> None:
-        log.exception("request %r: cannot deliver a %r event", request_id,
-                      message.get("event") if isinstance(message, dict) else message)  # fmt: skip
+    def _undeliverable(self, connection: Connection, request_id: Any, event: Event) -> None:
+        log.exception("request %r: cannot deliver a %r event", request_id, event.kind.value)
         job = connection.jobs.pop(request_id, None)
         if job is not None:
             job.emit = _silent  # its answer is the error below: nothing more of it goes out
             self.scheduler.cancel(job)
         with contextlib.suppress(Exception):
-            connection.hold(protocol.error_event(
-                request_id, ErrorCode.INTERNAL, "internal error in the daemon: an event of this "
-                "request could not be sent; the request was stopped (see the daemon's log)",
+            connection.hold(Event.error(
+                ErrorCode.INTERNAL, "internal error in the daemon: an event of this request "
+                "could not be sent; the request was stopped (see the daemon's log)", request_id,
             ))  # fmt: skip
 
-    def _deliver(self, connection: Connection, request_id: Any, message: dict[str, Any]) -> None:
-        connection.hold(message)
-        kind = message["event"]  # every message the daemon makes names its event
+    def _deliver(self, connection: Connection, request_id: Any, event: Event) -> None:
+        connection.hold(event)
+        kind = event.kind
         if kind == EventKind.STATS:
-            self.metrics.record(message)
+            self.metrics.record(event.stats)
         elif kind == EventKind.ERROR:
-            self.metrics.errors[str(message.get("code"))] += 1
-        if EventKind(kind).terminal:
+            self.metrics.errors[event.code.value] += 1
+        if kind.terminal:
             connection.jobs.pop(request_id, None)
             if kind == EventKind.DONE:
                 self.requests_served += 1
@@ -486,7 +480,7 @@ class DaemonServer:
         for connection in list(self._connections):
             try:
                 for request_id in list(connection.jobs):
-                    connection.hold(protocol.event(request_id, EventKind.PROGRESS, stage="alive"))
+                    connection.hold(Event(EventKind.PROGRESS, request_id, data={"stage": "alive"}))
                 connection.flush()
             except Exception:
                 log.exception("a heartbeat failed; closing that client's connection")
@@ -552,7 +546,7 @@ class DaemonServer:
             log.info("stopped")
 
 
-def _silent(message: dict[str, Any]) -> None:
+def _silent(event: Event) -> None:
     """The emit of a request that has had its last word."""
 
 
@@ -593,3 +587,8 @@ def run_daemon(paths: Paths, settings: Settings, model_path: Path | None) -> Non
         asyncio.run(server.serve())
     finally:
         os.close(lock_fd)
+
+
+def _done(request_id: Any, result: dict[str, Any]) -> Event:
+    """The answer to a control op (ping, status, stop, cancel): a done event with its result."""
+    return Event(EventKind.DONE, request_id, data={"result": result})

@@ -29,13 +29,13 @@ from typing import Any
 import llama_cpp
 from llama_cpp import _internals as llama_internals
 
-from phi4cli import protocol
 from phi4cli.config import Settings
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
 from phi4cli.daemon.sessions import SwappedSession, SwapStore
 from phi4cli.daemon.statefile import remove_state
+from phi4cli.protocol import ErrorCode, Stats
 from phi4cli.reasoning import THINK_CLOSE, ThinkSplitter
 
 log = logging.getLogger("phi4.engine")
@@ -537,7 +537,7 @@ class LlamaEngine:
 
     # --- the step loop ------------------------------------------------------------------------
 
-    def step(self) -> list[tuple[Job, dict[str, Any]]]:
+    def step(self) -> list[tuple[Job, Stats]]:
         """Decode one batch for all active slots; return the requests that finished, with their
         stats. A request whose job was cancelled finishes here, within one step."""
         model, _ = self._loaded()
@@ -586,7 +586,7 @@ class LlamaEngine:
                     finished.append(outcome)
         return finished
 
-    def _out_of_kv(self) -> list[tuple[Job, dict[str, Any]]]:
+    def _out_of_kv(self) -> list[tuple[Job, Stats]]:
         """llama.cpp found no room although every reservation fits (this should not happen):
         free idle slots' cells; failing that, stop the request admitted last, which has the
         least work to lose, rather than fail them all."""
@@ -602,10 +602,10 @@ class LlamaEngine:
         running = [s for s in self._slots if s.run is not None]
         victim = max(running, key=lambda s: s.run.started if s.run else 0.0)
         assert victim.run is not None
-        victim.run.job.cancel(protocol.ErrorCode.CONTEXT_OVERFLOW)
+        victim.run.job.cancel(ErrorCode.CONTEXT_OVERFLOW)
         return [self._finish(victim, "context")]
 
-    def _advance(self, slot: _Slot, logits_index: int) -> tuple[Job, dict[str, Any]] | None:
+    def _advance(self, slot: _Slot, logits_index: int) -> tuple[Job, Stats] | None:
         """Sample the slot's next token and pass its text on; return the finished request."""
         model, prompts = self._loaded()
         run = slot.run
@@ -653,7 +653,7 @@ class LlamaEngine:
         for kind, piece in run.splitter.feed(text):
             run.job.emit_token(kind, piece)
 
-    def _finish(self, slot: _Slot, reason: str) -> tuple[Job, dict[str, Any]]:
+    def _finish(self, slot: _Slot, reason: str) -> tuple[Job, Stats]:
         model, prompts = self._loaded()
         run = slot.run
         assert run is not None
@@ -672,7 +672,8 @@ class LlamaEngine:
             else {}
         )
         now = time.monotonic()
-        return run.job, {
+        # What Stats names goes in its fields, the rest (restores, the slot) in its extra.
+        return run.job, Stats.from_mapping({
             **chat,
             "prompt_tokens": len(run.prompt),
             "cached_tokens": run.cached,
@@ -694,7 +695,7 @@ class LlamaEngine:
             "seed": run.seed,
             "slot": slot.seq,
             "model": str(model.path),
-        }
+        })  # fmt: skip
 
 
 def check_model_file(path: Path) -> None:
