@@ -173,17 +173,32 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# llama.cpp's own llama-server, where one was built (its sources are in llama-cpp-python's
+# sdist; the README's Benchmarks say how): the tests that use it are skipped without it.
+LLAMA_SERVER = os.environ.get("PHI4_TEST_LLAMA_SERVER")
+
+
 def start_llama_cpp_server(model: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     """llama-cpp-python's own OpenAI-compatible server on ``model``, once it answers; return
     the process and its /v1 URL."""
+    port = free_port()
+    return _started([sys.executable, "-m", "llama_cpp.server", "--model", str(model),
+                     "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", *extra],
+                    port, "llama_cpp.server")  # fmt: skip
+
+
+def start_llama_server(model: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    """llama.cpp's llama-server (``PHI4_TEST_LLAMA_SERVER``) on ``model``, with ``/metrics``."""
+    assert LLAMA_SERVER, "PHI4_TEST_LLAMA_SERVER names no llama-server"
+    port = free_port()
+    return _started([LLAMA_SERVER, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                     "-c", "4096", "--metrics", *extra], port, "llama-server")  # fmt: skip
+
+
+def _started(command: list[str], port: int, name: str) -> tuple[subprocess.Popen[bytes], str]:
     import urllib.request
 
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
-         "--port", str(port), "--n_ctx", "2048", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + 120
     while True:
@@ -193,5 +208,5 @@ def start_llama_cpp_server(model: Path, *extra: str) -> tuple[subprocess.Popen[b
         except OSError:
             if time.monotonic() > deadline or proc.poll() is not None:
                 proc.kill()
-                raise AssertionError("llama_cpp.server did not start") from None
+                raise AssertionError(f"{name} did not start") from None
             time.sleep(0.2)

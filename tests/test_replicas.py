@@ -19,7 +19,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import PHI4, run_phi4, start_llama_cpp_server
+from tests.conftest import (
+    LLAMA_SERVER,
+    PHI4,
+    run_phi4,
+    start_llama_cpp_server,
+    start_llama_server,
+)
 from tests.scripted_server import Head, Step, chunk, data, never_accepting, scripted_server
 
 
@@ -331,9 +337,16 @@ def start_engine(model: Path) -> tuple[subprocess.Popen[bytes], str]:
     return start_llama_cpp_server(model, "--n_threads", "1", "--interrupt_requests", "False")
 
 
-@pytest.fixture
-def two_engines(tiny_model: Path) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
-    engines = [start_engine(tiny_model) for _ in range(2)]
+@pytest.fixture(params=["llama_cpp.server", "llama-server"])
+def two_engines(
+    request: pytest.FixtureRequest, tiny_model: Path
+) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+    if request.param == "llama-server":
+        if not LLAMA_SERVER:
+            pytest.skip("PHI4_TEST_LLAMA_SERVER names no llama-server binary")
+        engines = [start_llama_server(tiny_model, "-np", "4", "-t", "1") for _ in range(2)]
+    else:
+        engines = [start_engine(tiny_model) for _ in range(2)]
     try:
         yield engines
     finally:
