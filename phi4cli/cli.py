@@ -711,7 +711,7 @@ def config_edit() -> None:
             except ConfigError as exc:
                 if not (sys.stdin.isatty() and sys.stderr.isatty()):
                     raise ConfigError(f"{exc}; {path} is unchanged") from None
-                print(f"phi4: {exc}", file=sys.stderr)
+                say(str(exc))
                 answer = input("Edit again? [Y/n] ").strip().lower()
                 if answer.startswith("n"):
                     raise ConfigError(f"{path} is unchanged") from None

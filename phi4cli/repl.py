@@ -9,7 +9,6 @@ import os
 import re
 import select
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,7 +26,7 @@ from phi4cli.chats import ChatStore, Conversation, Turn, default_name
 from phi4cli.config import Settings, parse_setting
 from phi4cli.environment import Environment
 from phi4cli.errors import DaemonGoneError, Phi4Error, RequestError
-from phi4cli.exits import Announce
+from phi4cli.exits import Announce, say
 from phi4cli.inputs import replace_bad
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Op, Stats
@@ -710,8 +709,10 @@ class AtomicFileHistory(FileHistory):
         except OSError as exc:
             if not self.failed:
                 self.failed = True
-                print(f"phi4: cannot save the input history to {self.filename!s}: "
-                      f"{exc.strerror}; the chat goes on", file=sys.stderr, flush=True)  # fmt: skip
+                say(
+                    f"cannot save the input history to {self.filename!s}: {exc.strerror}; "
+                    "the chat goes on"
+                )
 
     def _store(self, string: str) -> None:
         path = Path(os.fsdecode(self.filename))
