@@ -241,7 +241,7 @@ class Flight:
             if delivery is not None:
                 self._take(*delivery)
             return
-        if not self.waiting and self.feed is not None and not self._pull():
+        if not self.waiting and self.feed is not None and not self._pull() and not self.waiting:
             self.feed.wait(POLL_S)  # all answered so far; more is coming
             return
         if not self.waiting:
@@ -353,6 +353,8 @@ class Flight:
             replica.window = min(replica.limit, replica.window + 1)
             self.open.discard(index)
             self.sends.pop(index, None)
+            self.produced.discard(index)
+            self.avoid.pop(index, None)
         self.ready.append((index, event))
         if kind.terminal and replica.state != UP:
             self._recover_idle()  # a draining daemon, say, whose last answer just ended
@@ -447,6 +449,7 @@ class Flight:
     def _finish(self, index: int, event: Event) -> None:
         self.open.discard(index)
         self.sends.pop(index, None)
+        self.produced.discard(index)
         self.avoid.pop(index, None)
         self.ready.append((index, event))
 
@@ -454,6 +457,7 @@ class Flight:
 
     def cancel(self, index: int | None = None) -> None:
         """Stop request ``index`` (None: every one); each still ends with its terminal event."""
+        self._pull()  # a feed's requests not taken in yet are stopped too
         targets = sorted(self.open) if index is None else [index]
         for i in targets:
             if i not in self.open:

@@ -124,7 +124,8 @@ class Stats(Record):
 
     def to_dict(self) -> JSON:
         record = self._asdict()
-        return {**record, **record.pop("extra")}
+        extra = record.pop("extra")  # popped first: the dict must not carry it twice
+        return {**record, **extra}
 
     @property
     def length_limited(self) -> bool:

@@ -8,7 +8,6 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from contextlib import closing, nullcontext
 
 from phi4cli.backends import Backend
 from phi4cli.environment import Environment
@@ -323,6 +322,8 @@ class ProblemFeed(Sequence["dict[str, Any] | Event"]):  # a string: typing is no
                         self._changed.notify_all()
         except OSError as exc:
             self.failure = f"cannot read {self.where}: {exc.strerror or exc}"
+        except Exception as exc:  # whatever stops the reading, the run must not pass for whole
+            self.failure = f"cannot read {self.where} to its end: {type(exc).__name__}: {exc}"
         finally:
             with self._changed:
                 self.ended = True
@@ -380,6 +381,27 @@ def _lines_of(raw: bytes | str, where: str, number: int) -> list[str | Event]:
         except UsageError as exc:
             return [Event.error(ErrorCode.BAD_REQUEST, str(exc))]
     return list(text.splitlines() or [""])
+
+
+def _raw_lines(stream: Any) -> Any:
+    """The ``\\n``-ended pieces of a pipe, read from its file descriptor rather than through
+    Python's buffered reader (nothing has read from it yet): a reader thread blocked there holds
+    that reader's lock, which a close or the interpreter's exit would wait on (or abort on). A
+    stream without one (a test's StringIO) is read as it is."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return stream
+
+    def pieces() -> Any:
+        rest = b""
+        while chunk := os.read(fd, 65536):
+            *lines, rest = (rest + chunk).split(b"\n")
+            yield from (line + b"\n" for line in lines)
+        if rest:
+            yield rest
+
+    return pieces()
 
 
 class Opened(Record):
@@ -440,10 +462,15 @@ def solve_file(job: SolveJob, opened: Opened, mode: OutputMode, jsonl: bool) -> 
     With ``--answer-only`` output line N belongs to input line N: a blank input line gets an
     empty output line. ``--jsonl`` records skip blank lines and carry their ``line`` number.
     """
-    with closing(opened.stream) if opened.owned else nullcontext():  # stdin is not ours
-        feed = ProblemFeed(opened.stream, opened.where,
-                           lambda question: job.params(question, priority="bulk"))  # fmt: skip
+    source = opened.stream if opened.known is not None else _raw_lines(opened.stream)
+    feed = ProblemFeed(source, opened.where, lambda q: job.params(q, priority="bulk"))
+    try:
         return _solve_feed(job, feed, opened.known, mode, jsonl)
+    finally:
+        # Not while the reader is still in a read of a pipe: closing waits for it (a FIFO
+        # whose writer is slow), and the process is ending anyway.
+        if opened.owned and feed.ended:
+            opened.stream.close()
 
 
 def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: OutputMode,
@@ -930,7 +957,12 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
     from phi4cli.config import ANSWER_KEYS
 
     answer_options = {key: getattr(o, key) for key in ANSWER_KEYS}
-    job = make_job(env, o.model, answer_options, o.no_instruction)
+    try:
+        job = make_job(env, o.model, answer_options, o.no_instruction)
+    except BaseException:
+        if opened is not None and opened.owned:
+            opened.stream.close()  # nothing has read it yet
+        raise
     mode = OutputMode(o.show_reasoning, o.answer_only, o.as_json, o.verbose)
     try:
         if opened is not None:

@@ -364,3 +364,13 @@ def test_a_feed_that_ends_with_nothing_sends_nothing():
     feed = GrowingFeed([], 0)
     Flight([], [a], inbox, feed=feed).run(lambda index, event: None)
     assert a.attempts == [] and feed.waits == 1
+
+
+def test_a_finished_flight_keeps_nothing_per_request():
+    # A run of a million keeps a window's worth: each request's bookkeeping goes when it ends.
+    inbox = FakeInbox()
+    a = FakeReplica("a", 4, inbox, lambda r, s, p: answer(str(p["i"])))
+    flight = Flight([{"i": i} for i in range(50)], [a], inbox, restart=True)
+    flight.run(lambda index, event: None)
+    assert (flight.open, flight.sends, flight.produced, flight.avoid, flight.live) == (
+        set(), {}, set(), {}, {})  # fmt: skip

@@ -154,3 +154,28 @@ def test_a_bad_line_in_a_pipe_is_its_problems_error_and_the_rest_are_answered(ti
     assert "line 2: stdin line 2 is not valid UTF-8 (byte 0xc3): convert it to UTF-8" in stderr
     assert "1 of 3 problems failed" in stderr
     assert len(result.stdout.decode().split("\n")) == 4  # three lines, each ended
+
+
+def test_a_run_that_fails_ends_while_its_fifo_is_still_open(tmp_path: Path):
+    # Before: closing the FIFO waited for the reader thread's read, so the error (no server)
+    # came only when the writer closed its end.
+    import subprocess
+
+    from tests.conftest import PHI4, free_port
+
+    fifo = tmp_path / "problems"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        [PHI4, "solve", "--file", str(fifo), "-a", "--backend", f"http://127.0.0.1:{free_port()}/v1"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    with open(fifo, "w") as writer:  # meets phi4's open of the other end
+        writer.write("What is 1+1?\n")
+        writer.flush()
+        try:
+            _out, err = proc.communicate(timeout=120)  # the writer is still open meanwhile
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 3, err
+    assert "cannot reach" in err
