@@ -773,9 +773,10 @@ def daemon_install_service(
     model_path = resolve_model(settings.model, paths)
     config_home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     unit = config_home / "systemd" / "user" / "phi4.service"
-    environment = (
-        f"Environment=PHI4_HOME={os.environ['PHI4_HOME']}\n" if "PHI4_HOME" in os.environ else ""
-    )
+    from phi4cli.config import variable
+
+    home = variable("PHI4_HOME")
+    environment = f"Environment=PHI4_HOME={home}\n" if home is not None else ""
     text = (
         "[Unit]\n"
         "Description=phi4 daemon: Phi-4-mini-reasoning kept resident for phi4 solve and chat\n\n"

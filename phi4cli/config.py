@@ -1,7 +1,11 @@
 """Settings: defaults < ``config.toml`` < environment (``PHI4_*``) < command-line flags.
 
 The result is one frozen :class:`Settings`; every other module reads settings from it and nothing
-else reads the environment or the config file.
+else reads the config file. phi4's own environment variables are read here too: each setting's
+(:func:`env_name`), and the few that are no setting (:data:`VARIABLES`, through
+:func:`variable`); a test keeps any other module from reading a ``PHI4_`` variable itself. The
+platform's variables (``HOME``, ``XDG_*``, ``TERM``, ``NO_COLOR``, ``EDITOR``) are read where
+they are used, and listed in :data:`VARIABLES` for the docs.
 """
 
 from __future__ import annotations
@@ -295,6 +299,41 @@ def setting_help() -> list[tuple[str, str, str]]:
     the same on every machine (for generated docs)."""
     return [(key, env_name(key), _DOC_ALLOWED.get(key, allowed))
             for key, (_, allowed) in _FIELDS.items()]  # fmt: skip
+
+
+class Variable(Record):
+    """Environment variables phi4 reads that are no setting, and what they mean (the docs')."""
+
+    names: tuple[str, ...]
+    help: str
+
+
+VARIABLES = (
+    Variable(("PHI4_HOME",), "Put every phi4 file under this directory (config, data, state, "
+             "cache, run)."),
+    Variable(("PHI4_RAMDISK",), "Directory to stage the model in (default /dev/shm/phi4-UID)."),
+    Variable(("PHI4_BACKEND_KEY",), "API key sent to the --backend server (Authorization: "
+             "Bearer)."),
+    Variable(("PHI4_API_KEY",), "The key phi4 serve --http requires, as --api-key."),
+    Variable(("PHI4_HTTP_HEADER_TIMEOUT", "PHI4_HTTP_BODY_TIMEOUT"), "Seconds an HTTP client of "
+             "phi4 serve has to send its headers (10) and its body (30)."),
+    Variable(("PHI4_DEBUG",), "Show tracebacks with errors."),
+    Variable(("NO_COLOR",), "No colour at a terminal; bold, the live line and the layout stay."),
+    Variable(("VISUAL", "EDITOR"), "The editor of phi4 config edit."),
+    Variable(("HF_ENDPOINT",), "Hugging Face endpoint used by phi4 pull."),
+)  # fmt: skip
+_DECLARED = {name for variable_ in VARIABLES for name in variable_.names}
+
+
+def variable(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of a declared environment variable (:data:`VARIABLES`), None when unset."""
+    assert name in _DECLARED, f"{name} is not declared in config.VARIABLES"
+    return (os.environ if environ is None else environ).get(name)
+
+
+def set_in_environment(key: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether setting ``key`` is given by its ``PHI4_*`` variable."""
+    return env_name(key) in (os.environ if environ is None else environ)
 
 
 def parse_setting(key: str, value: object, source: str) -> Any:

@@ -77,27 +77,13 @@ def _commands(group: Any, prefix: str = "") -> list[str]:
 
 
 # Variables that are not settings of config.toml; the settings' own follow from config's table.
-_OTHER_ENVIRONMENT = [
-    ("PHI4_HOME", "Put every phi4 file under this directory (config, data, state, cache, run)."),
-    ("PHI4_RAMDISK", "Directory to stage the model in (default /dev/shm/phi4-UID)."),
-    ("PHI4_BACKEND_KEY", "API key sent to the --backend server (Authorization: Bearer)."),
-    ("PHI4_API_KEY", "The key phi4 serve --http requires, as --api-key."),
-    ("PHI4_HTTP_HEADER_TIMEOUT, PHI4_HTTP_BODY_TIMEOUT",
-     "Seconds an HTTP client of phi4 serve has to send its headers (10) and its body (30)."),
-    ("PHI4_DEBUG", "Show tracebacks with errors."),
-    ("NO_COLOR", "No colour at a terminal; bold, the live line and the layout stay."),
-    ("VISUAL, EDITOR", "The editor of phi4 config edit."),
-    ("HF_ENDPOINT", "Hugging Face endpoint used by phi4 pull."),
-]  # fmt: skip
-
-
 def environment() -> list[tuple[str, str]]:
     """Every environment variable phi4 reads, with what it means: each setting's ``PHI4_*``
     variable (from config's table, so none is left out) and the others."""
-    from phi4cli.config import setting_help
+    from phi4cli.config import VARIABLES, setting_help
 
     settings = [(name, f"The {key} setting: {allowed}.") for key, name, allowed in setting_help()]
-    return settings + _OTHER_ENVIRONMENT
+    return settings + [(", ".join(v.names), v.help) for v in VARIABLES]
 
 
 FILES = [

@@ -63,17 +63,23 @@ def run_reporting(run: Callable[[], int | None], fast_exit: bool = False) -> NoR
         print(file=sys.stderr)
         status = ExitStatus.INTERRUPTED
     except Phi4Error as exc:
-        if os.environ.get("PHI4_DEBUG"):
+        if _debug():
             import traceback
 
             traceback.print_exc()
         say(f"error: {exc}")
         status = exc.exit_status
     except Exception as exc:
-        if os.environ.get("PHI4_DEBUG"):
+        if _debug():
             raise
         say(f"internal error: {type(exc).__name__}: {exc} (PHI4_DEBUG=1 shows the traceback)")
         status = ExitStatus.ERROR
     if fast_exit:
         exit_now(int(status))
     sys.exit(status)
+
+
+def _debug() -> bool:
+    from phi4cli.config import variable
+
+    return bool(variable("PHI4_DEBUG"))

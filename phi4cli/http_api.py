@@ -14,7 +14,6 @@ import asyncio
 import hmac
 import ipaddress
 import json
-import os
 import socket
 import time
 import uuid
@@ -38,7 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from phi4cli.backends import Backend, RequestStream
-from phi4cli.config import Settings
+from phi4cli.config import Settings, variable
 from phi4cli.errors import Phi4Error, RequestError, UsageError, http_status_for
 from phi4cli.exits import Announce
 from phi4cli.http_access import AccessGuard, AccessPolicy
@@ -48,8 +47,8 @@ from phi4cli.protocol import ErrorCode, Event, EventKind, Op, ProtocolViolation,
 MAX_BODY_BYTES = 4 << 20
 # A client has this long to send a request's headers, and then its body: slow clients that
 # never finish (slowloris) are cut off instead of holding connections forever.
-HEADER_TIMEOUT_S = float(os.environ.get("PHI4_HTTP_HEADER_TIMEOUT", 10))
-BODY_TIMEOUT_S = float(os.environ.get("PHI4_HTTP_BODY_TIMEOUT", 30))
+HEADER_TIMEOUT_S = float(variable("PHI4_HTTP_HEADER_TIMEOUT") or 10)
+BODY_TIMEOUT_S = float(variable("PHI4_HTTP_BODY_TIMEOUT") or 30)
 MAX_CONNECTIONS = 512
 # Worker threads for streams waiting on the daemon (anyio's default of 40 would cap concurrent
 # streams below the daemon's queue).

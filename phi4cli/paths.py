@@ -175,7 +175,9 @@ def get_paths() -> Paths:
     """Return the paths for this process: ``$PHI4_HOME/{config,data,state,cache,run}`` if set,
     else platformdirs' (remembered in the runtime dir for as long as the environment they come
     from is the same)."""
-    home = os.environ.get("PHI4_HOME")
+    from phi4cli.config import variable
+
+    home = variable("PHI4_HOME")
     if home:
         root = Path(home).expanduser().absolute()
         return Paths(

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 import threading
 import time
@@ -84,7 +83,9 @@ LOAD_WINDOW_S = 1.0  # tokens/s: the server's count of generated tokens over thi
 
 def backend_key() -> str | None:
     """The API key for the remote backend, from PHI4_BACKEND_KEY."""
-    return os.environ.get("PHI4_BACKEND_KEY")
+    from phi4cli.config import variable
+
+    return variable("PHI4_BACKEND_KEY")
 
 
 def messages_for(params: dict[str, Any]) -> list[dict[str, str]]:

@@ -913,7 +913,7 @@ def make_job(
     """Settings, model and backend for a command that solves (solve, eval): what each request
     it sends shares."""
     from phi4cli.backends import make_backend
-    from phi4cli.config import load_settings
+    from phi4cli.config import load_settings, set_in_environment
     from phi4cli.models import resolve_model
 
     paths = env.paths
@@ -930,7 +930,7 @@ def make_job(
         "think_budget": settings.think_budget,
         "deterministic": settings.deterministic,
     }
-    if answer_options.get("keep_alive") is not None or "PHI4_KEEP_ALIVE" in os.environ:
+    if answer_options.get("keep_alive") is not None or set_in_environment("keep_alive"):
         base["keep_alive"] = settings.keep_alive
     backend = make_backend(paths, settings, model_path or settings.model, env.notice)
     instruction = None if no_instruction else settings.instruction

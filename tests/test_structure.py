@@ -128,3 +128,30 @@ def test_the_protocol_stands_on_leaves_only():
     taken = {target for target, _line in imports("phi4cli.protocol", known["phi4cli.protocol"],
                                                  known)}  # fmt: skip
     assert taken <= {"phi4cli.errors", "phi4cli.records", "phi4cli.durations", "phi4cli.inputs"}
+
+
+def test_only_config_reads_phi4_variables():
+    # os.environ.get("PHI4_X"), os.environ["PHI4_X"], "PHI4_X" in os.environ: config.py's alone
+    # (the rest ask config.variable, whose table the docs list).
+    def phi4_name(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and str(node.value).startswith("PHI4_")
+
+    def environ(node: ast.AST) -> bool:
+        return "environ" in ast.dump(node)
+
+    readers = []
+    for module, path in modules().items():
+        if module == "phi4cli.config":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            read = (
+                (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                 and environ(node.func.value) and node.args and phi4_name(node.args[0]))
+                or (isinstance(node, ast.Subscript) and environ(node.value)
+                    and phi4_name(node.slice))
+                or (isinstance(node, ast.Compare) and phi4_name(node.left)
+                    and any(environ(c) for c in node.comparators))
+            )  # fmt: skip
+            if read:
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")  # type: ignore[attr-defined]
+    assert readers == []

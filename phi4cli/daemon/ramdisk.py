@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from phi4cli.config import variable
 from phi4cli.paths import not_private
 
 log = logging.getLogger("phi4.ramdisk")
@@ -41,7 +42,7 @@ class Staging:
 def ramdisk_dir() -> Path | None:
     """Return the staging directory: ``$PHI4_RAMDISK``, else ``/dev/shm/phi4-<uid>`` on Linux
     (one per user: a shared one would be 0700 to whoever made it first)."""
-    configured = os.environ.get("PHI4_RAMDISK")
+    configured = variable("PHI4_RAMDISK")
     if configured:
         return Path(configured)
     if sys.platform.startswith("linux") and Path("/dev/shm").is_dir():
