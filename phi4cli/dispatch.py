@@ -241,9 +241,13 @@ class Flight:
             if delivery is not None:
                 self._take(*delivery)
             return
-        if not self.waiting and self.feed is not None and not self._pull() and not self.waiting:
-            self.feed.wait(POLL_S)  # all answered so far; more is coming
-            return
+        if not self.waiting and self.feed is not None:
+            ended = self._pull()
+            if self.waiting:
+                return  # more came meanwhile: the next step sends it
+            if not ended:
+                self.feed.wait(POLL_S)  # all answered so far; more is coming
+                return
         if not self.waiting:
             # Nothing waits, runs or recovers, yet not all have ended (an interrupt between
             # two steps of the bookkeeping): end those rather than wait for nothing.
@@ -351,10 +355,7 @@ class Flight:
                 replica.answered += 1
             # After a busy answer the window shrank; it grows back as requests complete.
             replica.window = min(replica.limit, replica.window + 1)
-            self.open.discard(index)
-            self.sends.pop(index, None)
-            self.produced.discard(index)
-            self.avoid.pop(index, None)
+            self._settle(index)
         self.ready.append((index, event))
         if kind.terminal and replica.state != UP:
             self._recover_idle()  # a draining daemon, say, whose last answer just ended
@@ -447,11 +448,16 @@ class Flight:
             self._finish(self.waiting.popleft(), failure.event())
 
     def _finish(self, index: int, event: Event) -> None:
+        """End request ``index`` here with ``event`` (not sent, or given up on)."""
+        self._settle(index)
+        self.ready.append((index, event))
+
+    def _settle(self, index: int) -> None:
+        """Request ``index`` has its terminal event: let go of all that was kept for it."""
         self.open.discard(index)
         self.sends.pop(index, None)
         self.produced.discard(index)
         self.avoid.pop(index, None)
-        self.ready.append((index, event))
 
     # --- the caller's controls ---------------------------------------------------------------
 

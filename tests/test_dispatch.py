@@ -374,3 +374,38 @@ def test_a_finished_flight_keeps_nothing_per_request():
     flight.run(lambda index, event: None)
     assert (flight.open, flight.sends, flight.produced, flight.avoid, flight.live) == (
         set(), {}, set(), {}, {})  # fmt: skip
+
+
+def test_requests_that_come_as_the_feed_ends_are_sent_not_given_up_on():
+    # Before: the last lines, taken in by the step's own look at the feed just as it ended,
+    # fell through to "no engine to send the request to".
+    inbox = FakeInbox()
+    answered: list[int] = []
+    a = FakeReplica("a", 4, inbox, lambda r, s, p: answer(str(p["i"])))
+    requests: list[Any] = [{"i": 0}]
+
+    class EndingFeed:
+        reads_after_first = 0
+
+        @property
+        def ended(self) -> bool:
+            if not answered:
+                return False
+            self.reads_after_first += 1
+            if self.reads_after_first == 2:  # the step's own read, not __next__'s
+                requests.append({"i": 1})
+            return self.reads_after_first >= 2
+
+        def wait(self, timeout: float) -> None:
+            pass
+
+    events: dict[int, list[Event]] = {}
+
+    def on_event(index: int, event: Event) -> None:
+        events.setdefault(index, []).append(event)
+        if event.terminal:
+            answered.append(index)
+
+    Flight(requests, [a], inbox, feed=EndingFeed()).run(on_event)
+    assert [text(events[i]) for i in (0, 1)] == ["0", "1"]
+    assert all(len(t) == 1 and t[0].kind == EventKind.DONE for t in terminals(events).values())
