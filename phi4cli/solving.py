@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from phi4cli.backends import Backend
 from phi4cli.environment import Environment
@@ -277,6 +277,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
 
 
 AHEAD = 4096  # problems read ahead of the last one printed, at most (more than any window)
+NO_PROBLEMS = "no problems: the input has no non-blank lines"
 
 
 class ProblemFeed(Sequence["dict[str, Any] | Event"]):  # a string: typing is not imported to run
@@ -308,18 +309,17 @@ class ProblemFeed(Sequence["dict[str, Any] | Event"]):  # a string: typing is no
 
     def _read(self, source: Any) -> None:
         try:
-            for raw in source:
-                for text in _lines_of(raw, self.where, self.total + 1):
-                    self.total += 1
-                    if isinstance(text, str) and not text.strip():
-                        continue
-                    with self._changed:
-                        while len(self.numbers) - self._printed >= AHEAD:
-                            self._changed.wait()
-                        # The text first: the flight reads len() (the numbers), then the text.
-                        self._texts.append(text.strip() if isinstance(text, str) else text)
-                        self.numbers.append(self.total)
-                        self._changed.notify_all()
+            for number, text in _numbered(source, self.where):
+                self.total = number
+                if isinstance(text, str) and not text.strip():
+                    continue
+                with self._changed:
+                    while len(self.numbers) - self._printed >= AHEAD:
+                        self._changed.wait()
+                    # The text first: the flight reads len() (the numbers), then the text.
+                    self._texts.append(text.strip() if isinstance(text, str) else text)
+                    self.numbers.append(self.total)
+                    self._changed.notify_all()
         except OSError as exc:
             self.failure = f"cannot read {self.where}: {exc.strerror or exc}"
         except Exception as exc:  # whatever stops the reading, the run must not pass for whole
@@ -333,12 +333,6 @@ class ProblemFeed(Sequence["dict[str, Any] | Event"]):  # a string: typing is no
         with self._changed:
             if not self.ended:
                 self._changed.wait(timeout)
-
-    def wait_for(self, count: int) -> None:
-        """Until ``count`` problems have come, or the input has ended."""
-        with self._changed:
-            while len(self.numbers) < count and not self.ended:
-                self._changed.wait()
 
     def __len__(self) -> int:
         return len(self.numbers)
@@ -360,6 +354,16 @@ class ProblemFeed(Sequence["dict[str, Any] | Event"]):  # a string: typing is no
             self._texts[index] = None
             self._printed += 1
             self._changed.notify_all()
+
+
+def _numbered(source: Any, where: str) -> Iterator[tuple[int, str | Event]]:
+    """(line number, line or its error event) for each line of ``source``, an iterable of
+    ``\\n``-ended pieces, as ``str.splitlines`` numbers them."""
+    number = 0
+    for raw in source:
+        for text in _lines_of(raw, where, number + 1):
+            number += 1
+            yield number, text
 
 
 def _lines_of(raw: bytes | str, where: str, number: int) -> list[str | Event]:
@@ -438,15 +442,12 @@ def open_problems(source: str, env: Environment) -> Opened:
     try:
         start = stream.tell()
         problems = 0
-        number = 0
-        for raw in stream:
-            for text in _lines_of(raw, where, number + 1):
-                number += 1
-                if isinstance(text, Event):
-                    raise UsageError(text.message)
-                problems += bool(text.strip())
+        for _number, text in _numbered(stream, where):
+            if isinstance(text, Event):
+                raise UsageError(text.message)
+            problems += bool(text.strip())
         if not problems:
-            raise UsageError("no problems: the input has no non-blank lines")
+            raise UsageError(NO_PROBLEMS)
         stream.seek(start)
     except BaseException:
         if owned:
@@ -539,7 +540,7 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
     if feed.failure is not None:
         raise UsageError(feed.failure)
     if not count:
-        raise UsageError("no problems: the input has no non-blank lines")
+        raise UsageError(NO_PROBLEMS)
     if mode.answer_only and not jsonl:
         for _blank in range(printed_line + 1, feed.total + 1):
             job.print("")  # trailing blank input lines keep their places too

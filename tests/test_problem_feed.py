@@ -51,11 +51,12 @@ def test_no_more_than_ahead_problems_are_read_before_they_are_printed(monkeypatc
     monkeypatch.setattr(solving, "AHEAD", 8)
     feed = ProblemFeed(io.BytesIO(b"".join(b"q%d\n" % i for i in range(100))), "stdin", made)
 
-    def reaches(count: int) -> None:
+    def reaches(count: int, settle: bool = True) -> None:
         deadline = time.monotonic() + 60
         while len(feed) < count and time.monotonic() < deadline:
             feed.wait(0.05)
-        time.sleep(0.1)  # room for the reader to run past it, if it were to
+        if settle:
+            time.sleep(0.1)  # room for the reader to run past it, if it were to
 
     reaches(8)
     assert len(feed) == 8 and not feed.ended
@@ -64,7 +65,7 @@ def test_no_more_than_ahead_problems_are_read_before_they_are_printed(monkeypatc
     reaches(13)
     assert len(feed) == 13
     for i in range(5, 100):
-        feed.wait_for(i + 1)
+        reaches(i + 1, settle=False)
         assert feed[i] == {"prompt": f"q{i}"}
         feed.printed(i)
     assert feed.ended and feed.numbers == list(range(1, 101))
