@@ -50,6 +50,7 @@ ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error answer read before the connect
 EXCERPT_CHARS = 200  # of a server's message, shown on one line
 MAX_EVENT_BYTES = 1024 * 1024  # one server-sent event (a line that never ends included)
 MAX_STREAM_BYTES = 64 * 1024 * 1024  # one response stream in all
+MAX_METRICS_BYTES = 4 * 1024 * 1024  # a /metrics page (vLLM's is some hundreds of KiB)
 # Pieces of text one request may stream when it sets no max_tokens: beyond any context these
 # servers run, so only an endless stream meets it.
 DEFAULT_TOKEN_LIMIT = 131072
@@ -248,11 +249,9 @@ class RemoteEngine:
         (llama-server, vLLM, SGLang, phi4 serve) answering 200 says ready and 503 not yet;
         a server without that route is asked for ``/v1/models`` (Ollama, LiteLLM); one that
         answers HTTP but has neither route counts as there."""
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        base = self.url if self.url.endswith("/v1") else self.url + "/v1"
         try:
-            with httpx.Client(timeout=min(timeout, self.timeout), headers=headers) as client:
-                for url in (self.root + "/health", base + "/models"):
+            with self._side_client(timeout) as client:
+                for url in (self.root + "/health", self.v1 + "/models"):
                     status = client.get(url).status_code
                     if status < 300:
                         return None
@@ -268,15 +267,19 @@ class RemoteEngine:
         publishes them (:data:`LOAD_METRICS`); empty when it has no such page."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        body = bytearray()
         try:
-            with httpx.Client(timeout=min(timeout, self.timeout), headers=headers) as client:
-                response = client.get(self.root + "/metrics")
-                if response.status_code != 200 or len(response.content) > MAX_STREAM_BYTES:
+            with self._side_client(timeout) as client, \
+                    client.stream("GET", self.root + "/metrics") as response:  # fmt: skip
+                if response.status_code != 200:
                     return {}
-                text = response.text
+                for piece in response.iter_bytes():  # read as it comes, and only so much
+                    body += piece
+                    if len(body) > MAX_METRICS_BYTES:
+                        return {}
         except (httpx.HTTPError, httpx.InvalidURL, OSError):
             return {}
+        text = body.decode("utf-8", "replace")
         found: dict[str, float] = {}
         try:
             samples = [s for family in text_string_to_metric_families(text)
@@ -293,9 +296,21 @@ class RemoteEngine:
         return found
 
     @property
+    def v1(self) -> str:
+        """The server's address with its ``/v1``: where the OpenAI routes are."""
+        return self.url if self.url.endswith("/v1") else self.url + "/v1"
+
+    @property
     def endpoint(self) -> str:
-        base = self.url if self.url.endswith("/v1") else self.url + "/v1"
-        return base + "/chat/completions"
+        return self.v1 + "/chat/completions"
+
+    def _side_client(self, timeout: float) -> httpx.Client:
+        """A client for one short look beside the answers (a health probe, the metrics page):
+        the key, no compression (a small body must not become a huge one), ``timeout`` at most."""
+        headers = {"Accept-Encoding": "identity"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return httpx.Client(timeout=min(timeout, self.timeout), headers=headers)
 
     def _body(self, params: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": True,

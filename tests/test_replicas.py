@@ -491,3 +491,13 @@ def test_a_client_that_hangs_up_on_phi4_serve_cancels_its_request(tiny_model: Pa
         proc.wait(timeout=30)
     assert streamed == 1, "a stream the client left was cancelled"
     assert whole == 2, "a whole answer the client left was cancelled too"
+
+
+def test_a_metrics_page_too_big_to_be_one_is_not_read_to_its_end():
+    # A server's answer is bounded here, this page too: beyond 4 MiB it is no load reading.
+    page = "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 3\n"
+    with scripted_server(answer_lines, metrics=lambda: page + "#" * (5 << 20) + "\n") as big:
+        result = run_phi4("status", "--backend", big.url, "--json")
+    assert result.returncode == 0, result.stderr
+    (replica,) = json.loads(result.stdout)["replicas"]
+    assert replica["state"] == "up" and replica["in_flight"] is None
