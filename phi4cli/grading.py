@@ -319,7 +319,9 @@ def run_eval(
     every record (earlier ones of this run included), as much of it as :func:`summary` counts,
     and the seconds this run took."""
     run = run_identity(job, samples)
-    results, done = open_results(output, items, run, policy or MismatchPolicy())
+    results, earlier = open_results(output, items, run, policy or MismatchPolicy())
+    done = {line: _counted(record) for line, record in earlier.items()}
+    del earlier  # the whole records: the results file has them
     todo = [item for item in items if item.line not in done]
     if done:
         job.announce(f"resuming: {len(done)} of {len(items)} problems are already in {output}")
@@ -327,15 +329,14 @@ def run_eval(
     # Only the problems being answered have outcomes (each with its whole solution text), and
     # requests are made as they are sent: a run of 10,000 holds its records, not their answers.
     outcomes: dict[tuple[int, int], Outcome] = {}
-    keys = [(i, k) for i in range(len(todo)) for k in range(samples)]
     seed = job.seed
 
     def request(index: int) -> dict[str, Any]:
-        i, k = keys[index]
+        i, k = divmod(index, samples)  # request index: problem i's sample k
         return job.params(todo[i].problem, priority="bulk",
                           **({} if seed is None else {"seed": seed + k}))  # fmt: skip
 
-    requests = Requests(request, len(keys))
+    requests = Requests(request, len(todo) * samples)
     remaining = [samples] * len(todo)
     # A problem's budget is that of its K samples together.
     budget = job.base.get("max_tokens")
@@ -344,7 +345,7 @@ def run_eval(
     compare = AnswerComparer()  # one count for the run: one notice, not one per problem
 
     def on_event(index: int, event: Event) -> None:
-        i, k = keys[index]
+        i, k = divmod(index, samples)  # request index: problem i's sample k
         loading.see(event)
         progress.see(i, event)
         outcome = outcomes.get((i, k))
@@ -372,7 +373,7 @@ def run_eval(
     notice = compare.notice()
     if notice:
         job.announce(notice)
-    records = [_counted(done[item.line]) for item in items if item.line in done]
+    records = [done[item.line] for item in items if item.line in done]
     return records, time.monotonic() - started
 
 
