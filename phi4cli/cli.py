@@ -461,23 +461,24 @@ def eval_(
 ) -> int:
     """Solve problems with known answers and report accuracy (math-verify judges each answer)."""
     from phi4cli.environment import Environment
-    from phi4cli.grading import MismatchPolicy, read_items, run_eval, summary
+    from phi4cli.grading import MismatchPolicy, Problems, run_eval
     from phi4cli.render import format_eval
     from phi4cli.solving import make_job
 
     if restart and force_resume:
         raise UsageError("--restart and --force-resume contradict each other; give one")
     env = Environment()
-    items = read_items(file, problem_field, answer_field)
+    problems = Problems(file, problem_field, answer_field)
+    count = problems.check()  # before anything starts: a bad line is exit 2
     results = output or file.with_name(file.name + ".results.jsonl")
     job = make_job(env, model, dict(answer), no_instruction)
     policy = MismatchPolicy(restart=restart, force=force_resume)
     try:
-        records, seconds = run_eval(job, items, samples, results, jsonl, policy)
+        tally, seconds = run_eval(job, problems, count, samples, results, jsonl, policy)
     except KeyboardInterrupt:
         say(f"interrupted: what was finished is in {results}; run the same command to resume")
         raise
-    result = summary(records, samples)
+    result = tally.summary(samples)
     replicas = getattr(job.backend, "last_summary", None)
     if replicas and len(replicas) > 1:
         result["replicas"] = replicas  # how many each answered (also said on stderr)

@@ -15,7 +15,7 @@ import io
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Container, Iterable, Iterator
 from pathlib import Path
 
 from phi4cli.atomicfile import RefusedFileError, open_user_file, replace_user_file
@@ -40,43 +40,112 @@ class Item(Record):
     reference: str
 
 
-def read_items(path: Path, problem_field: str, answer_field: str) -> list[Item]:
-    """The problems and reference answers of a JSONL or CSV file; UsageError naming the line
-    of anything that is not one."""
+class Problems:
+    """The problems and reference answers of a JSONL or CSV file, read from the file each time
+    they are gone through: a file of 100,000 problems is never held at once. Lines are numbered
+    as ``str.splitlines`` numbers them (a CSV's header is line 1), which the records of a
+    results file say."""
+
+    def __init__(self, path: Path, problem_field: str, answer_field: str) -> None:
+        self.path, self.problem_field, self.answer_field = path, problem_field, answer_field
+
+    def check(self) -> int:
+        """How many problems the file holds, read through once before anything is solved;
+        UsageError naming the line of anything that is not one."""
+        count = sum(1 for _ in self)
+        if not count:
+            raise UsageError(f"{self.path} holds no problems")
+        return count
+
+    def __iter__(self) -> Iterator[Item]:
+        path, problem_field, answer_field = self.path, self.problem_field, self.answer_field
+        try:
+            with path.open("rb") as handle:
+                rows = _csv_rows(path, handle) if path.suffix.lower() == ".csv" else \
+                    _json_lines(path, handle)  # fmt: skip
+                for line, row in rows:
+                    if not isinstance(row, dict):
+                        raise UsageError(f"{path}:{line}: expected an object with "
+                                         f"{problem_field!r} and {answer_field!r}")  # fmt: skip
+                    problem, reference = row.get(problem_field), row.get(answer_field)
+                    if not isinstance(problem, str) or not problem.strip():
+                        raise UsageError(f"{path}:{line}: no {problem_field!r} "
+                                         "(--problem-field names it)")  # fmt: skip
+                    if reference is None or not str(reference).strip():
+                        raise UsageError(f"{path}:{line}: no {answer_field!r} "
+                                         "(--answer-field names it)")  # fmt: skip
+                    yield Item(line, problem.strip(), str(reference).strip())
+        except OSError as exc:
+            raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _csv_rows(path: Path, handle: BinaryIO) -> Iterator[tuple[int, Any]]:
+    # Lines end at "\n" alone, as in the csv module's own reading of a string.
+    text = io.TextIOWrapper(handle, encoding="utf-8", newline="\n")
+    reader = csv.DictReader(text)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise UsageError(f"cannot read {path}: {reason}") from None
-    rows: Iterator[tuple[int, Any]]
-    if path.suffix.lower() == ".csv":
-        reader = csv.DictReader(io.StringIO(text))
-        rows = ((reader.line_num, row) for row in reader)
-    else:
-        rows = _json_lines(path, text)
-    items = []
-    for line, row in rows:
-        if not isinstance(row, dict):
-            raise UsageError(f"{path}:{line}: expected an object with {problem_field!r} and "
-                             f"{answer_field!r}")  # fmt: skip
-        problem, reference = row.get(problem_field), row.get(answer_field)
-        if not isinstance(problem, str) or not problem.strip():
-            raise UsageError(f"{path}:{line}: no {problem_field!r} (--problem-field names it)")
-        if reference is None or not str(reference).strip():
-            raise UsageError(f"{path}:{line}: no {answer_field!r} (--answer-field names it)")
-        items.append(Item(line, problem.strip(), str(reference).strip()))
-    if not items:
-        raise UsageError(f"{path} holds no problems")
-    return items
+        for row in reader:
+            yield reader.line_num, row
+    except UnicodeDecodeError:
+        raise UsageError(f"cannot read {path}: not UTF-8 text") from None
+    finally:
+        text.detach()  # the handle is closed by its owner
 
 
-def _json_lines(path: Path, text: str) -> Iterator[tuple[int, Any]]:
-    for line, raw in enumerate(text.splitlines(), 1):
-        if raw.strip():
-            try:
-                yield line, json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"{path}:{line}: not JSON ({exc.msg})") from None
+def _json_lines(path: Path, handle: BinaryIO) -> Iterator[tuple[int, Any]]:
+    line = 0
+    for raw in handle:
+        try:
+            piece = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"{path}:{line + 1}: not UTF-8 text") from None
+        for text in piece.splitlines() or [""]:
+            line += 1
+            if text.strip():
+                try:
+                    yield line, json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise UsageError(f"{path}:{line}: not JSON ({exc.msg})") from None
+
+
+class Pending:
+    """The problems a run still has to solve (those not in the results file yet), read from the
+    input as the run asks for them and let go once judged: what is held is the problems being
+    solved, not the file."""
+
+    def __init__(self, problems: Problems, done: Container[int], count: int) -> None:
+        self._path = problems.path
+        self._rest = (item for item in problems if item.line not in done)
+        self._held: dict[int, Item] = {}
+        self._read = 0
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int) -> Item:
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        while self._read <= index:
+            item = next(self._rest, None)
+            if item is None:
+                raise UsageError(f"{self._path} changed while eval read it (it holds fewer "
+                                 "problems now): run the same command to resume")  # fmt: skip
+            self._held[self._read] = item
+            self._read += 1
+        return self._held[index]
+
+    @property
+    def held(self) -> int:
+        """How many problems are held: read, and not judged yet."""
+        return len(self._held)
+
+    def release(self, index: int) -> None:
+        """Problem ``index`` is judged: it is not asked for again."""
+        self._held.pop(index, None)
+
+    def close(self) -> None:
+        self._rest.close()
 
 
 def judge(item: Item, outcomes: list[Outcome],
@@ -182,43 +251,73 @@ class EarlierResults(Record):
     """What a results file holds, against the problems and the run of now."""
 
     done: dict[int, dict[str, Any]]  # this run's records of these problems, by line
-    adoptable: dict[int, dict[str, Any]]  # other runs' records of these problems, by line
+    adoptable: dict[int, dict[str, Any]]  # other runs' records of these problems (kept only
+    # when asked for: they are adopted only with --force-resume)
     foreign: int  # records of another run (or of no stated run)
     unlabelled: int  # of those, records that do not say what made them (an older phi4)
     differences: tuple[str, ...]  # how the first foreign record's run differs, in words
 
 
-def read_earlier(text: str, items: list[Item], run: dict[str, Any]) -> EarlierResults:
-    """Sort the records of ``text`` (a results file) into this run's for these problems, their
+def read_earlier(lines: Iterable[str], problems: Iterable[Item], run: dict[str, Any],
+                 keep: bool = False) -> EarlierResults:  # fmt: skip
+    """Sort the records of ``lines`` (a results file) into this run's for these problems, their
     reference answers and number of samples, and other runs'; a problem whose text or reference
-    changed, an error, or a damaged record is solved again."""
-    wanted = {item.line: (item.problem, item.reference) for item in items}
-    done: dict[int, dict[str, Any]] = {}
-    adoptable: dict[int, dict[str, Any]] = {}
+    changed, an error, or a damaged record is solved again. This run's records are kept as the
+    summary counts them, unless ``keep`` (the file is to be rewritten from them), and other
+    runs' only then.
+
+    The results file is read first, each record held with a digest of its problem and
+    reference; the problems are then gone through once to see which of them still match."""
+    # line -> digest of problem and reference -> the last such record (one, but for a problem
+    # whose text was changed and then changed back)
+    ours: dict[int, dict[bytes, dict[str, Any]]] = {}
+    theirs: dict[int, dict[bytes, dict[str, Any]]] = {}
     foreign = unlabelled = 0
     differences: tuple[str, ...] = ()
-    for raw in text.splitlines():
+    for raw in lines:
         try:
             record = json.loads(raw)
         except json.JSONDecodeError:
             continue  # a line cut short by an interruption: that problem is solved again
         if not isinstance(record, dict) or not isinstance(record.get("line"), int):
             continue
-        theirs = record.get("run")
-        ours = theirs == run
-        if not ours:
+        mine = record.get("run")
+        if mine != run:
             foreign += 1
-            if isinstance(theirs, dict):
-                differences = differences or describe_differences(theirs, run)
+            if isinstance(mine, dict):
+                differences = differences or describe_differences(mine, run)
             else:
                 unlabelled += 1
-        same = wanted.get(record["line"]) == (record.get("problem"), record.get("reference"))
+        problem, reference = record.get("problem"), record.get("reference")
         complete = (record.get("status") in STATUSES and record.get("k") == run["samples"]
                     and all(isinstance(record.get(key), int)
                             for key in ("reasoning_tokens", "completion_tokens")))  # fmt: skip
-        if same and complete and record["status"] != "error":  # errors are tried again
-            (done if ours else adoptable)[record["line"]] = record
+        if not (complete and isinstance(problem, str) and isinstance(reference, str)):
+            continue
+        if record["status"] == "error":  # errors are tried again
+            continue
+        if mine == run or keep:
+            into = ours if mine == run else theirs
+            kept = record if keep else _counted(record)
+            into.setdefault(record["line"], {})[_digest(problem, reference)] = kept
+    done: dict[int, dict[str, Any]] = {}
+    adoptable: dict[int, dict[str, Any]] = {}
+    if ours or theirs:
+        for item in problems:
+            if item.line in ours or item.line in theirs:
+                digest = _digest(item.problem, item.reference)
+                for found, matched in ((ours, done), (theirs, adoptable)):
+                    record = found.get(item.line, {}).get(digest)
+                    if record is not None:
+                        matched[item.line] = record
     return EarlierResults(done, adoptable, foreign, unlabelled, differences)
+
+
+def _digest(problem: str, reference: str) -> bytes:
+    import hashlib
+
+    both = json.dumps([problem, reference], ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(both, digest_size=16).digest()
 
 
 def describe_differences(theirs: dict[str, Any], run: dict[str, Any]) -> tuple[str, ...]:
@@ -273,9 +372,10 @@ def _lines(records: list[dict[str, Any]]) -> bytes:
     return "".join(result_line(r) + "\n" for r in records).encode()
 
 
-def open_results(output: Path, items: list[Item], run: dict[str, Any],
+def open_results(output: Path, problems: Problems, run: dict[str, Any],
                  policy: MismatchPolicy) -> tuple[BinaryIO, dict[int, dict[str, Any]]]:  # fmt: skip
-    """The results file open to append to, and this run's records already in it, by line.
+    """The results file open to append to, and this run's records already in it, by line (as
+    much of each as the summary counts).
 
     Raise RefusedFileError (one line, exit 1) when the file is a link, a FIFO or anything but
     a regular file of this user's, or holds records of another model or other settings and
@@ -284,12 +384,7 @@ def open_results(output: Path, items: list[Item], run: dict[str, Any],
         return replace_user_file(output, RESULTS_FILE, b""), {}
     results = open_user_file(output, RESULTS_FILE)
     try:
-        try:
-            text = results.read().decode("utf-8")
-        except UnicodeDecodeError:
-            raise RefusedFileError(f"the results file {output} is not UTF-8 text (not phi4's?): "
-                                   "move it away, or --restart replaces it") from None  # fmt: skip
-        earlier = read_earlier(text, items, run)
+        earlier = read_earlier(_text_lines(results, output), problems, run, keep=policy.force)
         if not earlier.foreign:
             return results, earlier.done
         if not policy.force:
@@ -303,31 +398,46 @@ def open_results(output: Path, items: list[Item], run: dict[str, Any],
     done = {line: {**record, "run": run, "adopted_from": record.get("run")}
             for line, record in earlier.adoptable.items()}  # fmt: skip
     done.update(earlier.done)
-    kept = [done[item.line] for item in items if item.line in done]
-    return replace_user_file(output, RESULTS_FILE, _lines(kept)), done
+    kept = [done[item.line] for item in problems if item.line in done]
+    return (replace_user_file(output, RESULTS_FILE, _lines(kept)),
+            {line: _counted(record) for line, record in done.items()})  # fmt: skip
+
+
+def _text_lines(results: BinaryIO, output: Path) -> Iterator[str]:
+    for raw in results:
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RefusedFileError(f"the results file {output} is not UTF-8 text (not phi4's?): "
+                                   "move it away, or --restart replaces it") from None  # fmt: skip
 
 
 def run_eval(
     job: SolveJob,
-    items: list[Item],
+    problems: Problems,
+    count: int,
     samples: int,
     output: Path,
     jsonl: bool,
     policy: MismatchPolicy | None = None,
-) -> tuple[list[dict[str, Any]], float]:
-    """Solve the problems not in ``output`` yet, appending each record as it is judged; return
-    every record (earlier ones of this run included), as much of it as :func:`summary` counts,
-    and the seconds this run took."""
+) -> tuple[Tally, float]:
+    """Solve the ``count`` problems not in ``output`` yet, appending each record as it is
+    judged; return the count of every record (earlier ones of this run included) and the
+    seconds this run took."""
     run = run_identity(job, samples)
-    results, earlier = open_results(output, items, run, policy or MismatchPolicy())
-    done = {line: _counted(record) for line, record in earlier.items()}
-    del earlier  # the whole records: the results file has them
-    todo = [item for item in items if item.line not in done]
+    results, earlier = open_results(output, problems, run, policy or MismatchPolicy())
+    tally = Tally()
+    for record in earlier.values():
+        tally.add(record)
+    done = set(earlier)
+    del earlier
     if done:
-        job.announce(f"resuming: {len(done)} of {len(items)} problems are already in {output}")
+        job.announce(f"resuming: {len(done)} of {count} problems are already in {output}")
+    # Problems are read from the input as they are sent and let go once judged; only those
+    # being answered have outcomes (each with its whole solution text): a run of 10,000 holds
+    # its count, not its problems or their answers.
+    todo = Pending(problems, done, count - len(done))
     started = time.monotonic()
-    # Only the problems being answered have outcomes (each with its whole solution text), and
-    # requests are made as they are sent: a run of 10,000 holds its records, not their answers.
     outcomes: dict[tuple[int, int], Outcome] = {}
     seed = job.seed
 
@@ -337,7 +447,7 @@ def run_eval(
                           **({} if seed is None else {"seed": seed + k}))  # fmt: skip
 
     requests = Requests(request, len(todo) * samples)
-    remaining = [samples] * len(todo)
+    remaining: dict[int, int] = {}  # samples not ended yet, by problem being answered
     # A problem's budget is that of its K samples together.
     budget = job.base.get("max_tokens")
     progress = FileProgress(len(todo), job.env, budget=budget * samples if budget else None)
@@ -354,12 +464,14 @@ def run_eval(
         outcome.apply(event)
         if not (event.terminal and outcome.done):
             return
-        remaining[i] -= 1
+        remaining[i] = remaining.get(i, samples) - 1
         if remaining[i]:
             return
+        del remaining[i]
         judged = [outcomes.pop((i, s)) for s in range(samples)]
         record = {**judge(todo[i], judged, compare), "run": run}
-        done[todo[i].line] = _counted(record)
+        todo.release(i)
+        tally.add(record)
         line = result_line(record)
         results.write(line.encode() + b"\n")
         results.flush()  # an interruption keeps every problem finished so far
@@ -367,36 +479,49 @@ def run_eval(
             progress.out(line)
         progress.advance(i)
 
-    with results, progress:
-        if requests:
-            job.run(requests, on_event, restart=True)
+    try:
+        with results, progress:
+            if requests:
+                job.run(requests, on_event, restart=True)
+    finally:
+        todo.close()
     notice = compare.notice()
     if notice:
         job.announce(notice)
-    records = [done[item.line] for item in items if item.line in done]
-    return records, time.monotonic() - started
+    return tally, time.monotonic() - started
 
 
 def _counted(record: dict[str, Any]) -> dict[str, Any]:
-    """What :func:`summary` counts of a record: the rest is in the results file."""
+    """What :class:`Tally` counts of a record: the rest is in the results file."""
     return {key: record[key] for key in ("line", "status", "reasoning_tokens", "pass_at_k")
             if key in record}  # fmt: skip
 
 
-def summary(records: list[dict[str, Any]], samples: int) -> dict[str, Any]:
-    """Counts by status, accuracy, pass@k, mean thinking tokens."""
-    total = len(records)
-    counts = {status: sum(r["status"] == status for r in records) for status in STATUSES}
-    result: dict[str, Any] = {
-        "problems": total,
-        **counts,
-        "accuracy": counts["correct"] / total if total else 0.0,
-        "mean_reasoning_tokens": (sum(r["reasoning_tokens"] for r in records) / total / samples
-                                  if total else 0.0),
-    }  # fmt: skip
-    if samples > 1:
-        passed = sum(bool(r.get("pass_at_k")) for r in records)
-        result["samples"] = samples
-        result["pass_at_k"] = passed / total if total else 0.0
-        result["pass_at_k_count"] = passed
-    return result
+class Tally:
+    """The counts of the summary, record by record: a run of 10,000 problems holds numbers,
+    not records."""
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(STATUSES, 0)
+        self.reasoning_tokens = 0
+        self.passed = 0  # problems with a right sample (pass@k)
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.counts[record["status"]] += 1
+        self.reasoning_tokens += record["reasoning_tokens"]
+        self.passed += bool(record.get("pass_at_k"))
+
+    def summary(self, samples: int) -> dict[str, Any]:
+        """Counts by status, accuracy, pass@k, mean thinking tokens."""
+        total = sum(self.counts.values())
+        result: dict[str, Any] = {
+            "problems": total,
+            **self.counts,
+            "accuracy": self.counts["correct"] / total if total else 0.0,
+            "mean_reasoning_tokens": self.reasoning_tokens / total / samples if total else 0.0,
+        }
+        if samples > 1:
+            result["samples"] = samples
+            result["pass_at_k"] = self.passed / total if total else 0.0
+            result["pass_at_k_count"] = self.passed
+        return result

@@ -302,3 +302,110 @@ def test_a_rewritten_results_file_escapes_what_the_appended_lines_escape():
     written = _lines([{"reference": "\ud800", "answer": "\x9b31m"}])
     assert b"\\ud800" in written and b"\\u009b" in written and b"\xc2\x9b" not in written
     assert json.loads(written) == {"reference": "\ud800", "answer": "\x9b31m"}
+
+
+# --- the input, read as the run goes ----------------------------------------------------------
+
+
+def test_eval_holds_only_the_problems_being_solved_and_skips_those_already_done(tmp_path: Path):
+    from phi4cli.grading import Pending, Problems
+
+    rows = [{"problem": f"p{i}", "answer": str(i)} for i in range(1, 1001)]
+    path = _write_problems(tmp_path / "set.jsonl", rows)
+    problems = Problems(path, "problem", "answer")
+    assert problems.check() == 1000
+    todo = Pending(problems, {2, 3}, 998)
+    assert len(todo) == 998
+    assert [todo[0].line, todo[1].line, todo[2].line] == [1, 4, 5], "lines 2 and 3 are done"
+    assert todo[1].problem == "p4" and todo.held == 3, "read up to what was asked for"
+    for index in range(3):
+        todo.release(index)
+    assert todo.held == 0, "a judged problem is let go"
+    for index in range(3, 998):
+        assert todo[index].line == index + 3
+        todo.release(index)
+        assert todo.held == 0
+    with pytest.raises(IndexError):
+        todo[998]
+    todo.close()
+
+
+def test_an_input_that_shrinks_while_eval_reads_it_stops_with_one_line(tmp_path: Path):
+    from phi4cli.errors import UsageError
+    from phi4cli.grading import Pending, Problems
+
+    path = _write_problems(tmp_path / "set.jsonl")
+    problems = Problems(path, "problem", "answer")
+    todo = Pending(problems, set(), problems.check())
+    _write_problems(path, PROBLEMS[:1])
+    assert todo[0].line == 1
+    with pytest.raises(UsageError, match=r"set\.jsonl changed while eval read it"):
+        todo[1]
+
+
+def test_eval_numbers_lines_as_before_and_names_a_line_that_is_not_utf8(tmp_path: Path):
+    from phi4cli.grading import Problems
+
+    # Lines are numbered as str.splitlines numbers them: "\r" and a blank line count.
+    path = tmp_path / "set.jsonl"
+    path.write_bytes(b'{"problem": "a", "answer": "1"}\r\n\n{"problem": "b", "answer": "2"}\r'
+                     b'{"problem": "c", "answer": "3"}')  # fmt: skip
+    assert [(i.line, i.problem) for i in Problems(path, "problem", "answer")] == [
+        (1, "a"), (3, "b"), (4, "c")]  # fmt: skip
+    csv_file = tmp_path / "set.csv"
+    csv_file.write_text('problem,answer\n"two\nlines",1\nnext,2\n')
+    assert [(i.line, i.problem) for i in Problems(csv_file, "problem", "answer")] == [
+        (3, "two\nlines"), (4, "next")]  # fmt: skip
+    path.write_bytes(b'{"problem": "a", "answer": "1"}\n{"problem": "\xff", "answer": "2"}\n')
+    result = run_phi4("eval", str(path), "--backend", "http://127.0.0.1:9/v1", "-m", "m")
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith("set.jsonl:2: not UTF-8 text"), result.stderr
+
+
+def test_a_problem_changed_and_changed_back_resumes_its_record():
+    from phi4cli.grading import RUN_KEYS, Item, read_earlier
+
+    run = {**dict.fromkeys(RUN_KEYS), "samples": 1, "model": "m"}
+
+    def record(problem: str, status: str) -> str:
+        fields = {"problem": problem, "reference": "1", "status": status, "k": 1}
+        return json.dumps({"line": 1, **fields, "reasoning_tokens": 0, "completion_tokens": 1,
+                           "run": run})  # fmt: skip
+
+    lines = [record("A", "correct"), record("B", "wrong"), "{cut sho"]
+    for problem, status in (("A", "correct"), ("B", "wrong"), ("C", None)):
+        earlier = read_earlier(lines, [Item(1, problem, "1")], run)
+        assert earlier.done.get(1, {}).get("status") == status
+        assert earlier.foreign == 0 and earlier.adoptable == {}
+    other = read_earlier(lines, [Item(1, "A", "1")], {**run, "model": "n"})
+    assert other.foreign == 2 and other.done == {} and other.adoptable == {}, "not kept unasked"
+    forced = read_earlier(lines, [Item(1, "A", "1")], {**run, "model": "n"}, keep=True)
+    assert forced.adoptable[1]["problem"] == "A", "the whole record, to rewrite the file from"
+    assert "problem" not in read_earlier(lines, [Item(1, "A", "1")], run).done[1], "as counted"
+
+
+def test_eval_of_problems_added_to_a_finished_file_solves_only_the_new_ones(tmp_path: Path):
+    def script(body: dict[str, Any]) -> list[str | Step]:
+        number = body["messages"][-1]["content"].split("\n\n")[0].removeprefix("p")
+        return separated("reasoning_content", ["Think."], [f"$\\boxed{{{number}}}$"])
+
+    rows = [{"problem": f"p{i}", "answer": str(i if i % 3 else -i)} for i in range(1, 121)]
+    path = _write_problems(tmp_path / "set.jsonl", rows[:60])
+    with scripted_server(script) as server:
+        args = ["eval", str(path), "--backend", server.url, "-m", "m", "--json"]
+        first = run_phi4(*args)
+        assert first.returncode == 0, first.stderr
+        assert (json.loads(first.stdout)["problems"], json.loads(first.stdout)["correct"]) == (
+            60, 40)  # fmt: skip
+        _write_problems(path, rows)
+        second = run_phi4(*args)
+        assert second.returncode == 0, second.stderr
+        assert "resuming: 60 of 120 problems are already in" in second.stderr
+        asked = sorted(int(body["messages"][-1]["content"].split("\n\n")[0][1:])
+                       for body in server.bodies)  # fmt: skip
+    assert asked == list(range(1, 121)), "each problem asked once: the first 60 in the first run"
+    result = json.loads(second.stdout)
+    assert (result["problems"], result["correct"], result["wrong"]) == (120, 80, 40)
+    records = _records(Path(result["results"]))
+    assert sorted(r["line"] for r in records) == list(range(1, 121))
+    assert all(r["problem"] == f"p{r['line']}" for r in records)
