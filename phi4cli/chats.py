@@ -13,10 +13,11 @@ from typing import Any
 
 from phi4cli.atomicfile import write_atomic
 from phi4cli.errors import Phi4Error, UsageError
+from phi4cli.options import SETTABLE
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 FORMAT_VERSION = 1
-SETTINGS = ("temperature", "top_p", "max_tokens", "think_budget", "seed")  # a chat's own (/set)
+SETTINGS = SETTABLE  # a chat's own (/set)
 MAX_SESSION = 200  # characters of a session id, as the daemon takes them
 
 

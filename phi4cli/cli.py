@@ -17,9 +17,10 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from phi4cli import __version__, protocol
-from phi4cli.config import ANSWER_KEYS, Settings, format_duration, load_settings
+from phi4cli.config import Settings, format_duration, load_settings
 from phi4cli.errors import ConfigError, ExitStatus, Phi4Error, UsageError
 from phi4cli.exits import say  # the one `phi4:` line on stderr, cleaned
+from phi4cli.options import ANSWER_KEYS, DAEMON_OPTIONS, SETTING, SETTINGS
 from phi4cli.paths import Paths, get_paths
 from phi4cli.sanitize import TextCleaner, clean_text
 
@@ -65,59 +66,20 @@ def _complete_setting_value(ctx: typer.Context, incomplete: str) -> list[str]:
     return setting_values(ctx.params.get("key"), incomplete)
 
 
-ModelOption = Annotated[
-    str | None,
-    typer.Option(
-        "--model",
-        "-m",
-        help="Model alias or path to a .gguf file [env PHI4_MODEL].",
-        show_default=False,
-        autocompletion=_complete_model,
-    ),
-]
-KeepAliveOption = Annotated[
-    str | None,
-    typer.Option(
-        "--keep-alive",
-        help="How long the daemon stays resident when idle: 30m, 1h, "
-        "0 (exit when idle), -1 (forever) [env PHI4_KEEP_ALIVE; default 30m].",
-        show_default=False,
-    ),
-]
-NCtxOption = Annotated[
-    str | None,
-    typer.Option(
-        "--n-ctx",
-        metavar="auto|N",
-        help="KV cache tokens in all (shared by the requests, or split into their streams) "
-        "of a daemon this command starts [default auto: planned from the model and free "
-        "memory].",
-        show_default=False,
-    ),
-]
-ThreadsOption = Annotated[
-    int | None,
-    typer.Option(
-        "--threads",
-        help="CPU threads for a daemon this command starts [default: physical cores].",
-        show_default=False,
-    ),
-]
+def setting_option(key: str, **extra: Any) -> Any:
+    """The Typer option of setting ``key``, from its row of ``options.SETTINGS``."""
+    row = SETTING[key]
+    given = (("min", row.low), ("max", row.high), ("metavar", row.metavar))
+    checks: dict[str, Any] = {name: value for name, value in given if value is not None}
+    make: Any = typer.Option  # its overloads take no unpacked names
+    return make(*row.flags.split(), help=row.help, show_default=False, **checks, **extra)
 
 
-# Options shared by solve and chat.
-BackendOption = Annotated[
-    list[str] | None,
-    typer.Option("--backend", metavar="URL", show_default=False,
-                 help="Use this OpenAI-compatible server instead of the local daemon; give it "
-                      "again for replicas of the model, each sent requests at once "
-                      "[env PHI4_BACKEND; key from PHI4_BACKEND_KEY]."),
-]  # fmt: skip
-BackendConcurrencyOption = Annotated[
-    int | None,
-    typer.Option("--backend-concurrency", metavar="N", min=1, show_default=False,
-                 help="Requests in flight at once on each --backend [default: 16]."),
-]  # fmt: skip
+# The type of an option's value, by ``Setting.option``; None: not given (the setting stands).
+_OPTION_TYPES: dict[str, Any] = {"int": int | None, "float": float | None, "str": str | None,
+                                 "bool": bool | None, "list": list[str] | None}  # fmt: skip
+ModelOption = Annotated[str | None, setting_option("model", autocompletion=_complete_model)]
+KeepAliveOption = Annotated[str | None, setting_option("keep_alive")]
 RawOutputOption = Annotated[
     bool,
     typer.Option("--raw-output",
@@ -128,130 +90,15 @@ ShowReasoningOption = Annotated[
     bool,
     typer.Option("--show-reasoning", "-r", help="Stream the model's thinking (dimmed, stderr)."),
 ]
-ThinkBudgetOption = Annotated[
-    int | None,
-    typer.Option(
-        "--think-budget",
-        min=0,
-        help="End the thinking after N tokens; the model then answers [env PHI4_THINK_BUDGET].",
-        show_default=False,
-    ),
-]
-SystemOption = Annotated[
-    str | None, typer.Option("--system", "-s", help="Extra system prompt.", show_default=False)
-]
-TemperatureOption = Annotated[
-    float | None,
-    typer.Option(
-        "--temperature",
-        "-t",
-        help="Sampling temperature; 0 is greedy [default 0.8].",
-        show_default=False,
-    ),
-]
-TopPOption = Annotated[
-    float | None,
-    typer.Option("--top-p", help="Nucleus sampling [default 0.95].", show_default=False),
-]
-SeedOption = Annotated[
-    int | None,
-    typer.Option("--seed", help="Random seed, for repeatable samples.", show_default=False),
-]
-MaxTokensOption = Annotated[
-    int | None,
-    typer.Option(
-        "--max-tokens",
-        "-n",
-        min=1,
-        help="Stop after this many tokens (thinking included).",
-        show_default=False,
-    ),
-]
-DeterministicOption = Annotated[
-    bool | None,
-    typer.Option("--deterministic/--no-deterministic", show_default=False,
-                 help="Decode each request alone from a clean cache, so -t 0 and --seed "
-                      "answers repeat exactly (slower under load) [default false]."),
-]  # fmt: skip
-
-
-RamdiskOption = Annotated[
-    bool | None,
-    typer.Option("--ramdisk/--no-ramdisk", show_default=False,
-                 help="Stage the model in RAM (tmpfs) first [config ramdisk=auto|on|off]."),
-]  # fmt: skip
-MlockOption = Annotated[
-    bool | None,
-    typer.Option("--mlock/--no-mlock", show_default=False, help="Pin the model's pages in RAM."),
-]
-OvercommitOption = Annotated[
-    bool | None,
-    typer.Option("--overcommit/--no-overcommit", show_default=False,
-                 help="Load an --n-ctx whose KV cache is more than the free memory (it is "
-                      "refused otherwise, with the numbers)."),
-]  # fmt: skip
-MaxQueueOption = Annotated[
-    int | None,
-    typer.Option("--max-queue", min=1, show_default=False,
-                 help="Requests waiting before the daemon answers busy [default 64]."),
-]  # fmt: skip
-
-ParallelOption = Annotated[
-    int | None,
-    typer.Option("--parallel", min=1, max=64, show_default=False,
-                 help="Long requests the memory plan makes room for at once; short ones "
-                      "pack in beyond [default 4]."),
-]  # fmt: skip
-KvCacheTypeOption = Annotated[
-    str | None,
-    typer.Option("--kv-cache-type", metavar="f16|q8_0|q4_0", show_default=False,
-                 help="KV cache type: q8_0 holds twice the context in the same memory, "
-                      "q4_0 four times [default f16]."),
-]  # fmt: skip
-KvLayoutOption = Annotated[
-    str | None,
-    typer.Option("--kv-layout", metavar="auto|shared|streams", show_default=False,
-                 help="KV cache layout: shared (one cache; short requests pack in) or streams "
-                      "(one per request; faster with several deep answers) [default auto: "
-                      "streams for a reasoning model]."),
-]  # fmt: skip
-GpuLayersOption = Annotated[
-    str | None,
-    typer.Option("--gpu-layers", metavar="auto|all|N", show_default=False,
-                 help="Layers to offload to a GPU [default auto: as many as fit; 0 on a "
-                      "CPU-only build]."),
-]  # fmt: skip
-
 
 # Options shared by several commands, each overriding the setting of its name (None: not given),
-# declared once. ``with_options`` adds a group of them to a command's signature, where Typer
-# finds them, and hands them to the command as one dict.
+# each made from its setting's row. ``with_options`` adds a group of them to a command's
+# signature, where Typer finds them, and hands them to the command as one dict.
 SHARED_OPTIONS: dict[str, Any] = {
-    "model": ModelOption,
-    "keep_alive": KeepAliveOption,
-    "n_ctx": NCtxOption,
-    "threads": ThreadsOption,
-    "ramdisk": RamdiskOption,
-    "mlock": MlockOption,
-    "overcommit": OvercommitOption,
-    "max_queue": MaxQueueOption,
-    "parallel": ParallelOption,
-    "kv_cache_type": KvCacheTypeOption,
-    "kv_layout": KvLayoutOption,
-    "gpu_layers": GpuLayersOption,
-    "think_budget": ThinkBudgetOption,
-    "system": SystemOption,
-    "temperature": TemperatureOption,
-    "top_p": TopPOption,
-    "seed": SeedOption,
-    "max_tokens": MaxTokensOption,
-    "deterministic": DeterministicOption,
-    "backend": BackendOption,
-    "backend_concurrency": BackendConcurrencyOption,
-}
-# Every command that may start the daemon (daemon start, daemon run, warm) takes these.
-DAEMON_OPTIONS = ("model", "keep_alive", "n_ctx", "threads", "ramdisk", "mlock", "overcommit",
-                  "max_queue", "parallel", "kv_cache_type", "kv_layout", "gpu_layers")  # fmt: skip
+    row.key: Annotated[_OPTION_TYPES[row.option], setting_option(row.key)]
+    for row in SETTINGS if row.flags
+}  # fmt: skip
+SHARED_OPTIONS["model"] = ModelOption
 # Every command that asks for answers (solve, chat, eval) takes these.
 ANSWER_OPTIONS = ANSWER_KEYS
 

@@ -323,7 +323,10 @@ def completion_table() -> str:
 
 
 def expected_files() -> dict[Path, str]:
-    files = {ROOT / "completions" / f"phi4.{shell}": completion_script(shell) for shell in SHELLS}
+    from phi4cli.options import generated_records
+
+    files = {ROOT / "phi4cli" / "_settings.py": generated_records()}
+    files |= {ROOT / "completions" / f"phi4.{shell}": completion_script(shell) for shell in SHELLS}
     files[ROOT / "man" / "phi4.1"] = man_page()
     files[ROOT / "phi4cli" / "_solve_options.py"] = solve_option_table()
     files[ROOT / "phi4cli" / "_completion_table.py"] = completion_table()

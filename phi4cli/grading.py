@@ -20,6 +20,7 @@ from pathlib import Path
 
 from phi4cli.atomicfile import RefusedFileError, open_user_file, replace_user_file
 from phi4cli.errors import UsageError
+from phi4cli.options import REQUEST_KEYS, SETTING
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event
 from phi4cli.reasoning import AnswerComparer, majority_vote
@@ -186,8 +187,11 @@ def judge(item: Item, outcomes: list[Outcome],
 RESULTS_FILE = "results file"  # what the refusals call it
 # What a results record says about the run that made it; a rerun resumes only records whose
 # run is this one's, so another model's verdicts are never reported as this model's.
-RUN_KEYS = ("model", "model_file", "backend", "system", "instruction", "temperature", "top_p",
-            "seed", "max_tokens", "think_budget", "samples")  # fmt: skip
+# Each request setting but the decoding recipe (deterministic), from the table of settings; one
+# at its "off" value (min_p 0) is left out, so that records made before it existed still match.
+RUN_KEYS = ("model", "model_file", "backend", "system", "instruction",
+            *(key for key in REQUEST_KEYS if key not in ("system", "deterministic")),
+            "samples")  # fmt: skip
 # Enough of a GGUF to cover its header and metadata: a file replaced in place under the same
 # size and mtime still differs here.
 _HEAD_BYTES = 1 << 20
@@ -217,7 +221,10 @@ def run_identity(job: SolveJob, samples: int) -> dict[str, Any]:
     model_file = None if backend else model_file_identity(Path(base["model"]))
     identity.update(backend=backend, instruction=job.instruction, samples=samples,
                     model_file=model_file)  # fmt: skip
-    return dict(json.loads(json.dumps({key: identity.get(key) for key in RUN_KEYS})))
+    said = {key: identity.get(key) for key in RUN_KEYS
+            if key not in SETTING or identity.get(key) != SETTING[key].off
+            or SETTING[key].off is None}  # fmt: skip
+    return dict(json.loads(json.dumps(said)))
 
 
 def _without_secrets(url: str) -> str:
@@ -325,7 +332,7 @@ def describe_differences(theirs: dict[str, Any], run: dict[str, Any]) -> tuple[s
     b.gguf", "max_tokens 16, not 17", "another instruction"."""
     said = []
     for key in RUN_KEYS:
-        old, new = theirs.get(key), run[key]
+        old, new = theirs.get(key), run.get(key)
         if old == new:
             continue
         if key == "model":

@@ -41,6 +41,7 @@ from phi4cli.config import Settings, variable
 from phi4cli.errors import Phi4Error, RequestError, UsageError, http_status_for
 from phi4cli.exits import Announce
 from phi4cli.http_access import AccessGuard, AccessPolicy
+from phi4cli.options import SETTINGS
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Event, EventKind, Op, ProtocolViolation, parse_chat_params
 
@@ -164,12 +165,14 @@ def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[st
         "system": "\n\n".join(system_parts) or None,
         "model": model,
     }
-    for key in ("temperature", "top_p", "seed", "deterministic"):  # (the last is phi4's own)
-        if body.get(key) is not None:
-            params[key] = body[key]
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None:
-        params["max_tokens"] = limit
+    # Each setting by its names on the OpenAI wire (``deterministic`` is phi4's own), checked
+    # below as the daemon checks it.
+    for row in SETTINGS:
+        given = [body[name] for name in row.openai if body.get(name) is not None]
+        if given:
+            params[row.key] = given[0]
+    if body.get("max_completion_tokens") is not None:  # OpenAI's newer name for max_tokens
+        params["max_tokens"] = body["max_completion_tokens"]
     try:
         parse_chat_params(params, settings)
     except ProtocolViolation as exc:

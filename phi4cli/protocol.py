@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 
+from phi4cli._settings import Sampling
 from phi4cli.errors import ErrorCode as ErrorCode  # the wire's error codes
 from phi4cli.records import Record
 
@@ -225,9 +226,7 @@ class SolveParams(Record):
     prompt: str
     system: str | None
     model: Path | None
-    temperature: float
-    top_p: float
-    seed: int | None
+    sampling: Sampling  # the sampler's settings (options.SAMPLING_KEYS)
     max_tokens: int | None
     think_budget: int | None
     keep_alive: float | None
@@ -263,18 +262,13 @@ def _optional_int(params: Mapping[str, Any], key: str, low: int) -> int | None:
 
 class RequestDefaults(Protocol):
     """What a request does not say takes from the daemon's settings (``config.Settings`` is
-    one): the protocol reads these and nothing else of them."""
+    one): the protocol reads these, and the sampler's settings (``options.SAMPLING_KEYS``),
+    and nothing else of them."""
 
     @property
     def system(self) -> str | None: ...
     @property
     def deterministic(self) -> bool: ...
-    @property
-    def temperature(self) -> float: ...
-    @property
-    def top_p(self) -> float: ...
-    @property
-    def seed(self) -> int | None: ...
     @property
     def max_tokens(self) -> int | None: ...
     @property
@@ -326,9 +320,7 @@ def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> 
         prompt=prompt,
         system=system or None,
         model=Path(model) if model else None,
-        temperature=_number(params, "temperature", defaults.temperature, 0.0, 5.0),
-        top_p=_number(params, "top_p", defaults.top_p, 0.0, 1.0),
-        seed=_optional_int(params, "seed", 0) if "seed" in params else defaults.seed,
+        sampling=parse_sampling(params, defaults),
         max_tokens=_optional_int(params, "max_tokens", 1) or defaults.max_tokens,
         think_budget=(
             _optional_int(params, "think_budget", 0)
@@ -339,6 +331,24 @@ def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> 
         priority=PRIORITIES[priority],
         deterministic=deterministic,
     )
+
+
+def parse_sampling(params: Mapping[str, Any], defaults: RequestDefaults) -> Sampling:
+    """The sampler's settings of a request, each checked as its row of ``options.SETTINGS``
+    says (a number within bounds, or a whole number from a least one; null for an optional
+    one), and the daemon's own where the request does not say."""
+    from phi4cli.options import SETTING
+
+    values: dict[str, Any] = {}
+    for key in Sampling._fields:
+        low, high = SETTING[key].wire or (None, None)
+        if key not in params:
+            values[key] = getattr(defaults, key)
+        elif high is None:
+            values[key] = _optional_int(params, key, int(low or 0))
+        else:
+            values[key] = _number(params, key, getattr(defaults, key), float(low or 0), high)
+    return Sampling(**values)
 
 
 def _check_text(params: Mapping[str, Any]) -> None:

@@ -315,9 +315,15 @@ class RemoteEngine:
     def _body(self, params: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": True,
                                 "stream_options": {"include_usage": True}}  # fmt: skip
-        for key in ("temperature", "top_p", "seed", "max_tokens"):
-            if params.get(key) is not None:
-                body[key] = params[key]
+        from phi4cli.options import SETTINGS
+
+        # Each setting with names on the OpenAI wire, unless it is off (a server that knows
+        # no min_p is not sent one it would refuse): repeat_penalty under llama-server's name
+        # and vLLM's and SGLang's (repetition_penalty).
+        for row in SETTINGS:
+            value = params.get(row.key)
+            if row.openai and value is not None and value != row.off:
+                body.update(dict.fromkeys(row.openai, value))
         return body
 
     def stream(self, params: dict[str, Any], attempt: Attempt) -> Iterator[Event]:

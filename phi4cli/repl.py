@@ -21,13 +21,13 @@ from prompt_toolkit.history import FileHistory
 
 from phi4cli.atomicfile import write_atomic
 from phi4cli.backends import Backend, RequestStream
-from phi4cli.chats import SETTINGS as CHAT_SETTINGS
 from phi4cli.chats import ChatStore, Conversation, Turn, default_name
 from phi4cli.config import Settings, parse_setting
 from phi4cli.environment import Environment
 from phi4cli.errors import DaemonGoneError, Phi4Error, RequestError
 from phi4cli.exits import Announce, say
 from phi4cli.inputs import replace_bad
+from phi4cli.options import SETTABLE, SETTING
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Op, Stats
 from phi4cli.records import Record
@@ -41,7 +41,6 @@ from phi4cli.render import (
 )
 from phi4cli.sanitize import clean_text
 
-SETTABLE = CHAT_SETTINGS
 PROMPT = "phi4> "
 CONTINUATION = "... "
 HISTORY_LIMIT = 1000
@@ -469,7 +468,11 @@ class ChatRepl:
     def _show(self, _argument: str = "") -> None:
         stats = self._last_stats or Stats()
         n_ctx = stats.n_ctx or self.settings.n_ctx or "auto (planned by the daemon)"
-        settings = ", ".join(f"{k}={v}" for k, v in self.sampling().items())
+        settings = ", ".join(
+            f"{k}={v}"
+            for k, v in self.sampling().items()
+            if v != SETTING[k].off or SETTING[k].off is None
+        )  # off: not said
         shown = format_chat_show(self.conversation, stats, self.model, settings, n_ctx)
         print(shown, file=self.env.stdout)
 

@@ -842,34 +842,27 @@ class LoadLine:
         return Text(f"{doing}… {now - self._began:.0f} s")
 
 
-class SolveOptions(Record):
-    """`phi4 solve`'s options, as Typer (or the fast path, from the same table) parsed them."""
+class SolveOptions:
+    """`phi4 solve`'s options, as Typer (or the fast path, from the same table) parsed them: its
+    own, and the answer options every command that solves takes (``options.ANSWER_KEYS``, by
+    setting name; None: not given), in ``answer``."""
 
-    prompt: str | None = None
-    model: str | None = None
-    show_reasoning: bool = False
-    answer_only: bool = False
-    as_json: bool = False
-    file: str | None = None
-    each_line: bool = False
-    jsonl: bool = False
-    samples: int = 1
-    think_budget: int | None = None
-    system: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    max_tokens: int | None = None
-    deterministic: bool | None = None
-    keep_alive: str | None = None
-    n_ctx: str | None = None
-    threads: int | None = None
-    overcommit: bool | None = None
-    backend: tuple[str, ...] | list[str] | None = None
-    backend_concurrency: int | None = None
-    no_instruction: bool = False
-    verbose: bool = False
-    raw_output: bool = False
+    def __init__(self, prompt: str | None = None, model: str | None = None,
+                 show_reasoning: bool = False, answer_only: bool = False,
+                 as_json: bool = False, file: str | None = None, each_line: bool = False,
+                 jsonl: bool = False, samples: int = 1, no_instruction: bool = False,
+                 verbose: bool = False, raw_output: bool = False,
+                 **answer: Any) -> None:  # fmt: skip
+        from phi4cli.options import ANSWER_KEYS
+
+        unknown = sorted(set(answer) - set(ANSWER_KEYS))
+        if unknown:
+            raise TypeError(f"SolveOptions() got an unknown option {unknown[0]!r}")
+        self.prompt, self.model, self.samples = prompt, model, samples
+        self.show_reasoning, self.answer_only, self.as_json = show_reasoning, answer_only, as_json
+        self.file, self.each_line, self.jsonl = file, each_line, jsonl
+        self.no_instruction, self.verbose, self.raw_output = no_instruction, verbose, raw_output
+        self.answer = {key: answer.get(key) for key in ANSWER_KEYS}
 
 
 def read_prompt(prompt: str | None, env: Environment) -> str:
@@ -921,16 +914,10 @@ def make_job(
     settings = load_settings(paths.config_file, {"model": model, **answer_options})
     check_sent_text(settings)
     model_path = None if settings.backend else resolve_model(settings.model, paths)
-    base: dict[str, Any] = {
-        "model": str(model_path or settings.model),
-        "system": settings.system,
-        "temperature": settings.temperature,
-        "top_p": settings.top_p,
-        "seed": settings.seed,
-        "max_tokens": settings.max_tokens,
-        "think_budget": settings.think_budget,
-        "deterministic": settings.deterministic,
-    }
+    from phi4cli.options import REQUEST_KEYS
+
+    base: dict[str, Any] = {"model": str(model_path or settings.model),
+                            **{key: getattr(settings, key) for key in REQUEST_KEYS}}  # fmt: skip
     if answer_options.get("keep_alive") is not None or set_in_environment("keep_alive"):
         base["keep_alive"] = settings.keep_alive
     backend = make_backend(paths, settings, model_path or settings.model, env.notice)
@@ -955,11 +942,8 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
     # Checked before anything starts: a file that is not there or not UTF-8 is refused first.
     opened = open_problems(o.file or "-", env) if reads_file else None
     question = read_prompt(o.prompt, env) if opened is None else ""
-    from phi4cli.config import ANSWER_KEYS
-
-    answer_options = {key: getattr(o, key) for key in ANSWER_KEYS}
     try:
-        job = make_job(env, o.model, answer_options, o.no_instruction)
+        job = make_job(env, o.model, o.answer, o.no_instruction)
     except BaseException:
         if opened is not None and opened.owned:
             opened.stream.close()  # nothing has read it yet

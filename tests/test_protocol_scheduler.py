@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from phi4cli import protocol
+from phi4cli._settings import Sampling
 from phi4cli.config import Settings
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, Wait
 from phi4cli.daemon.scheduler import JobQueue, QueueFullError, RequestScheduler
@@ -67,13 +68,14 @@ def test_error_events_say_whether_to_retry():
 def test_solve_params_defaults_and_validation():
     defaults = Settings(temperature=0.8, top_p=0.95, seed=7)
     params = parse_solve_params({"prompt": "2+2", "priority": "bulk"}, defaults)
-    assert (params.temperature, params.top_p, params.seed, params.priority) == (
+    sampling = params.sampling  # the sampler's settings, in one record
+    assert (sampling.temperature, sampling.top_p, sampling.seed, params.priority) == (
         0.8,
         0.95,
         7,
         PRIORITY_BULK,
     )
-    assert parse_solve_params({"prompt": "x", "seed": None}, defaults).seed is None
+    assert parse_solve_params({"prompt": "x", "seed": None}, defaults).sampling.seed is None
     for bad in (
         {"prompt": "x", "top_p": 2},
         {"prompt": "x", "max_tokens": 0},
@@ -184,8 +186,9 @@ class Collector:
                 self.done.notify_all()
 
         params = SolveParams(
-            prompt=prompt, system=None, model=kw.get("model"), temperature=0.0, top_p=1.0,
-            seed=None, max_tokens=None, think_budget=None, keep_alive=None, priority=priority,
+            prompt=prompt, system=None, model=kw.get("model"),
+            sampling=Sampling(temperature=0.0, top_p=1.0), max_tokens=None, think_budget=None,
+            keep_alive=None, priority=priority,
         )  # fmt: skip
         return Job(request_id=request_id, params=params, emit=emit)
 

@@ -127,7 +127,12 @@ def test_the_protocol_stands_on_leaves_only():
     known = modules()
     taken = {target for target, _line in imports("phi4cli.protocol", known["phi4cli.protocol"],
                                                  known)}  # fmt: skip
-    assert taken <= {"phi4cli.errors", "phi4cli.records", "phi4cli.durations", "phi4cli.inputs"}
+    assert taken <= {"phi4cli.errors", "phi4cli.records", "phi4cli.durations", "phi4cli.inputs",
+                     "phi4cli.options", "phi4cli._settings"}  # fmt: skip
+    # The table of settings it checks requests by stands on leaves too.
+    for table in ("phi4cli.options", "phi4cli._settings"):
+        under = {target for target, _line in imports(table, known[table], known)}
+        assert under <= {"phi4cli.records", "phi4cli.durations", "phi4cli.options"}, table
 
 
 def test_only_config_reads_phi4_variables():

@@ -29,6 +29,7 @@ from typing import Any
 import llama_cpp
 from llama_cpp import _internals as llama_internals
 
+from phi4cli._settings import Sampling
 from phi4cli.config import Settings
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
@@ -42,6 +43,7 @@ log = logging.getLogger("phi4.engine")
 
 # The model card samples with transformers' defaults besides temperature/top_p, i.e. top_k=50.
 TOP_K = 50
+REPEAT_LAST_N = 64  # tokens the repeat penalty looks back over (llama-server's default)
 # Prompt tokens read per step while other requests are answering.
 PREFILL_CHUNK = 64
 # Room kept for the tokens that close the thinking when a think budget is reached; they are the
@@ -382,14 +384,15 @@ class LlamaEngine:
         slot.pending = tokens[keep:]
         self._reclaim(needed, slot)
         params = job.params
-        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        sampling = params.sampling
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(31)
         slot.run = _Run(
             job=job,
             prompt=tokens,
             cached=keep,
             chat=prepared.chat,
             seed=seed,
-            sampler=_make_sampler(params, seed),
+            sampler=_make_sampler(sampling, seed, model.model.n_vocab()),
             budget=prepared.budget,
             max_len=len(tokens) + prepared.budget + prepared.extra,
             reserved=needed,
@@ -720,13 +723,19 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return count
 
 
-def _make_sampler(params: SolveParams, seed: int) -> Any:
+def _make_sampler(sampling: Sampling, seed: int, n_vocab: int) -> Any:
+    """llama.cpp's chain, in llama-server's order: the repeat penalty (greedy or not, as there),
+    then top-k, top-p, min-p and the temperature before the draw."""
     sampler = llama_internals.LlamaSampler()
-    if params.temperature <= 0.0:
+    if sampling.repeat_penalty != 1.0:
+        sampler.add_penalties(n_vocab, REPEAT_LAST_N, sampling.repeat_penalty, 0.0, 0.0)
+    if sampling.temperature <= 0.0:
         sampler.add_greedy()
     else:
         sampler.add_top_k(TOP_K)
-        sampler.add_top_p(params.top_p, 1)
-        sampler.add_temp(params.temperature)
+        sampler.add_top_p(sampling.top_p, 1)
+        if sampling.min_p > 0.0:
+            sampler.add_min_p(sampling.min_p, 1)
+        sampler.add_temp(sampling.temperature)
         sampler.add_dist(seed)
     return sampler
