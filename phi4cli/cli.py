@@ -795,14 +795,35 @@ def _load_model(
 @with_daemon_options
 def daemon_run(
     daemon: OptionGroup,
-    ramdisk_mode: Annotated[
-        str | None, typer.Option("--ramdisk-mode", hidden=True, show_default=False)
+    given: Annotated[
+        str | None, typer.Option("--settings", hidden=True, show_default=False)
     ] = None,
 ) -> None:
     """Run the daemon in the foreground (for debugging and service managers)."""
     from phi4cli.daemon.server import run_daemon
 
-    run_daemon(*_daemon_setup(daemon, **({"ramdisk": ramdisk_mode} if ramdisk_mode else {})))
+    paths, settings, model_path = _daemon_setup(daemon)
+    if given is not None:  # a client started it: its settings, as that client has them
+        settings = _started_with(given, settings)
+    run_daemon(paths, settings, model_path)
+
+
+def _started_with(given: str, settings: Settings) -> Settings:
+    """``settings`` with those of ``--settings`` (JSON, from ``spawn.daemon_command``), each
+    checked as its row of options.SETTINGS says (null: "auto", for those that have one)."""
+    from phi4cli.options import DAEMON_START
+
+    try:
+        values = json.loads(given)
+    except json.JSONDecodeError:
+        values = None
+    if not isinstance(values, dict) or not set(values) <= set(DAEMON_START):
+        raise UsageError(f"--settings must be a JSON object of {', '.join(DAEMON_START)}")
+    from phi4cli.config import parse_setting
+
+    checked: dict[str, Any] = {key: parse_setting(key, value, "--settings")
+                               for key, value in values.items()}  # fmt: skip
+    return settings._replace(**checked)
 
 
 @app.command()

@@ -371,6 +371,8 @@ ANSWER_KEYS = tuple(s.key for s in SETTINGS if "answer" in s.groups)
 DAEMON_OPTIONS = tuple(s.key for s in SETTINGS if "daemon" in s.groups)
 # Settings a daemon takes when it starts and keeps for its life.
 DAEMON_SETTINGS = tuple(s.key for s in SETTINGS if s.lifetime == DAEMON)
+# What a daemon is started with (``phi4 daemon run --settings``): what it keeps for its life.
+DAEMON_START = ("keep_alive", *DAEMON_SETTINGS)
 # What each request sends the daemon (keep_alive only where given), and what its sampler uses.
 REQUEST_KEYS = tuple(s.key for s in SETTINGS if s.lifetime == REQUEST and s.key != "keep_alive")
 SAMPLING_KEYS = tuple(s.key for s in SETTINGS if s.sampling)

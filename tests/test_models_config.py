@@ -284,3 +284,31 @@ def test_version_and_help():
     helped = run_phi4("solve", "--help")
     assert helped.returncode == 0
     assert "--keep-alive" in helped.stdout
+
+
+def test_a_daemon_is_started_with_the_clients_settings_in_one_argument(tmp_path: Path):
+    # Before, spawn turned Settings back into ten flags by hand, which the daemon parsed again.
+    import json
+
+    from phi4cli.cli import _started_with
+    from phi4cli.daemon.spawn import daemon_command
+    from phi4cli.errors import ConfigError, UsageError
+    from phi4cli.options import DAEMON_START
+
+    client = Settings(keep_alive=FOREVER, n_ctx=None, threads=2, ramdisk="off", mlock=True,
+                      gpu_layers=3, kv_cache_type="q8_0", parallel=8)  # fmt: skip
+    command = daemon_command(client, tmp_path / "m.gguf")
+    assert command[command.index("run") + 1] == "--settings"
+    assert command[-2:] == ["--model", str(tmp_path / "m.gguf")]
+    given = command[command.index("--settings") + 1]
+    assert list(json.loads(given)) == list(DAEMON_START)
+    # The daemon's own config says n_ctx 4096; the client's "auto" (None) is what it keeps.
+    daemon = Settings(n_ctx=4096, threads=None, kv_cache_type="f16", temperature=0.1)
+    started = _started_with(given, daemon)
+    assert {key: getattr(started, key) for key in DAEMON_START} == {
+        key: getattr(client, key) for key in DAEMON_START}  # fmt: skip
+    assert started.temperature == 0.1, "a request setting is not the start's"
+    with pytest.raises(ConfigError, match="invalid parallel 0"):
+        _started_with('{"parallel": 0}', daemon)
+    with pytest.raises(UsageError, match="--settings must be a JSON object"):
+        _started_with('{"temperature": 1}', daemon)

@@ -97,20 +97,18 @@ def spawn_lock(paths: Paths) -> Iterator[None]:
 
 
 def daemon_command(settings: Settings, model_path: Path | None) -> list[str]:
+    """How the daemon is started: ``phi4 daemon run`` given, as one argument, every setting it
+    keeps for its life (``options.DAEMON_START``) as this client has them, so that the daemon
+    has them so too whatever its own environment says."""
+    import json
+
+    from phi4cli.options import DAEMON_START
+
     # -P: not the working directory first on sys.path, so the daemon runs the same phi4 as the
     # client even when started inside a source checkout (it would be "another install").
-    command = [sys.executable, "-P", "-m", "phi4cli", "daemon", "run", "--keep-alive"]
-    command.append(str(settings.keep_alive))
-    command += ["--n-ctx", str(settings.n_ctx or "auto"), "--ramdisk-mode", settings.ramdisk]
-    command += ["--kv-cache-type", settings.kv_cache_type, "--kv-layout", settings.kv_layout]
-    command += ["--gpu-layers", str(settings.gpu_layers)]
-    command += ["--max-queue", str(settings.max_queue), "--parallel", str(settings.parallel)]
-    if settings.mlock:
-        command.append("--mlock")
-    if settings.overcommit:
-        command.append("--overcommit")
-    if settings.threads:
-        command += ["--threads", str(settings.threads)]
+    given = {key: getattr(settings, key) for key in DAEMON_START}
+    command = [sys.executable, "-P", "-m", "phi4cli", "daemon", "run", "--settings",
+               json.dumps(given, separators=(",", ":"))]  # fmt: skip
     if model_path is not None:
         command += ["--model", str(model_path)]
     return command
