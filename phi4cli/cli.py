@@ -18,6 +18,7 @@ import typer
 
 from phi4cli import __version__, protocol
 from phi4cli.config import Settings, format_duration, load_settings
+from phi4cli.environment import Environment
 from phi4cli.errors import ConfigError, ExitStatus, Phi4Error, UsageError
 from phi4cli.exits import say  # the one `phi4:` line on stderr, cleaned
 from phi4cli.options import ANSWER_KEYS, DAEMON_OPTIONS, SETTING, SETTINGS
@@ -242,7 +243,7 @@ def solve(
         samples=samples, no_instruction=no_instruction, verbose=verbose, raw_output=raw_output,
         **answer,
     )  # fmt: skip
-    return run_solve(options)
+    return run_solve(options, _env())
 
 
 @app.command("eval")
@@ -307,14 +308,13 @@ def eval_(
     no_instruction: NoInstructionOption = False,
 ) -> int:
     """Solve problems with known answers and report accuracy (math-verify judges each answer)."""
-    from phi4cli.environment import Environment
     from phi4cli.grading import MismatchPolicy, Problems, run_eval
     from phi4cli.render import format_eval
     from phi4cli.solving import make_job
 
     if restart and force_resume:
         raise UsageError("--restart and --force-resume contradict each other; give one")
-    env = Environment()
+    env = _env()
     problems = Problems(file, problem_field, answer_field)
     count = problems.check()  # before anything starts: a bad line is exit 2
     results = output or file.with_name(file.name + ".results.jsonl")
@@ -363,7 +363,6 @@ def chat(
     """Chat: a streaming REPL whose conversation stays cached in the daemon."""
     from phi4cli.backends import make_backend
     from phi4cli.chats import ChatStore, Conversation, default_name
-    from phi4cli.environment import Environment
     from phi4cli.models import resolve_model
     from phi4cli.repl import ChatRepl, line_reader, prompt_reader
     from phi4cli.solving import check_sent_text
@@ -390,7 +389,8 @@ def chat(
             name=default_name(), model=str(model_path), system=settings.system
         )
     conversation.model = str(model_path)
-    env = Environment(paths=paths, raw_output=raw_output)
+    env = _env()
+    env.raw_output = raw_output
     backend_ = make_backend(paths, settings, model_path, env.notice)
     repl = ChatRepl(env, backend_, settings, str(model_path), conversation, store,
                     show_reasoning, verbose)  # fmt: skip
@@ -912,13 +912,28 @@ def pull(
     print(f"{name}: {path}")
 
 
-def main(argv: list[str] | None = None) -> NoReturn:
-    """Run the Typer app and exit with the documented exit code for whatever happened.
+_environment: Environment | None = None  # the one main was given: see _env
+
+
+def _env() -> Environment:
+    """The Environment of this run: the one ``main`` was given (``entry.main`` makes it), or,
+    for a command run some other way (a test's CliRunner), one made now, once."""
+    global _environment
+    if _environment is None:
+        _environment = Environment()
+    return _environment
+
+
+def main(argv: list[str] | None = None, env: Environment | None = None) -> NoReturn:
+    """Run the Typer app in ``env`` and exit with the documented exit code for whatever
+    happened.
 
     ``phi4cli.entry.main`` (the ``phi4`` script) comes here for everything but the fast solve.
     """
+    global _environment
     from phi4cli.exits import run_reporting
 
+    _environment = env
     command = typer.main.get_command(app)
 
     def run() -> int | None:
