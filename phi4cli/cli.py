@@ -331,9 +331,9 @@ def eval_(
         result["replicas"] = replicas  # how many each answered (also said on stderr)
     if as_json:
         print(json.dumps({**result, "seconds": round(seconds, 3), "results": str(results)},
-                         indent=2))  # fmt: skip
+                         indent=2), file=env.stdout)  # fmt: skip
     else:
-        print(format_eval(result, seconds, results), file=sys.stderr if jsonl else sys.stdout)
+        print(format_eval(result, seconds, results), file=env.stderr if jsonl else env.stdout)
     return ExitStatus.ERROR if result["error"] else ExitStatus.OK
 
 

@@ -7,8 +7,8 @@ a table generated from the Typer command itself (``_solve_options``, kept curren
 parser is not sure of (``--help``, completion, an unknown option, a value Typer would refuse)
 goes to Typer, which then says exactly what it always says.
 
-Both ways end in ``exits.run_reporting``, the one place that turns an exception into an exit
-status and a line on stderr.
+Both ways are handed the one ``Environment`` of the run, and end in ``exits.run_reporting``,
+the one place that turns an exception into an exit status and a line on stderr.
 """
 
 from __future__ import annotations
@@ -91,13 +91,18 @@ def main(argv: list[str] | None = None) -> NoReturn:
             if argv is None:
                 exit_now(status)
             sys.exit(status)
+    # The one Environment of the run (streams, terminals, colour; paths on first use), which
+    # every command that reads or writes through one is handed.
+    from phi4cli.environment import Environment
+
+    env = Environment()
     if args[:1] == ["solve"] and "_PHI4_COMPLETE" not in os.environ:
         parsed = parse_solve(args[1:])
         if parsed is not None:
             from phi4cli.solving import SolveOptions, run_solve
 
             options = SolveOptions(**parsed)
-            run_reporting(lambda: run_solve(options), fast_exit=argv is None)
+            run_reporting(lambda: run_solve(options, env), fast_exit=argv is None)
     from phi4cli.cli import main as typer_main
 
-    typer_main(args)
+    typer_main(args, env)

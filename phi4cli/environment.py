@@ -52,10 +52,17 @@ class Environment:
             colour = not os.environ.get("NO_COLOR") and os.environ.get("TERM", "") != "dumb"
         self.colour = colour
         self.raw_output = raw_output
-        self.paths = paths if paths is not None else get_paths()
+        self._paths = paths  # None: found on first use, where a bad PHI4_HOME is reported
         # Set while a live display (a progress bar) holds stderr's last line: it prints notices
         # above itself, where a plain write would land on its line.
         self.print_above_live: Announce | None = None
+
+    @property
+    def paths(self) -> Paths:
+        """Where phi4's files live (``get_paths()`` unless given)."""
+        if self._paths is None:
+            self._paths = get_paths()
+        return self._paths
 
     @property
     def terminal(self) -> bool:

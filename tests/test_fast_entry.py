@@ -181,3 +181,29 @@ def test_a_question_beside_file_is_refused_not_dropped(tmp_path: Path):
     result = run_phi4("solve", "--file", str(problems), "what", "is", "2+2")
     assert result.returncode == 2 and result.stdout == ""
     assert "give a question or --file, not both: 'what is 2+2'" in result.stderr
+
+
+def test_the_typer_commands_write_through_the_environment_main_is_given(tmp_path: Path):
+    # One Environment per run, made by the entry and handed down: solve and eval print there.
+    import io
+
+    from phi4cli import cli
+    from phi4cli.environment import Environment
+    from tests.scripted_server import scripted_server, separated
+
+    problems = tmp_path / "set.jsonl"
+    problems.write_text(json.dumps({"problem": "2+2?", "answer": "4"}) + "\n")
+    with scripted_server(
+        lambda _body: separated("reasoning_content", ["Hm."], ["$\\boxed{4}$"])
+    ) as server:
+        try:
+            for args in (["solve", "2+2?", "--answer-only"], ["eval", str(problems), "--json"]):
+                out, err = io.StringIO(), io.StringIO()
+                env = Environment(io.StringIO(), out, err)
+                with pytest.raises(SystemExit) as exited:
+                    cli.main([*args, "--backend", server.url, "-m", "m"], env)
+                assert exited.value.code == 0, err.getvalue()
+                assert "4" in out.getvalue(), (args, out.getvalue(), err.getvalue())
+        finally:
+            cli._environment = None  # as a later command run some other way would find it
+    assert json.loads(out.getvalue())["correct"] == 1
