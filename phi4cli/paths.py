@@ -74,13 +74,18 @@ class Paths(Record):
         DaemonUnavailableError unless it is a real directory of this user's (another user may
         have created ``/tmp/phi4-<uid>`` first, with a socket of theirs in it). Take back group
         and other access from a directory that is ours. A missing directory passes."""
+        from phi4cli.errors import DaemonUnavailableError
+
         try:
             info = self.runtime_dir.lstat()  # lstat: a planted symlink must not pass for ours
         except FileNotFoundError:
             return self.runtime_dir
+        except OSError as exc:  # a file where a directory above it should be (PHI4_HOME=a file)
+            raise DaemonUnavailableError(
+                f"cannot use {self.runtime_dir}: {exc.strerror}; check PHI4_HOME or "
+                "XDG_RUNTIME_DIR"
+            ) from None
         if info.st_uid != os.getuid() or not stat.S_ISDIR(info.st_mode):
-            from phi4cli.errors import DaemonUnavailableError
-
             owner = f"owned by uid {info.st_uid}" if info.st_uid != os.getuid() else "a link"
             raise DaemonUnavailableError(
                 f"{self.runtime_dir} is not a directory of yours ({owner}); phi4 will not use "

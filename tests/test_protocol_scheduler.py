@@ -25,6 +25,7 @@ from phi4cli.protocol import (
     SolveParams,
     parse_solve_params,
 )
+from tests.conftest import run_phi4
 
 
 def test_encode_is_one_line_even_with_newlines_in_text():
@@ -415,6 +416,16 @@ def test_runtime_dir_of_another_user_is_refused(tmp_path: Path):
     link.symlink_to(real)
     with pytest.raises(DaemonUnavailableError, match="not a directory of yours"):
         Paths(tmp_path, tmp_path, tmp_path, tmp_path, link).ensure_runtime_dir()
+
+
+def test_a_phi4_home_that_is_a_file_is_one_line_and_exit_3(tmp_path: Path):
+    # Before: `phi4 status` ended in "internal error: NotADirectoryError".
+    home = tmp_path / "home"
+    home.write_text("not a directory")
+    result = run_phi4("status", env={"PHI4_HOME": str(home)})
+    assert result.returncode == 3, result.stderr
+    assert result.stderr == f"phi4: error: cannot use {home}/run: Not a directory; check " \
+        "PHI4_HOME or XDG_RUNTIME_DIR\n"  # fmt: skip
 
 
 def test_default_runtime_dir_prefers_xdg_and_falls_back_to_tmp(monkeypatch, tmp_path: Path):
