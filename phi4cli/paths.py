@@ -82,8 +82,7 @@ class Paths(Record):
             return self.runtime_dir
         except OSError as exc:  # a file where a directory above it should be (PHI4_HOME=a file)
             raise DaemonUnavailableError(
-                f"cannot use {self.runtime_dir}: {exc.strerror}; check PHI4_HOME or "
-                "XDG_RUNTIME_DIR"
+                f"cannot use {self.runtime_dir}: {exc.strerror}; check PHI4_HOME or XDG_RUNTIME_DIR"
             ) from None
         if info.st_uid != os.getuid() or not stat.S_ISDIR(info.st_mode):
             owner = f"owned by uid {info.st_uid}" if info.st_uid != os.getuid() else "a link"
