@@ -11,11 +11,10 @@ next to a user-given path, perhaps in /tmp, so it is opened by ``atomicfile.open
 from __future__ import annotations
 
 import csv
-import io
 import json
 import os
 import time
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Generator, Iterable, Iterator
 from pathlib import Path
 
 from phi4cli.atomicfile import RefusedFileError, open_user_file, replace_user_file
@@ -45,55 +44,71 @@ class Problems:
     """The problems and reference answers of a JSONL or CSV file, read from the file each time
     they are gone through: a file of 100,000 problems is never held at once. Lines are numbered
     as ``str.splitlines`` numbers them (a CSV's header is line 1), which the records of a
-    results file say."""
+    results file say. An input that can be read only once (``<(zcat p.jsonl.gz)``, a FIFO) is
+    read whole by :meth:`check` and held, as every input was before."""
 
     def __init__(self, path: Path, problem_field: str, answer_field: str) -> None:
         self.path, self.problem_field, self.answer_field = path, problem_field, answer_field
+        self._held: list[Item] | None = None
 
     def check(self) -> int:
         """How many problems the file holds, read through once before anything is solved;
         UsageError naming the line of anything that is not one."""
-        count = sum(1 for _ in self)
+        import stat
+
+        try:
+            once = not stat.S_ISREG(self.path.stat().st_mode)
+        except OSError:
+            once = False  # reading it says why it cannot be read
+        if once:
+            self._held = list(self._read())
+        count = len(self._held) if self._held is not None else sum(1 for _ in self._read())
         if not count:
             raise UsageError(f"{self.path} holds no problems")
         return count
 
     def __iter__(self) -> Iterator[Item]:
+        return iter(self._held) if self._held is not None else self._read()
+
+    def _read(self) -> Iterator[Item]:
         path, problem_field, answer_field = self.path, self.problem_field, self.answer_field
+        is_csv = path.suffix.lower() == ".csv"
         try:
-            with path.open("rb") as handle:
-                rows = _csv_rows(path, handle) if path.suffix.lower() == ".csv" else \
-                    _json_lines(path, handle)  # fmt: skip
-                for line, row in rows:
-                    if not isinstance(row, dict):
-                        raise UsageError(f"{path}:{line}: expected an object with "
-                                         f"{problem_field!r} and {answer_field!r}")  # fmt: skip
-                    problem, reference = row.get(problem_field), row.get(answer_field)
-                    if not isinstance(problem, str) or not problem.strip():
-                        raise UsageError(f"{path}:{line}: no {problem_field!r} "
-                                         "(--problem-field names it)")  # fmt: skip
-                    if reference is None or not str(reference).strip():
-                        raise UsageError(f"{path}:{line}: no {answer_field!r} "
-                                         "(--answer-field names it)")  # fmt: skip
-                    yield Item(line, problem.strip(), str(reference).strip())
+            # A CSV's line ends are translated ("\r\n", "\r": "\n"), as read_text() did.
+            with (path.open(encoding="utf-8", newline=None) if is_csv else
+                  path.open("rb")) as handle:  # fmt: skip
+                rows = _csv_rows(path, handle) if is_csv else _json_lines(path, handle)
+                try:
+                    for line, row in rows:
+                        if not isinstance(row, dict):
+                            raise UsageError(f"{path}:{line}: expected an object with "
+                                             f"{problem_field!r} and {answer_field!r}")  # fmt: skip
+                        problem, reference = row.get(problem_field), row.get(answer_field)
+                        if not isinstance(problem, str) or not problem.strip():
+                            raise UsageError(f"{path}:{line}: no {problem_field!r} "
+                                             "(--problem-field names it)")  # fmt: skip
+                        if reference is None or not str(reference).strip():
+                            raise UsageError(f"{path}:{line}: no {answer_field!r} "
+                                             "(--answer-field names it)")  # fmt: skip
+                        yield Item(line, problem.strip(), str(reference).strip())
+                finally:
+                    rows.close()
         except OSError as exc:
             raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-def _csv_rows(path: Path, handle: BinaryIO) -> Iterator[tuple[int, Any]]:
-    # Lines end at "\n" alone, as in the csv module's own reading of a string.
-    text = io.TextIOWrapper(handle, encoding="utf-8", newline="\n")
+def _csv_rows(path: Path, text: Any) -> Generator[tuple[int, Any]]:
     reader = csv.DictReader(text)
     try:
         for row in reader:
             yield reader.line_num, row
     except UnicodeDecodeError:
         raise UsageError(f"cannot read {path}: not UTF-8 text") from None
-    finally:
-        text.detach()  # the handle is closed by its owner
+    except csv.Error as exc:
+        raise UsageError(f"{path}:{reader.line_num}: not CSV ({exc})") from None
 
 
-def _json_lines(path: Path, handle: BinaryIO) -> Iterator[tuple[int, Any]]:
+def _json_lines(path: Path, handle: Any) -> Generator[tuple[int, Any]]:
     line = 0
     for raw in handle:
         try:

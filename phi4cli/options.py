@@ -54,6 +54,18 @@ def _positive_int(value: object) -> int:
     return number
 
 
+def _up_to(high: int) -> Callable[[object], int]:
+    """A parser for a whole number from 1 to ``high``."""
+
+    def parse(value: object) -> int:
+        number = _positive_int(value)
+        if number > high:
+            raise ValueError(value)
+        return number
+
+    return parse
+
+
 def _optional_positive_int(value: object) -> int | None:
     if value is None or str(value).strip().lower() in {"", "none", "auto", "0"}:
         return None
@@ -223,8 +235,9 @@ class Setting(Record):
     # How the daemon checks a value sent with a request: (low, high) for a number, (low, None)
     # for a whole number; None: the protocol checks it itself.
     wire: tuple[float, float | None] | None = None
-    openai: tuple[str, ...] = ()  # its names on the OpenAI wire (the first is phi4 serve's)
+    openai: tuple[str, ...] = ()  # its names on the OpenAI wire (phi4 serve reads each)
     off: Any = None  # the value at which it does nothing: a remote server is not sent it then
+    sent: bool = True  # a remote server is sent it (phi4's own are not: strict servers refuse)
     env: str = ""  # its variable, when not PHI4_ + the key in capitals
     doc_allowed: str = ""  # what the docs say it allows, where that depends on the machine
 
@@ -260,10 +273,10 @@ SETTINGS = (
             wire=(0.0, 1.0), openai=("min_p",), off=0.0,
             help="Drop tokens less likely than P times the likeliest (0.05 is common) "
                  "[default 0: off]."),
-    Setting("repeat_penalty", _between(0.0, 2.0), "a number from 0 to 2 (1: off)", 1.0, "float",
+    Setting("repeat_penalty", _between(0.5, 2.0), "a number from 0.5 to 2 (1: off)", 1.0, "float",
             REQUEST, "Tokens of the last 64 are made this much less likely (1: not at all).",
             flags="--repeat-penalty", option="float", groups=("answer",), settable=7,
-            sampling=True, wire=(0.0, 2.0), openai=("repeat_penalty", "repetition_penalty"),
+            sampling=True, wire=(0.5, 2.0), openai=("repeat_penalty", "repetition_penalty"),
             off=1.0, help="Make the last 64 tokens this much less likely to repeat (1.1 is "
                           "common) [default 1: off]."),
     Setting("seed", _whole_or("random"), "a whole number >= 0, or random", None, "int | None",
@@ -278,7 +291,7 @@ SETTINGS = (
             "and --seed answers repeat) or false", False, "bool", REQUEST,
             "Each request decoded alone from a clean KV cache: -t 0 and --seed N answers "
             "repeat exactly.", flags="--deterministic/--no-deterministic", option="bool",
-            groups=("answer",), openai=("deterministic",), off=False,
+            groups=("answer",), openai=("deterministic",), off=False, sent=False,
             help="Decode each request alone from a clean cache, so -t 0 and --seed answers "
                  "repeat exactly (slower under load) [default false]."),
     Setting("keep_alive", parse_duration, "a duration such as 30m, 1h, 90s, 0 (unload now) or "
@@ -317,7 +330,7 @@ SETTINGS = (
             "requests waiting in the daemon before it answers busy", flags="--max-queue",
             option="int", low=1, groups=("daemon",),
             help="Requests waiting before the daemon answers busy [default 64]."),
-    Setting("parallel", _positive_int, "a positive integer (requests decoded together)", 4,
+    Setting("parallel", _up_to(64), "a whole number from 1 to 64 (requests decoded together)", 4,
             "int", DAEMON, "requests decoded together (slots of the one llama context)",
             flags="--parallel", option="int", low=1, high=64, groups=("daemon",),
             help="Long requests the memory plan makes room for at once; short ones pack in "

@@ -344,6 +344,7 @@ def test_an_input_that_shrinks_while_eval_reads_it_stops_with_one_line(tmp_path:
 
 
 def test_eval_numbers_lines_as_before_and_names_a_line_that_is_not_utf8(tmp_path: Path):
+    from phi4cli.errors import UsageError
     from phi4cli.grading import Problems
 
     # Lines are numbered as str.splitlines numbers them: "\r" and a blank line count.
@@ -356,6 +357,19 @@ def test_eval_numbers_lines_as_before_and_names_a_line_that_is_not_utf8(tmp_path
     csv_file.write_text('problem,answer\n"two\nlines",1\nnext,2\n')
     assert [(i.line, i.problem) for i in Problems(csv_file, "problem", "answer")] == [
         (3, "two\nlines"), (4, "next")]  # fmt: skip
+    # A CSV is read as read_text() and csv.DictReader over it read it: line ends translated.
+    import csv
+    import io
+
+    for text in (b"problem,answer\r1+1,2\r", b'problem,answer\r\n"a\r\nb",3\r\n',
+                 b'problem,answer\n"a\rb",2\n3+3,6\n'):  # fmt: skip
+        csv_file.write_bytes(text)
+        reader = csv.DictReader(io.StringIO(csv_file.read_text()))
+        before = [(reader.line_num, row["problem"]) for row in reader]
+        assert [(i.line, i.problem) for i in Problems(csv_file, "problem", "answer")] == before
+    csv_file.write_bytes(b'problem,answer\n"' + b"x" * 200_000 + b'",1\n')  # over its limit
+    with pytest.raises(UsageError, match=r"set\.csv:\d+: not CSV"):
+        list(Problems(csv_file, "problem", "answer"))
     path.write_bytes(b'{"problem": "a", "answer": "1"}\n{"problem": "\xff", "answer": "2"}\n')
     result = run_phi4("eval", str(path), "--backend", "http://127.0.0.1:9/v1", "-m", "m")
     assert result.returncode == 2
@@ -409,3 +423,24 @@ def test_eval_of_problems_added_to_a_finished_file_solves_only_the_new_ones(tmp_
     records = _records(Path(result["results"]))
     assert sorted(r["line"] for r in records) == list(range(1, 121))
     assert all(r["problem"] == f"p{r['line']}" for r in records)
+
+
+def test_eval_of_an_input_read_once_and_of_a_csv_ends_cleanly(tmp_path: Path):
+    # A pipe (<(zcat ...), /dev/stdin) cannot be read twice: it is read whole and held, as
+    # before. And a CSV's reader is closed in order: no "Exception ignored" at the end.
+    def script(body: dict[str, Any]) -> list[str | Step]:
+        number = body["messages"][-1]["content"].split("\n\n")[0].removeprefix("p")
+        return separated("reasoning_content", ["Think."], [f"$\\boxed{{{number}}}$"])
+
+    rows = "".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n" for i in range(5))
+    table = tmp_path / "set.csv"
+    table.write_text("problem,answer\r\n" + "".join(f"p{i},{i}\r\n" for i in range(5)))
+    with scripted_server(script) as server:
+        common = ("--backend", server.url, "-m", "m", "--json")
+        piped = run_phi4("eval", "/dev/stdin", "-o", str(tmp_path / "piped.jsonl"), *common,
+                         input=rows)  # fmt: skip
+        from_csv = run_phi4("eval", str(table), *common)
+    for result in (piped, from_csv):
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["correct"] == 5
+        assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr

@@ -308,7 +308,8 @@ def test_a_daemon_is_started_with_the_clients_settings_in_one_argument(tmp_path:
     assert {key: getattr(started, key) for key in DAEMON_START} == {
         key: getattr(client, key) for key in DAEMON_START}  # fmt: skip
     assert started.temperature == 0.1, "a request setting is not the start's"
-    with pytest.raises(ConfigError, match="invalid parallel 0"):
-        _started_with('{"parallel": 0}', daemon)
+    for parallel in (0, 65):  # as --parallel's own bounds (1 to 64)
+        with pytest.raises(ConfigError, match=f"invalid parallel {parallel}"):
+            _started_with(f'{{"parallel": {parallel}}}', daemon)
     with pytest.raises(UsageError, match="--settings must be a JSON object"):
         _started_with('{"temperature": 1}', daemon)
