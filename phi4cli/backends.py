@@ -22,6 +22,7 @@ from phi4cli.dispatch import (
     Failure,
     Feed,
     Flight,
+    FlightHook,
     FlightStream,
     Probe,
     Replica,
@@ -63,12 +64,13 @@ class Backend(Protocol):
         ...
 
     def run(self, requests: Sequence[JSON | Event], on_event: EventSink, restart: bool = False,
-            feed: Feed | None = None) -> None:  # fmt: skip
+            feed: Feed | None = None, on_flight: FlightHook | None = None) -> None:  # fmt: skip
         """Answer many solve requests, passing each event to ``on_event(index, event)``. With
         ``restart``, a request cut off mid-answer may be sent again after a ``restart`` event
         (the caller folds events and can drop what came before). With a ``feed``, ``requests``
         grows as the feed adds to it, until it ends (lines read from a pipe); a request that is
-        an error event is not sent, and ends with it."""
+        an error event is not sent, and ends with it. ``on_flight`` is handed the flight before
+        anything is sent, so that ``on_event`` may cancel requests it no longer needs."""
         ...
 
     def connect(self) -> None:
@@ -126,8 +128,11 @@ class DaemonBackend:
         return FlightStream(self._flight(op, [params], 1, restart=False))
 
     def run(self, requests: Sequence[JSON | Event], on_event: EventSink, restart: bool = False,
-            feed: Feed | None = None) -> None:  # fmt: skip
-        self._flight(Op.SOLVE, requests, self.window, restart, feed).run(on_event)
+            feed: Feed | None = None, on_flight: FlightHook | None = None) -> None:  # fmt: skip
+        flight = self._flight(Op.SOLVE, requests, self.window, restart, feed)
+        if on_flight is not None:
+            on_flight(flight)
+        flight.run(on_event)
 
     def status(self) -> JSON:
         from phi4cli.client import daemon_status
@@ -314,8 +319,10 @@ class RemoteBackend:
         return FlightStream(self._flight(op, [params], restart=False))
 
     def run(self, requests: Sequence[JSON | Event], on_event: EventSink, restart: bool = False,
-            feed: Feed | None = None) -> None:  # fmt: skip
+            feed: Feed | None = None, on_flight: FlightHook | None = None) -> None:  # fmt: skip
         flight = self._flight(Op.SOLVE, requests, restart, feed)
+        if on_flight is not None:
+            on_flight(flight)
         try:
             flight.run(on_event)
         finally:

@@ -227,6 +227,14 @@ def solve(
             help="Self-consistency: solve K times, majority-vote the answers.",
         ),
     ] = 1,
+    all_samples: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="With --samples: solve all K times, even once the vote is settled (it stops "
+            "when the leading answer leads with 93%: 3 of 3 agreeing).",
+        ),
+    ] = False,
     no_instruction: NoInstructionOption = False,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print timing and cache statistics to stderr.")
@@ -240,7 +248,8 @@ def solve(
     options = SolveOptions(
         prompt=join_words(prompt), model=model, show_reasoning=show_reasoning,
         answer_only=answer_only, as_json=as_json, file=file, each_line=each_line, jsonl=jsonl,
-        samples=samples, no_instruction=no_instruction, verbose=verbose, raw_output=raw_output,
+        samples=samples, all_samples=all_samples, no_instruction=no_instruction, verbose=verbose,
+        raw_output=raw_output,
         **answer,
     )  # fmt: skip
     return run_solve(options, _env())

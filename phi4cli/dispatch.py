@@ -43,6 +43,7 @@ else:
     Protocol = object  # the interfaces below are for the type checker; plain classes at run time
 
 EventSink = Callable[[int, Event], None]  # (index of the request, event)
+FlightHook = Callable[["Flight"], None]  # handed a flight before it sends: to cancel with
 # The longest the flight blocks on its inbox at once: a Ctrl-C is seen at least this often, and
 # a replica's busy pause ends on time.
 POLL_S = 0.5

@@ -291,7 +291,7 @@ class TerminalPresenter:
         if outcome.solution.strip():
             self.out.print(_markdown(outcome.solution))
         final = outcome.answer if answer is None else answer
-        suffix = f"  [dim]({agreement} samples agree)[/dim]" if agreement else ""
+        suffix = f"  [dim]({agreement})[/dim]" if agreement else ""
         if final is not None:
             from rich.markup import escape
 

@@ -24,7 +24,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from phi4cli.dispatch import EventSink, Feed
+    from phi4cli.dispatch import EventSink, Feed, Flight, FlightHook
 
 
 class SolveJob(Record):
@@ -62,11 +62,13 @@ class SolveJob(Record):
         on_event: EventSink,
         restart: bool = False,
         feed: Feed | None = None,
+        on_flight: FlightHook | None = None,
     ) -> None:
         """Send ``requests``; ``restart``: the caller folds each request's events and takes a
         ``restart`` event (a request sent again elsewhere after its engine failed mid-answer);
-        ``feed``: more requests are coming (see :meth:`Backend.run`)."""
-        self.backend.run(requests, on_event, restart=restart, feed=feed)
+        ``feed``: more requests are coming; ``on_flight``: given the flight, to cancel with
+        (see :meth:`Backend.run`)."""
+        self.backend.run(requests, on_event, restart=restart, feed=feed, on_flight=on_flight)
 
 
 class OutputMode(Record):
@@ -204,46 +206,66 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     return exit_status([outcome], answer_required=mode.answer_only)
 
 
-def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) -> int:
-    """Solve the same question ``samples`` times and majority-vote the answers."""
+def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
+                  every: bool = False) -> int:  # fmt: skip
+    """Solve the same question up to ``samples`` times and majority-vote the answers. Unless
+    ``every``, sampling stops once the vote is settled (:func:`reasoning.vote_settled`, the
+    Beta rule of Adaptive-Consistency): the samples not finished then are cancelled, their
+    memory freed at once, and the vote is over those that finished."""
+    from phi4cli.reasoning import vote_settled
+
     outcomes = [Outcome(index=i, question=question) for i in range(samples)]
     seed = job.seed
     requests = [
         job.params(question, seed=None if seed is None else seed + i) for i in range(samples)
     ]
-    finished = 0
+    finished: list[int] = []  # samples in the order they ended
+    stopped: set[int] = set()  # cancelled because the vote was settled
+    flight: list[Flight] = []
+    compare = AnswerComparer()
     spinner = _StderrStatus(job.env, f"sampling… 0/{samples} done")
     loading = ProgressNotice(job.announce, LoadLine(job.env, spinner))
 
     def on_event(index: int, event: Event) -> None:
-        nonlocal finished
         loading.see(event)
         spinner.see(event)
         outcomes[index].apply(event)
-        if outcomes[index].done:
-            finished += 1
-            spinner.update(f"sampling… {finished}/{samples} done")
+        if not outcomes[index].done or index in stopped:
+            return
+        finished.append(index)
+        spinner.update(f"sampling… {len(finished)}/{samples} done")
+        if every or not flight or len(finished) == samples:
+            return
+        so_far = majority_vote([outcomes[i].answer for i in finished], equal=compare)
+        if vote_settled(so_far, samples - len(finished)):
+            rest = [i for i in range(samples) if not outcomes[i].done]
+            stopped.update(rest)
+            for i in rest:
+                flight[0].cancel(i)
 
     try:
-        job.run(requests, on_event, restart=True)
+        job.run(requests, on_event, restart=True, on_flight=flight.append)
     finally:
         loading.stop()
         spinner.stop()
-    good = [o for o in outcomes if o.error is None]
+    used = [o for o in outcomes if o.index not in stopped]
+    good = [o for o in used if o.error is None]
     if not good:
-        raise outcomes[0].exception()
-    failed = [o for o in outcomes if o.error is not None]
+        raise used[0].exception()
+    failed = [o for o in used if o.error is not None]
     if failed:
         # The vote is over the samples that answered; say what the others met, once.
-        job.announce(f"{len(failed)} of {samples} samples failed and are not counted: "
+        job.announce(f"{len(failed)} of {len(used)} samples failed and are not counted: "
                      f"{failed[0].exception()}")  # fmt: skip
-    compare = AnswerComparer()
-    vote = majority_vote([o.answer for o in outcomes], equal=compare)
+    vote = majority_vote([o.answer for o in used], equal=compare)
     notice = compare.notice()
     if notice:
         job.announce(notice)
+    # "4/4 samples agree, stopped after 4 of 8": the early stop said where the vote is.
+    agree = f"{vote.agreement} samples agree" + (f", stopped after {len(used)} of {samples}"
+                                                 if stopped else "")  # fmt: skip
     # Shown: a sample that gave the winning answer in the form reported, else any that agreed.
-    agreeing = [outcomes[i] for i in vote.members]
+    agreeing = [used[i] for i in vote.members]
     winner = next((o for o in agreeing if o.answer == vote.answer),
                   agreeing[0] if agreeing else good[0])  # fmt: skip
     if mode.as_json:
@@ -252,9 +274,12 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
             answer=vote.answer,
             agreement=vote.agreement,
             tie=vote.tie,
+            samples_asked=samples,
+            samples_used=len(used),
             samples=[
                 {"answer": o.answer, "seed": o.stats.seed if o.stats else None,
-                 "error": o.to_json().get("error"), "stats": o.stats_dict}
+                 "error": None if o.index in stopped else o.to_json().get("error"),
+                 "cancelled": o.index in stopped, "stats": o.stats_dict}
                 for o in outcomes
             ],
         )  # fmt: skip
@@ -262,17 +287,17 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode) 
         return ExitStatus.OK
     if mode.answer_only:
         job.print(_answer_line(job, vote.answer) if vote.answer is not None else "")
-        job.announce(f"{vote.agreement} samples agree" + (" (tie)" if vote.tie else ""))
+        job.announce(agree + (" (tie)" if vote.tie else ""))
         if vote.answer is None:
             job.announce("no final answer: no sample stated one")
         return ExitStatus.OK if vote.answer is not None else ExitStatus.ERROR
     if job.env.terminal:
         presenter = TerminalPresenter(mode.show_reasoning, mode.verbose, job.env)
-        presenter.print_outcome(winner, agreement=vote.agreement, answer=vote.answer)
+        presenter.print_outcome(winner, agreement=agree, answer=vote.answer)
     else:
         job.print(winner.solution.strip())
         shown = vote.answer if vote.answer is not None else "(none)"
-        job.print(f"Answer: {shown} ({vote.agreement} samples agree)")
+        job.print(f"Answer: {shown} ({agree})")
     return ExitStatus.OK
 
 
@@ -850,15 +875,16 @@ class SolveOptions:
     def __init__(self, prompt: str | None = None, model: str | None = None,
                  show_reasoning: bool = False, answer_only: bool = False,
                  as_json: bool = False, file: str | None = None, each_line: bool = False,
-                 jsonl: bool = False, samples: int = 1, no_instruction: bool = False,
-                 verbose: bool = False, raw_output: bool = False,
+                 jsonl: bool = False, samples: int = 1, all_samples: bool = False,
+                 no_instruction: bool = False, verbose: bool = False, raw_output: bool = False,
                  **answer: Any) -> None:  # fmt: skip
         from phi4cli.options import ANSWER_KEYS
 
         unknown = sorted(set(answer) - set(ANSWER_KEYS))
         if unknown:
             raise TypeError(f"SolveOptions() got an unknown option {unknown[0]!r}")
-        self.prompt, self.model, self.samples = prompt, model, samples
+        self.prompt, self.model, self.samples, self.all_samples = prompt, model, samples, \
+            all_samples  # fmt: skip
         self.show_reasoning, self.answer_only, self.as_json = show_reasoning, answer_only, as_json
         self.file, self.each_line, self.jsonl = file, each_line, jsonl
         self.no_instruction, self.verbose, self.raw_output = no_instruction, verbose, raw_output
@@ -931,6 +957,8 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
     env.raw_output = env.raw_output or o.raw_output
     if (o.file is not None or o.each_line) and o.samples > 1:
         raise UsageError("--samples works on one question, not with --file or --each-line")
+    if o.all_samples and o.samples == 1:
+        raise UsageError("--all goes with --samples K: solve K times, even once they agree")
     if o.jsonl and o.file is None and not o.each_line:
         raise UsageError("--jsonl goes with --file or --each-line; use --json for one question")
     if o.each_line and o.file is None and o.prompt not in (None, "-"):
@@ -953,7 +981,7 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
         if opened is not None:
             return solve_file(job, opened, mode, o.jsonl)
         if o.samples > 1:
-            return solve_samples(job, question, o.samples, mode)
+            return solve_samples(job, question, o.samples, mode, every=o.all_samples)
         return solve_one(job, question, mode)
     except BrokenPipeError:
         # The reader went away (`| head -1`): leaving here closes the connection, which stops

@@ -226,7 +226,7 @@ def test_samples_count_equal_answers_together():
         return separated("reasoning_content", ["Hmm."], [f"So $\\boxed{{{answer}}}$."])
 
     with scripted_server(script) as server:
-        result = _solve(server.url, "--samples", "5", "--seed", "10")
+        result = _solve(server.url, "--samples", "5", "--seed", "10", "--all")  # all five
     assert result.returncode == 0, result.stderr
     # One half, in its most common written form (\\dfrac and \\frac count as one form).
     assert result.stdout.splitlines()[-1] == "Answer: \\dfrac{1}{2} (3/5 samples agree)"
@@ -246,7 +246,7 @@ def test_samples_that_failed_are_said_not_silently_dropped():
         return separated("reasoning_content", ["Hmm."], ["So $\\boxed{156}$."])
 
     with scripted_server(script) as server:
-        result = _solve(server.url, "--samples", "3")
+        result = _solve(server.url, "--samples", "3", "--all")  # else 2 of 2 would settle it
     assert result.returncode == 0, result.stderr
     assert "1 of 3 samples failed and are not counted: " in result.stderr
     assert "replica out of memory" in result.stderr

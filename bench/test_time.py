@@ -1,0 +1,159 @@
+"""Adaptive samples, simulated: how many samples each stopping rule takes, against fixed K.
+
+    python bench/test_time.py [--problems 2000] [--k 8] [--parallel 4] [--seed 1]
+
+A simulation, not a measurement of Phi-4-mini-reasoning (whose weights cannot be downloaded
+here). Each synthetic problem has a chance p that a sample is right, drawn from a stated
+mixture (easy: Beta(20, 1), 60%; middling: Beta(4, 2), 30%; hard: Beta(1, 3), 10%); a wrong
+sample says one of three distractors (weights from Dirichlet(1, 1, 1)), and 5% of samples state
+no answer. For each rule, per problem: the samples that finished, the samples started (with
+``--parallel`` at once, as the daemon's memory plan lets them run: a settled vote cancels the
+ones running), and whether the voted answer is the full-K majority's. The rules:
+
+- fixed K: today's ``--all``;
+- beta-C: Adaptive-Consistency's Beta rule at confidence C, and stop when the rest cannot
+  change the leader (``reasoning.vote_settled``; phi4's default is 0.93, the paper's 0.95);
+- esc-W: Early-stopping self-consistency, in windows of W: stop when a window agrees.
+
+Writes bench/results/test_time.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from phi4cli.reasoning import STOP_CONFIDENCE, majority_vote, vote_settled  # noqa: E402
+
+MIXTURE = ((0.6, 20.0, 1.0), (0.3, 4.0, 2.0), (0.1, 1.0, 3.0))  # (share, alpha, beta)
+NO_ANSWER = 0.05
+
+
+def draw_problem(rng: random.Random, k: int) -> list[str | None]:
+    """K samples' answers of one synthetic problem ("right", "d0", "d1", "d2" or None)."""
+    roll, acc = rng.random(), 0.0
+    alpha, beta = MIXTURE[-1][1:]
+    for share, a, b in MIXTURE:
+        acc += share
+        if roll < acc:
+            alpha, beta = a, b
+            break
+    p = rng.betavariate(alpha, beta)
+    weights = [rng.gammavariate(1.0, 1.0) for _ in range(3)]
+    answers: list[str | None] = []
+    for _ in range(k):
+        if rng.random() < NO_ANSWER:
+            answers.append(None)
+        elif rng.random() < p:
+            answers.append("right")
+        else:
+            answers.append(rng.choices(["d0", "d1", "d2"], weights)[0])
+    return answers
+
+
+def equal(a: str, b: str) -> bool:
+    return a == b
+
+
+def beta_rule(answers: list[str | None], parallel: int,
+              confidence: float = STOP_CONFIDENCE) -> tuple[int, int]:  # fmt: skip
+    """(finished, started) under the Beta rule, ``parallel`` samples running at once and
+    finishing in the order drawn."""
+    k = len(answers)
+    finished: list[str | None] = []
+    started = min(parallel, k)
+    for answer in answers:
+        finished.append(answer)
+        vote = majority_vote(finished, equal=equal)
+        if len(finished) < k and vote_settled(vote, k - len(finished), confidence):
+            return len(finished), started
+        started = min(k, started + 1)  # a slot freed: the next sample starts
+    return k, k
+
+
+def esc_rule(answers: list[str | None], window: int) -> tuple[int, int]:
+    """(finished, started) under ESC: windows of ``window`` samples run together; stop after a
+    window whose answers are all one (stated) answer."""
+    taken = 0
+    while taken < len(answers):
+        part = answers[taken : taken + window]
+        taken += len(part)
+        if part[0] is not None and all(a == part[0] for a in part):
+            break
+    return taken, taken
+
+
+def simulate(problems: int, k: int, parallel: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    rules: dict[str, dict[str, list[float]]] = {
+        name: {"finished": [], "started": [], "agrees": [], "right": []}
+        for name in ("fixed", "beta-0.95", "beta-0.93", "beta-0.90", "esc-2", "esc-4")
+    }
+    for _ in range(problems):
+        answers = draw_problem(rng, k)
+        full = majority_vote(answers, equal=equal).answer
+        for name in rules:
+            if name == "fixed":
+                finished, started = k, k
+            elif name.startswith("beta"):
+                finished, started = beta_rule(answers, parallel, float(name.split("-")[1]))
+            else:
+                finished, started = esc_rule(answers, int(name.split("-")[1]))
+            voted = majority_vote(answers[:finished], equal=equal).answer
+            row = rules[name]
+            row["finished"].append(finished)
+            row["started"].append(started)
+            row["agrees"].append(voted == full)
+            row["right"].append(voted == "right")
+    return {
+        name: {
+            "mean_samples": statistics.fmean(row["finished"]),
+            "mean_started": statistics.fmean(row["started"]),
+            "fewer_than_fixed": k / statistics.fmean(row["finished"]),
+            "agreement_with_full_k": statistics.fmean(row["agrees"]),
+            "accuracy": statistics.fmean(row["right"]),
+        }
+        for name, row in rules.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--problems", type=int, default=2000)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--parallel", type=int, default=4, help="samples running at once")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    result = simulate(args.problems, args.k, args.parallel, args.seed)
+    lines = [
+        f"# Adaptive samples, simulated ({args.problems:,} problems, K = {args.k}, "
+        f"{args.parallel} at once, seed {args.seed})",
+        "",
+        "| rule | samples finished | samples started | fewer than fixed K | agrees with "
+        "full-K majority | accuracy |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, row in result.items():
+        lines.append(f"| {name} | {row['mean_samples']:.2f} | {row['mean_started']:.2f} | "
+                     f"{row['fewer_than_fixed']:.2f}x | {row['agreement_with_full_k']:.1%} | "
+                     f"{row['accuracy']:.1%} |")  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "test_time.md").write_text(text)
+    (args.out / "test_time.json").write_text(json.dumps(
+        {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rules": result},
+        indent=2) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

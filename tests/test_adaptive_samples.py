@@ -1,0 +1,80 @@
+"""--samples K is the most phi4 takes: once the vote is settled (Adaptive-Consistency's Beta
+rule), the samples not finished are cancelled; --all takes all K."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from phi4cli.reasoning import Vote, leader_confidence, majority_vote, vote_settled
+from tests.conftest import run_phi4
+from tests.scripted_server import Step, scripted_server, separated
+
+
+def test_the_beta_rule_is_adaptive_consistencys():
+    # P(p1 > p2) for p1 ~ Beta(a + 1, b + 1): 3 of 3 agreeing is the first count over 93%.
+    assert leader_confidence(3, 0) == 15 / 16
+    assert leader_confidence(4, 0) == 31 / 32
+    assert leader_confidence(0, 0) == 0.5
+    assert leader_confidence(6, 1) > 0.95 > leader_confidence(5, 1)
+
+    def vote(a: int, b: int, tie: bool = False) -> Vote:
+        return Vote("7", a, a + b, tie, (), b)
+
+    assert not vote_settled(vote(2, 0), left=6)
+    assert vote_settled(vote(3, 0), left=5)
+    assert not vote_settled(vote(3, 0), left=5, confidence=0.95), "the paper's 95%: 4 of 4"
+    assert not vote_settled(vote(4, 1), left=3)
+    assert vote_settled(vote(5, 1), left=4), "5 to 1: 0.9375"
+    assert vote_settled(vote(4, 1), left=2), "the two left cannot change the leader"
+    assert not vote_settled(vote(2, 2, tie=True), left=2)
+    assert not vote_settled(Vote(None, 0, 4, False), left=4), "no answer yet"
+    counted = majority_vote(["7", "8", "7", "9", "7"])
+    assert (counted.votes, counted.runner_up) == (3, 1)
+
+
+def _answers(fast: int) -> Any:
+    """Every sample answers 7; those with seed below 100 + ``fast`` at once, the others only
+    after 60 s (the run never waits for them when it stops)."""
+
+    def script(body: dict[str, Any]) -> list[str | Step]:
+        lines = separated("reasoning_content", ["Think."], ["So $\\boxed{7}$."])
+        return lines if body["seed"] < 100 + fast else [Step(sleep=60.0), *lines]
+
+    return script
+
+
+@pytest.mark.timeout(120)
+def test_samples_that_agree_stop_after_the_rules_minimum_and_cancel_the_rest():
+    with scripted_server(_answers(fast=3)) as server:
+        base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "8",
+                "--seed", "100")  # fmt: skip
+        text = run_phi4(*base, timeout=100)
+        record = json.loads(run_phi4(*base, "--json", timeout=100).stdout)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.splitlines()[-1] == "Answer: 7 (3/3 samples agree, stopped after 3 of 8)"
+    assert (record["answer"], record["agreement"]) == ("7", "3/3")
+    assert (record["samples_asked"], record["samples_used"]) == (8, 3)
+    cancelled = [s for s in record["samples"] if s["cancelled"]]
+    assert len(record["samples"]) == 8 and len(cancelled) == 5
+    assert all(s["error"] is None and s["answer"] is None for s in cancelled)
+
+
+@pytest.mark.timeout(120)
+def test_all_takes_every_sample_and_answer_only_says_where_it_stopped():
+    with scripted_server(_answers(fast=8)) as server:
+        base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "8",
+                "--seed", "100")  # fmt: skip
+        every = run_phi4(*base, "--all", timeout=100)
+    assert every.returncode == 0, every.stderr
+    assert every.stdout.splitlines()[-1] == "Answer: 7 (8/8 samples agree)"
+    with scripted_server(_answers(fast=3)) as server:
+        short = run_phi4("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "8",
+                         "--seed", "100", "--answer-only", timeout=100)  # fmt: skip
+    assert short.returncode == 0, short.stderr
+    assert short.stdout == "7\n"
+    assert "phi4: 3/3 samples agree, stopped after 3 of 8" in short.stderr
+    alone = run_phi4("solve", "What is 3+4?", "--all", "--backend", "http://127.0.0.1:9/v1")
+    assert alone.returncode == 2 and "--all goes with --samples K" in alone.stderr
