@@ -4,6 +4,7 @@ rule), the samples not finished are cancelled; --all takes all K."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -78,3 +79,36 @@ def test_all_takes_every_sample_and_answer_only_says_where_it_stopped():
     assert "phi4: 3/3 samples agree, stopped after 3 of 8" in short.stderr
     alone = run_phi4("solve", "What is 3+4?", "--all", "--backend", "http://127.0.0.1:9/v1")
     assert alone.returncode == 2 and "--all goes with --samples K" in alone.stderr
+
+
+@pytest.mark.timeout(600)
+def test_through_the_daemon_a_settled_vote_cancels_the_samples_still_to_come(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # The tiny model states no answer, so each solution's "answer" is read as 7 here: the
+    # daemon, its socket and its cancellation are the real ones.
+    import io
+
+    from phi4cli import outcome
+    from phi4cli.environment import Environment
+    from phi4cli.paths import get_paths
+    from phi4cli.solving import SolveOptions, run_solve
+
+    monkeypatch.setattr(outcome, "extract_final_answer", lambda text: "7" if text else None)
+    started = run_phi4("daemon", "start", "-m", str(tiny_model), "--parallel", "2")
+    assert started.returncode == 0, started.stderr
+    out, err = io.StringIO(), io.StringIO()
+    env = Environment(io.StringIO(), out, err, paths=get_paths())
+    options = SolveOptions(prompt="What is 3+4?", model=str(tiny_model), samples=8,
+                           max_tokens=24, temperature=0.0, as_json=True)  # fmt: skip
+    assert run_solve(options, env) == 0, err.getvalue()
+    record = json.loads(out.getvalue())
+    assert (record["agreement"], record["samples_used"], record["samples_asked"]) == (
+        "3/3", 3, 8)  # fmt: skip
+    assert sum(s["cancelled"] for s in record["samples"]) == 5
+    assert all(s["stats"]["completion_tokens"] > 0 for s in record["samples"]
+               if not s["cancelled"])  # fmt: skip
+    status = json.loads(run_phi4("status", "--json").stdout)
+    assert status["memory"]["running"] == 0, "nothing of the cancelled samples still runs"
+    # (The tiny model answers all eight within milliseconds, so whether the daemon had already
+    # finished the cancelled ones is the machine's speed: not asserted.)
