@@ -314,6 +314,13 @@ def eval_(
             "this run had made them.",
         ),
     ] = False,
+    all_samples: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="With --samples: solve each problem K times, even once its vote is settled.",
+        ),
+    ] = False,
     no_instruction: NoInstructionOption = False,
 ) -> int:
     """Solve problems with known answers and report accuracy (math-verify judges each answer)."""
@@ -323,6 +330,8 @@ def eval_(
 
     if restart and force_resume:
         raise UsageError("--restart and --force-resume contradict each other; give one")
+    if all_samples and samples == 1:
+        raise UsageError("--all goes with --samples K: solve each K times, even once they agree")
     env = _env()
     problems = Problems(file, problem_field, answer_field)
     count = problems.check()  # before anything starts: a bad line is exit 2
@@ -330,7 +339,8 @@ def eval_(
     job = make_job(env, model, dict(answer), no_instruction)
     policy = MismatchPolicy(restart=restart, force=force_resume)
     try:
-        tally, seconds = run_eval(job, problems, count, samples, results, jsonl, policy)
+        tally, seconds = run_eval(job, problems, count, samples, results, jsonl, policy,
+                                  every=all_samples)  # fmt: skip
     except KeyboardInterrupt:
         say(f"interrupted: what was finished is in {results}; run the same command to resume")
         raise

@@ -31,6 +31,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, BinaryIO
 
+    from phi4cli.dispatch import Flight
+
 STATUSES = ("correct", "wrong", "no_answer", "truncated", "error")
 
 
@@ -206,7 +208,7 @@ RESULTS_FILE = "results file"  # what the refusals call it
 # at its "off" value (min_p 0) is left out, so that records made before it existed still match.
 RUN_KEYS = ("model", "model_file", "backend", "system", "instruction",
             *(key for key in REQUEST_KEYS if key not in ("system", "deterministic")),
-            "samples")  # fmt: skip
+            "samples", "adaptive")  # fmt: skip
 # Enough of a GGUF to cover its header and metadata: a file replaced in place under the same
 # size and mtime still differs here.
 _HEAD_BYTES = 1 << 20
@@ -220,7 +222,7 @@ class MismatchPolicy(Record):
     force: bool = False
 
 
-def run_identity(job: SolveJob, samples: int) -> dict[str, Any]:
+def run_identity(job: SolveJob, samples: int, adaptive: bool = False) -> dict[str, Any]:
     """What decides a run's answers: the model (its path or name, and for a local file its size,
     mtime and a hash of its first MiB), the remote engine's URL, the system prompt, the
     instruction and the sampling settings. As JSON would read it back, to compare with records."""
@@ -235,10 +237,17 @@ def run_identity(job: SolveJob, samples: int) -> dict[str, Any]:
     identity: dict[str, Any] = {key: base.get(key) for key in RUN_KEYS if key in base}
     model_file = None if backend else model_file_identity(Path(base["model"]))
     identity.update(backend=backend, instruction=job.instruction, samples=samples,
-                    model_file=model_file)  # fmt: skip
-    said = {key: identity.get(key) for key in RUN_KEYS
-            if key not in SETTING or identity.get(key) != SETTING[key].off
-            or SETTING[key].off is None}  # fmt: skip
+                    model_file=model_file, adaptive=adaptive or None)  # fmt: skip
+
+    # A setting at its "off" and a run that is not adaptive say nothing: records made before
+    # either existed (all K samples, no min_p) still match.
+    def says(key: str) -> bool:
+        if key == "adaptive":
+            return adaptive
+        return key not in SETTING or SETTING[key].off is None or identity.get(key) != \
+            SETTING[key].off  # fmt: skip
+
+    said = {key: identity.get(key) for key in RUN_KEYS if says(key)}
     return dict(json.loads(json.dumps(said)))
 
 
@@ -357,6 +366,10 @@ def describe_differences(theirs: dict[str, Any], run: dict[str, Any]) -> tuple[s
                 said.append("the model file changed since")
         elif key in ("system", "instruction"):
             said.append(f"another {key}")
+        elif key == "adaptive":
+            if theirs.get("samples") == run.get("samples"):  # else the samples say it
+                said.append("samples stopped once settled, not all K" if old else
+                            "all K samples, not stopped once settled (--all)")  # fmt: skip
         else:
             said.append(f"{key} {_short(old)}, not {_short(new)}")
     return tuple(said) or ("other settings",)
@@ -442,11 +455,16 @@ def run_eval(
     output: Path,
     jsonl: bool,
     policy: MismatchPolicy | None = None,
+    every: bool = False,
 ) -> tuple[Tally, float]:
     """Solve the ``count`` problems not in ``output`` yet, appending each record as it is
     judged; return the count of every record (earlier ones of this run included) and the
-    seconds this run took."""
-    run = run_identity(job, samples)
+    seconds this run took. A problem's samples stop once its vote is settled, as `solve -k`'s
+    do (:func:`reasoning.vote_settled`), unless ``every``."""
+    from phi4cli.reasoning import vote_settled
+
+    adaptive = samples > 1 and not every
+    run = run_identity(job, samples, adaptive)
     results, earlier = open_results(output, problems, run, policy or MismatchPolicy())
     tally = Tally()
     for record in earlier.values():
@@ -470,6 +488,9 @@ def run_eval(
 
     requests = Requests(request, len(todo) * samples)
     remaining: dict[int, int] = {}  # samples not ended yet, by problem being answered
+    answered: dict[int, list[str | None]] = {}  # the answers of its samples that finished
+    stopped: set[int] = set()  # request indices cancelled because their vote was settled
+    flight: list[Flight] = []
     # A problem's budget is that of its K samples together.
     budget = job.base.get("max_tokens")
     progress = FileProgress(len(todo), job.env, budget=budget * samples if budget else None)
@@ -487,11 +508,25 @@ def run_eval(
         if not (event.terminal and outcome.done):
             return
         remaining[i] = remaining.get(i, samples) - 1
+        if adaptive and index not in stopped and remaining[i] and flight:
+            so_far = answered.setdefault(i, [])
+            so_far.append(outcome.answer)
+            if vote_settled(majority_vote(so_far, equal=compare), samples - len(so_far)):
+                for s in range(samples):
+                    other = outcomes.get((i, s))
+                    if (other is None or not other.done) and i * samples + s not in stopped:
+                        stopped.add(i * samples + s)
+                        flight[0].cancel(i * samples + s)
         if remaining[i]:
             return
         del remaining[i]
+        answered.pop(i, None)
         judged = [outcomes.pop((i, s)) for s in range(samples)]
-        record = {**judge(todo[i], judged, compare), "run": run}
+        used = [o for s, o in enumerate(judged) if i * samples + s not in stopped]
+        stopped.difference_update(i * samples + s for s in range(samples))
+        record = {**judge(todo[i], used, compare), "k": samples, "run": run}
+        if samples > 1:
+            record["samples_used"] = len(used)
         todo.release(i)
         tally.add(record)
         line = result_line(record)
@@ -504,7 +539,7 @@ def run_eval(
     try:
         with results, progress:
             if requests:
-                job.run(requests, on_event, restart=True)
+                job.run(requests, on_event, restart=True, on_flight=flight.append)
     finally:
         todo.close()
     notice = compare.notice()
@@ -515,7 +550,8 @@ def run_eval(
 
 def _counted(record: dict[str, Any]) -> dict[str, Any]:
     """What :class:`Tally` counts of a record: the rest is in the results file."""
-    return {key: record[key] for key in ("line", "status", "reasoning_tokens", "pass_at_k")
+    return {key: record[key] for key in ("line", "status", "reasoning_tokens", "pass_at_k",
+                                         "k", "samples_used", "completion_tokens")
             if key in record}  # fmt: skip
 
 
@@ -526,11 +562,15 @@ class Tally:
     def __init__(self) -> None:
         self.counts = dict.fromkeys(STATUSES, 0)
         self.reasoning_tokens = 0
+        self.completion_tokens = 0  # the tokens the model wrote, thinking included
+        self.samples_used = 0  # samples that finished and voted (fewer once a vote settled)
         self.passed = 0  # problems with a right sample (pass@k)
 
     def add(self, record: dict[str, Any]) -> None:
         self.counts[record["status"]] += 1
         self.reasoning_tokens += record["reasoning_tokens"]
+        self.completion_tokens += record.get("completion_tokens", 0)
+        self.samples_used += record.get("samples_used", record.get("k", 1))
         self.passed += bool(record.get("pass_at_k"))
 
     def summary(self, samples: int) -> dict[str, Any]:
@@ -542,8 +582,10 @@ class Tally:
             "accuracy": self.counts["correct"] / total if total else 0.0,
             "mean_reasoning_tokens": self.reasoning_tokens / total / samples if total else 0.0,
         }
+        result["completion_tokens"] = self.completion_tokens
         if samples > 1:
             result["samples"] = samples
             result["pass_at_k"] = self.passed / total if total else 0.0
             result["pass_at_k_count"] = self.passed
+            result["mean_samples_used"] = self.samples_used / total if total else 0.0
         return result

@@ -112,3 +112,35 @@ def test_through_the_daemon_a_settled_vote_cancels_the_samples_still_to_come(
     assert status["memory"]["running"] == 0, "nothing of the cancelled samples still runs"
     # (The tiny model answers all eight within milliseconds, so whether the daemon had already
     # finished the cancelled ones is the machine's speed: not asserted.)
+
+
+@pytest.mark.timeout(300)
+def test_eval_stops_each_problems_samples_once_settled_and_says_how_many_it_used(
+    tmp_path: Path,
+):
+    def script(body: dict[str, Any]) -> list[str | Step]:
+        number = body["messages"][-1]["content"].split("\n\n")[0].removeprefix("p")
+        lines = separated("reasoning_content", ["Think."], [f"$\\boxed{{{number}}}$"])
+        return lines if body["seed"] < 103 else [Step(sleep=60.0), *lines]
+
+    problems = tmp_path / "set.jsonl"
+    problems.write_text("".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n"
+                                for i in range(4)))  # fmt: skip
+    results = tmp_path / "out.jsonl"
+    with scripted_server(script) as server:
+        base = ("eval", str(problems), "--backend", server.url, "-m", "m", "-k", "8",
+                "--seed", "100", "-o", str(results))  # fmt: skip
+        first = run_phi4(*base, "--json", timeout=200)
+        assert first.returncode == 0, first.stderr
+        summary = json.loads(first.stdout)
+        assert (summary["correct"], summary["samples"], summary["mean_samples_used"]) == (
+            4, 8, 3.0)  # fmt: skip
+        assert summary["completion_tokens"] == 4 * 3 * 2, "three samples of two pieces each"
+        records = [json.loads(line) for line in results.read_text().splitlines()]
+        assert {(r["k"], r["samples_used"], r["agreement"]) for r in records} == {(8, 3, "3/3")}
+        table = run_phi4(*base, timeout=200)
+        assert "resuming: 4 of 4 problems" in table.stderr
+        assert "3.0 a problem of at most 8" in table.stdout
+        every = run_phi4(*base, "--all", timeout=200)
+    assert every.returncode == 1
+    assert "(samples stopped once settled, not all K)" in every.stderr

@@ -351,6 +351,7 @@ def test_eval_with_samples_reports_pass_at_k_and_reads_csv(tmp_path: Path):
             "solution",
             "-k",
             "3",
+            "--all",  # pass@3 over all three
             "--backend",
             server.url,
             "-m",
@@ -378,18 +379,19 @@ def test_eval_resumes_only_matching_records(tmp_path: Path):
                 "--json"]  # fmt: skip
         assert json.loads(run_phi4(*base).stdout)["correct"] == 1
         sent = len(server.bodies)
-        other_k = run_phi4(*base, "-k", "3")
+        other_k = run_phi4(*base, "-k", "3", "--all")
         assert other_k.returncode == 1 and "(samples 1, not 3)" in other_k.stderr
         assert len(server.bodies) == sent, "another run's file: nothing is solved"
-        assert json.loads(run_phi4(*base, "-k", "3", "--restart").stdout)["pass_at_k_count"] == 1
+        restarted = run_phi4(*base, "-k", "3", "--all", "--restart")
+        assert json.loads(restarted.stdout)["pass_at_k_count"] == 1
         assert len(server.bodies) == sent + 6, "other samples: solved again"
         problems.write_text('{"problem": "p1", "answer": "1"}\n{"problem": "p2", "answer": "1"}\n')
-        assert json.loads(run_phi4(*base, "-k", "3").stdout)["correct"] == 2, "judged anew"
+        assert json.loads(run_phi4(*base, "-k", "3", "--all").stdout)["correct"] == 2, "judged anew"
         assert len(server.bodies) == sent + 9, "only the problem with a new reference"
         run = json.loads(results.read_text().splitlines()[0])["run"]
         with results.open("a") as handle:
             handle.write(json.dumps({"line": 1, "problem": "p1", "run": run}) + "\n")  # no status
-        again = run_phi4(*base, "-k", "3")
+        again = run_phi4(*base, "-k", "3", "--all")
         assert again.returncode == 0, again.stderr
         assert json.loads(again.stdout)["correct"] == 2
 
