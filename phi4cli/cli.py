@@ -344,7 +344,7 @@ def eval_(
     except KeyboardInterrupt:
         say(f"interrupted: what was finished is in {results}; run the same command to resume")
         raise
-    result = tally.summary(samples)
+    result = tally.summary(samples, adaptive=samples > 1 and not all_samples)
     replicas = getattr(job.backend, "last_summary", None)
     if replicas and len(replicas) > 1:
         result["replicas"] = replicas  # how many each answered (also said on stderr)

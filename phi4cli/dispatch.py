@@ -197,6 +197,7 @@ class Flight:
         # The requests known and not ended yet: a run of a million keeps a window's worth.
         self.open: set[int] = set(range(self.known))
         self.closed = False
+        self.cancelled: set[int] = set()  # asked to stop: never sent again
         self.last_failure: Failure | None = None  # the latest seen, for what cannot be sent
         self.began = time.monotonic()
         self._serials = itertools.count(1)
@@ -371,7 +372,10 @@ class Flight:
                 index = entry[0]
                 self.sends[index] -= 1  # a refusal is not an attempt
                 replica.sent -= 1
-                self.waiting.appendleft(index)
+                if index in self.cancelled:
+                    self._finish(index, Event.error(ErrorCode.CANCELLED, "cancelled"))
+                else:
+                    self.waiting.appendleft(index)
 
     def _failed(self, serial: int, failure: Failure) -> None:
         entry = self._forget(serial)
@@ -379,6 +383,9 @@ class Flight:
             return
         index, replica = entry
         replica.failed += 1
+        if index in self.cancelled:  # its engine failed before the cancel was confirmed
+            self._finish(index, Event.error(ErrorCode.CANCELLED, "cancelled"))
+            return
         produced = index in self.produced
         again = self.sends.get(index, 0) < self.max_sends and (not produced or self.restart)
         if failure.elsewhere:
@@ -456,6 +463,7 @@ class Flight:
     def _settle(self, index: int) -> None:
         """Request ``index`` has its terminal event: let go of all that was kept for it."""
         self.open.discard(index)
+        self.cancelled.discard(index)
         self.sends.pop(index, None)
         self.produced.discard(index)
         self.avoid.pop(index, None)
@@ -476,6 +484,7 @@ class Flight:
             serial = self.serial_of.get(i)
             if serial is None:
                 continue
+            self.cancelled.add(i)
             replica = self.live[serial][1]
             event = replica.cancel(serial)
             if event is not None:

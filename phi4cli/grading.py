@@ -508,7 +508,9 @@ def run_eval(
         if not (event.terminal and outcome.done):
             return
         remaining[i] = remaining.get(i, samples) - 1
-        if adaptive and index not in stopped and remaining[i] and flight:
+        if index in stopped and outcome.error is None:
+            stopped.discard(index)  # it had finished before its cancel reached it: it votes
+        elif adaptive and index not in stopped and remaining[i] and flight:
             so_far = answered.setdefault(i, [])
             so_far.append(outcome.answer)
             if vote_settled(majority_vote(so_far, equal=compare), samples - len(so_far)):
@@ -573,14 +575,17 @@ class Tally:
         self.samples_used += record.get("samples_used", record.get("k", 1))
         self.passed += bool(record.get("pass_at_k"))
 
-    def summary(self, samples: int) -> dict[str, Any]:
+    def summary(self, samples: int, adaptive: bool = False) -> dict[str, Any]:
         """Counts by status, accuracy, pass@k, mean thinking tokens."""
         total = sum(self.counts.values())
         result: dict[str, Any] = {
             "problems": total,
             **self.counts,
             "accuracy": self.counts["correct"] / total if total else 0.0,
-            "mean_reasoning_tokens": self.reasoning_tokens / total / samples if total else 0.0,
+            # A solution's: over the samples that finished (fewer than K once a vote settled).
+            "mean_reasoning_tokens": self.reasoning_tokens / self.samples_used
+            if self.samples_used
+            else 0.0,
         }
         result["completion_tokens"] = self.completion_tokens
         if samples > 1:
@@ -588,4 +593,5 @@ class Tally:
             result["pass_at_k"] = self.passed / total if total else 0.0
             result["pass_at_k_count"] = self.passed
             result["mean_samples_used"] = self.samples_used / total if total else 0.0
+            result["adaptive"] = adaptive  # each problem's samples stopped once it was settled
         return result

@@ -482,13 +482,17 @@ def format_eval(summary: dict[str, Any], seconds: float, output: object) -> str:
     ]
     if "samples" in summary:
         rows[1] = ("correct", share(summary["correct"]) + f"  (majority of {summary['samples']})")
-        rows.insert(2, (f"pass@{summary['samples']}", share(summary["pass_at_k_count"])))
+        taken = "  (some sample taken was right)" if summary.get("adaptive") else ""
+        rows.insert(2, (f"pass@{summary['samples']}", share(summary["pass_at_k_count"]) + taken))
         used = f"{summary['mean_samples_used']:.1f} a problem of at most {summary['samples']}"
-        rows.insert(3, ("samples", used + " (each stops once its vote is settled)"))
-    rows += [
-        ("thinking", f"{summary['mean_reasoning_tokens']:,.0f} tokens a solution on average"),
-        ("tokens", f"{summary['completion_tokens']:,} written in all (thinking included)"),
-        ("time", f"{human_seconds(seconds)} this run"),
-        ("results", str(output)),
-    ]
+        if summary.get("adaptive"):
+            used += " (each stops once its vote is settled)"
+        rows.insert(3, ("samples", used))
+    rows.append(("thinking", f"{summary['mean_reasoning_tokens']:,.0f} tokens a solution on "
+                             "average"))  # fmt: skip
+    if "completion_tokens" in summary:
+        by = "by the samples taken" if "samples" in summary else "in all"
+        rows.append(("tokens", f"{summary['completion_tokens']:,} written {by} (thinking "
+                               "included)"))  # fmt: skip
+    rows += [("time", f"{human_seconds(seconds)} this run"), ("results", str(output))]
     return format_rows(rows)

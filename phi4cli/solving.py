@@ -230,7 +230,11 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
         loading.see(event)
         spinner.see(event)
         outcomes[index].apply(event)
-        if not outcomes[index].done or index in stopped:
+        if not outcomes[index].done:
+            return
+        if index in stopped:
+            if outcomes[index].error is None:
+                stopped.discard(index)  # it had finished before its cancel reached it: it votes
             return
         finished.append(index)
         spinner.update(f"sampling… {len(finished)}/{samples} done")

@@ -81,6 +81,9 @@ def test_all_takes_every_sample_and_answer_only_says_where_it_stopped():
     assert alone.returncode == 2 and "--all goes with --samples K" in alone.stderr
 
 
+LONG = 1000  # tokens of each sample: some time for the cancel to reach the daemon
+
+
 @pytest.mark.timeout(600)
 def test_through_the_daemon_a_settled_vote_cancels_the_samples_still_to_come(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
@@ -95,23 +98,28 @@ def test_through_the_daemon_a_settled_vote_cancels_the_samples_still_to_come(
     from phi4cli.solving import SolveOptions, run_solve
 
     monkeypatch.setattr(outcome, "extract_final_answer", lambda text: "7" if text else None)
-    started = run_phi4("daemon", "start", "-m", str(tiny_model), "--parallel", "2")
+    # A context that holds one such request at a time: the samples run one after another, so
+    # those after the third are still waiting in the daemon when the vote settles.
+    started = run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "1200")
     assert started.returncode == 0, started.stderr
     out, err = io.StringIO(), io.StringIO()
     env = Environment(io.StringIO(), out, err, paths=get_paths())
     options = SolveOptions(prompt="What is 3+4?", model=str(tiny_model), samples=8,
-                           max_tokens=24, temperature=0.0, as_json=True)  # fmt: skip
+                           max_tokens=LONG, temperature=0.0, as_json=True)  # fmt: skip
     assert run_solve(options, env) == 0, err.getvalue()
     record = json.loads(out.getvalue())
-    assert (record["agreement"], record["samples_used"], record["samples_asked"]) == (
-        "3/3", 3, 8)  # fmt: skip
-    assert sum(s["cancelled"] for s in record["samples"]) == 5
+    # Three settle it; the fourth had begun by then, and votes too if it ended before the
+    # cancel reached it (a client stalled for a whole sample's time).
+    used = record["samples_used"]
+    assert used in (3, 4) and record["agreement"] == f"{used}/{used}", record["agreement"]
+    assert record["samples_asked"] == 8
+    assert sum(s["cancelled"] for s in record["samples"]) == 8 - used
     assert all(s["stats"]["completion_tokens"] > 0 for s in record["samples"]
                if not s["cancelled"])  # fmt: skip
     status = json.loads(run_phi4("status", "--json").stdout)
     assert status["memory"]["running"] == 0, "nothing of the cancelled samples still runs"
-    # (The tiny model answers all eight within milliseconds, so whether the daemon had already
-    # finished the cancelled ones is the machine's speed: not asserted.)
+    # Tokens really saved: one sample at most was begun beyond those that voted.
+    assert status["metrics"]["completion_tokens"] < (used + 1) * LONG, status["metrics"]
 
 
 @pytest.mark.timeout(300)

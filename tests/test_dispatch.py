@@ -409,3 +409,35 @@ def test_requests_that_come_as_the_feed_ends_are_sent_not_given_up_on():
     Flight(requests, [a], inbox, feed=EndingFeed()).run(on_event)
     assert [text(events[i]) for i in (0, 1)] == ["0", "1"]
     assert all(len(t) == 1 and t[0].kind == EventKind.DONE for t in terminals(events).values())
+
+
+@pytest.mark.timeout(60)  # resent, it would stream forever
+def test_a_cancelled_request_whose_engine_fails_before_confirming_is_not_sent_again():
+    # Before: the daemon's cancel is confirmed by its terminal event; a daemon that went away
+    # first made it a failure like any other, and the request was resent to a fresh daemon.
+    inbox = FakeInbox()
+
+    class LateCancel(FakeReplica):
+        def cancel(self, serial: int) -> Event | None:
+            self.cancelled.append(serial)
+            return None  # confirmed later, as the daemon does
+
+    def script(r: FakeReplica, s: int, p: dict[str, Any]) -> list[Any]:
+        return [Event(EventKind.TOKEN, text="x")] if p["i"] == 0 else answer("y")
+
+    a = LateCancel("a", 3, inbox, script)
+    flight = Flight([{"i": i} for i in range(3)], [a], inbox, restart=True)
+    assert next(flight) == (0, Event(EventKind.TOKEN, text="x"))
+    flight.cancel(0)
+    inbox.queue.appendleft((a, 1, Failure(ErrorCode.BACKEND_ERROR, "the daemon went away",
+                                          down=True)))  # fmt: skip
+    ends: dict[int, Event] = {}
+    kinds: list[EventKind] = []
+    for index, event in flight:
+        if index == 0:
+            kinds.append(event.kind)
+        if event.terminal:
+            ends[index] = event
+    assert set(ends) == {0, 1, 2} and ends[0].code == ErrorCode.CANCELLED
+    assert a.attempts.count(0) == 1, "not sent again"
+    assert EventKind.RESTART not in kinds
