@@ -25,7 +25,7 @@ from phi4cli.protocol import Event
 from phi4cli.reasoning import AnswerComparer, majority_vote
 from phi4cli.records import Record
 from phi4cli.sanitize import json_safe
-from phi4cli.solving import FileProgress, ProgressNotice, Requests, SolveJob
+from phi4cli.solving import EarlyStop, FileProgress, ProgressNotice, Requests, SolveJob
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -244,8 +244,7 @@ def run_identity(job: SolveJob, samples: int, adaptive: bool = False) -> dict[st
     def says(key: str) -> bool:
         if key == "adaptive":
             return adaptive
-        return key not in SETTING or SETTING[key].off is None or identity.get(key) != \
-            SETTING[key].off  # fmt: skip
+        return key not in SETTING or not SETTING[key].is_off(identity.get(key))
 
     said = {key: identity.get(key) for key in RUN_KEYS if says(key)}
     return dict(json.loads(json.dumps(said)))
@@ -461,8 +460,6 @@ def run_eval(
     judged; return the count of every record (earlier ones of this run included) and the
     seconds this run took. A problem's samples stop once its vote is settled, as `solve -k`'s
     do (:func:`reasoning.vote_settled`), unless ``every``."""
-    from phi4cli.reasoning import vote_settled
-
     adaptive = samples > 1 and not every
     run = run_identity(job, samples, adaptive)
     results, earlier = open_results(output, problems, run, policy or MismatchPolicy())
@@ -487,9 +484,7 @@ def run_eval(
                           **({} if seed is None else {"seed": seed + k}))  # fmt: skip
 
     requests = Requests(request, len(todo) * samples)
-    remaining: dict[int, int] = {}  # samples not ended yet, by problem being answered
-    answered: dict[int, list[str | None]] = {}  # the answers of its samples that finished
-    stopped: set[int] = set()  # request indices cancelled because their vote was settled
+    stops: dict[int, EarlyStop] = {}  # by problem being answered
     flight: list[Flight] = []
     # A problem's budget is that of its K samples together.
     budget = job.base.get("max_tokens")
@@ -507,25 +502,17 @@ def run_eval(
         outcome.apply(event)
         if not (event.terminal and outcome.done):
             return
-        remaining[i] = remaining.get(i, samples) - 1
-        if index in stopped and outcome.error is None:
-            stopped.discard(index)  # it had finished before its cancel reached it: it votes
-        elif adaptive and index not in stopped and remaining[i] and flight:
-            so_far = answered.setdefault(i, [])
-            so_far.append(outcome.answer)
-            if vote_settled(majority_vote(so_far, equal=compare), samples - len(so_far)):
-                for s in range(samples):
-                    other = outcomes.get((i, s))
-                    if (other is None or not other.done) and i * samples + s not in stopped:
-                        stopped.add(i * samples + s)
-                        flight[0].cancel(i * samples + s)
-        if remaining[i]:
+        stop = stops.get(i)
+        if stop is None:
+            first = i * samples  # its samples' request indices follow
+            stop = stops[i] = EarlyStop(samples, compare, (lambda s: flight[0].cancel(first + s))
+                                        if adaptive else None)  # fmt: skip
+        stop.end(k, outcome)
+        if len(stop.ended) < samples:
             return
-        del remaining[i]
-        answered.pop(i, None)
+        del stops[i]
         judged = [outcomes.pop((i, s)) for s in range(samples)]
-        used = [o for s, o in enumerate(judged) if i * samples + s not in stopped]
-        stopped.difference_update(i * samples + s for s in range(samples))
+        used = [o for s, o in enumerate(judged) if s not in stop.stopped]
         record = {**judge(todo[i], used, compare), "k": samples, "run": run}
         if samples > 1:
             record["samples_used"] = len(used)

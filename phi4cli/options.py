@@ -241,6 +241,11 @@ class Setting(Record):
     env: str = ""  # its variable, when not PHI4_ + the key in capitals
     doc_allowed: str = ""  # what the docs say it allows, where that depends on the machine
 
+    def is_off(self, value: object) -> bool:
+        """Whether ``value`` is the one at which this setting does nothing (min_p 0): then it
+        is not sent to a remote server, shown by /show, or said in an eval's run."""
+        return self.off is not None and value == self.off
+
 
 _THREADS_ALLOWED = f"auto, or from 1 to {min(MAX_THREADS, 4 * (os.cpu_count() or 1))} " \
     "(4 per CPU of this machine)"  # fmt: skip

@@ -322,7 +322,7 @@ class RemoteEngine:
         # and vLLM's and SGLang's (repetition_penalty).
         for row in SETTINGS:
             value = params.get(row.key)
-            if row.openai and row.sent and value is not None and value != row.off:
+            if row.openai and row.sent and value is not None and not row.is_off(value):
                 body.update(dict.fromkeys(row.openai, value))
         return body
 

@@ -469,9 +469,7 @@ class ChatRepl:
         stats = self._last_stats or Stats()
         n_ctx = stats.n_ctx or self.settings.n_ctx or "auto (planned by the daemon)"
         settings = ", ".join(
-            f"{k}={v}"
-            for k, v in self.sampling().items()
-            if v != SETTING[k].off or SETTING[k].off is None
+            f"{k}={v}" for k, v in self.sampling().items() if not SETTING[k].is_off(v)
         )  # off: not said
         shown = format_chat_show(self.conversation, stats, self.model, settings, n_ctx)
         print(shown, file=self.env.stdout)

@@ -15,7 +15,7 @@ from phi4cli.errors import ExitStatus, UsageError
 from phi4cli.exits import Announce
 from phi4cli.outcome import Outcome, exit_status
 from phi4cli.protocol import ErrorCode, Event, EventKind
-from phi4cli.reasoning import AnswerComparer, majority_vote
+from phi4cli.reasoning import AnswerComparer, majority_vote, vote_settled
 from phi4cli.records import Record
 from phi4cli.render import PlainPresenter, TerminalPresenter, human_seconds, no_answer_reason
 from phi4cli.sanitize import clean_text, json_safe
@@ -206,23 +206,52 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     return exit_status([outcome], answer_required=mode.answer_only)
 
 
+class EarlyStop:
+    """One question's K samples, stopped once their vote is settled
+    (:func:`reasoning.vote_settled`, the Beta rule of Adaptive-Consistency): which have ended,
+    the answers of those that vote, and which were cancelled. ``cancel(k)`` stops sample k;
+    None: all K are taken (``--all``). `solve -k` keeps one, `eval -k` one per problem."""
+
+    def __init__(self, samples: int, compare: AnswerComparer,
+                 cancel: Callable[[int], None] | None) -> None:  # fmt: skip
+        self.samples, self.compare, self.cancel = samples, compare, cancel
+        self.ended: set[int] = set()
+        self.answers: list[str | None] = []  # of the samples that vote, as they ended
+        self.stopped: set[int] = set()  # cancelled because the vote was settled
+
+    def end(self, k: int, outcome: Outcome) -> None:
+        """Sample ``k`` has its terminal event: it votes, unless it was cancelled; a vote
+        settled by it cancels the samples that have not ended."""
+        self.ended.add(k)
+        if k in self.stopped:
+            if outcome.error is None:
+                self.stopped.discard(k)  # it had finished before its cancel reached it: it votes
+            return
+        self.answers.append(outcome.answer)
+        left = self.samples - len(self.ended)
+        if self.cancel is None or not left:
+            return
+        if vote_settled(majority_vote(self.answers, equal=self.compare), left):
+            rest = [i for i in range(self.samples) if i not in self.ended]
+            self.stopped.update(rest)
+            for i in rest:
+                self.cancel(i)
+
+
 def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
                   every: bool = False) -> int:  # fmt: skip
     """Solve the same question up to ``samples`` times and majority-vote the answers. Unless
     ``every``, sampling stops once the vote is settled (:func:`reasoning.vote_settled`, the
     Beta rule of Adaptive-Consistency): the samples not finished then are cancelled, their
     memory freed at once, and the vote is over those that finished."""
-    from phi4cli.reasoning import vote_settled
-
     outcomes = [Outcome(index=i, question=question) for i in range(samples)]
     seed = job.seed
     requests = [
         job.params(question, seed=None if seed is None else seed + i) for i in range(samples)
     ]
-    finished: list[int] = []  # samples in the order they ended
-    stopped: set[int] = set()  # cancelled because the vote was settled
     flight: list[Flight] = []
     compare = AnswerComparer()
+    stop = EarlyStop(samples, compare, None if every else lambda k: flight[0].cancel(k))
     spinner = _StderrStatus(job.env, f"sampling… 0/{samples} done")
     loading = ProgressNotice(job.announce, LoadLine(job.env, spinner))
 
@@ -230,29 +259,16 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
         loading.see(event)
         spinner.see(event)
         outcomes[index].apply(event)
-        if not outcomes[index].done:
-            return
-        if index in stopped:
-            if outcomes[index].error is None:
-                stopped.discard(index)  # it had finished before its cancel reached it: it votes
-            return
-        finished.append(index)
-        spinner.update(f"sampling… {len(finished)}/{samples} done")
-        if every or not flight or len(finished) == samples:
-            return
-        so_far = majority_vote([outcomes[i].answer for i in finished], equal=compare)
-        if vote_settled(so_far, samples - len(finished)):
-            rest = [i for i in range(samples) if not outcomes[i].done]
-            stopped.update(rest)
-            for i in rest:
-                flight[0].cancel(i)
+        if outcomes[index].done:
+            stop.end(index, outcomes[index])
+            spinner.update(f"sampling… {len(stop.answers)}/{samples} done")
 
     try:
         job.run(requests, on_event, restart=True, on_flight=flight.append)
     finally:
         loading.stop()
         spinner.stop()
-    used = [o for o in outcomes if o.index not in stopped]
+    used = [o for o in outcomes if o.index not in stop.stopped]
     good = [o for o in used if o.error is None]
     if not good:
         raise used[0].exception()
@@ -267,7 +283,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
         job.announce(notice)
     # "4/4 samples agree, stopped after 4 of 8": the early stop said where the vote is.
     agree = f"{vote.agreement} samples agree" + (f", stopped after {len(used)} of {samples}"
-                                                 if stopped else "")  # fmt: skip
+                                                 if stop.stopped else "")  # fmt: skip
     # Shown: a sample that gave the winning answer in the form reported, else any that agreed.
     agreeing = [used[i] for i in vote.members]
     winner = next((o for o in agreeing if o.answer == vote.answer),
@@ -282,8 +298,8 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
             samples_used=len(used),
             samples=[
                 {"answer": o.answer, "seed": o.stats.seed if o.stats else None,
-                 "error": None if o.index in stopped else o.to_json().get("error"),
-                 "cancelled": o.index in stopped, "stats": o.stats_dict}
+                 "error": None if o.index in stop.stopped else o.to_json().get("error"),
+                 "cancelled": o.index in stop.stopped, "stats": o.stats_dict}
                 for o in outcomes
             ],
         )  # fmt: skip
