@@ -283,8 +283,9 @@ def test_eval_of_a_huge_answer_grades_at_once_with_one_notice(tmp_path: Path):
         return separated("reasoning_content", ["Think."], [f"So $\\boxed{{{answer}}}$."])
 
     with scripted_server(script) as server:
-        result = run_phi4("eval", str(problems), "-k", "3", "--backend", server.url, "-m", "m",
-                          "--json", timeout=60)  # fmt: skip
+        # --all: pass@3 is over all three samples (two agreeing would settle the vote)
+        result = run_phi4("eval", str(problems), "-k", "3", "--all", "--backend", server.url,
+                          "-m", "m", "--json", timeout=60)  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert (summary["problems"], summary["correct"], summary["pass_at_k_count"]) == (2, 1, 2)
