@@ -12,6 +12,12 @@ class Settings(Record):
     model: str = DEFAULT_MODEL
     # After this many reasoning tokens the daemon closes the thinking; None: no budget.
     think_budget: int | None = None
+    # An end of thinking before this many reasoning tokens is replaced by "Wait" (s1's budget
+    # forcing); 0: the model ends its thinking when it will.
+    min_think: int = 0
+    # Thinking that repeats itself (phi4cli.loops): end it so the model answers, stop, or let it
+    # run to max_tokens.
+    loop: str = 'answer'
     # None: the chat template's own default system prompt ("Your name is Phi, ...").
     system: str | None = None
     temperature: float = 0.8

@@ -107,6 +107,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kv_layout": ("auto", "shared", "streams"),
     "ramdisk": ("auto", "on", "off"),
     "mlock": ("true", "false"),
+    "loop": ("answer", "stop", "off"),
 }
 
 
@@ -148,6 +149,11 @@ def _whole_or(word: str) -> Callable[[object], int | None]:
         return number
 
     return parse
+
+
+def _whole_or_zero(value: object) -> int:
+    """A whole number >= 0; none and off are 0."""
+    return _whole_or("off")(value) or 0
 
 
 def _ramdisk_mode(value: object) -> str:
@@ -261,6 +267,19 @@ SETTINGS = (
             flags="--think-budget", option="int", low=0, groups=("answer",), settable=4,
             help="End the thinking after N tokens; the model then answers "
                  "[env PHI4_THINK_BUDGET]."),
+    Setting("min_think", _whole_or_zero, "a number of tokens (0: off)", 0, "int", REQUEST,
+            "An end of thinking before this many reasoning tokens is replaced by \"Wait\" "
+            "(s1's budget forcing); 0: the model ends its thinking when it will.",
+            flags="--min-think", option="int", low=0, groups=("answer",), settable=8, off=0,
+            help="Think at least N tokens: an earlier end of the thinking is replaced by "
+                 "\"Wait\" [default off]."),
+    Setting("loop", _one_of(*CHOICES["loop"]), "answer (end the thinking, the model answers), "
+            "stop, or off", "answer", "str", REQUEST,
+            "Thinking that repeats itself (phi4cli.loops): end it so the model answers, stop, "
+            "or let it run to max_tokens.", flags="--loop", option="str",
+            metavar="answer|stop|off", groups=("answer",), settable=9, off="off",
+            help="When the thinking repeats itself: end it so the model answers, stop, or let "
+                 "it run [default answer]."),
     Setting("system", _optional_str, "text", None, "str | None", REQUEST,
             "None: the chat template's own default system prompt (\"Your name is Phi, ...\").",
             flags="--system -s", option="str", groups=("answer",),

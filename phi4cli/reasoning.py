@@ -108,6 +108,23 @@ class ThinkSplitter:
             break
         return pieces
 
+    def closing_at(self, text: str) -> int | None:
+        """Where the end of thinking would begin, in the held-back text followed by ``text``,
+        if feeding ``text`` now would end the thinking; else None."""
+        if not self.in_reasoning or self.closed:
+            return None
+        index = (self._pending + text).find(THINK_CLOSE)
+        return index if index >= 0 else None
+
+    @property
+    def held(self) -> str:
+        """The text held back (the start of what may be a tag)."""
+        return self._pending
+
+    def drop_held(self) -> None:
+        """Forget the held-back text: the end of thinking it began is taken back."""
+        self._pending = ""
+
     def finish(self) -> list[tuple[str, str]]:
         """Flush whatever was held back at the end of the stream."""
         pieces: list[tuple[str, str]] = []

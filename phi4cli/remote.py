@@ -42,6 +42,7 @@ import httpx2 as httpx
 from phi4cli.dispatch import Delivery, Failure, Flight, Probe, Replica, Slow
 from phi4cli.errors import DaemonUnavailableError
 from phi4cli.exits import Announce
+from phi4cli.loops import LoopDetector
 from phi4cli.protocol import JSON, ErrorCode, Event, EventKind, Stats
 from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model_thinks
 
@@ -176,6 +177,12 @@ class _Reader:
 
     def finish(self) -> list[tuple[EventKind, str]]:
         return _kinds(self.splitter.finish())
+
+    def rethink(self) -> None:
+        """The answer begun is not taken (--min-think): what comes next is thinking again."""
+        self.separate = None
+        self.inline = ThinkSplitter(starts_in_reasoning=True)
+        self.answer_pieces = 0
 
     @property
     def unfinished(self) -> bool:
@@ -340,6 +347,9 @@ class RemoteEngine:
         state = _StreamState(started, _token_limit(params.get("max_tokens")))
         state.attempt, attempt.state = attempt, state
         budget = params.get("think_budget")
+        state.loop_policy = str(params.get("loop", "answer"))
+        if state.loop_policy != "off":
+            state.loops = LoopDetector()
         messages = messages_for(params)
         client = self._http()
         try:
@@ -348,11 +358,14 @@ class RemoteEngine:
                 state.budget_reached = True
             else:
                 body = self._body(params, messages)
+                state.min_think = int(params.get("min_think") or 0)
                 for kind, text in self._events(client, body, reader, state, budget):
                     yield Event(kind, text=text)
+                while state.think_on and not state.cut:
+                    yield from self._think_on(client, params, messages, reader, state, budget)
                 for kind, text in reader.finish():
                     yield Event(kind, text=text)
-            if state.budget_reached and not state.cut:
+            if (state.budget_reached or state.loop == "answered") and not state.cut:
                 yield from self._answer_after_budget(client, params, messages, reader, state)
         except _Failure as failure:
             if failure.fault is not None:
@@ -369,6 +382,33 @@ class RemoteEngine:
                                elsewhere=False) from None  # fmt: skip
         yield Event.of_stats(state.stats(self, reader, params))
         yield Event(EventKind.DONE, data={"finish_reason": state.finish})
+
+    def _think_on(
+        self,
+        client: httpx.Client,
+        params: dict[str, Any],
+        messages: list[dict[str, str]],
+        reader: _Reader,
+        state: _StreamState,
+        budget: int | None,
+    ) -> Iterator[Event]:
+        """The thinking ended before --min-think (s1's budget forcing): send the reply so far,
+        thinking open and "Wait" after it, as the start of the assistant's message for the
+        server to go on from; what it writes next is thinking until it closes it again."""
+        state.think_on = False
+        state.waits += 1
+        thinking = state.reasoning_text.rstrip()
+        body = self._body(
+            params, [*messages, {"role": "assistant", "content": f"{THINK_OPEN}\n{thinking} Wait"}]
+        )
+        body.update(continue_final_message=True, add_generation_prompt=False)
+        if params.get("max_tokens") is not None:
+            body["max_tokens"] = max(1, int(params["max_tokens"]) - state.completion_pieces)
+        state.seen(EventKind.REASONING, " Wait")
+        yield Event(EventKind.REASONING, text=" Wait")
+        reader.rethink()
+        for kind, text in self._events(client, body, reader, state, budget):
+            yield Event(kind, text=text)
 
     def _answer_after_budget(
         self,
@@ -484,6 +524,13 @@ class RemoteEngine:
                             state.finish = finish[:40]
                             finished = True
                         for kind, text in reader.feed(_delta(choice, self.url)):
+                            if (
+                                kind == EventKind.TOKEN
+                                and reader.reasoning_pieces < state.min_think
+                                and not state.budget_reached
+                            ):
+                                state.think_on = True  # the answer began too soon: go on
+                                return  # leaving the with-block closes the response
                             if kind != EventKind.RETRACT and state.completion_pieces >= state.limit:
                                 # The server went past max_tokens (or streams without end):
                                 # stop here, as a length stop; leaving closes the response.
@@ -491,6 +538,16 @@ class RemoteEngine:
                                 return
                             state.seen(kind, text)
                             yield kind, text
+                            if state.loops is not None and kind != EventKind.RETRACT \
+                                    and state.loops.feed(text):  # fmt: skip
+                                state.loop_at = state.completion_pieces
+                                if reader.in_reasoning and state.loop is None \
+                                        and state.loop_policy == "answer":  # fmt: skip
+                                    state.loop = "answered"  # the answer is asked for next
+                                    state.loops = LoopDetector()
+                                else:
+                                    state.loop, state.finish, state.cut = "stopped", "loop", True
+                                return  # leaving the with-block closes the response
                         if (
                             budget is not None
                             and reader.in_reasoning
@@ -812,6 +869,13 @@ class _StreamState:
         self.first_token_s: float | None = None
         self.finish: str | None = None
         self.budget_reached = False
+        self.min_think = 0  # --min-think
+        self.think_on = False  # the thinking ended before min_think: ask for more
+        self.waits = 0
+        self.loop_policy = "answer"  # --loop: answer | stop | off
+        self.loops: LoopDetector | None = None  # watching the output for a loop
+        self.loop: str | None = None  # "answered" or "stopped", once one was caught
+        self.loop_at: int | None = None
         self.completion_pieces = 0
         self.reasoning_parts: list[str] = []
         self.answer_parts: list[str] = []
@@ -850,7 +914,7 @@ class _StreamState:
         details = details if isinstance(details, dict) else {}
         completion = _count(usage.get("completion_tokens")) or self.completion_pieces
         reasoning = _count(details.get("reasoning_tokens")) or reader.reasoning_pieces
-        if self.budget_reached or self.cut:
+        if self.budget_reached or self.cut or self.loop is not None:
             # Cut off before its usage came (two requests, or the limit here): count the stream.
             completion, reasoning = self.completion_pieces, reader.reasoning_pieces
         first = self.first_token_s
@@ -875,11 +939,16 @@ class _StreamState:
             reasoning_tokens=min(reasoning, completion),
             answer_tokens=max(0, completion - reasoning),
             budget_reached=self.budget_reached,
-            thinking_unfinished=reader.unfinished and not self.budget_reached,
+            loop=self.loop,
+            loop_at=self.loop_at,
+            waits=self.waits,
+            thinking_unfinished=reader.unfinished
+            and not self.budget_reached
+            and self.loop != "answered",
             decode_s=round(decode_s, 4),
             first_token_s=None if first is None else round(first, 4),
             total_s=round(total, 4),
-            finish_reason="length" if self.finish == "length" else "stop",
+            finish_reason=self.finish if self.finish in ("length", "loop") else "stop",
             seed=params.get("seed"),
             model=f"{engine.model} at {engine.url}",
             extra={"usage_reported": bool(usage)},

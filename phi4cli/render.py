@@ -41,11 +41,19 @@ def format_stats(stats: Stats) -> str:
     """The ``--verbose`` block, like ``ollama run --verbose``: load, prompt, cache, rates, total."""
     prompt_eval, prompt_s = stats.prompt_eval_tokens, stats.prompt_eval_s
     completion, decode_s = stats.completion_tokens, stats.decode_s
-    thinking = (
-        "budget reached"
-        if stats.budget_reached
-        else ("unfinished" if stats.thinking_unfinished else "")
-    )
+    said = []
+    if stats.budget_reached:
+        said.append("budget reached")
+    elif stats.thinking_unfinished:
+        said.append("unfinished")
+    if stats.loop is not None:
+        said.append(
+            f"looped at {stats.loop_at:,}: "
+            + ("ended, the model answered" if stats.loop == "answered" else "stopped")
+        )
+    if stats.waits:
+        said.append(f"{stats.waits} early end{'s' if stats.waits > 1 else ''} made Wait")
+    thinking = "; ".join(said)
     rows = [
         ("load time", human_seconds(stats.load_s)),
         (
@@ -113,6 +121,11 @@ def _markdown(solution: str) -> Any:
 
 
 def no_answer_reason(outcome: Outcome) -> str:
+    if outcome.stats is not None and outcome.stats.loop == "stopped":
+        return (
+            "no final answer: the output repeated itself and was stopped (--loop answer "
+            "ends looping thinking so the model answers)"
+        )
     if outcome.thinking_unfinished:
         return "no final answer: the thinking did not finish (raise --max-tokens or --think-budget)"
     return "no final answer stated in the solution"

@@ -53,12 +53,12 @@ def bytes_to_unicode() -> dict[int, str]:
     return {byte: chr(code) for byte, code in zip(printable, codes, strict=True)}
 
 
-def train_bpe(n_merges: int) -> tuple[list[str], list[str]]:
+def train_bpe(n_merges: int, corpus: str = _CORPUS) -> tuple[list[str], list[str]]:
     """Return (merged token strings, merges) learned greedily on the corpus."""
     table = bytes_to_unicode()
     words = Counter(
         tuple(table[b] for b in (" " + word if i else word).encode())
-        for i, word in enumerate(_CORPUS.split(" "))
+        for i, word in enumerate(corpus.split(" "))
     )
     merges: list[str] = []
     merged_tokens: list[str] = []
@@ -141,11 +141,17 @@ def write_tiny_phi3(
     vocab_size: int = 512,
     seed: int = 0,
     name: str = "tiny-test-model",
+    successors: dict[int, int] | None = None,
+    corpus: str = _CORPUS,
 ) -> Path:
-    """Write the model to ``path`` and return it. Deterministic for a given seed."""
+    """Write the model to ``path`` and return it. Deterministic for a given seed.
+
+    With ``successors`` (token -> the token to follow it), a scripted model: its layers add
+    nothing, so the logits depend on the last token alone, and its output matrix makes each
+    given token's successor the likeliest by far (greedy decoding follows the script)."""
     rng = np.random.default_rng(seed)
     byte_tokens = list(bytes_to_unicode().values())
-    merged, merges = train_bpe(vocab_size - len(byte_tokens) - len(SPECIAL_TOKENS))
+    merged, merges = train_bpe(vocab_size - len(byte_tokens) - len(SPECIAL_TOKENS), corpus)
     tokens = byte_tokens + merged
     n_normal = len(tokens)
     tokens += SPECIAL_TOKENS
@@ -173,7 +179,15 @@ def write_tiny_phi3(
     for index, token in enumerate(tokens[:n_normal]):
         if any(not 0x20 <= to_byte[char] <= 0x7E for char in token):
             embeddings[index] *= 0.01
+    if successors is not None:
+        embeddings = normal((vocab_size, embed), 1.0)
+        embeddings /= np.linalg.norm(embeddings, axis=1, keepdims=True)
+        output = np.zeros((vocab_size, embed), dtype=np.float32)
+        for token, following in successors.items():
+            output[following] += 3.0 * embeddings[token]  # (the norm scales it by sqrt(embed))
     writer.add_tensor("token_embd.weight", embeddings)
+    if successors is not None:
+        writer.add_tensor("output.weight", output)
     writer.add_tensor("output_norm.weight", np.ones(embed, dtype=np.float32))
     writer.add_tensor("rope_factors_long.weight", np.ones(n_rot // 2, dtype=np.float32))
     writer.add_tensor("rope_factors_short.weight", np.ones(n_rot // 2, dtype=np.float32))
@@ -183,15 +197,50 @@ def write_tiny_phi3(
         writer.add_tensor(
             f"blk.{i}.attn_qkv.weight", normal((embed + 2 * kv_heads * head_dim, embed), layer_std)
         )
-        writer.add_tensor(f"blk.{i}.attn_output.weight", normal((embed, embed), layer_std))
+        quiet = 0.0 if successors is not None else 1.0  # a scripted model's layers add nothing
+        writer.add_tensor(f"blk.{i}.attn_output.weight", normal((embed, embed), layer_std) * quiet)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(embed, dtype=np.float32))
         writer.add_tensor(f"blk.{i}.ffn_up.weight", normal((2 * ffn, embed), layer_std))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", normal((embed, ffn), layer_std))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", normal((embed, ffn), layer_std) * quiet)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_script_model(path: Path, thinking: str, answer: str, *, loops: bool = False) -> Path:
+    """A scripted reasoning model (see ``successors``): greedy, it writes ``thinking``, then
+    `` </think>``, then ``answer``, and stops; with ``loops``, it writes ``thinking`` again and
+    again, and answers only once something ends the thinking for it (a line break). After
+    " Wait" (--min-think) it thinks from the start again. Each piece should start with a space
+    (the vocabulary is learned on the script's words, space first), and no token may appear
+    twice in the script with different successors: ValueError."""
+    import llama_cpp
+
+    close = " </think>"
+    # The script's words, " Wait" and the tag are the vocabulary's: few tokens, each its own.
+    corpus = " ".join(["x"] + [thinking, close, answer, " Wait"] * 4)
+    plain = write_tiny_phi3(path, name="tiny-reasoning-script", corpus=corpus)
+    vocab = llama_cpp.Llama(str(plain), vocab_only=True, verbose=False)
+
+    def tokens(text: str) -> list[int]:
+        return vocab.tokenize(text.encode(), add_bos=False, special=True)
+
+    think, said = tokens(thinking), tokens(answer)
+    start = tokens("<|assistant|>")
+    pairs = list(itertools.pairwise([*start, *think, *(think[:1] if loops else tokens(close))]))
+    pairs += list(itertools.pairwise([*said, *tokens("<|endoftext|>")]))
+    pairs += [(tokens(" Wait")[-1], think[0]), (tokens("\n")[-1], said[0])]
+    if not loops:  # (the daemon's own "\n</think>\n\n" ends in a line break)
+        pairs.append((tokens(close)[-1], said[0]))
+    successors: dict[int, int] = {}
+    for token, following in pairs:
+        if successors.setdefault(token, following) != following:
+            raise ValueError(f"token {vocab.detokenize([token])!r} repeats in the script")
+    vocab.close()
+    return write_tiny_phi3(path, name="tiny-reasoning-script", successors=successors,
+                           corpus=corpus)  # fmt: skip
 
 
 if __name__ == "__main__":

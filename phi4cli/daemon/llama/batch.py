@@ -22,6 +22,7 @@ import json
 import logging
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedMode
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
 from phi4cli.daemon.sessions import SwappedSession, SwapStore
 from phi4cli.daemon.statefile import remove_state
+from phi4cli.loops import LoopDetector
 from phi4cli.protocol import ErrorCode, Stats
 from phi4cli.reasoning import THINK_CLOSE, ThinkSplitter
 
@@ -83,6 +85,7 @@ class _Run:
     max_len: int  # the longest its sequence may grow: the end of its reservation
     reserved: int  # KV cells held for it: its own tokens, now and to come
     splitter: ThinkSplitter
+    loops: LoopDetector | None  # None: --loop off
     decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
     started: float = field(default_factory=time.monotonic)
     prompt_s: float | None = None
@@ -91,6 +94,12 @@ class _Run:
     generated: int = 0
     reasoning_tokens: int = 0
     budget_reached: bool = False
+    loop: str | None = None  # a loop was caught: "answered" (thinking ended) or "stopped"
+    loop_at: int | None = None  # tokens generated when it was
+    waits: int = 0  # early ends of thinking replaced by "Wait" (min_think)
+    # Characters of the text of each of the last tokens in the sequence, for taking back the
+    # tokens of an early end of thinking (min_think).
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=len(THINK_CLOSE) + 1))
     restored: int = 0  # prompt tokens taken from a swapped-out session's saved state
     restore_s: float = 0.0
     finish_reason: str | None = None  # set: finished once its pending tokens are evaluated
@@ -397,6 +406,7 @@ class LlamaEngine:
             max_len=len(tokens) + prepared.budget + prepared.extra,
             reserved=needed,
             splitter=ThinkSplitter(starts_in_reasoning=model.thinks),
+            loops=None if params.loop == "off" else LoopDetector(),
             restored=restored,
             restore_s=restore_s,
         )
@@ -622,35 +632,102 @@ class LlamaEngine:
         token = run.sampler.sample(model.context, logits_index)
         if model.is_eog(token):
             return self._finish(slot, "stop")
-        run.generated += 1
-        run.reasoning_tokens += run.splitter.in_reasoning
         if run.first_token_s is None:
             run.first_token_s = now - run.started
-        self._forward(run, run.decoder.decode(prompts.piece(token)))
-        slot.pending.append(token)
+        text = run.decoder.decode(prompts.piece(token))
         params = run.job.params
+        if run.reasoning_tokens < params.min_think and run.splitter.closing_at(text) is not None:
+            self._keep_thinking(slot, text)
+        else:
+            run.generated += 1
+            run.reasoning_tokens += run.splitter.in_reasoning
+            self._forward(run, text)
+            slot.pending.append(token)
+            run.recent.append(len(text))
+            if run.loops is not None and run.loops.feed(text):
+                self._looped(slot)
         if (
             params.think_budget is not None
             and not run.budget_reached
             and run.splitter.in_reasoning
             and run.reasoning_tokens >= params.think_budget
+            and self._close_thinking(slot)
         ):
-            self._close_thinking(slot)
+            run.budget_reached = True
         if run.generated >= run.budget or len(slot.tokens) + len(slot.pending) >= run.max_len:
-            run.finish_reason = "length"  # finish once the pending tokens are evaluated
+            run.finish_reason = run.finish_reason or "length"  # once the pending are evaluated
         return None
 
-    def _close_thinking(self, slot: _Slot) -> None:
-        """Insert the end of thinking into the slot's sequence (think budget), if it fits."""
+    def _close_thinking(self, slot: _Slot) -> bool:
+        """Insert the end of thinking into the slot's sequence (a think budget, a loop), if it
+        fits; say whether it did."""
         model, _ = self._loaded()
         run = slot.run
         assert run is not None
         closing = f"\n{THINK_CLOSE}\n\n"
         tokens = model.tokenize(closing, add_bos=False)
-        if len(slot.tokens) + len(slot.pending) + len(tokens) < run.max_len:
-            slot.pending.extend(tokens)
-            self._forward(run, closing)
-            run.budget_reached = True
+        if len(slot.tokens) + len(slot.pending) + len(tokens) >= run.max_len:
+            return False
+        slot.pending.extend(tokens)
+        self._forward(run, closing)
+        run.recent.clear()  # (the daemon's tokens: never taken back)
+        return True
+
+    def _looped(self, slot: _Slot) -> None:
+        """The text repeats itself: end the thinking so the model answers (``loop = answer``,
+        once), else stop the request once its pending tokens are in."""
+        run = slot.run
+        assert run is not None
+        run.loop_at = run.generated
+        if (
+            run.job.params.loop == "answer"
+            and run.splitter.in_reasoning
+            and run.loop is None
+            and self._close_thinking(slot)
+        ):
+            run.loop, run.loops = "answered", LoopDetector()  # the answer is watched afresh
+            log.info("the thinking looped at %d tokens: ended it", run.generated)
+            return
+        run.loop, run.finish_reason = "stopped", "loop"
+        log.info("the output looped at %d tokens: stopped", run.generated)
+
+    def _keep_thinking(self, slot: _Slot, text: str) -> None:
+        """The model ends its thinking before min_think tokens (s1's budget forcing): take the
+        end of thinking back out of the sequence and write "Wait" in its place.
+
+        The tag may have begun in the tokens before this one, in the KV already (their text
+        held back by the splitter): those tokens go, the text of theirs before the tag is
+        written again, and this token is not kept."""
+        model, prompts = self._loaded()
+        run = slot.run
+        assert run is not None
+        held = run.splitter.held
+        at = run.splitter.closing_at(text)
+        assert at is not None
+        back = max(0, len(held) - at)  # characters of the tag in the tokens before this one
+        dropped = 0
+        while back > 0 and run.recent:
+            back -= run.recent.pop()
+            dropped += 1
+        kept = len(slot.tokens) - dropped
+        taken_back = b"".join(prompts.piece(t) for t in slot.tokens[kept:])
+        whole = taken_back.decode("utf-8", errors="replace") + text
+        before = whole[: len(whole) - (len(held) + len(text) - at)]  # up to the tag
+        if dropped:
+            model.seq_rm(slot.seq, kept)
+            del slot.tokens[kept:]
+        shown = (held + text)[:at]  # what of the held text and this token's was not the tag
+        written = run.splitter.reasoning + shown
+        joiner = "" if not written or written[-1].isspace() else " "
+        run.splitter.drop_held()
+        wait = model.tokenize(before + joiner + "Wait", add_bos=False)
+        self._forward(run, shown + joiner + "Wait")
+        slot.pending.extend(wait)
+        run.recent.clear()  # (these are the daemon's tokens: never taken back)
+        run.generated += len(wait) - dropped
+        run.reasoning_tokens += len(wait) - dropped
+        run.waits += 1
+        log.info("the thinking ended at %d tokens, before --min-think: Wait", run.generated)
 
     def _forward(self, run: _Run, text: str) -> None:
         for kind, piece in run.splitter.feed(text):
@@ -686,6 +763,9 @@ class LlamaEngine:
             "reasoning_tokens": run.reasoning_tokens,
             "answer_tokens": run.generated - run.reasoning_tokens,
             "budget_reached": run.budget_reached,
+            "loop": run.loop,
+            "loop_at": run.loop_at,
+            "waits": run.waits,
             "thinking_unfinished": run.splitter.unfinished,
             "decode_s": round(now - run.decode_started, 4) if prefilled else 0.0,
             "first_token_s": None if run.first_token_s is None else round(run.first_token_s, 4),

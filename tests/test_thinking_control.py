@@ -1,0 +1,210 @@
+"""Thinking that loops is caught (--loop answer|stop|off), and thinking that ends too soon is
+made to go on (--min-think: an early </think> becomes "Wait"), in the daemon and through a
+remote server."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phi4cli.loops import LoopDetector
+from phi4cli.reasoning import ThinkSplitter
+from tests.conftest import run_phi4
+from tests.scripted_server import Step, chunk, data, scripted_server, separated
+from tests.tinymodel import write_script_model
+from tests.traces import looping_trace, normal_trace
+
+THINKING, ANSWER = " Two plus two makes four.", " The answer is 4"
+
+
+def _flagged(text: str, rng: random.Random) -> int | None:
+    detector = LoopDetector()
+    at = 0
+    while at < len(text):
+        size = rng.randint(1, 12)  # pieces as a stream cuts them, through words
+        detector.feed(text[at : at + size])
+        at += size
+    detector.finish()
+    return detector.looped_at
+
+
+def test_long_traces_in_the_corpus_style_are_not_flagged():
+    # Steps, formulas of the notation corpus, stock phrases ("Wait, let me check that
+    # again.") and steps restated word for word: bench/loops.py runs 1,000 such traces.
+    rng = random.Random(7)
+    for _ in range(40):
+        text = normal_trace(rng, rng.randint(2000, 8000))
+        assert _flagged(text, rng) is None, text[:300]
+
+
+@pytest.mark.parametrize(("period", "mutate"), [(5, 0.0), (60, 0.0), (60, 0.05), (400, 0.02)])
+def test_loops_are_caught_soon_after_they_begin(period: int, mutate: float):
+    rng = random.Random(period)
+    for _ in range(5):
+        text, begins = looping_trace(rng, rng.randint(0, 1500), period, 6000, mutate)
+        at = _flagged(text, rng)
+        assert at is not None and begins < at < begins + 8 * period + 400, (at, begins)
+
+
+def test_text_without_spaces_loops_too_and_the_last_word_counts():
+    assert _flagged("=" * 5000, random.Random(1)) is not None
+    assert _flagged("abc" * 3000, random.Random(2)) is not None
+    detector = LoopDetector()
+    detector.feed("one two thr")
+    assert detector.words == 2
+    detector.finish()
+    assert detector.words == 3
+
+
+def test_the_splitter_says_where_an_end_of_thinking_begins_and_can_forget_it():
+    splitter = ThinkSplitter(starts_in_reasoning=True)
+    assert splitter.feed("so four </thi") == [("reasoning", "so four ")]
+    assert splitter.held == "</thi"
+    assert splitter.closing_at("nk>\nok") == 0
+    assert splitter.closing_at("s") is None
+    splitter.drop_held()
+    assert splitter.feed("Wait") == [("reasoning", "Wait")]
+    assert splitter.reasoning == "so four Wait"
+
+
+# --- the daemon, on scripted tiny models ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def script_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny models that follow a script greedily: one thinks THINKING, closes its thinking and
+    says ANSWER; the other says THINKING again and again, until something ends its thinking."""
+    folder = tmp_path_factory.mktemp("scripts")
+    return {
+        "short": write_script_model(folder / "short.gguf", THINKING, ANSWER),
+        "loops": write_script_model(folder / "loops.gguf", THINKING, ANSWER, loops=True),
+    }
+
+
+def _solve(model: Path, *args: str) -> tuple[Any, dict[str, Any]]:
+    done = run_phi4("solve", "What is 2+2?", "-m", str(model), "-t", "0", "--json", *args,
+                    timeout=120)  # fmt: skip
+    record = json.loads(done.stdout)
+    return done, record
+
+
+@pytest.mark.timeout(300)
+def test_thinking_that_ends_too_soon_is_made_to_go_on(script_models: dict[str, Path]):
+    done, record = _solve(script_models["short"], "-n", "200")
+    stats = record["stats"]
+    assert done.returncode in (0, 1), done.stderr
+    assert (record["reasoning"].strip(), record["solution"].strip()) == (
+        THINKING.strip(),
+        ANSWER.strip(),
+    )
+    assert stats["waits"] == 0 and stats["reasoning_tokens"] < 30
+    done, record = _solve(script_models["short"], "-n", "200", "--min-think", "30")
+    stats = record["stats"]
+    # Each early </think> (several tokens, the first ones in the KV already) was taken back and
+    # "Wait" written instead; the model went on thinking, then answered as before.
+    assert stats["reasoning_tokens"] >= 30 and stats["waits"] >= 2, stats
+    assert record["reasoning"].count("Wait") == stats["waits"]
+    assert record["reasoning"].strip().startswith(f"{THINKING.strip()} Wait{THINKING}")
+    assert "</" not in record["reasoning"] and "think>" not in record["reasoning"]
+    assert record["solution"].strip() == ANSWER.strip()
+    assert stats["finish_reason"] == "stop"
+
+
+@pytest.mark.timeout(300)
+def test_a_looping_thought_is_caught_before_max_tokens_and_answered(
+    script_models: dict[str, Path], tiny_reasoning_model: Path
+):
+    _, record = _solve(script_models["loops"], "-n", "3000")
+    stats = record["stats"]
+    assert (stats["loop"], stats["finish_reason"]) == ("answered", "stop"), stats
+    assert stats["loop_at"] < 400 and stats["completion_tokens"] < 400
+    assert record["solution"].strip() == ANSWER.strip()
+    verbose = run_phi4("solve", "What is 2+2?", "-m", str(script_models["loops"]), "-t", "0",
+                       "-n", "3000", "--verbose", timeout=120)  # fmt: skip
+    assert f"looped at {stats['loop_at']:,}: ended, the model answered" in verbose.stderr
+    # --loop stop: stopped there, and said so; off: it runs to --max-tokens.
+    stopped, record = _solve(script_models["loops"], "-n", "3000", "--loop", "stop")
+    assert (record["stats"]["loop"], record["stats"]["finish_reason"]) == ("stopped", "loop")
+    assert record["stats"]["completion_tokens"] == stats["loop_at"]
+    assert stopped.returncode == 1
+    assert "the output repeated itself and was stopped" in stopped.stderr
+    _, record = _solve(script_models["loops"], "-n", "600", "--loop", "off")
+    assert (record["stats"]["loop"], record["stats"]["completion_tokens"]) == (None, 600)
+    # The random tiny model pushed into repeating itself (a repeat penalty below 1).
+    _, record = _solve(tiny_reasoning_model, "-n", "3000", "--repeat-penalty", "0.5")
+    assert record["stats"]["loop"] in ("answered", "stopped")
+    assert record["stats"]["loop_at"] < 3000 and record["stats"]["completion_tokens"] < 3000
+
+
+def test_loop_and_min_think_are_checked():
+    bad = run_phi4("solve", "What is 2+2?", "--loop", "maybe", "--backend", "http://127.0.0.1:9")
+    assert bad.returncode == 2 and "--loop" in bad.stderr and "answer" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+# --- a remote server ---------------------------------------------------------------------------
+
+
+def _looping_server(body: dict[str, Any]) -> list[str | Step]:
+    """Thinks in a loop; asked again with the thinking closed, it answers."""
+    if body["messages"][-1]["role"] == "assistant":
+        return [chunk({"content": " So $\\boxed{4}$."}), chunk({}, "stop"), data("[DONE]")]
+    text, _ = looping_trace(random.Random(3), 300, 40, 4000)
+    return separated("reasoning_content", [w + " " for w in text.split()], ["Never said."],
+                     with_usage=False)  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_a_servers_looping_thought_is_closed_and_the_answer_asked_for():
+    with scripted_server(_looping_server) as server:
+        done = run_phi4("solve", "What is 2+2?", "--backend", server.url, "-m", "m", "--json",
+                        timeout=100)  # fmt: skip
+        bodies = list(server.bodies)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert record["answer"] == "4"
+    assert record["stats"]["loop"] == "answered" and record["stats"]["loop_at"] < 1000
+    assert len(bodies) == 2 and bodies[1]["continue_final_message"] is True
+    assert bodies[1]["messages"][-1]["content"].endswith("</think>\n\n")
+    with scripted_server(_looping_server) as server:
+        stopped = run_phi4("solve", "What is 2+2?", "--backend", server.url, "-m", "m",
+                           "--json", "--loop", "stop", timeout=100)  # fmt: skip
+        assert len(server.bodies) == 1
+    record = json.loads(stopped.stdout)
+    assert (record["stats"]["loop"], record["stats"]["finish_reason"]) == ("stopped", "loop")
+    assert stopped.returncode == 1 and record["answer"] is None
+
+
+def _hasty_server(body: dict[str, Any]) -> list[str | Step]:
+    """Closes its thinking after three words; asked to go on after "Wait", thinks more."""
+    last = body["messages"][-1]
+    if last["role"] == "assistant":
+        assert last["content"].startswith("<think>\n") and last["content"].endswith(" Wait")
+        more = [f" step{i}" for i in range(12)]
+        return separated("reasoning_content", more, [" So $\\boxed{5}$."], with_usage=False)
+    return separated("reasoning_content", ["Quick", " guess", " done."], [" $\\boxed{9}$"],
+                     with_usage=False)  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_a_server_that_ends_its_thinking_too_soon_is_asked_to_go_on():
+    with scripted_server(_hasty_server) as server:
+        done = run_phi4("solve", "What is 2+3?", "--backend", server.url, "-m", "m", "--json",
+                        "--min-think", "10", timeout=100)  # fmt: skip
+        bodies = list(server.bodies)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    # The first answer (9) was never taken: the thinking went on, and its answer is the one.
+    assert record["answer"] == "5" and "9" not in record["solution"]
+    assert record["reasoning"].startswith("Quick guess done. Wait step0")
+    assert record["stats"]["waits"] == 1 and len(bodies) == 2
+    assert bodies[1]["continue_final_message"] is True
+    with scripted_server(_hasty_server) as server:
+        plain = run_phi4("solve", "What is 2+3?", "--backend", server.url, "-m", "m",
+                         "--answer-only", timeout=100)  # fmt: skip
+        assert len(server.bodies) == 1
+    assert plain.stdout == "9\n"
