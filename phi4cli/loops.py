@@ -8,8 +8,8 @@ The rule, over words (runs of non-space characters, a long run cut into pieces o
 ``NGRAM`` words ending with it have already occurred ``SEEN_BEFORE`` times in the text fed so
 far. The text *loops* once at least ``SHARE`` of the last ``WINDOW`` words repeat.
 
-A loop of any period is caught early in its fourth time round (``SEEN_BEFORE`` earlier
-occurrences, then ``SHARE`` of a window), while what reasoning does repeat — a checked
+A loop of any period is caught no earlier than its fourth time round (``SEEN_BEFORE`` earlier
+occurrences), once ``SHARE`` of a window repeat, while what reasoning does repeat — a checked
 equation, a restated step, "Wait, let me check that again." — repeats in spans shorter than the
 window or fewer times: ``bench/loops.py`` measures both on thousands of synthetic traces in
 the style of the notation corpus (no false positive; every loop caught). Constant work per

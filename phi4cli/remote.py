@@ -55,6 +55,8 @@ MAX_METRICS_BYTES = 4 * 1024 * 1024  # a /metrics page (vLLM's is some hundreds 
 # Pieces of text one request may stream when it sets no max_tokens: beyond any context these
 # servers run, so only an endless stream meets it.
 DEFAULT_TOKEN_LIMIT = 131072
+# Requests to go on thinking after "Wait" (--min-think) that one answer may take.
+MAX_WAITS = 16
 MAX_RETRIES = 3  # of a 429 or 503 answer
 MAX_RETRY_WAIT_S = 60.0  # a longer Retry-After is not waited for
 RETRY_BACKOFF_S = 0.5  # the first wait when the server gives no Retry-After; doubled each time
@@ -182,6 +184,7 @@ class _Reader:
         """The answer begun is not taken (--min-think): what comes next is thinking again."""
         self.separate = None
         self.inline = ThinkSplitter(starts_in_reasoning=True)
+        self.after_thinking = ThinkSplitter(starts_in_reasoning=False)
         self.answer_pieces = 0
 
     @property
@@ -383,6 +386,22 @@ class RemoteEngine:
         yield Event.of_stats(state.stats(self, reader, params))
         yield Event(EventKind.DONE, data={"finish_reason": state.finish})
 
+    def _continuation(
+        self,
+        params: dict[str, Any],
+        messages: list[dict[str, str]],
+        prefix: str,
+        state: _StreamState,
+    ) -> dict[str, Any]:
+        """A request for the server to go on from ``prefix``, the start of the assistant's
+        message, with the tokens left of max_tokens."""
+        body = self._body(params, [*messages, {"role": "assistant", "content": prefix}])
+        # vLLM continues a final assistant message only when asked; llama-server always does.
+        body.update(continue_final_message=True, add_generation_prompt=False)
+        if params.get("max_tokens") is not None:
+            body["max_tokens"] = max(1, int(params["max_tokens"]) - state.completion_pieces)
+        return body
+
     def _think_on(
         self,
         client: httpx.Client,
@@ -398,15 +417,11 @@ class RemoteEngine:
         state.think_on = False
         state.waits += 1
         thinking = state.reasoning_text.rstrip()
-        body = self._body(
-            params, [*messages, {"role": "assistant", "content": f"{THINK_OPEN}\n{thinking} Wait"}]
-        )
-        body.update(continue_final_message=True, add_generation_prompt=False)
-        if params.get("max_tokens") is not None:
-            body["max_tokens"] = max(1, int(params["max_tokens"]) - state.completion_pieces)
+        body = self._continuation(params, messages, f"{THINK_OPEN}\n{thinking} Wait", state)
         state.seen(EventKind.REASONING, " Wait")
         yield Event(EventKind.REASONING, text=" Wait")
         reader.rethink()
+        reader.reasoning_pieces += 1  # the Wait
         for kind, text in self._events(client, body, reader, state, budget):
             yield Event(kind, text=text)
 
@@ -422,11 +437,7 @@ class RemoteEngine:
         sent as the start of the assistant's message for the server to continue."""
         thinking = state.reasoning_text
         prefix = f"{THINK_OPEN}\n{thinking.strip()}\n{THINK_CLOSE}\n\n"
-        body = self._body(params, [*messages, {"role": "assistant", "content": prefix}])
-        # vLLM continues a final assistant message only when asked; llama-server always does.
-        body.update(continue_final_message=True, add_generation_prompt=False)
-        if params.get("max_tokens") is not None:
-            body["max_tokens"] = max(1, int(params["max_tokens"]) - state.completion_pieces)
+        body = self._continuation(params, messages, prefix, state)
         answer = _Reader(thinks=False)
         answer.separate = False
         for kind, text in self._events(client, body, answer, state, None):
@@ -524,18 +535,14 @@ class RemoteEngine:
                             state.finish = finish[:40]
                             finished = True
                         for kind, text in reader.feed(_delta(choice, self.url)):
-                            if (
-                                kind == EventKind.TOKEN
-                                and reader.reasoning_pieces < state.min_think
-                                and not state.budget_reached
-                            ):
-                                state.think_on = True  # the answer began too soon: go on
-                                return  # leaving the with-block closes the response
                             if kind != EventKind.RETRACT and state.completion_pieces >= state.limit:
                                 # The server went past max_tokens (or streams without end):
                                 # stop here, as a length stop; leaving closes the response.
                                 state.finish, state.cut = "length", True
                                 return
+                            if kind == EventKind.TOKEN and state.too_soon(reader):
+                                state.think_on = True  # the answer began too soon: go on
+                                return  # leaving the with-block closes the response
                             state.seen(kind, text)
                             yield kind, text
                             if state.loops is not None and kind != EventKind.RETRACT \
@@ -886,6 +893,16 @@ class _StreamState:
     def reasoning_text(self) -> str:
         return "".join(self.reasoning_parts)
 
+    def too_soon(self, reader: _Reader) -> bool:
+        """The thinking ended before --min-think pieces (and phi4 did not end it: a budget, a
+        loop); after MAX_WAITS requests to go on, it is let end."""
+        return (
+            0 < reader.reasoning_pieces < self.min_think
+            and not self.budget_reached
+            and self.loop is None
+            and self.waits < MAX_WAITS
+        )
+
     def seen(self, kind: EventKind, text: str) -> None:
         if self.first_token_s is None:
             self.first_token_s = time.monotonic() - self.started
@@ -914,7 +931,7 @@ class _StreamState:
         details = details if isinstance(details, dict) else {}
         completion = _count(usage.get("completion_tokens")) or self.completion_pieces
         reasoning = _count(details.get("reasoning_tokens")) or reader.reasoning_pieces
-        if self.budget_reached or self.cut or self.loop is not None:
+        if self.budget_reached or self.cut or self.loop is not None or self.waits:
             # Cut off before its usage came (two requests, or the limit here): count the stream.
             completion, reasoning = self.completion_pieces, reader.reasoning_pieces
         first = self.first_token_s

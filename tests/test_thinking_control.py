@@ -185,9 +185,8 @@ def _hasty_server(body: dict[str, Any]) -> list[str | Step]:
     if last["role"] == "assistant":
         assert last["content"].startswith("<think>\n") and last["content"].endswith(" Wait")
         more = [f" step{i}" for i in range(12)]
-        return separated("reasoning_content", more, [" So $\\boxed{5}$."], with_usage=False)
-    return separated("reasoning_content", ["Quick", " guess", " done."], [" $\\boxed{9}$"],
-                     with_usage=False)  # fmt: skip
+        return separated("reasoning_content", more, [" So $\\boxed{5}$."])
+    return separated("reasoning_content", ["Quick", " guess", " done."], [" $\\boxed{9}$"])
 
 
 @pytest.mark.timeout(120)
@@ -208,3 +207,67 @@ def test_a_server_that_ends_its_thinking_too_soon_is_asked_to_go_on():
                          "--answer-only", timeout=100)  # fmt: skip
         assert len(server.bodies) == 1
     assert plain.stdout == "9\n"
+
+
+@pytest.mark.timeout(120)
+def test_after_wait_the_cache_holds_exactly_the_text_shown(script_models: dict[str, Path]):
+    # In process, on the real llama.cpp context: the tag's tokens taken back are gone from
+    # the KV cache, and what it holds after the prompt is what was shown, tag included.
+    import llama_cpp
+
+    from phi4cli._settings import Sampling, Settings
+    from phi4cli.daemon.jobs import Job
+    from phi4cli.daemon.llama.batch import LlamaEngine
+    from phi4cli.protocol import PRIORITY_SOLVE, Event, EventKind, SolveParams
+
+    engine = LlamaEngine(Settings(n_ctx=1024, threads=1, ramdisk="off"))
+    engine.load(script_models["short"])
+    engine.warm()
+    events: list[Event] = []
+    params = SolveParams(prompt="What is 2+2?", system=None, model=None,
+                         sampling=Sampling(temperature=0.0), max_tokens=100, think_budget=None,
+                         keep_alive=None, priority=PRIORITY_SOLVE, min_think=30)  # fmt: skip
+    assert engine.admit(Job(1, params, events.append)) is None
+    finished: list[Any] = []
+    while not finished:
+        finished = engine.step()
+    [(_, stats)] = finished
+    assert stats.waits >= 2 and stats.finish_reason == "stop"
+    slot = next(s for s in engine._slots if s.seq == stats.extra["slot"])
+    assert engine._prompts is not None and engine._model is not None
+    written = b"".join(engine._prompts.piece(t) for t in slot.tokens[stats.prompt_tokens :])
+    reasoning = "".join(e.text for e in events if e.kind == EventKind.REASONING)
+    answer = "".join(e.text for e in events if e.kind == EventKind.TOKEN)
+    assert written.decode() == f"{reasoning}</think>{answer}"
+    assert stats.completion_tokens == len(slot.tokens) - stats.prompt_tokens
+    memory = engine._model.context.memory
+    assert llama_cpp.llama_memory_seq_pos_max(memory, slot.seq) == len(slot.tokens) - 1
+    engine.close()
+
+
+def test_min_think_leaves_an_answer_without_thinking_alone():
+    # A server that does not think: nothing to go on from, so one request and its answer.
+    def plain(body: dict[str, Any]) -> list[str | Step]:
+        return separated("reasoning_content", [], [" $\\boxed{9}$"])
+
+    with scripted_server(plain) as server:
+        done = run_phi4("solve", "What is 2+3?", "--backend", server.url, "-m", "m",
+                        "--answer-only", "--min-think", "50", timeout=100)  # fmt: skip
+        assert len(server.bodies) == 1
+    assert done.returncode == 0 and done.stdout == "9\n", done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_with_min_think_the_answer_after_a_caught_loop_is_kept_and_counted():
+    with scripted_server(_looping_server) as server:
+        done = run_phi4("solve", "What is 2+2?", "--backend", server.url, "-m", "m", "--json",
+                        "--min-think", "20000", timeout=100)  # fmt: skip
+        assert len(server.bodies) == 2
+    record = json.loads(done.stdout)
+    assert record["answer"] == "4" and record["stats"]["loop"] == "answered"
+    with scripted_server(_hasty_server) as server:
+        done = run_phi4("solve", "What is 2+3?", "--backend", server.url, "-m", "m", "--json",
+                        "--min-think", "10", timeout=100)  # fmt: skip
+    stats = json.loads(done.stdout)["stats"]
+    # Three thinking pieces, the Wait, twelve more, then the answer's one: the stream counted.
+    assert (stats["reasoning_tokens"], stats["answer_tokens"]) == (16, 1), stats

@@ -636,9 +636,11 @@ class LlamaEngine:
             run.first_token_s = now - run.started
         text = run.decoder.decode(prompts.piece(token))
         params = run.job.params
-        if run.reasoning_tokens < params.min_think and run.splitter.closing_at(text) is not None:
-            self._keep_thinking(slot, text)
-        else:
+        if not (
+            run.reasoning_tokens < params.min_think
+            and run.splitter.closing_at(text) is not None
+            and self._keep_thinking(slot, text)  # the end taken back, "Wait" written
+        ):
             run.generated += 1
             run.reasoning_tokens += run.splitter.in_reasoning
             self._forward(run, text)
@@ -648,6 +650,7 @@ class LlamaEngine:
                 self._looped(slot)
         if (
             params.think_budget is not None
+            and run.finish_reason is None  # (a loop stopped it)
             and not run.budget_reached
             and run.splitter.in_reasoning
             and run.reasoning_tokens >= params.think_budget
@@ -691,13 +694,14 @@ class LlamaEngine:
         run.loop, run.finish_reason = "stopped", "loop"
         log.info("the output looped at %d tokens: stopped", run.generated)
 
-    def _keep_thinking(self, slot: _Slot, text: str) -> None:
+    def _keep_thinking(self, slot: _Slot, text: str) -> bool:
         """The model ends its thinking before min_think tokens (s1's budget forcing): take the
         end of thinking back out of the sequence and write "Wait" in its place.
 
         The tag may have begun in the tokens before this one, in the KV already (their text
         held back by the splitter): those tokens go, the text of theirs before the tag is
-        written again, and this token is not kept."""
+        written again, and this token is not kept. Return False, changing nothing, where
+        "Wait" would not fit in the request's reservation: the thinking ends then."""
         model, prompts = self._loaded()
         run = slot.run
         assert run is not None
@@ -705,22 +709,24 @@ class LlamaEngine:
         at = run.splitter.closing_at(text)
         assert at is not None
         back = max(0, len(held) - at)  # characters of the tag in the tokens before this one
-        dropped = 0
-        while back > 0 and run.recent:
-            back -= run.recent.pop()
+        dropped, sizes = 0, list(run.recent)
+        while back > 0 and sizes:
+            back -= sizes.pop()
             dropped += 1
         kept = len(slot.tokens) - dropped
         taken_back = b"".join(prompts.piece(t) for t in slot.tokens[kept:])
         whole = taken_back.decode("utf-8", errors="replace") + text
-        before = whole[: len(whole) - (len(held) + len(text) - at)]  # up to the tag
-        if dropped:
-            model.seq_rm(slot.seq, kept)
-            del slot.tokens[kept:]
+        before = whole[: max(0, len(whole) - (len(held) + len(text) - at))]  # up to the tag
         shown = (held + text)[:at]  # what of the held text and this token's was not the tag
         written = run.splitter.reasoning + shown
         joiner = "" if not written or written[-1].isspace() else " "
-        run.splitter.drop_held()
         wait = model.tokenize(before + joiner + "Wait", add_bos=False)
+        if kept + len(wait) >= run.max_len:
+            return False
+        if dropped:
+            model.seq_rm(slot.seq, kept)
+            del slot.tokens[kept:]
+        run.splitter.drop_held()
         self._forward(run, shown + joiner + "Wait")
         slot.pending.extend(wait)
         run.recent.clear()  # (these are the daemon's tokens: never taken back)
@@ -728,6 +734,7 @@ class LlamaEngine:
         run.reasoning_tokens += len(wait) - dropped
         run.waits += 1
         log.info("the thinking ended at %d tokens, before --min-think: Wait", run.generated)
+        return True
 
     def _forward(self, run: _Run, text: str) -> None:
         for kind, piece in run.splitter.feed(text):
