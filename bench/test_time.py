@@ -125,6 +125,38 @@ def simulate(problems: int, k: int, parallel: int, seed: int) -> dict[str, Any]:
     }
 
 
+# Each sample's confidence (its lowest group confidence): a right one's drawn from
+# N(CONF_WRONG + d * CONF_SPREAD, CONF_SPREAD), a wrong one's from N(CONF_WRONG, CONF_SPREAD),
+# for separations d in SEPARATIONS (0: confidence says nothing about being right).
+CONF_WRONG, CONF_SPREAD = 10.0, 1.5
+SEPARATIONS = (0.0, 0.5, 1.0, 2.0)
+
+
+def confidence_votes(problems: int, k: int, seed: int) -> dict[str, dict[str, float]]:
+    """Accuracy of fixed-K votes by count, weighted by confidence (``--vote confidence``), and
+    weighted over the more confident half only (DeepConf's filter at 50%), per separation."""
+    rng = random.Random(seed + 1)
+    drawn = [draw_problem(rng, k) for _ in range(problems)]
+    table: dict[str, dict[str, float]] = {}
+    for separation in SEPARATIONS:
+        right = {"count": 0, "confidence": 0, "confidence, top half": 0}
+        for answers in drawn:
+            conf = [max(0.1, rng.gauss(CONF_WRONG + (separation * CONF_SPREAD
+                                                     if a == "right" else 0.0), CONF_SPREAD))
+                    for a in answers]  # fmt: skip
+            keep = sorted(range(k), key=lambda i: -conf[i])[: k // 2]
+            votes = {
+                "count": majority_vote(answers, equal=equal).answer,
+                "confidence": majority_vote(answers, equal=equal, weights=conf).answer,
+                "confidence, top half": majority_vote([answers[i] for i in keep], equal=equal,
+                                                      weights=[conf[i] for i in keep]).answer,
+            }  # fmt: skip
+            for name, answer in votes.items():
+                right[name] += answer == "right"
+        table[f"d = {separation:g}"] = {name: count / problems for name, count in right.items()}
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", type=int, default=2000)
@@ -146,12 +178,26 @@ def main() -> None:
         lines.append(f"| {name} | {row['mean_samples']:.2f} | {row['mean_started']:.2f} | "
                      f"{row['fewer_than_fixed']:.2f}x | {row['agreement_with_full_k']:.1%} | "
                      f"{row['accuracy']:.1%} |")  # fmt: skip
+    votes = confidence_votes(args.problems, args.k, args.seed)
+    lines += [
+        "",
+        f"Votes over all K = {args.k}: accuracy by count and weighted by confidence (right "
+        f"samples' confidence N({CONF_WRONG:g} + d * {CONF_SPREAD:g}, {CONF_SPREAD:g}), wrong "
+        f"ones' N({CONF_WRONG:g}, {CONF_SPREAD:g}))",
+        "",
+        "| separation | by count | weighted by confidence | weighted, more confident half |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, row in votes.items():
+        lines.append(f"| {name} | {row['count']:.1%} | {row['confidence']:.1%} | "
+                     f"{row['confidence, top half']:.1%} |")  # fmt: skip
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "test_time.md").write_text(text)
     (args.out / "test_time.json").write_text(json.dumps(
-        {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rules": result},
+        {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rules": result,
+         "confidence_votes": votes},
         indent=2) + "\n")  # fmt: skip
 
 

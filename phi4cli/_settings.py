@@ -18,6 +18,9 @@ class Settings(Record):
     # Thinking that repeats itself (phi4cli.loops): end it so the model answers, stop, or let it
     # run to max_tokens.
     loop: str = 'answer'
+    # How --samples K votes: each sample one vote, or weighted by its confidence from the
+    # model's token probabilities (DeepConf).
+    vote: str = 'count'
     # None: the chat template's own default system prompt ("Your name is Phi, ...").
     system: str | None = None
     temperature: float = 0.8

@@ -53,6 +53,7 @@ class Environment:
         self.colour = colour
         self.raw_output = raw_output
         self._paths = paths  # None: found on first use, where a bad PHI4_HOME is reported
+        self._told: set[str] = set()  # what notice_once has said
         # Set while a live display (a progress bar) holds stderr's last line: it prints notices
         # above itself, where a plain write would land on its line.
         self.print_above_live: Announce | None = None
@@ -73,6 +74,12 @@ class Environment:
     def raw_stdout(self) -> bool:
         """Model text goes to stdout unchanged (``--raw-output``): only when it is no terminal."""
         return self.raw_output and not self.stdout_isatty
+
+    def notice_once(self, message: str) -> None:
+        """``notice``, unless this message was said already by this command."""
+        if message not in self._told:
+            self._told.add(message)
+            self.notice(message)
 
     def notice(self, message: str) -> None:
         """One line for the user on stderr, prefixed ``phi4:`` (above a live progress bar);

@@ -166,12 +166,13 @@ class Pending:
         self._rest.close()
 
 
-def judge(item: Item, outcomes: list[Outcome],
-          same_answer: AnswerComparer | None = None) -> dict[str, Any]:  # fmt: skip
+def judge(item: Item, outcomes: list[Outcome], same_answer: AnswerComparer | None = None,
+          weights: list[float] | None = None) -> dict[str, Any]:  # fmt: skip
     """One problem's record: the (voted) answer, its status, and for samples pass@k. Answers are
-    compared by ``same_answer``, which counts those too costly to compare but as text."""
+    compared by ``same_answer``, which counts those too costly to compare but as text;
+    ``weights``: a confidence vote (``SolveJob.vote_weights``)."""
     same_answer = same_answer or AnswerComparer()
-    vote = majority_vote([o.answer for o in outcomes], equal=same_answer)
+    vote = majority_vote([o.answer for o in outcomes], equal=same_answer, weights=weights)
     answer = vote.answer
     if all(o.error is not None for o in outcomes):
         status = "error"
@@ -189,6 +190,9 @@ def judge(item: Item, outcomes: list[Outcome],
         "completion_tokens": sum(s.completion_tokens for s in stats),
         "seconds": round(max((s.total_s or 0.0 for s in stats), default=0.0), 3),
     }  # fmt: skip
+    confidences = [o.stats.lowest_group_confidence if o.stats else None for o in outcomes]
+    if any(c is not None for c in confidences):  # each answer's (phi4cli.confidence)
+        record["confidence"] = confidences if len(outcomes) > 1 else confidences[0]
     if len(outcomes) > 1:
         record["agreement"] = vote.agreement
         record["samples"] = [o.answer for o in outcomes]
@@ -208,7 +212,7 @@ RESULTS_FILE = "results file"  # what the refusals call it
 # at its "off" value (min_p 0) is left out, so that records made before it existed still match.
 RUN_KEYS = ("model", "model_file", "backend", "system", "instruction",
             *(key for key in REQUEST_KEYS if key not in ("system", "deterministic")),
-            "samples", "adaptive")  # fmt: skip
+            "samples", "adaptive", "vote")  # fmt: skip
 # Enough of a GGUF to cover its header and metadata: a file replaced in place under the same
 # size and mtime still differs here.
 _HEAD_BYTES = 1 << 20
@@ -237,7 +241,8 @@ def run_identity(job: SolveJob, samples: int, adaptive: bool = False) -> dict[st
     identity: dict[str, Any] = {key: base.get(key) for key in RUN_KEYS if key in base}
     model_file = None if backend else model_file_identity(Path(base["model"]))
     identity.update(backend=backend, instruction=job.instruction, samples=samples,
-                    model_file=model_file, adaptive=adaptive or None)  # fmt: skip
+                    model_file=model_file, adaptive=adaptive or None,
+                    vote=job.vote if samples > 1 else "count")  # fmt: skip
 
     # A setting at its "off" and a run that is not adaptive say nothing: records made before
     # either existed (all K samples, no min_p) still match.
@@ -513,7 +518,8 @@ def run_eval(
         del stops[i]
         judged = [outcomes.pop((i, s)) for s in range(samples)]
         used = [o for s, o in enumerate(judged) if s not in stop.stopped]
-        record = {**judge(todo[i], used, compare), "k": samples, "run": run}
+        record = {**judge(todo[i], used, compare, job.vote_weights(used)), "k": samples,
+                  "run": run}  # fmt: skip
         if samples > 1:
             record["samples_used"] = len(used)
         todo.release(i)
@@ -554,6 +560,9 @@ class Tally:
         self.completion_tokens = 0  # the tokens the model wrote, thinking included
         self.samples_used = 0  # samples that finished and voted (fewer once a vote settled)
         self.passed = 0  # problems with a right sample (pass@k)
+        # One answer per problem: the sums and counts of the confidence of right and of wrong
+        # answers, to see whether confidence tells them apart (--vote confidence).
+        self.confidence = {"correct": [0.0, 0], "wrong": [0.0, 0]}
 
     def add(self, record: dict[str, Any]) -> None:
         self.counts[record["status"]] += 1
@@ -561,6 +570,11 @@ class Tally:
         self.completion_tokens += record.get("completion_tokens", 0)
         self.samples_used += record.get("samples_used", record.get("k", 1))
         self.passed += bool(record.get("pass_at_k"))
+        confidence = record.get("confidence")
+        if isinstance(confidence, (int, float)) and record["status"] in self.confidence:
+            tally = self.confidence[record["status"]]
+            tally[0] += confidence
+            tally[1] += 1
 
     def summary(self, samples: int, adaptive: bool = False) -> dict[str, Any]:
         """Counts by status, accuracy, pass@k, mean thinking tokens."""
@@ -575,6 +589,11 @@ class Tally:
             else 0.0,
         }
         result["completion_tokens"] = self.completion_tokens
+        if samples == 1 and any(count for _, count in self.confidence.values()):
+            result["mean_confidence"] = {
+                status: round(total / count, 4) if count else None
+                for status, (total, count) in self.confidence.items()
+            }
         if samples > 1:
             result["samples"] = samples
             result["pass_at_k"] = self.passed / total if total else 0.0

@@ -108,6 +108,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "ramdisk": ("auto", "on", "off"),
     "mlock": ("true", "false"),
     "loop": ("answer", "stop", "off"),
+    "vote": ("count", "confidence"),
 }
 
 
@@ -280,6 +281,13 @@ SETTINGS = (
             metavar="answer|stop|off", groups=("answer",), settable=9, off="off",
             help="When the thinking repeats itself: end it so the model answers, stop, or let "
                  "it run [default answer]."),
+    Setting("vote", _one_of(*CHOICES["vote"]), "count (each sample one vote) or confidence "
+            "(each weighs its confidence)", "count", "str",
+            comment="How --samples K votes: each sample one vote, or weighted by its confidence "
+                    "from the model's token probabilities (DeepConf).", flags="--vote",
+            option="str", metavar="count|confidence", groups=("answer",), off="count",
+            help="How --samples votes: a vote per sample, or each weighted by the model's "
+                 "confidence in it (DeepConf) [default count]."),
     Setting("system", _optional_str, "text", None, "str | None", REQUEST,
             "None: the chat template's own default system prompt (\"Your name is Phi, ...\").",
             flags="--system -s", option="str", groups=("answer",),

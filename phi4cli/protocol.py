@@ -108,6 +108,10 @@ class Stats(Record):
     loop: str | None = None
     loop_at: int | None = None
     waits: int = 0  # early ends of thinking replaced by "Wait" (--min-think)
+    # The answer's confidence from its token probabilities (phi4cli.confidence), when asked for
+    # and known: the mean over its tokens, and the lowest over a window of them.
+    confidence: float | None = None
+    lowest_group_confidence: float | None = None
     thinking_unfinished: bool = False
     decode_s: float = 0.0
     first_token_s: float | None = None
@@ -246,6 +250,9 @@ class SolveParams(Record):
     # An end of thinking before this many reasoning tokens becomes "Wait" (0: never).
     min_think: int = 0
     loop: str = "answer"  # thinking that repeats itself: answer | stop | off
+    # Work out the answer's confidence from its token probabilities (phi4cli.confidence): asked
+    # for by what shows or votes with it, since it costs a pass over the vocabulary per token.
+    confidence: bool = False
 
 
 def _number(params: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -329,6 +336,9 @@ def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> 
     deterministic = params.get("deterministic", defaults.deterministic)
     if not isinstance(deterministic, bool):
         raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'deterministic' must be true or false")
+    confidence = params.get("confidence", False)
+    if not isinstance(confidence, bool):
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'confidence' must be true or false")
     loop = params.get("loop", defaults.loop)
     if loop not in CHOICES["loop"]:
         raise ProtocolViolation(
@@ -354,6 +364,7 @@ def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> 
             else defaults.min_think
         ),
         loop=loop,
+        confidence=confidence,
     )
 
 

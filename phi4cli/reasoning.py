@@ -541,10 +541,12 @@ def _parsed(answer: str) -> Any:
         return []
 
 
-def majority_vote(answers: Sequence[str | None], equal: Equal = same_answer) -> Vote:
+def majority_vote(answers: Sequence[str | None], equal: Equal = same_answer,
+                  weights: Sequence[float] | None = None) -> Vote:  # fmt: skip
     """Vote over sample answers (None = no answer): equal answers (``equal``) count together,
     and the winner is reported in its most common written form; ties go to the answer that came
-    first."""
+    first. With ``weights`` (one per answer: DeepConf's confidence-weighted vote), the answer
+    whose samples weigh most wins; ``votes`` still counts its samples."""
     classes: list[list[int]] = []
     for index, answer in enumerate(answers):
         if answer is None or not normalize_answer(answer):
@@ -559,16 +561,21 @@ def majority_vote(answers: Sequence[str | None], equal: Equal = same_answer) -> 
             classes.append([index])
     if not classes:
         return Vote(answer=None, votes=0, total=len(answers), tie=False)
-    top = max(len(members) for members in classes)
-    leaders = [members for members in classes if len(members) == top]
+
+    def weight(members: list[int]) -> float:
+        return sum(weights[i] for i in members) if weights is not None else len(members)
+
+    heaviest = max(weight(members) for members in classes)
+    leaders = [members for members in classes if weight(members) == heaviest]
     winner = leaders[0]
+    top = len(winner)
     written = [answers[i] or "" for i in winner]
     forms = Counter(normalize_answer(w) for w in written)
     best = max(forms.values())
     form = next(w for w in written if forms[normalize_answer(w)] == best)
-    sizes = sorted((len(members) for members in classes), reverse=True)
+    others = sorted((len(members) for members in classes if members is not winner), reverse=True)
     return Vote(form, top, len(answers), len(leaders) > 1, tuple(winner),
-                sizes[1] if len(sizes) > 1 else 0)  # fmt: skip
+                others[0] if others else 0)  # fmt: skip
 
 
 # Stop once the leader leads with 93%: 3 of 3 agreeing. Adaptive-Consistency's paper uses 95%

@@ -39,6 +39,7 @@ from typing import Any, cast
 
 import httpx2 as httpx
 
+from phi4cli.confidence import TOP_K, TraceConfidence, from_logprobs
 from phi4cli.dispatch import Delivery, Failure, Flight, Probe, Replica, Slow
 from phi4cli.errors import DaemonUnavailableError
 from phi4cli.exits import Announce
@@ -223,6 +224,7 @@ class RemoteEngine:
         self.notice = notice  # one line for the user, e.g. that a busy server is waited for
         self.thinks = model_thinks(model)
         self._retry_told = False
+        self.gives_logprobs = True  # until it refuses them: then it is not asked again
         self.connections = max(1, connections)  # kept open to the server, for the requests at once
         self._client: httpx.Client | None = None
         self._client_lock = threading.Lock()
@@ -334,6 +336,8 @@ class RemoteEngine:
             value = params.get(row.key)
             if row.openai and row.sent and value is not None and not row.is_off(value):
                 body.update(dict.fromkeys(row.openai, value))
+        if params.get("confidence") and self.gives_logprobs:
+            body.update(logprobs=True, top_logprobs=TOP_K)  # each token's likeliest, for it
         return body
 
     def stream(self, params: dict[str, Any], attempt: Attempt) -> Iterator[Event]:
@@ -350,6 +354,8 @@ class RemoteEngine:
         state = _StreamState(started, _token_limit(params.get("max_tokens")))
         state.attempt, attempt.state = attempt, state
         budget = params.get("think_budget")
+        if params.get("confidence"):
+            state.trace = TraceConfidence()
         state.loop_policy = str(params.get("loop", "answer"))
         if state.loop_policy != "off":
             state.loops = LoopDetector()
@@ -480,6 +486,16 @@ class RemoteEngine:
                 text, whole = _read_bounded(response, watch)
                 wait = _retry_wait(response, attempt)
             failure = _http_failure(response, text, whole)
+            if body.get("logprobs") and response.status_code in (400, 422) \
+                    and "logprob" in failure.message.lower():  # fmt: skip
+                # A server that gives no logprobs (or not 20): asked again without, and never
+                # again for them; the answers then have no confidence.
+                told, self.gives_logprobs = not self.gives_logprobs, False
+                body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+                if self.notice is not None and not told:
+                    self.notice(f"the backend {self.url} gives no logprobs ({failure.message}); "
+                                "answers have no confidence")  # fmt: skip
+                continue
             if wait is not None and watch.state.attempt is not None \
                     and watch.state.attempt.on_busy is not None:  # fmt: skip
                 watch.state.attempt.on_busy(wait)  # the flight sends less to this server now
@@ -528,6 +544,8 @@ class RemoteEngine:
                     chunk = _chunk(sse.data, self.url)
                     state.usage(chunk)
                     for choice in _choices(chunk, self.url):
+                        if state.trace is not None:
+                            _take_logprobs(choice, state.trace)
                         finish = choice.get("finish_reason")
                         if finish is not None and not isinstance(finish, str):
                             raise _nonsense(self.url, "a finish_reason that is not text")
@@ -674,11 +692,12 @@ class _Watch:
             raise self.too_long()
         if now - self.last_event > self.timeout:
             raise self.silent()  # bytes came, but no whole event: a trickle is silence too
-        if self.received > MAX_STREAM_BYTES:
+        # Asked for logprobs, a server sends about 1 KiB more per token.
+        limit = MAX_STREAM_BYTES * (8 if self.state.trace is not None else 1)
+        if self.received > limit:
             raise _Failure(
                 ErrorCode.BACKEND_ERROR,
-                f"the backend {self.url} sent more than {MAX_STREAM_BYTES // 2**20} MiB "
-                "for one answer",
+                f"the backend {self.url} sent more than {limit // 2**20} MiB for one answer",
             )
 
     def _due(self) -> tuple[float, Exception]:
@@ -864,6 +883,22 @@ def _seconds(millis: Any) -> float | None:
     return None
 
 
+def _take_logprobs(choice: dict[str, Any], trace: TraceConfidence) -> None:
+    """Add the confidence of each token a chunk's ``logprobs`` tell (OpenAI's form: ``content``,
+    each entry with its ``top_logprobs``); what is not in that form is passed over."""
+    logprobs = choice.get("logprobs")
+    entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+    for entry in entries if isinstance(entries, list) else ():
+        tops = entry.get("top_logprobs") if isinstance(entry, dict) else None
+        values: list[Any] = [top.get("logprob") for top in tops if isinstance(top, dict)] \
+            if isinstance(tops, list) else []  # fmt: skip
+        numbers = [float(v) for v in values if isinstance(v, (int, float))
+                   and not isinstance(v, bool) and math.isfinite(v) and v <= 0]  # fmt: skip
+        confidence = from_logprobs(numbers)
+        if confidence is not None:
+            trace.add(confidence)
+
+
 class _StreamState:
     """What one request's streams have produced, for its Stats."""
 
@@ -876,6 +911,7 @@ class _StreamState:
         self.first_token_s: float | None = None
         self.finish: str | None = None
         self.budget_reached = False
+        self.trace: TraceConfidence | None = None  # token confidences, when asked for
         self.min_think = 0  # --min-think
         self.think_on = False  # the thinking ended before min_think: ask for more
         self.waits = 0
@@ -968,8 +1004,18 @@ class _StreamState:
             finish_reason=self.finish if self.finish in ("length", "loop") else "stop",
             seed=params.get("seed"),
             model=f"{engine.model} at {engine.url}",
-            extra={"usage_reported": bool(usage)},
-        )
+            **self._confidence(engine),
+            extra={"usage_reported": bool(usage),
+                   **({"confidence_unavailable": f"the backend {engine.url} sent no logprobs"}
+                      if self.trace is not None and not self.trace.tokens else {})},
+        )  # fmt: skip
+
+    def _confidence(self, engine: RemoteEngine) -> dict[str, Any]:
+        if self.trace is None or not self.trace.tokens:
+            return {}
+        stats = self.trace.stats()
+        return {"confidence": stats["confidence"],
+                "lowest_group_confidence": stats["lowest_group_confidence"]}  # fmt: skip
 
 
 # --- replicas: remote servers in a flight --------------------------------------------------------

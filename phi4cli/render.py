@@ -71,11 +71,19 @@ def format_stats(stats: Stats) -> str:
         ),
         ("answer tokens", f"{stats.answer_tokens}"),
         ("eval rate", f"{completion / decode_s:.1f} tokens/s" if decode_s > 0 else "-"),
+        ("confidence", _confidence(stats)),
         ("first token", human_seconds(stats.first_token_s)),
         ("total", human_seconds(stats.total_s)),
         ("finish", f"{stats.finish_reason}, seed {stats.seed}"),
     ]
-    return "\n".join(f"{label + ':':<18}{value}" for label, value in rows)
+    return "\n".join(f"{label + ':':<18}{value}" for label, value in rows if value is not None)
+
+
+def _confidence(stats: Stats) -> str | None:
+    mean, lowest = stats.confidence, stats.lowest_group_confidence
+    if mean is None or lowest is None:
+        return None
+    return f"{mean:.2f} mean, {lowest:.2f} lowest over a window"
 
 
 # A run of `*` between two operands is multiplication (12*13, x_1*x_2, (a+b)*(c+d), 2**3), never
@@ -507,5 +515,14 @@ def format_eval(summary: dict[str, Any], seconds: float, output: object) -> str:
         by = "by the samples taken" if "samples" in summary else "in all"
         rows.append(("tokens", f"{summary['completion_tokens']:,} written {by} (thinking "
                                "included)"))  # fmt: skip
+    confidence = summary.get("mean_confidence")
+    if confidence:
+
+        def mean(status: str) -> str:
+            value = confidence.get(status)
+            return "-" if value is None else f"{value:.2f}"
+
+        said = f"{mean('correct')} right, {mean('wrong')} wrong (the answers' mean lowest window)"
+        rows.append(("confidence", said))
     rows += [("time", f"{human_seconds(seconds)} this run"), ("results", str(output))]
     return format_rows(rows)

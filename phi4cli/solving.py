@@ -51,6 +51,22 @@ class SolveJob(Record):
         print(json_safe(text), file=self.env.stdout, flush=True)
 
     instruction: str | None = None  # added after each question
+    vote: str = "count"  # how samples vote: count | confidence (options' "vote")
+
+    def vote_weights(self, outcomes: Sequence[Outcome]) -> list[float] | None:
+        """Each answer's weight in a confidence vote (its lowest group confidence); None: a
+        vote by count, as asked, or because an answer has no confidence (said once)."""
+        if self.vote != "confidence":
+            return None
+        weights: list[float] = []
+        for outcome in outcomes:
+            weight = outcome.stats.lowest_group_confidence if outcome.stats else None
+            if weight is None and outcome.answer is not None:
+                self.env.notice_once("an answer has no confidence (its server sent no "
+                                     "logprobs): the vote counts samples")  # fmt: skip
+                return None
+            weights.append(weight or 0.0)  # (an answer of None does not vote)
+        return weights
 
     def params(self, question: str, **extra: Any) -> dict[str, Any]:
         prompt = f"{question}\n\n{self.instruction}" if self.instruction else question
@@ -277,13 +293,16 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
         # The vote is over the samples that answered; say what the others met, once.
         job.announce(f"{len(failed)} of {len(used)} samples failed and are not counted: "
                      f"{failed[0].exception()}")  # fmt: skip
-    vote = majority_vote([o.answer for o in used], equal=compare)
+    weights = job.vote_weights(used)
+    vote = majority_vote([o.answer for o in used], equal=compare, weights=weights)
     notice = compare.notice()
     if notice:
         job.announce(notice)
     # "4/4 samples agree, stopped after 4 of 8": the early stop said where the vote is.
     agree = f"{vote.agreement} samples agree" + (f", stopped after {len(used)} of {samples}"
                                                  if stop.stopped else "")  # fmt: skip
+    if weights is not None:
+        agree += ", weighted by confidence"
     # Shown: a sample that gave the winning answer in the form reported, else any that agreed.
     agreeing = [used[i] for i in vote.members]
     winner = next((o for o in agreeing if o.answer == vote.answer),
@@ -296,6 +315,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
             tie=vote.tie,
             samples_asked=samples,
             samples_used=len(used),
+            vote="confidence" if weights is not None else "count",
             samples=[
                 {"answer": o.answer, "seed": o.stats.seed if o.stats else None,
                  "error": None if o.index in stop.stopped else o.to_json().get("error"),
@@ -948,10 +968,15 @@ def check_sent_text(settings: Any) -> None:
 
 
 def make_job(
-    env: Environment, model: str | None, answer_options: dict[str, Any], no_instruction: bool
+    env: Environment,
+    model: str | None,
+    answer_options: dict[str, Any],
+    no_instruction: bool,
+    confidence: bool = False,
 ) -> SolveJob:
     """Settings, model and backend for a command that solves (solve, eval): what each request
-    it sends shares."""
+    it sends shares; ``confidence``: each answer's confidence is worked out (for what shows
+    it), at a pass over the vocabulary per token."""
     from phi4cli.backends import make_backend
     from phi4cli.config import load_settings, set_in_environment
     from phi4cli.models import resolve_model
@@ -964,11 +989,14 @@ def make_job(
 
     base: dict[str, Any] = {"model": str(model_path or settings.model),
                             **{key: getattr(settings, key) for key in REQUEST_KEYS}}  # fmt: skip
+    if confidence or settings.vote == "confidence":
+        base["confidence"] = True
     if answer_options.get("keep_alive") is not None or set_in_environment("keep_alive"):
         base["keep_alive"] = settings.keep_alive
     backend = make_backend(paths, settings, model_path or settings.model, env.notice)
     instruction = None if no_instruction else settings.instruction
-    return SolveJob(backend, env, base, seed=settings.seed, instruction=instruction)
+    return SolveJob(backend, env, base, seed=settings.seed, instruction=instruction,
+                    vote=settings.vote)  # fmt: skip
 
 
 def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
@@ -991,7 +1019,7 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
     opened = open_problems(o.file or "-", env) if reads_file else None
     question = read_prompt(o.prompt, env) if opened is None else ""
     try:
-        job = make_job(env, o.model, o.answer, o.no_instruction)
+        job = make_job(env, o.model, o.answer, o.no_instruction, o.as_json or o.verbose)
     except BaseException:
         if opened is not None and opened.owned:
             opened.stream.close()  # nothing has read it yet

@@ -31,6 +31,7 @@ import llama_cpp
 from llama_cpp import _internals as llama_internals
 
 from phi4cli._settings import Sampling
+from phi4cli.confidence import LogitsConfidence, TraceConfidence
 from phi4cli.config import Settings
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
@@ -86,6 +87,7 @@ class _Run:
     reserved: int  # KV cells held for it: its own tokens, now and to come
     splitter: ThinkSplitter
     loops: LoopDetector | None  # None: --loop off
+    trace: TraceConfidence | None  # its token confidences, when the request asks for them
     decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
     started: float = field(default_factory=time.monotonic)
     prompt_s: float | None = None
@@ -142,6 +144,7 @@ class LlamaEngine:
         self._system_state: Any = None  # streams layout: the system prompt's KV (a buffer)
         self._streams = False  # the plan's KV layout is one stream per slot
         self._loads = 0  # models loaded so far: tells a job's tokens from another model's
+        self._confidence: LogitsConfidence | None = None  # its buffers are the vocabulary's size
 
     @property
     def model_path(self) -> Path | None:
@@ -209,6 +212,7 @@ class LlamaEngine:
             self._model.close()
         self._model = None
         self._prompts = None
+        self._confidence = None
         self._slots = []
         self._system_tokens = []
         self._system_state = None
@@ -407,6 +411,7 @@ class LlamaEngine:
             reserved=needed,
             splitter=ThinkSplitter(starts_in_reasoning=model.thinks),
             loops=None if params.loop == "off" else LoopDetector(),
+            trace=TraceConfidence() if params.confidence else None,
             restored=restored,
             restore_s=restore_s,
         )
@@ -629,6 +634,10 @@ class LlamaEngine:
             run.decode_started = now
         if run.finish_reason is not None:  # the last token is in the KV now: done
             return self._finish(slot, run.finish_reason)
+        if run.trace is not None:
+            if self._confidence is None:
+                self._confidence = LogitsConfidence(model.model.n_vocab())
+            run.trace.add(self._confidence(model.logits(logits_index)))
         token = run.sampler.sample(model.context, logits_index)
         if model.is_eog(token):
             return self._finish(slot, "stop")
@@ -773,6 +782,7 @@ class LlamaEngine:
             "loop": run.loop,
             "loop_at": run.loop_at,
             "waits": run.waits,
+            **(run.trace.stats() if run.trace is not None else {}),
             "thinking_unfinished": run.splitter.unfinished,
             "decode_s": round(now - run.decode_started, 4) if prefilled else 0.0,
             "first_token_s": None if run.first_token_s is None else round(run.first_token_s, 4),

@@ -254,6 +254,14 @@ class LoadedModel:
         unified cache belong to both)."""
         llama_cpp.llama_memory_seq_cp(self.context.memory, source, target, 0, count)
 
+    def logits(self, index: int) -> Any:
+        """The logits of the last decode's batch entry ``index``: a numpy view of llama.cpp's
+        buffer, valid until the next decode."""
+        import numpy as np
+
+        pointer = llama_cpp.llama_get_logits_ith(self.context.ctx, index)
+        return np.ctypeslib.as_array(pointer, shape=(self.model.n_vocab(),))
+
     def decode(self, entries: Sequence[BatchEntry]) -> int:
         """Decode one batch; return llama_decode's code (DECODE_OK, DECODE_NO_KV_SPACE, ...)."""
         batch = self.batch.batch

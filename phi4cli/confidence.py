@@ -1,0 +1,97 @@
+"""A trace's confidence from the model's own token probabilities (DeepConf, arXiv 2508.15260).
+
+A token's confidence is the negative mean log-probability of the ``TOP_K`` likeliest tokens at
+its step: high where the model was sure (the likeliest takes nearly all the probability, the
+others are very unlikely), low where it hesitated among several. A trace's *mean* confidence is
+over all its tokens; its *lowest group* confidence is the lowest mean over a sliding window of
+``GROUP`` tokens (the whole trace, when it is shorter): the stretch where the reasoning was
+least sure, which DeepConf found tells wrong traces from right ones better than the mean.
+
+The daemon computes a token's from the logits (``from_logits``, one pass over the vocabulary);
+a remote engine from a server's ``top_logprobs`` (``from_logprobs``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import numpy as np
+
+TOP_K = 20  # as DeepConf, and the most OpenAI's top_logprobs allows
+GROUP = 2048  # tokens of a group (DeepConf's window)
+
+
+def from_logprobs(logprobs: Sequence[float]) -> float | None:
+    """A token's confidence from the log-probabilities of its step's likeliest tokens."""
+    if not logprobs:
+        return None
+    return -sum(logprobs) / len(logprobs)
+
+
+class LogitsConfidence:
+    """A token's confidence from its step's logits: log-softmax of the ``TOP_K`` likeliest,
+    with two buffers of the vocabulary's size kept between calls (no allocation per token)."""
+
+    def __init__(self, n_vocab: int, top_k: int = TOP_K) -> None:
+        import numpy as np
+
+        self.n_vocab, self.top_k = n_vocab, min(top_k, n_vocab)
+        self._top = np.empty(n_vocab, dtype=np.float32)
+        self._exp = np.empty(n_vocab, dtype=np.float32)
+
+    def __call__(self, logits: np.ndarray) -> float:
+        import numpy as np
+
+        top, exp, cut = self._top, self._exp, self.n_vocab - self.top_k
+        np.copyto(top, logits)
+        top.partition(cut)
+        best = float(top[cut:].max())
+        np.subtract(logits, best, out=exp)
+        np.exp(exp, out=exp)
+        normaliser = best + float(np.log(exp.sum(dtype=np.float64)))
+        return normaliser - float(top[cut:].mean(dtype=np.float64))
+
+
+class TraceConfidence:
+    """A trace's token confidences as they come: their mean and the lowest group mean."""
+
+    def __init__(self, group: int = GROUP) -> None:
+        self.group = group
+        self.tokens = 0
+        self._sum = 0.0
+        self._window: deque[float] = deque(maxlen=group)
+        self._window_sum = 0.0
+        self._lowest: float | None = None
+
+    def add(self, confidence: float) -> None:
+        self.tokens += 1
+        self._sum += confidence
+        if len(self._window) == self.group:
+            self._window_sum -= self._window[0]
+        self._window.append(confidence)
+        self._window_sum += confidence
+        if len(self._window) == self.group:
+            mean = self._window_sum / self.group
+            self._lowest = mean if self._lowest is None else min(self._lowest, mean)
+
+    @property
+    def mean(self) -> float | None:
+        return self._sum / self.tokens if self.tokens else None
+
+    @property
+    def lowest_group(self) -> float | None:
+        """The lowest mean over GROUP tokens in a row; the mean, for a shorter trace."""
+        return self._lowest if self._lowest is not None else self.mean
+
+    def stats(self) -> dict[str, float | int | None]:
+        """What Stats carries: rounded, and None for a trace without any."""
+
+        def rounded(value: float | None) -> float | None:
+            return None if value is None else round(value, 4)
+
+        return {"confidence": rounded(self.mean),
+                "lowest_group_confidence": rounded(self.lowest_group),
+                "confidence_tokens": self.tokens}  # fmt: skip
