@@ -336,7 +336,7 @@ def eval_(
     problems = Problems(file, problem_field, answer_field)
     count = problems.check()  # before anything starts: a bad line is exit 2
     results = output or file.with_name(file.name + ".results.jsonl")
-    job = make_job(env, model, dict(answer), no_instruction, confidence=True)
+    job = make_job(env, model, dict(answer), no_instruction)
     policy = MismatchPolicy(restart=restart, force=force_resume)
     try:
         tally, seconds = run_eval(job, problems, count, samples, results, jsonl, policy,

@@ -13,6 +13,7 @@ a remote engine from a server's ``top_logprobs`` (``from_logprobs``).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 
@@ -67,6 +68,10 @@ class TraceConfidence:
         self._lowest: float | None = None
 
     def add(self, confidence: float) -> None:
+        """Take a token's confidence; one that is not finite (a step whose logits are mostly
+        -inf, or NaN) is passed over."""
+        if not math.isfinite(confidence):
+            return
         self.tokens += 1
         self._sum += confidence
         if len(self._window) == self.group:

@@ -7,6 +7,7 @@ for ``--think-budget``) and the client (which folds reasoning away) use them.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -277,7 +278,7 @@ class Vote(Record):
     total: int
     tie: bool  # the winner shares the top count with another answer (earliest one wins)
     members: tuple[int, ...] = ()  # which samples gave the winning answer
-    runner_up: int = 0  # votes of the next most common answer
+    runner_up: int = 0  # votes (samples) of the answer that came next (most votes, or weight)
 
     @property
     def agreement(self) -> str:
@@ -562,11 +563,16 @@ def majority_vote(answers: Sequence[str | None], equal: Equal = same_answer,
     if not classes:
         return Vote(answer=None, votes=0, total=len(answers), tie=False)
 
+    if weights is not None and len(weights) != len(answers):
+        raise ValueError(f"{len(weights)} weights for {len(answers)} answers")
+
     def weight(members: list[int]) -> float:
-        return sum(weights[i] for i in members) if weights is not None else len(members)
+        if weights is None:
+            return len(members)
+        return sum(w for w in (weights[i] for i in members) if math.isfinite(w) and w > 0)
 
     heaviest = max(weight(members) for members in classes)
-    leaders = [members for members in classes if weight(members) == heaviest]
+    leaders = [m for m in classes if math.isclose(weight(m), heaviest, rel_tol=1e-9)]
     winner = leaders[0]
     top = len(winner)
     written = [answers[i] or "" for i in winner]

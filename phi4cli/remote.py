@@ -461,8 +461,11 @@ class RemoteEngine:
     ) -> Iterator[httpx.Response]:
         """The response to ``body`` once the server accepts it: a 429 or 503 is asked again, up
         to MAX_RETRIES times, after its Retry-After (or a short backoff). Raise _Failure for a
-        refusal, with a short excerpt of the server's message."""
-        for attempt in range(MAX_RETRIES + 1):
+        refusal, with a short excerpt of the server's message. A refusal of the logprobs asked
+        for is asked again at once without them, as an attempt of its own (it can happen once)."""
+        attempts = iter(range(MAX_RETRIES + 1))
+        attempt = next(attempts)
+        while True:
             watch.ask()
             with client.stream("POST", self.endpoint, json=body,
                                extensions={"trace": watch.trace}) as response:  # fmt: skip
@@ -495,7 +498,7 @@ class RemoteEngine:
                 if self.notice is not None and not told:
                     self.notice(f"the backend {self.url} gives no logprobs ({failure.message}); "
                                 "answers have no confidence")  # fmt: skip
-                continue
+                continue  # (the same attempt number: a busy server's retries are not spent)
             if wait is not None and watch.state.attempt is not None \
                     and watch.state.attempt.on_busy is not None:  # fmt: skip
                 watch.state.attempt.on_busy(wait)  # the flight sends less to this server now
@@ -507,7 +510,7 @@ class RemoteEngine:
                 self.notice(f"the backend {self.url} is busy ({response.status_code}); "
                             f"asking again in {wait:g} s (up to {MAX_RETRIES} times)")  # fmt: skip
             time.sleep(wait)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+            attempt = next(attempts)
 
     def _events(
         self,

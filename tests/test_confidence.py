@@ -44,11 +44,31 @@ def test_the_lowest_group_is_the_least_sure_stretch_and_the_mean_for_a_short_tra
                                          "confidence_tokens": 0}  # fmt: skip
 
 
+def test_tokens_without_a_finite_confidence_are_passed_over():
+    measure = LogitsConfidence(30)
+    logits = np.full(30, -np.inf, dtype=np.float32)
+    logits[:3] = (1.0, 2.0, 3.0)  # fewer finite logits than the top 20: infinite confidence
+    trace = TraceConfidence()
+    for value in (measure(logits), float("nan"), 4.0):
+        trace.add(value)
+    assert (trace.tokens, trace.mean) == (1, 4.0)
+    small = LogitsConfidence(5)  # a vocabulary under 20: all its tokens
+    assert small(np.arange(5, dtype=np.float32)) == pytest.approx(
+        -np.mean(np.arange(5) - np.log(np.exp(np.arange(5)).sum()))
+    )
+
+
 def test_a_confidence_vote_lets_the_surer_samples_win():
     answers = ["7", "7", "9", None]
     assert majority_vote(answers, equal=str.__eq__).answer == "7"
     weighted = majority_vote(answers, equal=str.__eq__, weights=[2.0, 2.0, 9.0, 0.0])
     assert (weighted.answer, weighted.votes, weighted.runner_up) == ("9", 1, 2)
+    # A weight that is not a number counts nothing; the weights are one per answer.
+    assert majority_vote(["1", "2"], equal=str.__eq__, weights=[float("nan"), 1.0]).answer == "2"
+    near = majority_vote(["1", "2"], equal=str.__eq__, weights=[0.1 + 0.2, 0.3])
+    assert (near.answer, near.tie) == ("1", True)
+    with pytest.raises(ValueError, match="1 weights for 2 answers"):
+        majority_vote(["1", "2"], equal=str.__eq__, weights=[1.0])
 
 
 @pytest.mark.timeout(300)
@@ -154,14 +174,39 @@ def test_eval_records_each_answers_confidence_and_compares_right_with_wrong(tmp_
                                 for i in range(3)))  # fmt: skip
     results = tmp_path / "out.jsonl"
     with scripted_server(_graded_server) as server:
+        # --vote confidence asks for it (with one sample, nothing is voted on).
         done = run_phi4("eval", str(problems), "--backend", server.url, "-m", "m", "-o",
-                        str(results), "--json", timeout=100)  # fmt: skip
+                        str(results), "--json", "--vote", "confidence", timeout=100)  # fmt: skip
         table = run_phi4("eval", str(problems), "--backend", server.url, "-m", "m", "-o",
-                         str(tmp_path / "again.jsonl"), timeout=100)  # fmt: skip
+                         str(tmp_path / "again.jsonl"), "--vote", "confidence",
+                         timeout=100)  # fmt: skip
+        plain = run_phi4("eval", str(problems), "--backend", server.url, "-m", "m", "-o",
+                         str(tmp_path / "plain.jsonl"), "--json", timeout=100)  # fmt: skip
+        assert not any("logprobs" in body for body in server.bodies[-3:])
+    assert "mean_confidence" not in json.loads(plain.stdout)
     summary = json.loads(done.stdout)
     assert (summary["correct"], summary["wrong"]) == (2, 1), done.stderr
     assert summary["mean_confidence"] == pytest.approx({"correct": 5.0033, "wrong": 0.9},
                                                        abs=1e-3)  # fmt: skip
-    records = [json.loads(line) for line in results.read_text().splitlines()]
+    records = sorted((json.loads(line) for line in results.read_text().splitlines()),
+                     key=lambda r: r["line"])  # (written as each is judged)  # fmt: skip
     assert [round(r["confidence"], 2) for r in records] == [5.0, 5.0, 0.9]
     assert "confidence  5.00 right, 0.90 wrong" in table.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_refusal_of_logprobs_after_busy_answers_does_not_spend_the_retries():
+    asked: list[dict[str, Any]] = []
+
+    def busy_then_strict(body: dict[str, Any]) -> list[str | Step | Head]:
+        asked.append(body)
+        if len(asked) <= 3:  # three 429s: every retry a busy server is given
+            return [Head(429, {"Retry-After": "0", "Content-Length": "4"}), "busy"]
+        return _no_logprobs_server(body)
+
+    with scripted_server(busy_then_strict) as server:
+        done = run_phi4("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "--seed",
+                        "1", "--json", timeout=100)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert ["logprobs" in b for b in asked] == [True, True, True, True, False]
+    assert json.loads(done.stdout)["answer"] == "7"
