@@ -1007,13 +1007,14 @@ class _StreamState:
             finish_reason=self.finish if self.finish in ("length", "loop") else "stop",
             seed=params.get("seed"),
             model=f"{engine.model} at {engine.url}",
-            **self._confidence(engine),
+            **self._confidence(),
             extra={"usage_reported": bool(usage),
                    **({"confidence_unavailable": f"the backend {engine.url} sent no logprobs"}
                       if self.trace is not None and not self.trace.tokens else {})},
         )  # fmt: skip
 
-    def _confidence(self, engine: RemoteEngine) -> dict[str, Any]:
+    def _confidence(self) -> dict[str, Any]:
+        """The Stats fields of the answer's confidence, where its server sent logprobs."""
         if self.trace is None or not self.trace.tokens:
             return {}
         stats = self.trace.stats()
