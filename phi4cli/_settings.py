@@ -21,6 +21,9 @@ class Settings(Record):
     # How --samples K votes: each sample one vote, or weighted by its confidence from the
     # model's token probabilities (DeepConf).
     vote: str = 'count'
+    # DeepConf online, with --samples K: a sample whose confidence falls below the question's
+    # first samples' is stopped, and does not vote.
+    stop_unsure: bool = False
     # None: the chat template's own default system prompt ("Your name is Phi, ...").
     system: str | None = None
     temperature: float = 0.8

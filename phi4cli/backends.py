@@ -244,6 +244,12 @@ class DaemonReplica(Replica):
                 self.connection.send(Op.CANCEL, {"target": request_id})
         return None  # the daemon ends it, with the partial answer
 
+    def adjust(self, serial: int, params: JSON) -> None:
+        request_id = self.id_of.get(serial)
+        if self.connection is not None and request_id is not None:
+            with contextlib.suppress(DaemonGoneError):
+                self.connection.send(Op.ADJUST, {"target": request_id, **params})
+
     def may_recover(self, failure: Failure) -> bool:
         return self.recoveries < 1
 

@@ -23,6 +23,26 @@ if TYPE_CHECKING:
 
 TOP_K = 20  # as DeepConf, and the most OpenAI's top_logprobs allows
 GROUP = 2048  # tokens of a group (DeepConf's window)
+# DeepConf online (``--stop-unsure``): the first WARMUP traces of a question run to their end;
+# the floor is then the confidence below which the least sure (1 - KEEP) of them lie, and a later
+# trace whose window's confidence falls below it is stopped. KEEP = 0.9 is DeepConf-high, the
+# milder of the paper's two; its other, keeping the surest 10%, needs many more warm-up traces
+# than a --samples of 8 or 16 has.
+WARMUP = 3
+KEEP = 0.9
+
+
+def floor_from(confidences: Sequence[float], keep: float = KEEP) -> float | None:
+    """The confidence below which a trace is stopped: the (1 - ``keep``) quantile of the
+    warm-up traces' lowest group confidences (linear between the two nearest, as numpy's
+    default); None without any."""
+    values = sorted(c for c in confidences if math.isfinite(c))
+    if not values:
+        return None
+    at = (1.0 - keep) * (len(values) - 1)
+    low = math.floor(at)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (at - low)
 
 
 def from_logprobs(logprobs: Sequence[float]) -> float | None:
@@ -81,6 +101,17 @@ class TraceConfidence:
         if len(self._window) == self.group:
             mean = self._window_sum / self.group
             self._lowest = mean if self._lowest is None else min(self._lowest, mean)
+
+    @property
+    def window(self) -> float | None:
+        """The mean of the last GROUP tokens; None until there are GROUP of them."""
+        return self._window_sum / self.group if len(self._window) == self.group else None
+
+    def below(self, floor: float | None) -> bool:
+        """Whether the last GROUP tokens' confidence is under ``floor`` (DeepConf online's
+        test; never before GROUP tokens, nor without a floor)."""
+        window = self.window
+        return floor is not None and window is not None and window < floor
 
     @property
     def mean(self) -> float | None:

@@ -148,6 +148,10 @@ class Replica:
         will not send one (a remote stream is hung up), else None: it comes as usual."""
         raise NotImplementedError
 
+    def adjust(self, serial: int, params: JSON) -> None:
+        """Change what attempt ``serial`` was sent with, as far as the engine can while it runs
+        (its ``confidence_floor``); an engine that cannot does nothing."""
+
     def may_recover(self, failure: Failure) -> bool:
         """Whether, after ``failure``, a recovery may bring this replica back."""
         return True
@@ -198,6 +202,7 @@ class Flight:
         self.open: set[int] = set(range(self.known))
         self.closed = False
         self.cancelled: set[int] = set()  # asked to stop: never sent again
+        self.adjusted: dict[int, JSON] = {}  # index -> params changed since (sent with them)
         self.last_failure: Failure | None = None  # the latest seen, for what cannot be sent
         self.began = time.monotonic()
         self._serials = itertools.count(1)
@@ -282,6 +287,8 @@ class Flight:
                 self.waiting.remove(index)
                 self._finish(index, request)
                 continue
+            if index in self.adjusted:
+                request = {**request, **self.adjusted[index]}
             serial = next(self._serials)
             self.live[serial] = (index, replica)
             self.serial_of[index] = serial
@@ -467,6 +474,7 @@ class Flight:
         self.sends.pop(index, None)
         self.produced.discard(index)
         self.avoid.pop(index, None)
+        self.adjusted.pop(index, None)
 
     # --- the caller's controls ---------------------------------------------------------------
 
@@ -489,6 +497,16 @@ class Flight:
             event = replica.cancel(serial)
             if event is not None:
                 self._event(serial, event)
+
+    def adjust(self, index: int, params: JSON) -> None:
+        """Change request ``index``'s ``params`` (its ``confidence_floor``): where it runs, as
+        far as its engine can; where it is sent later (again, or for the first time), with them."""
+        if index not in self.open:
+            return
+        self.adjusted[index] = {**self.adjusted.get(index, {}), **params}
+        serial = self.serial_of.get(index)
+        if serial is not None:
+            self.live[serial][1].adjust(serial, params)
 
     def close(self) -> None:
         """Hang up: whatever still runs is cancelled, and no more events come."""

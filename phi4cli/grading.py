@@ -212,7 +212,7 @@ RESULTS_FILE = "results file"  # what the refusals call it
 # at its "off" value (min_p 0) is left out, so that records made before it existed still match.
 RUN_KEYS = ("model", "model_file", "backend", "system", "instruction",
             *(key for key in REQUEST_KEYS if key not in ("system", "deterministic")),
-            "samples", "adaptive", "vote")  # fmt: skip
+            "samples", "adaptive", "vote", "stop_unsure")  # fmt: skip
 # Enough of a GGUF to cover its header and metadata: a file replaced in place under the same
 # size and mtime still differs here.
 _HEAD_BYTES = 1 << 20
@@ -242,7 +242,8 @@ def run_identity(job: SolveJob, samples: int, adaptive: bool = False) -> dict[st
     model_file = None if backend else model_file_identity(Path(base["model"]))
     identity.update(backend=backend, instruction=job.instruction, samples=samples,
                     model_file=model_file, adaptive=adaptive or None,
-                    vote=job.vote if samples > 1 else "count")  # fmt: skip
+                    vote=job.vote if samples > 1 else "count",
+                    stop_unsure=job.stop_unsure and samples > 1)  # fmt: skip
 
     # A setting at its "off" and a run that is not adaptive say nothing: records made before
     # either existed (all K samples, no min_p) still match.
@@ -510,8 +511,10 @@ def run_eval(
         stop = stops.get(i)
         if stop is None:
             first = i * samples  # its samples' request indices follow
-            stop = stops[i] = EarlyStop(samples, compare, (lambda s: flight[0].cancel(first + s))
-                                        if adaptive else None)  # fmt: skip
+            stop = stops[i] = EarlyStop(
+                samples, compare, (lambda s: flight[0].cancel(first + s)) if adaptive else None,
+                (lambda s, params: flight[0].adjust(first + s, params))
+                if job.stop_unsure and samples > 1 else None)  # fmt: skip
         stop.end(k, outcome)
         if len(stop.ended) < samples:
             return
@@ -522,6 +525,8 @@ def run_eval(
                   "run": run}  # fmt: skip
         if samples > 1:
             record["samples_used"] = len(used)
+            if job.stop_unsure:
+                record["samples_unsure"] = len(stop.unsure)
         todo.release(i)
         tally.add(record)
         line = result_line(record)
@@ -546,7 +551,8 @@ def run_eval(
 def _counted(record: dict[str, Any]) -> dict[str, Any]:
     """What :class:`Tally` counts of a record: the rest is in the results file."""
     return {key: record[key] for key in ("line", "status", "reasoning_tokens", "pass_at_k",
-                                         "k", "samples_used", "completion_tokens")
+                                         "k", "samples_used", "samples_unsure",
+                                         "completion_tokens")
             if key in record}  # fmt: skip
 
 
@@ -559,6 +565,7 @@ class Tally:
         self.reasoning_tokens = 0
         self.completion_tokens = 0  # the tokens the model wrote, thinking included
         self.samples_used = 0  # samples that finished and voted (fewer once a vote settled)
+        self.samples_unsure = 0  # samples stopped below the confidence floor (--stop-unsure)
         self.passed = 0  # problems with a right sample (pass@k)
         # One answer per problem: the sums and counts of the confidence of right and of wrong
         # answers, to see whether confidence tells them apart (--vote confidence).
@@ -569,6 +576,7 @@ class Tally:
         self.reasoning_tokens += record["reasoning_tokens"]
         self.completion_tokens += record.get("completion_tokens", 0)
         self.samples_used += record.get("samples_used", record.get("k", 1))
+        self.samples_unsure += record.get("samples_unsure", 0)
         self.passed += bool(record.get("pass_at_k"))
         confidence = record.get("confidence")
         if isinstance(confidence, (int, float)) and record["status"] in self.confidence:
@@ -600,4 +608,6 @@ class Tally:
             result["pass_at_k_count"] = self.passed
             result["mean_samples_used"] = self.samples_used / total if total else 0.0
             result["adaptive"] = adaptive  # each problem's samples stopped once it was settled
+            if self.samples_unsure:
+                result["samples_unsure"] = self.samples_unsure
         return result

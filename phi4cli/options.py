@@ -288,6 +288,14 @@ SETTINGS = (
             option="str", metavar="count|confidence", groups=("answer",), off="count",
             help="How --samples votes: a vote per sample, or each weighted by the model's "
                  "confidence in it (DeepConf) [default count]."),
+    Setting("stop_unsure", _boolean, "true (a sample less sure than the first ones is stopped "
+            "and does not vote) or false", False, "bool",
+            comment="DeepConf online, with --samples K: a sample whose confidence falls below "
+                    "the question's first samples' is stopped, and does not vote.",
+            flags="--stop-unsure/--no-stop-unsure", option="bool", groups=("answer",),
+            off=False, help="With --samples: stop a sample whose confidence falls below what "
+                            "the first samples set; it does not vote (DeepConf online) "
+                            "[default false]."),
     Setting("system", _optional_str, "text", None, "str | None", REQUEST,
             "None: the chat template's own default system prompt (\"Your name is Phi, ...\").",
             flags="--system -s", option="str", groups=("answer",),

@@ -76,9 +76,17 @@ class Outcome:
         return error_for(self.error.code, self.error.message)
 
     @property
+    def unsure(self) -> bool:
+        """Stopped because its confidence fell below the floor (``--stop-unsure``): what it
+        wrote was cut short, and it states no answer."""
+        return self.stats is not None and self.stats.finish_reason == "unsure"
+
+    @property
     def answer(self) -> str | None:
         """The solution's final answer (last \\boxed{}, or a "final answer is" sentence); None
-        when it states none, an empty ``\\boxed{}`` included."""
+        when it states none, an empty ``\\boxed{}`` included, or was stopped as unsure."""
+        if self.unsure:
+            return None
         if self._answer is None or self._answer[0] is not self.solution:
             self._answer = (self.solution, extract_final_answer(self.solution))
         return self._answer[1]

@@ -13,6 +13,7 @@ event lines carrying the same id: ``accepted``, ``progress``, ``reasoning``, ``t
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from enum import StrEnum
@@ -53,6 +54,7 @@ class Op(StrEnum):
     STATUS = "status"
     STOP = "stop"
     CANCEL = "cancel"
+    ADJUST = "adjust"  # change a running or queued request's confidence_floor
     PING = "ping"
 
 
@@ -253,6 +255,21 @@ class SolveParams(Record):
     # Work out the answer's confidence from its token probabilities (phi4cli.confidence): asked
     # for by what shows or votes with it, since it costs a pass over the vocabulary per token.
     confidence: bool = False
+    # DeepConf online (``--stop-unsure``): stop once the last GROUP tokens' confidence falls
+    # below this (finish_reason "unsure"); None: never. Implies ``confidence``.
+    confidence_floor: float | None = None
+
+
+def confidence_floor(params: Mapping[str, Any]) -> float | None:
+    """A request's (or an ``adjust``'s) ``confidence_floor``: a finite number, or None."""
+    value = params.get("confidence_floor")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ProtocolViolation(
+            ErrorCode.BAD_REQUEST, "'confidence_floor' must be a number, or null"
+        )
+    return float(value)
 
 
 def _number(params: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -339,6 +356,7 @@ def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> 
     confidence = params.get("confidence", False)
     if not isinstance(confidence, bool):
         raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'confidence' must be true or false")
+    floor = confidence_floor(params)
     loop = params.get("loop", defaults.loop)
     if loop not in CHOICES["loop"]:
         raise ProtocolViolation(
@@ -364,7 +382,8 @@ def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> 
             else defaults.min_think
         ),
         loop=loop,
-        confidence=confidence,
+        confidence=confidence or floor is not None,
+        confidence_floor=floor,
     )
 
 

@@ -130,6 +130,9 @@ class Attempt:
         self.cancelled = False
         self.on_busy = on_busy
         self.state: _StreamState | None = None
+        # --stop-unsure: the stream is cut once its confidence falls below this (the request's
+        # confidence_floor, or the flight's adjust since).
+        self.floor: float | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -336,7 +339,7 @@ class RemoteEngine:
             value = params.get(row.key)
             if row.openai and row.sent and value is not None and not row.is_off(value):
                 body.update(dict.fromkeys(row.openai, value))
-        if params.get("confidence") and self.gives_logprobs:
+        if _wants_confidence(params) and self.gives_logprobs:
             body.update(logprobs=True, top_logprobs=TOP_K)  # each token's likeliest, for it
         return body
 
@@ -354,8 +357,10 @@ class RemoteEngine:
         state = _StreamState(started, _token_limit(params.get("max_tokens")))
         state.attempt, attempt.state = attempt, state
         budget = params.get("think_budget")
-        if params.get("confidence"):
+        if _wants_confidence(params):
             state.trace = TraceConfidence()
+        if attempt.floor is None:
+            attempt.floor = params.get("confidence_floor")
         state.loop_policy = str(params.get("loop", "answer"))
         if state.loop_policy != "off":
             state.loops = LoopDetector()
@@ -549,6 +554,11 @@ class RemoteEngine:
                     for choice in _choices(chunk, self.url):
                         if state.trace is not None:
                             _take_logprobs(choice, state.trace)
+                            if state.attempt is not None \
+                                    and state.trace.below(state.attempt.floor):  # fmt: skip
+                                # DeepConf online: too unsure to vote; leaving hangs up.
+                                state.finish, state.cut = "unsure", True
+                                return
                         finish = choice.get("finish_reason")
                         if finish is not None and not isinstance(finish, str):
                             raise _nonsense(self.url, "a finish_reason that is not text")
@@ -603,6 +613,11 @@ class RemoteEngine:
             raise _Failure(
                 ErrorCode.BACKEND_ERROR, f"the backend's reply cannot be read: {_reason(error)}"
             ) from None
+
+
+def _wants_confidence(params: dict[str, Any]) -> bool:
+    """Whether the answer's confidence is worked out: asked for, or a floor to stop below."""
+    return bool(params.get("confidence")) or params.get("confidence_floor") is not None
 
 
 def _transport_failure(error: httpx.TransportError, watch: _Watch) -> Exception:
@@ -1004,7 +1019,7 @@ class _StreamState:
             decode_s=round(decode_s, 4),
             first_token_s=None if first is None else round(first, 4),
             total_s=round(total, 4),
-            finish_reason=self.finish if self.finish in ("length", "loop") else "stop",
+            finish_reason=self.finish if self.finish in ("length", "loop", "unsure") else "stop",
             seed=params.get("seed"),
             model=f"{engine.model} at {engine.url}",
             **self._confidence(),
@@ -1093,6 +1108,11 @@ class RemoteReplica(Replica):
             )
         finally:
             self.attempts.pop(serial, None)
+
+    def adjust(self, serial: int, params: JSON) -> None:
+        attempt = self.attempts.get(serial)
+        if attempt is not None and "confidence_floor" in params:
+            attempt.floor = params["confidence_floor"]  # read by its stream's thread
 
     def cancel(self, serial: int) -> Event | None:
         attempt = self.attempts.pop(serial, None)

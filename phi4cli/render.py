@@ -508,6 +508,8 @@ def format_eval(summary: dict[str, Any], seconds: float, output: object) -> str:
         used = f"{summary['mean_samples_used']:.1f} a problem of at most {summary['samples']}"
         if summary.get("adaptive"):
             used += " (each stops once its vote is settled)"
+        if summary.get("samples_unsure"):
+            used += f"; {summary['samples_unsure']:,} stopped as unsure"
         rows.insert(3, ("samples", used))
     rows.append(("thinking", f"{summary['mean_reasoning_tokens']:,.0f} tokens a solution on "
                              "average"))  # fmt: skip

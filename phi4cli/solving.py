@@ -52,6 +52,7 @@ class SolveJob(Record):
 
     instruction: str | None = None  # added after each question
     vote: str = "count"  # how samples vote: count | confidence (options' "vote")
+    stop_unsure: bool = False  # DeepConf online with --samples (options' "stop_unsure")
 
     def vote_weights(self, outcomes: Sequence[Outcome]) -> list[float] | None:
         """Each answer's weight in a confidence vote (its lowest group confidence); None: a
@@ -226,24 +227,36 @@ class EarlyStop:
     """One question's K samples, stopped once their vote is settled
     (:func:`reasoning.vote_settled`, the Beta rule of Adaptive-Consistency): which have ended,
     the answers of those that vote, and which were cancelled. ``cancel(k)`` stops sample k;
-    None: all K are taken (``--all``). `solve -k` keeps one, `eval -k` one per problem."""
+    None: all K are taken (``--all``). `solve -k` keeps one, `eval -k` one per problem.
+
+    ``adjust(k, params)`` (``--stop-unsure``, DeepConf online): once the first WARMUP samples
+    have ended, the floor their confidences set (``confidence.floor_from``) goes to each
+    sample not ended; one that falls below it ends ``unsure`` and does not vote."""
 
     def __init__(self, samples: int, compare: AnswerComparer,
-                 cancel: Callable[[int], None] | None) -> None:  # fmt: skip
-        self.samples, self.compare, self.cancel = samples, compare, cancel
+                 cancel: Callable[[int], None] | None,
+                 adjust: Callable[[int, dict[str, Any]], None] | None = None) -> None:  # fmt: skip
+        self.samples, self.compare, self.cancel, self.adjust = samples, compare, cancel, adjust
         self.ended: set[int] = set()
         self.answers: list[str | None] = []  # of the samples that vote, as they ended
         self.stopped: set[int] = set()  # cancelled because the vote was settled
+        self.unsure: set[int] = set()  # stopped below the floor (--stop-unsure)
+        self.warmup: list[float] = []  # the first samples' lowest group confidences
+        self.floor: float | None = None
 
     def end(self, k: int, outcome: Outcome) -> None:
-        """Sample ``k`` has its terminal event: it votes, unless it was cancelled; a vote
-        settled by it cancels the samples that have not ended."""
+        """Sample ``k`` has its terminal event: it votes, unless it was cancelled or stopped as
+        unsure; a vote settled by it cancels the samples that have not ended."""
         self.ended.add(k)
         if k in self.stopped:
             if outcome.error is None:
                 self.stopped.discard(k)  # it had finished before its cancel reached it: it votes
             return
-        self.answers.append(outcome.answer)
+        if outcome.unsure:
+            self.unsure.add(k)
+        else:
+            self.answers.append(outcome.answer)
+            self._warm(outcome)
         left = self.samples - len(self.ended)
         if self.cancel is None or not left:
             return
@@ -252,6 +265,22 @@ class EarlyStop:
             self.stopped.update(rest)
             for i in rest:
                 self.cancel(i)
+
+    def _warm(self, outcome: Outcome) -> None:
+        """Count a finished sample's confidence towards the floor, and set it once there are
+        WARMUP of them."""
+        from phi4cli.confidence import WARMUP, floor_from
+
+        confidence = outcome.stats.lowest_group_confidence if outcome.stats else None
+        if self.adjust is None or self.floor is not None or confidence is None:
+            return
+        self.warmup.append(confidence)
+        if len(self.warmup) < min(WARMUP, self.samples):
+            return
+        self.floor = floor_from(self.warmup)
+        for i in range(self.samples):
+            if i not in self.ended:
+                self.adjust(i, {"confidence_floor": self.floor})
 
 
 def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
@@ -267,7 +296,9 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
     ]
     flight: list[Flight] = []
     compare = AnswerComparer()
-    stop = EarlyStop(samples, compare, None if every else lambda k: flight[0].cancel(k))
+    stop = EarlyStop(samples, compare, None if every else lambda k: flight[0].cancel(k),
+                     (lambda k, params: flight[0].adjust(k, params)) if job.stop_unsure
+                     else None)  # fmt: skip
     spinner = _StderrStatus(job.env, f"sampling… 0/{samples} done")
     loading = ProgressNotice(job.announce, LoadLine(job.env, spinner))
 
@@ -301,6 +332,8 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
     # "4/4 samples agree, stopped after 4 of 8": the early stop said where the vote is.
     agree = f"{vote.agreement} samples agree" + (f", stopped after {len(used)} of {samples}"
                                                  if stop.stopped else "")  # fmt: skip
+    if stop.unsure:
+        agree += f", {len(stop.unsure)} stopped as unsure"
     if weights is not None:
         agree += ", weighted by confidence"
     # Shown: a sample that gave the winning answer in the form reported, else any that agreed.
@@ -319,10 +352,13 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
             samples=[
                 {"answer": o.answer, "seed": o.stats.seed if o.stats else None,
                  "error": None if o.index in stop.stopped else o.to_json().get("error"),
-                 "cancelled": o.index in stop.stopped, "stats": o.stats_dict}
+                 "cancelled": o.index in stop.stopped, "unsure": o.index in stop.unsure,
+                 "stats": o.stats_dict}
                 for o in outcomes
             ],
         )  # fmt: skip
+        if job.stop_unsure:
+            record["confidence_floor"] = stop.floor
         _print_json(job, record)
         return ExitStatus.OK
     if mode.answer_only:
@@ -989,14 +1025,14 @@ def make_job(
 
     base: dict[str, Any] = {"model": str(model_path or settings.model),
                             **{key: getattr(settings, key) for key in REQUEST_KEYS}}  # fmt: skip
-    if confidence or settings.vote == "confidence":
+    if confidence or settings.vote == "confidence" or settings.stop_unsure:
         base["confidence"] = True
     if answer_options.get("keep_alive") is not None or set_in_environment("keep_alive"):
         base["keep_alive"] = settings.keep_alive
     backend = make_backend(paths, settings, model_path or settings.model, env.notice)
     instruction = None if no_instruction else settings.instruction
     return SolveJob(backend, env, base, seed=settings.seed, instruction=instruction,
-                    vote=settings.vote)  # fmt: skip
+                    vote=settings.vote, stop_unsure=settings.stop_unsure)  # fmt: skip
 
 
 def run_solve(o: SolveOptions, env: Environment | None = None) -> int:

@@ -4,14 +4,20 @@ logits, through a server from its top_logprobs; votes weighted by it (--vote con
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from phi4cli.confidence import LogitsConfidence, TraceConfidence, from_logprobs
-from phi4cli.reasoning import majority_vote
+from phi4cli.confidence import GROUP, LogitsConfidence, TraceConfidence, floor_from, from_logprobs
+from phi4cli.outcome import Outcome
+from phi4cli.protocol import Event, EventKind, Stats
+from phi4cli.reasoning import AnswerComparer, majority_vote
+from phi4cli.solving import EarlyStop
 from tests.conftest import run_phi4
 from tests.scripted_server import Head, Step, data, scripted_server
 from tests.test_thinking_control import ANSWER, THINKING
@@ -210,3 +216,176 @@ def test_a_refusal_of_logprobs_after_busy_answers_does_not_spend_the_retries():
     assert done.returncode == 0, done.stderr
     assert ["logprobs" in b for b in asked] == [True, True, True, True, False]
     assert json.loads(done.stdout)["answer"] == "7"
+
+
+# --- DeepConf online: --stop-unsure ---------------------------------------------------------------
+
+
+def test_the_floor_is_the_warm_up_traces_lower_quantile():
+    assert floor_from([]) is None
+    assert floor_from([5.0]) == 5.0
+    # The 10th percentile, linear between the nearest two (numpy's default).
+    assert floor_from([10.0, 14.0, 12.0]) == pytest.approx(10.4)
+    assert floor_from([10.0, 14.0, 12.0], keep=0.5) == pytest.approx(12.0)
+    assert floor_from([float("nan"), 3.0, float("inf")]) == 3.0
+
+
+def test_a_traces_window_is_tested_against_the_floor_only_once_it_is_full():
+    trace = TraceConfidence(group=3)
+    for value in (9.0, 1.0):
+        trace.add(value)
+    assert trace.window is None and not trace.below(100.0)  # two tokens: not a window yet
+    trace.add(2.0)
+    assert trace.window == pytest.approx(4.0)
+    assert trace.below(4.5) and not trace.below(4.0) and not trace.below(None)
+    trace.add(9.0)  # the window slides: 1, 2, 9
+    assert trace.window == pytest.approx(4.0)
+
+
+def _sample(answer: str | None, confidence: float | None, finish: str = "stop") -> Outcome:
+    outcome = Outcome(index=0, question="q")
+    if answer is not None:
+        outcome.apply(Event(EventKind.TOKEN, text=f"\\boxed{{{answer}}}"))
+    outcome.apply(Event.of_stats(Stats(lowest_group_confidence=confidence,
+                                       finish_reason=finish)))  # fmt: skip
+    outcome.apply(Event(EventKind.DONE))
+    return outcome
+
+
+def test_the_first_samples_set_the_floor_and_an_unsure_one_does_not_vote():
+    adjusted: list[tuple[int, dict[str, Any]]] = []
+    cancelled: list[int] = []
+    stop = EarlyStop(6, AnswerComparer(), cancelled.append,
+                     lambda k, params: adjusted.append((k, params)))  # fmt: skip
+    stop.end(0, _sample("7", 12.0))
+    stop.end(1, _sample("8", 10.0))
+    assert adjusted == [] and stop.floor is None
+    stop.end(3, _sample("7", 14.0))  # the third to end sets the floor for those still running
+    assert stop.floor == pytest.approx(10.4)
+    assert adjusted == [(k, {"confidence_floor": stop.floor}) for k in (2, 4, 5)]
+    unsure = _sample("8", 9.0, finish="unsure")
+    assert unsure.unsure and unsure.answer is None  # cut short: it states no answer
+    stop.end(2, unsure)
+    assert stop.unsure == {2} and stop.answers == ["7", "8", "7"] and not cancelled
+    # Without adjust (--stop-unsure off) nothing is set.
+    plain = EarlyStop(6, AnswerComparer(), None)
+    for k, c in enumerate((12.0, 10.0, 14.0)):
+        plain.end(k, _sample("7", c))
+    assert plain.floor is None
+
+
+@pytest.mark.timeout(300)
+def test_the_daemon_stops_a_request_whose_confidence_falls_below_its_floor(
+    tmp_path: Path, phi4_home: Path
+):
+    loops = write_script_model(tmp_path / "loops.gguf", THINKING, ANSWER, loops=True)
+    assert run_phi4("daemon", "start", "-m", str(loops), "--n-ctx", "8192").returncode == 0
+
+    def send(sock: socket.socket, request_id: int, op: str, **params: object) -> None:
+        request = {"v": 1, "id": request_id, "op": op, "params": params}
+        sock.sendall(json.dumps(request).encode() + b"\n")
+
+    solve = {"prompt": "What is 2+2?", "temperature": 0, "max_tokens": GROUP + 600,
+             "loop": "off"}  # fmt: skip
+    ends: dict[int, dict[str, Any]] = {}
+    stats: dict[int, dict[str, Any]] = {}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(phi4_home / "run" / "daemon.sock"))
+        reader = sock.makefile("rb")
+        # 1: a floor set by adjust after it was sent (every confidence is below 1e9); 3: a
+        # floor in the request that it never falls below (a confidence is never negative); 5:
+        # an adjust that makes no sense is refused, and the daemon goes on.
+        send(sock, 1, "solve", confidence=True, **solve)
+        send(sock, 2, "adjust", target=1, confidence_floor=1e9)
+        send(sock, 3, "solve", confidence_floor=0.0, **solve)
+        send(sock, 4, "adjust", target=99, confidence_floor=1.0)
+        send(sock, 5, "adjust", target=3, confidence_floor="high")
+        deadline = time.monotonic() + 200
+        while len(ends) < 5 and time.monotonic() < deadline:
+            event = json.loads(reader.readline())
+            if event["event"] == "stats":
+                stats[event["id"]] = event
+            elif event["event"] in ("done", "error"):
+                ends[event["id"]] = event
+    assert ends[2]["result"] == {"adjusted": True} and ends[4]["result"] == {"adjusted": False}
+    assert (ends[5]["code"], ends[5]["message"]) == (
+        "bad_request",
+        "'confidence_floor' must be a number, or null",
+    )
+    # Stopped as soon as a whole window of steps was below the floor (the window's last step
+    # is the one that would have sampled the next token), not at max_tokens.
+    assert stats[1]["finish_reason"] == "unsure", stats[1]
+    assert stats[1]["confidence_tokens"] == GROUP == stats[1]["completion_tokens"] + 1
+    assert (stats[3]["finish_reason"], stats[3]["completion_tokens"]) == ("length", GROUP + 600)
+    assert stats[3]["confidence"] is not None  # the floor asked for the confidence
+
+
+def _unsure_server(release: threading.Event) -> Any:
+    """Seeds 1 and 3 answer 7, seed 2 answers 8, each sure and short; the others answer 8 after
+    a long unsure thinking: GROUP + 50 tokens, then a token every 20 ms until the client hangs
+    up or ``release`` is set (or a minute passes), then the answer."""
+
+    def script(body: dict[str, Any]) -> Any:
+        seed = body["seed"]
+        if seed <= 3:
+            tops = [-0.01, -6.0, -9.0]
+            yield _with_logprobs(" Think.", tops, "reasoning_content")
+            yield _with_logprobs(f" $\\boxed{{{7 if seed != 2 else 8}}}$", tops)
+        else:
+            tops = [-0.5, -0.9, -1.3]
+            for _ in range(GROUP + 50):
+                yield _with_logprobs(" hmm", tops, "reasoning_content")
+            deadline = time.monotonic() + 60
+            while not release.is_set() and time.monotonic() < deadline:
+                yield Step(sleep=0.02)
+                yield _with_logprobs(" hmm", tops, "reasoning_content")
+            yield _with_logprobs(" $\\boxed{8}$", tops)
+        yield _with_logprobs("", [-0.01], finish="stop")
+        yield data("[DONE]")
+
+    return script
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("concurrency", [1, 6])
+def test_samples_less_sure_than_the_first_are_stopped_and_do_not_vote(concurrency: int):
+    release = threading.Event()
+    with scripted_server(_unsure_server(release)) as server:
+        # (--loop off: the long thinking repeats itself, and would be ended as a loop.)
+        base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "6", "--seed",
+                "1", "--backend-concurrency", str(concurrency), "--loop", "off")  # fmt: skip
+        done = run_phi4(*base, "--stop-unsure", "--json", timeout=150)
+        release.set()  # (a sample not stopped answers now, rather than in a minute)
+        bodies = list(server.bodies)
+        plain = run_phi4(*base, timeout=150)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    # 1 to 3 set the floor; 4 to 6 — sent with it one after another, or running when it was
+    # set — fell below it, were cut short and did not vote: 7 wins, 2 of the 3 that voted.
+    assert record["answer"] == "7", record
+    assert [s["unsure"] for s in record["samples"]] == [False] * 3 + [True] * 3
+    assert all(s["stats"]["finish_reason"] == "unsure" for s in record["samples"][3:])
+    first = sorted(s["stats"]["lowest_group_confidence"] for s in record["samples"][:3])
+    assert record["confidence_floor"] == pytest.approx(first[0] + 0.2 * (first[1] - first[0]))
+    assert not any("confidence_floor" in b for b in bodies)  # phi4's own: never sent
+    # Without it the long samples answer 8 and win.
+    assert plain.stdout.splitlines()[-1].startswith("Answer: 8 (4/6 samples agree"), plain.stdout
+
+
+@pytest.mark.timeout(200)
+def test_eval_counts_the_samples_stopped_as_unsure(tmp_path: Path):
+    problems = tmp_path / "set.jsonl"
+    problems.write_text(json.dumps({"problem": "What is 3+4?", "answer": "7"}) + "\n")
+    release = threading.Event()
+    with scripted_server(_unsure_server(release)) as server:
+        base = ("eval", str(problems), "--backend", server.url, "-m", "m", "-k", "6", "--seed",
+                "1", "--backend-concurrency", "1", "--loop", "off", "--stop-unsure")  # fmt: skip
+        done = run_phi4(*base, "-o", str(tmp_path / "a.jsonl"), "--json", timeout=150)
+        table = run_phi4(*base, "-o", str(tmp_path / "b.jsonl"), timeout=150)
+        release.set()
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert (summary["correct"], summary["samples_unsure"]) == (1, 3), summary
+    record = json.loads((tmp_path / "a.jsonl").read_text())
+    assert (record["samples_unsure"], record["run"]["stop_unsure"]) == (3, True)
+    assert "3 stopped as unsure" in table.stdout

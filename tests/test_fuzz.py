@@ -37,10 +37,12 @@ JSON_VALUES = st.recursive(
 )  # fmt: skip
 KEYS = st.sampled_from(["prompt", "message", "session", "history", "system", "model",
                         "temperature", "top_p", "seed", "max_tokens", "think_budget",
-                        "keep_alive", "priority", "target", "x"])  # fmt: skip
+                        "keep_alive", "priority", "target", "confidence_floor", "x"])  # fmt: skip
 PARAMS = st.dictionaries(KEYS, JSON_VALUES | st.sampled_from(["2+2?", "s1", 0.5, 3]), max_size=6)
 # Every op but "stop", which would end the campaign.
-OPS = st.sampled_from(["solve", "chat", "status", "ping", "cancel", "load", "nope", 7, None])
+OPS = st.sampled_from(
+    ["solve", "chat", "status", "ping", "cancel", "adjust", "load", "nope", 7, None]
+)
 
 
 def _bounded(params: dict[str, Any]) -> dict[str, Any]:

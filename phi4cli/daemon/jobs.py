@@ -106,10 +106,16 @@ class Job:
     waiting: Wait | None = None  # why the engine has not taken it yet (the last answer)
     prepared: Any = None  # the engine's work on it before admission (its tokens), kept
     owner: object = None  # who sent it (the server's connection): the queue's fairness unit
+    # Stop once the confidence falls below this (the request's, or an ``adjust``'s since).
+    confidence_floor: float | None = None
 
     finished: bool = False  # its one terminal event has gone out
     # The event loop (a cancel) and the engine's thread may both end a job at once.
     _finishing: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.confidence_floor is None:
+            self.confidence_floor = self.params.confidence_floor
 
     def cancel(self, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         self.cancel_code = code

@@ -309,6 +309,7 @@ class DaemonServer:
                 Op.STATUS: self._op_status,
                 Op.STOP: self._op_stop,
                 Op.CANCEL: self._op_cancel,
+                Op.ADJUST: self._op_adjust,
                 Op.PING: self._op_ping,
             }[Op(request.op)]
             handler(connection, request)
@@ -358,6 +359,23 @@ class DaemonServer:
         if job is not None:
             self.scheduler.cancel(job)
         connection.send(_done(request.id, {"cancelled": job is not None}))
+
+    def _op_adjust(self, connection: Connection, request: Request) -> None:
+        """Set a running or queued request's ``confidence_floor`` (``--stop-unsure``: the
+        client learns it from the question's first samples, after the rest were sent)."""
+        target = request.params.get("target")
+        if not isinstance(target, (str, int)) or isinstance(target, bool):
+            raise ProtocolViolation(
+                ErrorCode.BAD_REQUEST, "'target' must be the id of a request", request.id
+            )
+        try:
+            floor = protocol.confidence_floor(request.params)
+        except ProtocolViolation as exc:
+            raise ProtocolViolation(exc.code, exc.message, request.id) from None
+        job = connection.jobs.get(target)
+        if job is not None:
+            job.confidence_floor = floor  # read by the engine's thread at its next token
+        connection.send(_done(request.id, {"adjusted": job is not None}))
 
     def _op_solve(self, connection: Connection, request: Request) -> None:
         if request.id in connection.jobs:

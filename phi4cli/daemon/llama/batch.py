@@ -638,6 +638,11 @@ class LlamaEngine:
             if self._confidence is None:
                 self._confidence = LogitsConfidence(model.model.n_vocab())
             run.trace.add(self._confidence(model.logits(logits_index)))
+            if run.trace.below(run.job.confidence_floor):
+                # DeepConf online: its least sure stretch is worse than the question's first
+                # samples allow; it will not vote, so it stops here.
+                log.info("confidence fell below the floor at %d tokens: stopped", run.generated)
+                return self._finish(slot, "unsure")
         token = run.sampler.sample(model.context, logits_index)
         if model.is_eog(token):
             return self._finish(slot, "stop")
