@@ -271,3 +271,15 @@ def test_with_min_think_the_answer_after_a_caught_loop_is_kept_and_counted():
     stats = json.loads(done.stdout)["stats"]
     # Three thinking pieces, the Wait, twelve more, then the answer's one: the stream counted.
     assert (stats["reasoning_tokens"], stats["answer_tokens"]) == (16, 1), stats
+
+
+def test_the_daemons_threads_wait_passively_unless_the_user_says_otherwise():
+    from phi4cli.daemon.threads import choose_wait_policy
+
+    env: dict[str, str] = {}
+    assert choose_wait_policy(env) == "OMP_WAIT_POLICY=PASSIVE"
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    mine = {"GOMP_SPINCOUNT": "300000"}
+    assert choose_wait_policy(mine) == "GOMP_SPINCOUNT=300000 (yours)"
+    assert mine == {"GOMP_SPINCOUNT": "300000"}  # left as the user set it
+    assert choose_wait_policy({"OMP_WAIT_POLICY": "active"}) == "OMP_WAIT_POLICY=active (yours)"

@@ -596,6 +596,9 @@ def run_daemon(paths: Paths, settings: Settings, model_path: Path | None) -> Non
     )
     lock_fd = _take_daemon_lock(paths)
     try:
+        from phi4cli.daemon.threads import choose_wait_policy
+
+        log.info("decoding threads wait with %s", choose_wait_policy())  # before llama.cpp loads
         from phi4cli.daemon.llama import LlamaEngine
 
         engine = LlamaEngine(
