@@ -182,8 +182,9 @@ def online_rule(answers: list[str | None], conf: list[float], lengths: list[floa
     Samples end in the order drawn, ``parallel`` at once. With ``online``, once WARMUP have
     ended the floor is set from their confidences (``confidence.floor_from``), and a later
     sample below it is stopped where its running window first fell under the floor — drawn
-    as the fraction ``stops[i]`` of its length, but not before GROUP tokens — and does not
-    vote. A settled vote cancels the samples running then: they wrote half their tokens."""
+    as the fraction ``stops[i]`` of its length, but not before GROUP tokens (a shorter one is
+    never stopped) — and does not vote. A settled vote cancels the samples running then: they
+    wrote half their tokens."""
     k = len(answers)
     voters: list[str | None] = []
     weights: list[float] = []
@@ -191,7 +192,7 @@ def online_rule(answers: list[str | None], conf: list[float], lengths: list[floa
     floor: float | None = None
     tokens, unsure = 0.0, 0
     for i in range(k):
-        if floor is not None and conf[i] < floor:
+        if floor is not None and conf[i] < floor and lengths[i] >= GROUP:
             tokens += max(min(lengths[i], GROUP), stops[i] * lengths[i])
             unsure += 1
         else:

@@ -18,6 +18,7 @@ from collections.abc import Container, Generator, Iterable, Iterator
 from pathlib import Path
 
 from phi4cli.atomicfile import RefusedFileError, open_user_file, replace_user_file
+from phi4cli.confidence import WARMUP
 from phi4cli.errors import UsageError
 from phi4cli.options import REQUEST_KEYS, SETTING
 from phi4cli.outcome import Outcome
@@ -243,7 +244,7 @@ def run_identity(job: SolveJob, samples: int, adaptive: bool = False) -> dict[st
     identity.update(backend=backend, instruction=job.instruction, samples=samples,
                     model_file=model_file, adaptive=adaptive or None,
                     vote=job.vote if samples > 1 else "count",
-                    stop_unsure=job.stop_unsure and samples > 1)  # fmt: skip
+                    stop_unsure=job.stop_unsure and samples > WARMUP)  # fmt: skip
 
     # A setting at its "off" and a run that is not adaptive say nothing: records made before
     # either existed (all K samples, no min_p) still match.
@@ -514,7 +515,7 @@ def run_eval(
             stop = stops[i] = EarlyStop(
                 samples, compare, (lambda s: flight[0].cancel(first + s)) if adaptive else None,
                 (lambda s, params: flight[0].adjust(first + s, params))
-                if job.stop_unsure and samples > 1 else None)  # fmt: skip
+                if job.stop_unsure and samples > WARMUP else None)  # fmt: skip
         stop.end(k, outcome)
         if len(stop.ended) < samples:
             return
@@ -525,7 +526,7 @@ def run_eval(
                   "run": run}  # fmt: skip
         if samples > 1:
             record["samples_used"] = len(used)
-            if job.stop_unsure:
+            if job.stop_unsure and samples > WARMUP:
                 record["samples_unsure"] = len(stop.unsure)
         todo.release(i)
         tally.add(record)

@@ -359,8 +359,6 @@ class RemoteEngine:
         budget = params.get("think_budget")
         if _wants_confidence(params):
             state.trace = TraceConfidence()
-        if attempt.floor is None:
-            attempt.floor = params.get("confidence_floor")
         state.loop_policy = str(params.get("loop", "answer"))
         if state.loop_policy != "off":
             state.loops = LoopDetector()
@@ -1079,6 +1077,7 @@ class RemoteReplica(Replica):
             self.inbox.put((self, serial, Slow(wait)))
 
         attempt = Attempt(on_busy=busy)
+        attempt.floor = params.get("confidence_floor")  # (an adjust later replaces it)
         self.attempts[serial] = attempt
         threading.Thread(target=self._read, args=(serial, params, attempt), daemon=True,
                          name="phi4-remote").start()  # fmt: skip

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from phi4cli.backends import Backend
+from phi4cli.confidence import WARMUP
 from phi4cli.environment import Environment
 from phi4cli.errors import ExitStatus, UsageError
 from phi4cli.exits import Announce
@@ -251,12 +252,15 @@ class EarlyStop:
         if k in self.stopped:
             if outcome.error is None:
                 self.stopped.discard(k)  # it had finished before its cancel reached it: it votes
+                if outcome.unsure:
+                    self.unsure.add(k)
             return
         if outcome.unsure:
             self.unsure.add(k)
         else:
             self.answers.append(outcome.answer)
-            self._warm(outcome)
+            if outcome.error is None:  # (a failed one's partial trace says nothing)
+                self._warm(outcome)
         left = self.samples - len(self.ended)
         if self.cancel is None or not left:
             return
@@ -297,8 +301,8 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
     flight: list[Flight] = []
     compare = AnswerComparer()
     stop = EarlyStop(samples, compare, None if every else lambda k: flight[0].cancel(k),
-                     (lambda k, params: flight[0].adjust(k, params)) if job.stop_unsure
-                     else None)  # fmt: skip
+                     (lambda k, params: flight[0].adjust(k, params))
+                     if job.stop_unsure and samples > WARMUP else None)  # fmt: skip
     spinner = _StderrStatus(job.env, f"sampling… 0/{samples} done")
     loading = ProgressNotice(job.announce, LoadLine(job.env, spinner))
 
@@ -357,7 +361,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
                 for o in outcomes
             ],
         )  # fmt: skip
-        if job.stop_unsure:
+        if job.stop_unsure and samples > WARMUP:
             record["confidence_floor"] = stop.floor
         _print_json(job, record)
         return ExitStatus.OK

@@ -15,7 +15,7 @@ import pytest
 
 from phi4cli.confidence import GROUP, LogitsConfidence, TraceConfidence, floor_from, from_logprobs
 from phi4cli.outcome import Outcome
-from phi4cli.protocol import Event, EventKind, Stats
+from phi4cli.protocol import ErrorCode, Event, EventKind, Stats
 from phi4cli.reasoning import AnswerComparer, majority_vote
 from phi4cli.solving import EarlyStop
 from tests.conftest import run_phi4
@@ -389,3 +389,17 @@ def test_eval_counts_the_samples_stopped_as_unsure(tmp_path: Path):
     record = json.loads((tmp_path / "a.jsonl").read_text())
     assert (record["samples_unsure"], record["run"]["stop_unsure"]) == (3, True)
     assert "3 stopped as unsure" in table.stdout
+
+
+def test_a_failed_sample_sets_no_floor_and_an_unsure_one_is_counted_even_once_cancelled():
+    adjusted: list[int] = []
+    stop = EarlyStop(6, AnswerComparer(), lambda k: None, lambda k, params: adjusted.append(k))
+    failed = _sample(None, 1.0)
+    failed.fail(ErrorCode.MODEL_ERROR, "boom")
+    stop.end(0, failed)
+    stop.end(1, _sample("7", 12.0))
+    stop.end(2, _sample("8", 10.0))
+    assert stop.floor is None and stop.warmup == [12.0, 10.0]  # the failure's trace not counted
+    stop.stopped.add(3)  # cancelled as the vote settled, but it ended unsure before that arrived
+    stop.end(3, _sample("8", 9.0, finish="unsure"))
+    assert stop.unsure == {3} and 3 not in stop.stopped

@@ -373,9 +373,13 @@ class DaemonServer:
         except ProtocolViolation as exc:
             raise ProtocolViolation(exc.code, exc.message, request.id) from None
         job = connection.jobs.get(target)
-        if job is not None:
+        # Only a request that works out its confidence can be stopped by it.
+        adjusted = job is not None and "confidence_floor" in request.params \
+            and job.params.confidence  # fmt: skip
+        if adjusted:
+            assert job is not None
             job.confidence_floor = floor  # read by the engine's thread at its next token
-        connection.send(_done(request.id, {"adjusted": job is not None}))
+        connection.send(_done(request.id, {"adjusted": adjusted}))
 
     def _op_solve(self, connection: Connection, request: Request) -> None:
         if request.id in connection.jobs:
