@@ -350,12 +350,7 @@ class DaemonServer:
         self.request_shutdown("stop requested")
 
     def _op_cancel(self, connection: Connection, request: Request) -> None:
-        target = request.params.get("target")
-        if not isinstance(target, (str, int)) or isinstance(target, bool):
-            raise ProtocolViolation(
-                ErrorCode.BAD_REQUEST, "'target' must be the id of a request", request.id
-            )
-        job = connection.jobs.get(target)
+        job = _target(connection, request)
         if job is not None:
             self.scheduler.cancel(job)
         connection.send(_done(request.id, {"cancelled": job is not None}))
@@ -363,22 +358,16 @@ class DaemonServer:
     def _op_adjust(self, connection: Connection, request: Request) -> None:
         """Set a running or queued request's ``confidence_floor`` (``--stop-unsure``: the
         client learns it from the question's first samples, after the rest were sent)."""
-        target = request.params.get("target")
-        if not isinstance(target, (str, int)) or isinstance(target, bool):
-            raise ProtocolViolation(
-                ErrorCode.BAD_REQUEST, "'target' must be the id of a request", request.id
-            )
+        job = _target(connection, request)
         try:
             floor = protocol.confidence_floor(request.params)
         except ProtocolViolation as exc:
             raise ProtocolViolation(exc.code, exc.message, request.id) from None
-        job = connection.jobs.get(target)
         # Only a request that works out its confidence can be stopped by it.
-        adjusted = job is not None and "confidence_floor" in request.params \
-            and job.params.confidence  # fmt: skip
-        if adjusted:
-            assert job is not None
+        adjusted = False
+        if job is not None and job.params.confidence and "confidence_floor" in request.params:
             job.confidence_floor = floor  # read by the engine's thread at its next token
+            adjusted = True
         connection.send(_done(request.id, {"adjusted": adjusted}))
 
     def _op_solve(self, connection: Connection, request: Request) -> None:
@@ -612,6 +601,17 @@ def run_daemon(paths: Paths, settings: Settings, model_path: Path | None) -> Non
         asyncio.run(server.serve())
     finally:
         os.close(lock_fd)
+
+
+def _target(connection: Connection, request: Request) -> Job | None:
+    """The request a cancel or an adjust names (``target``) on this connection; None when it
+    has ended or never was."""
+    target = request.params.get("target")
+    if not isinstance(target, (str, int)) or isinstance(target, bool):
+        raise ProtocolViolation(
+            ErrorCode.BAD_REQUEST, "'target' must be the id of a request", request.id
+        )
+    return connection.jobs.get(target)
 
 
 def _done(request_id: Any, result: dict[str, Any]) -> Event:
