@@ -1,19 +1,23 @@
 """Batching: phi4's daemon against llama.cpp's own llama-server, side by side in one run.
 
     python bench/batching.py --model PATH --server PATH/TO/llama-server [--tokens 64]
-                             [--concurrent 1 4 8] [--rounds 2] [--phi4-arg ARG] [--server-arg ARG]
+                             [--concurrent 1 4 8] [--rounds 2] [--prompt-tokens N]
+                             [--phi4-arg ARG] [--server-arg ARG]
 
-Both serve the same GGUF with the same threads and stream every token to their clients; each
-round sends k greedy questions at once (k = 1, 4, 8) and measures the aggregate completion
-tokens/s, phi4 and llama-server interleaved so that the machine's drift hits both alike (each
-goes first in every other round). llama-server runs with as many slots as the largest k, each
-with room for its answer, and phi4 with ``--parallel`` that many (its default plans for 4 long
-requests); ``--phi4-arg`` and ``--server-arg`` pass more to either (``--server-arg=-kvu``:
-llama-server with one KV cache shared by its slots, as phi4's ``kv_layout = shared``). Build
-llama-server from the llama.cpp sources vendored in the llama-cpp-python sdist (cmake target
-llama-server); without --server this bench has no baseline and says so.
+Both serve the same GGUF with the same threads and stream every token to their clients; each round
+sends k greedy questions at once (k = 1, 4, 8) and measures the aggregate completion tokens/s (all
+tokens over the wall time from the first send to the last answer's end) and each request's time to
+its first token, phi4 and llama-server interleaved so that the machine's drift hits both alike
+(each goes first in every other round). ``--prompt-tokens N`` gives every question a different
+N-token problem text to read first (counted with the model's own tokenizer): long prompts read
+together, as pasted problems and follow-ups bring. llama-server runs with as many slots as the
+largest k, each with room for its prompt and answer, and phi4 with ``--parallel`` that many (its
+default plans for 4 long requests); ``--phi4-arg`` and ``--server-arg`` pass more to either
+(``--server-arg=-kvu``: llama-server with one KV cache shared by its slots, as phi4's ``kv_layout =
+shared``). Build llama-server from the llama.cpp sources vendored in the llama-cpp-python sdist
+(cmake target llama-server); without --server this bench has no baseline and says so.
 
-Writes bench/results/batching-<model>.json and .md, and prints the Markdown table.
+Writes bench/results/batching-<model>[-p<N>].json and .md, and prints the Markdown table.
 """
 
 from __future__ import annotations
@@ -37,9 +41,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.speed import QUESTION  # noqa: E402
-from bench.speed import concurrent as phi4_round  # noqa: E402  (k solves at once: tokens/s)
 
 PHI4 = [sys.executable, "-m", "phi4cli"]
+# Problem text for long prompts: numbered sentences, so that no two questions share a prefix.
+SENTENCE = (
+    "Step {n} of problem {i}: the sequence a_{n} = {a} * a_{m} + {b} is taken modulo "
+    "{c}, and the partial sums are compared with the bound {d}. "
+)
 
 
 def free_port() -> int:
@@ -48,14 +56,72 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def server_round(port: int, k: int, tokens: int) -> float:
-    """Aggregate completion tokens/s of k chat completions sent at once to llama-server."""
-    produced = [0] * k
+def questions(model: Path, k: int, prompt_tokens: int) -> list[str]:
+    """k different questions; with prompt_tokens, each opens with that many tokens of problem
+    text (by the model's tokenizer), different from the first sentence on."""
+    if prompt_tokens <= 0:
+        return [f"{QUESTION} (variant {i})" for i in range(k)]
+    import llama_cpp
 
-    def ask(index: int) -> None:
+    vocab = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
+    texts = []
+    for i in range(k):
+        text, n = "", 0
+        while len(vocab.tokenize(text.encode(), add_bos=False)) < prompt_tokens:
+            n += 1
+            text += SENTENCE.format(n=n, i=i, m=n - 1, a=3 + (i * 7 + n) % 11, b=(i + 5 * n) % 13,
+                                    c=97 + i, d=1000 * n + i)  # fmt: skip
+        tokens = vocab.tokenize(text.encode(), add_bos=False)[:prompt_tokens]
+        head = vocab.detokenize(tokens).decode("utf-8", errors="ignore")
+        texts.append(f"{head}\n{QUESTION} (variant {i})")
+    vocab.close()
+    return texts
+
+
+def summary(started: float, produced: list[int], first: list[float | None]) -> dict[str, Any]:
+    """A round's aggregate tokens/s and each request's seconds to its first token."""
+    wall = time.monotonic() - started
+    ttft = sorted(round(t - started, 3) for t in first if t is not None)
+    return {"tps": sum(produced) / wall, "wall_s": round(wall, 3), "ttft_s": ttft,
+            "answered": len(ttft), "tokens": sum(produced)}  # fmt: skip
+
+
+def phi4_round(home: Path, prompts: list[str], tokens: int) -> dict[str, Any]:
+    """len(prompts) greedy solves sent at once over one connection."""
+    from phi4cli.client import DaemonConnection
+    from phi4cli.protocol import EventKind
+
+    k = len(prompts)
+    produced: list[int] = [0] * k
+    first: list[float | None] = [None] * k
+    with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
+        started = time.monotonic()
+        index = {connection.send("solve", {"prompt": prompt, "temperature": 0,
+                                           "max_tokens": tokens}): i
+                 for i, prompt in enumerate(prompts)}  # fmt: skip
+        waiting = set(index)
+        while waiting:
+            event = connection.next_event(timeout=3600)
+            i = index[event.id]
+            if event.kind in (EventKind.REASONING, EventKind.TOKEN, EventKind.STATS):
+                first[i] = first[i] or time.monotonic()
+            if event.kind == EventKind.STATS:
+                produced[i] = event.stats.completion_tokens
+            if event.terminal:
+                waiting.discard(event.id)
+    return summary(started, produced, first)
+
+
+def server_round(port: int, prompts: list[str], tokens: int) -> dict[str, Any]:
+    """The same chat completions sent at once to llama-server."""
+    k = len(prompts)
+    produced: list[int] = [0] * k
+    first: list[float | None] = [None] * k
+
+    def ask(i: int) -> None:
         # Streamed, as phi4 streams every token to its client: both pay for sending them.
         body = json.dumps({
-            "messages": [{"role": "user", "content": f"{QUESTION} (variant {index})"}],
+            "messages": [{"role": "user", "content": prompts[i]}],
             "max_tokens": tokens, "temperature": 0, "cache_prompt": True, "stream": True,
             "stream_options": {"include_usage": True},
         }).encode()  # fmt: skip
@@ -63,12 +129,16 @@ def server_round(port: int, k: int, tokens: int) -> float:
             f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
             headers={"Content-Type": "application/json"},
         )  # fmt: skip
-        with urllib.request.urlopen(request, timeout=600) as response:
+        with urllib.request.urlopen(request, timeout=3600) as response:
             for line in response:
-                if line.startswith(b"data: {"):
-                    usage = json.loads(line[6:]).get("usage")
-                    if usage:
-                        produced[index] = usage["completion_tokens"]
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+                if delta.get("content") or delta.get("reasoning_content") or chunk.get("usage"):
+                    first[i] = first[i] or time.monotonic()
+                if chunk.get("usage"):
+                    produced[i] = chunk["usage"]["completion_tokens"]
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(k)]
     started = time.monotonic()
@@ -76,7 +146,7 @@ def server_round(port: int, k: int, tokens: int) -> float:
         thread.start()
     for thread in threads:
         thread.join()
-    return sum(produced) / (time.monotonic() - started)
+    return summary(started, produced, first)
 
 
 def wait_healthy(port: int, timeout: float = 300) -> None:
@@ -99,6 +169,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrent", type=int, nargs="*", default=[1, 4, 8])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="give each question a different problem text of this many tokens "
+                             "to read first (default: the short question alone)")  # fmt: skip
     parser.add_argument("--phi4-arg", action="append", default=[],
                         help="pass this to `phi4 daemon start` too (e.g. --phi4-arg=--kv-layout="
                              "--phi4-arg=shared)")  # fmt: skip
@@ -114,6 +187,8 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="p4b-", dir="/tmp"))
     env = {**os.environ, "PHI4_HOME": str(home)}
     slots = max(args.concurrent)
+    # Each llama-server slot has n_ctx / slots cells: room for its prompt and its answer.
+    per_slot = 1024 + args.prompt_tokens + args.tokens
     # As many requests at once as llama-server has slots (phi4's default plans for 4 long ones).
     subprocess.run([*PHI4, "daemon", "start", "-m", str(args.model), "--threads", str(threads),
                     "--parallel", str(slots), *args.phi4_arg],
@@ -126,34 +201,40 @@ def main() -> None:
     if args.server is not None:
         server = subprocess.Popen(
             [str(args.server), "-m", str(args.model), "-t", str(threads), "-tb", str(threads),
-             "-np", str(slots), "-c", str(slots * 1024), "--host", "127.0.0.1",
+             "-np", str(slots), "-c", str(slots * per_slot), "--host", "127.0.0.1",
              "--port", str(port), *args.server_arg],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         wait_healthy(port)
     results: dict[str, Any] = {
-        "model": str(args.model), "tokens": args.tokens, "server": str(args.server),
+        "model": str(args.model), "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
+        "server": str(args.server),
         "server_args": args.server_arg, "phi4_args": args.phi4_arg, "phi4_plan": plan,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} threads",
         "phi4": {}, "llama_server": {}, "rounds": {},
     }  # fmt: skip
     try:
-        phi4_round(home, 1, 8)  # warm both: first requests allocate buffers
+        warm = questions(args.model, 1, 0)
+        phi4_round(home, warm, 8)  # warm both: first requests allocate buffers
         if server is not None:
-            server_round(port, 1, 8)
+            server_round(port, warm, 8)
         for k in args.concurrent:
-            phi4_rates, server_rates = [], []
+            base = questions(args.model, k, args.prompt_tokens)
+            ours: list[dict[str, Any]] = []
+            theirs: list[dict[str, Any]] = []
             for round_ in range(args.rounds):
                 # Each goes first in every other round, so that neither gains from the order.
+                # (A round's prompts are new to both: each round numbers its questions anew.)
+                prompts = [f"(round {round_}) {prompt}" for prompt in base]
                 if server is not None and round_ % 2:
-                    server_rates.append(server_round(port, k, args.tokens))
-                phi4_rates.append(phi4_round(home, k, args.tokens))
+                    theirs.append(server_round(port, prompts, args.tokens))
+                ours.append(phi4_round(home, prompts, args.tokens))
                 if server is not None and not round_ % 2:
-                    server_rates.append(server_round(port, k, args.tokens))
-            results["rounds"][k] = {"phi4": phi4_rates, "llama_server": server_rates}
-            results["phi4"][k] = statistics.median(phi4_rates)
-            if server_rates:
-                results["llama_server"][k] = statistics.median(server_rates)
+                    theirs.append(server_round(port, prompts, args.tokens))
+            results["rounds"][k] = {"phi4": ours, "llama_server": theirs}
+            results["phi4"][k] = medians(ours)
+            if theirs:
+                results["llama_server"][k] = medians(theirs)
     finally:
         subprocess.run([*PHI4, "stop"], env=env, capture_output=True, check=False)
         if server is not None:
@@ -162,22 +243,38 @@ def main() -> None:
     rows = []
     for k in args.concurrent:
         ours, theirs = results["phi4"][k], results["llama_server"].get(k)
-        rows.append(
-            f"| {k} | {ours:.2f} tok/s | "
-            + (f"{theirs:.2f} tok/s | **{ours / theirs:.2f}x** |" if theirs else "- | - |")
-        )
+        row = f"| {k} | {ours['tps']:.2f} tok/s | {ours['slowest_ttft_s']:.2f} s | "
+        if theirs:
+            row += (f"{theirs['tps']:.2f} tok/s | {theirs['slowest_ttft_s']:.2f} s | "
+                    f"**{ours['tps'] / theirs['tps']:.2f}x** |")  # fmt: skip
+        else:
+            row += "- | - | - |"
+        rows.append(row)
     extra = f"; phi4 kv_layout {plan['kv_layout']}, {plan['slots']} slots"
-    extra += f"; llama-server {' '.join(args.server_arg)}" if args.server_arg else ""
-    lines = [f"Batching on {args.model.name} ({results['machine']}, {args.tokens}-token greedy "
-             f"answers, median of {args.rounds} interleaved rounds{extra})", "",
-             "| concurrent | phi4 aggregate | llama-server aggregate | phi4 / llama-server |",
-             "| --- | --- | --- | --- |", *rows]  # fmt: skip
+    extra += (
+        f"; llama-server {' '.join(args.server_arg)}" if args.server and args.server_arg else ""
+    )
+    prompt = f"{args.prompt_tokens}-token prompts, " if args.prompt_tokens else ""
+    lines = [f"Batching on {args.model.name} ({results['machine']}, {prompt}{args.tokens}-token "
+             f"greedy answers, median of {args.rounds} interleaved rounds{extra})", "",
+             "| concurrent | phi4 aggregate | phi4 slowest first token | llama-server aggregate "
+             "| llama-server slowest first token | phi4 / llama-server |",
+             "| --- | --- | --- | --- | --- | --- |", *rows]  # fmt: skip
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"batching-{args.model.stem}"
+    name = f"batching-{args.model.stem}" + (f"-p{args.prompt_tokens}" if args.prompt_tokens else "")
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=2))
     (args.out / f"{name}.md").write_text(table + "\n")
     print(table)
+
+
+def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median round's aggregate and slowest first token (each its own median), and the
+    median of each request's first-token time by rank."""
+    ranks = zip(*(r["ttft_s"] for r in rounds), strict=False)
+    return {"tps": statistics.median(r["tps"] for r in rounds),
+            "slowest_ttft_s": statistics.median(max(r["ttft_s"], default=0.0) for r in rounds),
+            "ttft_s": [statistics.median(rank) for rank in ranks]}  # fmt: skip
 
 
 if __name__ == "__main__":

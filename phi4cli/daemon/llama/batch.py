@@ -10,8 +10,10 @@ keep their tokens (a chat's next turn, a repeated question reuse them) until the
 needed.
 
 Each step gives every answering slot its next token and shares the rest of the batch among the
-prompts being read, in chunks, so a long prompt never stalls the streams already running. A fresh
-slot starts from the system prompt's KV, shared from a reserved sequence rather than recomputed.
+prompts being read, in chunks, so a long prompt never stalls the streams already running. Prompts
+that came before any of those streams began (sent together) are read in whole batches instead,
+while the streams wait: that reads them fastest. A fresh slot starts from the system prompt's KV,
+shared from a reserved sequence rather than recomputed.
 """
 
 from __future__ import annotations
@@ -564,8 +566,19 @@ class LlamaEngine:
         chunks: list[tuple[_Slot, list[int], bool]] = []  # slot, tokens to feed, prompt done
         answering = [s for s in self._slots if s.run is not None and s.run.prompt_s is not None]
         reading = [s for s in self._slots if s.run is not None and s.run.prompt_s is None]
-        # While answers stream, prompts are read in small chunks, so no stream stalls for long.
-        prompt_room = PREFILL_CHUNK if answering else self.n_batch
+        ahead = _ahead_of_streams(answering, reading)
+        if ahead:
+            # Prompts that came before any answer now streaming had begun (requests sent
+            # together, a stream whose own prompt was read first): read in whole batches, in
+            # the order they came, while those streams wait. Prompts alone are read fastest: on
+            # the CPU ggml's attention works in tiles of 64 rows, and a decode token in a
+            # chunk's tile makes the whole tile attend to all its cells (1,000 deep: a quarter
+            # more for a 64-token chunk of the shaped Phi-4-mini).
+            answering, reading, prompt_room = [], ahead, self.n_batch
+        else:
+            # A prompt that came while an answer was streaming is read in small chunks beside
+            # it, so that no stream a user is watching stalls for long.
+            prompt_room = PREFILL_CHUNK if answering else self.n_batch
         used = 0
         for slot in answering + reading:
             room = self.n_batch - used
@@ -814,6 +827,14 @@ def check_model_file(path: Path) -> None:
         validate_gguf(path)
     except InvalidModelError as exc:
         raise ModelLoadError(str(exc)) from None
+
+
+def _ahead_of_streams(answering: list[_Slot], reading: list[_Slot]) -> list[_Slot]:
+    """The reading slots whose requests were admitted before every answering slot's first
+    token, first admitted first: no answer a user had seen yet was streaming when they came."""
+    shown = min((s.run.decode_started for s in answering if s.run is not None), default=None)
+    ahead = [s for s in reading if s.run is not None and (shown is None or s.run.started < shown)]
+    return sorted(ahead, key=lambda s: s.run.started if s.run is not None else 0.0)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
