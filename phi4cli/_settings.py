@@ -45,7 +45,8 @@ class Settings(Record):
     ramdisk: str = 'auto'
     # pin the model's pages in RAM
     mlock: bool = False
-    # An explicit n_ctx whose KV cache is over the free memory is refused unless this is true.
+    # An explicit n_ctx whose KV cache is over the free memory, or gpu_layers over the GPU's, is
+    # refused unless this is true.
     overcommit: bool = False
     # requests waiting in the daemon before it answers busy
     max_queue: int = 64

@@ -359,13 +359,13 @@ SETTINGS = (
     Setting("mlock", _boolean, "true or false", False, "bool", DAEMON,
             "pin the model's pages in RAM", flags="--mlock/--no-mlock", option="bool",
             groups=("daemon",), help="Pin the model's pages in RAM."),
-    Setting("overcommit", _boolean, "true (load an n_ctx whose KV is over the free memory) or "
+    Setting("overcommit", _boolean, "true (load an n_ctx or gpu_layers over the free memory) or "
             "false", False, "bool", DAEMON,
-            "An explicit n_ctx whose KV cache is over the free memory is refused unless this is "
-            "true.", flags="--overcommit/--no-overcommit", option="bool",
-            groups=("answer", "daemon"),
-            help="Load an --n-ctx whose KV cache is more than the free memory (it is refused "
-                 "otherwise, with the numbers)."),
+            "An explicit n_ctx whose KV cache is over the free memory, or gpu_layers over the "
+            "GPU's, is refused unless this is true.", flags="--overcommit/--no-overcommit",
+            option="bool", groups=("answer", "daemon"),
+            help="Load an --n-ctx whose KV cache is more than the free memory, or --gpu-layers "
+                 "more than fit on the GPU (refused otherwise, with the numbers)."),
     Setting("max_queue", _positive_int, "a positive integer (requests)", 64, "int", DAEMON,
             "requests waiting in the daemon before it answers busy", flags="--max-queue",
             option="int", low=1, groups=("daemon",),

@@ -228,18 +228,28 @@ def test_the_daemon_log_keeps_llama_cpp_warnings_not_its_chatter(
     assert run_phi4("stop").returncode == 0
     log = (phi4_home / "state" / "daemon.log").read_text()
     assert len(log.splitlines()) < 30, log
-    assert "llama_context:" not in log and "graph_reserve" not in log
+    assert "graph_reserve" not in log and "llama_context: n_ctx" not in log
+    # Of llama.cpp's INFO, only where the memory went: each buffer's size, layers offloaded.
+    parts = ("llama_context:", "load_tensors:", "llama_kv_cache:")
+    kept = [line for line in log.splitlines() if any(part in line for part in parts)]
+    assert kept and all("buffer size =" in line for line in kept), log
     # What is kept: warnings and errors (ggml levels 3 and 4), continuation pieces included.
     from phi4cli.daemon.llama.model import _LogFilter
 
     log_filter = _LogFilter()
     with caplog.at_level("DEBUG", logger="phi4.llama"):
         for level, text in ((2, b"info line\n"), (3, b"warn: "), (5, b"continued\n"),
-                            (1, b"debug\n"), (4, b"error line\n")):  # fmt: skip
+                            (1, b"debug\n"), (4, b"error line\n"),
+                            (2, b"load_tensors: offloaded 6/33 layers to GPU\n"),
+                            (2, b"llama_kv_cache:    Vulkan0 KV buffer size = "),
+                            (5, b"768.00 MiB\n"),
+                            ):  # fmt: skip
             log_filter(level, text, None)  # type: ignore[arg-type]
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("WARNING", "warn: continued"),
         ("ERROR", "error line"),
+        ("INFO", "load_tensors: offloaded 6/33 layers to GPU"),
+        ("INFO", "llama_kv_cache: Vulkan0 KV buffer size = 768.00 MiB"),
     ]
 
 

@@ -225,6 +225,27 @@ def test_all_layers_size_the_context_to_the_device():
     assert plan.n_ctx <= room / (128 * 1024) and plan.n_ctx < 32768 and plan.notes
 
 
+def test_layers_asked_for_that_do_not_fit_the_device_are_refused_with_the_numbers():
+    # Before: a note that they "may not fit", then llama.cpp failing part-way through the load
+    # (or, where a driver lends host memory, thrashing). Now the plan refuses with what fits.
+    with pytest.raises(ValueError) as exc:
+        plan_memory(PHI4_MINI, gpu_machine(2.0), MemoryRequest(gpu_layers="all"))
+    message = str(exc.value)
+    assert "32 layers with a " in message
+    assert "GiB on NVIDIA Test, which has 1.5 GiB free" in message
+    fits = plan_memory(PHI4_MINI, gpu_machine(2.0), MemoryRequest()).gpu_layers
+    assert 0 < fits < 32 and f"--gpu-layers {fits} (fits;" in message and "--overcommit" in message
+    # The advice holds: that many layers load; one more is refused; --overcommit loads anyway.
+    taken = plan_memory(PHI4_MINI, gpu_machine(2.0), MemoryRequest(gpu_layers=fits))
+    assert taken.gpu_layers == fits
+    with pytest.raises(ValueError, match=f"{fits + 1} layers with a "):
+        plan_memory(PHI4_MINI, gpu_machine(2.0), MemoryRequest(gpu_layers=fits + 1))
+    forced = plan_memory(
+        PHI4_MINI, gpu_machine(2.0), MemoryRequest(gpu_layers="all", overcommit=True)
+    )
+    assert forced.gpu_layers == -1 and any("loaded anyway (overcommit)" in n for n in forced.notes)
+
+
 def test_a_number_of_layers_is_taken_as_given():
     plan = plan_memory(PHI4_MINI, gpu_machine(24.0), MemoryRequest(gpu_layers=10))
     assert plan.gpu_layers == 10

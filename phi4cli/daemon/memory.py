@@ -12,7 +12,7 @@ for Phi-4-mini (32 layers, 8 KV heads of 128) that is 128 KiB at f16, so 8,192 t
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,7 @@ class MemoryRequest:
     kv_cache_type: str = "f16"
     gpu_layers: str | int = "auto"  # "auto" | "all" | a number of layers
     kv_layout: str = "auto"  # "auto" | "shared" | "streams" (see KV_LAYOUTS)
-    overcommit: bool = False  # load an explicit n_ctx whose KV cache is over the free memory
+    overcommit: bool = False  # load an explicit n_ctx or gpu_layers over the free memory
 
 
 @dataclass(frozen=True)
@@ -261,10 +261,24 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
         else:
             gpu_layers = wanted_layers
             if fitting < wanted_layers:
-                notes.append(
-                    f"{wanted_layers} layers with their KV cache may not fit in the device's "
-                    "free memory; llama.cpp will fail to load if they do not"
+                need = shape.other_bytes + wanted_layers * per_layer
+                needed = (
+                    f"{wanted_layers} layers with a {n_ctx:,}-token {kv_type} KV cache need "
+                    f"{need / GiB:.1f} GiB on {device.name if device else 'the device'}, which "
+                    f"has {max(0, device_room) / GiB:.1f} GiB free (and "
+                    f"{DEVICE_HEADROOM / GiB:.1f} GiB kept for its own buffers)"
                 )
+                if not request.overcommit:
+                    # llama.cpp would fail its allocation part-way through the load, or (where
+                    # the driver lends host memory) thrash. The advice is auto's own count,
+                    # which a number of layers given with the same context gets as planned.
+                    auto = plan_memory(shape, machine, replace(request, gpu_layers="auto"))
+                    fits = shape.n_layer if auto.gpu_layers < 0 else auto.gpu_layers
+                    raise ValueError(
+                        f"{needed}; use --gpu-layers {fits} (fits; what auto chooses), a "
+                        "smaller --n-ctx, or load it anyway with --overcommit"
+                    )
+                notes.append(f"{needed}; loaded anyway (overcommit)")
         if gpu_layers == shape.n_layer:
             gpu_layers = -1  # llama.cpp's "all": the output layer goes too
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,9 +40,12 @@ log = logging.getLogger("phi4.engine")
 
 # llama.cpp's log goes through this filter, not straight to stderr (the daemon log): a start
 # writes about 700 lines of INFO and DEBUG detail that bury what matters. Warnings and errors
-# are kept, as records of the "phi4.llama" logger.
-_LLAMA_LEVELS = {3: logging.WARNING, 4: logging.ERROR}  # ggml.h: 1 debug, 2 info, 3 warn, 4 error
+# are kept, as records of the "phi4.llama" logger, and of the INFO lines those that say where
+# the weights and the caches went (layers offloaded, each device's buffers): the record of what
+# llama.cpp did with the memory plan.
+_LLAMA_LEVELS = {2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}  # ggml.h: 1 debug, 2 info
 _GGML_CONT = 5  # continues the previous message
+_KEPT_INFO = re.compile(r"offloaded \d+/\d+ layers to GPU|\bbuffer size =")
 llama_log = logging.getLogger("phi4.llama")
 
 
@@ -61,9 +65,15 @@ class _LogFilter:
             self.flush()
 
     def flush(self) -> None:
-        if self.level is not None and self.pending.strip():
-            llama_log.log(self.level, "%s", self.pending.rstrip())
+        text = self.pending.strip()
         self.pending = ""
+        if self.level is None or not text:
+            return
+        if self.level == logging.INFO and not _KEPT_INFO.search(text):
+            return
+        if self.level == logging.INFO:
+            text = " ".join(text.split())  # llama.cpp aligns its columns with runs of spaces
+        llama_log.log(self.level, "%s", text)
 
 
 _log_filter = _LogFilter()
