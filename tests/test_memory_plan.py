@@ -207,10 +207,12 @@ def test_auto_offloads_every_layer_when_the_device_holds_model_and_cache():
 def test_auto_offloads_as_many_layers_as_fit_after_the_kv_plan():
     plan = plan_memory(PHI4_MINI, gpu_machine(4.0), MemoryRequest())
     per_layer = PHI4_MINI.layer_bytes + 32768 * PHI4_MINI.kv_bytes_per_token("f16") / 32
-    expected = int((4.0 * GiB - 512 * (1 << 20) - PHI4_MINI.other_bytes) // per_layer)
-    assert plan.n_ctx == 32768
-    assert plan.gpu_layers == expected and 0 < expected < 32
-    assert any(f"{expected} of 32 layers fit" in note for note in plan.notes)
+    blocks = int((4.0 * GiB - 512 * (1 << 20) - PHI4_MINI.other_bytes) // per_layer)
+    assert plan.n_ctx == 32768 and 0 < blocks < 32
+    # Counted as llama.cpp's n_gpu_layers counts: the output layer first, then the blocks.
+    assert plan.gpu_layers == blocks + 1
+    assert any(f"{blocks + 1} of 33 layers fit" in note and f"the output layer and {blocks} of 32"
+               in note for note in plan.notes)  # fmt: skip
 
 
 def test_a_tiny_device_gets_no_layers():
@@ -231,14 +233,14 @@ def test_layers_asked_for_that_do_not_fit_the_device_are_refused_with_the_number
     with pytest.raises(ValueError) as exc:
         plan_memory(PHI4_MINI, gpu_machine(2.0), MemoryRequest(gpu_layers="all"))
     message = str(exc.value)
-    assert "32 layers with a " in message
+    assert "33 of 33 layers with a " in message
     assert "GiB on NVIDIA Test, which has 1.5 GiB free" in message
     fits = plan_memory(PHI4_MINI, gpu_machine(2.0), MemoryRequest()).gpu_layers
     assert 0 < fits < 32 and f"--gpu-layers {fits} (fits;" in message and "--overcommit" in message
     # The advice holds: that many layers load; one more is refused; --overcommit loads anyway.
     taken = plan_memory(PHI4_MINI, gpu_machine(2.0), MemoryRequest(gpu_layers=fits))
     assert taken.gpu_layers == fits
-    with pytest.raises(ValueError, match=f"{fits + 1} layers with a "):
+    with pytest.raises(ValueError, match=f"{fits + 1} of 33 layers with a "):
         plan_memory(PHI4_MINI, gpu_machine(2.0), MemoryRequest(gpu_layers=fits + 1))
     forced = plan_memory(
         PHI4_MINI, gpu_machine(2.0), MemoryRequest(gpu_layers="all", overcommit=True)

@@ -522,14 +522,24 @@ def test_heartbeats_go_out_only_while_the_engine_goes_round():
     writer = Writer()
     connection = Connection(writer)  # type: ignore[arg-type]
     connection.jobs["r1"] = object()  # type: ignore[assignment]
-    server: Any = SimpleNamespace(scheduler=SimpleNamespace(beats=5), _last_beats=-1,
-                                  state="ready", _connections={connection})  # fmt: skip
+    scheduler = SimpleNamespace(beats=5, stepping_since=None)
+    server: Any = SimpleNamespace(scheduler=scheduler, _last_beats=-1, state="ready",
+                                  _connections={connection})  # fmt: skip
     DaemonServer._heartbeat(server)
     beat = json.loads(writer.data)
     assert (beat["id"], beat["event"], beat["stage"]) == ("r1", "progress", "alive")
     writer.data = b""
     DaemonServer._heartbeat(server)  # the engine did not go round: a wedged engine is silent
     assert writer.data == b""
+    # One long step, not a hang: a slow device's 512-token prompt batch is one llama_decode.
+    scheduler.stepping_since = time.monotonic() - 100
+    DaemonServer._heartbeat(server)
+    assert json.loads(writer.data)["stage"] == "alive"
+    writer.data = b""
+    scheduler.stepping_since = time.monotonic() - 1000  # past STEP_ALIVE_S: taken for a hang
+    DaemonServer._heartbeat(server)
+    assert writer.data == b""
+    scheduler.stepping_since = None
     server.state = "loading"  # one long call, not a hang
     DaemonServer._heartbeat(server)
     assert json.loads(writer.data)["stage"] == "alive"

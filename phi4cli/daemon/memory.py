@@ -139,7 +139,7 @@ class MemoryPlan:
     flash_attn: str
     kv_bytes_per_token: int
     kv_bytes: int
-    gpu_layers: int  # -1: all (the output layer too), 0: none
+    gpu_layers: int  # as llama.cpp counts: the output layer, then blocks; -1: all, 0: none
     device: str | None
     ram_available: int
     device_free: int | None
@@ -160,6 +160,12 @@ class MemoryPlan:
 def default_request_tokens(shape: ModelShape) -> int:
     target = REASONING_REQUEST_TOKENS if shape.thinks else PLAIN_REQUEST_TOKENS
     return min(target, shape.n_ctx_train)
+
+
+def _blocks(gpu_layers: int) -> int:
+    """The repeating layers (blocks) that llama.cpp's n_gpu_layers puts on the device: the
+    output layer is the first of them."""
+    return max(0, gpu_layers - 1)
 
 
 def _align_down(tokens: int) -> int:
@@ -198,15 +204,19 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
     offload_possible = machine.gpu_offload and device is not None
     device_room = max(0, device.free_bytes - DEVICE_HEADROOM) if device is not None else 0
     layers_setting = request.gpu_layers
+    # Layers are counted as llama.cpp's n_gpu_layers (llama-server's -ngl) counts them: the
+    # output layer is one of them and goes first, so N puts the output layer and the last N - 1
+    # blocks on the device, and n_layer + 1 is all of them.
+    all_layers = shape.n_layer + 1
     if layers_setting == "all":
-        wanted_layers = shape.n_layer
+        wanted_layers = all_layers
     elif layers_setting == "auto":
-        wanted_layers = shape.n_layer if offload_possible else 0
+        wanted_layers = all_layers if offload_possible else 0
     else:
         wanted_layers = int(layers_setting)
         if wanted_layers < 0:
             raise ValueError(f"gpu_layers must be auto, all or a number >= 0, not {wanted_layers}")
-        wanted_layers = min(wanted_layers, shape.n_layer)
+        wanted_layers = min(wanted_layers, all_layers)
     if wanted_layers and not offload_possible:
         notes.append(
             "this llama.cpp build cannot offload to a GPU"
@@ -219,8 +229,8 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
     ram_room = machine.ram_available - headroom
     if not machine.model_in_ram:
         # Weights that stay on the host must be resident too (mmap'd pages count as available).
-        host_layers = shape.n_layer - wanted_layers
-        ram_room -= shape.other_bytes + host_layers * shape.layer_bytes
+        host_blocks = shape.n_layer - _blocks(wanted_layers)
+        ram_room -= shape.other_bytes + host_blocks * shape.layer_bytes
 
     # --- the context -------------------------------------------------------------------------
     if request.n_ctx is not None:
@@ -230,7 +240,7 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
         source = "auto"
         n_ctx = parallel * wanted_request
         # The KV cache goes where its layers go: the offloaded share to the device.
-        if wanted_layers == shape.n_layer and layers_setting != "auto":
+        if wanted_layers == all_layers and layers_setting != "auto":
             room_tokens = int((device_room - shape.file_bytes) / per_token)
         elif wanted_layers:
             room_tokens = int((ram_room + max(0, device_room - shape.file_bytes)) / per_token)
@@ -249,23 +259,28 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
     # --- layers on the device ------------------------------------------------------------------
     gpu_layers = 0
     if wanted_layers:
+        # Each block with its share of the KV cache; the output layer (and, to be safe, the
+        # input embedding that stays on the CPU) counted in other_bytes.
         per_layer = shape.layer_bytes + per_layer_token * n_ctx
-        fitting = int((device_room - shape.other_bytes) // per_layer) if per_layer else 0
+        blocks_fit = int((device_room - shape.other_bytes) // per_layer) if per_layer else 0
+        fitting = 0 if blocks_fit < 0 else min(all_layers, blocks_fit + 1)
+        where = device.name if device else "the device"
         if layers_setting == "auto":
-            gpu_layers = max(0, min(shape.n_layer, fitting))
-            if gpu_layers < shape.n_layer:
+            gpu_layers = fitting
+            if gpu_layers < all_layers:
                 notes.append(
-                    f"{gpu_layers} of {shape.n_layer} layers fit in {device.name if device else ''}"
-                    f"'s free memory with a {n_ctx:,}-token KV cache"
+                    f"{gpu_layers} of {all_layers} layers fit in {where}'s free memory with a "
+                    f"{n_ctx:,}-token KV cache (the output layer and {_blocks(gpu_layers)} of "
+                    f"{shape.n_layer} blocks)"
                 )
         else:
             gpu_layers = wanted_layers
             if fitting < wanted_layers:
-                need = shape.other_bytes + wanted_layers * per_layer
+                need = shape.other_bytes + _blocks(wanted_layers) * per_layer
                 needed = (
-                    f"{wanted_layers} layers with a {n_ctx:,}-token {kv_type} KV cache need "
-                    f"{need / GiB:.1f} GiB on {device.name if device else 'the device'}, which "
-                    f"has {max(0, device_room) / GiB:.1f} GiB free (and "
+                    f"{wanted_layers} of {all_layers} layers with a {n_ctx:,}-token {kv_type} KV "
+                    f"cache need {need / GiB:.1f} GiB on {where}, which has "
+                    f"{max(0, device_room) / GiB:.1f} GiB free (and "
                     f"{DEVICE_HEADROOM / GiB:.1f} GiB kept for its own buffers)"
                 )
                 if not request.overcommit:
@@ -273,14 +288,14 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
                     # the driver lends host memory) thrash. The advice is auto's own count,
                     # which a number of layers given with the same context gets as planned.
                     auto = plan_memory(shape, machine, replace(request, gpu_layers="auto"))
-                    fits = shape.n_layer if auto.gpu_layers < 0 else auto.gpu_layers
+                    fits = all_layers if auto.gpu_layers < 0 else auto.gpu_layers
                     raise ValueError(
                         f"{needed}; use --gpu-layers {fits} (fits; what auto chooses), a "
                         "smaller --n-ctx, or load it anyway with --overcommit"
                     )
                 notes.append(f"{needed}; loaded anyway (overcommit)")
-        if gpu_layers == shape.n_layer:
-            gpu_layers = -1  # llama.cpp's "all": the output layer goes too
+        if gpu_layers == all_layers:
+            gpu_layers = -1  # llama.cpp's "all"
 
     if source == "setting" and gpu_layers == 0 and per_token * n_ctx > ram_room:
         needed = (f"n_ctx {n_ctx:,} needs {per_token * n_ctx / GiB:.1f} GiB of {kv_type} KV "

@@ -156,6 +156,9 @@ class RequestScheduler:
         self.memory: dict[str, Any] = {}
 
     beats = 0  # times the worker went round its loop (read by the server's heartbeat)
+    # When the step running now began (None between steps): a batch of 512 prompt tokens on a
+    # slow device (lavapipe, a busy CPU) is one llama_decode call that can take minutes.
+    stepping_since: float | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -320,6 +323,7 @@ class RequestScheduler:
         self._finished_one()
 
     def _step(self) -> None:
+        self.stepping_since = time.monotonic()
         try:
             finished = self._engine.step()
         except Exception:
@@ -331,6 +335,8 @@ class RequestScheduler:
                 self._settle(job, ErrorCode.MODEL_ERROR, detail)
             self._engine.reset()
             return
+        finally:
+            self.stepping_since = None
         for job, stats in finished:
             self._admitted.discard(job)
             self._finished_one()

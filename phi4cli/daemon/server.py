@@ -37,6 +37,9 @@ IDLE_CHECK_S = 0.2
 # (a `progress` event, stage "alive") — as long as the engine is going round: a client that hears
 # nothing for much longer may take the daemon for frozen (see client.STREAM_IDLE_TIMEOUT).
 HEARTBEAT_S = 20.0
+# One engine step longer than this is taken for a hang (heartbeats stop; clients give up 90 s
+# later). On lavapipe one 512-token batch of the shaped Phi-4-mini took over 90 s.
+STEP_ALIVE_S = 900.0
 _LOADING = ("loading", "warming")
 
 
@@ -483,9 +486,12 @@ class DaemonServer:
 
     def _heartbeat(self) -> None:
         """Tell clients with requests in the daemon that it is alive, if the engine has gone
-        round since the last beat (or is loading a model, which takes one long call)."""
+        round since the last beat, or is in one long call: a model's load, or a step that began
+        less than STEP_ALIVE_S ago (a slow device's prompt batch)."""
         beats = self.scheduler.beats
-        if beats == self._last_beats and self.state not in _LOADING:
+        stepping = self.scheduler.stepping_since
+        in_step = stepping is not None and time.monotonic() - stepping < STEP_ALIVE_S
+        if beats == self._last_beats and self.state not in _LOADING and not in_step:
             return  # a wedged engine: let the clients' deadlines speak
         self._last_beats = beats
         for connection in list(self._connections):

@@ -461,7 +461,10 @@ def _load_weights(
     params.n_gpu_layers = gpu_layers
     params.use_extra_bufts = repack
     try:
-        return llama_internals.LlamaModel(path_model=str(source), params=params, verbose=False)
+        # verbose=True only keeps llama-cpp-python from pointing stderr at /dev/null during the
+        # load: llama.cpp's log goes through _LogFilter either way, and with stderr (the daemon
+        # log) closed off, what it kept of the load (warnings, where the layers went) was lost.
+        return llama_internals.LlamaModel(path_model=str(source), params=params, verbose=True)
     except (ValueError, RuntimeError, OSError) as exc:
         raise ModelLoadError(_diagnose_load_failure(path, exc)) from None
 
