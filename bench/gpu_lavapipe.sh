@@ -15,8 +15,8 @@
 # build takes the llama.cpp sources vendored in the llama-cpp-python sdist of the version phi4
 # runs (downloaded with pip unless --sdist names one), applies bench/patches/ where the headers
 # need it (Debian 12's Vulkan 1.3.239 lacks VK_EXT_layer_settings), compiles libllama with
-# -DGGML_VULKAN=ON as shared libraries (about 30 minutes on 2 cores) and puts the sdist's
-# llama_cpp package with those libraries in $PHI4_VK_WORK/site (default .vk/site, ignored by
+# -DGGML_VULKAN=ON as shared libraries (587 s on 2 cores, beside another build) and puts the
+# sdist's llama_cpp package with those libraries in $PHI4_VK_WORK/site (default .vk/site, ignored by
 # git). Nothing is installed into the venv: the tests put that site ahead of it on PYTHONPATH
 # for the daemons they start, so the CPU build stays what everything else runs.
 #
@@ -94,7 +94,7 @@ build() {
             -DLLAMA_BUILD_SERVER=OFF "${flags[@]}" > "$VK/configure.log" 2>&1 \
             || { tail -30 "$VK/configure.log" >&2; die "build: cmake could not configure (see $VK/configure.log)"; }
     fi
-    say "building libllama with Vulkan, $(nproc) jobs (about 30 minutes on 2 cores)"
+    say "building libllama with Vulkan, $(nproc) jobs (about 10 minutes on 2 cores)"
     cmake --build "$VK/build" --target llama -j "$(nproc)" > "$VK/build.log" 2>&1 \
         || { tail -40 "$VK/build.log" >&2; die "build: compilation failed (see $VK/build.log)"; }
     rm -rf "$VK/site"
