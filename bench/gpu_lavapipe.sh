@@ -8,9 +8,10 @@
 #   bench/gpu_lavapipe.sh test [PYTEST ARGS]      the gpu-marked tests on that build
 #   bench/gpu_lavapipe.sh env                     the exports that put the build in a shell
 #
-# Needs Debian's (or the distribution's) Vulkan headers, loader, glslc and Mesa's drivers:
+# Needs CMake, Debian's (or the distribution's) Vulkan headers and loader, SPIR-V headers, glslc
+# and Mesa's drivers:
 #
-#   apt-get install libvulkan-dev glslc mesa-vulkan-drivers
+#   apt-get install cmake libvulkan-dev spirv-headers glslc mesa-vulkan-drivers
 #
 # build takes the llama.cpp sources vendored in the llama-cpp-python sdist of the version phi4
 # runs (downloaded with pip unless --sdist names one), applies bench/patches/ where the headers
@@ -50,8 +51,12 @@ build() {
         esac
     done
     local header
-    header=$(vulkan_header) || die "no Vulkan headers: apt-get install libvulkan-dev glslc mesa-vulkan-drivers"
-    command -v glslc > /dev/null || die "no glslc (ggml compiles its shaders with it): apt-get install glslc"
+    local apt="apt-get install cmake libvulkan-dev spirv-headers glslc mesa-vulkan-drivers"
+    header=$(vulkan_header) || die "no Vulkan headers: $apt"
+    command -v cmake > /dev/null || die "no cmake: $apt"
+    command -v glslc > /dev/null || die "no glslc (ggml compiles its shaders with it): $apt"
+    [ -n "$(find /usr/share /usr/lib /usr/local -path '*SPIRV-Headers*Config.cmake' -print -quit 2> /dev/null)" ] \
+        || die "no SPIR-V headers (ggml-vulkan's CMake asks for SPIRV-Headers): $apt"
     local version
     version=$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))') \
         || die "no llama-cpp-python in $PYTHON: install phi4 first (README, Install and run)"
@@ -62,7 +67,7 @@ build() {
         trap 'rm -rf "$tmp"' RETURN
         if [ -z "$sdist" ]; then
             say "downloading the llama-cpp-python $version sdist"
-            "$PYTHON" -m pip download -q --no-binary :all: --no-deps -d "$tmp" \
+            "$PYTHON" -m pip download -q --no-binary llama-cpp-python --no-deps -d "$tmp" \
                 "llama-cpp-python==$version"
             sdist=$(ls "$tmp"/llama_cpp_python-*.tar.gz)
         fi
@@ -86,7 +91,9 @@ build() {
     command -v ninja > /dev/null && generator=(-G Ninja)
     # As the README's install does on x86-64 (these machines' compilers lack AMX-INT8).
     [ "$(uname -m)" = x86_64 ] && flags+=(-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8)
-    if [ ! -f "$VK/build/CMakeCache.txt" ]; then
+    # CMake leaves a cache behind a failed configure: a build file says it succeeded.
+    if [ ! -f "$VK/build/build.ninja" ] && [ ! -f "$VK/build/Makefile" ]; then
+        rm -rf "$VK/build"
         say "configuring llama.cpp $version with Vulkan"
         cmake -S "$VK/src" -B "$VK/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
             -DBUILD_SHARED_LIBS=ON -DGGML_VULKAN=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \

@@ -218,6 +218,9 @@ def test_auto_offloads_as_many_layers_as_fit_after_the_kv_plan():
 def test_a_tiny_device_gets_no_layers():
     plan = plan_memory(PHI4_MINI, gpu_machine(0.4), MemoryRequest())
     assert plan.gpu_layers == 0 and plan.device is None
+    assert any("no layer fits in NVIDIA Test's free memory" in note for note in plan.notes)
+    with pytest.raises(ValueError, match="no layer fits beside this context: use --gpu-layers 0"):
+        plan_memory(PHI4_MINI, gpu_machine(0.4), MemoryRequest(gpu_layers=4))
 
 
 def test_all_layers_size_the_context_to_the_device():

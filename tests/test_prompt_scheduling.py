@@ -105,3 +105,25 @@ def test_a_prompt_that_came_before_the_streaming_answer_began_is_ahead_of_it(
     engine.step()
     assert [state(s)[1] for s in slots] == [b[1] + 1 for b in before[:3]]
     assert state(late)[0] == max(0, before[3][0] - PREFILL_CHUNK)
+
+
+def test_a_prompt_that_came_behind_a_stream_stays_behind_when_that_stream_ends(
+    engine: LlamaEngine,
+) -> None:
+    # Review finding: A streams; B, then C, come behind it (read in chunks). B begins answering
+    # after C came, then A ends: C's admission is now before every stream's first token, and C
+    # was read whole while B, whose answer the user is watching, froze.
+    first = admit(engine, 1)
+    while state(first)[1] < 2:
+        engine.step()
+    second, third = admit(engine, 2), admit(engine, 3)
+    while state(second)[0]:
+        engine.step()
+    assert state(third)[0], "the third prompt must still be reading"
+    first.run.job.cancelled.set()  # type: ignore[union-attr]
+    engine.step()
+    while state(third)[0]:
+        before_two, before_three = state(second), state(third)
+        engine.step()
+        assert state(second)[1] == before_two[1] + 1
+        assert state(third)[0] == max(0, before_three[0] - PREFILL_CHUNK)

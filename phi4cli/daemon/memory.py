@@ -267,7 +267,10 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
         where = device.name if device else "the device"
         if layers_setting == "auto":
             gpu_layers = fitting
-            if gpu_layers < all_layers:
+            if not gpu_layers:
+                notes.append(f"no layer fits in {where}'s free memory beside a {n_ctx:,}-token "
+                             "KV cache: all on the CPU")  # fmt: skip
+            elif gpu_layers < all_layers:
                 notes.append(
                     f"{gpu_layers} of {all_layers} layers fit in {where}'s free memory with a "
                     f"{n_ctx:,}-token KV cache (the output layer and {_blocks(gpu_layers)} of "
@@ -287,11 +290,19 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
                     # llama.cpp would fail its allocation part-way through the load, or (where
                     # the driver lends host memory) thrash. The advice is auto's own count,
                     # which a number of layers given with the same context gets as planned.
-                    auto = plan_memory(shape, machine, replace(request, gpu_layers="auto"))
-                    fits = all_layers if auto.gpu_layers < 0 else auto.gpu_layers
+                    try:
+                        auto = plan_memory(shape, machine, replace(request, gpu_layers="auto"))
+                        fits = all_layers if auto.gpu_layers < 0 else auto.gpu_layers
+                    except ValueError:  # this context does not fit the RAM either
+                        fits = 0
+                    advice = (
+                        f"use --gpu-layers {fits} (fits; what auto chooses)"
+                        if fits
+                        else "no layer fits beside this context: use --gpu-layers 0"
+                    )
                     raise ValueError(
-                        f"{needed}; use --gpu-layers {fits} (fits; what auto chooses), a "
-                        "smaller --n-ctx, or load it anyway with --overcommit"
+                        f"{needed}; {advice}, a smaller --n-ctx, or load it anyway with "
+                        "--overcommit"
                     )
                 notes.append(f"{needed}; loaded anyway (overcommit)")
         if gpu_layers == all_layers:

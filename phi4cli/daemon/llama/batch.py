@@ -95,6 +95,9 @@ class _Run:
     prompt_s: float | None = None
     first_token_s: float | None = None
     decode_started: float = 0.0
+    # An answer was streaming when this request was admitted: its prompt is never read ahead of
+    # the streams (in whole batches while they wait), whichever streams run later.
+    behind_stream: bool = False
     generated: int = 0
     reasoning_tokens: int = 0
     budget_reached: bool = False
@@ -401,6 +404,7 @@ class LlamaEngine:
         params = job.params
         sampling = params.sampling
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(31)
+        streaming = any(s.run is not None and s.run.prompt_s is not None for s in self._slots)
         slot.run = _Run(
             job=job,
             prompt=tokens,
@@ -416,6 +420,7 @@ class LlamaEngine:
             trace=TraceConfidence() if params.confidence else None,
             restored=restored,
             restore_s=restore_s,
+            behind_stream=streaming,
         )
         return None
 
@@ -831,9 +836,11 @@ def check_model_file(path: Path) -> None:
 
 def _ahead_of_streams(answering: list[_Slot], reading: list[_Slot]) -> list[_Slot]:
     """The reading slots whose requests were admitted before every answering slot's first
-    token, first admitted first: no answer a user had seen yet was streaming when they came."""
+    token, first admitted first: no answer a user had seen yet was streaming when they came
+    (nor at any time since: one admitted behind a stream stays behind)."""
     shown = min((s.run.decode_started for s in answering if s.run is not None), default=None)
-    ahead = [s for s in reading if s.run is not None and (shown is None or s.run.started < shown)]
+    ahead = [s for s in reading if s.run is not None and not s.run.behind_stream
+             and (shown is None or s.run.started < shown)]  # fmt: skip
     return sorted(ahead, key=lambda s: s.run.started if s.run is not None else 0.0)
 
 
