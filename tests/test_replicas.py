@@ -246,7 +246,9 @@ def test_429_and_503_slow_the_client_and_every_problem_is_answered(tmp_path: Pat
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 9)]
     assert refused == {"429": 3, "503": 2}
-    assert "is busy (429); asking again" in result.stderr
+    # Said once per command: for whichever refusal the client met first (4 in flight at once,
+    # so a 503 can come back before the 429s, as it did on a busy CI machine).
+    assert re.search(r"is busy \((429|503)\); asking again", result.stderr), result.stderr
 
 
 def test_a_replica_busy_for_good_hands_its_problems_to_the_other(tmp_path: Path):
