@@ -46,6 +46,8 @@ ON_DEVICE="numpy pyyaml charset-normalizer hf-xet sympy mpmath"
 
 say() { printf '[gpu_device %4ss] %s\n' "$(($(date +%s) - STARTED))" "$*" >&2; }
 die() { say "error: $*"; exit 1; }
+# shellcheck source=bench/sdist.sh
+. "$ROOT/bench/sdist.sh"
 
 pack() {
     local sdist="" wheels=1
@@ -59,16 +61,8 @@ pack() {
     local tmp
     tmp=$(mktemp -d)
     trap 'rm -rf "$tmp"' RETURN
-    if [ -z "$sdist" ]; then
-        say "downloading the llama-cpp-python $LLAMA_CPP_PYTHON sdist"
-        "$PYTHON" -m pip download -q --no-binary :all: --no-deps -d "$tmp" \
-            "llama-cpp-python==$LLAMA_CPP_PYTHON"
-        sdist=$(ls "$tmp"/llama_cpp_python-*.tar.gz)
-    fi
-    [ -f "$sdist" ] || die "pack: no sdist at $sdist"
-    tar -xzf "$sdist" -C "$tmp"
     local top
-    top=$(find "$tmp" -mindepth 1 -maxdepth 1 -type d -name 'llama_cpp_python-*' | head -1)
+    top=$(unpack_sdist "$LLAMA_CPP_PYTHON" "$sdist" "$tmp")
     [ -d "$top/vendor/llama.cpp" ] || die "pack: $sdist holds no vendor/llama.cpp"
     [ -d "$top/llama_cpp" ] || die "pack: $sdist holds no llama_cpp package"
     rm -rf "$CARRY"

@@ -33,6 +33,8 @@ STARTED=$(date +%s)
 
 say() { printf '[gpu_lavapipe %4ss] %s\n' "$(($(date +%s) - STARTED))" "$*" >&2; }
 die() { say "error: $*"; exit 1; }
+# shellcheck source=bench/sdist.sh
+. "$ROOT/bench/sdist.sh"
 
 vulkan_header() {
     local dir
@@ -65,16 +67,8 @@ build() {
         local tmp
         tmp=$(mktemp -d)
         trap 'rm -rf "$tmp"' RETURN
-        if [ -z "$sdist" ]; then
-            say "downloading the llama-cpp-python $version sdist"
-            "$PYTHON" -m pip download -q --no-binary llama-cpp-python --no-deps -d "$tmp" \
-                "llama-cpp-python==$version"
-            sdist=$(ls "$tmp"/llama_cpp_python-*.tar.gz)
-        fi
-        [ -f "$sdist" ] || die "build: no sdist at $sdist"
-        tar -xzf "$sdist" -C "$tmp"
         local top
-        top=$(find "$tmp" -mindepth 1 -maxdepth 1 -type d -name 'llama_cpp_python-*' | head -1)
+        top=$(unpack_sdist "$version" "$sdist" "$tmp")
         [ -d "$top/vendor/llama.cpp/ggml/src/ggml-vulkan" ] || die "build: $sdist holds no vendor/llama.cpp with ggml-vulkan"
         rm -rf "$VK/src" "$VK/build" "$VK/llama_cpp"
         mv "$top/vendor/llama.cpp" "$VK/src"
