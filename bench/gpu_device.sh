@@ -46,8 +46,8 @@ ON_DEVICE="numpy pyyaml charset-normalizer hf-xet sympy mpmath"
 
 say() { printf '[gpu_device %4ss] %s\n' "$(($(date +%s) - STARTED))" "$*" >&2; }
 die() { say "error: $*"; exit 1; }
-# shellcheck source=bench/sdist.sh
-. "$ROOT/bench/sdist.sh"
+# shellcheck source=bench/llama_build.sh
+. "$ROOT/bench/llama_build.sh"
 
 pack() {
     local sdist="" wheels=1
@@ -134,34 +134,22 @@ build() {
         tar -xzf "$CARRY/llama.cpp.tar.gz" -C "$WORK"
         mv "$WORK/llama.cpp" "$WORK/src"
     fi
-    local generator=() flags=()
-    command -v ninja > /dev/null && generator=(-G Ninja)
+    local flags=()
     if [ "$cuda" = on ]; then
         flags+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}")
     else
-        flags+=(-DGGML_CUDA=OFF)
-        # As the README's install does on x86-64 (these machines' compilers lack AMX-INT8).
-        [ "$(uname -m)" = x86_64 ] && flags+=(-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8)
+        flags+=(-DGGML_CUDA=OFF "${NO_AMX[@]}")
     fi
-    if [ ! -f "$WORK/build/CMakeCache.txt" ] || ! grep -q "GGML_CUDA:BOOL=${cuda^^}" "$WORK/build/CMakeCache.txt"; then
-        rm -rf "$WORK/build"
+    if ! configured "$WORK/build" || ! grep -q "GGML_CUDA:BOOL=${cuda^^}" "$WORK/build/CMakeCache.txt"; then
         say "configuring llama.cpp (CUDA $cuda)"
-        cmake -S "$WORK/src" -B "$WORK/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-            -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
-            -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF "${flags[@]}" > "$WORK/configure.log" 2>&1 \
-            || { tail -30 "$WORK/configure.log" >&2; die "build: cmake could not configure"; }
+        configure_llama "$WORK/src" "$WORK/build" "${flags[@]}"
     fi
     [ "$configure_only" = 1 ] && { say "configured in $WORK/build"; return; }
     say "building llama, llama-server, llama-batched-bench with $(nproc) jobs"
     cmake --build "$WORK/build" --target llama llama-server llama-batched-bench -j "$(nproc)" \
         > "$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log" >&2; die "build: compilation failed"; }
     # The Python package, loading this build's libraries.
-    rm -rf "$WORK/site/llama_cpp"
-    mkdir -p "$WORK/site"
-    cp -r "$CARRY/llama_cpp" "$WORK/site/llama_cpp"
-    mkdir -p "$WORK/site/llama_cpp/lib"
-    find "$WORK/build/bin" -maxdepth 1 -name '*.so*' -exec cp -P {} "$WORK/site/llama_cpp/lib/" \;
-    say "built: $(ls "$WORK/site/llama_cpp/lib" | tr '\n' ' ')"
+    site_from_build "$CARRY/llama_cpp" "$WORK/build" "$WORK/site"
 }
 
 python_env() {

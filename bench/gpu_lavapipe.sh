@@ -33,8 +33,8 @@ STARTED=$(date +%s)
 
 say() { printf '[gpu_lavapipe %4ss] %s\n' "$(($(date +%s) - STARTED))" "$*" >&2; }
 die() { say "error: $*"; exit 1; }
-# shellcheck source=bench/sdist.sh
-. "$ROOT/bench/sdist.sh"
+# shellcheck source=bench/llama_build.sh
+. "$ROOT/bench/llama_build.sh"
 
 vulkan_header() {
     local dir
@@ -81,29 +81,16 @@ build() {
                 || die "build: the patch does not apply to llama-cpp-python $version's llama.cpp"
         fi
     fi
-    local generator=() flags=()
-    command -v ninja > /dev/null && generator=(-G Ninja)
-    # As the README's install does on x86-64 (these machines' compilers lack AMX-INT8).
-    [ "$(uname -m)" = x86_64 ] && flags+=(-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8)
-    # CMake leaves a cache behind a failed configure: a build file says it succeeded.
-    if [ ! -f "$VK/build/build.ninja" ] && [ ! -f "$VK/build/Makefile" ]; then
-        rm -rf "$VK/build"
+    if ! configured "$VK/build"; then
         say "configuring llama.cpp $version with Vulkan"
-        cmake -S "$VK/src" -B "$VK/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-            -DBUILD_SHARED_LIBS=ON -DGGML_VULKAN=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
-            -DLLAMA_BUILD_SERVER=OFF "${flags[@]}" > "$VK/configure.log" 2>&1 \
-            || { tail -30 "$VK/configure.log" >&2; die "build: cmake could not configure (see $VK/configure.log)"; }
+        configure_llama "$VK/src" "$VK/build" -DGGML_VULKAN=ON -DLLAMA_BUILD_TOOLS=OFF \
+            -DLLAMA_BUILD_SERVER=OFF "${NO_AMX[@]}"
     fi
     say "building libllama with Vulkan, $(nproc) jobs (about 10 minutes on 2 cores)"
     cmake --build "$VK/build" --target llama -j "$(nproc)" > "$VK/build.log" 2>&1 \
         || { tail -40 "$VK/build.log" >&2; die "build: compilation failed (see $VK/build.log)"; }
-    rm -rf "$VK/site"
-    mkdir -p "$VK/site/llama_cpp/lib"
-    cp -r "$VK/llama_cpp/." "$VK/site/llama_cpp/"
-    find "$VK/build/bin" -maxdepth 1 -name '*.so*' -exec cp -P {} "$VK/site/llama_cpp/lib/" \;
+    site_from_build "$VK/llama_cpp" "$VK/build" "$VK/site"
     [ -f "$VK/site/llama_cpp/lib/libggml-vulkan.so" ] || die "build: no libggml-vulkan.so was built"
-    say "built: $(ls "$VK/site/llama_cpp/lib" | tr '\n' ' ')"
     exports
     PYTHONPATH="$VK/site" GGML_VK_VISIBLE_DEVICES=0 "$PYTHON" - <<'EOF' >&2
 import llama_cpp
