@@ -156,8 +156,8 @@ class RequestScheduler:
         self.memory: dict[str, Any] = {}
 
     beats = 0  # times the worker went round its loop (read by the server's heartbeat)
-    # When the step running now began (None between steps): a batch of 512 prompt tokens on a
-    # slow device (lavapipe, a busy CPU) is one llama_decode call that can take minutes.
+    # When the step running now began (None between steps): on a slow device (lavapipe, a busy
+    # CPU) a step reading a prompt is one llama_decode call that can take minutes.
     stepping_since: float | None = None
 
     def start(self) -> None:

@@ -571,11 +571,11 @@ class LlamaEngine:
         chunks: list[tuple[_Slot, list[int], bool]] = []  # slot, tokens to feed, prompt done
         answering = [s for s in self._slots if s.run is not None and s.run.prompt_s is not None]
         reading = [s for s in self._slots if s.run is not None and s.run.prompt_s is None]
-        ahead = _ahead_of_streams(answering, reading)
+        ahead = _ahead_of_streams(reading)
         if ahead:
-            # Prompts that came before any answer now streaming had begun (requests sent
-            # together, a stream whose own prompt was read first): read in whole batches, in
-            # the order they came, while those streams wait. Prompts alone are read fastest: on
+            # Prompts that came while no answer was streaming (requests sent together, a
+            # stream whose own prompt was read first): read in whole batches, in the order they
+            # came, while the streams that began since wait. Prompts alone are read fastest: on
             # the CPU ggml's attention works in tiles of 64 rows, and a decode token in a
             # chunk's tile makes the whole tile attend to all its cells (1,000 deep: a quarter
             # more for a 64-token chunk of the shaped Phi-4-mini).
@@ -834,13 +834,11 @@ def check_model_file(path: Path) -> None:
         raise ModelLoadError(str(exc)) from None
 
 
-def _ahead_of_streams(answering: list[_Slot], reading: list[_Slot]) -> list[_Slot]:
-    """The reading slots whose requests were admitted before every answering slot's first
-    token, first admitted first: no answer a user had seen yet was streaming when they came
-    (nor at any time since: one admitted behind a stream stays behind)."""
-    shown = min((s.run.decode_started for s in answering if s.run is not None), default=None)
-    ahead = [s for s in reading if s.run is not None and not s.run.behind_stream
-             and (shown is None or s.run.started < shown)]  # fmt: skip
+def _ahead_of_streams(reading: list[_Slot]) -> list[_Slot]:
+    """The reading slots whose requests came while no answer was streaming, first admitted
+    first: every answer streaming now began after them. (One admitted behind a stream stays
+    behind, whichever streams run later.)"""
+    ahead = [s for s in reading if s.run is not None and not s.run.behind_stream]
     return sorted(ahead, key=lambda s: s.run.started if s.run is not None else 0.0)
 
 

@@ -69,9 +69,9 @@ class _LogFilter:
         self.pending = ""
         if self.level is None or not text:
             return
-        if self.level == logging.INFO and not _KEPT_INFO.search(text):
-            return
         if self.level == logging.INFO:
+            if not _KEPT_INFO.search(text):
+                return
             text = " ".join(text.split())  # llama.cpp aligns its columns with runs of spaces
         llama_log.log(self.level, "%s", text)
 
