@@ -190,8 +190,10 @@ def main() -> None:
     # Each llama-server slot has n_ctx / slots cells: room for its prompt and its answer.
     per_slot = 1024 + args.prompt_tokens + args.tokens
     # As many requests at once as llama-server has slots (phi4's default plans for 4 long ones).
-    subprocess.run([*PHI4, "daemon", "start", "-m", str(args.model), "--threads", str(threads),
-                    "--parallel", str(slots), *args.phi4_arg],
+    # phi4 on its own threads (as many as the cores others leave free: all on a quiet machine),
+    # llama-server on the physical cores.
+    subprocess.run([*PHI4, "daemon", "start", "-m", str(args.model), "--parallel", str(slots),
+                    *args.phi4_arg],
                    env=env, check=True, capture_output=True)  # fmt: skip
     status = subprocess.run([*PHI4, "status", "--json"], env=env, capture_output=True, text=True,
                             check=True)  # fmt: skip

@@ -1,22 +1,24 @@
 """Decoding on a busy machine: phi4's daemon and llama-server, quiet and beside busy processes.
 
     python bench/contention.py --model PATH [--server PATH/TO/llama-server] [--busy 2]
-                               [--tokens 48] [--rounds 2]
+                               [--tokens 64] [--rounds 3]
 
-Users' machines are not quiet: a browser, an editor, a build run beside the daemon. Each
-variant decodes ``--tokens`` greedy tokens of one question, ``--rounds`` times after a warm-up,
-first on a quiet machine and then with ``--busy`` processes spinning on the CPUs (each a Python
-``while True``), and reports the median decode rate (tokens after the first, over the decode
-time: what the stats of phi4 and the timings of llama-server both report). The variants:
+Users' machines are not quiet: a browser, an editor, a build run beside the daemon. In each of
+``--rounds`` passes every variant is started in turn and, after a warm-up, decodes ``--tokens``
+greedy tokens of one question on a quiet machine and then again with ``--busy`` processes
+spinning on the CPUs (each a Python ``while True``). Reported: the median decode rate (tokens
+after the first, over the decode time: what the stats of phi4 and the timings of llama-server
+both report) and the median of each pass's busy / quiet. The variants:
 
-- phi4 as it starts by default (the wait policy it chooses, ``daemon/threads.py``);
-- phi4 with ``GOMP_SPINCOUNT=300000``: OpenMP's own default, threads spinning at every barrier
-  before they sleep (phi4 before it chose);
-- phi4 with ``GOMP_SPINCOUNT=10000``: a short spin, then sleep;
+- phi4 as it starts by default (``daemon/threads.py``: a short spin, then sleep, and as many
+  threads as other processes leave cores free, re-checked every second while decoding);
+- phi4 on a fixed 2 threads (``--threads``, which keeps the count as the user set it): with the
+  passive wait policy (its default before), with OpenMP's default spinning
+  (``GOMP_SPINCOUNT=300000``) and with its default short spin;
 - phi4 with 1 thread;
 - llama-server (same threads) by default, and with ``--poll 0``.
 
-All in one run, a daemon or server at a time, so the machine's state hits each alike. Writes
+One daemon or server at a time, passes interleaved, so the machine's drift hits each alike. Writes
 bench/results/contention-<model>.json and .md, and prints the Markdown table.
 """
 
@@ -32,8 +34,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ from bench.batching import free_port, wait_healthy  # noqa: E402
 from bench.speed import PHI4, QUESTION  # noqa: E402
 
 SPIN = "while True: pass"
+Ask = Callable[[int], float]
 
 
 @contextmanager
@@ -59,52 +62,56 @@ def busy(count: int) -> Iterator[None]:
             proc.wait()
 
 
-def phi4_rates(model: Path, threads: int, env: dict[str, str], tokens: int,
-               rounds: int) -> list[float]:  # fmt: skip
-    """Decode rates of ``rounds`` greedy solves through a daemon started with ``env``."""
+@contextmanager
+def phi4_daemon(model: Path, threads: int | None, env: dict[str, str]) -> Iterator[Ask]:
+    """A daemon started with ``env`` (and ``--threads``, unless None: its own choice); yields
+    the decode rate of a greedy solve of so many tokens."""
     home = Path(tempfile.mkdtemp(prefix="p4c-", dir="/tmp"))
     env = {**env, "PHI4_HOME": str(home)}
-    subprocess.run([*PHI4, "daemon", "start", "-m", str(model), "--threads", str(threads),
-                    "--n-ctx", "4096"], env=env, check=True, capture_output=True)  # fmt: skip
+    fixed = [] if threads is None else ["--threads", str(threads)]
+    subprocess.run([*PHI4, "daemon", "start", "-m", str(model), *fixed, "--n-ctx", "4096"],
+                   env=env, check=True, capture_output=True)  # fmt: skip
     solve = [*PHI4, "solve", QUESTION, "-m", str(model), "-t", "0", "--json", "--no-instruction"]
+
+    def ask(tokens: int) -> float:
+        done = subprocess.run([*solve, "-n", str(tokens)], env=env, capture_output=True,
+                              text=True)  # fmt: skip
+        # (Exit 1 is fine: a reasoning model's thinking cut short has no final answer.)
+        if done.returncode not in (0, 1):
+            raise RuntimeError(f"phi4 solve failed ({done.returncode}): {done.stderr.strip()}")
+        stats = json.loads(done.stdout)["stats"]
+        return float((stats["completion_tokens"] - 1) / max(stats["decode_s"], 1e-9))
+
     try:
-        subprocess.run([*solve, "-n", "4"], env=env, check=True, capture_output=True)  # warm-up
-        rates = []
-        for _ in range(rounds):
-            done = subprocess.run([*solve, "-n", str(tokens)], env=env, check=True,
-                                  capture_output=True, text=True)  # fmt: skip
-            stats = json.loads(done.stdout)["stats"]
-            rates.append((stats["completion_tokens"] - 1) / max(stats["decode_s"], 1e-9))
-        return rates
+        yield ask
     finally:
         subprocess.run([*PHI4, "stop"], env=env, capture_output=True, check=False)
 
 
-def server_rates(server: Path, model: Path, threads: int, extra: list[str], tokens: int,
-                 rounds: int) -> list[float]:  # fmt: skip
-    """Decode rates of ``rounds`` greedy chat completions to a llama-server started with
-    ``extra`` (its own timings: predicted_per_second)."""
+@contextmanager
+def llama_server(server: Path, model: Path, threads: int, extra: list[str]) -> Iterator[Ask]:
+    """A llama-server started with ``extra``; yields the decode rate of a greedy chat
+    completion (its own timings: predicted_per_second)."""
     port = free_port()
     proc = subprocess.Popen(
         [str(server), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-np", "1",
          "-c", "4096", "--host", "127.0.0.1", "--port", str(port), *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
+
+    def ask(tokens: int) -> float:
+        body = json.dumps({"messages": [{"role": "user", "content": QUESTION}],
+                           "max_tokens": tokens, "temperature": 0,
+                           "cache_prompt": False}).encode()  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+            headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=900) as reply:
+            return float(json.loads(reply.read())["timings"]["predicted_per_second"])
+
     try:
         wait_healthy(port)
-
-        def ask(n: int) -> float:
-            body = json.dumps({"messages": [{"role": "user", "content": QUESTION}],
-                               "max_tokens": n, "temperature": 0,
-                               "cache_prompt": False}).encode()  # fmt: skip
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-                headers={"Content-Type": "application/json"})  # fmt: skip
-            with urllib.request.urlopen(request, timeout=900) as reply:
-                return float(json.loads(reply.read())["timings"]["predicted_per_second"])
-
-        ask(4)
-        return [ask(tokens) for _ in range(rounds)]
+        yield ask
     finally:
         proc.terminate()
         proc.wait(30)
@@ -115,8 +122,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--server", type=Path)
     parser.add_argument("--busy", type=int, default=2, help="busy processes beside it")
-    parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
 
@@ -124,43 +131,54 @@ def main() -> None:
 
     threads = physical_cores()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
-    variants: dict[str, Any] = {
-        "phi4 (its default)": lambda: phi4_rates(args.model, threads, base, args.tokens,
-                                                 args.rounds),
-        "phi4, OpenMP's default spinning": lambda: phi4_rates(
-            args.model, threads, {**base, "GOMP_SPINCOUNT": "300000"}, args.tokens, args.rounds),
-        "phi4, spinning 10,000 turns": lambda: phi4_rates(
-            args.model, threads, {**base, "GOMP_SPINCOUNT": "10000"}, args.tokens, args.rounds),
-        "phi4, 1 thread": lambda: phi4_rates(args.model, 1, base, args.tokens, args.rounds),
+    base = {k: v for k, v in base.items() if k != "PHI4_THREADS"}
+    n, tokens = threads, args.tokens
+    variants: dict[str, Callable[[], AbstractContextManager[Ask]]] = {
+        "phi4 (its default: short spin, threads from the free cores)":
+            lambda: phi4_daemon(args.model, None, base),
+        f"phi4, passive wait, {n} threads (its default before)":
+            lambda: phi4_daemon(args.model, n, {**base, "OMP_WAIT_POLICY": "PASSIVE"}),
+        f"phi4, OpenMP's default spinning, {n} threads":
+            lambda: phi4_daemon(args.model, n, {**base, "GOMP_SPINCOUNT": "300000"}),
+        f"phi4, short spin, {n} threads": lambda: phi4_daemon(args.model, n, base),
+        "phi4, 1 thread": lambda: phi4_daemon(args.model, 1, base),
     }  # fmt: skip
     if args.server is not None:
         server = args.server
-        variants["llama-server"] = lambda: server_rates(
-            server, args.model, threads, [], args.tokens, args.rounds
-        )
-        variants["llama-server --poll 0"] = lambda: server_rates(
-            server, args.model, threads, ["--poll", "0"], args.tokens, args.rounds
+        variants["llama-server"] = lambda: llama_server(server, args.model, n, [])
+        variants["llama-server --poll 0"] = lambda: llama_server(
+            server, args.model, n, ["--poll", "0"]
         )
     results: dict[str, Any] = {
         "model": str(args.model), "tokens": args.tokens, "rounds": args.rounds,
         "busy": args.busy, "threads": threads,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "quiet": {}, "busy_rates": {},
     }  # fmt: skip
-    for name, run in variants.items():
-        results["quiet"][name] = run()
-        print(f"{name}, quiet: {results['quiet'][name]}", flush=True)
-    with busy(args.busy):
-        for name, run in variants.items():
-            results["busy_rates"][name] = run()
-            print(f"{name}, {args.busy} busy: {results['busy_rates'][name]}", flush=True)
+    # Interleaved: each pass starts each variant in turn and times one answer on the quiet
+    # machine and one beside the busy processes, so that the machine's drift (these are
+    # shared machines) falls on all alike, and each pair is a minute apart at most.
+    for done in range(args.rounds):
+        for name, start in variants.items():
+            with start() as ask:
+                ask(4)  # warm-up
+                quiet = ask(tokens)
+                with busy(args.busy):
+                    loaded = ask(tokens)
+            results["quiet"].setdefault(name, []).append(quiet)
+            results["busy_rates"].setdefault(name, []).append(loaded)
+            print(f"pass {done + 1}, {name}: quiet {quiet:.2f}, {args.busy} busy {loaded:.2f} "
+                  "tok/s", flush=True)  # fmt: skip
     rows = []
     for name in variants:
         quiet = statistics.median(results["quiet"][name])
         loaded = statistics.median(results["busy_rates"][name])
-        rows.append(f"| {name} | {quiet:.2f} tok/s | {loaded:.2f} tok/s | {loaded / quiet:.2f}x |")
+        ratio = statistics.median(
+            b / q for q, b in zip(results["quiet"][name], results["busy_rates"][name], strict=True)
+        )
+        rows.append(f"| {name} | {quiet:.2f} tok/s | {loaded:.2f} tok/s | {ratio:.2f}x |")
     lines = [f"Decoding beside {args.busy} busy processes on {args.model.name} "
              f"({results['machine']}, {threads} threads unless said, {args.tokens}-token greedy "
-             f"answers, median of {args.rounds})", "",
+             f"answers, median of {args.rounds} interleaved passes)", "",
              f"| variant | quiet | {args.busy} busy processes | busy / quiet |",
              "| --- | --- | --- | --- |", *rows]  # fmt: skip
     table = "\n".join(lines)

@@ -377,6 +377,16 @@ def format_warm(timings: dict[str, Any]) -> str:
     return clean_text("\n".join(f"{key:<16}{value}" for key, value in rows))
 
 
+def _threads_row(memory: dict[str, Any]) -> str:
+    """How many threads decode now, and why."""
+    now, most = memory["threads"], memory.get("threads_max", memory["threads"])
+    if not memory.get("threads_adapt"):
+        return f"{now} (fixed: --threads or a single core)"
+    if now < most:
+        return f"{now} of {most} (other processes keep the other cores busy)"
+    return f"{now} (one per free core, re-checked while decoding)"
+
+
 def format_status(status: dict[str, Any]) -> str:
     served = status.get("requests_served", 0)
     active = status.get("requests_active", 0)
@@ -408,6 +418,8 @@ def format_status(status: dict[str, Any]) -> str:
         rows.append(("kv now", f"{memory['reserved_tokens']:,} reserved by {memory['running']} "
                                f"running, {memory['free_tokens']:,} free, "
                                f"{memory['idle_cached_tokens']:,} cached for reuse"))  # fmt: skip
+    if memory.get("threads"):
+        rows.append(("threads", _threads_row(memory)))
     waiting = status.get("waiting")
     if waiting:
         rows.append(("waiting", f"for memory: the next request needs {waiting['needed']:,} "

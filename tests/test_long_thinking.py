@@ -107,6 +107,7 @@ def test_warm_and_status_show_the_memory_plan(smollm2_model: Path):
     status = run_phi4("status")
     assert "kv now      0 reserved by 0 running" in status.stdout
     assert "KV cache    16,384 tokens x 12.0 KiB (q8_0)" in status.stdout
+    assert "threads     1 (fixed: --threads or a single core)" in status.stdout  # PHI4_THREADS=1
     plan = _status()["memory"]["plan"]
     assert plan["kv_cache_type"] == "q8_0" and plan["flash_attn"] == "on"
     solved = run_phi4("solve", "-m", str(smollm2_model), "-t", "0", "--json", "What is 2+2?")

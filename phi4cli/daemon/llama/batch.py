@@ -38,8 +38,10 @@ from phi4cli.config import Settings
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
+from phi4cli.daemon.memory import physical_cores
 from phi4cli.daemon.sessions import SwappedSession, SwapStore
 from phi4cli.daemon.statefile import remove_state
+from phi4cli.daemon.threads import ThreadGovernor
 from phi4cli.loops import LoopDetector
 from phi4cli.protocol import ErrorCode, Stats
 from phi4cli.reasoning import THINK_CLOSE, ThinkSplitter
@@ -150,6 +152,7 @@ class LlamaEngine:
         self._streams = False  # the plan's KV layout is one stream per slot
         self._loads = 0  # models loaded so far: tells a job's tokens from another model's
         self._confidence: LogitsConfidence | None = None  # its buffers are the vocabulary's size
+        self._governor: ThreadGovernor | None = None  # threads from the cores others leave free
 
     @property
     def model_path(self) -> Path | None:
@@ -180,6 +183,7 @@ class LlamaEngine:
             "slots": len(self._slots),
             "swapped_sessions": len(self._swap),
             "plan": self._model.info["memory"],
+            **(self._governor.describe() if self._governor is not None else {}),
         }
 
     # --- loading ------------------------------------------------------------------------------
@@ -207,6 +211,9 @@ class LlamaEngine:
         # Streams: no sequence of its own for the system prompt (it would take a whole stream);
         # it is read into the first slot and copied from there.
         self._system_seq = 0 if self._streams else model.plan.slots
+        self._governor = ThreadGovernor(
+            model.info["threads"], adapt=self.settings.threads is None, cores=physical_cores()
+        )
         return dict(model.info)
 
     def close(self) -> None:
@@ -218,6 +225,7 @@ class LlamaEngine:
         self._model = None
         self._prompts = None
         self._confidence = None
+        self._governor = None
         self._slots = []
         self._system_tokens = []
         self._system_state = None
@@ -608,7 +616,14 @@ class LlamaEngine:
             fed.append((slot, len(chunk), len(entries) - 1 if done else -1))
         if not entries:
             return finished
+        # A deterministic request decodes alone, on the threads a fresh daemon starts with.
+        hold = any(slot.run.job.params.deterministic for slot, _, _ in chunks if slot.run)
+        threads = self._governor.check(time.monotonic(), hold) if self._governor else None
+        if threads is not None:
+            model.set_threads(threads)
         code = model.decode(entries)
+        if self._governor is not None:
+            self._governor.decoded(time.monotonic())
         if code == DECODE_NO_KV_SPACE:
             return finished + self._out_of_kv()
         if code != DECODE_OK:

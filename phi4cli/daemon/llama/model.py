@@ -284,6 +284,10 @@ class LoadedModel:
         batch.n_tokens = len(entries)
         return int(llama_cpp.llama_decode(self.context.ctx, batch))
 
+    def set_threads(self, threads: int) -> None:
+        """Decode (and read prompts) on ``threads`` threads from the next decode on."""
+        llama_cpp.llama_set_n_threads(self.context.ctx, threads, threads)
+
     def evaluate(self, seq: int, tokens: list[int], start: int) -> None:
         """Decode ``tokens`` into ``seq`` from position ``start`` in batch-sized chunks (outside
         the step loop: the system prompt, a restored conversation). Raise RuntimeError."""

@@ -1,0 +1,191 @@
+"""The decoding thread count follows the cores other processes leave free (daemon/threads.py).
+
+Fed clock ticks by hand: what /proc/stat and /proc/self/stat would say. That the count reaches
+llama.cpp is the engine's part, proven on the real model below.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from phi4cli.daemon.threads import ThreadGovernor, _cpu_ticks, _own_ticks
+
+HZ = 100.0
+
+
+class Ticks:
+    """A machine of 2 CPUs whose busy ticks and whose own ticks the test advances."""
+
+    def __init__(self) -> None:
+        self.busy = 0
+        self.own = 0
+
+    def run(self, seconds: float, others: float, ours: float) -> None:
+        """``seconds`` pass with ``others`` CPUs busy with other processes, ``ours`` with us."""
+        self.own += int(ours * seconds * HZ)
+        self.busy += int((others + ours) * seconds * HZ)
+
+
+def governor(ticks: Ticks, threads: int = 2, adapt: bool = True) -> ThreadGovernor:
+    return ThreadGovernor(
+        threads, adapt=adapt, cores=2, cpus=frozenset({0, 1}),
+        cpu_ticks=lambda cpus: ticks.busy, own_ticks=lambda: ticks.own, tick_hz=HZ,
+    )  # fmt: skip
+
+
+def decode(
+    gov: ThreadGovernor, ticks: Ticks, now: float, others: float
+) -> tuple[float, int | None]:
+    """One 0.25 s decode at ``now`` beside ``others`` busy CPUs: (its end, the new count)."""
+    changed = gov.check(now)
+    ticks.run(0.25, others, min(gov.threads, 2 - others) if others < 2 else 0.6)
+    gov.decoded(now + 0.25)
+    return now + 0.25, changed
+
+
+def test_busy_neighbours_take_threads_away_and_give_them_back():
+    ticks = Ticks()
+    gov = governor(ticks)
+    now, changes = 0.0, []
+    for others in [0.0] * 8 + [2.0] * 12 + [0.0] * 12:  # quiet, two busy processes, quiet
+        now, changed = decode(gov, ticks, now, others)
+        changes.append(changed)
+    assert [c for c in changes if c is not None] == [1, 2]
+    first = changes.index(1)
+    assert 8 < first <= 8 + 8  # within two checks of the load starting
+    assert gov.threads == 2
+
+
+def test_one_busy_process_on_two_cores_leaves_one_thread():
+    ticks = Ticks()
+    gov = governor(ticks)
+    now = 0.0
+    for _ in range(12):
+        now, _ = decode(gov, ticks, now, 1.0)
+    assert gov.threads == 1
+
+
+@pytest.mark.parametrize("others", [0.3, 0.8])
+def test_a_lighter_neighbour_leaves_the_count_alone(others: float):
+    """An editor, a browser tab, a client reading the answers: less than a whole core."""
+    ticks = Ticks()
+    gov = governor(ticks)
+    now = 0.0
+    for _ in range(16):
+        now, changed = decode(gov, ticks, now, others)
+        assert changed is None
+    assert gov.threads == 2
+
+
+def test_a_pause_between_requests_is_not_measured():
+    """Others' work while the daemon sat idle says nothing about now: after a pause the next
+    measurement starts afresh."""
+    ticks = Ticks()
+    gov = governor(ticks)
+    now, _ = decode(gov, ticks, 0.0, 0.0)
+    ticks.run(60.0, 2.0, 0.0)  # a build ran while no request was in
+    now += 60.0
+    now, changed = decode(gov, ticks, now, 0.0)
+    assert changed is None
+    for _ in range(8):
+        now, changed = decode(gov, ticks, now, 0.0)
+        assert changed is None
+
+
+def test_a_long_step_is_measured_over_its_whole_length():
+    """A 512-token prompt batch can take many seconds: the check after it still counts."""
+    ticks = Ticks()
+    gov = governor(ticks)
+    assert gov.check(0.0) is None
+    ticks.run(15.0, 2.0, 0.6)
+    gov.decoded(15.0)
+    assert gov.check(15.0) == 1
+
+
+def test_a_deterministic_request_decodes_on_the_configured_count():
+    """Its answer must repeat whatever the load: it holds the count a fresh daemon starts with,
+    and the governor measures afresh once it is done."""
+    ticks = Ticks()
+    gov = governor(ticks)
+    now = 0.0
+    for _ in range(12):
+        now, _ = decode(gov, ticks, now, 2.0)
+    assert gov.threads == 1
+    assert gov.check(now, hold=True) == 2
+    assert gov.check(now + 5.0, hold=True) is None and gov.threads == 2
+    assert gov.check(now + 5.25) is None  # the first check after: a fresh measurement
+
+
+def test_the_users_thread_count_is_kept():
+    ticks = Ticks()
+    gov = governor(ticks, adapt=False)
+    now = 0.0
+    for _ in range(12):
+        now, changed = decode(gov, ticks, now, 2.0)
+        assert changed is None
+    assert gov.threads == 2
+
+
+def test_the_engine_hands_the_count_to_llama_cpp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the real context: two CPUs kept busy by others, and llama.cpp decodes on one thread;
+    they go quiet, and on two again. The status says which."""
+    import llama_cpp
+
+    from phi4cli._settings import Sampling, Settings
+    from phi4cli.daemon.jobs import Job
+    from phi4cli.daemon.llama import batch
+    from phi4cli.daemon.llama.batch import LlamaEngine
+    from phi4cli.protocol import PRIORITY_SOLVE, SolveParams
+    from tests.test_thinking_control import ANSWER, THINKING
+    from tests.tinymodel import write_script_model
+
+    model = write_script_model(tmp_path / "loops.gguf", THINKING, ANSWER, loops=True)
+    engine = LlamaEngine(Settings(n_ctx=2048, threads=2, ramdisk="off", parallel=1))
+    engine.load(model)
+    try:
+        ticks, clock = Ticks(), [0.0]
+        engine._governor = governor(ticks)  # as with threads=None, on a 2-core machine
+        params = SolveParams(prompt="Go.", system=None, model=None,
+                             sampling=Sampling(temperature=0.0), max_tokens=400,
+                             think_budget=None, keep_alive=None, priority=PRIORITY_SOLVE,
+                             loop="off")  # fmt: skip
+        assert engine.admit(Job(1, params, lambda event: None)) is None
+        # The engine's clock, advanced by the test.
+        monkeypatch.setattr(batch, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+        def steps(count: int, others: float) -> int:
+            for _ in range(count):
+                clock[0] += 0.25
+                ticks.run(0.25, others, 0.5)
+                engine.step()
+            assert engine._model is not None
+            return int(llama_cpp.llama_n_threads(engine._model.context.ctx))
+
+        assert steps(12, 2.0) == 1
+        assert engine.memory()["threads"] == 1 and engine.memory()["threads_max"] == 2
+        assert steps(12, 0.0) == 2
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="no /proc here")
+def test_the_tick_readers_read_this_machine():
+    cpus = frozenset(os.sched_getaffinity(0))
+    busy, own = _cpu_ticks(cpus), _own_ticks()
+    assert busy is not None and own is not None
+    deadline = time.monotonic() + 5.0
+    while (_own_ticks() or 0) < own + 10 and time.monotonic() < deadline:
+        sum(range(100_000))  # this process's CPU time: on the CPUs' busy time as well
+    spent = (_own_ticks() or 0) - own
+    assert spent >= 10
+    # (The two are accounted apart, by the scheduler's tick and by each thread's run time: they
+    # can differ by a tick or two.)
+    assert (_cpu_ticks(cpus) or 0) - busy >= spent - 3
+    assert _cpu_ticks(frozenset()) == 0
