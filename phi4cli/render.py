@@ -383,8 +383,8 @@ def _threads_row(memory: dict[str, Any]) -> str:
     if not memory.get("threads_adapt"):
         return f"{now} (fixed: --threads or a single core)"
     if now < most:
-        return f"{now} of {most} (other processes keep the other cores busy)"
-    return f"{now} (one per free core, re-checked while decoding)"
+        return f"{now} of {most} (other processes kept the other cores busy at the last check)"
+    return f"{now} (fewer while other processes keep cores busy; checked while decoding)"
 
 
 def format_status(status: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from phi4cli.daemon.threads import ThreadGovernor, _cpu_ticks, _own_ticks
+from phi4cli.daemon.threads import CHECK_S, ThreadGovernor, _cpu_ticks, _own_ticks
 
 HZ = 100.0
 
@@ -34,7 +34,7 @@ class Ticks:
 def governor(ticks: Ticks, threads: int = 2, adapt: bool = True) -> ThreadGovernor:
     return ThreadGovernor(
         threads, adapt=adapt, cores=2, cpus=frozenset({0, 1}),
-        cpu_ticks=lambda cpus: ticks.busy, own_ticks=lambda: ticks.own, tick_hz=HZ,
+        cpu_ticks=lambda cpus, nice: ticks.busy, own_ticks=lambda: ticks.own, tick_hz=HZ,
     )  # fmt: skip
 
 
@@ -117,8 +117,30 @@ def test_a_deterministic_request_decodes_on_the_configured_count():
         now, _ = decode(gov, ticks, now, 2.0)
     assert gov.threads == 1
     assert gov.check(now, hold=True) == 2
-    assert gov.check(now + 5.0, hold=True) is None and gov.threads == 2
-    assert gov.check(now + 5.25) is None  # the first check after: a fresh measurement
+    for _ in range(8):  # its steps, beside the same load: the count holds
+        ticks.run(0.25, 2.0, 0.6)
+        now += 0.25
+        assert gov.check(now, hold=True) is None and gov.threads == 2
+        gov.decoded(now)
+    # Once it is done, measured afresh: the load it ran beside is not counted, so the first
+    # check after it changes nothing; a second later the load takes its thread again.
+    assert gov.check(now + 0.1) is None
+    ticks.run(1.0, 2.0, 0.6)
+    gov.decoded(now + 1.1)
+    assert gov.check(now + 1.2) == 1
+
+
+def test_a_machine_whose_proc_cannot_be_read_goes_back_to_the_configured_count():
+    ticks = Ticks()
+    gov = governor(ticks)
+    now = 0.0
+    for _ in range(12):
+        now, _ = decode(gov, ticks, now, 2.0)
+    assert gov.threads == 1
+    gov._cpu_ticks = lambda cpus, nice: None  # /proc/stat gone (a sandbox, a new kernel)
+    now += CHECK_S
+    assert gov.check(now) == 2
+    assert gov.check(now + CHECK_S) is None and gov.describe()["threads_adapt"] is False
 
 
 def test_the_users_thread_count_is_kept():
@@ -188,4 +210,26 @@ def test_the_tick_readers_read_this_machine():
     # (The two are accounted apart, by the scheduler's tick and by each thread's run time: they
     # can differ by a tick or two.)
     assert (_cpu_ticks(cpus) or 0) - busy >= spent - 3
-    assert _cpu_ticks(frozenset()) == 0
+
+
+def test_the_stat_reader_counts_the_busy_columns_of_the_allowed_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  100 200 300 400 500 600 700 800 0 0\n"
+        #      user nice system idle iowait irq softirq steal
+        "cpu0 1 10 100 1000 10000 100000 1000000 10000000 0 0\n"
+        "cpu1 2 20 200 2000 20000 200000 2000000 20000000 0 0\n"
+        "intr 1 2 3\n"
+    )
+    real_open = open
+    monkeypatch.setattr(
+        "builtins.open",
+        lambda path, *a, **k: real_open(stat if path == "/proc/stat" else path, *a, **k),
+    )
+    # idle and iowait never; nice only for a niced daemon; a CPU not listed: no answer.
+    assert _cpu_ticks(frozenset({0})) == 11_100_101
+    assert _cpu_ticks(frozenset({0, 1})) == 33_300_303
+    assert _cpu_ticks(frozenset({1}), True) == 22_200_222
+    assert _cpu_ticks(frozenset({0, 5})) is None

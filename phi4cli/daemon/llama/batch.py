@@ -511,8 +511,12 @@ class LlamaEngine:
         cells 0..S-1 and the question is read into the cells after it, the used span (n_kv) and
         the mask the same as after ``warm``. Streams: the first slot's own stream gets the same
         treatment; the other streams do not take part in its arithmetic and keep their cells.
-        The prompt is then read from there in the step loop's n_batch chunks, alone."""
+        The prompt is then read from there in the step loop's n_batch chunks, alone, on the
+        threads a fresh daemon starts with (the system prompt too, if it is read again here)."""
         model, _ = self._loaded()
+        threads = self._governor.check(time.monotonic(), hold=True) if self._governor else None
+        if threads is not None:
+            model.set_threads(threads)
         slot = self._slots[0]
         system = self._system_tokens
         starts_with_system = bool(system) and tokens[: len(system)] == system
