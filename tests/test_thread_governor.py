@@ -48,6 +48,16 @@ def decode(
     return now + 0.25, changed
 
 
+def under_load(others: float) -> tuple[ThreadGovernor, Ticks, float]:
+    """A governor after 3 s of decoding beside ``others`` busy CPUs: it, its ticks, the time."""
+    ticks = Ticks()
+    gov = governor(ticks)
+    now = 0.0
+    for _ in range(12):
+        now, _ = decode(gov, ticks, now, others)
+    return gov, ticks, now
+
+
 def test_busy_neighbours_take_threads_away_and_give_them_back():
     ticks = Ticks()
     gov = governor(ticks)
@@ -62,11 +72,7 @@ def test_busy_neighbours_take_threads_away_and_give_them_back():
 
 
 def test_one_busy_process_on_two_cores_leaves_one_thread():
-    ticks = Ticks()
-    gov = governor(ticks)
-    now = 0.0
-    for _ in range(12):
-        now, _ = decode(gov, ticks, now, 1.0)
+    gov, _, _ = under_load(1.0)
     assert gov.threads == 1
 
 
@@ -110,11 +116,7 @@ def test_a_long_step_is_measured_over_its_whole_length():
 def test_a_deterministic_request_decodes_on_the_configured_count():
     """Its answer must repeat whatever the load: it holds the count a fresh daemon starts with,
     and the governor measures afresh once it is done."""
-    ticks = Ticks()
-    gov = governor(ticks)
-    now = 0.0
-    for _ in range(12):
-        now, _ = decode(gov, ticks, now, 2.0)
+    gov, ticks, now = under_load(2.0)
     assert gov.threads == 1
     assert gov.check(now, hold=True) == 2
     for _ in range(8):  # its steps, beside the same load: the count holds
@@ -131,11 +133,7 @@ def test_a_deterministic_request_decodes_on_the_configured_count():
 
 
 def test_a_machine_whose_proc_cannot_be_read_goes_back_to_the_configured_count():
-    ticks = Ticks()
-    gov = governor(ticks)
-    now = 0.0
-    for _ in range(12):
-        now, _ = decode(gov, ticks, now, 2.0)
+    gov, _, now = under_load(2.0)
     assert gov.threads == 1
     gov._cpu_ticks = lambda cpus, nice: None  # /proc/stat gone (a sandbox, a new kernel)
     now += CHECK_S
