@@ -132,10 +132,7 @@ class ThreadGovernor:
             return None
         if hold:
             self._sample = None
-            if self.threads == self.configured:
-                return None
-            self.threads = self.configured
-            return self.threads
+            return self._switch(self.configured)
         if self._sample is None or now - self._last_decode > IDLE_GAP_S:
             self._sample = self._take(now)  # after a pause: measure from here
             return self._given_up() if self._sample is None else None
@@ -152,12 +149,10 @@ class ThreadGovernor:
         # two threads on 2 cores measure 1.0-1.1 CPUs; a lighter, elastic load 0.5-0.9 and
         # returns it when one thread leaves room, which would make the count flap).
         wanted = max(1, min(self.configured, math.ceil(free - FREE_MARGIN)))
-        if wanted == self.threads:
-            return None
-        log.info("decoding on %d of %d threads (other processes kept %.1f of %d CPUs busy)",
-                 wanted, self.configured, others, len(self._cpus))  # fmt: skip
-        self.threads = wanted
-        return wanted
+        if wanted != self.threads:
+            log.info("decoding on %d of %d threads (other processes kept %.1f of %d CPUs busy)",
+                     wanted, self.configured, others, len(self._cpus))  # fmt: skip
+        return self._switch(wanted)
 
     def describe(self) -> dict[str, int | bool]:
         """For `phi4 status`: the threads now, the most it uses, and whether it adapts."""
@@ -182,7 +177,11 @@ class ThreadGovernor:
         log.warning("cannot read how busy the CPUs are: decoding on %d threads from now on",
                     self.configured)  # fmt: skip
         self._adapt = False
-        if self.threads == self.configured:
+        return self._switch(self.configured)
+
+    def _switch(self, threads: int) -> int | None:
+        """Decode on ``threads`` from now on: the count when it changes, else None."""
+        if threads == self.threads:
             return None
-        self.threads = self.configured
-        return self.threads
+        self.threads = threads
+        return threads

@@ -514,9 +514,7 @@ class LlamaEngine:
         The prompt is then read from there in the step loop's n_batch chunks, alone, on the
         threads a fresh daemon starts with (the system prompt too, if it is read again here)."""
         model, _ = self._loaded()
-        threads = self._governor.check(time.monotonic(), hold=True) if self._governor else None
-        if threads is not None:
-            model.set_threads(threads)
+        self._follow_the_cores(model, hold=True)
         slot = self._slots[0]
         system = self._system_tokens
         starts_with_system = bool(system) and tokens[: len(system)] == system
@@ -622,9 +620,7 @@ class LlamaEngine:
             return finished
         # A deterministic request decodes alone, on the threads a fresh daemon starts with.
         hold = any(slot.run.job.params.deterministic for slot, _, _ in chunks if slot.run)
-        threads = self._governor.check(time.monotonic(), hold) if self._governor else None
-        if threads is not None:
-            model.set_threads(threads)
+        self._follow_the_cores(model, hold)
         code = model.decode(entries)
         if self._governor is not None:
             self._governor.decoded(time.monotonic())
@@ -640,6 +636,13 @@ class LlamaEngine:
                 if outcome is not None:
                     finished.append(outcome)
         return finished
+
+    def _follow_the_cores(self, model: LoadedModel, hold: bool) -> None:
+        """Before a decode: the thread count the governor asks for (the configured one with
+        ``hold``)."""
+        threads = self._governor.check(time.monotonic(), hold) if self._governor else None
+        if threads is not None:
+            model.set_threads(threads)
 
     def _out_of_kv(self) -> list[tuple[Job, Stats]]:
         """llama.cpp found no room although every reservation fits (this should not happen):
