@@ -273,12 +273,12 @@ def test_with_min_think_the_answer_after_a_caught_loop_is_kept_and_counted():
     assert (stats["reasoning_tokens"], stats["answer_tokens"]) == (16, 1), stats
 
 
-def test_the_daemons_threads_spin_briefly_unless_the_user_says_otherwise():
+def test_the_daemons_threads_spin_a_while_unless_the_user_says_otherwise():
     from phi4cli.daemon.threads import choose_wait_policy
 
     env: dict[str, str] = {}
-    assert choose_wait_policy(env) == "GOMP_SPINCOUNT=10000"
-    assert env == {"GOMP_SPINCOUNT": "10000"}
+    assert choose_wait_policy(env) == "GOMP_SPINCOUNT=100000"
+    assert env == {"GOMP_SPINCOUNT": "100000"}
     mine = {"GOMP_SPINCOUNT": "300000"}
     assert choose_wait_policy(mine) == "GOMP_SPINCOUNT=300000 (yours)"
     assert mine == {"GOMP_SPINCOUNT": "300000"}  # left as the user set it
