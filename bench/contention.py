@@ -10,12 +10,14 @@ spinning on the CPUs (each a Python ``while True``). Reported: the median decode
 after the first, over the decode time: what the stats of phi4 and the timings of llama-server
 both report) and the median of each pass's busy / quiet. The variants:
 
-- phi4 as it starts by default (``daemon/threads.py``: a short spin, then sleep, and as many
-  threads as other processes leave cores free, re-checked every second while decoding);
+- phi4 as it starts by default (``daemon/threads.py``: a spin of 100,000 turns, then sleep, and
+  as many threads as other processes leave cores free, re-checked every second while decoding);
 - phi4 on a fixed 2 threads (``--threads``, which keeps the count as the user set it): with the
-  passive wait policy (its default before), with OpenMP's default spinning
-  (``GOMP_SPINCOUNT=300000``) and with its default short spin;
+  passive wait policy, with OpenMP's default spinning (``GOMP_SPINCOUNT=300000``) and with its
+  own spin;
 - phi4 with 1 thread;
+- with ``--spin N`` (repeatable), phi4 with ``GOMP_SPINCOUNT=N`` on threads from the free cores
+  and on all; ``--only TEXT`` (repeatable) runs the variants whose names hold it;
 - llama-server (same threads) by default, and with ``--poll 0``.
 
 One daemon or server at a time, passes interleaved, so the machine's drift hits each alike. Writes
@@ -46,13 +48,20 @@ from bench.batching import free_port, wait_healthy  # noqa: E402
 from bench.speed import PHI4, QUESTION  # noqa: E402
 
 SPIN = "while True: pass"
+# Busy a share of each 100 ms and asleep the rest: a browser, an editor (a lighter load).
+SOME = (
+    "import time\nwhile True:\n    until = time.monotonic() + {duty} * 0.1\n"
+    "    while time.monotonic() < until: pass\n    time.sleep((1 - {duty}) * 0.1)\n"
+)
 Ask = Callable[[int], float]
 
 
 @contextmanager
-def busy(count: int) -> Iterator[None]:
-    """``count`` processes spinning on the CPUs while the block runs."""
-    procs = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(count)]
+def busy(count: int, duty: float = 1.0) -> Iterator[None]:
+    """``count`` processes spinning on the CPUs while the block runs (each ``duty`` of the
+    time)."""
+    code = SPIN if duty >= 1.0 else SOME.format(duty=duty)
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
     try:
         time.sleep(1.0)  # let them take their share of the CPUs
         yield
@@ -122,8 +131,19 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--server", type=Path)
     parser.add_argument("--busy", type=int, default=2, help="busy processes beside it")
+    parser.add_argument("--duty", type=float, default=1.0,
+                        help="the share of the time each busy process spins")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--spin", type=int, action="append", default=[],
+                        help="also phi4 with GOMP_SPINCOUNT=N, on threads from the free cores "
+                             "and on all (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        help="run only the variants whose name contains this (repeatable)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
 
@@ -134,24 +154,34 @@ def main() -> None:
     base = {k: v for k, v in base.items() if k != "PHI4_THREADS"}
     n, tokens = threads, args.tokens
     variants: dict[str, Callable[[], AbstractContextManager[Ask]]] = {
-        "phi4 (its default: short spin, threads from the free cores)":
+        "phi4 (its default: a spin of 100,000 turns, threads from the free cores)":
             lambda: phi4_daemon(args.model, None, base),
-        f"phi4, passive wait, {n} threads (its default before)":
+        f"phi4, passive wait, {n} threads":
             lambda: phi4_daemon(args.model, n, {**base, "OMP_WAIT_POLICY": "PASSIVE"}),
         f"phi4, OpenMP's default spinning, {n} threads":
             lambda: phi4_daemon(args.model, n, {**base, "GOMP_SPINCOUNT": "300000"}),
-        f"phi4, short spin, {n} threads": lambda: phi4_daemon(args.model, n, base),
+        f"phi4, its spin, {n} threads": lambda: phi4_daemon(args.model, n, base),
         "phi4, 1 thread": lambda: phi4_daemon(args.model, 1, base),
     }  # fmt: skip
+    for spin in args.spin:
+        spun = {**base, "GOMP_SPINCOUNT": str(spin)}
+        variants[f"phi4, GOMP_SPINCOUNT={spin}, threads from the free cores"] = lambda spun=spun: (
+            phi4_daemon(args.model, None, spun)
+        )
+        variants[f"phi4, GOMP_SPINCOUNT={spin}, {n} threads"] = lambda spun=spun: phi4_daemon(
+            args.model, n, spun
+        )
     if args.server is not None:
         server = args.server
         variants["llama-server"] = lambda: llama_server(server, args.model, n, [])
         variants["llama-server --poll 0"] = lambda: llama_server(
             server, args.model, n, ["--poll", "0"]
         )
+    if args.only:
+        variants = {k: v for k, v in variants.items() if any(o in k for o in args.only)}
     results: dict[str, Any] = {
         "model": str(args.model), "tokens": args.tokens, "rounds": args.rounds,
-        "busy": args.busy, "threads": threads,
+        "busy": args.busy, "duty": args.duty, "threads": threads,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "quiet": {}, "busy_rates": {},
     }  # fmt: skip
     # Interleaved: each pass starts each variant in turn and times one answer on the quiet
@@ -162,7 +192,7 @@ def main() -> None:
             with start() as ask:
                 ask(4)  # warm-up
                 quiet = ask(tokens)
-                with busy(args.busy):
+                with busy(args.busy, args.duty):
                     loaded = ask(tokens)
             results["quiet"].setdefault(name, []).append(quiet)
             results["busy_rates"].setdefault(name, []).append(loaded)
@@ -176,10 +206,13 @@ def main() -> None:
             b / q for q, b in zip(results["quiet"][name], results["busy_rates"][name], strict=True)
         )
         rows.append(f"| {name} | {quiet:.2f} tok/s | {loaded:.2f} tok/s | {ratio:.2f}x |")
-    lines = [f"Decoding beside {args.busy} busy processes on {args.model.name} "
+    load = f"{args.busy} busy processes" + (
+        f" ({args.duty:.0%} of the time)" if args.duty < 1 else ""
+    )
+    lines = [f"Decoding beside {load} on {args.model.name} "
              f"({results['machine']}, {threads} threads unless said, {args.tokens}-token greedy "
              f"answers, median of {args.rounds} interleaved passes)", "",
-             f"| variant | quiet | {args.busy} busy processes | busy / quiet |",
+             f"| variant | quiet | {load} | busy / quiet |",
              "| --- | --- | --- | --- |", *rows]  # fmt: skip
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
