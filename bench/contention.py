@@ -177,8 +177,12 @@ def main() -> None:
         variants["llama-server --poll 0"] = lambda: llama_server(
             server, args.model, n, ["--poll", "0"]
         )
+    if not 0 < args.duty <= 1:
+        parser.error("--duty is a share of the time: more than 0, at most 1")
     if args.only:
         variants = {k: v for k, v in variants.items() if any(o in k for o in args.only)}
+        if not variants:
+            parser.error(f"no variant's name holds any of {args.only}")
     results: dict[str, Any] = {
         "model": str(args.model), "tokens": args.tokens, "rounds": args.rounds,
         "busy": args.busy, "duty": args.duty, "threads": threads,
@@ -216,7 +220,12 @@ def main() -> None:
              "| --- | --- | --- | --- |", *rows]  # fmt: skip
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
+    # A run of other loads or of chosen variants does not overwrite the default run's table.
     name = f"contention-{args.model.stem}"
+    if args.busy != 2 or args.duty < 1:
+        name += f"-busy{args.busy}" + (f"-duty{round(args.duty * 100)}" if args.duty < 1 else "")
+    if args.only or args.spin:
+        name += "-chosen"
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=2))
     (args.out / f"{name}.md").write_text(table + "\n")
     print(table)

@@ -9,9 +9,10 @@ fast that goes on a machine that is not quiet:
   waits for needs, and one descheduled thread stalls them all. Sleeping soon costs a wake-up at
   every barrier where a thread waits longer than its spin, and on a quiet machine that shows
   when long prompts are read (prompts of 1,000 tokens on the shaped Phi-4-mini model, 2 cores: read
-  8% slower with 10,000 turns than with OpenMP's 300,000, alike with 100,000). The daemon spins
-  ``GOMP_SPINCOUNT=100000`` turns, then sleeps: OpenMP's speed on a quiet machine, and a third
-  of its spinning where the thread count below keeps every thread beside a lighter load. The
+  7 to 13% slower with 10,000 turns than with OpenMP's 300,000, alike with 100,000). The daemon
+  spins ``GOMP_SPINCOUNT=100000`` turns, a third of OpenMP's default, then sleeps. What that
+  costs: beside a light load that the thread count below does not answer (a process busy half
+  the time), it decoded 0.51x of its quiet speed where 10,000 turns kept 0.63x. The
   user's own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left alone.
 - How many threads there are (:class:`ThreadGovernor`): the cores that other processes leave
   free. Beside two busy processes on 2 cores, one thread decoded twice as fast as two spinning.
