@@ -21,7 +21,9 @@ both report) and the median of each pass's busy / quiet. The variants:
 - llama-server (same threads) by default, and with ``--poll 0``.
 
 One daemon or server at a time, passes interleaved, so the machine's drift hits each alike. Writes
-bench/results/contention-<model>.json and .md, and prints the Markdown table.
+bench/results/contention-<model>.json and .md (a run with other than ``--busy 2``, with
+``--duty``, ``--spin`` or ``--only`` adds ``-busyN``, ``-dutyP``, ``-chosen`` to the name), and
+prints the Markdown table.
 """
 
 from __future__ import annotations
@@ -148,13 +150,14 @@ def main() -> None:
     args = parser.parse_args()
 
     from phi4cli.daemon.memory import physical_cores
+    from phi4cli.daemon.threads import SPIN_COUNT
 
     threads = physical_cores()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
     base = {k: v for k, v in base.items() if k != "PHI4_THREADS"}
     n, tokens = threads, args.tokens
     variants: dict[str, Callable[[], AbstractContextManager[Ask]]] = {
-        "phi4 (its default: a spin of 100,000 turns, threads from the free cores)":
+        f"phi4 (its default: a spin of {int(SPIN_COUNT):,} turns, threads from the free cores)":
             lambda: phi4_daemon(args.model, None, base),
         f"phi4, passive wait, {n} threads":
             lambda: phi4_daemon(args.model, n, {**base, "OMP_WAIT_POLICY": "PASSIVE"}),
