@@ -41,25 +41,6 @@ def test_long_traces_in_the_corpus_style_are_not_flagged():
         assert _flagged(text, rng) is None, text[:300]
 
 
-@pytest.mark.parametrize(("period", "mutate"), [(5, 0.0), (60, 0.0), (60, 0.05), (400, 0.02)])
-def test_loops_are_caught_soon_after_they_begin(period: int, mutate: float):
-    rng = random.Random(period)
-    for _ in range(5):
-        text, begins = looping_trace(rng, rng.randint(0, 1500), period, 6000, mutate)
-        at = _flagged(text, rng)
-        assert at is not None and begins < at < begins + 8 * period + 400, (at, begins)
-
-
-def test_text_without_spaces_loops_too_and_the_last_word_counts():
-    assert _flagged("=" * 5000, random.Random(1)) is not None
-    assert _flagged("abc" * 3000, random.Random(2)) is not None
-    detector = LoopDetector()
-    detector.feed("one two thr")
-    assert detector.words == 2
-    detector.finish()
-    assert detector.words == 3
-
-
 def test_the_splitter_says_where_an_end_of_thinking_begins_and_can_forget_it():
     splitter = ThinkSplitter(starts_in_reasoning=True)
     assert splitter.feed("so four </thi") == [("reasoning", "so four ")]
