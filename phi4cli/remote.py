@@ -43,9 +43,9 @@ from phi4cli.confidence import TOP_K, TraceConfidence, from_logprobs
 from phi4cli.dispatch import Delivery, Failure, Flight, Probe, Replica, Slow
 from phi4cli.errors import DaemonUnavailableError
 from phi4cli.exits import Announce
-from phi4cli.loops import LoopDetector
 from phi4cli.protocol import JSON, ErrorCode, Event, EventKind, Stats
 from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model_thinks
+from phi4cli.thinking import Act, ThinkingPolicy
 
 CONNECT_TIMEOUT_S = 10.0  # at most; a shorter backend_timeout shortens it too
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error answer read before the connection is closed
@@ -56,8 +56,6 @@ MAX_METRICS_BYTES = 4 * 1024 * 1024  # a /metrics page (vLLM's is some hundreds 
 # Pieces of text one request may stream when it sets no max_tokens: beyond any context these
 # servers run, so only an endless stream meets it.
 DEFAULT_TOKEN_LIMIT = 131072
-# Requests to go on thinking after "Wait" (--min-think) that one answer may take.
-MAX_WAITS = 16
 MAX_RETRIES = 3  # of a 429 or 503 answer
 MAX_RETRY_WAIT_S = 60.0  # a longer Retry-After is not waited for
 RETRY_BACKOFF_S = 0.5  # the first wait when the server gives no Retry-After; doubled each time
@@ -359,25 +357,23 @@ class RemoteEngine:
         budget = params.get("think_budget")
         if _wants_confidence(params):
             state.trace = TraceConfidence()
-        state.loop_policy = str(params.get("loop", "answer"))
-        if state.loop_policy != "off":
-            state.loops = LoopDetector()
+        state.policy = ThinkingPolicy(budget, int(params.get("min_think") or 0),
+                                      str(params.get("loop", "answer")))  # fmt: skip
         messages = messages_for(params)
         client = self._http()
         try:
             if budget == 0 and self.thinks:
                 # No thinking at all: start the answer straight away.
-                state.budget_reached = True
+                state.policy.budget_reached = True
             else:
                 body = self._body(params, messages)
-                state.min_think = int(params.get("min_think") or 0)
-                for kind, text in self._events(client, body, reader, state, budget):
+                for kind, text in self._events(client, body, reader, state):
                     yield Event(kind, text=text)
                 while state.think_on and not state.cut:
-                    yield from self._think_on(client, params, messages, reader, state, budget)
+                    yield from self._think_on(client, params, messages, reader, state)
                 for kind, text in reader.finish():
                     yield Event(kind, text=text)
-            if (state.budget_reached or state.loop == "answered") and not state.cut:
+            if state.answer_asked:
                 yield from self._answer_after_budget(client, params, messages, reader, state)
         except _Failure as failure:
             if failure.fault is not None:
@@ -418,20 +414,19 @@ class RemoteEngine:
         messages: list[dict[str, str]],
         reader: _Reader,
         state: _StreamState,
-        budget: int | None,
     ) -> Iterator[Event]:
         """The thinking ended before --min-think (s1's budget forcing): send the reply so far,
         thinking open and "Wait" after it, as the start of the assistant's message for the
         server to go on from; what it writes next is thinking until it closes it again."""
         state.think_on = False
-        state.waits += 1
+        state.policy.waited()
         thinking = state.reasoning_text.rstrip()
         body = self._continuation(params, messages, f"{THINK_OPEN}\n{thinking} Wait", state)
         state.seen(EventKind.REASONING, " Wait")
         yield Event(EventKind.REASONING, text=" Wait")
         reader.rethink()
         reader.reasoning_pieces += 1  # the Wait
-        for kind, text in self._events(client, body, reader, state, budget):
+        for kind, text in self._events(client, body, reader, state):
             yield Event(kind, text=text)
 
     def _answer_after_budget(
@@ -449,7 +444,7 @@ class RemoteEngine:
         body = self._continuation(params, messages, prefix, state)
         answer = _Reader(thinks=False)
         answer.separate = False
-        for kind, text in self._events(client, body, answer, state, None):
+        for kind, text in self._events(client, body, answer, state):
             if kind == EventKind.REASONING:
                 continue  # a server that thinks again: the budget is spent, keep only the answer
             yield Event(kind, text=text)
@@ -521,10 +516,9 @@ class RemoteEngine:
         body: dict[str, Any],
         reader: _Reader,
         state: _StreamState,
-        budget: int | None,
     ) -> Iterator[tuple[EventKind, str]]:
         with _Watch(self, state) as watch:
-            yield from self._watched_events(client, body, reader, state, budget, watch)
+            yield from self._watched_events(client, body, reader, state, watch)
 
     def _watched_events(
         self,
@@ -532,10 +526,10 @@ class RemoteEngine:
         body: dict[str, Any],
         reader: _Reader,
         state: _StreamState,
-        budget: int | None,
         watch: _Watch,
     ) -> Iterator[tuple[EventKind, str]]:
         finished = False  # a finish_reason came: the answer is whole, whatever follows
+        policy = state.policy
         try:
             with self._opened(client, body, watch) as response:
                 watched = cast(httpx.Response, _WatchedResponse(response, watch))
@@ -569,27 +563,25 @@ class RemoteEngine:
                                 # stop here, as a length stop; leaving closes the response.
                                 state.finish, state.cut = "length", True
                                 return
-                            if kind == EventKind.TOKEN and state.too_soon(reader):
+                            pieces = reader.reasoning_pieces
+                            if kind == EventKind.TOKEN and policy.closing(pieces) is Act.WAIT:
                                 state.think_on = True  # the answer began too soon: go on
                                 return  # leaving the with-block closes the response
                             state.seen(kind, text)
                             yield kind, text
-                            if state.loops is not None and kind != EventKind.RETRACT \
-                                    and state.loops.feed(text):  # fmt: skip
-                                state.loop_at = state.completion_pieces
-                                if reader.in_reasoning and state.loop is None \
-                                        and state.loop_policy == "answer":  # fmt: skip
-                                    state.loop = "answered"  # the answer is asked for next
-                                    state.loops = LoopDetector()
-                                else:
-                                    state.loop, state.finish, state.cut = "stopped", "loop", True
+                            if kind == EventKind.RETRACT:
+                                continue
+                            act = policy.text(text, reader.in_reasoning, state.completion_pieces)
+                            if act is Act.ANSWER:
+                                # The answer is asked for next, in a request of its own.
+                                policy.closed(fitted=True)
                                 return  # leaving the with-block closes the response
-                        if (
-                            budget is not None
-                            and reader.in_reasoning
-                            and reader.reasoning_pieces >= budget
-                        ):
-                            state.budget_reached = True
+                            if act is Act.STOP:
+                                state.finish, state.cut = "loop", True
+                                return
+                        if policy.counted(reader.reasoning_pieces, reader.in_reasoning) \
+                                is Act.ANSWER:  # fmt: skip
+                            policy.closed(fitted=True)
                             return  # leaving the with-block closes the response
                 if not finished:
                     if watch.alarm is not None:
@@ -926,15 +918,10 @@ class _StreamState:
         self.cut = False  # the stream was closed here at the limit
         self.first_token_s: float | None = None
         self.finish: str | None = None
-        self.budget_reached = False
         self.trace: TraceConfidence | None = None  # token confidences, when asked for
-        self.min_think = 0  # --min-think
-        self.think_on = False  # the thinking ended before min_think: ask for more
-        self.waits = 0
-        self.loop_policy = "answer"  # --loop: answer | stop | off
-        self.loops: LoopDetector | None = None  # watching the output for a loop
-        self.loop: str | None = None  # "answered" or "stopped", once one was caught
-        self.loop_at: int | None = None
+        self.think_on = False  # the thinking ended before --min-think: ask for more
+        # --think-budget, --min-think, --loop: what to do while it thinks
+        self.policy = ThinkingPolicy(None, 0, "off")
         self.completion_pieces = 0
         self.reasoning_parts: list[str] = []
         self.answer_parts: list[str] = []
@@ -945,15 +932,10 @@ class _StreamState:
     def reasoning_text(self) -> str:
         return "".join(self.reasoning_parts)
 
-    def too_soon(self, reader: _Reader) -> bool:
-        """The thinking ended before --min-think pieces (and phi4 did not end it: a budget, a
-        loop); after MAX_WAITS requests to go on, it is let end."""
-        return (
-            0 < reader.reasoning_pieces < self.min_think
-            and not self.budget_reached
-            and self.loop is None
-            and self.waits < MAX_WAITS
-        )
+    @property
+    def answer_asked(self) -> bool:
+        """phi4 closed the thinking (a budget, a loop): the answer is asked for next."""
+        return (self.policy.budget_reached or self.policy.loop == "answered") and not self.cut
 
     def seen(self, kind: EventKind, text: str) -> None:
         if self.first_token_s is None:
@@ -983,7 +965,8 @@ class _StreamState:
         details = details if isinstance(details, dict) else {}
         completion = _count(usage.get("completion_tokens")) or self.completion_pieces
         reasoning = _count(details.get("reasoning_tokens")) or reader.reasoning_pieces
-        if self.budget_reached or self.cut or self.loop is not None or self.waits:
+        policy = self.policy
+        if policy.budget_reached or self.cut or policy.loop is not None or policy.waits:
             # Cut off before its usage came (two requests, or the limit here): count the stream.
             completion, reasoning = self.completion_pieces, reader.reasoning_pieces
         first = self.first_token_s
@@ -1007,13 +990,13 @@ class _StreamState:
             completion_tokens=completion,
             reasoning_tokens=min(reasoning, completion),
             answer_tokens=max(0, completion - reasoning),
-            budget_reached=self.budget_reached,
-            loop=self.loop,
-            loop_at=self.loop_at,
-            waits=self.waits,
+            budget_reached=policy.budget_reached,
+            loop=policy.loop,
+            loop_at=policy.loop_at,
+            waits=policy.waits,
             thinking_unfinished=reader.unfinished
-            and not self.budget_reached
-            and self.loop != "answered",
+            and not policy.budget_reached
+            and policy.loop != "answered",
             decode_s=round(decode_s, 4),
             first_token_s=None if first is None else round(first, 4),
             total_s=round(total, 4),

@@ -42,9 +42,9 @@ from phi4cli.daemon.memory import physical_cores
 from phi4cli.daemon.sessions import SwappedSession, SwapStore
 from phi4cli.daemon.statefile import remove_state
 from phi4cli.daemon.threads import ThreadGovernor
-from phi4cli.loops import LoopDetector
 from phi4cli.protocol import ErrorCode, Stats
 from phi4cli.reasoning import THINK_CLOSE, ThinkSplitter
+from phi4cli.thinking import Act, ThinkingPolicy
 
 log = logging.getLogger("phi4.engine")
 
@@ -90,7 +90,7 @@ class _Run:
     max_len: int  # the longest its sequence may grow: the end of its reservation
     reserved: int  # KV cells held for it: its own tokens, now and to come
     splitter: ThinkSplitter
-    loops: LoopDetector | None  # None: --loop off
+    policy: ThinkingPolicy  # --think-budget, --min-think, --loop: what to do while it thinks
     trace: TraceConfidence | None  # its token confidences, when the request asks for them
     decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
     started: float = field(default_factory=time.monotonic)
@@ -102,10 +102,6 @@ class _Run:
     behind_stream: bool = False
     generated: int = 0
     reasoning_tokens: int = 0
-    budget_reached: bool = False
-    loop: str | None = None  # a loop was caught: "answered" (thinking ended) or "stopped"
-    loop_at: int | None = None  # tokens generated when it was
-    waits: int = 0  # early ends of thinking replaced by "Wait" (min_think)
     # Characters of the text of each of the last tokens in the sequence, for taking back the
     # tokens of an early end of thinking (min_think).
     recent: deque[int] = field(default_factory=lambda: deque(maxlen=len(THINK_CLOSE) + 1))
@@ -424,7 +420,7 @@ class LlamaEngine:
             max_len=len(tokens) + prepared.budget + prepared.extra,
             reserved=needed,
             splitter=ThinkSplitter(starts_in_reasoning=model.thinks),
-            loops=None if params.loop == "off" else LoopDetector(),
+            policy=ThinkingPolicy(params.think_budget, params.min_think, params.loop),
             trace=TraceConfidence() if params.confidence else None,
             restored=restored,
             restore_s=restore_s,
@@ -689,28 +685,22 @@ class LlamaEngine:
         if run.first_token_s is None:
             run.first_token_s = now - run.started
         text = run.decoder.decode(prompts.piece(token))
-        params = run.job.params
+        policy = run.policy
         if not (
-            run.reasoning_tokens < params.min_think
-            and run.splitter.closing_at(text) is not None
+            run.splitter.closing_at(text) is not None
+            # (the tag's tokens before this one were counted as thinking: not for the policy)
+            and policy.closing(run.reasoning_tokens - len(self._tag_sizes(run, text))) is Act.WAIT
             and self._keep_thinking(slot, text)  # the end taken back, "Wait" written
         ):
             run.generated += 1
-            run.reasoning_tokens += run.splitter.in_reasoning
+            in_reasoning = run.splitter.in_reasoning
+            run.reasoning_tokens += in_reasoning
             self._forward(run, text)
             slot.pending.append(token)
             run.recent.append(len(text))
-            if run.loops is not None and run.loops.feed(text):
-                self._looped(slot)
-        if (
-            params.think_budget is not None
-            and run.finish_reason is None  # (a loop stopped it)
-            and not run.budget_reached
-            and run.splitter.in_reasoning
-            and run.reasoning_tokens >= params.think_budget
-            and self._close_thinking(slot)
-        ):
-            run.budget_reached = True
+            self._act(slot, policy.text(text, in_reasoning, run.generated))
+        if run.finish_reason is None:
+            self._act(slot, policy.counted(run.reasoning_tokens, run.splitter.in_reasoning))
         if run.generated >= run.budget or len(slot.tokens) + len(slot.pending) >= run.max_len:
             run.finish_reason = run.finish_reason or "length"  # once the pending are evaluated
         return None
@@ -730,23 +720,18 @@ class LlamaEngine:
         run.recent.clear()  # (the daemon's tokens: never taken back)
         return True
 
-    def _looped(self, slot: _Slot) -> None:
-        """The text repeats itself: end the thinking so the model answers (``loop = answer``,
-        once), else stop the request once its pending tokens are in."""
+    def _act(self, slot: _Slot, act: Act) -> None:
+        """Do what the thinking policy decided: close the thinking so the model answers (a
+        think budget, a loop), or stop the request once its pending tokens are in (a loop)."""
         run = slot.run
         assert run is not None
-        run.loop_at = run.generated
-        if (
-            run.job.params.loop == "answer"
-            and run.splitter.in_reasoning
-            and run.loop is None
-            and self._close_thinking(slot)
-        ):
-            run.loop, run.loops = "answered", LoopDetector()  # the answer is watched afresh
-            log.info("the thinking looped at %d tokens: ended it", run.generated)
-            return
-        run.loop, run.finish_reason = "stopped", "loop"
-        log.info("the output looped at %d tokens: stopped", run.generated)
+        if act is Act.ANSWER:
+            act = run.policy.closed(self._close_thinking(slot))
+            if run.policy.loop == "answered" and act is Act.GO_ON:
+                log.info("the thinking looped at %d tokens: ended it", run.generated)
+        if act is Act.STOP:
+            run.finish_reason = "loop"
+            log.info("the output looped at %d tokens: stopped", run.generated)
 
     def _keep_thinking(self, slot: _Slot, text: str) -> bool:
         """The model ends its thinking before min_think tokens (s1's budget forcing): take the
@@ -762,11 +747,7 @@ class LlamaEngine:
         held = run.splitter.held
         at = run.splitter.closing_at(text)
         assert at is not None
-        back = max(0, len(held) - at)  # characters of the tag in the tokens before this one
-        dropped, sizes = 0, list(run.recent)
-        while back > 0 and sizes:
-            back -= sizes.pop()
-            dropped += 1
+        dropped = len(self._tag_sizes(run, text))
         kept = len(slot.tokens) - dropped
         taken_back = b"".join(prompts.piece(t) for t in slot.tokens[kept:])
         whole = taken_back.decode("utf-8", errors="replace") + text
@@ -786,9 +767,22 @@ class LlamaEngine:
         run.recent.clear()  # (these are the daemon's tokens: never taken back)
         run.generated += len(wait) - dropped
         run.reasoning_tokens += len(wait) - dropped
-        run.waits += 1
+        run.policy.waited()
         log.info("the thinking ended at %d tokens, before --min-think: Wait", run.generated)
         return True
+
+    @staticmethod
+    def _tag_sizes(run: _Run, text: str) -> list[int]:
+        """The characters of each of the tokens before this one (``text``) that the end of
+        thinking it completes began in: the last few of ``run.recent``."""
+        at = run.splitter.closing_at(text)
+        back = max(0, len(run.splitter.held) - (at or 0))  # the tag's characters before text
+        sizes: list[int] = []
+        recent = list(run.recent)
+        while back > 0 and recent:
+            sizes.append(recent.pop())
+            back -= sizes[-1]
+        return sizes
 
     def _forward(self, run: _Run, text: str) -> None:
         for kind, piece in run.splitter.feed(text):
@@ -823,10 +817,7 @@ class LlamaEngine:
             "completion_tokens": run.generated,
             "reasoning_tokens": run.reasoning_tokens,
             "answer_tokens": run.generated - run.reasoning_tokens,
-            "budget_reached": run.budget_reached,
-            "loop": run.loop,
-            "loop_at": run.loop_at,
-            "waits": run.waits,
+            **run.policy.stats(),
             **(run.trace.stats() if run.trace is not None else {}),
             "thinking_unfinished": run.splitter.unfinished,
             "decode_s": round(now - run.decode_started, 4) if prefilled else 0.0,
