@@ -112,3 +112,55 @@ def test_real_traces_no_false_positive_and_every_loop_caught(split: str):
             row["id"],
             char,
         )
+
+
+# --- through a remote engine ---------------------------------------------------------------------
+
+
+def _thinking_server(thinking: str):
+    """Streams ``thinking`` a word a piece as reasoning, then answers 7; asked again with the
+    thinking closed (a loop was caught), it answers 7 too."""
+    from tests.scripted_server import chunk, data, separated
+
+    def script(body: dict[str, Any]) -> list[Any]:
+        if body["messages"][-1]["role"] == "assistant":
+            return [chunk({"content": " So $\\boxed{7}$."}), chunk({}, "stop"), data("[DONE]")]
+        words = [word + " " for word in thinking.split(" ")]
+        return separated("reasoning_content", words, [" So $\\boxed{7}$."], with_usage=False)
+
+    return script
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shape", sorted(PROGRESSING))
+def test_a_servers_progressing_thinking_runs_to_its_answer(shape: str):
+    from tests.conftest import run_phi4
+    from tests.scripted_server import scripted_server
+
+    thinking = PROGRESSING[shape](random.Random(11), 2000)
+    with scripted_server(_thinking_server(thinking)) as server:
+        done = run_phi4("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "--json",
+                        timeout=200)  # fmt: skip
+        asked = len(server.bodies)
+    record = json.loads(done.stdout)
+    assert done.returncode == 0, done.stderr
+    assert (asked, record["answer"], record["stats"]["loop"]) == (1, "7", None)
+    assert record["reasoning"].split() == thinking.split()
+
+
+@pytest.mark.timeout(300)
+def test_a_servers_paragraph_loop_is_cut_within_a_few_hundred_tokens_and_answered():
+    from tests.conftest import run_phi4
+    from tests.scripted_server import scripted_server
+
+    thinking, begins = paragraph_loop(random.Random(4), 1500, 60, 6000)
+    with scripted_server(_thinking_server(thinking)) as server:
+        done = run_phi4("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "--json",
+                        timeout=200)  # fmt: skip
+        bodies = list(server.bodies)
+    record = json.loads(done.stdout)
+    assert done.returncode == 0, done.stderr
+    assert record["answer"] == "7" and record["stats"]["loop"] == "answered"
+    # A word a piece: loop_at counts words here; 60-word copies, caught in the 5th or 6th.
+    assert begins < record["stats"]["loop_at"] <= begins + 6 * 60
+    assert len(bodies) == 2 and bodies[1]["messages"][-1]["content"].endswith("</think>\n\n")
