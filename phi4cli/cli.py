@@ -326,7 +326,7 @@ def eval_(
     """Solve problems with known answers and report accuracy (math-verify judges each answer)."""
     from phi4cli.grading import MismatchPolicy, Problems, run_eval
     from phi4cli.render import format_eval
-    from phi4cli.solving import make_job
+    from phi4cli.solving import json_text, make_job
 
     if restart and force_resume:
         raise UsageError("--restart and --force-resume contradict each other; give one")
@@ -349,8 +349,8 @@ def eval_(
     if replicas and len(replicas) > 1:
         result["replicas"] = replicas  # how many each answered (also said on stderr)
     if as_json:
-        print(json.dumps({**result, "seconds": round(seconds, 3), "results": str(results)},
-                         indent=2), file=env.stdout)  # fmt: skip
+        summary = {**result, "seconds": round(seconds, 3), "results": str(results)}
+        print(json_text(summary, indent=2), file=env.stdout)
     else:
         print(format_eval(result, seconds, results), file=env.stderr if jsonl else env.stdout)
     return ExitStatus.ERROR if result["error"] else ExitStatus.OK

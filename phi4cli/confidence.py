@@ -7,8 +7,13 @@ over all its tokens; its *lowest group* confidence is the lowest mean over a sli
 ``GROUP`` tokens (the whole trace, when it is shorter): the stretch where the reasoning was
 least sure, which DeepConf found tells wrong traces from right ones better than the mean.
 
-The daemon computes a token's from the logits (``from_logits``, one pass over the vocabulary);
-a remote engine from a server's ``top_logprobs`` (``from_logprobs``).
+The daemon computes a token's from the logits (``LogitsConfidence``, one pass over the
+vocabulary); a remote engine from a server's ``top_logprobs`` (``from_logprobs``).
+
+A token's confidence is at most ``MAX_CONFIDENCE`` (a log-probability below ``-MAX_CONFIDENCE``
+counts as that): a server may send any finite number (a stand-in for "impossible" such as -9999,
+or -1e308), and sums of unbounded ones overflow to infinity, then NaN. The bound is far above
+the spread of a model's logits, so it changes no real trace's numbers.
 """
 
 from __future__ import annotations
@@ -30,6 +35,17 @@ GROUP = 2048  # tokens of a group (DeepConf's window)
 # than a --samples of 8 or 16 has.
 WARMUP = 3
 KEEP = 0.9
+# The most a token's confidence can be: its step's likeliest tokens all at -MAX_CONFIDENCE (a
+# probability of e^-10000, impossible by any measure). Sums of a trace's tokens stay finite.
+MAX_CONFIDENCE = 1e4
+
+
+def bounded(confidence: float) -> float:
+    """A token's confidence within [0, MAX_CONFIDENCE] (a log-probability is never above 0);
+    NaN stays NaN."""
+    if math.isnan(confidence):
+        return confidence
+    return min(max(confidence, 0.0), MAX_CONFIDENCE)
 
 
 def floor_from(confidences: Sequence[float], keep: float = KEEP) -> float | None:
@@ -46,10 +62,12 @@ def floor_from(confidences: Sequence[float], keep: float = KEEP) -> float | None
 
 
 def from_logprobs(logprobs: Sequence[float]) -> float | None:
-    """A token's confidence from the log-probabilities of its step's likeliest tokens."""
+    """A token's confidence from the log-probabilities of its step's likeliest tokens: finite,
+    in [0, MAX_CONFIDENCE], for any finite ones (each taken within [-MAX_CONFIDENCE, 0]); None
+    without any."""
     if not logprobs:
         return None
-    return -sum(logprobs) / len(logprobs)
+    return math.fsum(bounded(-value) for value in logprobs) / len(logprobs)
 
 
 class LogitsConfidence:
@@ -88,10 +106,11 @@ class TraceConfidence:
         self._lowest: float | None = None
 
     def add(self, confidence: float) -> None:
-        """Take a token's confidence; one that is not finite (a step whose logits are mostly
-        -inf, or NaN) is passed over."""
+        """Take a token's confidence, bounded (:func:`bounded`: the sums stay finite); one that
+        is not finite (a step whose logits are mostly -inf, or NaN) is passed over."""
         if not math.isfinite(confidence):
             return
+        confidence = bounded(confidence)
         self.tokens += 1
         self._sum += confidence
         if len(self._window) == self.group:

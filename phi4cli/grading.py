@@ -25,8 +25,14 @@ from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event
 from phi4cli.reasoning import AnswerComparer, majority_vote
 from phi4cli.records import Record
-from phi4cli.sanitize import json_safe
-from phi4cli.solving import EarlyStop, FileProgress, ProgressNotice, Requests, SolveJob
+from phi4cli.solving import (
+    EarlyStop,
+    FileProgress,
+    ProgressNotice,
+    Requests,
+    SolveJob,
+    json_text,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -403,10 +409,10 @@ def _mismatch_message(output: Path, earlier: EarlierResults) -> str:
 
 
 def result_line(record: dict[str, Any]) -> str:
-    """One results-file line: JSON escaped where a terminal would act on a character (`cat` of
-    the file) or UTF-8 has none (a lone surrogate from a problem's JSON); the same value read
-    back."""
-    return json_safe(json.dumps(record, ensure_ascii=False))
+    """One results-file line: strict JSON (no NaN or Infinity), escaped where a terminal would
+    act on a character (`cat` of the file) or UTF-8 has none (a lone surrogate from a problem's
+    JSON); the same value read back (:func:`solving.json_text`)."""
+    return json_text(record)
 
 
 def _lines(records: list[dict[str, Any]]) -> bytes:

@@ -5,6 +5,7 @@ showing the results the way the output calls for (terminal, pipe, ``--json``, ``
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -47,9 +48,8 @@ class SolveJob(Record):
         print(shown, file=self.env.stdout, flush=True)
 
     def print_json(self, record: dict[str, Any], indent: int | None = None) -> None:
-        """One JSON text on stdout: exact, and with nothing in it a terminal would act on."""
-        text = json.dumps(record, ensure_ascii=False, indent=indent)
-        print(json_safe(text), file=self.env.stdout, flush=True)
+        """One JSON text on stdout (:func:`json_text`)."""
+        print(json_text(record, indent), file=self.env.stdout, flush=True)
 
     instruction: str | None = None  # added after each question
     vote: str = "count"  # how samples vote: count | confidence (options' "vote")
@@ -87,6 +87,25 @@ class SolveJob(Record):
         ``feed``: more requests are coming; ``on_flight``: given the flight, to cancel with
         (see :meth:`Backend.run`)."""
         self.backend.run(requests, on_event, restart=restart, feed=feed, on_flight=on_flight)
+
+
+def json_text(record: Any, indent: int | None = None) -> str:
+    """One JSON text of a command's output (``--json``, ``--jsonl``, a results file): exact,
+    strict (a number that is not finite is null: NaN and Infinity are not JSON, and strict
+    parsers refuse them), and with nothing in it a terminal would act on."""
+    text = json.dumps(_finite(record), ensure_ascii=False, indent=indent, allow_nan=False)
+    return json_safe(text)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with each float that is not finite made None, in its lists and dicts too."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 class OutputMode(Record):
@@ -601,9 +620,7 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
         feed.printed(index)
         failed += outcome.error is not None
         if jsonl:
-            progress.out(
-                json_safe(json.dumps({"line": line, **outcome.to_json()}, ensure_ascii=False))
-            )
+            progress.out(json_text({"line": line, **outcome.to_json()}))
         elif mode.answer_only:
             for _blank in range(printed_line + 1, line):
                 progress.out("")
