@@ -12,6 +12,7 @@ from phi4cli.sanitize import TextCleaner, clean_text
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import Any, TextIO
 
 
@@ -137,6 +138,25 @@ def no_answer_reason(outcome: Outcome) -> str:
     if outcome.thinking_unfinished:
         return "no final answer: the thinking did not finish (raise --max-tokens or --think-budget)"
     return "no final answer stated in the solution"
+
+
+def no_vote_reason(samples: Sequence[Outcome]) -> str:
+    """Why a vote over ``samples`` (those not cancelled) has no answer, none of them stating
+    one, and what to do: one line."""
+    ended = [o for o in samples if o.error is None]  # (the failed ones are said on their own)
+    count = len(samples)
+    head = f"no final answer: none of the {count} samples stated one"
+    if ended and all(o.unsure for o in ended):
+        return f"{head}, each was stopped as unsure (ask again without --stop-unsure)"
+    unfinished = sum(o.thinking_unfinished for o in ended)
+    if unfinished:
+        return (f"{head}, the thinking of {unfinished} did not finish (raise --max-tokens or "
+                "--think-budget)")  # fmt: skip
+    if ended and all(o.stats is not None and o.stats.loop == "stopped" for o in ended):
+        return (f"{head}, each repeated itself and was stopped (--loop answer ends looping "
+                "thinking so the model answers)")  # fmt: skip
+    return (f"{head} (as \\boxed{{...}} or \"the final answer is\"): ask again, or with more "
+            "--samples")  # fmt: skip
 
 
 class PlainPresenter:
@@ -301,8 +321,14 @@ class TerminalPresenter:
             self.err.print(f"Thought for {self._thought_s:.1f} s", style="dim", markup=False)
 
     def print_outcome(
-        self, outcome: Outcome, agreement: str | None, answer: str | None = None
+        self,
+        outcome: Outcome,
+        agreement: str | None,
+        answer: str | None = None,
+        reason: str | None = None,
     ) -> None:
+        """Show ``outcome``'s solution and its answer (``answer``: another, a vote's); without
+        one, ``reason`` (default: why ``outcome`` states none)."""
         from phi4cli.latex import math_to_unicode
 
         self.stop()
@@ -319,7 +345,10 @@ class TerminalPresenter:
             shown = escape(math_to_unicode(clean_text(final)))
             self.out.print(f"[bold green]Answer:[/bold green] [bold]{shown}[/bold]{suffix}")
         else:
-            self.out.print(f"[yellow]{no_answer_reason(outcome)}[/yellow]{suffix}")
+            from rich.markup import escape
+
+            why = escape(reason or no_answer_reason(outcome))
+            self.out.print(f"[yellow]{why}[/yellow]{suffix}")
         if self.verbose and outcome.stats is not None:
             self.err.print(format_stats(outcome.stats), style="dim", markup=False)
 

@@ -19,7 +19,13 @@ from phi4cli.outcome import Outcome, exit_status
 from phi4cli.protocol import ErrorCode, Event, EventKind
 from phi4cli.reasoning import AnswerComparer, majority_vote, vote_settled
 from phi4cli.records import Record
-from phi4cli.render import PlainPresenter, TerminalPresenter, human_seconds, no_answer_reason
+from phi4cli.render import (
+    PlainPresenter,
+    TerminalPresenter,
+    human_seconds,
+    no_answer_reason,
+    no_vote_reason,
+)
 from phi4cli.sanitize import clean_text, json_safe
 
 TYPE_CHECKING = False
@@ -57,7 +63,8 @@ class SolveJob(Record):
 
     def vote_weights(self, outcomes: Sequence[Outcome]) -> list[float] | None:
         """Each answer's weight in a confidence vote (its lowest group confidence); None: a
-        vote by count, as asked, or because an answer has no confidence (said once)."""
+        vote by count, as asked, because an answer has no confidence (said once), or because
+        no answer carries any weight (none was stated): confidence has nothing to weigh."""
         if self.vote != "confidence":
             return None
         weights: list[float] = []
@@ -68,6 +75,8 @@ class SolveJob(Record):
                                      "logprobs): the vote counts samples")  # fmt: skip
                 return None
             weights.append(weight or 0.0)  # (an answer of None does not vote)
+        if not any(w > 0 for w, o in zip(weights, outcomes, strict=True) if o.answer is not None):
+            return None
         return weights
 
     def params(self, question: str, **extra: Any) -> dict[str, Any]:
@@ -357,8 +366,12 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
                                                  if stop.stopped else "")  # fmt: skip
     if stop.unsure:
         agree += f", {len(stop.unsure)} stopped as unsure"
-    if weights is not None:
+    if weights is not None:  # (None where no confidence weighed: a vote by count)
         agree += ", weighted by confidence"
+    # No sample stated an answer: nothing was voted for, and the command has failed (exit 1)
+    # in every output mode, with one line saying why and what to do.
+    missing = no_vote_reason(used) if vote.answer is None else None
+    status = ExitStatus.OK if missing is None else ExitStatus.ERROR
     # Shown: a sample that gave the winning answer in the form reported, else any that agreed.
     agreeing = [used[i] for i in vote.members]
     winner = next((o for o in agreeing if o.answer == vote.answer),
@@ -372,8 +385,10 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
             samples_asked=samples,
             samples_used=len(used),
             vote="confidence" if weights is not None else "count",
+            # A cancelled sample was cut off mid-way: what it had written states no answer.
             samples=[
-                {"answer": o.answer, "seed": o.stats.seed if o.stats else None,
+                {"answer": None if o.index in stop.stopped else o.answer,
+                 "seed": o.stats.seed if o.stats else None,
                  "error": None if o.index in stop.stopped else o.to_json().get("error"),
                  "cancelled": o.index in stop.stopped, "unsure": o.index in stop.unsure,
                  "stats": o.stats_dict}
@@ -383,21 +398,21 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
         if job.stop_unsure and samples > WARMUP:
             record["confidence_floor"] = stop.floor
         _print_json(job, record)
-        return ExitStatus.OK
-    if mode.answer_only:
+    elif mode.answer_only:
         job.print(_answer_line(job, vote.answer) if vote.answer is not None else "")
-        job.announce(agree + (" (tie)" if vote.tie else ""))
-        if vote.answer is None:
-            job.announce("no final answer: no sample stated one")
-        return ExitStatus.OK if vote.answer is not None else ExitStatus.ERROR
-    if job.env.terminal:
+        if missing is None:
+            job.announce(agree + (" (tie)" if vote.tie else ""))
+    elif job.env.terminal:
         presenter = TerminalPresenter(mode.show_reasoning, mode.verbose, job.env)
-        presenter.print_outcome(winner, agreement=agree, answer=vote.answer)
+        presenter.print_outcome(winner, agreement=agree, answer=vote.answer, reason=missing)
+        return status  # (the presenter has said why there is no answer)
     else:
         job.print(winner.solution.strip())
         shown = vote.answer if vote.answer is not None else "(none)"
         job.print(f"Answer: {shown} ({agree})")
-    return ExitStatus.OK
+    if missing is not None:
+        job.announce(missing)
+    return status
 
 
 AHEAD = 4096  # problems read ahead of the last one printed, at most (more than any window)

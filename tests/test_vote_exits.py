@@ -1,11 +1,14 @@
-"""Confidence that stays finite whatever a server's logprobs, and strict JSON out (--json,
---jsonl, eval's results file)."""
+"""What `solve --samples K` says and exits with when its vote has no answer, what it claims of
+the vote, what a cancelled sample shows in --json; confidence that stays finite whatever a
+server's logprobs, and strict JSON out (--json, --jsonl, eval's results file)."""
 
 from __future__ import annotations
 
 import json
 import math
 import random
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,136 @@ def _strict(text: str) -> Any:
         raise ValueError(f"not JSON: {constant}")
 
     return json.loads(text, parse_constant=refuse)
+
+
+def _piece(text: str, field: str = "content", finish: str | None = None) -> str:
+    return data({"id": "c1", "object": "chat.completion.chunk", "model": "m",
+                 "choices": [{"index": 0, "delta": {field: text},
+                              "finish_reason": finish}]})  # fmt: skip
+
+
+def _unstated(body: dict[str, Any]) -> list[str | Step | Head]:
+    """Every sample thinks and writes a solution that states no final answer; no logprobs,
+    asked for or not (as a server without them does)."""
+    return [_piece(" Think.", "reasoning_content"), _piece("It is between 6 and 8."),
+            _piece("", finish="stop"), data("[DONE]")]  # fmt: skip
+
+
+def _unstated_but_sure(body: dict[str, Any]) -> list[str | Step | Head]:
+    """As :func:`_unstated`, each token with its logprobs: confidences, and no answer to weigh."""
+    tops = [-0.01, -6.0, -9.0]
+    return [_with_logprobs(" Think.", tops, "reasoning_content"),
+            _with_logprobs("It is between 6 and 8.", tops),
+            _with_logprobs("", tops, finish="stop"), data("[DONE]")]  # fmt: skip
+
+
+NO_ANSWER = ("phi4: no final answer: none of the 3 samples stated one (as \\boxed{...} or "
+             '"the final answer is"): ask again, or with more --samples')  # fmt: skip
+
+
+@pytest.mark.timeout(200)
+def test_a_vote_without_any_answer_exits_1_with_one_line_in_every_output_mode():
+    with scripted_server(_unstated) as server:
+        base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "3",
+                "--seed", "1", "--loop", "off")  # fmt: skip
+        plain = run_phi4(*base, timeout=60)
+        only = run_phi4(*base, "-a", timeout=60)
+        record = run_phi4(*base, "--json", timeout=60)
+        every = run_phi4(*base, "--all", "-a", timeout=60)
+    for done in (plain, only, record, every):
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        assert done.stderr.splitlines() == [NO_ANSWER], done.stderr
+    assert plain.stdout.splitlines() == ["It is between 6 and 8.",
+                                         "Answer: (none) (0/3 samples agree)"]  # fmt: skip
+    assert only.stdout == every.stdout == "\n"  # a line, as one question's -a prints
+    parsed = _strict(record.stdout)
+    assert (parsed["answer"], parsed["agreement"]) == (None, "0/3")
+    assert [s["answer"] for s in parsed["samples"]] == [None] * 3
+
+
+@pytest.mark.timeout(200)
+def test_at_a_terminal_a_vote_without_any_answer_says_why_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    import io
+
+    from phi4cli.environment import Environment
+    from phi4cli.solving import SolveOptions, run_solve
+
+    monkeypatch.setenv("TERM", "xterm")
+    out, err = io.StringIO(), io.StringIO()
+    env = Environment(io.StringIO(), out, err, stdout_isatty=True, stderr_isatty=False,
+                      colour=False)  # fmt: skip
+    with scripted_server(_unstated) as server:
+        options = SolveOptions(prompt="What is 3+4?", model="m", samples=3, backend=[server.url],
+                               seed=1, loop="off")  # fmt: skip
+        assert run_solve(options, env) == 1, err.getvalue()
+    shown = " ".join(out.getvalue().split())  # (rich wraps the line to its width)
+    assert NO_ANSWER.removeprefix("phi4: ") + " (0/3 samples agree)" in shown, shown
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("script", [_unstated, _unstated_but_sure])
+def test_a_vote_says_weighted_by_confidence_only_where_a_confidence_weighed(script: Any):
+    with scripted_server(script) as server:
+        base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "3",
+                "--seed", "1", "--loop", "off", "--vote", "confidence")  # fmt: skip
+        plain = run_phi4(*base, timeout=60)
+        record = run_phi4(*base, "--json", timeout=60)
+    # No sample stated an answer (and the first server sent no logprobs): nothing was weighed.
+    assert plain.stdout.splitlines()[-1] == "Answer: (none) (0/3 samples agree)", plain.stdout
+    assert "weighted" not in plain.stdout + plain.stderr
+    parsed = _strict(record.stdout)
+    assert parsed["vote"] == "count"
+    confidences = [s["stats"]["confidence"] for s in parsed["samples"]]
+    assert confidences == (
+        [None] * 3 if script is _unstated else [pytest.approx(5.0033, abs=1e-3)] * 3
+    )
+
+
+def _partly_cancelled(release: threading.Event) -> Any:
+    """Seeds 1 to 3 answer 7 after a moment; the others write \\boxed{9} at once and go on
+    writing until the client hangs up (or ``release`` is set, or a minute passes)."""
+
+    def script(body: dict[str, Any]) -> Any:
+        yield _piece(" Think.", "reasoning_content")
+        if body["seed"] <= 3:
+            yield Step(sleep=0.5)
+            yield _piece("So $\\boxed{7}$.")
+        else:
+            yield _piece("First $\\boxed{9}$, let me check")
+            deadline = time.monotonic() + 60
+            while not release.is_set() and time.monotonic() < deadline:
+                yield Step(sleep=0.02)
+                yield _piece(" and check")
+        yield _piece("", finish="stop")
+        yield data("[DONE]")
+
+    return script
+
+
+@pytest.mark.timeout(200)
+def test_a_sample_cancelled_by_the_early_stop_shows_no_answer_in_json():
+    release = threading.Event()
+    try:
+        with scripted_server(_partly_cancelled(release)) as server:
+            done = run_phi4("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k",
+                            "6", "--seed", "1", "--loop", "off", "--json",
+                            timeout=90)  # fmt: skip
+            release.set()
+    finally:
+        release.set()
+    assert done.returncode == 0, done.stderr
+    record = _strict(done.stdout)
+    assert (record["answer"], record["agreement"], record["samples_used"]) == ("7", "3/3", 3)
+    samples = record["samples"]
+    assert [s["cancelled"] for s in samples] == [False] * 3 + [True] * 3, samples
+    # They had written \boxed{9} when they were cut off: not an answer of theirs.
+    assert [s["answer"] for s in samples] == ["7"] * 3 + [None] * 3
+    assert all(s["error"] is None for s in samples)
+
+
+# --- confidence that stays finite, and strict JSON -----------------------------------------------
 
 
 def test_a_tokens_confidence_is_finite_and_bounded_for_any_finite_logprobs():
