@@ -164,3 +164,47 @@ def test_a_servers_paragraph_loop_is_cut_within_a_few_hundred_tokens_and_answere
     # A word a piece: loop_at counts words here; 60-word copies, caught in the 5th or 6th.
     assert begins < record["stats"]["loop_at"] <= begins + 6 * 60
     assert len(bodies) == 2 and bodies[1]["messages"][-1]["content"].endswith("</think>\n\n")
+
+
+# --- through the daemon ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("shape", sorted(PROGRESSING))
+def test_the_daemons_progressing_thinking_runs_to_its_answer(shape: str, tmp_path: Path):
+    # A scripted tiny model that writes the shape (each piece of it a token of its own) and then
+    # answers: the daemon watches its decoded tokens, and must let all of it run.
+    from tests.conftest import run_phi4
+    from tests.tinymodel import write_text_script_model
+
+    thinking = PROGRESSING[shape](random.Random(11), 2000)
+    model = write_text_script_model(tmp_path / "shape.gguf", thinking, " So $\\boxed{7}$.")
+    done = run_phi4("solve", "What is 3+4?", "-m", str(model), "-t", "0", "-n", "6000",
+                    "--json", timeout=500)  # fmt: skip
+    record = json.loads(done.stdout)
+    assert done.returncode == 0, done.stderr
+    assert (record["answer"], record["stats"]["loop"]) == ("7", None)
+    assert record["reasoning"].strip() == thinking.strip()
+
+
+@pytest.mark.timeout(600)
+def test_the_daemon_cuts_a_paragraph_loop_within_a_few_hundred_tokens_and_answers(
+    tmp_path: Path,
+):
+    from tests.conftest import run_phi4
+    from tests.tinymodel import write_text_script_model
+
+    whole, begins = paragraph_loop(random.Random(4), 1500, 60, 2000)
+    words = whole.split()
+    # The head, then one copy of the paragraph, which the model writes again and again.
+    text = " ".join(words[: begins + 60]) + " "
+    start = len(" ".join(words[:begins])) + 1
+    model = write_text_script_model(tmp_path / "loop.gguf", text, " So $\\boxed{7}$.",
+                                    loop_from=start)  # fmt: skip
+    done = run_phi4("solve", "What is 3+4?", "-m", str(model), "-t", "0", "-n", "6000",
+                    "--json", timeout=500)  # fmt: skip
+    record = json.loads(done.stdout)
+    assert done.returncode == 0, done.stderr
+    assert (record["answer"], record["stats"]["loop"]) == ("7", "answered")
+    written = len(record["reasoning"].split())
+    assert begins + 4 * 60 < written <= begins + 6 * 60 + 10, (written, begins)

@@ -143,12 +143,15 @@ def write_tiny_phi3(
     name: str = "tiny-test-model",
     successors: dict[int, int] | None = None,
     corpus: str = _CORPUS,
+    pieces: list[str] | None = None,
 ) -> Path:
     """Write the model to ``path`` and return it. Deterministic for a given seed.
 
     With ``successors`` (token -> the token to follow it), a scripted model: its layers add
     nothing, so the logits depend on the last token alone, and its output matrix makes each
-    given token's successor the likeliest by far (greedy decoding follows the script)."""
+    given token's successor the likeliest by far (greedy decoding follows the script).
+    ``pieces``: texts made tokens of their own after the learned ones (the tokenizer never makes
+    them; a script may write them), the vocabulary growing by as many."""
     rng = np.random.default_rng(seed)
     byte_tokens = list(bytes_to_unicode().values())
     merged, merges = train_bpe(vocab_size - len(byte_tokens) - len(SPECIAL_TOKENS), corpus)
@@ -157,6 +160,13 @@ def write_tiny_phi3(
     tokens += SPECIAL_TOKENS
     tokens += [f"<|dummy_{i}|>" for i in range(vocab_size - len(tokens))]
     types = [gguf.TokenType.NORMAL] * n_normal + [gguf.TokenType.CONTROL] * (len(tokens) - n_normal)
+    if pieces:  # after all the others: no other token's id moves
+        to_unicode = bytes_to_unicode()
+        extra = ["".join(to_unicode[b] for b in piece.encode()) for piece in pieces]
+        assert not set(extra) & set(tokens) and len(set(extra)) == len(extra)
+        tokens += extra
+        types += [gguf.TokenType.NORMAL] * len(extra)
+        vocab_size += len(extra)
     head_dim = embed // heads
     n_rot = head_dim * 3 // 4  # partial rotary, as in Phi-4-mini (96 of 128)
 
@@ -241,6 +251,71 @@ def write_script_model(path: Path, thinking: str, answer: str, *, loops: bool = 
     vocab.close()
     return write_tiny_phi3(path, name="tiny-reasoning-script", successors=successors,
                            corpus=corpus)  # fmt: skip
+
+
+def unique_pieces(text: str, taken: set[str]) -> list[str]:
+    """``text`` cut at word starts into pieces none of which is in ``taken`` or twice in the
+    list: each the fewest words (with the space before them) not used yet."""
+    starts = [0] + [
+        i for i in range(1, len(text)) if text[i - 1].isspace() and not text[i].isspace()
+    ]
+    starts.append(len(text))
+    pieces: list[str] = []
+    used = set(taken)
+    at = 0
+    while at < len(starts) - 1:
+        end = at + 1
+        while end < len(starts) - 1 and text[starts[at] : starts[end]] in used:
+            end += 1
+        piece = text[starts[at] : starts[end]]
+        if piece in used:  # the text's last words were used before: join them to the one before
+            pieces[-1] += piece
+        else:
+            pieces.append(piece)
+        used.add(pieces[-1])
+        at = end
+    assert "".join(pieces) == text and len(set(pieces)) == len(pieces)
+    return pieces
+
+
+def write_text_script_model(
+    path: Path, thinking: str, answer: str, *, loop_from: int | None = None
+) -> Path:
+    """A scripted reasoning model for any ``thinking`` text, however often its words recur:
+    the text is cut into pieces each made a token of its own (``unique_pieces``), so that each
+    has one successor. Greedy, it writes ``thinking``, `` </think>`` and ``answer``, and stops;
+    with ``loop_from`` (a character offset), it writes ``thinking[loop_from:]`` again and again
+    after the first time, answering once something ends the thinking for it (a line break)."""
+    import llama_cpp
+
+    close = " </think>"
+    corpus = " ".join(["x"] + [close, answer] * 4)
+    plain = write_tiny_phi3(path, name="tiny-reasoning-script", corpus=corpus)
+    vocab = llama_cpp.Llama(str(plain), vocab_only=True, verbose=False)
+
+    def tokens(text: str) -> list[int]:
+        return vocab.tokenize(text.encode(), add_bos=False, special=True)
+
+    learned = {vocab.detokenize([t]).decode("utf-8", "replace") for t in range(vocab.n_vocab())}
+    head = unique_pieces(thinking[:loop_from], learned) if loop_from is not None else []
+    pieces = head + unique_pieces(thinking[len("".join(head)) :], learned | set(head))
+    first = vocab.n_vocab()  # the pieces' tokens come after all the others
+    think = list(range(first, first + len(pieces)))
+    said, start = tokens(answer), tokens("<|assistant|>")
+    loops_to = think[len(head)] if loop_from is not None else None
+    chain = [*start, *think, *([loops_to] if loops_to is not None else tokens(close))]
+    pairs = list(itertools.pairwise(chain))
+    pairs += list(itertools.pairwise([*said, *tokens("<|endoftext|>")]))
+    pairs.append((tokens("\n")[-1], said[0]))
+    if loops_to is None:
+        pairs.append((tokens(close)[-1], said[0]))
+    vocab.close()
+    successors: dict[int, int] = {}
+    for token, following in pairs:
+        if successors.setdefault(token, following) != following:
+            raise ValueError(f"token {token} repeats in the script")
+    return write_tiny_phi3(path, name="tiny-reasoning-script", successors=successors,
+                           corpus=corpus, pieces=pieces, embed=128)  # fmt: skip
 
 
 if __name__ == "__main__":
