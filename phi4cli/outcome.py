@@ -26,6 +26,9 @@ if TYPE_CHECKING:
         @property
         def answer(self) -> str | None: ...
 
+        @property
+        def looped(self) -> bool: ...
+
 
 class Outcome:
     def __init__(self, index: int, question: str) -> None:
@@ -99,6 +102,14 @@ class Outcome:
     def thinking_unfinished(self) -> bool:
         return self.stats is not None and self.stats.thinking_unfinished
 
+    @property
+    def looped(self) -> bool:
+        """A loop left it without an answer to trust: stopped because its output repeated
+        itself (a loop in the answer, ``--loop stop``, a loop whose thinking could not be
+        closed), or its looping thinking was closed and the answer asked for stated none."""
+        loop = self.stats.loop if self.stats is not None else None
+        return loop == "stopped" or (loop == "answered" and self.answer is None)
+
     def to_json(self) -> dict[str, Any]:
         record: dict[str, Any] = {
             "index": self.index,
@@ -120,12 +131,15 @@ class Outcome:
 
 def exit_status(outcomes: Sequence[Answered], answer_required: bool) -> ExitStatus:
     """The exit status of a command's results, the same for one question and a file of them:
-    1 when any request failed, any thinking ran out of tokens before an answer, or (with
-    ``--answer-only``) any solution stated no final answer. (A lone request's failure is raised
+    1 when any request failed, any thinking ran out of tokens before an answer, any output
+    repeated itself and was stopped, or (with ``--answer-only``) any solution stated no final
+    answer. (A lone request's failure is raised
     instead, for its own exit status and message.)"""
     if any(o.error is not None for o in outcomes):
         return ExitStatus.ERROR
     if any(o.thinking_unfinished for o in outcomes):  # no answer: the thinking ran out
+        return ExitStatus.ERROR
+    if any(o.looped for o in outcomes):
         return ExitStatus.ERROR
     if answer_required and any(o.answer is None for o in outcomes):
         return ExitStatus.ERROR

@@ -130,7 +130,17 @@ def _markdown(solution: str) -> Any:
 
 
 def no_answer_reason(outcome: Outcome) -> str:
-    if outcome.stats is not None and outcome.stats.loop == "stopped":
+    if outcome.looped and outcome.answer is not None:
+        return (
+            "the output repeated itself and was stopped: its answer may be cut short (--loop "
+            "answer ends looping thinking so the model answers; a loop in the answer is stopped)"
+        )
+    if outcome.looped and outcome.stats is not None and outcome.stats.loop == "answered":
+        return (
+            "no final answer: the thinking repeated itself and was ended there, and the answer "
+            "then asked for stated none (ask again, or with --samples)"
+        )
+    if outcome.looped:
         return (
             "no final answer: the output repeated itself and was stopped (--loop answer "
             "ends looping thinking so the model answers)"

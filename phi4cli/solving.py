@@ -245,9 +245,11 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     # Say it on stderr whenever no answer came because the thinking ran out (in a pipeline
     # stdout may be empty), and --answer-only always says why it printed an empty line. At a
     # terminal the presenter has said it in the output already.
+    # A loop stopped is said in every mode (at a terminal with an answer shown, too).
     plain_terminal = not (mode.as_json or mode.answer_only) and job.env.terminal
-    if not plain_terminal and (outcome.thinking_unfinished
-                               or (mode.answer_only and outcome.answer is None)):  # fmt: skip
+    if (not plain_terminal and (outcome.thinking_unfinished or outcome.looped
+                                or (mode.answer_only and outcome.answer is None))) \
+            or (plain_terminal and outcome.looped and outcome.answer is not None):  # fmt: skip
         job.announce(no_answer_reason(outcome))
     return exit_status([outcome], answer_required=mode.answer_only)
 
@@ -629,13 +631,17 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
         outcome = pending.pop(index)
         # Only what the exit status needs is kept, and only of the problems it looks at: a run
         # of a million holds its problems in flight and a window of text read ahead.
-        if outcome.error is not None or outcome.thinking_unfinished or outcome.answer is None:
-            flagged.append(Printed(outcome.error, outcome.thinking_unfinished, outcome.answer))
+        if outcome.error is not None or outcome.thinking_unfinished or outcome.answer is None \
+                or outcome.looped:  # fmt: skip
+            flagged.append(Printed(outcome.error, outcome.thinking_unfinished, outcome.answer,
+                                   outcome.looped))  # fmt: skip
         line = feed.numbers[index]
         feed.printed(index)
         failed += outcome.error is not None
         if jsonl:
             progress.out(json_text({"line": line, **outcome.to_json()}))
+            if outcome.looped:
+                progress.notice(f"line {line}: {no_answer_reason(outcome)}")
         elif mode.answer_only:
             for _blank in range(printed_line + 1, line):
                 progress.out("")
@@ -643,7 +649,7 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
             progress.out(outcome.answer or "")
             if outcome.error is not None:
                 progress.notice(f"line {line}: {outcome.error_message}")
-            elif outcome.answer is None:
+            elif outcome.answer is None or outcome.looped:
                 progress.notice(f"line {line}: {no_answer_reason(outcome)}")
         else:
             progress.out(f"[{index + 1}] {outcome.question}")
@@ -653,6 +659,8 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
                 progress.out(outcome.solution.strip())
                 shown = outcome.answer if outcome.answer is not None else "(none)"
                 progress.out(f"Answer: {shown}\n")
+                if outcome.looped:
+                    progress.notice(f"line {line}: {no_answer_reason(outcome)}")
 
     def on_event(index: int, event: Event) -> None:
         nonlocal next_to_print, count
@@ -693,6 +701,7 @@ class Printed(Record):
     error: Event | None
     thinking_unfinished: bool
     answer: str | None
+    looped: bool
 
 
 class Requests(Sequence["dict[str, Any]"]):  # a string: typing is not imported to run

@@ -264,3 +264,54 @@ def test_the_daemons_threads_spin_a_while_unless_the_user_says_otherwise():
     assert choose_wait_policy(mine) == "GOMP_SPINCOUNT=300000 (yours)"
     assert mine == {"GOMP_SPINCOUNT": "300000"}  # left as the user set it
     assert choose_wait_policy({"OMP_WAIT_POLICY": "active"}) == "OMP_WAIT_POLICY=active (yours)"
+
+
+def _answer_looping_server(body: dict[str, Any]) -> list[str | Step]:
+    """No thinking: the answer itself says the same sentence again and again."""
+    sentence = "The answer is clearly large and I keep saying so because it is big ."
+    words = (sentence + " ") * 100
+    return [*(chunk({"content": w + " "}) for w in words.split()), chunk({}, "stop"),
+            data("[DONE]")]  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [[], ["--json"], ["-a"], ["--verbose"]])
+def test_a_loop_in_the_answer_exits_1_and_says_so_in_every_mode(mode: list[str]):
+    with scripted_server(_answer_looping_server) as server:
+        done = run_phi4("solve", "What is big?", "--backend", server.url, "-m", "m", *mode,
+                        timeout=100)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "the output repeated itself and was stopped" in done.stderr
+    if mode == ["--json"]:
+        record = json.loads(done.stdout)
+        assert (record["stats"]["loop"], record["stats"]["finish_reason"]) == ("stopped", "loop")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [["--jsonl"], [], ["-a"]])
+def test_a_loop_in_an_answer_of_a_file_exits_1_and_names_its_line(mode: list[str], tmp_path: Path):
+    problems = tmp_path / "problems.txt"
+    problems.write_text("What is big?\n")
+    with scripted_server(_answer_looping_server) as server:
+        done = run_phi4("solve", "--file", str(problems), "--backend", server.url, "-m", "m",
+                        *mode, timeout=100)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "line 1: " in done.stderr and "repeated itself and was stopped" in done.stderr
+
+
+def _looping_then_unsure_server(body: dict[str, Any]) -> list[str | Step]:
+    """Thinks in a loop; asked again with the thinking closed, it states no answer."""
+    if body["messages"][-1]["role"] == "assistant":
+        return [chunk({"content": " I am not sure."}), chunk({}, "stop"), data("[DONE]")]
+    return _looping_server(body)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", [[], ["--json"]])
+def test_a_cut_loop_whose_answer_states_none_exits_1_and_says_so(mode: list[str]):
+    with scripted_server(_looping_then_unsure_server) as server:
+        done = run_phi4("solve", "What is 2+2?", "--backend", server.url, "-m", "m", *mode,
+                        timeout=100)  # fmt: skip
+        assert len(server.bodies) == 2  # the answer was asked for
+    assert done.returncode == 1, done.stderr
+    assert "the thinking repeated itself and was ended there" in done.stderr
