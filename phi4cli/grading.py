@@ -212,6 +212,25 @@ def judge(item: Item, outcomes: list[Outcome], same_answer: AnswerComparer | Non
     return record
 
 
+def sample_details(outcome: Outcome, ended_s: float, cancelled: bool) -> dict[str, Any]:
+    """What ``eval -k`` keeps of one sample, for replaying votes offline (bench/votes.py): its
+    answer, tokens, when it ended (seconds into the run) and took, its lowest group confidence,
+    whether a loop was caught in it, and whether it was cancelled (a settled vote)."""
+    stats = outcome.stats
+    return {
+        "answer": None if cancelled else outcome.answer,
+        "completion_tokens": stats.completion_tokens if stats else 0,
+        "reasoning_tokens": stats.reasoning_tokens if stats else 0,
+        "ended_s": round(ended_s, 3),
+        "seconds": round(stats.total_s or 0.0, 3) if stats else None,
+        "confidence": stats.lowest_group_confidence if stats else None,
+        "loop": stats.loop if stats else None,
+        "finish_reason": stats.finish_reason if stats else None,
+        "cancelled": cancelled,
+        "error": outcome.error is not None,
+    }
+
+
 RESULTS_FILE = "results file"  # what the refusals call it
 # What a results record says about the run that made it; a rerun resumes only records whose
 # run is this one's, so another model's verdicts are never reported as this model's.
@@ -489,6 +508,7 @@ def run_eval(
     todo = Pending(problems, done, count - len(done))
     started = time.monotonic()
     outcomes: dict[tuple[int, int], Outcome] = {}
+    ended_s: dict[tuple[int, int], float] = {}  # when each sample's terminal event came
     seed = job.seed
 
     def request(index: int) -> dict[str, Any]:
@@ -515,6 +535,7 @@ def run_eval(
         outcome.apply(event)
         if not (event.terminal and outcome.done):
             return
+        ended_s[(i, k)] = time.monotonic() - started
         stop = stops.get(i)
         if stop is None:
             first = i * samples  # its samples' request indices follow
@@ -534,6 +555,10 @@ def run_eval(
             record["samples_used"] = len(used)
             if job.stop_unsure and samples > WARMUP:
                 record["samples_unsure"] = len(stop.unsure)
+            record["sample_details"] = [
+                sample_details(o, ended_s.pop((i, s)), s in stop.stopped)
+                for s, o in enumerate(judged)
+            ]
         todo.release(i)
         tally.add(record)
         line = result_line(record)
