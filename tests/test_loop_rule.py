@@ -12,7 +12,10 @@ from typing import Any
 import pytest
 
 from phi4cli.loops import COPIES, LONG_CHARS, LoopDetector
+from tests.conftest import run_phi4
+from tests.scripted_server import chunk, data, scripted_server, separated
 from tests.shapes import PROGRESSING, paragraph_loop
+from tests.tinymodel import write_text_script_model
 from tests.traces import looping_trace
 
 CORPUS = Path(__file__).parent / "data" / "real_traces" / "traces.jsonl"
@@ -120,7 +123,6 @@ def test_real_traces_no_false_positive_and_every_loop_caught(split: str):
 def _thinking_server(thinking: str):
     """Streams ``thinking`` a word a piece as reasoning, then answers 7; asked again with the
     thinking closed (a loop was caught), it answers 7 too."""
-    from tests.scripted_server import chunk, data, separated
 
     def script(body: dict[str, Any]) -> list[Any]:
         if body["messages"][-1]["role"] == "assistant":
@@ -131,35 +133,33 @@ def _thinking_server(thinking: str):
     return script
 
 
+def _solve(*args: str) -> dict[str, Any]:
+    """The record of ``phi4 solve --json`` of a question and ``args`` (exit 0 asserted)."""
+    done = run_phi4("solve", "What is 3+4?", "--json", *args, timeout=500)
+    assert done.returncode == 0, done.stderr
+    record: dict[str, Any] = json.loads(done.stdout)
+    return record
+
+
+def _served(thinking: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The record of ``thinking`` streamed by a scripted server, and the bodies it was sent."""
+    with scripted_server(_thinking_server(thinking)) as server:
+        return _solve("--backend", server.url, "-m", "m"), list(server.bodies)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("shape", sorted(PROGRESSING))
 def test_a_servers_progressing_thinking_runs_to_its_answer(shape: str):
-    from tests.conftest import run_phi4
-    from tests.scripted_server import scripted_server
-
     thinking = PROGRESSING[shape](random.Random(11), 2000)
-    with scripted_server(_thinking_server(thinking)) as server:
-        done = run_phi4("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "--json",
-                        timeout=200)  # fmt: skip
-        asked = len(server.bodies)
-    record = json.loads(done.stdout)
-    assert done.returncode == 0, done.stderr
-    assert (asked, record["answer"], record["stats"]["loop"]) == (1, "7", None)
+    record, bodies = _served(thinking)
+    assert (len(bodies), record["answer"], record["stats"]["loop"]) == (1, "7", None)
     assert record["reasoning"].split() == thinking.split()
 
 
 @pytest.mark.timeout(300)
 def test_a_servers_paragraph_loop_is_cut_within_a_few_hundred_tokens_and_answered():
-    from tests.conftest import run_phi4
-    from tests.scripted_server import scripted_server
-
     thinking, begins = paragraph_loop(random.Random(4), 1500, 60, 6000)
-    with scripted_server(_thinking_server(thinking)) as server:
-        done = run_phi4("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "--json",
-                        timeout=200)  # fmt: skip
-        bodies = list(server.bodies)
-    record = json.loads(done.stdout)
-    assert done.returncode == 0, done.stderr
+    record, bodies = _served(thinking)
     assert record["answer"] == "7" and record["stats"]["loop"] == "answered"
     # A word a piece: loop_at counts words here; 60-word copies, caught in the 5th or 6th.
     assert begins < record["stats"]["loop_at"] <= begins + 6 * 60
@@ -174,15 +174,9 @@ def test_a_servers_paragraph_loop_is_cut_within_a_few_hundred_tokens_and_answere
 def test_the_daemons_progressing_thinking_runs_to_its_answer(shape: str, tmp_path: Path):
     # A scripted tiny model that writes the shape (each piece of it a token of its own) and then
     # answers: the daemon watches its decoded tokens, and must let all of it run.
-    from tests.conftest import run_phi4
-    from tests.tinymodel import write_text_script_model
-
     thinking = PROGRESSING[shape](random.Random(11), 2000)
     model = write_text_script_model(tmp_path / "shape.gguf", thinking, " So $\\boxed{7}$.")
-    done = run_phi4("solve", "What is 3+4?", "-m", str(model), "-t", "0", "-n", "6000",
-                    "--json", timeout=500)  # fmt: skip
-    record = json.loads(done.stdout)
-    assert done.returncode == 0, done.stderr
+    record = _solve("-m", str(model), "-t", "0", "-n", "6000")
     assert (record["answer"], record["stats"]["loop"]) == ("7", None)
     assert record["reasoning"].strip() == thinking.strip()
 
@@ -191,9 +185,6 @@ def test_the_daemons_progressing_thinking_runs_to_its_answer(shape: str, tmp_pat
 def test_the_daemon_cuts_a_paragraph_loop_within_a_few_hundred_tokens_and_answers(
     tmp_path: Path,
 ):
-    from tests.conftest import run_phi4
-    from tests.tinymodel import write_text_script_model
-
     whole, begins = paragraph_loop(random.Random(4), 1500, 60, 2000)
     words = whole.split()
     # The head, then one copy of the paragraph, which the model writes again and again.
@@ -201,10 +192,7 @@ def test_the_daemon_cuts_a_paragraph_loop_within_a_few_hundred_tokens_and_answer
     start = len(" ".join(words[:begins])) + 1
     model = write_text_script_model(tmp_path / "loop.gguf", text, " So $\\boxed{7}$.",
                                     loop_from=start)  # fmt: skip
-    done = run_phi4("solve", "What is 3+4?", "-m", str(model), "-t", "0", "-n", "6000",
-                    "--json", timeout=500)  # fmt: skip
-    record = json.loads(done.stdout)
-    assert done.returncode == 0, done.stderr
+    record = _solve("-m", str(model), "-t", "0", "-n", "6000")
     assert (record["answer"], record["stats"]["loop"]) == ("7", "answered")
     written = len(record["reasoning"].split())
     assert begins + 4 * 60 < written <= begins + 6 * 60 + 10, (written, begins)
