@@ -92,22 +92,22 @@ def replay(samples: list[Sample], compare: Any, stop_unsure: bool = False) -> Re
 
     stop = EarlyStop(k, compare, cancel, adjust if stop_unsure else None)
     for i in sorted(range(k), key=lambda i: samples[i].end_s):
-        if i in cancelled_at:
-            continue
         sample = samples[i]
+        if i in cancelled_at and sample.end_s > cancelled_at[i]:
+            continue  # stopped while running (one that had just ended votes: EarlyStop.end)
         now = sample.end_s
         unsure = bool(floor) and sample.confidence is not None and sample.confidence < floor[0]
         stop.end(i, _outcome(i, sample, unsure))
     tokens = 0
     for i, sample in enumerate(samples):
-        if i not in cancelled_at:
+        if i not in stop.stopped:
             tokens += sample.tokens
             continue
         ran = cancelled_at[i] - sample.start_s
         took = sample.end_s - sample.start_s
         share = min(1.0, max(0.0, ran / took)) if took > 0 else 0.0
         tokens += round(sample.tokens * share)
-    voting = [samples[i].answer for i in range(k) if i not in cancelled_at
+    voting = [samples[i].answer for i in range(k) if i not in stop.stopped
               and i not in stop.unsure]  # fmt: skip
     full = majority_vote([s.answer for s in samples], equal=compare)
     return Replayed(majority_vote(voting, equal=compare).answer, full.answer, full.tie, tokens,
@@ -209,7 +209,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"Simulated: K = {result['k']}, {result['parallel']} at a time; each cell: "
             "median over the seeds (lowest to highest).",
             "",
-            "| mixture | tokens saved | samples used | agrees with full-K (no tie) | "
+            "| mixture | tokens saved | samples that voted | agrees with full-K (no tie) | "
             "full-K ties | accuracy early / full-K |",
             "| --- | --- | --- | --- | --- | --- |",
         ]
@@ -230,7 +230,7 @@ def markdown(result: dict[str, Any]) -> str:
     return (
         f"Replayed {result['results']}: {result['problems']} problems, K = {result['k']}; "
         f"a sample right {_pct(result['sample_accuracy'])}.\n\n"
-        "| tokens saved | samples used | agrees with full-K (no tie) | full-K ties | "
+        "| tokens saved | samples that voted | agrees with full-K (no tie) | full-K ties | "
         "accuracy early / full-K |\n| --- | --- | --- | --- | --- |\n"
         f"| {_pct(result['tokens_saved'])} | {result['mean_samples']:.2f} | "
         f"{_pct(result['agreement_untied'])} | {_pct(result['tie_rate'])} | "

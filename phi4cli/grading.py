@@ -535,7 +535,8 @@ def run_eval(
         outcome.apply(event)
         if not (event.terminal and outcome.done):
             return
-        ended_s[(i, k)] = time.monotonic() - started
+        if samples > 1:
+            ended_s[(i, k)] = time.monotonic() - started
         stop = stops.get(i)
         if stop is None:
             first = i * samples  # its samples' request indices follow

@@ -17,12 +17,14 @@ is cut into pieces of that size, so text without spaces is counted too):
   text's *period* (a paragraph written again and again recurs at its own length);
 - the text *loops* once, over the last ``COPIES`` periods (and at least ``MIN_SPAN`` words),
   ``SHARE`` of the words recur within that span, at most ``NEW_PER_COPY`` new words came per
-  period, and one period holds ``MIN_DISTINCT`` distinct words or more: a block of text at least
-  that rich, written ``COPIES`` times with (next to) nothing new;
+  period, and each of those periods holds ``max(MIN_DISTINCT, period // 4)`` distinct words
+  with a letter in them or more: a block of text at least that rich, written ``COPIES`` times
+  with (next to) nothing new;
 - a repeating unit poorer than that (``1 + 1 + 1``, ``0 & 0 & 1``, ``2, 4, 8, 6,``, digits of
   1/7) is how structured progress looks for a while — a sum of hundreds of ones, a matrix, a
-  cycle of residues — so it loops only after ``LONG_SPAN`` words, or ``LONG_CHARS``
-  characters, in which nothing new came at all.
+  cycle of residues — so it loops only after ``LONG_SPAN`` words, or ``LONG_CHARS`` characters
+  (each word's and a space after it), in which no new word came at all and ``SHARE`` of the
+  words recur (this holds whatever the unit).
 
 The numbers were chosen on the progressing shapes of ``tests/shapes.py`` and the *dev* half of
 the real-trace corpus (``tests/data/real_traces``); ``bench/loops.py`` reports both error kinds
@@ -33,6 +35,7 @@ per distinct word and n-gram.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from itertools import islice
 
@@ -121,7 +124,10 @@ class LoopDetector:
             self._seen_at[key] = at
             gap = 0 if before is None else at - before
         if len(self._gaps) == LOOKBACK and self._gaps[0]:
-            self._gap_counts[self._gaps[0]] -= 1
+            old = self._gaps[0]
+            self._gap_counts[old] -= 1
+            if not self._gap_counts[old]:
+                del self._gap_counts[old]  # (the period is the commonest of those left)
         self._gaps.append(gap)
         if gap:
             self._gap_counts[gap] += 1
@@ -136,7 +142,7 @@ class LoopDetector:
     def _quiet(self, span: int) -> int:
         """New words among the last ``span`` words."""
         start = self.words - span
-        return sum(1 for at in reversed(self._new) if at >= start) if self._new else 0
+        return sum(1 for _ in itertools.takewhile(lambda at: at >= start, reversed(self._new)))
 
     def _recurring(self, span: int, within: int | None = None) -> float:
         """The share of the last ``span`` words that recur within ``within`` words (by default,

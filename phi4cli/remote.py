@@ -364,7 +364,8 @@ class RemoteEngine:
         try:
             if budget == 0 and self.thinks:
                 # No thinking at all: start the answer straight away.
-                state.policy.budget_reached = True
+                if state.policy.counted(0, in_reasoning=True) is Act.ANSWER:
+                    state.policy.closed(fitted=True)
             else:
                 body = self._body(params, messages)
                 for kind, text in self._events(client, body, reader, state):

@@ -88,7 +88,8 @@ class ThinkingPolicy:
 
     def closing(self, reasoning_tokens: int) -> Act:
         """The model ends its thinking after ``reasoning_tokens``: WAIT while under
-        --min-think (not when phi4 closed it, nor after MAX_WAITS), else GO_ON."""
+        --min-think (not for an answer with no thinking at all, 0 tokens; not once phi4 closed
+        the thinking itself; not after MAX_WAITS), else GO_ON."""
         if (
             0 < reasoning_tokens < self.min_think
             and not self.budget_reached

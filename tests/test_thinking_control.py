@@ -281,7 +281,7 @@ def test_a_loop_in_the_answer_exits_1_and_says_so_in_every_mode(mode: list[str])
         done = run_phi4("solve", "What is big?", "--backend", server.url, "-m", "m", *mode,
                         timeout=100)  # fmt: skip
     assert done.returncode == 1, done.stderr
-    assert "the output repeated itself and was stopped" in done.stderr
+    assert done.stderr.count("the output repeated itself and was stopped") == 1, done.stderr
     if mode == ["--json"]:
         record = json.loads(done.stdout)
         assert (record["stats"]["loop"], record["stats"]["finish_reason"]) == ("stopped", "loop")
@@ -315,3 +315,22 @@ def test_a_cut_loop_whose_answer_states_none_exits_1_and_says_so(mode: list[str]
         assert len(server.bodies) == 2  # the answer was asked for
     assert done.returncode == 1, done.stderr
     assert "the thinking repeated itself and was ended there" in done.stderr
+
+
+def _boxed_answer_looping_server(body: dict[str, Any]) -> list[str | Step]:
+    """No thinking: the answer states 4, then says so again and again."""
+    words = "So the answer is $\\boxed{4}$ and I am sure of it, let me say it again. " * 80
+    return [*(chunk({"content": w + " "}) for w in words.split()), chunk({}, "stop"),
+            data("[DONE]")]  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [[], ["--json"], ["-a"]])
+def test_a_looping_answer_that_stated_one_exits_1_and_says_it_may_be_cut_short(mode: list[str]):
+    with scripted_server(_boxed_answer_looping_server) as server:
+        done = run_phi4("solve", "What is 2+2?", "--backend", server.url, "-m", "m", *mode,
+                        timeout=100)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("repeated itself and was stopped: its answer may be cut short") == 1
+    if mode == ["-a"]:
+        assert done.stdout.strip() == "4"

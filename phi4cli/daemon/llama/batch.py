@@ -693,12 +693,12 @@ class LlamaEngine:
             and self._keep_thinking(slot, text)  # the end taken back, "Wait" written
         ):
             run.generated += 1
-            in_reasoning = run.splitter.in_reasoning
-            run.reasoning_tokens += in_reasoning
+            run.reasoning_tokens += run.splitter.in_reasoning
             self._forward(run, text)
             slot.pending.append(token)
             run.recent.append(len(text))
-            self._act(slot, policy.text(text, in_reasoning, run.generated))
+            # (Where the text leaves it: a token that closes the thinking is answer after it.)
+            self._act(slot, policy.text(text, run.splitter.in_reasoning, run.generated))
         if run.finish_reason is None:
             self._act(slot, policy.counted(run.reasoning_tokens, run.splitter.in_reasoning))
         if run.generated >= run.budget or len(slot.tokens) + len(slot.pending) >= run.max_len:
