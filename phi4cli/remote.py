@@ -103,7 +103,8 @@ def messages_for(params: dict[str, Any]) -> list[dict[str, str]]:
 class _Failure(Exception):
     """The stream ended in an error: the terminal event to report. ``fault``: the server
     failed, not the request ("down": it went away, hung up or went quiet mid-answer; "busy": it
-    stayed busy), so another replica, or the same one once it is back, may answer it."""
+    stayed busy; "broken": it is up but answered 500 or a stream that cannot be read), so
+    another replica, or the same one once it is back, may answer it."""
 
     def __init__(self, code: ErrorCode, message: str, fault: str | None = None) -> None:
         super().__init__(message)
@@ -378,9 +379,11 @@ class RemoteEngine:
                 yield from self._answer_after_budget(client, params, messages, reader, state)
         except _Failure as failure:
             if failure.fault is not None:
+                # A broken replica is marked down (probed before it is sent more) and not sent
+                # this request again: another one answers it, if there is another.
                 raise ReplicaFault(failure.code, failure.message,
-                                   down=failure.fault in ("down", "silent"),
-                                   elsewhere=failure.fault in ("busy", "silent"),
+                                   down=failure.fault in ("down", "silent", "broken"),
+                                   elsewhere=failure.fault in ("busy", "silent", "broken"),
                                    stats=Event.of_stats(state.stats(self, reader, params))
                                    ) from None  # fmt: skip
             yield Event.of_stats(state.stats(self, reader, params))
@@ -621,7 +624,8 @@ def _transport_failure(error: httpx.TransportError, watch: _Watch) -> Exception:
     if isinstance(error, httpx.TimeoutException):
         return watch.silent() if watch.answered else watch.unanswered()
     if isinstance(error, httpx.SSEError):
-        return _Failure(ErrorCode.BACKEND_ERROR, f"the backend's reply is not a stream: {error}")
+        return _Failure(ErrorCode.BACKEND_ERROR, f"the backend's reply is not a stream: {error}",
+                        fault="broken")  # fmt: skip
     return _Failure(
         ErrorCode.BACKEND_ERROR,
         f"the connection to the backend broke: {_reason(error)}",
@@ -797,7 +801,7 @@ def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
 
 
 def _nonsense(url: str, what: str) -> _Failure:
-    return _Failure(ErrorCode.BACKEND_ERROR, f"the backend {url} sent {what}")
+    return _Failure(ErrorCode.BACKEND_ERROR, f"the backend {url} sent {what}", fault="broken")
 
 
 def _reason(error: Exception) -> str:
@@ -814,10 +818,11 @@ def _chunk(data: str, url: str) -> dict[str, Any]:
         chunk = json.loads(data)
     except (ValueError, RecursionError):  # also digits past int's limit, or nesting too deep
         shown = excerpt(data, 80)
-        raise _Failure(ErrorCode.BACKEND_ERROR,
-                       f"the backend sent a malformed event: {shown!r}") from None  # fmt: skip
+        message = f"the backend sent a malformed event: {shown!r}"
+        raise _Failure(ErrorCode.BACKEND_ERROR, message, "broken") from None
     if not isinstance(chunk, dict):
-        raise _Failure(ErrorCode.BACKEND_ERROR, "the backend sent an event that is not an object")
+        raise _Failure(ErrorCode.BACKEND_ERROR, "the backend sent an event that is not an object",
+                       "broken")  # fmt: skip
     error = chunk.get("error")
     if error:
         message = error.get("message") if isinstance(error, dict) else error
@@ -870,9 +875,11 @@ def _http_failure(response: httpx.Response, text: str, whole: bool) -> _Failure:
     status = response.status_code
     code = _CODE_FOR_STATUS.get(status, ErrorCode.BACKEND_ERROR)
     # Busy for good (429, 503): another replica may have room. A proxy's 502 or 504 (LiteLLM's
-    # for an upstream that died, say): that server failed, not the request. A 500 is the
-    # server's own answer to this request, and stays its error.
-    fault = "busy" if status in (429, 503) else "down" if status in (502, 504) else None
+    # for an upstream that died, say): that server failed, not the request. A 500 (or another
+    # 5xx): the server is up but broken; another replica may answer, and when none does, it is
+    # the request's error.
+    fault = ("busy" if status in (429, 503) else "down" if status in (502, 504)
+             else "broken" if status >= 500 else None)  # fmt: skip
     return _Failure(code, f"the backend answered {status}: {shown}", fault)
 
 

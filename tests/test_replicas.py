@@ -508,3 +508,43 @@ def test_a_metrics_page_too_big_to_be_one_is_not_read_to_its_end():
     assert result.returncode == 0, result.stderr
     (replica,) = json.loads(result.stdout)["replicas"]
     assert replica["state"] == "up" and replica["in_flight"] is None
+
+
+def _broken(kind: str) -> Any:
+    """A replica that is up but broken: it answers 500, or a stream that cannot be read."""
+
+    def script(_body: dict[str, Any]) -> list[str | Step | Head]:
+        if kind == "500":
+            return [Head(500), '{"error": {"message": "internal server error"}}']
+        return [chunk({"role": "assistant", "content": ""}), "data: {not json\n\n",
+                data("[DONE]")]  # fmt: skip
+
+    return script
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["500", "garbage"])
+def test_a_replica_up_but_broken_hands_every_problem_to_the_healthy_one(kind: str, tmp_path: Path):
+    with scripted_server(_broken(kind)) as broken, scripted_server(answer_lines) as good:
+        result = solve_file([broken.url, good.url], problems_file(tmp_path, 20), "--jsonl",
+                            "--verbose", timeout=240)  # fmt: skip
+        asked = [question_of(b) for b in broken.bodies]
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["answer"] for r in records] == [str(2 * i) for i in range(1, 21)]
+    assert len(asked) == len(set(asked)), "each problem went to the broken replica once at most"
+    assert len(asked) >= 1
+    # The summary counts the broken replica's failures.
+    line = next(x for x in result.stderr.splitlines() if broken.url.split("//")[1] in x)
+    assert f"{len(asked)} failed" in line, result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_lone_broken_replica_is_each_problems_error_record(tmp_path: Path):
+    with scripted_server(_broken("500")) as broken:
+        result = solve_file([broken.url], problems_file(tmp_path, 3), "--jsonl", timeout=100)
+    assert result.returncode == 1
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["error"]["message"] for r in records] == [
+        "the backend answered 500: internal server error"
+    ] * 3
