@@ -96,6 +96,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
     from phi4cli.environment import Environment
 
     env = Environment()
+    # What writes to sys.stdout or sys.stderr, not through env (rich's own consoles, print), meets
+    # the same guard at a terminal.
+    if env.stdout_isatty:
+        sys.stdout = env.stdout
+    if env.stderr_isatty:
+        sys.stderr = env.stderr
     if args[:1] == ["solve"] and "_PHI4_COMPLETE" not in os.environ:
         parsed = parse_solve(args[1:])
         if parsed is not None:

@@ -9,6 +9,7 @@ import sys
 
 from phi4cli.exits import Announce, notice_line, say
 from phi4cli.paths import Paths, get_paths
+from phi4cli.sanitize import guard_terminal
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -48,6 +49,12 @@ class Environment:
         self.stdin_isatty = _isatty(self.stdin) if stdin_isatty is None else stdin_isatty
         self.stdout_isatty = _isatty(self.stdout) if stdout_isatty is None else stdout_isatty
         self.stderr_isatty = _isatty(self.stderr) if stderr_isatty is None else stderr_isatty
+        # Whatever is written to a terminal passes the last guard against hidden and reordered
+        # text (sanitize.TerminalStream); a pipe keeps the invisible characters as sent.
+        if self.stdout_isatty:
+            self.stdout = guard_terminal(self.stdout)
+        if self.stderr_isatty:
+            self.stderr = guard_terminal(self.stderr)
         if colour is None:
             colour = not os.environ.get("NO_COLOR") and os.environ.get("TERM", "") != "dumb"
         self.colour = colour

@@ -347,6 +347,11 @@ def _converter() -> tuple[Any, Any]:
             MacroTextSpec("rvert", simplify_repl="|"),
             MacroTextSpec("lVert", simplify_repl="‖"),
             MacroTextSpec("rVert", simplify_repl="‖"),
+            # Line-breaking hints (a soft hyphen, a word joiner, a zero-width non-joiner) mean
+            # nothing on a terminal, which would show them as <U+00AD> and the like.
+            MacroTextSpec("-", simplify_repl=""),
+            MacroTextSpec("nolinebreak", simplify_repl=""),
+            MacroTextSpec("textcompwordmark", simplify_repl=""),
             *(
                 MacroTextSpec(name, simplify_repl=name)
                 for name in (

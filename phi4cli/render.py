@@ -8,7 +8,7 @@ import time
 from phi4cli.environment import Environment
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event, EventKind, Stats
-from phi4cli.sanitize import TextCleaner, clean_text
+from phi4cli.sanitize import TextCleaner, clean_text, terminal_text
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -94,19 +94,55 @@ _PRODUCT = re.compile(r"(?<=[^\W_)\]}!'′])\*+(?=[^\W_(\[{√+\-−.])")  # noq
 _FENCE = re.compile(r"^ {0,3}(```|~~~)")
 
 
+# A character reference, as Markdown decodes it (CommonMark: up to 6 hex or 7 decimal digits, or
+# an HTML5 entity name).
+_ENTITY = re.compile(r"&(?:#[xX]([0-9a-fA-F]{1,6})|#([0-9]{1,7})|([A-Za-z][A-Za-z0-9]{1,31}));")
+
+
+def _escape_entities(prose: str) -> str:
+    """Escape (``\\&``) each entity that Markdown would decode into something phi4 does not
+    show as it is (&#x202e; would reach the screen as a real U+202E): it is shown as written."""
+    out: list[str] = []
+    position = 0
+    for match in _ENTITY.finditer(prose):
+        start = match.start()
+        hexadecimal, decimal, name = match.groups()
+        if name is not None:
+            from html.entities import html5
+
+            decoded = html5.get(name + ";", "")
+        else:
+            code = int(hexadecimal, 16) if hexadecimal is not None else int(decimal)
+            decoded = chr(code) if code <= 0x10FFFF else ""
+        if terminal_text(decoded) == decoded and clean_text(decoded) == decoded:
+            continue
+        backslashes = start
+        while backslashes > position and prose[backslashes - 1] == "\\":
+            backslashes -= 1
+        if (start - backslashes) % 2 == 0:  # an odd run escapes the & already: \&#x202e;
+            out.append(prose[position:start] + "\\")
+            position = start
+    out.append(prose[position:])
+    return "".join(out)
+
+
 def _escape_math(prose: str) -> str:
     """Escape what Markdown would take from math in ``prose`` (outside code): `*` in products,
     and `<`, which would open an HTML tag and hide ``x<y and y>z`` up to the `>`."""
     prose = _PRODUCT.sub(lambda match: "\\*" * len(match.group(0)), prose)
+    if "&" in prose:
+        prose = _escape_entities(prose)
     return prose.replace("<", "\\<")
 
 
 def markdown_source(solution: str) -> str:
     """Return the (cleaned) solution as Markdown for the terminal: math converted to Unicode
-    and escaped so that no character of it is lost or read as Markdown; code left as written."""
+    and escaped so that no character of it is lost or read as Markdown; code left as written;
+    invisible characters shown (``<U+200B>``) and no entity decoded into one or into a control."""
     from phi4cli.latex import latex_to_unicode
 
-    lines = latex_to_unicode(solution).split("\n")
+    # Shown before rich lays the text out, so that lines are wrapped at the width shown.
+    lines = terminal_text(latex_to_unicode(solution)).split("\n")
     in_fence = False
     for number, line in enumerate(lines):
         if _FENCE.match(line):
@@ -261,7 +297,7 @@ class TerminalPresenter:
         from phi4cli.latex import latex_to_unicode
 
         height = max(3, self.out.size.height - 2)
-        shown = latex_to_unicode(clean_text(self._solution))
+        shown = terminal_text(latex_to_unicode(clean_text(self._solution)))
         wrapped = Text(shown).wrap(self.out, self.out.width)
         return Text("\n").join(wrapped[-height:])
 
@@ -352,7 +388,7 @@ class TerminalPresenter:
         if final is not None:
             from rich.markup import escape
 
-            shown = escape(math_to_unicode(clean_text(final)))
+            shown = escape(terminal_text(math_to_unicode(clean_text(final))))
             self.out.print(f"[bold green]Answer:[/bold green] [bold]{shown}[/bold]{suffix}")
         else:
             from rich.markup import escape

@@ -11,21 +11,35 @@ something was there:
 - a carriage return not followed by a newline (``\\r\\n`` becomes ``\\n``);
 - the bidi overrides and isolates (U+202A-U+202E, U+2066-U+2069), which reorder what is shown.
 
+What a terminal would not show at all (zero-width spaces and joiners, LRM and RLM, the BOM, tag
+characters: ``_INVISIBLE``) is kept by the cleaner, as sent, for a pipe; at a terminal
+``terminal_text`` writes each as ``<U+200B>``, as ``less`` does. ``TerminalStream``, around every
+stream that is a terminal, passes all that is written to it through ``terminal_text``: the last
+guard, which also catches what a renderer made of the text after it was cleaned (rich's Markdown
+decodes ``&#x202e;`` into U+202E).
+
 Linear in the text, no backtracking: a character-class search finds the next character of
 interest and a small state machine walks the sequences. ``TextCleaner`` keeps that state
 between the chunks of a stream, so a sequence split across two tokens is still caught.
 
-Light on purpose: the client path of ``phi4 solve`` imports this (``re`` only).
+Light on purpose: the client path of ``phi4 solve`` imports this (``re`` only, and the
+``functools`` that ``re`` imports itself).
 """
 
 from __future__ import annotations
 
 import re
+from functools import cache
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, TextIO
 
 REPLACEMENT = "\ufffd"
 
+_BIDI = "\u202a-\u202e\u2066-\u2069"  # the overrides and isolates, as a character class
 # Every character that starts something to clean; anything else is copied as it is.
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+_UNSAFE = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}]")
 
 _NORMAL, _ESCAPE, _CSI, _STRING, _STRING_ESCAPE, _NF, _CR = range(7)
 
@@ -129,21 +143,93 @@ def clean_text(text: str) -> str:
     return cleaner.feed(text) + cleaner.flush()
 
 
+# Invisible: the format characters (Unicode category Cf) other than the bidi controls, the line
+# and paragraph separators, and the other default-ignorable code points that stand alone (Hangul
+# fillers, unassigned ones); not the variation selectors and combining marks, which attach to a
+# visible character (an emoji's U+FE0F). A test checks this against the interpreter's Cf.
+_INVISIBLE = (
+    "\xad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u115f\u1160\u180e\u200b-\u200f"
+    "\u2028\u2029\u2060-\u2065\u206a-\u206f\u3164\ufeff\uffa0\ufff0-\ufffb\U000110bd\U000110cd"
+    "\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e00ff"
+    "\U000e01f0-\U000e0fff"
+)
+# C1 and bidi controls are cleaned before any text is shown; here they are a second line: a
+# renderer may have decoded them from an entity. C0 and ESC are not: they are phi4's own styling.
+_AT_TERMINAL = f"[\x80-\x9f{_BIDI}{_INVISIBLE}]"
+
+
+@cache
+def _compiled(pattern: str) -> re.Pattern[str]:
+    """``pattern`` compiled on first use: a command that writes no JSON, or nothing to a
+    terminal, does not pay for it."""
+    return re.compile(pattern)
+
+
+def _shown(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if code <= 0x9F or 0x202A <= code <= 0x202E or 0x2066 <= code <= 0x2069:
+        return REPLACEMENT
+    return f"<U+{code:04X}>"
+
+
+def terminal_text(text: str) -> str:
+    """Return ``text`` as a terminal may show it: C1 and bidi controls one U+FFFD each, every
+    invisible character as ``<U+XXXX>``. Per character, with no state: escape sequences are
+    ``clean_text``'s, and phi4's own (its styling) pass."""
+    pattern = _compiled(_AT_TERMINAL)
+    if pattern.search(text) is None:
+        return text
+    return pattern.sub(_shown, text)
+
+
+class TerminalStream:
+    """A stream that is a terminal, with everything written to it passed through
+    ``terminal_text``; anything else (``fileno``, ``isatty``, ``flush``, ``buffer``) is the
+    stream's own. Bytes written to its ``buffer`` pass unseen: prompt-toolkit draws the input
+    line that way."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(terminal_text(text))
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def guard_terminal(stream: TextIO) -> TextIO:
+    """Return ``stream`` as a ``TerminalStream`` (once: a guarded stream is returned as it is)."""
+    if isinstance(stream, TerminalStream):
+        return stream
+    return TerminalStream(stream)  # type: ignore[return-value]  # a TextIO but for its name
+
+
 # In a JSON text these can only stand inside strings, and `json.dumps(ensure_ascii=False)`
-# writes them raw: a terminal reads a raw U+009B as CSI. As \uXXXX escapes the JSON decodes to
-# the same value. Lone surrogates, which cannot be encoded, are escaped the same way.
-_JSON_ESCAPES = {
-    code: f"\\u{code:04x}"
-    for code in (
-        *range(0x7F, 0xA0),
-        *range(0x202A, 0x202F),
-        *range(0x2066, 0x206A),
-        *range(0xD800, 0xE000),
-    )
-}
+# writes them raw: a terminal reads a raw U+009B as CSI, and shows no invisible character. As
+# \uXXXX escapes the JSON decodes to the same value. Lone surrogates, which cannot be encoded,
+# are escaped the same way.
+_JSON_UNSAFE = f"[\x7f-\x9f{_BIDI}\ud800-\udfff{_INVISIBLE}]"
+
+
+def _json_escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if code > 0xFFFF:  # as a surrogate pair, as JSON writes a character beyond the BMP
+        code -= 0x10000
+        return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+    return f"\\u{code:04x}"
 
 
 def json_safe(json_text: str) -> str:
     """Return a JSON text (from ``json.dumps(..., ensure_ascii=False)``) with DEL, C1, bidi
-    controls and lone surrogates written as ``\\uXXXX`` escapes: still valid JSON, same value."""
-    return json_text.translate(_JSON_ESCAPES)
+    controls, invisible characters and lone surrogates written as ``\\uXXXX`` escapes: still
+    valid JSON, same value."""
+    pattern = _compiled(_JSON_UNSAFE)
+    if pattern.search(json_text) is None:
+        return json_text
+    return pattern.sub(_json_escape, json_text)
