@@ -818,8 +818,8 @@ def _chunk(data: str, url: str) -> dict[str, Any]:
         chunk = json.loads(data)
     except (ValueError, RecursionError):  # also digits past int's limit, or nesting too deep
         shown = excerpt(data, 80)
-        message = f"the backend sent a malformed event: {shown!r}"
-        raise _Failure(ErrorCode.BACKEND_ERROR, message, "broken") from None
+        malformed = f"the backend sent a malformed event: {shown!r}"
+        raise _Failure(ErrorCode.BACKEND_ERROR, malformed, "broken") from None
     if not isinstance(chunk, dict):
         raise _Failure(ErrorCode.BACKEND_ERROR, "the backend sent an event that is not an object",
                        "broken")  # fmt: skip
