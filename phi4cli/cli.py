@@ -17,7 +17,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from phi4cli import __version__, protocol
-from phi4cli.config import Settings, format_duration, load_settings
+from phi4cli.config import Settings, format_duration, load_settings, variable
 from phi4cli.environment import Environment
 from phi4cli.errors import ConfigError, ExitStatus, Phi4Error, UsageError
 from phi4cli.exits import say  # the one `phi4:` line on stderr, cleaned
@@ -482,6 +482,8 @@ def serve(
     from phi4cli.http_api import serve as serve_http
     from phi4cli.models import ALIASES, alias_path, resolve_model
 
+    if api_key is None and variable("PHI4_API_KEY") == "":
+        api_key = ""  # set but empty (click reads that as unset): refused, not served keyless
     check_address(http, api_key)  # before anything else is looked at
     check_allowances(allow_host or (), allow_origin or ())
     paths = get_paths()
@@ -603,7 +605,8 @@ def logs(
         raise Phi4Error(f"no daemon log yet ({path}); the daemon writes it once it starts")
     cleaner = TextCleaner()  # the log quotes requests and engine errors: foreign text
     with path.open("rb") as handle:
-        for line in deque(handle, maxlen=lines) if lines else ():
+        # More lines than a deque can count (it overflows past sys.maxsize) is every line.
+        for line in deque(handle, maxlen=min(lines, sys.maxsize)) if lines else ():
             sys.stdout.write(cleaner.feed(line.decode(errors="replace")))
         sys.stdout.flush()
         if not follow:
@@ -833,8 +836,10 @@ def _started_with(given: str, settings: Settings) -> Settings:
     from phi4cli.options import DAEMON_START
 
     try:
-        values = json.loads(given)
-    except json.JSONDecodeError:
+        # A long whole number is kept as its text, which the table's parser refuses naming its
+        # key (json's own int() would stop at 4,300 digits with a bare ValueError).
+        values = json.loads(given, parse_int=lambda text: int(text) if len(text) < 40 else text)
+    except ValueError:
         values = None
     if not isinstance(values, dict) or not set(values) <= set(DAEMON_START):
         raise UsageError(f"--settings must be a JSON object of {', '.join(DAEMON_START)}")

@@ -78,14 +78,24 @@ def set_in_environment(key: str, environ: Mapping[str, str] | None = None) -> bo
 
 
 def parse_setting(key: str, value: object, source: str) -> Any:
-    """Return ``value`` parsed for setting ``key``; raise ConfigError naming ``source``."""
+    """Return ``value`` parsed for setting ``key``; raise ConfigError naming ``source`` and
+    ``key`` (a long value shown by its start and length)."""
     setting = _FIELDS[key]
     try:
         return setting.parse(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # the parsers check ranges first; a guard
         raise ConfigError(
-            f"{source}: invalid {key} {value!r}: expected {setting.allowed}"
+            f"{source}: invalid {key} {_shown(value)}: expected {setting.allowed}"
         ) from None
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error shows it: its repr, only the start of a long one."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more digits than Python converts (4,300)
+        return "(a number of over 4,300 digits)"
+    return text if len(text) <= 80 else f"{text[:64]}... ({len(text):,} characters)"
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -105,6 +115,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not a text file (TOML); fix or remove it") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    except ValueError:  # tomllib's int() of a number of over 4,300 digits
+        raise ConfigError(f"{path}: {_long_number(path)}") from None
     if "backends" in data:  # the plural reads better for a list of replicas
         if "backend" in data:
             raise ConfigError(f"{path}: give backend or backends, not both")
@@ -115,6 +127,20 @@ def read_config_file(path: Path) -> dict[str, Any]:
             f"{path}: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(_FIELDS))}"
         )
     return data
+
+
+def _long_number(path: Path) -> str:
+    """What to say of a config file holding an integer too long for Python to read, naming the
+    key it is given to when that can be told."""
+    import re
+
+    said = "holds a number of over 4,300 digits, more than any setting allows"
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        text = ""
+    found = re.search(r"^\s*([A-Za-z0-9_-]{1,40})\s*=\s*[+-]?[0-9_]{4300}", text, re.MULTILINE)
+    return f"invalid {found[1]}: it {said}" if found else f"the file {said}"
 
 
 def load_settings(

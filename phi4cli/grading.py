@@ -20,7 +20,7 @@ from pathlib import Path
 from phi4cli.atomicfile import RefusedFileError, open_user_file, replace_user_file
 from phi4cli.confidence import WARMUP
 from phi4cli.errors import UsageError
-from phi4cli.options import REQUEST_KEYS, SETTING
+from phi4cli.options import REQUEST_KEYS, SETTING, sample_seed
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event
 from phi4cli.reasoning import AnswerComparer, majority_vote
@@ -514,7 +514,7 @@ def run_eval(
     def request(index: int) -> dict[str, Any]:
         i, k = divmod(index, samples)  # request index: problem i's sample k
         return job.params(todo[i].problem, priority="bulk",
-                          **({} if seed is None else {"seed": seed + k}))  # fmt: skip
+                          **({} if seed is None else {"seed": sample_seed(seed, k)}))  # fmt: skip
 
     requests = Requests(request, len(todo) * samples)
     stops: dict[int, EarlyStop] = {}  # by problem being answered

@@ -39,14 +39,26 @@ PROC_NET = Path("/proc/self/net")
 
 
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The address ``text`` names, an IPv4-mapped IPv6 one as IPv4; None for a name."""
+    """The address ``text`` names, without its scope id, an IPv4-mapped IPv6 one as IPv4; None
+    for a name, or for something that is neither (``127.0.0.1%evil.example``: a scope id is
+    only for an IPv6 address, ``fe80::1%eth0``)."""
+    literal, percent, scope = text.partition("%")
     try:
-        address = ipaddress.ip_address(text.split("%", 1)[0])
+        address = ipaddress.ip_address(literal)
     except ValueError:
         return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
+    if isinstance(address, ipaddress.IPv6Address):
+        if percent and (address.ipv4_mapped is not None or not _SCOPE_ID.fullmatch(scope)):
+            return None
+        if address.ipv4_mapped is not None:
+            return address.ipv4_mapped
+    elif percent:
+        return None
     return address
+
+
+# An interface's name or number (RFC 6874's zone id, as Linux names interfaces).
+_SCOPE_ID = re.compile(r"[A-Za-z0-9._~-]{1,64}")
 
 
 def _canonical(name: str) -> str | None:
@@ -74,12 +86,21 @@ def split_host(header: str) -> tuple[str, int | None] | None:
         port_text = port_text_ if colon else None
         if ":" in port_text_:
             return None  # an IPv6 literal must be in brackets
-    if port_text is not None and not (port_text.isascii() and port_text.isdigit()):
+    port = None if port_text is None else port_number(port_text)
+    if port_text is not None and port is None:
         return None
     name = name.lower().removesuffix(".")
     if not name:
         return None
-    return name, int(port_text) if port_text else None
+    return name, port
+
+
+def port_number(text: str) -> int | None:
+    """``text`` as a TCP port (0 to 65535); None for anything else, checked before int() reads
+    it (``²`` is a digit to isdigit(), and 5,000 digits would be int()'s ValueError)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 5) or int(text) > 65535:
+        return None
+    return int(text)
 
 
 def _decode_proc_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:

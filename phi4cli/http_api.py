@@ -37,19 +37,36 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from phi4cli.backends import Backend, RequestStream
-from phi4cli.config import Settings, variable
-from phi4cli.errors import Phi4Error, RequestError, UsageError, http_status_for
+from phi4cli.config import Settings, parse_duration, variable
+from phi4cli.errors import ConfigError, Phi4Error, RequestError, UsageError, http_status_for
 from phi4cli.exits import Announce
-from phi4cli.http_access import AccessGuard, AccessPolicy
+from phi4cli.http_access import AccessGuard, AccessPolicy, port_number
 from phi4cli.options import SETTINGS
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Event, EventKind, Op, ProtocolViolation, parse_chat_params
 
 MAX_BODY_BYTES = 4 << 20
+
+
+def _timeout(name: str, default: float) -> float:
+    """Seconds from variable ``name`` (a number, or a duration such as 30s), ``default`` when
+    unset; raise ConfigError naming it for 0, a negative, inf or NaN."""
+    text = variable(name)
+    if not text:
+        return default
+    try:
+        seconds = parse_duration(text)
+    except ValueError:
+        seconds = 0.0
+    if seconds <= 0:
+        raise ConfigError(f"{name}: invalid {text[:40]!r}: expected a number of seconds above 0")
+    return seconds
+
+
 # A client has this long to send a request's headers, and then its body: slow clients that
 # never finish (slowloris) are cut off instead of holding connections forever.
-HEADER_TIMEOUT_S = float(variable("PHI4_HTTP_HEADER_TIMEOUT") or 10)
-BODY_TIMEOUT_S = float(variable("PHI4_HTTP_BODY_TIMEOUT") or 30)
+HEADER_TIMEOUT_S = _timeout("PHI4_HTTP_HEADER_TIMEOUT", 10.0)
+BODY_TIMEOUT_S = _timeout("PHI4_HTTP_BODY_TIMEOUT", 30.0)
 MAX_CONNECTIONS = 512
 # Worker threads for streams waiting on the daemon (anyio's default of 40 would cap concurrent
 # streams below the daemon's queue).
@@ -157,6 +174,13 @@ def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[st
             raise ApiError(400, f"unsupported message role {role!r}")
     if not turns or turns[-1]["role"] != "user":
         raise ApiError(400, "the last message must be the user's")
+    # Read here, not by the daemon: a 1 for true, or n = 2 answered with one choice, would be
+    # taken without a word.
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise ApiError(400, "'stream' must be true or false", param="stream")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
+        raise ApiError(400, "'n' must be 1: this server answers with one choice", param="n")
     params: dict[str, Any] = {
         # Each request is its own session: the daemon finds the shared prefix in its slots.
         "session": uuid.uuid4().hex,
@@ -525,18 +549,31 @@ def _header_deadline_protocol() -> type[Any]:
     return HeaderDeadline
 
 
+def _sendable(api_key: str) -> bool:
+    """Whether a client can send ``Bearer KEY``: not empty, ASCII (header bytes are read as
+    Latin-1), printable (h11 refuses control characters), no spaces at its ends (stripped)."""
+    return api_key == api_key.strip() != "" and api_key.isascii() and api_key.isprintable()
+
+
 def check_address(address: str, api_key: str | None) -> tuple[str, int]:
-    """``HOST:PORT`` as (host, port); raise UsageError for a bad one, or a public one without
-    a key."""
+    """``HOST:PORT`` as (host, port); raise UsageError for a bad one, a public one without a
+    key, or a key no client can send."""
+    if api_key is not None and not _sendable(api_key):
+        raise UsageError(
+            "--api-key (or PHI4_API_KEY) is empty or holds what no client can send in a header; "
+            "give a key of printable ASCII characters, or no --api-key"
+        )
     host, _, port_text = address.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
-    if not port_text.isdigit() or int(port_text) > 65535:
+    port = port_number(port_text)
+    if port is None:
         raise UsageError(
-            f"bad address {address!r}: use HOST:PORT with a port up to 65535, e.g. 127.0.0.1:8080"
+            f"bad address {address[:64]!r}: use HOST:PORT with a port up to 65535, e.g. "
+            "127.0.0.1:8080"
         )
     if not is_loopback(host) and not api_key:
         raise UsageError(f"binding {host} (not loopback) needs --api-key")
-    return host, int(port_text)
+    return host, port
 
 
 def serve(

@@ -36,6 +36,13 @@ DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer wit
 DEFAULT_KEEP_ALIVE = 30 * 60.0
 MIN_N_CTX = 64  # below this no question fits beside a system prompt (and llama.cpp may abort)
 MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS
+# The most any count of tokens, layers or requests may be: llama.cpp keeps them in int32.
+MAX_COUNT = 2**31 - 1
+# llama.cpp's seeds are uint32, and 2**32 - 1 there means "draw a random one".
+MAX_SEED = 2**32 - 2
+# Text of a number longer than this is refused before it is converted: no setting's range
+# needs more, and int() stops at 4,300 digits with an error of its own.
+_MAX_NUMBER_TEXT = 40
 
 # How long a value lives: the daemon's life (read when it starts), one request (sent with
 # each), or the client's (never leaves it).
@@ -45,23 +52,55 @@ DAEMON, REQUEST, CLIENT = "daemon", "request", "client"
 # --- parsers: text (or a TOML value) -> value; ValueError for what is not allowed ----------------
 
 
-def _positive_int(value: object) -> int:
-    if isinstance(value, bool):
+def _whole_number(value: object, low: int, high: int) -> int:
+    """Return ``value`` (an int, or text of one) as a whole number from ``low`` to ``high``.
+
+    Raise ValueError for anything else (a bool, a fraction, text too long for any number in
+    range), checked before it is converted: never OverflowError, nor int()'s digit limit.
+    """
+    if isinstance(value, (bool, float)):
         raise ValueError(value)
-    number = int(str(value))
-    if number <= 0:
+    if isinstance(value, int):
+        number = value
+    else:
+        text = str(value).strip()
+        if len(text) > _MAX_NUMBER_TEXT:
+            raise ValueError(value)
+        number = int(text)
+    if not low <= number <= high:
         raise ValueError(value)
     return number
+
+
+def _real_number(value: object, low: float, high: float) -> float:
+    """Return ``value`` (a number, or text of one) as a float from ``low`` to ``high``.
+
+    Raise ValueError for anything else (a bool, inf, NaN, a 400-digit int, long text),
+    checked before it is converted: never OverflowError.
+    """
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, (int, float)):
+        number: float = value
+    else:
+        text = str(value).strip()
+        if len(text) > _MAX_NUMBER_TEXT:
+            raise ValueError(value)
+        number = float(text)
+    if not low <= number <= high:  # NaN fails it too
+        raise ValueError(value)
+    return float(number)
+
+
+def _positive_int(value: object) -> int:
+    return _whole_number(value, 1, MAX_COUNT)
 
 
 def _up_to(high: int) -> Callable[[object], int]:
     """A parser for a whole number from 1 to ``high``."""
 
     def parse(value: object) -> int:
-        number = _positive_int(value)
-        if number > high:
-            raise ValueError(value)
-        return number
+        return _whole_number(value, 1, high)
 
     return parse
 
@@ -118,36 +157,27 @@ def _gpu_layers(value: object) -> str | int:
     text = str(value).strip().lower()
     if text in ("auto", "all"):
         return text
-    number = int(text)
-    if number < 0:
-        raise ValueError(value)
-    return number
+    return _whole_number(text, 0, MAX_COUNT)
 
 
 def _between(low: float, high: float) -> Callable[[object], float]:
     """A parser for a number from ``low`` to ``high``."""
 
     def parse(value: object) -> float:
-        if isinstance(value, bool):
-            raise ValueError(value)
-        number = float(str(value))
-        if not low <= number <= high:
-            raise ValueError(value)
-        return number
+        return _real_number(value, low, high)
 
     return parse
 
 
-def _whole_or(word: str) -> Callable[[object], int | None]:
-    """A parser for a whole number >= 0, or none (also said as ``word``: random, off)."""
+def _whole_or(word: str, high: int = MAX_COUNT) -> Callable[[object], int | None]:
+    """A parser for a whole number from 0 to ``high``, or none (also said as ``word``:
+    random, off)."""
 
     def parse(value: object) -> int | None:
-        if value is None or str(value).strip().lower() in {"", "none", word}:
+        text = value.strip().lower() if isinstance(value, str) else value
+        if text is None or text in ("", "none", word):
             return None
-        number = int(str(value))
-        if number < 0:
-            raise ValueError(value)
-        return number
+        return _whole_number(value, 0, high)
 
     return parse
 
@@ -239,9 +269,9 @@ class Setting(Record):
     groups: tuple[str, ...] = ()  # the commands that take the option: "answer", "daemon"
     settable: int = 0  # its place among what a chat may /set (and keeps when saved); 0: none
     sampling: bool = False  # a field of the request's Sampling record (the sampler's)
-    # How the daemon checks a value sent with a request: (low, high) for a number, (low, None)
-    # for a whole number; None: the protocol checks it itself.
-    wire: tuple[float, float | None] | None = None
+    # How the daemon checks a value sent with a request: (low, high) for a number, ints for a
+    # whole number; None: the protocol checks it itself.
+    wire: tuple[float, float] | None = None
     openai: tuple[str, ...] = ()  # its names on the OpenAI wire (phi4 serve reads each)
     off: Any = None  # the value at which it does nothing: a remote server is not sent it then
     sent: bool = True  # a remote server is sent it (phi4's own are not: strict servers refuse)
@@ -319,9 +349,10 @@ SETTINGS = (
             sampling=True, wire=(0.5, 2.0), openai=("repeat_penalty", "repetition_penalty"),
             off=1.0, help="Make the last 64 tokens this much less likely to repeat (1.1 is "
                           "common) [default 1: off]."),
-    Setting("seed", _whole_or("random"), "a whole number >= 0, or random", None, "int | None",
-            REQUEST, flags="--seed", option="int", groups=("answer",), settable=5,
-            sampling=True, wire=(0, None), openai=("seed",),
+    Setting("seed", _whole_or("random", MAX_SEED), f"a whole number from 0 to {MAX_SEED}, or "
+            "random", None, "int | None", REQUEST, flags="--seed", option="int",
+            groups=("answer",), settable=5, sampling=True, wire=(0, MAX_SEED),
+            openai=("seed",),
             help="Random seed, for repeatable samples."),
     Setting("max_tokens", _optional_positive_int, "a positive integer, or none", None,
             "int | None", REQUEST, flags="--max-tokens -n", option="int", low=1,
@@ -334,9 +365,9 @@ SETTINGS = (
             groups=("answer",), openai=("deterministic",), off=False, sent=False,
             help="Decode each request alone from a clean cache, so -t 0 and --seed answers "
                  "repeat exactly (slower under load) [default false]."),
-    Setting("keep_alive", parse_duration, "a duration such as 30m, 1h, 90s, 0 (unload now) or "
-            "-1 (forever)", DEFAULT_KEEP_ALIVE, "float", REQUEST, flags="--keep-alive",
-            option="str", groups=("answer", "daemon"),
+    Setting("keep_alive", parse_duration, "a duration such as 30m, 1h, 90s, 0 (unload now), "
+            "or -1 (forever; no other negative)", DEFAULT_KEEP_ALIVE, "float",
+            REQUEST, flags="--keep-alive", option="str", groups=("answer", "daemon"),
             help="How long the daemon stays resident when idle: 30m, 1h, 0 (exit when idle), "
                  "-1 (forever) [env PHI4_KEEP_ALIVE; default 30m]."),
     Setting("n_ctx", _context_size, "auto (planned from free memory) or a number of tokens, at "
@@ -433,6 +464,12 @@ REQUEST_KEYS = tuple(s.key for s in SETTINGS if s.lifetime == REQUEST and s.key 
 SAMPLING_KEYS = tuple(s.key for s in SETTINGS if s.sampling)
 # What a chat may /set, and keeps in its saved file.
 SETTABLE = tuple(s.key for s in sorted(SETTINGS, key=lambda s: s.settable) if s.settable)
+
+
+def sample_seed(seed: int, k: int) -> int:
+    """The seed of sample ``k`` (of ``--samples``) of a run seeded with ``seed``: the next
+    ones, wrapped so that each stays a seed the daemon takes (0 to :data:`MAX_SEED`)."""
+    return (seed + k) % (MAX_SEED + 1)
 
 
 def env_name(key: str) -> str:

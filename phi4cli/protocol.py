@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 
 from phi4cli._settings import Sampling
 from phi4cli.errors import ErrorCode as ErrorCode  # the wire's error codes
+from phi4cli.options import MAX_COUNT
 from phi4cli.records import Record
 
 TYPE_CHECKING = False
@@ -265,7 +267,13 @@ def confidence_floor(params: Mapping[str, Any]) -> float | None:
     value = params.get("confidence_floor")
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    # Compared, not converted, first: JSON's 1 followed by 400 zeros is an int no float holds.
+    largest = sys.float_info.max
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not -largest <= value <= largest
+    ):
         raise ProtocolViolation(
             ErrorCode.BAD_REQUEST, "'confidence_floor' must be a number, or null"
         )
@@ -283,12 +291,16 @@ def _number(params: Mapping[str, Any], key: str, default: float, low: float, hig
     return float(value)
 
 
-def _optional_int(params: Mapping[str, Any], key: str, low: int) -> int | None:
+def _optional_int(
+    params: Mapping[str, Any], key: str, low: int, high: int = MAX_COUNT
+) -> int | None:
     value = params.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ProtocolViolation(ErrorCode.BAD_REQUEST, f"'{key}' must be an integer >= {low}")
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ProtocolViolation(
+            ErrorCode.BAD_REQUEST, f"'{key}' must be a whole number from {low} to {high}"
+        )
     return value
 
 
@@ -343,7 +355,8 @@ def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> 
         keep_alive_s = None if keep_alive is None else parse_duration(keep_alive)
     except ValueError:
         raise ProtocolViolation(
-            ErrorCode.BAD_REQUEST, "'keep_alive' must be a duration like 30m, 0 or -1"
+            ErrorCode.BAD_REQUEST,
+            "'keep_alive' must be a duration like 30m or 0, or -1 (forever)",
         ) from None
     priority = params.get("priority", "solve")
     if not isinstance(priority, str) or priority not in PRIORITIES:
@@ -389,19 +402,21 @@ def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> 
 
 def parse_sampling(params: Mapping[str, Any], defaults: RequestDefaults) -> Sampling:
     """The sampler's settings of a request, each checked as its row of ``options.SETTINGS``
-    says (a number within bounds, or a whole number from a least one; null for an optional
-    one), and the daemon's own where the request does not say."""
+    says (a number within bounds, a whole number where the bounds are ints; null for an
+    optional one), and the daemon's own where the request does not say."""
     from phi4cli.options import SETTING
 
     values: dict[str, Any] = {}
     for key in Sampling._fields:
-        low, high = SETTING[key].wire or (None, None)
+        wire = SETTING[key].wire
+        assert wire is not None, f"{key} is a sampler's setting without wire bounds"
+        low, high = wire
         if key not in params:
             values[key] = getattr(defaults, key)
-        elif high is None:
-            values[key] = _optional_int(params, key, int(low or 0))
+        elif isinstance(low, int) and isinstance(high, int):
+            values[key] = _optional_int(params, key, low, high)
         else:
-            values[key] = _number(params, key, getattr(defaults, key), float(low or 0), high)
+            values[key] = _number(params, key, getattr(defaults, key), low, high)
     return Sampling(**values)
 
 
@@ -630,7 +645,11 @@ def parse_request(line: bytes) -> Request:
             f"protocol version {version!r} is not supported (daemon speaks {PROTOCOL_VERSION})",
             request_id,
         )
-    if request_id is None or isinstance(request_id, (dict, list, bool)):
+    if (
+        request_id is None
+        or isinstance(request_id, (dict, list, bool))
+        or (isinstance(request_id, float) and not math.isfinite(request_id))  # NaN, 1e400
+    ):
         raise ProtocolViolation(ErrorCode.BAD_REQUEST, "a request needs an 'id' (string or number)")
     op = message.get("op")
     if op not in set(Op):

@@ -15,6 +15,7 @@ from phi4cli.confidence import WARMUP
 from phi4cli.environment import Environment
 from phi4cli.errors import ExitStatus, UsageError
 from phi4cli.exits import Announce
+from phi4cli.options import sample_seed
 from phi4cli.outcome import Outcome, exit_status
 from phi4cli.protocol import ErrorCode, Event, EventKind
 from phi4cli.reasoning import AnswerComparer, majority_vote, vote_settled
@@ -326,7 +327,8 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
     outcomes = [Outcome(index=i, question=question) for i in range(samples)]
     seed = job.seed
     requests = [
-        job.params(question, seed=None if seed is None else seed + i) for i in range(samples)
+        job.params(question, seed=None if seed is None else sample_seed(seed, i))
+        for i in range(samples)
     ]
     flight: list[Flight] = []
     compare = AnswerComparer()
