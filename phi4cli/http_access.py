@@ -140,6 +140,61 @@ def peer_uid_from_proc(client: tuple[str, int], server: tuple[str, int]) -> int 
     return None
 
 
+# Connections one peer may hold open at once. A peer is a local user on loopback (its uid, read
+# from /proc as the uid check reads it) and an address elsewhere. Without a key another uid is
+# only told why it is refused: a few connections are enough for that. The owner is bound only by
+# the server's own limit.
+PEER_CONNECTIONS = 64
+FOREIGN_CONNECTIONS = 4
+
+
+class PeerGate:
+    """Each peer's open connections, counted as they are accepted: a new one past its peer's
+    cap is closed there, before it sends a byte or holds a slot, so another user's (or
+    address's) slow connections cannot fill the server while its owner waits. ``owner_only``:
+    the server answers only its owner (no --api-key, no --any-local-user)."""
+
+    def __init__(self, owner_only: bool, peer_uid: PeerUid = peer_uid_from_proc,
+                 owner_uid: int | None = None) -> None:  # fmt: skip
+        self.owner_only, self.peer_uid = owner_only, peer_uid
+        self.owner_uid = os.getuid() if owner_uid is None else owner_uid
+        self.open: dict[tuple[str, object], int] = {}
+        self.refused = 0
+
+    def admit(self, client: tuple[str, int] | None,
+              server: tuple[str, int | None] | None) -> tuple[str, object] | None:  # fmt: skip
+        """The peer a new connection counts against, or None to close it now."""
+        peer = self._peer(client, server)
+        if peer == ("uid", self.owner_uid):
+            cap = None
+        elif peer[0] == "uid" and self.owner_only:
+            cap = FOREIGN_CONNECTIONS
+        else:
+            cap = PEER_CONNECTIONS
+        held = self.open.get(peer, 0)
+        if cap is not None and held >= cap:
+            self.refused += 1
+            return None
+        self.open[peer] = held + 1
+        return peer
+
+    def release(self, peer: tuple[str, object]) -> None:
+        held = self.open.get(peer, 0) - 1
+        if held > 0:
+            self.open[peer] = held
+        else:
+            self.open.pop(peer, None)
+
+    def _peer(self, client: tuple[str, int] | None,
+              server: tuple[str, int | None] | None) -> tuple[str, object]:  # fmt: skip
+        if client is None or server is None or server[1] is None:
+            return ("address", None)
+        address = _ip(client[0])
+        if address is not None and address.is_loopback:
+            return ("uid", self.peer_uid((client[0], client[1]), (server[0], server[1])))
+        return ("address", str(address) if address is not None else client[0])
+
+
 def check_allowances(hosts: Iterable[str], origins: Iterable[str]) -> None:
     """Raise UsageError for an ``--allow-host`` that is not a host name or address, or an
     ``--allow-origin`` that is not ``scheme://host[:port]`` (it would never match)."""

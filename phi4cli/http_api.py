@@ -40,7 +40,7 @@ from phi4cli.backends import Backend, RequestStream
 from phi4cli.config import Settings, parse_duration, variable
 from phi4cli.errors import ConfigError, Phi4Error, RequestError, UsageError, http_status_for
 from phi4cli.exits import Announce
-from phi4cli.http_access import AccessGuard, AccessPolicy, port_number
+from phi4cli.http_access import AccessGuard, AccessPolicy, PeerGate, port_number
 from phi4cli.options import SETTINGS
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import ErrorCode, Event, EventKind, Op, ProtocolViolation, parse_chat_params
@@ -511,17 +511,23 @@ class _Completion:
         yield b"data: [DONE]\n\n"
 
 
-def _header_deadline_protocol() -> type[Any]:
+def _header_deadline_protocol(gate: PeerGate) -> type[Any]:
     """uvicorn's h11 protocol, with a deadline for each request's headers (uvicorn has none:
-    a client sending a header line a minute holds its connection forever)."""
+    a client sending a header line a minute holds its connection forever), and each peer's
+    connections counted by ``gate`` as they are accepted (one past its cap is closed then)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeaderDeadline(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
+        _peer: tuple[str, object] | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self._peer = gate.admit(self.client, self.server)
+            if self._peer is None:
+                transport.close()  # (connection_lost takes it out of the server's count)
+                return
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -536,6 +542,9 @@ def _header_deadline_protocol() -> type[Any]:
         def connection_lost(self, exc: Exception | None) -> None:
             if self._deadline is not None:
                 self._deadline.cancel()
+            if self._peer is not None:
+                gate.release(self._peer)
+                self._peer = None
             super().connection_lost(exc)
 
         def _arm(self) -> None:
@@ -619,7 +628,8 @@ def serve(
                      aliases)  # fmt: skip
     shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=5, http=_header_deadline_protocol(),
+                            timeout_graceful_shutdown=5,
+                            http=_header_deadline_protocol(PeerGate(access.owner_uid is not None)),
                             limit_concurrency=MAX_CONNECTIONS)  # fmt: skip
     server = uvicorn.Server(config)
     announce(f"serving the OpenAI API on http://{shown}:{bound_port}/v1 (Ctrl-C stops)")

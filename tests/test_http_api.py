@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -546,3 +547,101 @@ def test_a_request_for_another_model_is_a_404_naming_the_served_one(server: str)
     assert status == 200, text
     status, message = refusal(fetch(f"{server}/v1/chat/completions", chat_body(model=3), JSON))
     assert status == 400 and "'model' must be a string" in message
+
+
+# Run as user nobody: hold COUNT connections to HOST:PORT open for SECONDS, each having sent the
+# first line of a request and nothing more (a slow client), opening a new one for each the
+# server closes; print how many were opened.
+_SLOW_CLIENTS = r"""
+import socket, sys, time
+host, port, count, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+held, opened, end = [], 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    while len(held) < count:
+        s = socket.create_connection((host, port))
+        s.setblocking(False)
+        try:
+            s.send(b"GET /health HTTP/1.1\r\n")
+        except OSError:
+            pass
+        held.append(s)
+        opened += 1
+    alive = []
+    for s in held:
+        try:
+            if s.recv(1) == b"":
+                s.close()
+                continue
+        except BlockingIOError:
+            pass
+        except OSError:
+            s.close()
+            continue
+        alive.append(s)
+    held = alive
+    time.sleep(0.05)
+print(opened)
+"""
+
+
+@needs_second_user
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("key", [None, "s3cret"])
+def test_another_users_slow_connections_do_not_starve_the_owner(tiny_model: Path,
+                                                                key: str | None):  # fmt: skip
+    # Before: 600 slow connections from uid nobody left the owner's /health 503, 8 of 8 tries.
+    extra = ("--api-key", key) if key else ()
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    with serving(tiny_model, *extra) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        command = [
+            "setpriv",
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            _SLOW_CLIENTS,
+            host,
+            port,
+            "600",
+            "25",
+        ]
+        slow = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+        try:
+            time.sleep(5)  # its connections are open (and refused, and opened again)
+            for _ in range(4):
+                assert get(f"{url}/health", auth)[0] == 200
+                status, body = fetch(f"{url}/v1/chat/completions", chat_body(),
+                                     {"Content-Type": "application/json", **auth})  # fmt: skip
+                assert status == 200, body
+        finally:
+            out, err = slow.communicate(timeout=60)
+        assert slow.returncode == 0, err
+        assert int(out) >= 600, "the slow client did hold its connections open"
+
+
+def test_each_peer_holds_at_most_its_share_of_connections():
+    from phi4cli.http_access import FOREIGN_CONNECTIONS, PEER_CONNECTIONS, PeerGate
+
+    uids = {1111: 1000, 2222: 65534}  # the client port's owner, as /proc would say
+    server = ("127.0.0.1", 8080)
+
+    def gate(owner_only: bool) -> PeerGate:
+        return PeerGate(owner_only, lambda client, _server: uids.get(client[1]), owner_uid=1000)
+
+    keyless = gate(owner_only=True)
+    foreign = [keyless.admit(("127.0.0.1", 2222), server) for _ in range(FOREIGN_CONNECTIONS + 3)]
+    assert foreign.count(None) == 3 and keyless.refused == 3
+    owner = [keyless.admit(("127.0.0.1", 1111), server) for _ in range(PEER_CONNECTIONS * 2)]
+    assert None not in owner, "the owner is bound only by the server's own limit"
+    keyless.release(("uid", 65534))
+    assert keyless.admit(("127.0.0.1", 2222), server) == ("uid", 65534)
+    # With a key (a public bind): each address, and each local uid, up to PEER_CONNECTIONS.
+    keyed = gate(owner_only=False)
+    remote = [keyed.admit(("203.0.113.9", port), server) for port in range(PEER_CONNECTIONS + 2)]
+    assert remote.count(None) == 2
+    assert keyed.admit(("203.0.113.10", 1), server) == ("address", "203.0.113.10")
+    local = [keyed.admit(("127.0.0.1", 2222), server) for _ in range(PEER_CONNECTIONS + 1)]
+    assert local.count(None) == 1
