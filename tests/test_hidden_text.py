@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import sys
 import unicodedata
@@ -24,6 +23,7 @@ from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event, EventKind
 from phi4cli.render import TerminalPresenter, _markdown
 from tests.conftest import PHI4, run_phi4
+from tests.pty_screen import in_pty, plain
 from tests.scripted_server import scripted_server, separated
 
 RLO, LRI, ZWSP, WJ, TAG_A = "\u202e", "\u2066", "\u200b", "\u2060", "\U000e0041"
@@ -138,19 +138,13 @@ def backend() -> Iterator[str]:
 
 
 def _plain(screen: str) -> str:
-    """The screen's text: phi4's own CSI styling and cursor moves, and the pty's CRs, taken out."""
-    return " ".join(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen).replace("\r", "").split())
+    """The screen's text, its runs of white space (lines wrapped at the terminal) one space."""
+    return " ".join(plain(screen).split())
 
 
 def _in_pty(*args: str, env: dict[str, str] | None = None) -> str:
-    """``phi4 args`` run with stdout and stderr a terminal: what it showed there."""
-    child = pexpect.spawn(PHI4, list(args), encoding="utf-8", dimensions=(40, 200), timeout=90,
-                          env={**os.environ, **(env or {})})  # fmt: skip
-    child.expect(pexpect.EOF)
-    child.close()
-    screen = str(child.before)
-    assert child.exitstatus == 0, screen
-    return screen
+    """``phi4 args`` run with stdout and stderr a terminal 200 columns wide: what it showed."""
+    return in_pty(PHI4, list(args), env, width=200)
 
 
 def test_solve_at_a_terminal_shows_no_hidden_or_reordered_text(backend: str):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import threading
 from collections.abc import Iterator
@@ -28,6 +27,8 @@ from phi4cli.protocol import Event, EventKind
 from phi4cli.render import TerminalPresenter, format_eval, format_warm, markdown_source
 from phi4cli.sanitize import REPLACEMENT, TextCleaner, clean_text, json_safe
 from tests.conftest import PHI4, run_phi4
+from tests.pty_screen import in_pty
+from tests.pty_screen import plain as screen_text
 from tests.scripted_server import Step, chunk, data, scripted_server, separated
 
 CLIPBOARD = "\x1b]52;c;cm0gLXJmIH4K\x07"  # OSC 52: set the clipboard to "rm -rf ~\n"
@@ -404,40 +405,25 @@ def test_tables_are_cleaned():
 # --- in a real pseudo-terminal --------------------------------------------------------------
 
 
-def _plain(screen: str) -> str:
-    """The screen's text: phi4's own CSI styling and cursor moves, and the pty's CRs, taken out."""
-    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen).replace("\r", "")
-
-
-def _in_pty(command: str, args: list[str], env: dict[str, str] | None = None) -> str:
-    child = pexpect.spawn(command, args, encoding="utf-8", dimensions=(40, 120), timeout=90,
-                          env={**os.environ, **(env or {})})  # fmt: skip
-    child.expect(pexpect.EOF)
-    child.close()
-    screen = str(child.before)
-    assert child.exitstatus == 0, screen
-    return screen
-
-
 def test_at_a_terminal_only_phi4s_own_styling_reaches_the_screen(hostile: str):
     args = ["solve", "What is 12*13?", "--backend", hostile, "-m", "phi4-mini-reasoning"]
-    screen = _in_pty(PHI4, args)
+    screen = in_pty(PHI4, args)
     assert_clean(screen, "the terminal")
     assert "\x1b[" in screen  # phi4's own styling is there, and only it (checked above)
-    plain = _plain(screen)
+    plain = screen_text(screen)
     assert "First 12*13 = 156." in plain and "Answer:" in plain
     assert re.search(r"Thought for \d+\.\d s", plain), "a trace of how long it thought"
 
-    shown = _in_pty(PHI4, [*args, "-r"])
+    shown = in_pty(PHI4, [*args, "-r"])
     assert_clean(shown, "the terminal, thinking shown")
-    assert "Let me see: 12*13" in _plain(shown)
+    assert "Let me see: 12*13" in screen_text(shown)
 
-    answer = _in_pty(PHI4, [*args, "-a"])
+    answer = in_pty(PHI4, [*args, "-a"])
     assert_clean(answer, "the terminal, --answer-only")
     assert "156" in answer
 
     # stdout piped, stderr (the thinking) still the terminal
-    piped = _in_pty("bash", ["-c", " ".join([PHI4, *map(_quote, args), "-r", "| cat"])])
+    piped = in_pty("bash", ["-c", " ".join([PHI4, *map(_quote, args), "-r", "| cat"])])
     assert_clean(piped, "solve -r | cat")
     assert "Let me see: 12*13" in piped and "First 12*13 = 156." in piped
 
@@ -450,8 +436,8 @@ def test_no_color_keeps_the_answer_line_and_the_thinking_trace(hostile: str):
     # Before: NO_COLOR=1 at a terminal also dropped the Answer line and the thinking line;
     # no-color.org asks only that colour go.
     args = ["solve", "What is 12*13?", "--backend", hostile, "-m", "phi4-mini-reasoning"]
-    screen = _in_pty(PHI4, args, env={"NO_COLOR": "1"})
-    plain = _plain(screen)
+    screen = in_pty(PHI4, args, env={"NO_COLOR": "1"})
+    plain = screen_text(screen)
     assert "Answer:" in plain and "156" in plain.split("Answer:")[1]
     assert re.search(r"Thought for \d+\.\d s", plain)
     colours = re.findall(r"\x1b\[[0-9;]*(?:3[0-9]|4[0-9]|9[0-7])m", screen)
@@ -476,5 +462,5 @@ def test_chat_at_a_terminal_shows_answers_and_a_saved_system_prompt_clean(hostil
     screen = transcript.getvalue()
     assert child.exitstatus == 0, screen
     assert_clean(screen, "the chat's terminal")
-    assert "be\ufffd" in _plain(screen)
-    assert re.search(r"Thought for \d+\.\d s", _plain(screen))
+    assert "be\ufffd" in screen_text(screen)
+    assert re.search(r"Thought for \d+\.\d s", screen_text(screen))

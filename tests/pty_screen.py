@@ -1,0 +1,26 @@
+"""Running ``phi4`` with a pseudo-terminal for stdout and stderr, and reading what it showed."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pexpect
+
+
+def plain(screen: str) -> str:
+    """The screen's text: phi4's own CSI styling and cursor moves, and the pty's CRs, taken out."""
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen).replace("\r", "")
+
+
+def in_pty(command: str, args: list[str], env: dict[str, str] | None = None,
+           width: int = 120) -> str:  # fmt: skip
+    """``command args`` run with stdout and stderr a terminal (exit 0 asserted): what it
+    showed there."""
+    child = pexpect.spawn(command, args, encoding="utf-8", dimensions=(40, width), timeout=90,
+                          env={**os.environ, **(env or {})})  # fmt: skip
+    child.expect(pexpect.EOF)
+    child.close()
+    screen = str(child.before)
+    assert child.exitstatus == 0, screen
+    return screen
