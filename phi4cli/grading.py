@@ -32,6 +32,7 @@ from phi4cli.solving import (
     Requests,
     SolveJob,
     json_text,
+    votes,
 )
 
 TYPE_CHECKING = False
@@ -179,7 +180,7 @@ def judge(item: Item, outcomes: list[Outcome], same_answer: AnswerComparer | Non
     compared by ``same_answer``, which counts those too costly to compare but as text;
     ``weights``: a confidence vote (``SolveJob.vote_weights``)."""
     same_answer = same_answer or AnswerComparer()
-    vote = majority_vote([o.answer for o in outcomes], equal=same_answer, weights=weights)
+    vote = majority_vote(votes(outcomes), equal=same_answer, weights=weights)
     answer = vote.answer
     if all(o.error is not None for o in outcomes):
         status = "error"
@@ -202,10 +203,9 @@ def judge(item: Item, outcomes: list[Outcome], same_answer: AnswerComparer | Non
         record["confidence"] = confidences if len(outcomes) > 1 else confidences[0]
     if len(outcomes) > 1:
         record["agreement"] = vote.agreement
-        record["samples"] = [o.answer for o in outcomes]
-        record["pass_at_k"] = any(
-            o.answer is not None and same_answer(o.answer, item.reference) for o in outcomes
-        )
+        said = votes(outcomes)
+        record["samples"] = said
+        record["pass_at_k"] = any(a is not None and same_answer(a, item.reference) for a in said)
     errors = [o.error_message for o in outcomes if o.error is not None]
     if errors:
         record["errors"] = errors
@@ -218,7 +218,7 @@ def sample_details(outcome: Outcome, ended_s: float, cancelled: bool) -> dict[st
     whether a loop was caught in it, and whether it was cancelled (a settled vote)."""
     stats = outcome.stats
     return {
-        "answer": None if cancelled else outcome.answer,
+        "answer": None if cancelled or outcome.error is not None else outcome.answer,
         "completion_tokens": stats.completion_tokens if stats else 0,
         "reasoning_tokens": stats.reasoning_tokens if stats else 0,
         "ended_s": round(ended_s, 3),

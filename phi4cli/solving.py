@@ -255,6 +255,12 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     return exit_status([outcome], answer_required=mode.answer_only)
 
 
+def votes(outcomes: Sequence[Outcome]) -> list[str | None]:
+    """Each sample's vote: its answer, none for one that failed (what it wrote before it failed
+    is not an answer, though it may hold a \\boxed{})."""
+    return [o.answer if o.error is None else None for o in outcomes]
+
+
 class EarlyStop:
     """One question's K samples, stopped once their vote is settled
     (:func:`reasoning.vote_settled`, the Beta rule of Adaptive-Consistency): which have ended,
@@ -289,7 +295,8 @@ class EarlyStop:
         if outcome.unsure:
             self.unsure.add(k)
         else:
-            self.answers.append(outcome.answer)
+            # A failed sample's partial trace says nothing: it is counted, with no answer.
+            self.answers.append(outcome.answer if outcome.error is None else None)
             if outcome.error is None:  # (a failed one's partial trace says nothing)
                 self._warm(outcome)
         left = self.samples - len(self.ended)
@@ -361,7 +368,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
         job.announce(f"{len(failed)} of {len(used)} samples failed and are not counted: "
                      f"{failed[0].exception()}")  # fmt: skip
     weights = job.vote_weights(used)
-    vote = majority_vote([o.answer for o in used], equal=compare, weights=weights)
+    vote = majority_vote(votes(used), equal=compare, weights=weights)
     notice = compare.notice()
     if notice:
         job.announce(notice)

@@ -235,3 +235,36 @@ def test_huge_logprobs_give_a_finite_confidence_and_strict_json(tmp_path: Path):
     record = _strict(results.read_text())
     assert (record["status"], record["confidence"]) == ("correct", expected)
     assert _strict(graded.stdout)["mean_confidence"]["correct"] == expected
+
+
+def _two_fail_after_a_wrong_answer(body: dict[str, Any]) -> list[str | Step | Head]:
+    """Seeds 100 and 101 write \\boxed{9} and then fail (an error mid-answer, not one to send
+    again); seed 102 answers 7."""
+    if body["seed"] == 102:
+        return [_piece("So $\\boxed{7}$."), _piece("", finish="stop"), data("[DONE]")]
+    error = {"error": {"message": "the engine broke", "code": 400}}
+    return [_piece("So $\\boxed{9}$."), data(error), data("[DONE]")]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("command", ["solve", "eval"])
+def test_a_failed_sample_does_not_vote_with_what_it_wrote_before_it_failed(
+    command: str, tmp_path: Path
+):
+    # Before: the two failed samples' \boxed{9} outvoted the one that answered 7, though the
+    # command said the failed samples were not counted.
+    with scripted_server(_two_fail_after_a_wrong_answer) as server:
+        common = ("--backend", server.url, "-m", "m", "-k", "3", "--all", "--seed", "100")
+        if command == "solve":
+            done = run_phi4("solve", "What is 3+4?", *common, "--json", timeout=100)
+            record = _strict(done.stdout)
+            assert "2 of 3 samples failed and are not counted" in done.stderr
+        else:
+            problems = tmp_path / "p.jsonl"
+            problems.write_text(json.dumps({"problem": "What is 3+4?", "answer": "7"}) + "\n")
+            results = tmp_path / "r.jsonl"
+            done = run_phi4("eval", str(problems), *common, "-o", str(results), timeout=100)
+            record = _strict(results.read_text().splitlines()[0])
+            assert record["samples"] == [None, None, "7"]
+            assert [d["answer"] for d in record["sample_details"]] == [None, None, "7"]
+    assert record["answer"] == "7", (done.stderr, record.get("samples"))
