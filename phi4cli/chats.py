@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from phi4cli.atomicfile import write_atomic
+from phi4cli.atomicfile import read_user_file, write_atomic
 from phi4cli.errors import Phi4Error, UsageError
 from phi4cli.options import SETTABLE
 
@@ -171,9 +171,8 @@ class ChatStore:
         conversation.updated = time.time()
         path = self.path(conversation.name)
         try:
-            write_atomic(
-                path, json.dumps(conversation.to_json(), ensure_ascii=False, indent=1).encode()
-            )
+            data = json.dumps(conversation.to_json(), ensure_ascii=False, indent=1).encode()
+            write_atomic(path, data, what="conversation")
         except OSError as exc:
             raise Phi4Error(f"cannot save the conversation to {path}: {exc.strerror}") from None
         return path
@@ -181,7 +180,7 @@ class ChatStore:
     def load(self, name: str) -> Conversation:
         path = self.path(name)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_user_file(path, "conversation").decode("utf-8"))
             return Conversation.from_json(data)
         except FileNotFoundError:
             raise Phi4Error(f"no saved conversation {name!r}; `/list` shows them") from None

@@ -557,19 +557,20 @@ def config_edit() -> None:
     import shlex
     import subprocess
 
-    from phi4cli.atomicfile import write_atomic
+    from phi4cli.atomicfile import RefusedFileError, read_user_file, write_atomic
     from phi4cli.config import check_config_file
 
     path = get_paths().config_file
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        text = path.read_bytes()
+        text = read_user_file(path, "config file")
+    except RefusedFileError as exc:
+        raise ConfigError(str(exc)) from None
     except FileNotFoundError:
         text = b"# phi4 settings: see `phi4 config show` for the keys\n"
     # The editor works on a copy beside the file (as visudo and crontab -e do), so an invalid
     # edit never becomes the config that every later command refuses to start with.
     draft = path.with_name(f".{path.name}.edit.toml")
-    write_atomic(draft, text, mode=0o600)
+    write_atomic(draft, text, mode=0o600, what="config file's draft")
     editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
     try:
         while True:
@@ -584,7 +585,8 @@ def config_edit() -> None:
                 answer = input("Edit again? [Y/n] ").strip().lower()
                 if answer.startswith("n"):
                     raise ConfigError(f"{path} is unchanged") from None
-        write_atomic(path, draft.read_bytes(), mode=0o644)
+        write_atomic(path, read_user_file(draft, "config file's draft"), mode=0o644,
+                     what="config file")  # fmt: skip
     finally:
         draft.unlink(missing_ok=True)
     print(f"{path}: ok")
@@ -661,7 +663,7 @@ def daemon_install_service(
     )
     from phi4cli.atomicfile import write_atomic
 
-    write_atomic(unit, text.encode(), mode=0o644)
+    write_atomic(unit, text.encode(), mode=0o644, what="systemd unit")
     print(f"wrote {unit}")
     print("enable it with: systemctl --user daemon-reload && systemctl --user enable --now phi4")
 

@@ -99,24 +99,28 @@ def _shown(value: object) -> str:
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """Return the parsed config file ({} when absent); raise ConfigError naming bad keys."""
+    """Return the parsed config file ({} when absent); raise ConfigError naming bad keys, or
+    saying why a file another user could have written is not read (``read_user_file``)."""
+    from phi4cli.atomicfile import RefusedFileError, read_user_file
+
     try:
-        handle = path.open("rb")
+        raw = read_user_file(path, "config file")
     except FileNotFoundError:
         return {}  # no config file: no TOML parser to import either
+    except RefusedFileError as exc:
+        raise ConfigError(str(exc)) from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
     import tomllib
 
     try:
-        with handle:
-            data = tomllib.load(handle)
+        data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not a text file (TOML); fix or remove it") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
     except ValueError:  # tomllib's int() of a number of over 4,300 digits
-        raise ConfigError(f"{path}: {_long_number(path)}") from None
+        raise ConfigError(f"{path}: {_long_number(raw)}") from None
     if "backends" in data:  # the plural reads better for a list of replicas
         if "backend" in data:
             raise ConfigError(f"{path}: give backend or backends, not both")
@@ -129,16 +133,13 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _long_number(path: Path) -> str:
+def _long_number(raw: bytes) -> str:
     """What to say of a config file holding an integer too long for Python to read, naming the
     key it is given to when that can be told."""
     import re
 
     said = "holds a number of over 4,300 digits, more than any setting allows"
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        text = ""
+    text = raw.decode(errors="replace")
     found = re.search(r"^\s*([A-Za-z0-9_-]{1,40})\s*=\s*[+-]?[0-9_]{4300}", text, re.MULTILINE)
     return f"invalid {found[1]}: it {said}" if found else f"the file {said}"
 
@@ -204,7 +205,7 @@ def set_config_value(config_file: Path, key: str, value: str) -> Any:
         data[key] = value if key == "keep_alive" else parsed
     text = "".join(f"{name} = {_toml_value(data[name])}\n" for name in sorted(data))
     try:
-        write_atomic(config_file, text.encode(), mode=0o644)
+        write_atomic(config_file, text.encode(), mode=0o644, what="config file")
     except OSError as exc:  # a full disk, say: not a usage error
         from phi4cli.errors import Phi4Error
 

@@ -227,8 +227,8 @@ def _remember_dirs(runtime: Path, inputs: list[str | None], dirs: list[Path]) ->
         return  # made by the daemon; until then platformdirs answers each time
     import json
 
-    from phi4cli.atomicfile import write_atomic
+    from phi4cli.atomicfile import RefusedFileError, write_atomic
 
     record = {"inputs": inputs, **{f: str(d) for f, d in zip(_DIR_FIELDS, dirs, strict=True)}}
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, RefusedFileError):
         write_atomic(runtime / "dirs.json", json.dumps(record).encode())

@@ -5,6 +5,7 @@ daemon, where the conversation's tokens stay cached between turns.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import select
@@ -19,7 +20,7 @@ from prompt_toolkit.completion import CompleteEvent, Completer, Completion
 from prompt_toolkit.document import Document
 from prompt_toolkit.history import FileHistory
 
-from phi4cli.atomicfile import write_atomic
+from phi4cli.atomicfile import RefusedFileError, read_user_file, write_atomic
 from phi4cli.backends import Backend, RequestStream
 from phi4cli.chats import ChatStore, Conversation, Turn, default_name
 from phi4cli.config import Settings, parse_setting
@@ -704,16 +705,38 @@ class AtomicFileHistory(FileHistory):
 
     failed = False  # said once: a history that cannot be written is no reason to end the chat
 
+    def __init__(self, filename: str | os.PathLike[str]) -> None:
+        """Raise RefusedFileError (the chat does not start) when the history is a file another
+        user could have written: what it holds is offered as your own input."""
+        super().__init__(filename)
+        self.load_history_strings()
+
+    def load_history_strings(self) -> Iterable[str]:
+        try:
+            raw = read_user_file(Path(os.fsdecode(self.filename)), "input history")
+        except OSError:  # none, or none that can be read: no reason to end the chat
+            return []
+        strings: list[str] = []
+        lines: list[str] = []
+        for line_bytes in io.BytesIO(raw):  # lines end at "\n" only, as FileHistory's do
+            line = line_bytes.decode("utf-8", errors="replace")
+            if line.startswith("+"):
+                lines.append(line[1:])
+            elif lines:
+                strings.append("".join(lines)[:-1])  # the last line's newline is no input
+                lines = []
+        if lines:
+            strings.append("".join(lines)[:-1])
+        return reversed(strings)
+
     def store_string(self, string: str) -> None:
         try:
             self._store(string)
-        except OSError as exc:
+        except (OSError, RefusedFileError) as exc:
             if not self.failed:
                 self.failed = True
-                say(
-                    f"cannot save the input history to {self.filename!s}: {exc.strerror}; "
-                    "the chat goes on"
-                )
+                why = exc.strerror if isinstance(exc, OSError) else str(exc)
+                say(f"cannot save the input history to {self.filename!s}: {why}; the chat goes on")
 
     def _store(self, string: str) -> None:
         path = Path(os.fsdecode(self.filename))
@@ -723,4 +746,4 @@ class AtomicFileHistory(FileHistory):
         for entry in entries:
             lines.append("\n# phi4\n")
             lines.extend(f"+{part}\n" for part in entry.split("\n"))
-        write_atomic(path, "".join(lines).encode("utf-8", errors="replace"))
+        write_atomic(path, "".join(lines).encode("utf-8", errors="replace"), what="input history")

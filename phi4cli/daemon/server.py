@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from phi4cli import __version__, protocol
-from phi4cli.atomicfile import write_atomic
+from phi4cli.atomicfile import RefusedFileError, write_atomic
 from phi4cli.config import DAEMON_SETTINGS, FOREVER, Settings
 from phi4cli.daemon.jobs import Engine, Job
 from phi4cli.daemon.scheduler import QueueFullError, RequestScheduler
@@ -210,6 +210,8 @@ class DaemonServer:
         except OSError as exc:
             # A full disk must not take the daemon down: clients find it by its socket.
             log.warning("cannot write %s: %s", self.paths.status_file, exc.strerror)
+        except RefusedFileError as exc:  # a directory above PHI4_HOME that others can change
+            log.warning("%s", exc)
 
     def _state_from_worker(self, state: str, model: Path, error: str | None) -> None:
         assert self._loop is not None
