@@ -227,6 +227,16 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
 
     try:
         job.run([job.params(question)], on_event)
+    except KeyboardInterrupt:
+        # What streamed stays on the screen (a live region would be erased), with a line
+        # saying it stopped there; the exit status is 130 all the same.
+        loading.stop()
+        spinner.stop()
+        if presenter.presenter is not None:
+            presenter.presenter.show_partial(outcome)
+        job.announce("stopped (Ctrl-C): the answer above is unfinished" if outcome.solution.strip()
+                     else "stopped (Ctrl-C) before the answer began")  # fmt: skip
+        raise
     finally:
         loading.stop()
         spinner.stop()

@@ -8,6 +8,7 @@ import io
 import json
 import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -464,3 +465,30 @@ def test_chat_at_a_terminal_shows_answers_and_a_saved_system_prompt_clean(hostil
     assert_clean(screen, "the chat's terminal")
     assert "be\ufffd" in screen_text(screen)
     assert re.search(r"Thought for \d+\.\d s", screen_text(screen))
+
+
+def _fourteen_lines_then_wait(_body: dict[str, Any]) -> list[str | Step]:
+    lines: list[str | Step] = []
+    for i in range(1, 15):  # (a pause before each: the live view is redrawn for each line)
+        lines += [Step(sleep=0.15), chunk({"content": f"Line {i} of the answer.\n\n"})]
+    return [*lines, Step(sleep=60.0), chunk({}, "stop"), data("[DONE]")]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_solve_streams_leaves_what_streamed_and_says_it_stopped():
+    # Before: the live region was taken down, erasing the 14 lines; only the exit 130 was left.
+    with scripted_server(_fourteen_lines_then_wait) as server:
+        child = pexpect.spawn(PHI4, ["solve", "Count", "--backend", server.url, "-m", "m"],
+                              encoding="utf-8", dimensions=(40, 100), timeout=60)  # fmt: skip
+        child.logfile_read = transcript = io.StringIO()
+        child.expect_exact("Line 14 of the answer.")
+        time.sleep(0.3)
+        child.sendintr()
+        child.expect_exact("stopped (Ctrl-C): the answer above is unfinished")
+        child.expect(pexpect.EOF)
+        child.close()
+    screen = transcript.getvalue()
+    assert child.exitstatus == 130, screen
+    # Written again after the live region was erased (its last erase-line sequence).
+    kept = screen[screen.rindex("\x1b[2K") :]
+    assert "Line 1 of the answer." in kept and "Line 14 of the answer." in kept, kept
