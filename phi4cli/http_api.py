@@ -1,8 +1,9 @@
 """``phi4 serve --http``: the resident daemon behind an OpenAI-compatible HTTP API.
 
-Starlette on uvicorn, over the daemon :class:`~phi4cli.backends.Backend`: every HTTP request is one
-daemon request over the Unix socket, so the HTTP side keeps no model state of its own — the
-daemon's slots, prefix cache and scheduling serve HTTP clients as they serve `phi4 solve`.
+Starlette on uvicorn, over the daemon :class:`~phi4cli.backends.Backend`: each choice of an HTTP
+request (``n`` of them) is one daemon request over the Unix socket, so the HTTP side keeps no model
+state of its own — the daemon's slots, prefix cache and scheduling serve HTTP clients as they
+serve `phi4 solve`. Which of OpenAI's fields are honoured, refused or ignored: docs/openai.md.
 
 Each stream reads its daemon events in a worker thread and writes to its client from the event
 loop, so a slow or stuck client holds up nobody else; a client that hangs up cancels its request.
@@ -11,13 +12,14 @@ loop, so a slow or stuck client holds up nobody else; a client that hangs up can
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +43,18 @@ from phi4cli.config import Settings, parse_duration, variable
 from phi4cli.errors import ConfigError, Phi4Error, RequestError, UsageError, http_status_for
 from phi4cli.exits import Announce
 from phi4cli.http_access import AccessGuard, AccessPolicy, PeerGate, port_number
-from phi4cli.options import SETTINGS
+from phi4cli.options import SETTINGS, sample_seed
 from phi4cli.outcome import Outcome
-from phi4cli.protocol import ErrorCode, Event, EventKind, Op, ProtocolViolation, parse_chat_params
+from phi4cli.protocol import (
+    ErrorCode,
+    Event,
+    EventKind,
+    Op,
+    ProtocolViolation,
+    Stats,
+    parse_chat_params,
+)
+from phi4cli.records import Record
 
 MAX_BODY_BYTES = 4 << 20
 
@@ -151,6 +162,150 @@ def check_model(body: dict[str, Any], model_name: str, served: frozenset[str]) -
         )  # fmt: skip
 
 
+# The most choices (``n``) one request may ask for: each is its own daemon request, and this
+# many leaves most of the daemon's queue (64 by default) to other clients.
+MAX_CHOICES = 16
+MAX_STOPS = 4  # as OpenAI
+MAX_STOP_CHARS = 1_000  # each stop string's (the text held back is checked against each)
+
+_NO_TOOLS = "this server calls no tools (no function calling)"
+# Fields of OpenAI's chat-completions reference that serve does not honour: each is taken at the
+# value that asks for nothing (null, or the value shown accepted here) and refused with a 400
+# naming it otherwise, so that no client gets other behaviour than it asked for without a word.
+_REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (lambda value: value == [], _NO_TOOLS),
+    "tool_choice": (lambda value: value == "none", _NO_TOOLS),
+    "functions": (lambda value: value == [], _NO_TOOLS),
+    "function_call": (lambda value: value == "none", _NO_TOOLS),
+    "response_format": (
+        lambda value: isinstance(value, dict) and value.get("type") == "text",
+        "only {'type': 'text'}: JSON mode and JSON schemas are not supported",
+    ),
+    "logprobs": (
+        lambda value: value is False,
+        "the answer's token log-probabilities are not returned yet (see docs/openai.md)",
+    ),
+    "top_logprobs": (
+        lambda value: value == 0 and not isinstance(value, bool),
+        "the answer's token log-probabilities are not returned yet (see docs/openai.md)",
+    ),
+    "logit_bias": (lambda value: value == {}, "the sampler takes no logit biases"),
+    "presence_penalty": (
+        lambda value: value == 0 and not isinstance(value, bool),
+        "the sampler has no presence penalty; 'repeat_penalty' (over the last 64 tokens) is "
+        "what it has",
+    ),
+    "frequency_penalty": (
+        lambda value: value == 0 and not isinstance(value, bool),
+        "the sampler has no frequency penalty; 'repeat_penalty' (over the last 64 tokens) is "
+        "what it has",
+    ),
+    "audio": (lambda value: False, "this server answers with text only"),
+    "modalities": (lambda value: value == ["text"], "this server answers with text only"),
+    "prediction": (lambda value: False, "predicted outputs are not supported"),
+    "web_search_options": (lambda value: False, "this server does not search the web"),
+    "reasoning_effort": (
+        lambda value: False,
+        "the model's thinking has no effort levels here ('max_tokens' bounds it)",
+    ),
+    "verbosity": (lambda value: False, "the model's answer length cannot be chosen"),
+}
+
+
+def check_fields(body: dict[str, Any]) -> None:
+    """Raise ApiError 400 naming the first field of OpenAI's reference that asks for what
+    serve does not do (see ``_REFUSED``). Fields outside the reference are not read at all."""
+    for name, (accepted, why) in _REFUSED.items():
+        value = body.get(name)
+        if value is not None and not accepted(value):
+            raise ApiError(400, f"'{name}' is not supported: {why}", param=name)
+
+
+def _message_text(message: Any, index: int) -> str:
+    """A message's content: a string, or a list of text parts (joined); raise ApiError naming
+    the part that is not text (an image, audio, a file)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for at, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):  # fmt: skip
+                raise ApiError(
+                    400,
+                    f"'messages[{index}].content[{at}]' is not supported: only text parts "
+                    "({'type': 'text', 'text': ...}); this model reads text only",
+                    param=f"messages[{index}].content[{at}]",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(400, "each message needs a string 'content'", param=f"messages[{index}]")
+
+
+def _whole(body: dict[str, Any], name: str, low: int, high: int, default: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be a whole number from {low} to {high}", param=name)
+    return value
+
+
+def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
+    """The request's ``stop``: none, a string, or a list of up to MAX_STOPS non-empty strings."""
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOPS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
+    ):
+        raise ApiError(
+            400,
+            f"'stop' must be a string or a list of up to {MAX_STOPS} strings, each of 1 to "
+            f"{MAX_STOP_CHARS:,} characters",
+            param="stop",
+        )
+    return tuple(dict.fromkeys(stops))
+
+
+class ChatRequest(Record):
+    """An OpenAI chat request as serve answers it: one daemon request per choice."""
+
+    params: tuple[dict[str, Any], ...]  # each choice's daemon request
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def read_chat_request(body: dict[str, Any], model: str, settings: Settings) -> ChatRequest:
+    """Check an OpenAI chat request and make its daemon requests (ApiError if it cannot):
+    ``n`` of them, each its own session and, when a seed is given, seed + i."""
+    check_fields(body)
+    params = chat_params(body, model, settings)
+    choices = _whole(body, "n", 1, MAX_CHOICES, 1)
+    stops = _stop_strings(body)
+    stream = bool(body.get("stream"))
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise ApiError(400, "'stream_options' must be an object, given only with 'stream': true",
+                       param="stream_options")  # fmt: skip
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise ApiError(400, "'stream_options.include_usage' must be true or false",
+                       param="stream_options.include_usage")  # fmt: skip
+    seed = params.get("seed")
+    each = tuple(
+        {**params, "session": uuid.uuid4().hex if i else params["session"],
+         **({"seed": sample_seed(seed, i)} if seed is not None else {})}
+        for i in range(choices)
+    )  # fmt: skip
+    return ChatRequest(each, stops, stream, include_usage)
+
+
 def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[str, Any]:
     """Turn an OpenAI chat request into a daemon ``chat`` request (ApiError if it cannot).
 
@@ -162,25 +317,23 @@ def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[st
         raise ApiError(400, "'messages' must be a non-empty list")
     system_parts: list[str] = []
     turns: list[dict[str, str]] = []
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise ApiError(400, "each message needs a string 'content'")
+    for index, message in enumerate(messages):
+        content = _message_text(message, index)
         role = message.get("role")
         if role in ("system", "developer"):
-            system_parts.append(message["content"])
+            system_parts.append(content)
         elif role in ("user", "assistant"):
-            turns.append({"role": role, "content": message["content"]})
+            turns.append({"role": role, "content": content})
         else:
-            raise ApiError(400, f"unsupported message role {role!r}")
+            tools = ": this server calls no tools" if role in ("tool", "function") else ""
+            raise ApiError(400, f"unsupported message role {role!r}{tools}",
+                           param=f"messages[{index}].role")  # fmt: skip
     if not turns or turns[-1]["role"] != "user":
         raise ApiError(400, "the last message must be the user's")
     # Read here, not by the daemon: a 1 for true, or n = 2 answered with one choice, would be
     # taken without a word.
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise ApiError(400, "'stream' must be true or false", param="stream")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
-        raise ApiError(400, "'n' must be 1: this server answers with one choice", param="n")
     params: dict[str, Any] = {
         # Each request is its own session: the daemon finds the shared prefix in its slots.
         "session": uuid.uuid4().hex,
@@ -273,6 +426,9 @@ def create_app(
     registry.register(DaemonCollector(backend))
     http_requests = Counter("phi4_http_requests", "HTTP requests served, by path and status.",
                             ["path", "status"], registry=registry)  # fmt: skip
+    chat_choices = Counter("phi4_http_chat_choices",
+                           "Choices chat completion requests asked for (n each), each a daemon "
+                           "request.", registry=registry)  # fmt: skip
 
     def authorized(request: Request) -> bool:
         if api_key is None:
@@ -355,29 +511,38 @@ def create_app(
                 param=bad_text,
             )
         check_model(body, model_name, served)
-        params = chat_params(body, model, settings)
-        completion = _Completion(model_name)
-        stream = backend.stream(Op.CHAT, params)
-        try:
-            # Up to the daemon's acceptance: a refusal (bad request, busy) is an HTTP status.
-            first = await _first_events(stream)
-        except RequestError as exc:  # too long to send
-            stream.close()
-            raise ApiError(413, str(exc)) from None
-        except Phi4Error as exc:
-            stream.close()
-            raise ApiError(503, str(exc), "server_error") from None
-        terminal = first[-1] if first and first[-1].terminal else None
-        if terminal is not None and terminal.kind == EventKind.ERROR:
-            raise ApiError.of(terminal.code, terminal.message)
-        if body.get("stream"):
-            return StreamingResponse(completion.sse(first, stream),
-                                     media_type="text/event-stream",
+        chat_request = read_chat_request(body, model, settings)
+        chat_choices.inc(len(chat_request.params))
+        streams = [backend.stream(Op.CHAT, params) for params in chat_request.params]
+        # Up to the daemon's acceptance of each: a refusal (bad request, busy) is an HTTP status.
+        firsts = await asyncio.gather(*(_first_events(s) for s in streams), return_exceptions=True)
+        refused: BaseException | Event | None = next(
+            (f for f in firsts if isinstance(f, BaseException)), None
+        )
+        if refused is None:
+            terminals = [f[-1] for f in firsts if isinstance(f, list) and f and f[-1].terminal]
+            refused = next((t for t in terminals if t.kind == EventKind.ERROR), None)
+        if refused is not None:
+            for stream in streams:
+                stream.close()
+            if isinstance(refused, Event):
+                raise ApiError.of(refused.code, refused.message)
+            if isinstance(refused, RequestError):  # too long to send
+                raise ApiError(413, str(refused)) from None
+            if isinstance(refused, Phi4Error):
+                raise ApiError(503, str(refused), "server_error") from None
+            raise refused
+        first = [f for f in firsts if isinstance(f, list)]
+        choices = [_Choice(i, stream, chat_request.stops) for i, stream in enumerate(streams)]
+        completion = _Completion(model_name, choices, chat_request.include_usage)
+        if chat_request.stream:
+            return StreamingResponse(completion.sse(first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
-        outcome = await _unless_disconnected(request, stream, completion.fold(first, stream))
-        if outcome.error is not None:
-            raise ApiError.of(outcome.error.code, outcome.error.message)
-        return JSONResponse(completion.whole(outcome))
+        failed = await _unless_disconnected(request, streams, completion.fold(first))
+        if failed is not None:
+            assert failed.outcome.error is not None
+            raise ApiError.of(failed.outcome.error.code, failed.outcome.error.message)
+        return JSONResponse(completion.whole())
 
     async def http_error(request: Request, exc: Exception) -> Response:
         # Starlette's own 404 and 405, in the API's JSON shape.
@@ -394,16 +559,17 @@ def create_app(
     return AccessGuard(app, access)
 
 
-async def _unless_disconnected(request: Request, stream: RequestStream, work: Any) -> Any:
+async def _unless_disconnected(request: Request, streams: list[RequestStream], work: Any) -> Any:
     """Await ``work`` (a whole answer being read); a client that hangs up meanwhile has its
-    request cancelled, as a streaming one has."""
+    requests cancelled, as a streaming one has."""
     result: Any = None
     async with anyio.create_task_group() as group:
 
         async def watch() -> None:
             while not await request.is_disconnected():
                 await anyio.sleep(0.2)
-            stream.cancel()
+            for stream in streams:
+                stream.cancel()
 
         group.start_soon(watch)
         result = await work
@@ -430,84 +596,222 @@ async def _first_events(stream: RequestStream) -> list[Event]:
     return events
 
 
-class _Completion:
-    """One chat completion's answer, whole or as chunks."""
+class StopStrings:
+    """Where an answer ends: at the first of its stop strings, fed piece by piece. Text that
+    could be the start of one is held back until the pieces after it say whether it is, so a
+    stop string split across tokens is found as one written whole."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return the text that may be passed on now, and whether a stop string was reached
+        (then that text is all of the answer before it)."""
+        text = self.held + text
+        found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
+        if found:
+            self.held = ""
+            return text[: min(found)], True
+        keep = 0  # the longest end of the text that begins a stop string
+        for stop in self.stops:
+            for size in range(min(len(stop) - 1, len(text)), keep, -1):
+                if text.endswith(stop[:size]):
+                    keep = size
+                    break
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        """The text held back, at the answer's end (no stop string came of it)."""
+        held, self.held = self.held, ""
+        return held
+
+
+class _Choice:
+    """One choice of a completion: its daemon request's events folded, its answer up to the
+    first stop string, and how it ended."""
+
+    def __init__(self, index: int, stream: RequestStream, stops: tuple[str, ...]) -> None:
+        self.index, self.stream = index, stream
+        self.outcome = Outcome(index=index, question="")
+        self.stops = StopStrings(stops)
+        self.content = ""  # the answer as sent: up to a stop string
+        self.reasoning = ""
+        self.stopped = False  # a stop string was reached, and the request cancelled there
+
+    def apply(self, event: Event) -> list[dict[str, Any]]:
+        """Fold one event; return the deltas it makes for the client."""
+        before = self.outcome.solution
+        self.outcome.apply(event)
+        if self.stopped:
+            if event.terminal:  # the cancel's end (or any end): the answer ended at its stop
+                self.outcome.error = None
+            return []
+        deltas: list[dict[str, Any]] = []
+        if event.kind == EventKind.TOKEN and event.text:
+            text, self.stopped = self.stops.feed(event.text)
+            if text:
+                self.content += text
+                deltas.append({"content": text})
+            if self.stopped:
+                self.stream.cancel()  # the events go on to its end, with its stats
+        elif event.kind == EventKind.REASONING and event.text:
+            self.reasoning += event.text
+            deltas.append({"reasoning_content": event.text})
+        elif event.kind == EventKind.RETRACT and before:
+            # Text sent as answer was thinking after all (a model that closed a <think> it
+            # never opened): send it again as reasoning, so that is complete.
+            self.stops.flush()
+            self.content = ""
+            self.reasoning += before
+            deltas.append({"reasoning_content": before})
+        elif event.kind == EventKind.DONE and (rest := self.stops.flush()):
+            self.content += rest
+            deltas.append({"content": rest})
+        return deltas
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.stopped else _finish_reason(self.outcome)
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        return message
+
+
+def _usage(choices: list[_Choice]) -> dict[str, Any]:
+    """The completion's usage, counted as OpenAI and vLLM count ``n`` choices: the prompt once,
+    the completions' tokens summed; cached: the prompt's tokens every choice found cached."""
+    stats: list[Stats] = [c.outcome.stats for c in choices if c.outcome.stats is not None]
+    prompt = stats[0].prompt_tokens if stats else 0
+    completion = sum(s.completion_tokens for s in stats)
+    cached = min((s.cached_tokens for s in stats), default=0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+
+
+def _close_when_read(future: asyncio.Future[Event | None], stream: RequestStream) -> None:
+    """Close ``stream`` once the read in flight on it returns (never while a thread reads it)."""
+
+    def close(done: asyncio.Future[Event | None]) -> None:
+        if not done.cancelled():
+            done.exception()  # (retrieved: a daemon gone as the client hung up is no news)
+        stream.close()
+
+    future.add_done_callback(close)
+
+
+async def _events(
+    choices: list[_Choice], first: list[list[Event]]
+) -> AsyncGenerator[tuple[_Choice, Event]]:
+    """Each choice's events as they come, interleaved, beginning with those already read; the
+    caller folds each before asking for the next. A choice whose daemon went away, or whose
+    events ended early, ends with an error event. Leaving early cancels the requests still
+    running and closes their streams as their reads in flight return."""
+    reads: dict[asyncio.Future[Event | None], _Choice] = {}
+
+    def read(choice: _Choice) -> None:
+        reads[asyncio.ensure_future(_next(choice.stream))] = choice
+
+    try:
+        for choice, events in zip(choices, first, strict=True):
+            for event in events:
+                yield choice, event
+        for choice in choices:
+            if not choice.outcome.done:
+                read(choice)
+        while reads:
+            finished, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(finished, key=lambda f: reads[f].index):
+                choice = reads.pop(future)
+                try:
+                    read_event = future.result()
+                except Phi4Error as exc:
+                    read_event = Event.error(
+                        ErrorCode.INTERNAL, f"the daemon went away mid-answer: {exc}"
+                    )
+                if read_event is None:
+                    read_event = Event.error(ErrorCode.INTERNAL, "the daemon's answer ended early")
+                yield choice, read_event
+                if not choice.outcome.done:
+                    read(choice)
+    finally:
+        for future, choice in reads.items():
+            choice.stream.cancel()
+            _close_when_read(future, choice.stream)
+        for choice in choices:
+            if choice not in reads.values():
+                choice.stream.close()
+
+
+class _Completion:
+    """One chat completion's answer, whole or as chunks: its choices interleaved."""
+
+    def __init__(self, model_name: str, choices: list[_Choice], include_usage: bool) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.model_name = model_name
+        self.choices = choices
+        self.include_usage = include_usage
 
-    async def fold(self, first: list[Event], stream: RequestStream) -> Outcome:
-        outcome = Outcome(index=0, question="")
-        try:
-            for event in first:
-                outcome.apply(event)
-            while not outcome.done and (later := await _next(stream)) is not None:
-                outcome.apply(later)
-        except Phi4Error as exc:
-            outcome.fail(ErrorCode.INTERNAL, f"the daemon went away mid-answer: {exc}")
-        finally:
-            stream.close()
-        if not outcome.done:
-            outcome.fail(ErrorCode.INTERNAL, "the daemon's answer ended early")
-        return outcome
+    async def fold(self, first: list[list[Event]]) -> _Choice | None:
+        """Read every choice to its end; return the first that failed (None if none did)."""
+        async with contextlib.aclosing(_events(self.choices, first)) as events:
+            async for choice, event in events:
+                choice.apply(event)
+                if choice.outcome.error is not None:
+                    return choice
+        return None
 
-    def whole(self, outcome: Outcome) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": outcome.solution}
-        if outcome.reasoning:
-            message["reasoning_content"] = outcome.reasoning
-        stats = outcome.stats
-        prompt = stats.prompt_tokens if stats else 0
-        completion = stats.completion_tokens if stats else 0
+    def whole(self) -> dict[str, Any]:
         return {
             "id": self.id, "object": "chat.completion", "created": self.created,
             "model": self.model_name,
-            "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(outcome)}],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                      "total_tokens": prompt + completion,
-                      "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats
-                                                else 0}},
+            "choices": [{"index": c.index, "message": c.message(), "logprobs": None,
+                         "finish_reason": c.finish_reason} for c in self.choices],
+            "usage": _usage(self.choices),
         }  # fmt: skip
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.model_name,
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        chunk: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
+                                 "created": self.created, "model": self.model_name,
+                                 "choices": choices}  # fmt: skip
+        if self.include_usage:  # as OpenAI: null on every chunk but the last
+            chunk["usage"] = usage
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
-    async def sse(self, first: list[Event], stream: RequestStream) -> AsyncIterator[bytes]:
-        """The answer as server-sent events. An error after the stream began (the daemon stopped
-        or died, the request was cancelled) is sent as an ``error`` object, and the stream ends
-        without ``[DONE]``, as OpenAI's own API does; hanging up cancels the request."""
-        outcome = Outcome(index=0, question="")
-        yield self._chunk({"role": "assistant", "content": ""})
-        pending = list(first)
-        try:
-            while not outcome.done:
-                event = pending.pop(0) if pending else await _next(stream)
-                if event is None:
-                    outcome.fail(ErrorCode.INTERNAL, "the daemon's answer ended early")
+    def _delta(self, index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return self._chunk([{"index": index, "delta": delta, "logprobs": None,
+                             "finish_reason": finish}])  # fmt: skip
+
+    async def sse(self, first: list[list[Event]]) -> AsyncIterator[bytes]:
+        """The answer as server-sent events, each choice's chunks carrying its ``index``. An
+        error after the stream began (the daemon stopped or died, the request was cancelled)
+        is sent as an ``error`` object, and the stream ends without ``[DONE]``, as OpenAI's own
+        API does; hanging up cancels the requests."""
+        for choice in self.choices:
+            yield self._delta(choice.index, {"role": "assistant", "content": ""})
+        failed: _Choice | None = None
+        async with contextlib.aclosing(_events(self.choices, first)) as events:
+            async for choice, event in events:
+                for delta in choice.apply(event):
+                    yield self._delta(choice.index, delta)
+                if choice.outcome.error is not None:
+                    failed = choice
                     break
-                before = outcome.solution
-                outcome.apply(event)
-                if event.kind == EventKind.TOKEN and event.text:
-                    yield self._chunk({"content": event.text})
-                elif event.kind == EventKind.REASONING and event.text:
-                    yield self._chunk({"reasoning_content": event.text})
-                elif event.kind == EventKind.RETRACT and before:
-                    # Text sent as answer was thinking after all (a model that closed a <think>
-                    # it never opened): send it again as reasoning, so that is complete.
-                    yield self._chunk({"reasoning_content": before})
-        except Phi4Error as exc:
-            outcome.fail(ErrorCode.INTERNAL, f"the daemon went away mid-answer: {exc}")
-        finally:
-            stream.close()
-        if outcome.error is not None:
-            error = ApiError.of(outcome.error.code, outcome.error.message)
+                if event.terminal:
+                    yield self._delta(choice.index, {}, choice.finish_reason)
+        if failed is not None:
+            assert failed.outcome.error is not None
+            error = ApiError.of(failed.outcome.error.code, failed.outcome.error.message)
             yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
             return
-        yield self._chunk({}, _finish_reason(outcome))
+        if self.include_usage:
+            yield self._chunk([], _usage(self.choices))
         yield b"data: [DONE]\n\n"
 
 

@@ -1,0 +1,215 @@
+"""`phi4 serve --http` and the fields of OpenAI's chat-completions request: n, stop,
+stream_options.include_usage honoured; tools, logprobs and the rest refused with a 400 naming
+the field (docs/openai.md). The client is the official `openai` SDK, the server a real
+`phi4 serve` on the tiny model."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from phi4cli.http_api import StopStrings
+from tests.conftest import _stop_daemon_in
+from tests.test_http_api import get, start_server
+
+QUESTION = [{"role": "user", "content": "What is 12*13?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path) -> Iterator[str]:
+    # One server for the module (each test's own PHI4_HOME would start a daemon per test).
+    home = Path(tempfile.mkdtemp(prefix="p4-", dir="/tmp"))  # (short: a socket's path is in it)
+    proc, url = start_server(tiny_model, env={"PHI4_HOME": str(home), "PHI4_LOOP": "off",
+                                              "PHI4_THREADS": "1"})  # fmt: skip
+    try:
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+        _stop_daemon_in(home)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def client_of(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metric(server: str, name: str, **labels: str) -> float:
+    _status, text = get(f"{server}/metrics")
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return float(sample.value)
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def streamed(client: openai.OpenAI, **fields: Any) -> tuple[dict[int, str], dict[int, str], Any]:
+    """(text by choice index, finish_reason by index, the usage chunk's usage) of a stream."""
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    usage = None
+    for chunk in client.chat.completions.create(model="tiny-phi3", stream=True, **fields):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason is not None:
+                assert choice.index not in finished, "one finish_reason per choice"
+                finished[choice.index] = choice.finish_reason
+        if chunk.usage is not None:
+            assert not chunk.choices, "usage comes in a chunk of its own, with no choices"
+            usage = chunk.usage
+    return texts, finished, usage
+
+
+def test_n_gives_that_many_choices_each_with_its_own_seed(server: str):
+    # Before: n = 2 was a 400 ("'n' must be 1").
+    client = client_of(server)
+    asked = metric(server, "phi4_http_chat_choices_total")
+    whole = client.chat.completions.create(model="tiny-phi3", messages=QUESTION, temperature=0,
+                                           max_tokens=6, n=2)  # fmt: skip
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert all(c.finish_reason == "length" and c.message.content for c in whole.choices)
+    assert whole.usage is not None and whole.usage.completion_tokens == 12  # summed
+    assert metric(server, "phi4_http_chat_choices_total") == asked + 2
+    texts, finished, _usage = streamed(client, messages=QUESTION, temperature=0, max_tokens=6,
+                                       n=2)  # fmt: skip
+    assert texts == {0: whole.choices[0].message.content, 1: whole.choices[1].message.content}
+    assert finished == {0: "length", 1: "length"}
+    # Choice i is seeded seed + i: the second of seed 7 is the first of seed 8.
+    sampled = {"messages": QUESTION, "temperature": 1.0, "max_tokens": 8,
+               "extra_body": {"deterministic": True}}  # fmt: skip
+    pair = client.chat.completions.create(model="tiny-phi3", n=2, seed=7, **sampled)
+    alone = client.chat.completions.create(model="tiny-phi3", seed=8, **sampled)
+    assert pair.choices[1].message.content == alone.choices[0].message.content
+
+
+def test_stop_ends_the_answer_before_the_stop_string_also_across_tokens(server: str):
+    # Before: the stop strings were ignored: the text ran past them to finish_reason "length".
+    client = client_of(server)
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny-phi3", messages=QUESTION, temperature=0, max_tokens=24, stream=True,
+    ) if c.choices]  # fmt: skip
+    pieces = [p for p in pieces if p]
+    full = "".join(pieces)
+    # A stop string made of the end of one token and the start of the next.
+    at = next(i for i in range(2, len(pieces)) if len(pieces[i - 1]) >= 2 and len(pieces[i]) >= 1)
+    stop = pieces[at - 1][-2:] + pieces[at][:1]
+    before = full[: full.find(stop)]
+    assert len(before) < len(full) - len(stop)
+    whole = client.chat.completions.create(model="tiny-phi3", messages=QUESTION, temperature=0,
+                                           max_tokens=24, stop=["never written", stop])  # fmt: skip
+    assert (whole.choices[0].message.content, whole.choices[0].finish_reason) == (before, "stop")
+    texts, finished, _usage = streamed(client, messages=QUESTION, temperature=0, max_tokens=24,
+                                       stop=stop, n=2)  # fmt: skip
+    assert texts == {0: before, 1: before}
+    assert finished == {0: "stop", 1: "stop"}
+
+
+def test_include_usage_sends_a_last_chunk_with_the_usage(server: str):
+    # Before: no usage chunk came (so phi4 with phi4 serve as its backend recorded 0 prompt
+    # tokens).
+    texts, finished, usage = streamed(
+        client_of(server), messages=QUESTION, temperature=0, max_tokens=5, n=2,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    assert finished == {0: "length", 1: "length"} and all(texts.values())
+    assert usage is not None and usage.completion_tokens == 10 and usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    _texts, _finished, none = streamed(client_of(server), messages=QUESTION, max_tokens=2)
+    assert none is None
+
+
+@pytest.mark.parametrize(
+    ("field", "fields"),
+    [
+        ("tools", {"tools": [{"type": "function",
+                              "function": {"name": "add", "parameters": {"type": "object"}}}]}),
+        ("tool_choice", {"tool_choice": "required"}),
+        ("logprobs", {"logprobs": True, "top_logprobs": 2}),
+        ("top_logprobs", {"top_logprobs": 2}),
+        ("response_format", {"response_format": {"type": "json_object"}}),
+        ("presence_penalty", {"presence_penalty": 0.5}),
+        ("frequency_penalty", {"frequency_penalty": -1}),
+        ("logit_bias", {"logit_bias": {"12": 5}}),
+        ("modalities", {"modalities": ["text", "audio"]}),
+        ("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
+        ("reasoning_effort", {"reasoning_effort": "low"}),
+        ("n", {"n": 17}),
+        ("stop", {"stop": ["a", "b", "c", "d", "e"]}),
+        ("stream_options", {"stream_options": {"include_usage": True}}),  # without stream
+        ("messages[0].content[1]", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}),
+    ],
+)  # fmt: skip
+def test_what_serve_does_not_do_is_a_400_naming_the_field(server: str, field: str,
+                                                          fields: dict[str, Any]):  # fmt: skip
+    # Before: each was ignored without a word (n 17 was refused, as any n but 1).
+    body: dict[str, Any] = {"messages": QUESTION, "max_tokens": 2, **fields}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client_of(server).chat.completions.create(model="tiny-phi3", **body)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == field, error
+    assert error["message"].startswith(f"'{field}'"), error
+
+
+def test_fields_that_ask_for_nothing_are_taken(server: str):
+    reply = client_of(server).chat.completions.create(
+        model="tiny-phi3", max_tokens=2, tools=[], tool_choice="none", logprobs=False,
+        response_format={"type": "text"}, presence_penalty=0, frequency_penalty=0.0,
+        logit_bias={}, modalities=["text"], user="someone", store=False,
+        metadata={"run": "1"}, service_tier="auto", parallel_tool_calls=False,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is "},
+                                               {"type": "text", "text": "12*13?"}]}],
+        extra_body={"not_openai_at_all": 1},
+    )  # fmt: skip
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_a_client_hanging_up_cancels_every_choice(server: str):
+    client = client_of(server)
+    generated = metric(server, "phi4_tokens_total", kind="completion")
+    stream = client.chat.completions.create(model="tiny-phi3", messages=QUESTION, temperature=0,
+                                            max_tokens=3000, n=2, stream=True)  # fmt: skip
+    for number, _chunk in enumerate(stream):
+        if number == 6:
+            break
+    stream.close()
+    deadline = time.monotonic() + 10
+    while metric(server, "phi4_requests_active") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "phi4_requests_active") == 0
+    # Both were cut short: neither wrote its 3,000 tokens.
+    assert metric(server, "phi4_tokens_total", kind="completion") - generated < 3000
+
+
+@pytest.mark.parametrize(
+    ("stops", "pieces", "passed", "stopped"),
+    [
+        (("END",), ["ab", "cE", "N", "Dxyz"], "abc", True),
+        (("END",), ["ab", "cE", "N", "!"], "abcEN!", False),  # a start that was not one
+        (("xyz", "c"), ["abxy", "zc"], "ab", True),  # the first written of several
+        (("aab",), ["a", "a", "a", "b"], "a", True),  # held text re-checked as it grows
+    ],
+)
+def test_stop_strings_are_found_across_pieces_and_nothing_after_is_passed(
+    stops: tuple[str, ...], pieces: list[str], passed: str, stopped: bool
+):
+    matcher = StopStrings(stops)
+    out, found = "", False
+    for piece in pieces:
+        text, found = matcher.feed(piece)
+        out += text
+        if found:
+            break
+    if not found:
+        out += matcher.flush()
+    assert (out, found) == (passed, stopped)
