@@ -44,7 +44,7 @@ configure_llama() {
     rm -rf "$build"
     cmake -S "$src" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
         -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF "$@" > "$log" 2>&1 \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF "$@" > "$log" 2>&1 \
         || { tail -30 "$log" >&2; die "cmake could not configure (see $log)"; }
 }
 

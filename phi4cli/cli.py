@@ -702,7 +702,16 @@ def status(
     if backend:
         _print_backend_status(backend, as_json)
         return
-    _print_status(_status_of(get_paths()), as_json)
+    from phi4cli.errors import DaemonUnavailableError
+
+    try:
+        found = _status_of(get_paths())
+    except DaemonUnavailableError as error:
+        if as_json:  # a script reading stdout gets an answer too (the exit status is still 3)
+            print(json.dumps({"running": False, "state": "not running", "reason": str(error)},
+                             indent=2))  # fmt: skip
+        raise
+    _print_status(found, as_json)
 
 
 def _print_backend_status(urls: list[str], as_json: bool) -> None:

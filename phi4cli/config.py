@@ -90,7 +90,10 @@ def parse_setting(key: str, value: object, source: str) -> Any:
 
 
 def _shown(value: object) -> str:
-    """``value`` as an error shows it: its repr, only the start of a long one."""
+    """``value`` as an error shows it: its repr, only the start of a long one (a list of one
+    value, as a repeated option gives it, as that value)."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
     try:
         text = repr(value)
     except ValueError:  # an int of more digits than Python converts (4,300)

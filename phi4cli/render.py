@@ -183,6 +183,8 @@ def no_answer_reason(outcome: Outcome) -> str:
         )
     if outcome.thinking_unfinished:
         return "no final answer: the thinking did not finish (raise --max-tokens or --think-budget)"
+    if outcome.stats is not None and outcome.stats.finish_reason == "length":
+        return "no final answer: the answer was cut off at --max-tokens (raise it)"
     return "no final answer stated in the solution"
 
 

@@ -44,8 +44,9 @@ def test_terminal_output_has_thinking_line_rendered_solution_and_answer_line(
     assert child.exitstatus == 0, screen
     assert "thinking…" in screen  # the live status line while the model thinks
     assert ANSI in screen
-    # The tiny model never states an answer; phi4 says so rather than guessing.
-    assert "no final answer stated" in screen
+    # The tiny model never states an answer; phi4 says so rather than guessing (and that the
+    # answer was cut at --max-tokens).
+    assert "no final answer: the answer was cut off at --max-tokens" in screen
 
 
 def test_terminal_presenter_renders_markdown_math_and_highlights_the_answer(monkeypatch):
@@ -162,7 +163,7 @@ def test_each_line_from_stdin_with_answer_only_keeps_one_line_per_problem(tiny_m
     assert result.stdout.count("\n") == 3
     # No line stated an answer: as for one question, --answer-only exits 1 and says why per line.
     assert result.returncode == 1, result.stderr
-    assert result.stderr.count("no final answer stated") == 3
+    assert result.stderr.count("no final answer: the answer was cut off at --max-tokens") == 3
 
 
 def test_file_output_survives_head(tiny_model: Path, tmp_path: Path):

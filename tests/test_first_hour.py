@@ -1,0 +1,52 @@
+"""What a newcomer met in the first hour (issue 36), each pinned: the lines phi4 says when a
+daemon is not running, a backend is not a URL, or an answer was cut at --max-tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import run_phi4
+from tests.scripted_server import Step, chunk, data, scripted_server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_status_json_without_a_daemon_still_prints_json():
+    # Before: nothing on stdout, only the error on stderr (exit 3).
+    done = run_phi4("status", "--json")
+    assert done.returncode == 3
+    assert json.loads(done.stdout) == {
+        "running": False,
+        "state": "not running",
+        "reason": "no daemon is running; `phi4 daemon start` starts one",
+    }
+    assert "no daemon is running" in done.stderr
+
+
+def test_a_backend_that_is_not_a_url_is_named_as_given():
+    # Before: "invalid backend ('notaurl',)", the repeated option's tuple.
+    done = run_phi4("solve", "hi", "--backend", "notaurl")
+    assert done.returncode == 2
+    assert "invalid backend 'notaurl': expected the http(s) URL" in done.stderr
+
+
+def _cut(_body: dict[str, Any]) -> list[str | Step]:
+    return [chunk({"content": "Let me add them: 12 + 13 is"}), chunk({}, "length"),
+            data("[DONE]")]  # fmt: skip
+
+
+def test_an_answer_cut_at_max_tokens_says_it_was_cut():
+    # Before: "no final answer stated in the solution", as if the model had chosen not to.
+    with scripted_server(_cut) as server:
+        done = run_phi4("solve", "What is 12+13?", "--backend", server.url, "-m", "m", "-a",
+                        "-n", "8", timeout=100)  # fmt: skip
+    assert done.returncode == 1
+    assert "the answer was cut off at --max-tokens (raise it)" in done.stderr
+
+
+def test_the_llama_build_script_asks_for_no_download():
+    # LLAMA_USE_PREBUILT_UI defaults to ON in newer llama.cpp, and tries a download.
+    script = (ROOT / "bench" / "llama_build.sh").read_text()
+    assert "-DLLAMA_USE_PREBUILT_UI=OFF" in script
