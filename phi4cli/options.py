@@ -370,8 +370,8 @@ SETTINGS = (
             REQUEST, flags="--keep-alive", option="str", groups=("answer", "daemon"),
             help="How long the daemon stays resident when idle: 30m, 1h, 0 (exit when idle), "
                  "-1 (forever) [env PHI4_KEEP_ALIVE; default 30m]."),
-    Setting("n_ctx", _context_size, "auto (planned from free memory) or a number of tokens, at "
-            f"least {MIN_N_CTX}", None, "int | None", DAEMON,
+    Setting("n_ctx", _context_size, "auto (planned from free memory) or a number of tokens, "
+            f"{MIN_N_CTX} to {MAX_COUNT:,}", None, "int | None", DAEMON,
             "KV cache cells shared by all requests; None: planned from the model and free "
             "memory.", flags="--n-ctx", option="str", metavar="auto|N",
             groups=("answer", "daemon"),
