@@ -371,7 +371,7 @@ SETTINGS = (
             help="How long the daemon stays resident when idle: 30m, 1h, 0 (exit when idle), "
                  "-1 (forever) [env PHI4_KEEP_ALIVE; default 30m]."),
     Setting("n_ctx", _context_size, "auto (planned from free memory) or a number of tokens, "
-            f"{MIN_N_CTX} to {MAX_COUNT:,}", None, "int | None", DAEMON,
+            f"at least {MIN_N_CTX} and at most {MAX_COUNT:,}", None, "int | None", DAEMON,
             "KV cache cells shared by all requests; None: planned from the model and free "
             "memory.", flags="--n-ctx", option="str", metavar="auto|N",
             groups=("answer", "daemon"),
