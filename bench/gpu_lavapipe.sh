@@ -61,7 +61,7 @@ build() {
         || die "no SPIR-V headers (ggml-vulkan's CMake asks for SPIRV-Headers): $apt"
     local version
     version=$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))') \
-        || die "no llama-cpp-python in $PYTHON: install phi4 first (README, Install and run)"
+        || die "no llama-cpp-python in $PYTHON: install phi4 first (README, Install)"
     mkdir -p "$VK"
     if [ ! -f "$VK/src/CMakeLists.txt" ] || [ "$(cat "$VK/src/.version" 2>/dev/null)" != "$version" ]; then
         local tmp

@@ -2,7 +2,8 @@
 # llama.cpp from the llama-cpp-python sdist, configured and built as shared libraries, and the
 # sdist's Python package beside the libraries it loads.
 
-# As the README's install does on x86-64 (these machines' compilers lack AMX-INT8).
+# As the README's install line does on x86-64 (these machines' compilers lack AMX-INT8;
+# docs/install-and-builds.md says why).
 NO_AMX=()
 if [ "$(uname -m)" = x86_64 ]; then
     NO_AMX=(-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8)

@@ -7,7 +7,8 @@ One sequence per rider holds --depth tokens; another sequence's --prompt tokens 
 chunks of C tokens, each step also decoding one token for each of R riders (the answers already
 streaming), in one shared cache and with a stream per sequence. The time per step against R = 0
 is what the riders cost; phi4's engine reads prompts that came together without riders for this
-reason (README, "Long prompts read together"). Flash attention as llama.cpp's default (auto).
+reason (docs/benchmarks.md, "Long prompts read together"). Flash attention as llama.cpp's
+default (auto).
 
 Writes bench/results/prompt-chunks-<model>.json and .md, and prints the Markdown table.
 """

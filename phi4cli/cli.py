@@ -1,5 +1,6 @@
-"""The ``phi4`` command line: parse options, call the client, print. The only place that turns
-exceptions into exit codes. Imports nothing heavy at module level (no llama_cpp, numpy, hub).
+"""The ``phi4`` command line: parse options, call the client, print; ``exits.run_reporting``
+turns what a command raised into its exit status. Imports nothing heavy at module level (no
+llama_cpp, numpy, hub).
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def free_port() -> int:
 
 
 # llama.cpp's own llama-server, where one was built (its sources are in llama-cpp-python's
-# sdist; the README's Benchmarks say how): the tests that use it are skipped without it.
+# sdist; docs/benchmarks.md says how): the tests that use it are skipped without it.
 LLAMA_SERVER = os.environ.get("PHI4_TEST_LLAMA_SERVER")
 
 
