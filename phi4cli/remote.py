@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 import unicodedata
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager, suppress
 from email.utils import parsedate_to_datetime
 from typing import Any, cast
@@ -47,6 +47,10 @@ from phi4cli.protocol import JSON, ErrorCode, Event, EventKind, Stats
 from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model_thinks
 from phi4cli.thinking import Act, ThinkingPolicy
 
+# What a server that does not continue an assistant's message is asked once phi4 has closed the
+# thinking (a budget, a loop): the thinking so far is its turn, then this one.
+FINAL_ANSWER_ASK = ("Stop thinking now. Give your final answer, with the final result in "
+                    "\\boxed{}.")  # fmt: skip
 CONNECT_TIMEOUT_S = 10.0  # at most; a shorter backend_timeout shortens it too
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error answer read before the connection is closed
 EXCERPT_CHARS = 200  # of a server's message, shown on one line
@@ -442,20 +446,58 @@ class RemoteEngine:
         state: _StreamState,
     ) -> Iterator[Event]:
         """Ask for the answer with the thinking closed: the reply so far, ended by </think>, is
-        sent as the start of the assistant's message for the server to continue."""
+        sent as the start of the assistant's message for the server to continue. A server that
+        does not continue a message (it starts a new one, and thinks again to its limit) is then
+        asked afresh: the closed thinking as the assistant's turn, and a user's turn asking for
+        the final answer."""
         thinking = state.reasoning_text
-        prefix = f"{THINK_OPEN}\n{thinking.strip()}\n{THINK_CLOSE}\n\n"
-        body = self._continuation(params, messages, prefix, state)
+        closed = f"{THINK_OPEN}\n{thinking.strip()}\n{THINK_CLOSE}\n\n"
+        body = self._continuation(params, messages, closed, state)
+        answered = yield from self._answer_from(client, body, reader, state, continued=True)
+        if answered or state.cut or not self._tokens_left(params, state):
+            return
+        fresh = [*messages, {"role": "assistant", "content": closed.rstrip()},
+                 {"role": "user", "content": FINAL_ANSWER_ASK}]  # fmt: skip
+        body = self._body(params, fresh)
+        if params.get("max_tokens") is not None:
+            body["max_tokens"] = self._tokens_left(params, state)
+        yield from self._answer_from(client, body, reader, state)
+
+    def _answer_from(
+        self,
+        client: httpx.Client,
+        body: dict[str, Any],
+        reader: _Reader,
+        state: _StreamState,
+        continued: bool = False,
+    ) -> Generator[Event, None, bool]:
+        """Stream the answer ``body`` asks for, passing over any thinking (the budget for it is
+        spent); return whether any answer came. ``continued``: ``body`` asks the server to go on
+        from the closed thinking, and thinking before any answer says it did not (it began a
+        message of its own): hang up there."""
         answer = _Reader(thinks=False)
         answer.separate = False
-        for kind, text in self._events(client, body, answer, state):
-            if kind == EventKind.REASONING:
-                continue  # a server that thinks again: the budget is spent, keep only the answer
-            yield Event(kind, text=text)
+        events = self._events(client, body, answer, state)
+        try:
+            for kind, text in events:
+                if kind == EventKind.REASONING:
+                    if continued and not answer.answer_pieces:
+                        return False  # (closing the events hangs up)
+                    continue  # a server that thinks again: the budget is spent, keep the answer
+                yield Event(kind, text=text)
+        finally:
+            events.close()
         for kind, text in answer.finish():
             if kind != EventKind.REASONING:
                 yield Event(kind, text=text)
         reader.answer_pieces += answer.answer_pieces
+        return answer.answer_pieces > 0
+
+    @staticmethod
+    def _tokens_left(params: dict[str, Any], state: _StreamState) -> int:
+        """Pieces the request may still stream (max_tokens less what came; no limit: a lot)."""
+        limit = params.get("max_tokens")
+        return max(0, int(limit) - state.completion_pieces) if limit is not None else state.limit
 
     @contextmanager
     def _opened(
@@ -520,7 +562,7 @@ class RemoteEngine:
         body: dict[str, Any],
         reader: _Reader,
         state: _StreamState,
-    ) -> Iterator[tuple[EventKind, str]]:
+    ) -> Generator[tuple[EventKind, str]]:
         with _Watch(self, state) as watch:
             yield from self._watched_events(client, body, reader, state, watch)
 

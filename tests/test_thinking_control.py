@@ -334,3 +334,36 @@ def test_a_looping_answer_that_stated_one_exits_1_and_says_it_may_be_cut_short(m
     assert done.stderr.count("repeated itself and was stopped: its answer may be cut short") == 1
     if mode == ["-a"]:
         assert done.stdout.strip() == "4"
+
+
+def _never_continuing_server(body: dict[str, Any]) -> list[str | Step]:
+    """Thinks in a loop; a server that does not continue an assistant's message: asked to go on
+    from the closed thinking, it starts a new message and thinks again (to its limit, never
+    answering); asked afresh by a user's turn for the final answer, it answers."""
+    last = body["messages"][-1]
+    if last["role"] == "user" and last["content"].startswith("Stop thinking now."):
+        return [chunk({"content": " So $\\boxed{4}$."}), chunk({}, "stop"), data("[DONE]")]
+    if last["role"] == "assistant":
+        again = [f" hmm{i}" for i in range(400)]
+        return separated("reasoning_content", again, [], with_usage=False)
+    return _looping_server(body)
+
+
+@pytest.mark.timeout(120)
+def test_a_server_that_does_not_continue_is_asked_afresh_for_the_answer():
+    # Before: the second request thought again and never answered: exit 1, "no final answer",
+    # where the thinking (cut as a loop) was enough to answer.
+    with scripted_server(_never_continuing_server) as server:
+        done = run_phi4("solve", "What is 2+2?", "--backend", server.url, "-m", "m", "--json",
+                        timeout=100)  # fmt: skip
+        bodies = list(server.bodies)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert (record["answer"], record["stats"]["loop"]) == ("4", "answered")
+    assert len(bodies) == 3
+    assert bodies[1]["messages"][-1]["content"].endswith("</think>\n\n")
+    fresh = bodies[2]["messages"]
+    assert fresh[-2]["role"] == "assistant" and fresh[-2]["content"].endswith("</think>")
+    assert fresh[-1]["role"] == "user" and fresh[-1]["content"].startswith("Stop thinking now.")
+    assert not bodies[2].get("continue_final_message")
+    assert "hmm" not in record["reasoning"] + record["solution"]
