@@ -4,10 +4,14 @@ daemon is not running, a backend is not a URL, or an answer was cut at --max-tok
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import run_phi4
+import pytest
+
+from tests.conftest import PHI4, run_phi4
 from tests.scripted_server import Step, chunk, data, scripted_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,3 +54,30 @@ def test_the_llama_build_script_asks_for_no_download():
     # LLAMA_USE_PREBUILT_UI defaults to ON in newer llama.cpp, and tries a download.
     script = (ROOT / "bench" / "llama_build.sh").read_text()
     assert "-DLLAMA_USE_PREBUILT_UI=OFF" in script
+
+
+@pytest.mark.timeout(600)
+def test_a_file_on_an_idle_default_daemon_runs_as_many_at_once_as_the_plan_says(
+    tiny_model: Path, tmp_path: Path
+):
+    # Before: "4 at once" in the plan, but a request reserved 4,096 tokens and 4,072 were free
+    # beside the system prompt's cells: the fourth problem waited.
+    started = run_phi4("daemon", "start", "-m", str(tiny_model), timeout=300)
+    assert started.returncode == 0, started.stderr
+    plan = json.loads(run_phi4("status", "--json").stdout)["memory"]["plan"]
+    assert plan["kv_layout"] == "shared" and plan["parallel"] == 4, plan
+    problems = tmp_path / "four.txt"
+    problems.write_text("".join(f"Count to {i}\n" for i in range(4)))
+    run = subprocess.Popen([PHI4, "solve", "-f", str(problems), "-m", str(tiny_model)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    most = 0
+    try:
+        while run.poll() is None and most < 4:
+            status = json.loads(run_phi4("status", "--json").stdout)
+            most = max(most, int(status["memory"]["running"]))
+            time.sleep(0.2)
+    finally:
+        run.kill()
+        run.wait()
+        run_phi4("stop")
+    assert most == 4

@@ -323,7 +323,10 @@ class LlamaEngine:
         """
         model, prompts = self._loaded()
         capacity = self._capacity()
-        default = min(model.plan.request_tokens, capacity)
+        # Shared layout: the plan's requests share what the system prompt leaves, so that as many
+        # as it says fit at once (4 x 4,096 of 16,384 cells did not fit beside its 24).
+        share = capacity if self._streams else capacity // max(1, model.plan.parallel)
+        default = min(model.plan.request_tokens, share)
         chat: ChatPlan | None = None
         if params.session is not None:
             # Trimmed to what admit() checks, so a chat that must drop turns drops enough.
