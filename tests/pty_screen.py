@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 
@@ -22,5 +23,24 @@ def in_pty(command: str, args: list[str], env: dict[str, str] | None = None,
     child.expect(pexpect.EOF)
     child.close()
     screen = str(child.before)
+    assert child.exitstatus == 0, screen
+    return screen
+
+
+def chat_in_pty(command: str, args: list[str], steps: list[tuple[str, str]],
+                width: int = 120) -> str:  # fmt: skip
+    """``command args`` (a chat) run at a terminal: wait for its greeting, then for each
+    (line, text) of ``steps`` send the line and wait for the text; leave with /exit (exit 0
+    asserted). Return all it showed."""
+    child = pexpect.spawn(command, args, encoding="utf-8", dimensions=(40, width), timeout=90)
+    child.logfile_read = transcript = io.StringIO()
+    child.expect_exact("Ctrl-D to leave")
+    for line, text in steps:
+        child.sendline(line)
+        child.expect_exact(text)
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    screen = transcript.getvalue()
     assert child.exitstatus == 0, screen
     return screen

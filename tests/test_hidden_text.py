@@ -12,7 +12,6 @@ import sys
 import unicodedata
 from collections.abc import Iterator
 
-import pexpect
 import pytest
 from rich.console import Console
 from rich.text import Text
@@ -23,7 +22,7 @@ from phi4cli.outcome import Outcome
 from phi4cli.protocol import Event, EventKind
 from phi4cli.render import TerminalPresenter, _markdown
 from tests.conftest import PHI4, run_phi4
-from tests.pty_screen import in_pty, plain
+from tests.pty_screen import chat_in_pty, in_pty, plain
 from tests.scripted_server import scripted_server, separated
 
 RLO, LRI, ZWSP, WJ, TAG_A = "\u202e", "\u2066", "\u200b", "\u2060", "\U000e0041"
@@ -181,17 +180,8 @@ def test_other_output_at_a_terminal_is_guarded_too(backend: str, tmp_path):
 
 
 def test_chat_at_a_terminal_shows_no_hidden_or_reordered_text(backend: str):
-    child = pexpect.spawn(PHI4, ["chat", "--backend", backend, "-r"], encoding="utf-8",
-                          dimensions=(40, 200), timeout=90)  # fmt: skip
-    child.logfile_read = transcript = io.StringIO()
-    child.expect_exact("Ctrl-D to leave")
-    child.sendline("What is 12*13?")
-    child.expect_exact("Answer:")
-    child.sendline("/exit")
-    child.expect(pexpect.EOF)
-    child.close()
-    screen = transcript.getvalue()
-    assert child.exitstatus == 0, screen
+    screen = chat_in_pty(PHI4, ["chat", "--backend", backend, "-r"],
+                         [("What is 12*13?", "Answer:")], width=200)  # fmt: skip
     assert_shown_as_is(screen, "the chat's terminal")
     plain = _plain(screen)
     assert "First 12*13 = 156 &#x202e;txet&#x2066;." in plain

@@ -28,7 +28,7 @@ from phi4cli.protocol import Event, EventKind
 from phi4cli.render import TerminalPresenter, format_eval, format_warm, markdown_source
 from phi4cli.sanitize import REPLACEMENT, TextCleaner, clean_text, json_safe
 from tests.conftest import PHI4, run_phi4
-from tests.pty_screen import in_pty
+from tests.pty_screen import chat_in_pty, in_pty
 from tests.pty_screen import plain as screen_text
 from tests.scripted_server import Step, chunk, data, scripted_server, separated
 
@@ -449,19 +449,11 @@ def test_no_color_keeps_the_answer_line_and_the_thinking_trace(hostile: str):
 def test_chat_at_a_terminal_shows_answers_and_a_saved_system_prompt_clean(hostile: str):
     store = ChatStore(get_paths().data_dir / "chats")
     store.save(Conversation(name="evil", model="phi4-mini-reasoning", system="be" + CLIPBOARD))
-    child = pexpect.spawn(PHI4, ["chat", "--backend", hostile, "--resume", "evil"],
-                          encoding="utf-8", dimensions=(40, 120), timeout=90)  # fmt: skip
-    child.logfile_read = transcript = io.StringIO()
-    child.expect_exact("Ctrl-D to leave")
-    child.sendline("/show")
-    child.expect_exact("oldest turn(s)")
-    child.sendline("What is 12*13?")
-    child.expect_exact("Answer:")
-    child.sendline("/exit")
-    child.expect(pexpect.EOF)
-    child.close()
-    screen = transcript.getvalue()
-    assert child.exitstatus == 0, screen
+    screen = chat_in_pty(
+        PHI4,
+        ["chat", "--backend", hostile, "--resume", "evil"],
+        [("/show", "oldest turn(s)"), ("What is 12*13?", "Answer:")],
+    )
     assert_clean(screen, "the chat's terminal")
     assert "be\ufffd" in screen_text(screen)
     assert re.search(r"Thought for \d+\.\d s", screen_text(screen))
