@@ -271,7 +271,7 @@ def test_streams_keep_the_running_slots_consecutive(tiny_reasoning_model: Path, 
     def slots(*questions: str) -> list[int]:
         listing = tmp_path / "problems.txt"
         listing.write_text("".join(f"{q}\n" for q in questions))
-        result = run_phi4("solve", "-m", str(tiny_reasoning_model), "-t", "0", "-n", "60",
+        result = run_phi4("solve", "-m", str(tiny_reasoning_model), "-t", "0", "-n", "400",
                           "--file", str(listing), "--jsonl")  # fmt: skip
         return sorted(json.loads(line)["stats"]["slot"] for line in result.stdout.splitlines())
 
