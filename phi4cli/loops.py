@@ -35,9 +35,8 @@ per distinct word and n-gram.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter, deque
-from itertools import islice
+from itertools import islice, takewhile
 
 NGRAM = 5  # words whose recurrence makes the last of them recur
 COPIES = 4  # periods with nothing new, in a row
@@ -142,7 +141,7 @@ class LoopDetector:
     def _quiet(self, span: int) -> int:
         """New words among the last ``span`` words."""
         start = self.words - span
-        return sum(1 for _ in itertools.takewhile(lambda at: at >= start, reversed(self._new)))
+        return sum(1 for _ in takewhile(lambda at: at >= start, reversed(self._new)))
 
     def _recurring(self, span: int, within: int | None = None) -> float:
         """The share of the last ``span`` words that recur within ``within`` words (by default,
@@ -155,7 +154,7 @@ class LoopDetector:
         """Whether each of the last COPIES periods holds MIN_DISTINCT distinct words with a
         letter in them (and a quarter of its words) or more: a block of text, not a row of a
         table or a matrix, nor the digits of a fraction."""
-        recent = [w for w in islice(reversed(self._recent), COPIES * period)]
+        recent = list(islice(reversed(self._recent), COPIES * period))
         least = max(MIN_DISTINCT, period // 4)
         return all(
             len({w for w in recent[start : start + period] if _has_letter(w)}) >= least

@@ -408,11 +408,18 @@ class RemoteEngine:
     ) -> dict[str, Any]:
         """A request for the server to go on from ``prefix``, the start of the assistant's
         message, with the tokens left of max_tokens."""
-        body = self._body(params, [*messages, {"role": "assistant", "content": prefix}])
+        body = self._rest(params, [*messages, {"role": "assistant", "content": prefix}], state)
         # vLLM continues a final assistant message only when asked; llama-server always does.
         body.update(continue_final_message=True, add_generation_prompt=False)
+        return body
+
+    def _rest(
+        self, params: dict[str, Any], messages: list[dict[str, str]], state: _StreamState
+    ) -> dict[str, Any]:
+        """A later request of this one: ``messages``, with the tokens left of max_tokens."""
+        body = self._body(params, messages)
         if params.get("max_tokens") is not None:
-            body["max_tokens"] = max(1, int(params["max_tokens"]) - state.completion_pieces)
+            body["max_tokens"] = max(1, self._tokens_left(params, state))
         return body
 
     def _think_on(
@@ -458,10 +465,7 @@ class RemoteEngine:
             return
         fresh = [*messages, {"role": "assistant", "content": closed.rstrip()},
                  {"role": "user", "content": FINAL_ANSWER_ASK}]  # fmt: skip
-        body = self._body(params, fresh)
-        if params.get("max_tokens") is not None:
-            body["max_tokens"] = self._tokens_left(params, state)
-        yield from self._answer_from(client, body, reader, state)
+        yield from self._answer_from(client, self._rest(params, fresh, state), reader, state)
 
     def _answer_from(
         self,

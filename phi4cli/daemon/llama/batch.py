@@ -689,11 +689,14 @@ class LlamaEngine:
             run.first_token_s = now - run.started
         text = run.decoder.decode(prompts.piece(token))
         policy = run.policy
+        closing = run.splitter.closing_at(text) is not None
+        # The tokens before this one that the end of thinking began in: counted as thinking,
+        # not for the policy, and taken back with it for a Wait.
+        tag = self._tag_tokens(run, text) if closing else 0
         if not (
-            run.splitter.closing_at(text) is not None
-            # (the tag's tokens before this one were counted as thinking: not for the policy)
-            and policy.closing(run.reasoning_tokens - len(self._tag_sizes(run, text))) is Act.WAIT
-            and self._keep_thinking(slot, text)  # the end taken back, "Wait" written
+            closing
+            and policy.closing(run.reasoning_tokens - tag) is Act.WAIT
+            and self._keep_thinking(slot, text, tag)  # the end taken back, "Wait" written
         ):
             run.generated += 1
             run.reasoning_tokens += run.splitter.in_reasoning
@@ -736,13 +739,13 @@ class LlamaEngine:
             run.finish_reason = "loop"
             log.info("the output looped at %d tokens: stopped", run.generated)
 
-    def _keep_thinking(self, slot: _Slot, text: str) -> bool:
+    def _keep_thinking(self, slot: _Slot, text: str, dropped: int) -> bool:
         """The model ends its thinking before min_think tokens (s1's budget forcing): take the
         end of thinking back out of the sequence and write "Wait" in its place.
 
-        The tag may have begun in the tokens before this one, in the KV already (their text
-        held back by the splitter): those tokens go, the text of theirs before the tag is
-        written again, and this token is not kept. Return False, changing nothing, where
+        The tag may have begun in the ``dropped`` tokens before this one, in the KV already
+        (their text held back by the splitter): those tokens go, the text of theirs before the
+        tag is written again, and this token is not kept. Return False, changing nothing, where
         "Wait" would not fit in the request's reservation: the thinking ends then."""
         model, prompts = self._loaded()
         run = slot.run
@@ -750,7 +753,6 @@ class LlamaEngine:
         held = run.splitter.held
         at = run.splitter.closing_at(text)
         assert at is not None
-        dropped = len(self._tag_sizes(run, text))
         kept = len(slot.tokens) - dropped
         taken_back = b"".join(prompts.piece(t) for t in slot.tokens[kept:])
         whole = taken_back.decode("utf-8", errors="replace") + text
@@ -775,17 +777,16 @@ class LlamaEngine:
         return True
 
     @staticmethod
-    def _tag_sizes(run: _Run, text: str) -> list[int]:
-        """The characters of each of the tokens before this one (``text``) that the end of
-        thinking it completes began in: the last few of ``run.recent``."""
+    def _tag_tokens(run: _Run, text: str) -> int:
+        """How many of the tokens before this one (``text``) the end of thinking it completes
+        began in: the last few of ``run.recent``."""
         at = run.splitter.closing_at(text)
         back = max(0, len(run.splitter.held) - (at or 0))  # the tag's characters before text
-        sizes: list[int] = []
-        recent = list(run.recent)
+        count, recent = 0, list(run.recent)
         while back > 0 and recent:
-            sizes.append(recent.pop())
-            back -= sizes[-1]
-        return sizes
+            back -= recent.pop()
+            count += 1
+        return count
 
     def _forward(self, run: _Run, text: str) -> None:
         for kind, piece in run.splitter.feed(text):
