@@ -139,22 +139,25 @@ def _looping_server(body: dict[str, Any]) -> list[str | Step]:
                      with_usage=False)  # fmt: skip
 
 
+def _served(script: Any, *args: str) -> tuple[Any, list[dict[str, Any]]]:
+    """``phi4 solve ARGS`` through a scripted server running ``script``: the finished command,
+    and the request bodies the server was sent."""
+    with scripted_server(script) as server:
+        done = run_phi4("solve", *args, "--backend", server.url, "-m", "m", timeout=100)
+        return done, list(server.bodies)
+
+
 @pytest.mark.timeout(120)
 def test_a_servers_looping_thought_is_closed_and_the_answer_asked_for():
-    with scripted_server(_looping_server) as server:
-        done = run_phi4("solve", "What is 2+2?", "--backend", server.url, "-m", "m", "--json",
-                        timeout=100)  # fmt: skip
-        bodies = list(server.bodies)
+    done, bodies = _served(_looping_server, "What is 2+2?", "--json")
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout)
     assert record["answer"] == "4"
     assert record["stats"]["loop"] == "answered" and record["stats"]["loop_at"] < 1000
     assert len(bodies) == 2 and bodies[1]["continue_final_message"] is True
     assert bodies[1]["messages"][-1]["content"].endswith("</think>\n\n")
-    with scripted_server(_looping_server) as server:
-        stopped = run_phi4("solve", "What is 2+2?", "--backend", server.url, "-m", "m",
-                           "--json", "--loop", "stop", timeout=100)  # fmt: skip
-        assert len(server.bodies) == 1
+    stopped, bodies = _served(_looping_server, "What is 2+2?", "--json", "--loop", "stop")
+    assert len(bodies) == 1
     record = json.loads(stopped.stdout)
     assert (record["stats"]["loop"], record["stats"]["finish_reason"]) == ("stopped", "loop")
     assert stopped.returncode == 1 and record["answer"] is None
@@ -172,10 +175,7 @@ def _hasty_server(body: dict[str, Any]) -> list[str | Step]:
 
 @pytest.mark.timeout(120)
 def test_a_server_that_ends_its_thinking_too_soon_is_asked_to_go_on():
-    with scripted_server(_hasty_server) as server:
-        done = run_phi4("solve", "What is 2+3?", "--backend", server.url, "-m", "m", "--json",
-                        "--min-think", "10", timeout=100)  # fmt: skip
-        bodies = list(server.bodies)
+    done, bodies = _served(_hasty_server, "What is 2+3?", "--json", "--min-think", "10")
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout)
     # The first answer (9) was never taken: the thinking went on, and its answer is the one.
@@ -183,10 +183,8 @@ def test_a_server_that_ends_its_thinking_too_soon_is_asked_to_go_on():
     assert record["reasoning"].startswith("Quick guess done. Wait step0")
     assert record["stats"]["waits"] == 1 and len(bodies) == 2
     assert bodies[1]["continue_final_message"] is True
-    with scripted_server(_hasty_server) as server:
-        plain = run_phi4("solve", "What is 2+3?", "--backend", server.url, "-m", "m",
-                         "--answer-only", timeout=100)  # fmt: skip
-        assert len(server.bodies) == 1
+    plain, bodies = _served(_hasty_server, "What is 2+3?", "--answer-only")
+    assert len(bodies) == 1
     assert plain.stdout == "9\n"
 
 
@@ -231,24 +229,18 @@ def test_min_think_leaves_an_answer_without_thinking_alone():
     def plain(body: dict[str, Any]) -> list[str | Step]:
         return separated("reasoning_content", [], [" $\\boxed{9}$"])
 
-    with scripted_server(plain) as server:
-        done = run_phi4("solve", "What is 2+3?", "--backend", server.url, "-m", "m",
-                        "--answer-only", "--min-think", "50", timeout=100)  # fmt: skip
-        assert len(server.bodies) == 1
+    done, bodies = _served(plain, "What is 2+3?", "--answer-only", "--min-think", "50")
+    assert len(bodies) == 1
     assert done.returncode == 0 and done.stdout == "9\n", done.stderr
 
 
 @pytest.mark.timeout(120)
 def test_with_min_think_the_answer_after_a_caught_loop_is_kept_and_counted():
-    with scripted_server(_looping_server) as server:
-        done = run_phi4("solve", "What is 2+2?", "--backend", server.url, "-m", "m", "--json",
-                        "--min-think", "20000", timeout=100)  # fmt: skip
-        assert len(server.bodies) == 2
+    done, bodies = _served(_looping_server, "What is 2+2?", "--json", "--min-think", "20000")
+    assert len(bodies) == 2
     record = json.loads(done.stdout)
     assert record["answer"] == "4" and record["stats"]["loop"] == "answered"
-    with scripted_server(_hasty_server) as server:
-        done = run_phi4("solve", "What is 2+3?", "--backend", server.url, "-m", "m", "--json",
-                        "--min-think", "10", timeout=100)  # fmt: skip
+    done, _ = _served(_hasty_server, "What is 2+3?", "--json", "--min-think", "10")
     stats = json.loads(done.stdout)["stats"]
     # Three thinking pieces, the Wait, twelve more, then the answer's one: the stream counted.
     assert (stats["reasoning_tokens"], stats["answer_tokens"]) == (16, 1), stats
@@ -277,9 +269,7 @@ def _answer_looping_server(body: dict[str, Any]) -> list[str | Step]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", [[], ["--json"], ["-a"], ["--verbose"]])
 def test_a_loop_in_the_answer_exits_1_and_says_so_in_every_mode(mode: list[str]):
-    with scripted_server(_answer_looping_server) as server:
-        done = run_phi4("solve", "What is big?", "--backend", server.url, "-m", "m", *mode,
-                        timeout=100)  # fmt: skip
+    done, _ = _served(_answer_looping_server, "What is big?", *mode)
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("the output repeated itself and was stopped") == 1, done.stderr
     if mode == ["--json"]:
@@ -292,9 +282,7 @@ def test_a_loop_in_the_answer_exits_1_and_says_so_in_every_mode(mode: list[str])
 def test_a_loop_in_an_answer_of_a_file_exits_1_and_names_its_line(mode: list[str], tmp_path: Path):
     problems = tmp_path / "problems.txt"
     problems.write_text("What is big?\n")
-    with scripted_server(_answer_looping_server) as server:
-        done = run_phi4("solve", "--file", str(problems), "--backend", server.url, "-m", "m",
-                        *mode, timeout=100)  # fmt: skip
+    done, _ = _served(_answer_looping_server, "--file", str(problems), *mode)
     assert done.returncode == 1, done.stderr
     assert "line 1: " in done.stderr and "repeated itself and was stopped" in done.stderr
 
@@ -309,10 +297,8 @@ def _looping_then_unsure_server(body: dict[str, Any]) -> list[str | Step]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", [[], ["--json"]])
 def test_a_cut_loop_whose_answer_states_none_exits_1_and_says_so(mode: list[str]):
-    with scripted_server(_looping_then_unsure_server) as server:
-        done = run_phi4("solve", "What is 2+2?", "--backend", server.url, "-m", "m", *mode,
-                        timeout=100)  # fmt: skip
-        assert len(server.bodies) == 2  # the answer was asked for
+    done, bodies = _served(_looping_then_unsure_server, "What is 2+2?", *mode)
+    assert len(bodies) == 2  # the answer was asked for
     assert done.returncode == 1, done.stderr
     assert "the thinking repeated itself and was ended there" in done.stderr
 
@@ -327,9 +313,7 @@ def _boxed_answer_looping_server(body: dict[str, Any]) -> list[str | Step]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", [[], ["--json"], ["-a"]])
 def test_a_looping_answer_that_stated_one_exits_1_and_says_it_may_be_cut_short(mode: list[str]):
-    with scripted_server(_boxed_answer_looping_server) as server:
-        done = run_phi4("solve", "What is 2+2?", "--backend", server.url, "-m", "m", *mode,
-                        timeout=100)  # fmt: skip
+    done, _ = _served(_boxed_answer_looping_server, "What is 2+2?", *mode)
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("repeated itself and was stopped: its answer may be cut short") == 1
     if mode == ["-a"]:
@@ -353,10 +337,7 @@ def _never_continuing_server(body: dict[str, Any]) -> list[str | Step]:
 def test_a_server_that_does_not_continue_is_asked_afresh_for_the_answer():
     # Before: the second request thought again and never answered: exit 1, "no final answer",
     # where the thinking (cut as a loop) was enough to answer.
-    with scripted_server(_never_continuing_server) as server:
-        done = run_phi4("solve", "What is 2+2?", "--backend", server.url, "-m", "m", "--json",
-                        timeout=100)  # fmt: skip
-        bodies = list(server.bodies)
+    done, bodies = _served(_never_continuing_server, "What is 2+2?", "--json")
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout)
     assert (record["answer"], record["stats"]["loop"]) == ("4", "answered")
