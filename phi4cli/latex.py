@@ -72,6 +72,11 @@ def _math_matches(text: str) -> list[tuple[int, int, str, str]]:
 
 # Math commands models also write outside any delimiters.
 _BARE = re.compile(r"\\(?:boxed|dfrac|tfrac|frac|sqrt)(?![a-zA-Z])")
+# Math environments models also write outside any delimiters; each is shown as display math.
+_BARE_ENVIRONMENT = re.compile(
+    r"\\begin\{((?:align|aligned|alignat|gather|gathered|equation|eqnarray|multline|split"
+    r"|cases|array|[pbvBV]?matrix)\*?)\}"
+)
 # What is converted at all: conversion nests (a script's body is converted as math of its own),
 # so deep or huge input would cost time without bound; beyond these it is shown as written.
 MAX_MATH_CHARS = 2_000  # one math expression
@@ -285,7 +290,8 @@ def _sqrt(node: Any, l2tobj: Any) -> str:
 
 
 def _boxed(node: Any, l2tobj: Any) -> str:
-    return str(l2tobj.nodelist_to_text([node.nodeargd.argnlist[0]])).strip()
+    # An empty box is shown as one (□), not as nothing: "within ." hid that it was empty.
+    return str(l2tobj.nodelist_to_text([node.nodeargd.argnlist[0]])).strip() or "□"
 
 
 def _binom(node: Any, l2tobj: Any) -> str:
@@ -436,10 +442,44 @@ def math_to_unicode(math: str) -> str:
     return re.sub(r"[ \t]+", " ", text).strip()
 
 
+def _delimit_bare_environments(text: str) -> str:
+    """Wrap ``\\begin{align*}...\\end{align*}`` and the other math environments found outside
+    math in ``\\[...\\]``, so that they are converted (and their rows kept) as display math."""
+    if "\\begin{" not in text:
+        return text
+    spans = [(start, end) for start, end, _kind, _math in _math_matches(text)]
+    starts = [a for a, _b in spans]
+    out: list[str] = []
+    position = 0
+    for match in _BARE_ENVIRONMENT.finditer(text):
+        start = match.start()
+        inside = bisect.bisect_right(starts, start) - 1
+        if start < position or (inside >= 0 and start < spans[inside][1]):
+            continue
+        closer = f"\\end{{{match.group(1)}}}"
+        close = text.find(closer, match.end())
+        if close < 0:
+            continue
+        end = close + len(closer)
+        out.append(text[position:start] + "\\[" + text[start:end] + "\\]")
+        position = end
+    out.append(text[position:])
+    return "".join(out)
+
+
+def _display(shown: str) -> str:
+    """Converted display math as a paragraph of its own, each row (``\\\\``) on its own line: a
+    Markdown hard break ends each, where a plain newline would run the rows together."""
+    rows = [row.strip() for row in shown.split("\n")]
+    return "\n\n" + "  \n".join(row for row in rows if row) + "\n\n"
+
+
 def _delimit_bare_math(text: str) -> str:
-    """Wrap ``\\boxed{...}`` and friends found outside math in ``\\(...\\)``."""
+    """Wrap ``\\boxed{...}`` and friends found outside math in ``\\(...\\)``, and math
+    environments in ``\\[...\\]``."""
     from phi4cli.reasoning import braced_group
 
+    text = _delimit_bare_environments(text)
     spans = [(start, end) for start, end, _kind, _math in _math_matches(text)]
     starts = [a for a, _b in spans]
     out: list[str] = []
@@ -483,7 +523,11 @@ def latex_to_unicode(text: str) -> str:
     position = 0
     for start, end, kind, math in matches:
         shown = math_to_unicode(math)
-        out.append(delimited[position:start] + (f"\n\n{shown}\n\n" if kind == _DISPLAY else shown))
+        if kind == _DISPLAY:
+            shown = _display(shown)
+        else:
+            shown = " ".join(part.strip() for part in shown.split("\n") if part.strip())
+        out.append(delimited[position:start] + shown)
         position = end
     out.append(delimited[position:])
     return re.sub(r"\n{3,}", "\n\n", "".join(out))
