@@ -188,6 +188,8 @@ class ChatRepl:
         self.show_reasoning = show_reasoning
         self.verbose = verbose
         self._last_stats: Stats | None = None
+        self._answers_shown = 0
+        self._n_ctx: int | None = None  # the daemon's, as the last answer said, across /reset
         self.failed = 0  # messages that ended in an error
         self.interrupts = Interrupts()
         self.keys: AnswerKeys | None = None  # at a terminal: the keyboard during answers
@@ -246,6 +248,8 @@ class ChatRepl:
     def _presenter(self) -> PlainPresenter | TerminalPresenter:
         if self.env.terminal:
             return TerminalPresenter(self.show_reasoning, verbose=False)
+        if self._answers_shown:  # piped: a blank line between answers, or they run together
+            self.env.stdout.write("\n")
         return PlainPresenter(self.env.stdout, self.env.stderr, self.show_reasoning, verbose=False,
                               raw=self.env.raw_stdout)  # fmt: skip
 
@@ -377,6 +381,7 @@ class ChatRepl:
 
     def _record(self, turn: Turn, stats: Stats | None) -> None:
         conversation = self.conversation
+        self._answers_shown += 1
         conversation.turns.append(turn)
         if stats is not None:
             self._last_stats = stats
@@ -432,7 +437,15 @@ class ChatRepl:
         self.conversation = Conversation(
             name=default_name(), model=old.model, system=old.system, settings=dict(old.settings)
         )
+        self._forget_context()
         print("new conversation (same model and settings)", file=self.env.stdout)
+
+    def _forget_context(self) -> None:
+        """A new or loaded conversation: the last answer's context figures were another
+        conversation's (/show said "2,000 of 4,096 tokens used" after /reset); n_ctx stays."""
+        if self._last_stats is not None:
+            self._n_ctx = self._last_stats.n_ctx
+        self._last_stats = None
 
     def _system(self, argument: str) -> None:
         if not argument:
@@ -468,7 +481,7 @@ class ChatRepl:
 
     def _show(self, _argument: str = "") -> None:
         stats = self._last_stats or Stats()
-        n_ctx = stats.n_ctx or self.settings.n_ctx or "auto (planned by the daemon)"
+        n_ctx = stats.n_ctx or self._n_ctx or self.settings.n_ctx or "auto (planned by the daemon)"
         settings = ", ".join(
             f"{k}={v}" for k, v in self.sampling().items() if not SETTING[k].is_off(v)
         )  # off: not said
@@ -514,6 +527,7 @@ class ChatRepl:
         except Phi4Error as exc:
             self.env.notice(str(exc))
             return
+        self._forget_context()
         print(f"loaded {name}: {len(self.conversation.turns)} turns", file=self.env.stdout)
 
     def _list(self, _argument: str = "") -> None:

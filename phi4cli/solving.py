@@ -438,6 +438,15 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
 
 AHEAD = 4096  # problems read ahead of the last one printed, at most (more than any window)
 NO_PROBLEMS = "no problems: the input has no non-blank lines"
+ECHO_CHARS = 2000  # of a question, echoed above its solution; a longer one is shortened
+
+
+def echoed(question: str) -> str:
+    """A question as the human output echoes it: whole, or its start and how long it is (a
+    megabyte line refused as too long is not worth a megabyte of screen)."""
+    if len(question) <= ECHO_CHARS:
+        return question
+    return f"{question[: ECHO_CHARS // 2]}… ({len(question):,} characters)"
 
 
 class ProblemFeed(Sequence["dict[str, Any] | Event"]):  # a string: typing is not imported to run
@@ -671,7 +680,7 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
             elif outcome.answer is None or outcome.looped:
                 progress.notice(f"line {line}: {no_answer_reason(outcome)}")
         else:
-            progress.out(f"[{index + 1}] {outcome.question}")
+            progress.out(f"[{index + 1}] {echoed(outcome.question)}")
             if outcome.error is not None:
                 progress.out(f"error: {outcome.error_message}\n")
             else:
