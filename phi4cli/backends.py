@@ -344,8 +344,14 @@ class RemoteBackend:
 
         replicas = probe_all(self.engines)
         up = sum(1 for r in replicas if r["state"] == "up")
+        # What the servers serve (a llama-server answers any model name with its one model),
+        # where every replica that lists its models lists the same one; else the name asked.
+        served = {tuple(r["models"]) for r in replicas if r.get("models")}
+        only = next(iter(served)) if len(served) == 1 else ()
+        model = only[0] if len(only) == 1 else self.engine.model
         return {"state": "remote" if up else "down", "backend": self.engine.url,
-                "model": self.engine.model, "replicas": replicas}  # fmt: skip
+                "model": model, "model_asked": self.engine.model,
+                "replicas": replicas}  # fmt: skip
 
     def close(self) -> None:
         for engine in self.engines:

@@ -649,15 +649,19 @@ def daemon_install_service(
     from phi4cli.config import variable
 
     home = variable("PHI4_HOME")
-    environment = f"Environment=PHI4_HOME={home}\n" if home is not None else ""
+    environment = f"Environment={_unit_word(f'PHI4_HOME={home}')}\n" if home is not None else ""
+    described = _unit_word(f"phi4 daemon: {model_path.name} kept resident for phi4 solve and chat",
+                           quote=False)  # fmt: skip
+    command = " ".join(_unit_word(word) for word in (
+        sys.executable, "-m", "phi4cli", "daemon", "run", "--model", str(model_path),
+        "--keep-alive", keep_alive))  # fmt: skip
     text = (
         "[Unit]\n"
-        "Description=phi4 daemon: Phi-4-mini-reasoning kept resident for phi4 solve and chat\n\n"
+        f"Description={described}\n\n"
         "[Service]\n"
         "Type=simple\n"
         f"{environment}"
-        f"ExecStart={sys.executable} -m phi4cli daemon run --model {model_path} "
-        f"--keep-alive {keep_alive}\n"
+        f"ExecStart={command}\n"
         "Restart=on-failure\n\n"
         "[Install]\n"
         "WantedBy=default.target\n"
@@ -667,6 +671,18 @@ def daemon_install_service(
     write_atomic(unit, text.encode(), mode=0o644, what="systemd unit")
     print(f"wrote {unit}")
     print("enable it with: systemctl --user daemon-reload && systemctl --user enable --now phi4")
+
+
+def _unit_word(value: str, quote: bool = True) -> str:
+    """``value`` as a systemd unit file reads it back: ``%`` doubled (a specifier otherwise), no
+    line break, and (with ``quote``) in double quotes when it holds a space, a quote or a
+    backslash, so that a path with a space stays one argument."""
+    import re
+
+    value = clean_text(value).replace("\n", " ").replace("%", "%%")
+    if quote and re.search(r'[\s"\'\\;]', value):
+        value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return value
 
 
 def _status_of(paths: Paths) -> dict[str, Any]:
@@ -733,6 +749,8 @@ def _print_backend_status(urls: list[str], as_json: bool) -> None:
         for replica in status["replicas"]:
             if replica["state"] == "up":
                 how = f"answered in {replica['probe_s']:.2f} s  {_replica_load(replica)}"
+                if replica.get("models"):
+                    how = f"serving {', '.join(replica['models'])}  {how}"
             else:
                 how = replica["reason"] or ""
             print(clean_text(f"{replica['replica']}  {replica['state']}  {how}"))

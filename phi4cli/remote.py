@@ -57,6 +57,7 @@ EXCERPT_CHARS = 200  # of a server's message, shown on one line
 MAX_EVENT_BYTES = 1024 * 1024  # one server-sent event (a line that never ends included)
 MAX_STREAM_BYTES = 64 * 1024 * 1024  # one response stream in all
 MAX_METRICS_BYTES = 4 * 1024 * 1024  # a /metrics page (vLLM's is some hundreds of KiB)
+MAX_LISTED_MODELS = 16  # of a /v1/models list, the ids `phi4 status --backend` shows
 # Pieces of text one request may stream when it sets no max_tokens: beyond any context these
 # servers run, so only an endless stream meets it.
 DEFAULT_TOKEN_LIMIT = 131072
@@ -278,6 +279,31 @@ class RemoteEngine:
                 return None
         except (httpx.HTTPError, httpx.InvalidURL, OSError) as error:
             return f"cannot reach it: {_reason(error)}"
+
+    def served_models(self, timeout: float = 5.0) -> list[str] | None:
+        """The model ids the server lists at ``/v1/models`` (what it serves, whatever name a
+        request carries), or None when it lists none that can be read."""
+        body = bytearray()
+        try:
+            with self._side_client(timeout) as client, \
+                    client.stream("GET", self.v1 + "/models") as response:  # fmt: skip
+                if response.status_code != 200:
+                    return None
+                for piece in response.iter_bytes():
+                    body += piece
+                    if len(body) > MAX_METRICS_BYTES:
+                        return None
+            listed = json.loads(body)
+        except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError):
+            return None
+        entries = listed.get("data") if isinstance(listed, dict) else None
+        if not isinstance(entries, list):
+            return None
+        from phi4cli.sanitize import clean_text
+
+        ids = [clean_text(entry["id"]) for entry in entries
+               if isinstance(entry, dict) and isinstance(entry.get("id"), str)]  # fmt: skip
+        return ids[:MAX_LISTED_MODELS] or None
 
     def load(self, timeout: float = 5.0) -> dict[str, float]:
         """What the server says of its own load at ``/metrics`` (Prometheus text): requests in
@@ -1204,6 +1230,7 @@ def probe_all(engines: list[RemoteEngine]) -> list[JSON]:
                       "probe_s": round(time.monotonic() - started, 3)}  # fmt: skip
         if reason is not None:
             return
+        results[i]["models"] = engines[i].served_models()
         first = engines[i].load()
         results[i].update({key: first.get(key) for key in LOAD_METRICS})
         if "tokens" in first:

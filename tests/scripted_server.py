@@ -85,13 +85,17 @@ class ScriptedServer:
     status: int = 200
     url: str = ""
     metrics: Callable[[], str] | None = None  # the /metrics page, made at each GET
+    models: list[str] | None = None  # the ids /v1/models lists (no such page without)
 
 
 @contextmanager
 def scripted_server(
-    script: Script, status: int = 200, metrics: Callable[[], str] | None = None
+    script: Script,
+    status: int = 200,
+    metrics: Callable[[], str] | None = None,
+    models: list[str] | None = None,
 ) -> Iterator[ScriptedServer]:
-    state = ScriptedServer(script, status=status, metrics=metrics)
+    state = ScriptedServer(script, status=status, metrics=metrics, models=models)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -101,6 +105,10 @@ def scripted_server(
 
         def do_GET(self) -> None:
             page = state.metrics() if state.metrics and self.path == "/metrics" else None
+            if state.models is not None and self.path == "/v1/models":
+                page = json.dumps({"object": "list", "data": [
+                    {"id": name, "object": "model", "owned_by": "test"} for name in state.models
+                ]})  # fmt: skip
             payload = (page or "not here").encode()
             self.send_response(200 if page is not None else 404)
             self.send_header("Content-Type", "text/plain; version=0.0.4")

@@ -7,6 +7,7 @@ import io
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -126,6 +127,22 @@ def test_context_limit_drops_oldest_turns_and_says_so(tiny_model: Path):
     repl.ask("word " * 400)
     assert "shorten it" in err.getvalue()
     assert len(repl.conversation.turns) == 6
+
+
+def test_reset_then_show_says_the_new_conversation_uses_no_context(tiny_model: Path):
+    # Before: /show after /reset still said the old conversation's "N of 512 tokens used".
+    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "512").returncode == 0
+    repl, out, _err = make_repl(tiny_model, temperature=0.0, max_tokens=8, n_ctx=512)
+    repl.ask("What is 12*13?")
+    repl.command("/show")
+    assert re.search(r"context +\d+ of 512 tokens used", out.getvalue())
+    repl.command("/reset")
+    repl.command("/stats")
+    repl.command("/show")
+    after = out.getvalue().split("new conversation", 1)[1]
+    assert "no answer yet" in after
+    assert re.search(r"context +512 tokens, unused", after), after
+    assert "cached       0 tokens" in after
 
 
 def test_daemon_killed_mid_chat_is_restarted_and_the_conversation_restored(tiny_model: Path):

@@ -96,3 +96,20 @@ def test_install_service_writes_a_user_unit(tiny_model: Path, tmp_path: Path, ph
     assert f"Environment=PHI4_HOME={phi4_home}" in unit
     assert "WantedBy=default.target" in unit
     assert "systemctl --user enable --now phi4" in result.stdout
+    # The unit names the model it runs (it said Phi-4-mini-reasoning whatever the model).
+    assert f"Description=phi4 daemon: {tiny_model.name} kept resident" in unit
+
+
+def test_the_unit_keeps_a_model_path_with_spaces_and_percent_signs_whole(
+    tiny_model: Path, tmp_path: Path
+):
+    odd = tmp_path / "my models" / "100% tiny.gguf"
+    odd.parent.mkdir()
+    odd.symlink_to(tiny_model)
+    result = run_phi4("daemon", "install-service", "-m", str(odd),
+                      env={"XDG_CONFIG_HOME": str(tmp_path)})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    unit = (tmp_path / "systemd" / "user" / "phi4.service").read_text()
+    escaped = str(odd).replace("%", "%%")
+    assert f'--model "{escaped}" --keep-alive -1' in unit
+    assert "Description=phi4 daemon: 100%% tiny.gguf kept resident" in unit

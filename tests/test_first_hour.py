@@ -81,3 +81,64 @@ def test_a_file_on_an_idle_default_daemon_runs_as_many_at_once_as_the_plan_says(
         run.wait()
         run_phi4("stop")
     assert most == 4
+
+
+def _boxed(_body: dict[str, Any]) -> list[str | Step]:
+    return [chunk({"content": "So it is \\boxed{7}."}), chunk({}, "stop"), data("[DONE]")]
+
+
+def test_a_megabyte_line_in_a_file_is_not_echoed_whole(tmp_path: Path):
+    # Before: the human output echoed the question above its solution, all 1,040,064 bytes of it.
+    problems = tmp_path / "long.txt"
+    long_line = "What is " + "1+" * 500_000 + "1?"
+    problems.write_text(f"What is 3+4?\n{long_line}\n")
+    with scripted_server(_boxed) as server:
+        done = run_phi4("solve", "-f", str(problems), "--backend", server.url, "-m", "m",
+                        timeout=100)  # fmt: skip
+    assert "[1] What is 3+4?" in done.stdout
+    assert "[2] What is 1+1+1+" in done.stdout
+    assert f"… ({len(long_line):,} characters)" in done.stdout
+    assert len(done.stdout) < 5000, len(done.stdout)
+
+
+def _rendered(solution: str) -> list[str]:
+    """The solution as the terminal shows it, line by line, without trailing spaces."""
+    import io
+
+    from rich.console import Console
+
+    from phi4cli.render import _markdown
+
+    console = Console(width=80, force_terminal=False, record=True, file=io.StringIO())
+    console.print(_markdown(solution))
+    return [line.rstrip() for line in console.export_text().splitlines()]
+
+
+def test_a_math_environment_outside_dollars_is_shown_as_display_math_row_by_row():
+    # Before: "\begin{align*} x &= 1 + 2 \ y &= 3/4 \end{align*}" on one line, a \\ lost.
+    shown = _rendered("We get\n\\begin{align*}\nx &= 1 + 2 \\\\\ny &= \\frac{3}{4}\n"
+                      "\\end{align*}\nso done.")  # fmt: skip
+    assert shown == ["We get", "", "x = 1 + 2", "y = 3/4", "", "so done."]
+
+
+def test_the_rows_of_aligned_display_math_are_not_run_together():
+    assert _rendered("$$\\begin{aligned} x &= 1 \\\\ y &= 2\\end{aligned}$$") == ["x = 1", "y = 2"]
+
+
+def test_an_empty_box_is_shown_as_a_box():
+    # Before: "The answer is within ." — nothing where the box was.
+    assert _rendered("The answer is within \\boxed{}.") == ["The answer is within □."]
+
+
+def _two_lines(_body: dict[str, Any]) -> list[str | Step]:
+    return [chunk({"content": "First line.\nSecond line."}), chunk({}, "stop"), data("[DONE]")]
+
+
+def test_piped_chat_separates_one_answer_from_the_next():
+    # Before: "...Second line.First line..." — no way to tell where one answer ended.
+    with scripted_server(_two_lines) as server:
+        done = run_phi4("chat", "--backend", server.url, "-m", "m", input="one\ntwo\nthree\n",
+                        timeout=100)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    answer = "First line.\nSecond line.\n"
+    assert done.stdout == f"{answer}\n{answer}\n{answer}"

@@ -282,14 +282,18 @@ def test_status_probes_each_replica(tmp_path: Path):
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"
-    with scripted_server(answer_lines) as good:
+    with scripted_server(answer_lines, models=["served-q4.gguf"]) as good:
         result = run_phi4("status", "--backend", good.url, "--backend", dead, "--json")
         shown = run_phi4("status", "--backend", good.url, "--backend", dead)
     assert result.returncode == 0, result.stderr
-    replicas = json.loads(result.stdout)["replicas"]
+    found = json.loads(result.stdout)
+    replicas = found["replicas"]
     assert [(r["replica"], r["state"]) for r in replicas] == [(good.url, "up"), (dead, "down")]
     assert "cannot reach it" in replicas[1]["reason"]
-    assert f"{good.url}  up  answered in" in shown.stdout
+    # The model the servers serve, not the default name phi4 would ask for.
+    assert replicas[0]["models"] == ["served-q4.gguf"]
+    assert found["model"] == "served-q4.gguf" and found["model_asked"] != "served-q4.gguf"
+    assert f"{good.url}  up  serving served-q4.gguf  answered in" in shown.stdout
     alone = run_phi4("status", "--backend", dead)
     assert alone.returncode == 3
 
@@ -442,6 +446,7 @@ def test_phi4_serve_as_a_replica_decodes_concurrent_requests_together(
     # phi4 serve's /metrics, as `status --backend` reads it: this run's eight answered.
     (replica,) = load["replicas"]
     assert replica["answered"] >= 8 and replica["in_flight"] == 0, replica
+    assert load["model"] == replica["models"][0] == "tiny-phi3", load
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["line"] for r in records] == list(range(1, 9))
     assert all(r["stats"]["completion_tokens"] > 0 for r in records)
