@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections import namedtuple
 from pathlib import Path
@@ -122,6 +124,42 @@ def test_staging_is_atomic_reused_restaged_and_falls_back(tmp_path: Path, monkey
     assert not short.staged and short.path == model
     assert short.note is not None and "MiB free" in short.note
     assert not any(directory.glob("*.gguf")), "no stale or partial copy stays behind"
+
+
+def test_staging_leaves_a_copy_another_daemon_has_loaded_and_a_copy_being_written(
+    tmp_path: Path,
+):
+    # Before: a second install's daemon staging a model of the same name deleted the first's
+    # copy from under it (its map read "... (deleted)"), and any other daemon's .part file.
+    directory = tmp_path / "ram"
+    first_model, second_model = tmp_path / "a" / "same.gguf", tmp_path / "b" / "same.gguf"
+    for number, model in enumerate((first_model, second_model)):
+        model.parent.mkdir()
+        model.write_bytes(b"GGUF" + os.urandom(8192))
+        os.utime(model, ns=(number + 1, number + 1))
+    loaded = ramdisk.stage(first_model, "on", directory).path
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import mmap, sys, time; f = open(sys.argv[1], 'rb'); "
+         "m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); print('mapped', flush=True); "
+         "time.sleep(60)", str(loaded)], stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    writing = directory / f".{loaded.name}.{holder.pid}.abc123.part"  # a live writer's
+    abandoned = directory / f".{loaded.name}.{2**22 + 1}.abc123.part"  # no such process
+    writing.write_bytes(b"half")
+    abandoned.write_bytes(b"half")
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "mapped"
+        second = ramdisk.stage(second_model, "on", directory)
+        assert second.copied and second.path != loaded
+        assert loaded.exists(), "the copy a daemon has loaded stays"
+        assert writing.exists() and not abandoned.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    ramdisk.stage(first_model, "on", directory)  # (reused: nothing to remove)
+    os.utime(first_model, ns=(5, 5))
+    ramdisk.stage(first_model, "on", directory)
+    assert not loaded.exists(), "once no daemon has it loaded, an old copy goes"
 
 
 def test_full_queue_answers_busy_and_a_cancelled_request_frees_the_engine(

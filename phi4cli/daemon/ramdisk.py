@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import stat
 import sys
@@ -115,14 +116,18 @@ def stage(model: Path, mode: str, directory: Path | None = None) -> Staging:
     size = model.stat().st_size
     if _own_file(target) and target.stat().st_size == size:
         return Staging(target, True, False, time.monotonic() - started)
-    remove_staged(directory, keep=None, stem=model.stem)  # older copies of this model
+    # Older copies of this model, but not one another daemon has loaded: a second install
+    # (another PHI4_HOME) with a file of the same name would pull the first one's copy from
+    # under it, leaving tmpfs held by a file nobody can see.
+    remove_staged(directory, keep=None, stem=model.stem, in_use=mapped_by(directory))
     free = shutil.disk_usage(directory).free
     if free < size + HEADROOM_BYTES:
         return unstaged(
             f"{directory} has {free >> 20} MiB free; the model needs {size >> 20} MiB and "
             f"{HEADROOM_BYTES >> 20} MiB to spare"
         )
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".part")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.{os.getpid()}.",
+                               suffix=".part")  # fmt: skip
     try:
         with os.fdopen(fd, "wb") as out, model.open("rb") as source:
             shutil.copyfileobj(source, out, length=16 << 20)
@@ -183,6 +188,28 @@ def remove_staged(
             path.unlink()
             removed += 1
     for leftover in directory.glob(".*.part"):
+        if _copy_under_way(leftover):  # another daemon's, being written now
+            continue
         with contextlib.suppress(FileNotFoundError):
             leftover.unlink()
     return removed
+
+
+_PART = re.compile(r"\.(?P<target>.+\.gguf)\.(?P<pid>\d+)\.[^.]+\.part")
+
+
+def _copy_under_way(part: Path) -> bool:
+    """Whether a partial copy (``.NAME.gguf.PID.XXXX.part``) is still being written: its writer
+    is alive. One without a pid (an older phi4's) counts as under way for an hour."""
+    found = _PART.fullmatch(part.name)
+    if found is None:
+        with contextlib.suppress(OSError):
+            return time.time() - part.stat().st_mtime < 3600
+        return False
+    try:
+        os.kill(int(found["pid"]), 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
