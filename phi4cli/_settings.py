@@ -32,6 +32,12 @@ class Settings(Record):
     min_p: float = 0.0
     # Tokens of the last 64 are made this much less likely (1: not at all).
     repeat_penalty: float = 1.0
+    # A token among the last 64 has this taken from its logit (OpenAI's presence penalty, over
+    # llama.cpp's window; 0: off).
+    presence_penalty: float = 0.0
+    # A token among the last 64 has this times its count there taken from its logit (OpenAI's
+    # frequency penalty, over llama.cpp's window; 0: off).
+    frequency_penalty: float = 0.0
     seed: int | None = None
     max_tokens: int | None = None
     # Each request decoded alone from a clean KV cache: -t 0 and --seed N answers repeat
@@ -79,4 +85,6 @@ class Sampling(Record):
     top_p: float = 0.95
     min_p: float = 0.0
     repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None

@@ -190,16 +190,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "the answer's token log-probabilities are not returned yet (see docs/openai.md)",
     ),
     "logit_bias": (lambda value: value == {}, "the sampler takes no logit biases"),
-    "presence_penalty": (
-        lambda value: value == 0 and not isinstance(value, bool),
-        "the sampler has no presence penalty; 'repeat_penalty' (over the last 64 tokens) is "
-        "what it has",
-    ),
-    "frequency_penalty": (
-        lambda value: value == 0 and not isinstance(value, bool),
-        "the sampler has no frequency penalty; 'repeat_penalty' (over the last 64 tokens) is "
-        "what it has",
-    ),
     "audio": (lambda value: False, "this server answers with text only"),
     "modalities": (lambda value: value == ["text"], "this server answers with text only"),
     "prediction": (lambda value: False, "predicted outputs are not supported"),

@@ -349,6 +349,20 @@ SETTINGS = (
             sampling=True, wire=(0.5, 2.0), openai=("repeat_penalty", "repetition_penalty"),
             off=1.0, help="Make the last 64 tokens this much less likely to repeat (1.1 is "
                           "common) [default 1: off]."),
+    Setting("presence_penalty", _between(-2.0, 2.0), "a number from -2 to 2 (0: off)", 0.0,
+            "float", REQUEST, "A token among the last 64 has this taken from its logit "
+            "(OpenAI's presence penalty, over llama.cpp's window; 0: off).",
+            flags="--presence-penalty", option="float", groups=("answer",), settable=10,
+            sampling=True, wire=(-2.0, 2.0), openai=("presence_penalty",), off=0.0,
+            help="Take this from the logit of each token among the last 64 (OpenAI's "
+                 "presence penalty) [default 0: off]."),
+    Setting("frequency_penalty", _between(-2.0, 2.0), "a number from -2 to 2 (0: off)", 0.0,
+            "float", REQUEST, "A token among the last 64 has this times its count there taken "
+            "from its logit (OpenAI's frequency penalty, over llama.cpp's window; 0: off).",
+            flags="--frequency-penalty", option="float", groups=("answer",), settable=11,
+            sampling=True, wire=(-2.0, 2.0), openai=("frequency_penalty",), off=0.0,
+            help="Take this times its count among the last 64 tokens from each token's logit "
+                 "(OpenAI's frequency penalty) [default 0: off]."),
     Setting("seed", _whole_or("random", MAX_SEED), f"a whole number from 0 to {MAX_SEED}, or "
             "random", None, "int | None", REQUEST, flags="--seed", option="int",
             groups=("answer",), settable=5, sampling=True, wire=(0, MAX_SEED),

@@ -34,6 +34,11 @@ def test_each_sampler_changes_the_daemons_answer_however_it_is_set(tiny_model: P
     penalized = answer(tiny_model, "-t", "0", "--repeat-penalty", "1.9")
     assert penalized != greedy, "the penalty reaches the sampler, greedy or not"
     assert answer(tiny_model, "-t", "0", env={"PHI4_REPEAT_PENALTY": "1.9"}) == penalized
+    # OpenAI's two penalties, through llama.cpp's penalties sampler (issue 37).
+    present = answer(tiny_model, "-t", "0", "--presence-penalty", "2")
+    frequent = answer(tiny_model, "-t", "0", "--frequency-penalty", "2")
+    assert present != greedy and frequent != greedy, "each reaches the sampler"
+    assert answer(tiny_model, "-t", "0", "--presence-penalty", "0") == greedy, "0 is off"
     seeded = answer(tiny_model, "-t", "1", "--seed", "3")
     narrowed = answer(tiny_model, "-t", "1", "--seed", "3", "--min-p", "0.99")
     assert narrowed != seeded, "min_p reaches the sampler"
@@ -66,13 +71,16 @@ def test_a_remote_server_is_sent_the_samplers_under_its_names_only_when_on(tmp_p
     with scripted_server(script) as server:
         base = ("solve", "2+2?", "--backend", server.url, "-m", "m", "--answer-only")
         assert run_phi4(*base).returncode == 0
-        on = run_phi4(*base, "--min-p", "0.05", "--repeat-penalty", "1.1", "--deterministic")
+        on = run_phi4(*base, "--min-p", "0.05", "--repeat-penalty", "1.1", "--deterministic",
+                      "--presence-penalty", "0.5", "--frequency-penalty", "-0.25")  # fmt: skip
         assert on.returncode == 0, on.stderr
         plain, sent = server.bodies
     # phi4's own deterministic is not sent: a strict server (OpenAI's) refuses what it lacks.
     assert "deterministic" not in sent
-    assert not {"min_p", "repeat_penalty", "repetition_penalty"} & set(plain), plain
+    assert not {"min_p", "repeat_penalty", "repetition_penalty", "presence_penalty",
+                "frequency_penalty"} & set(plain), plain  # fmt: skip
     assert (sent["min_p"], sent["repeat_penalty"], sent["repetition_penalty"]) == (0.05, 1.1, 1.1)
+    assert (sent["presence_penalty"], sent["frequency_penalty"]) == (0.5, -0.25)
     assert (sent["temperature"], sent["top_p"]) == (plain["temperature"], plain["top_p"])
 
 
@@ -86,6 +94,11 @@ def test_phi4_serve_reads_the_samplers_by_their_openai_names_and_checks_them():
     assert chat_params({**body, "repeat_penalty": 1.3}, "m", Settings())["repeat_penalty"] == 1.3
     with pytest.raises(ApiError, match=r"'min_p' must be a number from 0\.0 to 1\.0"):
         chat_params({**body, "min_p": 2}, "m", Settings())
+    penalized = chat_params({**body, "presence_penalty": 1.5, "frequency_penalty": -2}, "m",
+                            Settings())  # fmt: skip
+    assert (penalized["presence_penalty"], penalized["frequency_penalty"]) == (1.5, -2)
+    with pytest.raises(ApiError, match=r"'frequency_penalty' must be a number from -2\.0 to 2"):
+        chat_params({**body, "frequency_penalty": 2.5}, "m", Settings())
 
 
 def test_the_daemon_checks_the_samplers_and_takes_its_defaults():

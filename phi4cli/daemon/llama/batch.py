@@ -869,11 +869,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def _make_sampler(sampling: Sampling, seed: int, n_vocab: int) -> Any:
-    """llama.cpp's chain, in llama-server's order: the repeat penalty (greedy or not, as there),
+    """llama.cpp's chain, in llama-server's order: the penalties (greedy or not, as there),
     then top-k, top-p, min-p and the temperature before the draw."""
     sampler = llama_internals.LlamaSampler()
-    if sampling.repeat_penalty != 1.0:
-        sampler.add_penalties(n_vocab, REPEAT_LAST_N, sampling.repeat_penalty, 0.0, 0.0)
+    if sampling.repeat_penalty != 1.0 or sampling.frequency_penalty or sampling.presence_penalty:
+        sampler.add_penalties(n_vocab, REPEAT_LAST_N, sampling.repeat_penalty,
+                              sampling.frequency_penalty, sampling.presence_penalty)  # fmt: skip
     if sampling.temperature <= 0.0:
         sampler.add_greedy()
     else:
