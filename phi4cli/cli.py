@@ -544,9 +544,17 @@ def config_set(
     """Set one setting in the config file, after checking the value."""
     from phi4cli.config import set_config_value
 
-    path = get_paths().config_file
+    paths = get_paths()
+    path = paths.config_file
     from phi4cli.render import format_setting
 
+    if key == "model":
+        from phi4cli.config import parse_setting
+        from phi4cli.models import ALIASES, resolve_model
+
+        named = parse_setting(key, value, f"config key {key}")
+        if named not in ALIASES:  # (an alias may be pulled later)
+            resolve_model(named, paths)  # a file that is not there, or not a GGUF: refused
     parsed = set_config_value(path, key, value)
     print(clean_text(f"{key} = {format_setting(key, parsed)} ({path})"))
 
@@ -895,8 +903,13 @@ def warm(
 
     paths, settings, model_path = _daemon_setup(daemon)
     if no_wait:
+        from phi4cli.client import daemon_status
+
         connect_checked(paths, settings, model_path, say).close()
-        print(f"the daemon is loading {model_path.name}; `phi4 status` shows its progress")
+        if daemon_status(paths).get("state") == "ready":  # (it said "loading" when it was not)
+            print(f"the daemon is ready: {model_path.name} is loaded")
+        else:
+            print(f"the daemon is loading {model_path.name}; `phi4 status` shows its progress")
         return
     started = time.monotonic()
     timings, spawned = _load_model(paths, settings, model_path, daemon["keep_alive"] is not None)
@@ -978,6 +991,17 @@ def _env() -> Environment:
     return _environment
 
 
+def usage_line(exc: Any) -> str:
+    """A usage error of Click's as phi4's other errors read: one line, what went wrong and where
+    to look ("error: no such option: --bogus; `phi4 solve -h` lists the options"), rather than
+    Click's usage, hint and error on four lines."""
+    message = clean_text(exc.format_message()).replace("\n", " ").strip()
+    message = message[:1].lower() + message[1:]
+    path = exc.ctx.command_path if exc.ctx is not None else "phi4"
+    lists = "the commands" if "command" in message else "the options"
+    return f"error: {message.rstrip('.')}; `{path} -h` lists {lists}"
+
+
 def main(argv: list[str] | None = None, env: Environment | None = None) -> NoReturn:
     """Run the Typer app in ``env`` and exit with the documented exit code for whatever
     happened.
@@ -994,7 +1018,7 @@ def main(argv: list[str] | None = None, env: Environment | None = None) -> NoRet
         try:
             code = command.main(args=argv, prog_name="phi4", standalone_mode=False)
         except _click_exceptions.UsageError as exc:
-            exc.show()
+            say(usage_line(exc))
             return ExitStatus.USAGE
         except _click_exceptions.ClickException as exc:
             exc.show()

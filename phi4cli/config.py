@@ -206,7 +206,10 @@ def set_config_value(config_file: Path, key: str, value: str) -> Any:
     else:
         # Durations keep the user's spelling ("30m"); everything else its parsed form.
         data[key] = value if key == "keep_alive" else parsed
-    text = "".join(f"{name} = {_toml_value(data[name])}\n" for name in sorted(data))
+    line = None if parsed is None else f"{key} = {_toml_value(data[key])}\n"
+    text = _edited(config_file, key, line, data)
+    if text is None:  # not one plain line to change: the file written afresh, sorted
+        text = "".join(f"{name} = {_toml_value(data[name])}\n" for name in sorted(data))
     try:
         write_atomic(config_file, text.encode(), mode=0o644, what="config file")
     except OSError as exc:  # a full disk, say: not a usage error
@@ -214,6 +217,38 @@ def set_config_value(config_file: Path, key: str, value: str) -> Any:
 
         raise Phi4Error(f"cannot write {config_file}: {exc.strerror}; nothing changed") from None
     return parsed
+
+
+def _edited(config_file: Path, key: str, line: str | None, data: dict[str, Any]) -> str | None:
+    """The config file with ``key``'s one line replaced by ``line`` (or removed when None, or
+    added at the end when absent), so that the user's comments and order are kept; None when
+    that edit would not read back as ``data`` (a value over several lines, a table)."""
+    import re
+    import tomllib
+
+    try:
+        lines = config_file.read_text(encoding="utf-8").splitlines(keepends=True)
+    except (OSError, UnicodeDecodeError):
+        return None
+    names = ("backend", "backends") if key == "backend" else (key,)
+    pattern = re.compile(rf"\s*(?:{'|'.join(names)})\s*=")
+    hits = [number for number, text in enumerate(lines) if pattern.match(text)]
+    if len(hits) > 1:
+        return None
+    if hits:
+        lines[hits[0] : hits[0] + 1] = [line] if line is not None else []
+    elif line is not None:
+        if lines and not lines[-1].endswith("\n"):
+            lines[-1] += "\n"
+        lines.append(line)
+    text = "".join(lines)
+    try:
+        read = tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, ValueError):
+        return None
+    if "backends" in read and "backend" not in read:
+        read["backend"] = read.pop("backends")
+    return text if read == data else None
 
 
 def check_config_file(config_file: Path, shown_as: Path | None = None) -> None:

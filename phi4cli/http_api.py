@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import re
 import socket
 import time
 import uuid
@@ -333,17 +334,25 @@ def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[st
         "model": model,
     }
     # Each setting by its names on the OpenAI wire (``deterministic`` is phi4's own), checked
-    # below as the daemon checks it.
+    # below as the daemon checks it; a refusal names the field as the request spelled it.
+    field_of = {"history": "messages", "message": "messages"}
     for row in SETTINGS:
-        given = [body[name] for name in row.openai if body.get(name) is not None]
+        given = [name for name in row.openai if body.get(name) is not None]
         if given:
-            params[row.key] = given[0]
+            params[row.key] = body[given[0]]
+            field_of[row.key] = given[0]
     if body.get("max_completion_tokens") is not None:  # OpenAI's newer name for max_tokens
         params["max_tokens"] = body["max_completion_tokens"]
+        field_of["max_tokens"] = "max_completion_tokens"
     try:
         parse_chat_params(params, settings)
     except ProtocolViolation as exc:
-        raise ApiError(400, exc.message.replace("'history'", "'messages'")) from None
+        named = re.match(r"'([a-z_]+)'", exc.message)
+        field = field_of.get(named[1], named[1]) if named else None
+        message = exc.message
+        if named and field != named[1]:
+            message = f"'{field}'" + message[named.end() :]
+        raise ApiError(400, message, param=field) from None
     return params
 
 

@@ -17,7 +17,7 @@ def test_config_set_show_path_and_validation(phi4_home: Path):
     assert path == phi4_home / "config" / "config.toml"
     assert run_phi4("config", "set", "temperature", "0.3").returncode == 0
     assert "keep_alive = 10m" in run_phi4("config", "set", "keep_alive", "10m").stdout
-    assert path.read_text() == 'keep_alive = "10m"\ntemperature = 0.3\n'
+    assert path.read_text() == 'temperature = 0.3\nkeep_alive = "10m"\n'
     bad_value = run_phi4("config", "set", "top_p", "7")
     assert bad_value.returncode == 2
     assert "invalid top_p '7': expected a number from 0 to 1" in bad_value.stderr
@@ -37,6 +37,37 @@ def test_config_set_show_path_and_validation(phi4_home: Path):
     assert run_phi4("config", "set", "threads", "auto").stdout.startswith("threads = auto (")
     assert run_phi4("config", "set", "mlock", "yes").stdout.startswith("mlock = true (")
     assert "seed" not in path.read_text()
+
+
+def test_config_set_keeps_the_files_comments_and_order(phi4_home: Path, tmp_path: Path):
+    # Before: `config set` wrote the file afresh, sorted, its comments gone.
+    path = Path(run_phi4("config", "path").stdout.strip())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# my settings\ntemperature = 0.6   # a little less random\n\n"
+                    "# the daemon\nkeep_alive = \"1h\"\n")  # fmt: skip
+    assert run_phi4("config", "set", "temperature", "0.3").returncode == 0
+    assert run_phi4("config", "set", "seed", "5").returncode == 0
+    assert path.read_text() == ("# my settings\ntemperature = 0.3\n\n# the daemon\n"
+                                'keep_alive = "1h"\nseed = 5\n')  # fmt: skip
+    assert run_phi4("config", "set", "seed", "random").returncode == 0
+    kept = '# my settings\ntemperature = 0.3\n\n# the daemon\nkeep_alive = "1h"\n'
+    assert path.read_text() == kept
+    # A value over several lines is not one line to change: the file is written afresh.
+    path.write_text('# replicas\nbackends = [\n  "http://a:1/v1",\n  "http://b:2/v1",\n]\n')
+    assert run_phi4("config", "set", "backend", "http://c:3/v1").returncode == 0
+    assert path.read_text() == 'backend = "http://c:3/v1"\n'
+
+
+def test_config_set_model_checks_the_file_but_not_an_alias(tmp_path: Path):
+    # Before: any path was written, and every later command failed on it.
+    missing = run_phi4("config", "set", "model", str(tmp_path / "nowhere.gguf"))
+    assert missing.returncode == 1
+    assert f"model file {tmp_path / 'nowhere.gguf'} does not exist" in missing.stderr
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("hello")
+    assert "is not a GGUF model file" in run_phi4("config", "set", "model", str(not_gguf)).stderr
+    alias = run_phi4("config", "set", "model", "phi4-mini-reasoning")  # pulled later, say
+    assert alias.returncode == 0, alias.stderr
 
 
 def test_config_edit_checks_what_the_editor_wrote(phi4_home: Path):

@@ -99,6 +99,14 @@ def test_phi4_serve_reads_the_samplers_by_their_openai_names_and_checks_them():
     assert (penalized["presence_penalty"], penalized["frequency_penalty"]) == (1.5, -2)
     with pytest.raises(ApiError, match=r"'frequency_penalty' must be a number from -2\.0 to 2"):
         chat_params({**body, "frequency_penalty": 2.5}, "m", Settings())
+    # Each refusal names the field as the request spelled it, in the message and in `param`
+    # (a found-by-trial gap: a huge max_tokens or a boolean seed came back without `param`).
+    for sent, field in (({"max_tokens": float("inf")}, "max_tokens"), ({"seed": True}, "seed"),
+                        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+                        ({"repetition_penalty": 5}, "repetition_penalty")):  # fmt: skip
+        with pytest.raises(ApiError) as caught:
+            chat_params({**body, "repeat_penalty": None, **sent}, "m", Settings())
+        assert caught.value.param == field and caught.value.message.startswith(f"'{field}' must")
 
 
 def test_the_daemon_checks_the_samplers_and_takes_its_defaults():

@@ -95,12 +95,15 @@ def test_auto_mode_only_stages_onto_tmpfs(tiny_model: Path, ram_dir: Path):
 def test_warm_no_wait_returns_while_loading(tiny_model: Path):
     result = run_phi4("warm", "-m", str(tiny_model), "--no-wait")
     assert result.returncode == 0
-    assert "phi4 status" in result.stdout
     assert json.loads(run_phi4("status", "--json").stdout)["state"] in (
         "loading",
         "warming",
         "ready",
     )
+    assert run_phi4("warm", "-m", str(tiny_model)).returncode == 0  # waits until it is ready
+    # Before: "the daemon is loading ..." on a daemon that was ready.
+    again = run_phi4("warm", "-m", str(tiny_model), "--no-wait")
+    assert again.stdout == f"the daemon is ready: {tiny_model.name} is loaded\n"
 
 
 def test_staging_is_atomic_reused_restaged_and_falls_back(tmp_path: Path, monkeypatch):

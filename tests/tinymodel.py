@@ -319,6 +319,8 @@ def write_text_script_model(
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    print(write_tiny_phi3(Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-phi3.gguf")))
+    parser = argparse.ArgumentParser(description="Write the tests' tiny synthetic phi3 GGUF.")
+    parser.add_argument("path", nargs="?", default="tiny-phi3.gguf", help="where to write it")
+    print(write_tiny_phi3(Path(parser.parse_args().path)))
