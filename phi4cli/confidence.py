@@ -94,6 +94,45 @@ class LogitsConfidence:
         return normaliser - float(top[cut:].mean(dtype=np.float64))
 
 
+# A log-probability is never reported below this: OpenAI's own stand-in for "impossible", and
+# what JSON can carry (-inf cannot be written).
+LOWEST_LOGPROB = -9999.0
+
+
+class TokenLogprobs:
+    """What OpenAI's ``logprobs`` reports of a sampled token: its log-probability under the
+    model's distribution at that step (the log-softmax of the raw logits, before temperature
+    and the samplers, as llama-server reports) and the ``top`` likeliest tokens' — the same
+    numbers :class:`LogitsConfidence` averages. One buffer of the vocabulary's size is kept."""
+
+    def __init__(self, n_vocab: int) -> None:
+        import numpy as np
+
+        self._work = np.empty(n_vocab, dtype=np.float32)
+
+    def __call__(
+        self, logits: np.ndarray, token: int, top: int
+    ) -> tuple[float, list[tuple[int, float]]]:
+        import numpy as np
+
+        best = float(logits.max())
+        np.subtract(logits, best, out=self._work)
+        np.exp(self._work, out=self._work)
+        normaliser = best + float(np.log(self._work.sum(dtype=np.float64)))
+
+        def logprob(index: int) -> float:
+            value = float(logits[index]) - normaliser
+            return max(value, LOWEST_LOGPROB) if math.isfinite(value) else LOWEST_LOGPROB
+
+        likeliest: list[tuple[int, float]] = []
+        if top > 0:
+            top = min(top, len(logits))
+            ids = np.argpartition(logits, len(logits) - top)[len(logits) - top :]
+            ordered = sorted((int(i) for i in ids), key=lambda i: -float(logits[i]))
+            likeliest = [(index, logprob(index)) for index in ordered]
+        return logprob(token), likeliest
+
+
 class TraceConfidence:
     """A trace's token confidences as they come: their mean and the lowest group mean."""
 

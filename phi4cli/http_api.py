@@ -47,6 +47,7 @@ from phi4cli.http_access import AccessGuard, AccessPolicy, PeerGate, port_number
 from phi4cli.options import SETTINGS, sample_seed
 from phi4cli.outcome import Outcome
 from phi4cli.protocol import (
+    MAX_TOP_LOGPROBS,
     ErrorCode,
     Event,
     EventKind,
@@ -182,14 +183,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda value: isinstance(value, dict) and value.get("type") == "text",
         "only {'type': 'text'}: JSON mode and JSON schemas are not supported",
     ),
-    "logprobs": (
-        lambda value: value is False,
-        "the answer's token log-probabilities are not returned yet (see docs/openai.md)",
-    ),
-    "top_logprobs": (
-        lambda value: value == 0 and not isinstance(value, bool),
-        "the answer's token log-probabilities are not returned yet (see docs/openai.md)",
-    ),
     "logit_bias": (lambda value: value == {}, "the sampler takes no logit biases"),
     "audio": (lambda value: False, "this server answers with text only"),
     "modalities": (lambda value: value == ["text"], "this server answers with text only"),
@@ -297,6 +290,21 @@ def read_chat_request(body: dict[str, Any], model: str, settings: Settings) -> C
     return ChatRequest(each, stops, stream, include_usage)
 
 
+def _logprobs(body: dict[str, Any]) -> int | None:
+    """How many likeliest tokens each answer token's ``logprobs`` entry lists, from OpenAI's
+    ``logprobs`` and ``top_logprobs``; None when the request asks for no log-probabilities."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise ApiError(400, "'logprobs' must be true or false", param="logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)
+                            or not 0 <= top <= MAX_TOP_LOGPROBS):  # fmt: skip
+        raise ApiError(400, "'top_logprobs' must be a whole number from 0 to "
+                       f"{MAX_TOP_LOGPROBS}", param="top_logprobs")  # fmt: skip
+    if top and not asked:  # as OpenAI: top_logprobs goes with logprobs true
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if asked else None
+
+
 def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[str, Any]:
     """Turn an OpenAI chat request into a daemon ``chat`` request (ApiError if it cannot).
 
@@ -325,6 +333,7 @@ def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[st
     # taken without a word.
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise ApiError(400, "'stream' must be true or false", param="stream")
+    logprobs = _logprobs(body)
     params: dict[str, Any] = {
         # Each request is its own session: the daemon finds the shared prefix in its slots.
         "session": uuid.uuid4().hex,
@@ -344,6 +353,8 @@ def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[st
     if body.get("max_completion_tokens") is not None:  # OpenAI's newer name for max_tokens
         params["max_tokens"] = body["max_completion_tokens"]
         field_of["max_tokens"] = "max_completion_tokens"
+    if logprobs is not None:
+        params["logprobs"] = logprobs
     try:
         parse_chat_params(params, settings)
     except ProtocolViolation as exc:
@@ -532,7 +543,9 @@ def create_app(
                 raise ApiError(503, str(refused), "server_error") from None
             raise refused
         first = [f for f in firsts if isinstance(f, list)]
-        choices = [_Choice(i, stream, chat_request.stops) for i, stream in enumerate(streams)]
+        asked = chat_request.params[0].get("logprobs") is not None
+        choices = [_Choice(i, stream, chat_request.stops, asked)
+                   for i, stream in enumerate(streams)]  # fmt: skip
         completion = _Completion(model_name, choices, chat_request.include_usage)
         if chat_request.stream:
             return StreamingResponse(completion.sse(first), media_type="text/event-stream",
@@ -627,19 +640,30 @@ class StopStrings:
         return held
 
 
+# A delta for the client, and the logprobs entries of the tokens it carries (None: no logprobs
+# asked for, or none with it).
+Delta = tuple[dict[str, Any], list[dict[str, Any]] | None]
+
+
 class _Choice:
     """One choice of a completion: its daemon request's events folded, its answer up to the
-    first stop string, and how it ended."""
+    first stop string, how it ended and, when asked for, its answer tokens' logprobs."""
 
-    def __init__(self, index: int, stream: RequestStream, stops: tuple[str, ...]) -> None:
+    def __init__(self, index: int, stream: RequestStream, stops: tuple[str, ...],
+                 logprobs: bool = False) -> None:  # fmt: skip
         self.index, self.stream = index, stream
         self.outcome = Outcome(index=index, question="")
         self.stops = StopStrings(stops)
         self.content = ""  # the answer as sent: up to a stop string
         self.reasoning = ""
         self.stopped = False  # a stop string was reached, and the request cancelled there
+        # The answer's tokens' logprobs, as sent (None: not asked for), those not sent yet, and
+        # how much of the content the sent ones' text covers.
+        self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
+        self._unsent: list[dict[str, Any]] = []
+        self._covered = 0
 
-    def apply(self, event: Event) -> list[dict[str, Any]]:
+    def apply(self, event: Event) -> list[Delta]:
         """Fold one event; return the deltas it makes for the client."""
         before = self.outcome.solution
         self.outcome.apply(event)
@@ -647,28 +671,49 @@ class _Choice:
             if event.terminal:  # the cancel's end (or any end): the answer ended at its stop
                 self.outcome.error = None
             return []
-        deltas: list[dict[str, Any]] = []
+        if self.logprobs is not None and event.kind == EventKind.TOKEN:
+            self._unsent += event.get("logprobs") or []
+        deltas: list[Delta] = []
         if event.kind == EventKind.TOKEN and event.text:
             text, self.stopped = self.stops.feed(event.text)
             if text:
                 self.content += text
-                deltas.append({"content": text})
+                deltas.append(({"content": text}, self._send()))
             if self.stopped:
                 self.stream.cancel()  # the events go on to its end, with its stats
         elif event.kind == EventKind.REASONING and event.text:
             self.reasoning += event.text
-            deltas.append({"reasoning_content": event.text})
+            deltas.append(({"reasoning_content": event.text}, None))
         elif event.kind == EventKind.RETRACT and before:
             # Text sent as answer was thinking after all (a model that closed a <think> it
             # never opened): send it again as reasoning, so that is complete.
             self.stops.flush()
             self.content = ""
             self.reasoning += before
-            deltas.append({"reasoning_content": before})
-        elif event.kind == EventKind.DONE and (rest := self.stops.flush()):
+            if self.logprobs is not None:  # they were the thinking's tokens
+                self.logprobs, self._unsent, self._covered = [], [], 0
+            deltas.append(({"reasoning_content": before}, None))
+        elif event.kind == EventKind.DONE:
+            rest = self.stops.flush()
             self.content += rest
-            deltas.append({"content": rest})
+            if rest or self._unsent:
+                deltas.append(({"content": rest}, self._send()))
         return deltas
+
+    def _send(self) -> list[dict[str, Any]] | None:
+        """The logprobs entries to send with the content sent so far: all those waiting, or
+        after a stop string only those whose text begins before it."""
+        if self.logprobs is None or not self._unsent:
+            return None
+        sent: list[dict[str, Any]] = []
+        for entry in self._unsent:
+            if self.stopped and self._covered >= len(self.content):
+                break
+            sent.append(entry)
+            self._covered += len(entry.get("token", ""))
+        self._unsent = []
+        self.logprobs += sent
+        return sent or None
 
     @property
     def finish_reason(self) -> str:
@@ -679,6 +724,11 @@ class _Choice:
         if self.reasoning:
             message["reasoning_content"] = self.reasoning
         return message
+
+
+def _logprobs_of(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A choice's (or a chunk's) ``logprobs`` object, as OpenAI writes it."""
+    return None if entries is None else {"content": entries, "refusal": None}
 
 
 def _usage(choices: list[_Choice]) -> dict[str, Any]:
@@ -770,7 +820,8 @@ class _Completion:
         return {
             "id": self.id, "object": "chat.completion", "created": self.created,
             "model": self.model_name,
-            "choices": [{"index": c.index, "message": c.message(), "logprobs": None,
+            "choices": [{"index": c.index, "message": c.message(),
+                         "logprobs": _logprobs_of(c.logprobs),
                          "finish_reason": c.finish_reason} for c in self.choices],
             "usage": _usage(self.choices),
         }  # fmt: skip
@@ -783,8 +834,9 @@ class _Completion:
             chunk["usage"] = usage
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
-    def _delta(self, index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return self._chunk([{"index": index, "delta": delta, "logprobs": None,
+    def _delta(self, index: int, delta: dict[str, Any], finish: str | None = None,
+               logprobs: list[dict[str, Any]] | None = None) -> bytes:  # fmt: skip
+        return self._chunk([{"index": index, "delta": delta, "logprobs": _logprobs_of(logprobs),
                              "finish_reason": finish}])  # fmt: skip
 
     async def sse(self, first: list[list[Event]]) -> AsyncIterator[bytes]:
@@ -797,8 +849,8 @@ class _Completion:
         failed: _Choice | None = None
         async with contextlib.aclosing(_events(self.choices, first)) as events:
             async for choice, event in events:
-                for delta in choice.apply(event):
-                    yield self._delta(choice.index, delta)
+                for delta, logprobs in choice.apply(event):
+                    yield self._delta(choice.index, delta, logprobs=logprobs)
                 if choice.outcome.error is not None:
                     failed = choice
                     break

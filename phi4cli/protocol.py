@@ -260,6 +260,12 @@ class SolveParams(Record):
     # DeepConf online (``--stop-unsure``): stop once the last GROUP tokens' confidence falls
     # below this (finish_reason "unsure"); None: never. Implies ``confidence``.
     confidence_floor: float | None = None
+    # OpenAI's logprobs of the answer's tokens (phi4 serve): None, none; N, each token's
+    # log-probability and its step's N likeliest (0 to MAX_TOP_LOGPROBS), on its token event.
+    logprobs: int | None = None
+
+
+MAX_TOP_LOGPROBS: Final = 20  # as OpenAI's top_logprobs
 
 
 def confidence_floor(params: Mapping[str, Any]) -> float | None:
@@ -370,6 +376,14 @@ def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> 
     if not isinstance(confidence, bool):
         raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'confidence' must be true or false")
     floor = confidence_floor(params)
+    logprobs = params.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):  # fmt: skip
+        raise ProtocolViolation(
+            ErrorCode.BAD_REQUEST,
+            f"'logprobs' must be a number of likeliest tokens from 0 to {MAX_TOP_LOGPROBS}, "
+            "or null",
+        )
     loop = params.get("loop", defaults.loop)
     if loop not in CHOICES["loop"]:
         raise ProtocolViolation(
@@ -397,6 +411,7 @@ def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> 
         loop=loop,
         confidence=confidence or floor is not None,
         confidence_floor=floor,
+        logprobs=logprobs,
     )
 
 

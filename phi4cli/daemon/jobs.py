@@ -121,9 +121,10 @@ class Job:
         self.cancel_code = code
         self.cancelled.set()
 
-    def emit_token(self, kind: str, text: str) -> None:
+    def emit_token(self, kind: str, text: str, logprobs: list[Any] | None = None) -> None:
         event = _TOKEN_EVENTS.get(kind, EventKind.TOKEN)
-        self.emit(Event(event, self.request_id, text))
+        data = {"logprobs": logprobs} if logprobs else {}
+        self.emit(Event(event, self.request_id, text, data))
 
     def finish(self, event: Event) -> None:
         """Send the request's terminal event: exactly once, whoever gets there first."""

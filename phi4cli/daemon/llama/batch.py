@@ -33,7 +33,7 @@ import llama_cpp
 from llama_cpp import _internals as llama_internals
 
 from phi4cli._settings import Sampling
-from phi4cli.confidence import LogitsConfidence, TraceConfidence
+from phi4cli.confidence import LogitsConfidence, TokenLogprobs, TraceConfidence
 from phi4cli.config import Settings
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
@@ -43,7 +43,7 @@ from phi4cli.daemon.sessions import SwappedSession, SwapStore
 from phi4cli.daemon.statefile import remove_state
 from phi4cli.daemon.threads import ThreadGovernor
 from phi4cli.protocol import ErrorCode, Stats
-from phi4cli.reasoning import THINK_CLOSE, ThinkSplitter
+from phi4cli.reasoning import ANSWER, THINK_CLOSE, ThinkSplitter
 from phi4cli.thinking import Act, ThinkingPolicy
 
 log = logging.getLogger("phi4.engine")
@@ -108,6 +108,9 @@ class _Run:
     restored: int = 0  # prompt tokens taken from a swapped-out session's saved state
     restore_s: float = 0.0
     finish_reason: str | None = None  # set: finished once its pending tokens are evaluated
+    # OpenAI's logprobs of the answer's tokens not yet sent (a request that asks for them):
+    # each goes out on the token event that carries its text, or the next one.
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -148,6 +151,7 @@ class LlamaEngine:
         self._streams = False  # the plan's KV layout is one stream per slot
         self._loads = 0  # models loaded so far: tells a job's tokens from another model's
         self._confidence: LogitsConfidence | None = None  # its buffers are the vocabulary's size
+        self._logprobs: TokenLogprobs | None = None  # (likewise)
         self._governor: ThreadGovernor | None = None  # threads from the cores others leave free
 
     @property
@@ -221,6 +225,7 @@ class LlamaEngine:
         self._model = None
         self._prompts = None
         self._confidence = None
+        self._logprobs = None
         self._governor = None
         self._slots = []
         self._system_tokens = []
@@ -685,6 +690,8 @@ class LlamaEngine:
         token = run.sampler.sample(model.context, logits_index)
         if model.is_eog(token):
             return self._finish(slot, "stop")
+        if run.job.params.logprobs is not None and not run.splitter.in_reasoning:  # an answer's
+            run.logprobs.append(self._logprob_entry(logits_index, token, run.job.params.logprobs))
         if run.first_token_s is None:
             run.first_token_s = now - run.started
         text = run.decoder.decode(prompts.piece(token))
@@ -790,7 +797,29 @@ class LlamaEngine:
 
     def _forward(self, run: _Run, text: str) -> None:
         for kind, piece in run.splitter.feed(text):
-            run.job.emit_token(kind, piece)
+            self._emit(run, kind, piece)
+
+    @staticmethod
+    def _emit(run: _Run, kind: str, piece: str) -> None:
+        sent = None
+        if kind == ANSWER and run.logprobs:
+            sent, run.logprobs = run.logprobs, []
+        run.job.emit_token(kind, piece, sent)
+
+    def _logprob_entry(self, logits_index: int, token: int, top: int) -> dict[str, Any]:
+        """A sampled token as OpenAI's ``logprobs.content[]`` shows it: its text, bytes and
+        log-probability, and its step's ``top`` likeliest tokens' (``top_logprobs``)."""
+        model, prompts = self._loaded()
+        if self._logprobs is None:
+            self._logprobs = TokenLogprobs(model.model.n_vocab())
+        chosen, likeliest = self._logprobs(model.logits(logits_index), token, top)
+
+        def shown(token_id: int, logprob: float) -> dict[str, Any]:
+            piece = prompts.piece(token_id)
+            return {"token": piece.decode("utf-8", "replace"), "logprob": logprob,
+                    "bytes": list(piece)}  # fmt: skip
+
+        return {**shown(token, chosen), "top_logprobs": [shown(t, lp) for t, lp in likeliest]}
 
     def _finish(self, slot: _Slot, reason: str) -> tuple[Job, Stats]:
         model, prompts = self._loaded()
@@ -798,7 +827,9 @@ class LlamaEngine:
         assert run is not None
         self._forward(run, run.decoder.decode(b"", final=True))
         for kind, piece in run.splitter.finish():
-            run.job.emit_token(kind, piece)
+            self._emit(run, kind, piece)
+        if run.logprobs:  # tokens whose text was not sent (whitespace at the answer's end)
+            run.job.emit_token(ANSWER, "", run.logprobs)
         run.sampler.close()
         slot.pending = []
         slot.run = None
