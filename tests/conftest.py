@@ -48,46 +48,103 @@ def smollm2_model() -> Path:
     return path
 
 
-def _stop_daemon_in(home: Path) -> None:
-    """Kill whatever daemon a test left behind in ``home`` (never a real user's daemon)."""
-    status_file = home / "run" / "daemon.json"
-    pids: set[int] = set()
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        pids.add(int(json.loads(status_file.read_text())["pid"]))
-    out = subprocess.run(
-        ["pgrep", "-f", "phi4cli daemon run"], capture_output=True, text=True, check=False
-    ).stdout
-    for pid_text in out.split():
-        pid = int(pid_text)
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
+# Every process the suite starts carries this in its environment (the daemons too: they inherit
+# their client's), so that the suite's last step can find any left behind, and a later suite
+# those of one that was killed.
+SUITE_VARIABLE = "PHI4_TEST_SUITE"
+DAEMON_MARKER = "daemon"
+
+
+def _processes_with(entry: bytes) -> list[int]:
+    """The pids of this user's processes, other than this one, whose environment holds
+    ``entry`` (``NAME=value``, whole)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
-        if f"PHI4_HOME={home}".encode() in environ:
-            pids.add(pid)
+        try:
+            if entry in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:  # gone, or another user's
+            continue
+    return found
+
+
+def _kill_all(pids: list[int]) -> None:
+    """SIGKILL each, and wait (5 s at most) until each is gone or a zombie."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 5
     for pid in pids:
-        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-            state = (
-                Path(f"/proc/{pid}/stat").read_text().split()[2]
-                if Path(f"/proc/{pid}/stat").exists()
-                else "X"
-            )
-            if state == "Z":
+        stat = Path(f"/proc/{pid}/stat")
+        while time.monotonic() < deadline:
+            try:
+                if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            except (OSError, IndexError):
                 break
             time.sleep(0.02)
 
 
+def _stop_processes_in(home: Path) -> None:
+    """Kill every process a test started under ``home``: its daemon and any client still
+    running (a test that timed out leaves both), never a real user's."""
+    _kill_all(_processes_with(f"PHI4_HOME={home}".encode()))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.when == "call":
+        item.stash[_FAILED] = report.failed  # a timeout is a failure
+    return report
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """Forget what the test (and any module fixture ending with it) started, once its whole
+    teardown is over: a module fixture's ``phi4 stop`` is not the next test's."""
+    try:
+        return (yield)
+    finally:
+        _launched.clear()
+
+
+_launched: list[str] = []  # what the test being run started of phi4 (or of a model server)
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    """Note each process a test starts that runs phi4 (the command, ``-m phi4cli``) or a model
+    server, and each terminal it opens (the pty tests run phi4 in one)."""
+    if event == "subprocess.Popen":
+        argv = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
+        words = [str(word) for word in argv]
+        if any(word == PHI4 or word in ("phi4cli", "llama_cpp.server") for word in words) or \
+                (LLAMA_SERVER and LLAMA_SERVER in words):  # fmt: skip
+            _launched.append(" ".join(words)[:120])
+    elif event == "os.forkpty":
+        _launched.append("a terminal (pty)")
+
+
+sys.addaudithook(_audit)
+
+
 @pytest.fixture(autouse=True)
-def phi4_home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Point every phi4 path at a fresh, short directory (Unix socket paths are limited)."""
+def phi4_home(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """Point every phi4 path at a fresh, short directory (Unix socket paths are limited).
+
+    Afterwards, where the test started phi4 or a daemon ran (or the test failed, or timed out),
+    whatever it left running under that directory is killed. A test that starts phi4 as a
+    process (the command, its daemon, a server; seen by an audit hook) must be marked
+    ``daemon``, so that ``pytest -m "not daemon"`` is the quick loop it says."""
     home = Path(tempfile.mkdtemp(prefix="p4-", dir="/tmp"))
     monkeypatch.setenv("PHI4_HOME", str(home))
     for name in list(os.environ):
-        if name.startswith("PHI4_") and name != "PHI4_HOME":
+        if name.startswith("PHI4_") and name not in ("PHI4_HOME", SUITE_VARIABLE):
             monkeypatch.delenv(name)
     # One llama.cpp thread per daemon: on a shared machine threads that spin at llama.cpp's
     # barriers wait for each other's time slices. With two busy processes on 2 cores, two
@@ -97,8 +154,83 @@ def phi4_home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     try:
         yield home
     finally:
-        _stop_daemon_in(home)
+        started = (home / "run" / "daemon.lock").exists()
+        launched = list(_launched)  # (and what a module's fixture started for its first test)
+        if started or launched or request.node.stash.get(_FAILED, True):
+            _stop_processes_in(home)
         shutil.rmtree(home, ignore_errors=True)
+        if (started or launched) and \
+                request.node.get_closest_marker(DAEMON_MARKER) is None:  # fmt: skip
+            what = "a daemon" if started else f"`{launched[0]}`"
+            pytest.fail(f"{request.node.nodeid} started {what} but is not marked "
+                        f"{DAEMON_MARKER} (@pytest.mark.{DAEMON_MARKER}, or pytestmark in its "
+                        "module), so `pytest -m 'not daemon'` would run it",
+                        pytrace=False)  # fmt: skip
+
+
+def _ignore(_signum: int, _frame: object) -> None:
+    """SIGINT's handler while the suite was started with SIGINT ignored (``cmd &`` in a
+    script, some CI runners): still ignored here, but a handler, unlike SIG_IGN, is not
+    inherited, so the phi4 the Ctrl-C tests start can be stopped with one."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ[SUITE_VARIABLE] = str(os.getpid())
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _ignore)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Kill what a suite that was itself killed (so never reached its last step) left."""
+    orphans = []
+    for pid in _processes_of_suites():
+        with contextlib.suppress(OSError):
+            suite = _suite_of(pid)
+            if suite != os.getpid() and not Path(f"/proc/{suite}").exists():
+                orphans.append(pid)
+    if orphans:
+        _kill_all(orphans)
+        print(f"\nkilled {len(orphans)} process(es) left by an earlier test run that was killed")
+
+
+def _processes_of_suites() -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if f"{SUITE_VARIABLE}=".encode() in (proc / "environ").read_bytes():
+                    found.append(int(proc.name))
+    return found
+
+
+def _suite_of(pid: int) -> int:
+    prefix = f"{SUITE_VARIABLE}=".encode()
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(prefix):
+            return int(entry[len(prefix) :])
+    return -1
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The suite's last step: no process it started is left running. Any that is, is killed
+    and named, and the run fails."""
+    left = _processes_with(f"{SUITE_VARIABLE}={os.getpid()}".encode())
+    if not left:
+        return
+    named = []
+    for pid in left:
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            named.append(f"{pid}: {argv.strip()[:200]}")
+    _kill_all(left)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"the suite left {len(left)} process(es) running (killed now):\n  " + \
+        "\n  ".join(named)  # fmt: skip
+    if reporter is not None:
+        reporter.write_line(message, red=True)
+    else:
+        print(message)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def run_phi4(

@@ -48,6 +48,7 @@ def _answers(fast: int) -> Any:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_samples_that_agree_stop_after_the_rules_minimum_and_cancel_the_rest():
     with scripted_server(_answers(fast=3)) as server:
         base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "8",
@@ -64,6 +65,7 @@ def test_samples_that_agree_stop_after_the_rules_minimum_and_cancel_the_rest():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_all_takes_every_sample_and_answer_only_says_where_it_stopped():
     with scripted_server(_answers(fast=8)) as server:
         base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "8",
@@ -85,6 +87,7 @@ LONG = 1000  # tokens of each sample: some time for the cancel to reach the daem
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.daemon
 def test_through_the_daemon_a_settled_vote_cancels_the_samples_still_to_come(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -123,6 +126,7 @@ def test_through_the_daemon_a_settled_vote_cancels_the_samples_still_to_come(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.daemon
 def test_eval_stops_each_problems_samples_once_settled_and_says_how_many_it_used(
     tmp_path: Path,
 ):

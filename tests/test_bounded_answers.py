@@ -250,6 +250,7 @@ def _notices(stderr: str) -> list[str]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("samples", [3, 5])
+@pytest.mark.daemon
 def test_samples_of_huge_answers_vote_at_once_with_one_notice(samples: int):
     boxed = [f"\\boxed{{{answer}}}" for answer in HUGE]
     with scripted_server(_answers(*boxed)) as server:
@@ -265,6 +266,7 @@ def test_samples_of_huge_answers_vote_at_once_with_one_notice(samples: int):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_eval_of_a_huge_answer_grades_at_once_with_one_notice(tmp_path: Path):
     problems = tmp_path / "huge.jsonl"
     rows = [{"problem": "big?", "answer": "9^{9^{9^{9}}}"},
@@ -294,6 +296,7 @@ def test_eval_of_a_huge_answer_grades_at_once_with_one_notice(tmp_path: Path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_answer_only_of_56_kb_of_nested_boxes_is_quick():
     # Before: 28 KB took 41 s, and 56 KB four times that (quadratic); now about a second.
     # (--loop off: such an answer is a loop, which would stop it before the extraction.)
@@ -305,6 +308,7 @@ def test_answer_only_of_56_kb_of_nested_boxes_is_quick():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_an_empty_box_is_no_answer_in_every_mode(tmp_path: Path):
     # Before: the answer "" — a blank line, exit 0, no reason; in --samples one "" and the
     # others null.

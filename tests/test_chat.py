@@ -54,6 +54,7 @@ def chats() -> Iterator[ChatStore]:
     yield ChatStore(get_paths().data_dir / "chats")
 
 
+@pytest.mark.daemon
 def test_transcript_of_a_conversation_and_its_saved_copy(tiny_model: Path, chats: ChatStore):
     get_paths().state_dir.mkdir(parents=True, exist_ok=True)
     repl, out, _err = make_repl(tiny_model, temperature=0.0, max_tokens=8)
@@ -65,7 +66,7 @@ def test_transcript_of_a_conversation_and_its_saved_copy(tiny_model: Path, chats
     stats = second.stats
     path = chats.path("first")
     expected = (
-        f"{first.answer}\n{second.answer}\n"
+        f"{first.answer}\n\n{second.answer}\n"  # a blank line between answers
         f"conversation chat-test (2 turns)\n"
         f"model        {tiny_model}\n"
         f"system       (the model default)\n"
@@ -83,6 +84,7 @@ def test_transcript_of_a_conversation_and_its_saved_copy(tiny_model: Path, chats
     assert list(history.load_history_strings()) == list(reversed(script))
 
 
+@pytest.mark.daemon
 def test_second_turn_evaluates_only_the_new_message(tiny_model: Path, chats: ChatStore):
     repl, _out, _err = make_repl(tiny_model, temperature=0.0, max_tokens=6)
     for question in ("What is 12*13?", "And times two?", "Now divide by four."):
@@ -96,6 +98,7 @@ def test_second_turn_evaluates_only_the_new_message(tiny_model: Path, chats: Cha
     assert [t.stats["turn"] for t in turns] == [0, 1, 2]
 
 
+@pytest.mark.daemon
 def test_retry_resamples_the_last_answer_from_cache(tiny_model: Path):
     repl, out, _err = make_repl(tiny_model, temperature=0.9, max_tokens=6, seed=1)
     repl.ask("First question")
@@ -111,6 +114,7 @@ def test_retry_resamples_the_last_answer_from_cache(tiny_model: Path):
     assert "seed = 2" in out.getvalue()
 
 
+@pytest.mark.daemon
 def test_context_limit_drops_oldest_turns_and_says_so(tiny_model: Path):
     assert run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "256").returncode == 0
     repl, out, err = make_repl(tiny_model, temperature=0.0, max_tokens=40, n_ctx=256)
@@ -129,6 +133,7 @@ def test_context_limit_drops_oldest_turns_and_says_so(tiny_model: Path):
     assert len(repl.conversation.turns) == 6
 
 
+@pytest.mark.daemon
 def test_reset_then_show_says_the_new_conversation_uses_no_context(tiny_model: Path):
     # Before: /show after /reset still said the old conversation's "N of 512 tokens used".
     assert run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "512").returncode == 0
@@ -145,6 +150,7 @@ def test_reset_then_show_says_the_new_conversation_uses_no_context(tiny_model: P
     assert "cached       0 tokens" in after
 
 
+@pytest.mark.daemon
 def test_daemon_killed_mid_chat_is_restarted_and_the_conversation_restored(tiny_model: Path):
     repl, _out, err = make_repl(tiny_model, temperature=0.0, max_tokens=6)
     repl.ask("What is 12*13?")
@@ -160,6 +166,7 @@ def test_daemon_killed_mid_chat_is_restarted_and_the_conversation_restored(tiny_
     assert repl.conversation.turns[-1].stats["rebuilt"] is False
 
 
+@pytest.mark.daemon
 def test_chat_from_a_pipe(tiny_model: Path, chats: ChatStore):
     result = run_phi4(
         "chat", "-m", str(tiny_model), "-t", "0", "-n", "5",
@@ -171,6 +178,7 @@ def test_chat_from_a_pipe(tiny_model: Path, chats: ChatStore):
     assert result.stdout.startswith(saved.turns[0].answer)
 
 
+@pytest.mark.daemon
 def test_continue_and_resume_reopen_saved_conversations(tiny_model: Path, chats: ChatStore):
     first = run_phi4("chat", "-m", str(tiny_model), "-n", "3", input="hello\n/save older\n")
     second = run_phi4("chat", "-m", str(tiny_model), "-n", "3", input="hi\nthere\n/save newer\n")
@@ -222,6 +230,7 @@ def test_help_completion_and_dispatch_come_from_one_table(tiny_model: Path):
         assert make_repl(tiny_model)[0].command(leave) is False
 
 
+@pytest.mark.daemon
 def test_pty_ctrl_c_during_answer_then_save_exit_and_resume(tiny_model: Path):
     child = pexpect.spawn(
         PHI4, ["chat", "-m", str(tiny_model), "-n", "50000", "--n-ctx", "100000", "--verbose"],
@@ -299,6 +308,7 @@ def test_session_continues_only_its_own_history():
     assert store.get("a") is None and store.get("c") is not None and len(store) == 2
 
 
+@pytest.mark.daemon
 def test_bad_chat_requests_are_rejected(tiny_model: Path, phi4_home: Path):
     import socket
 
@@ -319,6 +329,7 @@ def test_bad_chat_requests_are_rejected(tiny_model: Path, phi4_home: Path):
         assert event["event"] == "error" and event["code"] == "bad_request", (params, event)
 
 
+@pytest.mark.daemon
 def test_chat_never_leaves_a_daemon_of_its_own_after_stop(tiny_model: Path):
     proc = subprocess.run(
         [PHI4, "chat", "-m", str(tiny_model), "-n", "2"], input="hi\n", text=True,
@@ -345,6 +356,7 @@ def test_tab_completes_slash_commands_and_set_keys():
     assert complete("what is /sh") == []
 
 
+@pytest.mark.daemon
 def test_a_daemon_killed_mid_answer_costs_one_message_not_the_chat(tiny_model: Path):
     # Before: the chat ended with exit 3 when the daemon died while answering.
     repl, _out, err = make_repl(tiny_model, temperature=0.0, max_tokens=3000)
@@ -386,6 +398,7 @@ def _chat_in_a_pty(model: Path, *args: str) -> pexpect.spawn:
 STOPPED = ["stopped before the answer began", "the partial answer is kept"]
 
 
+@pytest.mark.daemon
 def test_pty_ctrl_c_right_after_enter_cancels_the_answer(tiny_model: Path):
     # Before: a Ctrl-C typed just after Enter was ignored (the answer streamed on) and arrived
     # at the next prompt as "press Ctrl-C again to leave".
@@ -414,6 +427,7 @@ def test_pty_ctrl_c_right_after_enter_cancels_the_answer(tiny_model: Path):
     assert [t.question for t in saved.turns][-1] == "Say hi"
 
 
+@pytest.mark.daemon
 def test_pty_keys_typed_during_an_answer_are_not_echoed(tiny_model: Path):
     child = _chat_in_a_pty(tiny_model, "-n", "50000", "--n-ctx", "100000")
     child.send("Count forever\r")
@@ -434,6 +448,7 @@ def test_pty_keys_typed_during_an_answer_are_not_echoed(tiny_model: Path):
     assert child.exitstatus == 0
 
 
+@pytest.mark.daemon
 def test_a_ctrl_c_while_the_answer_is_drawn_stops_it_cleanly(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -460,6 +475,7 @@ def test_a_ctrl_c_while_the_answer_is_drawn_stops_it_cleanly(
     assert repl.failed == 0
 
 
+@pytest.mark.daemon
 def test_chat_replies_without_a_boxed_answer_are_not_nagged(tiny_model: Path):
     # Before: at a terminal every casual reply ended in "no final answer stated".
     child = _chat_in_a_pty(tiny_model, "-n", "3", "--verbose")
@@ -475,6 +491,7 @@ def test_chat_replies_without_a_boxed_answer_are_not_nagged(tiny_model: Path):
     assert "final answer" not in child.logfile_read.getvalue()
 
 
+@pytest.mark.daemon
 def test_chat_says_when_thinking_ran_out_naming_the_chat_setting(tiny_reasoning_model: Path):
     result = run_phi4("chat", "-m", str(tiny_reasoning_model), "-n", "4", input="Think hard\n")
     assert result.returncode == 0, result.stderr
@@ -482,6 +499,7 @@ def test_chat_says_when_thinking_ran_out_naming_the_chat_setting(tiny_reasoning_
     assert "/set max_tokens N" in result.stderr and "--max-tokens" not in result.stderr
 
 
+@pytest.mark.daemon
 def test_chat_error_hints_name_set_not_command_line_options(tiny_model: Path):
     # The daemon's context-overflow message says "lower --max-tokens"; in a chat it is /set.
     result = run_phi4(

@@ -25,6 +25,7 @@ def bash_complete(line: str, cwd: Path | None = None) -> list[str]:
     return result.stdout.split()
 
 
+@pytest.mark.daemon
 def test_config_set_completes_the_setting_names():
     keys = bash_complete("phi4 config set ")
     assert {"model", "kv_layout", "kv_cache_type", "temperature", "instruction"} <= set(keys)
@@ -36,10 +37,12 @@ def test_config_set_completes_the_setting_names():
     [("kv_layout", ["auto", "shared", "streams"]), ("kv_cache_type", ["f16", "q8_0", "q4_0"]),
      ("ramdisk", ["auto", "on", "off"]), ("mlock", ["true", "false"]), ("temperature", [])],
 )  # fmt: skip
+@pytest.mark.daemon
 def test_config_set_completes_a_fixed_set_of_values(key: str, values: list[str]):
     assert bash_complete(f"phi4 config set {key} ") == values
 
 
+@pytest.mark.daemon
 def test_the_values_offered_are_the_values_config_set_takes():
     from phi4cli.completion import setting_values
 
@@ -48,6 +51,7 @@ def test_the_values_offered_are_the_values_config_set_takes():
             assert run_phi4("config", "set", key, value).returncode == 0, (key, value)
 
 
+@pytest.mark.daemon
 def test_model_options_complete_aliases_and_gguf_files(tmp_path: Path):
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "mine.gguf").write_bytes(b"GGUF")

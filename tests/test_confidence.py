@@ -78,6 +78,7 @@ def test_a_confidence_vote_lets_the_surer_samples_win():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.daemon
 def test_the_daemon_reports_confidence_when_it_is_shown(tmp_path: Path, tiny_reasoning_model):
     scripted = write_script_model(tmp_path / "short.gguf", THINKING, ANSWER)
     sure = run_phi4("solve", "What is 2+2?", "-m", str(scripted), "-t", "0", "--json",
@@ -123,6 +124,7 @@ def _voting_server(body: dict[str, Any]) -> list[str | Step | Head]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_a_servers_logprobs_give_confidence_and_a_confidence_vote():
     with scripted_server(_voting_server) as server:
         base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "3", "--all",
@@ -147,6 +149,7 @@ def _no_logprobs_server(body: dict[str, Any]) -> list[str | Step | Head]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_a_server_that_refuses_logprobs_is_asked_without_and_the_vote_counts():
     with scripted_server(_no_logprobs_server) as server:
         done = run_phi4("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "3",
@@ -174,6 +177,7 @@ def _graded_server(body: dict[str, Any]) -> list[str | Step | Head]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_eval_records_each_answers_confidence_and_compares_right_with_wrong(tmp_path: Path):
     problems = tmp_path / "set.jsonl"
     problems.write_text("".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n"
@@ -201,6 +205,7 @@ def test_eval_records_each_answers_confidence_and_compares_right_with_wrong(tmp_
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_a_refusal_of_logprobs_after_busy_answers_does_not_spend_the_retries():
     asked: list[dict[str, Any]] = []
 
@@ -275,6 +280,7 @@ def test_the_first_samples_set_the_floor_and_an_unsure_one_does_not_vote():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.daemon
 def test_the_daemon_stops_a_request_whose_confidence_falls_below_its_floor(
     tmp_path: Path, phi4_home: Path
 ):
@@ -348,6 +354,7 @@ def _unsure_server(release: threading.Event) -> Any:
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("concurrency", [1, 6])
+@pytest.mark.daemon
 def test_samples_less_sure_than_the_first_are_stopped_and_do_not_vote(concurrency: int):
     release = threading.Event()
     with scripted_server(_unsure_server(release)) as server:
@@ -373,6 +380,7 @@ def test_samples_less_sure_than_the_first_are_stopped_and_do_not_vote(concurrenc
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.daemon
 def test_eval_counts_the_samples_stopped_as_unsure(tmp_path: Path):
     problems = tmp_path / "set.jsonl"
     problems.write_text(json.dumps({"problem": "What is 3+4?", "answer": "7"}) + "\n")

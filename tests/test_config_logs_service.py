@@ -8,10 +8,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from phi4cli.daemon.spawn import LOG_MAX_BYTES, rotate_log
 from tests.conftest import PHI4, run_phi4
 
 
+@pytest.mark.daemon
 def test_config_set_show_path_and_validation(phi4_home: Path):
     path = Path(run_phi4("config", "path").stdout.strip())
     assert path == phi4_home / "config" / "config.toml"
@@ -39,6 +42,7 @@ def test_config_set_show_path_and_validation(phi4_home: Path):
     assert "seed" not in path.read_text()
 
 
+@pytest.mark.daemon
 def test_config_set_keeps_the_files_comments_and_order(phi4_home: Path, tmp_path: Path):
     # Before: `config set` wrote the file afresh, sorted, its comments gone.
     path = Path(run_phi4("config", "path").stdout.strip())
@@ -58,6 +62,7 @@ def test_config_set_keeps_the_files_comments_and_order(phi4_home: Path, tmp_path
     assert path.read_text() == 'backend = "http://c:3/v1"\n'
 
 
+@pytest.mark.daemon
 def test_config_set_model_checks_the_file_but_not_an_alias(tmp_path: Path):
     # Before: any path was written, and every later command failed on it.
     missing = run_phi4("config", "set", "model", str(tmp_path / "nowhere.gguf"))
@@ -70,6 +75,7 @@ def test_config_set_model_checks_the_file_but_not_an_alias(tmp_path: Path):
     assert alias.returncode == 0, alias.stderr
 
 
+@pytest.mark.daemon
 def test_config_edit_checks_what_the_editor_wrote(phi4_home: Path):
     good = run_phi4("config", "edit", env={"EDITOR": 'sh -c \'echo "n_ctx = 4096" >> "$0"\''})
     assert good.returncode == 0 and good.stdout.strip().endswith(": ok")
@@ -83,6 +89,7 @@ def test_config_edit_checks_what_the_editor_wrote(phi4_home: Path):
     assert [p.name for p in path.parent.iterdir()] == [path.name], "no draft left behind"
 
 
+@pytest.mark.daemon
 def test_logs_shows_and_follows_the_daemon_log(tiny_model: Path, phi4_home: Path):
     assert run_phi4("logs").returncode == 1
     assert run_phi4("solve", "hi", "-m", str(tiny_model), "-n", "1").returncode == 0
@@ -118,6 +125,7 @@ def test_log_rotation_keeps_three(tmp_path: Path):
     assert small.exists()
 
 
+@pytest.mark.daemon
 def test_install_service_writes_a_user_unit(tiny_model: Path, tmp_path: Path, phi4_home: Path):
     result = run_phi4("daemon", "install-service", "-m", str(tiny_model),
                       env={"XDG_CONFIG_HOME": str(tmp_path)})  # fmt: skip
@@ -131,6 +139,7 @@ def test_install_service_writes_a_user_unit(tiny_model: Path, tmp_path: Path, ph
     assert f"Description=phi4 daemon: {tiny_model.name} kept resident" in unit
 
 
+@pytest.mark.daemon
 def test_the_unit_keeps_a_model_path_with_spaces_and_percent_signs_whole(
     tiny_model: Path, tmp_path: Path
 ):

@@ -47,6 +47,7 @@ def running(home: Path) -> int:
 # Some twenty short SmolLM2 requests on a busy machine: far past the suite's default limit.
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("kv_layout", ["shared", "streams"])
+@pytest.mark.daemon
 def test_deterministic_answers_repeat_whatever_ran_before(
     smollm2_model: Path, phi4_home: Path, tmp_path: Path, kv_layout: str
 ):
@@ -152,6 +153,7 @@ def test_the_http_api_passes_deterministic_on_and_checks_it():
         chat_params({**body, "deterministic": 1}, "m", Settings())
 
 
+@pytest.mark.daemon
 def test_a_deterministic_chat_repeats_its_answers_turn_by_turn(tiny_model: Path):
     """A chat turn reads the whole conversation afresh, so the same conversation gets the same
     answers again after the daemon has cached (and answered beside) other things."""

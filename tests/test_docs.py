@@ -42,12 +42,14 @@ def test_man_page_renders_without_warnings():
     [("phi4 so", "1", "solve"), ("phi4 daemon st", "2", "start"), ("phi4 solve --answ", "2",
       "--answer-only")],
 )  # fmt: skip
+@pytest.mark.daemon
 def test_bash_completion_answers(words: str, cword: str, expected: str):
     result = run_phi4(env={"_PHI4_COMPLETE": "complete_bash", "COMP_WORDS": words,
                            "COMP_CWORD": cword})  # fmt: skip
     assert expected in result.stdout.split()
 
 
+@pytest.mark.daemon
 def test_help_offers_completion_install():
     assert "--install-completion" in run_phi4("--help").stdout
 
@@ -293,6 +295,7 @@ def test_nothing_reads_like_a_lab_notebook():
 
 
 @pytest.mark.smollm2
+@pytest.mark.daemon
 def test_the_readmes_solve_screen_is_what_phi4_prints(smollm2_model: Path):
     readme = (DOC_ROOT / "README.md").read_text()
     screen = readme[readme.index("$ phi4 solve -m smollm2-135m") :].split("```")[0]

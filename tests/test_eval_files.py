@@ -72,6 +72,7 @@ def shared_dir() -> Iterator[Path]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.mark.daemon
 def test_a_fresh_results_file_is_private_and_says_what_made_it(tiny_model: Path, tmp_path: Path):
     problems = _write_problems(tmp_path / "quiz.jsonl")
     result = _eval(problems, tiny_model, "-t", "0")
@@ -93,6 +94,7 @@ def test_a_fresh_results_file_is_private_and_says_what_made_it(tiny_model: Path,
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second user")
 @pytest.mark.parametrize("plant", ["symlink", "fifo", "their file", "our file they can write"])
+@pytest.mark.daemon
 def test_a_results_file_planted_by_another_user_is_refused(
     plant: str, tiny_model: Path, shared_dir: Path, tmp_path: Path
 ):
@@ -138,6 +140,7 @@ def test_a_results_file_planted_by_another_user_is_refused(
     assert json.loads(fresh.stdout)["problems"] == 2
 
 
+@pytest.mark.daemon
 def test_a_rerun_with_another_model_does_not_resume_and_the_flags_do_what_they_say(
     tiny_model: Path, tiny_reasoning_model: Path, tmp_path: Path
 ):
@@ -175,6 +178,7 @@ def test_a_rerun_with_another_model_does_not_resume_and_the_flags_do_what_they_s
     assert both.returncode == 2 and "contradict" in both.stderr
 
 
+@pytest.mark.daemon
 def test_records_that_do_not_say_what_made_them_are_not_resumed(tiny_model: Path, tmp_path: Path):
     # As an older phi4 wrote them, or as a forger would: all "correct".
     problems = _write_problems(tmp_path / "quiz.jsonl")
@@ -192,6 +196,7 @@ def _boxed_one(_body: dict[str, Any]) -> list[str | Step]:
     return separated("reasoning_content", ["Think."], ["$\\boxed{1}$"])
 
 
+@pytest.mark.daemon
 def test_other_settings_or_another_engine_do_not_resume(tmp_path: Path):
     problems = _write_problems(tmp_path / "set.jsonl", [{"problem": "p1", "answer": "1"}])
     results = tmp_path / "out.jsonl"
@@ -250,6 +255,7 @@ def test_open_user_file_refuses_what_it_cannot_trust_and_never_blocks(tmp_path: 
     assert stat.S_IMODE((tmp_path / "new" / "out.jsonl").stat().st_mode) == 0o600
 
 
+@pytest.mark.daemon
 def test_a_results_path_that_cannot_be_a_file_is_one_line_and_exit_1(
     tiny_model: Path, tmp_path: Path
 ):
@@ -263,6 +269,7 @@ def test_a_results_path_that_cannot_be_a_file_is_one_line_and_exit_1(
     ]
 
 
+@pytest.mark.daemon
 def test_a_hard_link_to_a_file_of_yours_is_not_appended_to(tiny_model: Path, shared_dir: Path):
     # Where fs.protected_hardlinks is 0, any user can link a file of yours (~/.bashrc) into
     # /tmp under the results file's name: a regular file of yours, mode 644, but not eval's.
@@ -343,6 +350,7 @@ def test_an_input_that_shrinks_while_eval_reads_it_stops_with_one_line(tmp_path:
         todo[1]
 
 
+@pytest.mark.daemon
 def test_eval_numbers_lines_as_before_and_names_a_line_that_is_not_utf8(tmp_path: Path):
     from phi4cli.errors import UsageError
     from phi4cli.grading import Problems
@@ -398,6 +406,7 @@ def test_a_problem_changed_and_changed_back_resumes_its_record():
     assert "problem" not in read_earlier(lines, [Item(1, "A", "1")], run).done[1], "as counted"
 
 
+@pytest.mark.daemon
 def test_eval_of_problems_added_to_a_finished_file_solves_only_the_new_ones(tmp_path: Path):
     def script(body: dict[str, Any]) -> list[str | Step]:
         number = body["messages"][-1]["content"].split("\n\n")[0].removeprefix("p")
@@ -425,6 +434,7 @@ def test_eval_of_problems_added_to_a_finished_file_solves_only_the_new_ones(tmp_
     assert all(r["problem"] == f"p{r['line']}" for r in records)
 
 
+@pytest.mark.daemon
 def test_eval_of_an_input_read_once_and_of_a_csv_ends_cleanly(tmp_path: Path):
     # A pipe (<(zcat ...), /dev/stdin) cannot be read twice: it is read whole and held, as
     # before. And a CSV's reader is closed in order: no "Exception ignored" at the end.

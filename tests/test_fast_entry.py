@@ -88,6 +88,7 @@ def _imported_by_solve(tiny_model: Path, *extra: str) -> tuple[int, list[str]]:
     return result.returncode, json.loads(result.stderr.strip().splitlines()[-1])
 
 
+@pytest.mark.daemon
 def test_a_warm_solve_imports_no_typer_rich_prompt_toolkit_or_typing(tiny_model: Path):
     assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
     assert _imported_by_solve(tiny_model) == (0, [])
@@ -97,6 +98,7 @@ def test_a_warm_solve_imports_no_typer_rich_prompt_toolkit_or_typing(tiny_model:
     assert code == 2 and "typer" in imported
 
 
+@pytest.mark.daemon
 def test_help_and_errors_are_still_typers():
     helped = run_phi4("solve", "--help")
     assert helped.returncode == 0 and "Usage: phi4 solve [OPTIONS] [prompt]..." in helped.stdout
@@ -125,6 +127,7 @@ def test_the_daemon_options_are_declared_once_for_every_command_that_starts_it()
             assert options[key].help == reference[key].help
 
 
+@pytest.mark.daemon
 def test_solve_runs_in_process_on_an_environment_of_its_own(tiny_model: Path):
     # Before, solve read sys.stdout and isatty itself: tests patched presenters or needed a pty.
     import io
@@ -157,6 +160,7 @@ def test_the_answer_options_are_declared_once_for_solve_and_chat():
         assert in_solve[key].help == in_chat[key].help
 
 
+@pytest.mark.daemon
 def test_a_question_of_unquoted_words_is_joined_and_stdin_left_alone(tiny_model: Path):
     # `ollama run m why is the sky blue` works; so does `phi4 solve what is 2+2`, on the fast
     # path and on Typer's, and the words are the question even when stdin has text waiting.
@@ -175,6 +179,7 @@ def test_a_question_of_unquoted_words_is_joined_and_stdin_left_alone(tiny_model:
     assert piped.returncode == 0 and json.loads(piped.stdout)["question"] == "x + 1"
 
 
+@pytest.mark.daemon
 def test_a_question_beside_file_is_refused_not_dropped(tmp_path: Path):
     problems = tmp_path / "p.txt"
     problems.write_text("What is 1+1?\n")

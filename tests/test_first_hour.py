@@ -1,5 +1,5 @@
-"""What a newcomer met in the first hour (issue 36), each pinned: the lines phi4 says when a
-daemon is not running, a backend is not a URL, or an answer was cut at --max-tokens."""
+"""What a newcomer met in the first hour (issue 36), and what a fresh-clone trial of the docs
+found after, each pinned: what phi4 says and shows, and that the docs' lines work as written."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tests.scripted_server import Step, chunk, data, scripted_server
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.daemon
 def test_status_json_without_a_daemon_still_prints_json():
     # Before: nothing on stdout, only the error on stderr (exit 3).
     done = run_phi4("status", "--json")
@@ -29,6 +30,7 @@ def test_status_json_without_a_daemon_still_prints_json():
     assert "no daemon is running" in done.stderr
 
 
+@pytest.mark.daemon
 def test_a_backend_that_is_not_a_url_is_named_as_given():
     # Before: "invalid backend ('notaurl',)", the repeated option's tuple.
     done = run_phi4("solve", "hi", "--backend", "notaurl")
@@ -41,6 +43,7 @@ def _cut(_body: dict[str, Any]) -> list[str | Step]:
             data("[DONE]")]  # fmt: skip
 
 
+@pytest.mark.daemon
 def test_an_answer_cut_at_max_tokens_says_it_was_cut():
     # Before: "no final answer stated in the solution", as if the model had chosen not to.
     with scripted_server(_cut) as server:
@@ -57,6 +60,7 @@ def test_the_llama_build_script_asks_for_no_download():
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.daemon
 def test_a_file_on_an_idle_default_daemon_runs_as_many_at_once_as_the_plan_says(
     tiny_model: Path, tmp_path: Path
 ):
@@ -87,6 +91,7 @@ def _boxed(_body: dict[str, Any]) -> list[str | Step]:
     return [chunk({"content": "So it is \\boxed{7}."}), chunk({}, "stop"), data("[DONE]")]
 
 
+@pytest.mark.daemon
 def test_a_megabyte_line_in_a_file_is_not_echoed_whole(tmp_path: Path):
     # Before: the human output echoed the question above its solution, all 1,040,064 bytes of it.
     problems = tmp_path / "long.txt"
@@ -134,6 +139,7 @@ def _two_lines(_body: dict[str, Any]) -> list[str | Step]:
     return [chunk({"content": "First line.\nSecond line."}), chunk({}, "stop"), data("[DONE]")]
 
 
+@pytest.mark.daemon
 def test_piped_chat_separates_one_answer_from_the_next():
     # Before: "...Second line.First line..." — no way to tell where one answer ended.
     with scripted_server(_two_lines) as server:
@@ -142,3 +148,22 @@ def test_piped_chat_separates_one_answer_from_the_next():
     assert done.returncode == 0, done.stderr
     answer = "First line.\nSecond line.\n"
     assert done.stdout == f"{answer}\n{answer}\n{answer}"
+
+
+def test_the_docs_completion_and_man_page_lines_work_on_a_fresh_home(tmp_path: Path):
+    # Before: the `cp` lines failed on a fresh home (no `mkdir -p`), and `man phi4` found nothing
+    # without MANPATH. The block's lines are run as written, in a home with nothing in it.
+    page = (ROOT / "docs" / "install-and-builds.md").read_text()
+    block = page.split("## Shell completion and man page", 1)[1].split("```sh\n", 1)[1]
+    lines = [line.split("#", 1)[0].strip() for line in block.split("```", 1)[0].splitlines()]
+    lines = [line for line in lines if line.startswith(("mkdir", "cp"))]
+    assert len(lines) == 5, lines
+    home = tmp_path / "home"
+    home.mkdir()
+    for line in lines:
+        done = subprocess.run(line, shell=True, cwd=ROOT, capture_output=True, text=True,
+                              env={"HOME": str(home), "PATH": "/usr/bin:/bin"})  # fmt: skip
+        assert done.returncode == 0, (line, done.stderr)
+    assert (home / ".local/share/bash-completion/completions/phi4").is_file()
+    assert (home / ".local/share/man/man1/phi4.1").is_file()
+    assert 'export MANPATH="$HOME/.local/share/man:"' in page

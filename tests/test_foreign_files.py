@@ -63,6 +63,7 @@ def swapping(shared_dir: Path, tmp_path: Path) -> Iterator[tuple[Path, Path]]:  
 
 
 @as_root
+@pytest.mark.daemon
 def test_a_results_directory_another_user_swaps_for_a_link_gets_no_results_file_outside(
     swapping: tuple[Path, Path], tmp_path: Path
 ):
@@ -91,6 +92,7 @@ def test_a_results_directory_another_user_swaps_for_a_link_gets_no_results_file_
 
 @as_root
 @pytest.mark.parametrize("planted", ["their file in a directory of yours", "their directory"])
+@pytest.mark.daemon
 def test_a_config_of_another_user_is_refused_and_its_backend_never_asked(
     planted: str, phi4_home: Path
 ):
@@ -133,6 +135,7 @@ def _others_can_write(path: Path, how: str) -> str:
 
 
 @pytest.mark.parametrize("how", ["world", "group"])
+@pytest.mark.daemon
 def test_a_config_others_can_write_is_refused_in_one_line(how: str):
     # Before: a config.toml of mode 666 (or group-writable by others) was read without a word.
     config = get_paths().config_file
@@ -151,6 +154,7 @@ def test_a_config_others_can_write_is_refused_in_one_line(how: str):
 
 
 @pytest.mark.parametrize("how", ["world", "group"])
+@pytest.mark.daemon
 def test_a_chat_or_input_history_others_can_write_is_refused_in_one_line(
     how: str, tiny_model: Path
 ):

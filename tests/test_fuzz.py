@@ -22,6 +22,9 @@ from hypothesis import strategies as st
 
 from tests.conftest import exchange, run_phi4
 
+# Each test runs phi4 as a process (the command, its daemon or a server).
+pytestmark = pytest.mark.daemon
+
 # Text as a hostile client sends it: lone surrogates among ordinary characters (JSON's "\ud800"
 # escapes decode to them, and UTF-8 cannot encode them).
 # (st.characters never yields surrogates, so they are made from their code points.)

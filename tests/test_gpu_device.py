@@ -20,7 +20,7 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
-from tests.conftest import _stop_daemon_in
+from tests.conftest import _stop_processes_in
 from tests.tinymodel import write_tiny_phi3
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ def work() -> Iterator[Path]:
     # Short: the daemon's socket lives under it.
     path = Path(tempfile.mkdtemp(prefix="p4g-", dir="/tmp"))
     yield path
-    _stop_daemon_in(path / "home")
+    _stop_processes_in(path / "home")
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -119,6 +119,7 @@ def built_site(work: Path) -> None:
     assert (work / "site" / "llama_cpp" / "lib" / "libllama.so").exists()
 
 
+@pytest.mark.daemon
 def test_bench_runs_every_step_on_the_cpu_and_returns_the_tables(work: Path) -> None:
     built_site(work)
     # Heads of 64 (q8_0 KV needs a multiple of 32), small enough to decode in milliseconds.
@@ -153,6 +154,7 @@ def test_bench_runs_every_step_on_the_cpu_and_returns_the_tables(work: Path) -> 
     assert all(batching["phi4"][k]["tps"] > 0 for k in ("1", "4"))
 
 
+@pytest.mark.daemon
 def test_bench_skips_what_the_budget_leaves_no_time_for(work: Path) -> None:
     built_site(work)
     model = write_tiny_phi3(work / "tiny.gguf")
@@ -167,6 +169,7 @@ def test_bench_skips_what_the_budget_leaves_no_time_for(work: Path) -> None:
     assert "skipped smoke" in result.stderr
 
 
+@pytest.mark.daemon
 def test_bench_without_a_build_says_to_build_first(work: Path) -> None:
     result = run_script("bench", env={"PHI4_GPU_WORK": str(work), "OUT": str(work / "out")})
     assert result.returncode == 1

@@ -41,6 +41,7 @@ def one_error_line(stderr: str) -> str:
     ],
     ids=["max-tokens-0", "n-ctx-16", "threads-100000", "port-99999", "malformed-backend-url"],
 )
+@pytest.mark.daemon
 def test_bad_values_are_refused_before_anything_runs(args: list[str], phrase: str):
     # Before: -n 0 meant unlimited; --n-ctx 16 aborted the daemon; --threads 100000 crashed it;
     # port 99999 was "internal error: OverflowError".
@@ -50,6 +51,7 @@ def test_bad_values_are_refused_before_anything_runs(args: list[str], phrase: st
     assert run_phi4("status").returncode == 3, "no daemon was started"
 
 
+@pytest.mark.daemon
 def test_a_binary_config_file_is_named(phi4_home: Path):
     config = phi4_home / "config" / "config.toml"
     config.parent.mkdir(parents=True)
@@ -77,6 +79,7 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(mount)], check=False)
 
 
+@pytest.mark.daemon
 def test_config_set_on_a_full_disk_changes_nothing(full_disk: Path):
     home = full_disk / "home"
     config = home / "config" / "config.toml"
@@ -89,6 +92,7 @@ def test_config_set_on_a_full_disk_changes_nothing(full_disk: Path):
     assert one_error_line(result.stderr).startswith(f"phi4: error: cannot write {config}: No space")
 
 
+@pytest.mark.daemon
 def test_a_chat_that_cannot_autosave_goes_on_and_saves_later(tiny_model: Path, full_disk: Path):
     # Before: a failed autosave (disk full) ended the REPL, and the new turns were lost.
     paths = get_paths()
@@ -119,6 +123,7 @@ def test_a_chat_that_cannot_autosave_goes_on_and_saves_later(tiny_model: Path, f
     ],
     ids=["json-list", "turns-not-a-list", "question-not-a-string", "binary"],
 )  # fmt: skip
+@pytest.mark.daemon
 def test_a_damaged_saved_chat_is_named_and_explained(content: str, phrase: str):
     chats = get_paths().data_dir / "chats"
     chats.mkdir(parents=True)
@@ -129,6 +134,7 @@ def test_a_damaged_saved_chat_is_named_and_explained(content: str, phrase: str):
     assert str(chats / "damaged.json") in line and phrase in line, line
 
 
+@pytest.mark.daemon
 def test_chat_exits_1_when_a_message_got_no_answer(tiny_model: Path):
     # Before: `phi4 chat` exited 0 although every message failed.
     too_long = "word " * 400
@@ -140,6 +146,7 @@ def test_chat_exits_1_when_a_message_got_no_answer(tiny_model: Path):
     assert fine.returncode == 0, fine.stderr
 
 
+@pytest.mark.daemon
 def test_status_json_of_a_damaged_status_file_is_not_trusted(phi4_home: Path):
     run = phi4_home / "run"
     run.mkdir(mode=0o700)
@@ -164,6 +171,7 @@ def _ask(phi4_home: Path, params: dict[str, object]) -> dict[str, object]:
                 return event
 
 
+@pytest.mark.daemon
 def test_a_bad_model_in_one_request_leaves_the_loaded_one_serving(
     tiny_model: Path, phi4_home: Path, tmp_path: Path
 ):
@@ -206,6 +214,7 @@ def test_a_staging_dir_of_another_user_is_not_used(tiny_model: Path, tmp_path: P
     assert planted.joinpath(staged_name(tiny_model)).stat().st_uid == 0
 
 
+@pytest.mark.daemon
 def test_cache_clear_does_not_follow_a_planted_link(tmp_path: Path):
     # Before: a link at the staging dir's path to the models dir made `phi4 cache clear` delete
     # the models.
@@ -220,6 +229,7 @@ def test_cache_clear_does_not_follow_a_planted_link(tmp_path: Path):
     assert f"staged copies left alone: {link} is not a directory (a link?)" in result.stderr
 
 
+@pytest.mark.daemon
 def test_the_daemon_log_keeps_llama_cpp_warnings_not_its_chatter(
     tiny_model: Path, phi4_home: Path, caplog: pytest.LogCaptureFixture
 ):
@@ -253,6 +263,7 @@ def test_the_daemon_log_keeps_llama_cpp_warnings_not_its_chatter(
     ]
 
 
+@pytest.mark.daemon
 def test_a_first_solve_on_a_full_disk_starts_one_daemon_and_answers(
     tiny_model: Path, full_disk: Path
 ):
@@ -270,6 +281,7 @@ def test_a_first_solve_on_a_full_disk_starts_one_daemon_and_answers(
         assert run_phi4("stop", env=env).returncode == 0
 
 
+@pytest.mark.daemon
 def test_no_inodes_left_is_one_line_and_exit_3(tiny_model: Path, tmp_path: Path):
     # Before: "internal error: OSError: [Errno 28] No space left on device: '.../run'".
     mount = tmp_path / "noinodes"
@@ -292,6 +304,7 @@ def test_no_inodes_left_is_one_line_and_exit_3(tiny_model: Path, tmp_path: Path)
         subprocess.run(["umount", str(mount)], check=False)
 
 
+@pytest.mark.daemon
 def test_a_request_too_long_for_the_daemon_is_refused_once_not_retried(tiny_model: Path):
     # Before: the daemon hung up on a line over 1 MiB, and the client took that for a daemon
     # that stopped: it restarted it and sent again, forever.
@@ -317,6 +330,7 @@ def test_a_request_too_long_for_the_daemon_is_refused_once_not_retried(tiny_mode
     assert [t.question for t in repl.conversation.turns] == ["hi"] and repl.failed == 1
 
 
+@pytest.mark.daemon
 def test_stop_with_the_lock_held_and_no_status_file_says_so(phi4_home: Path):
     with holding_daemon_lock(phi4_home / "run"):
         result = run_phi4("stop")
@@ -337,6 +351,7 @@ def test_an_unwritable_input_history_does_not_end_the_chat(tmp_path: Path, capsy
 
 
 @pytest.mark.parametrize("closed", [">&-", "2>&-", ">&- 2>&-"])
+@pytest.mark.daemon
 def test_a_solve_with_a_closed_stream_answers_and_exits_0(tiny_model: Path, closed: str):
     # Python sees a stream closed at start-up as None: writing the answer, or flushing stderr
     # on the way out, ended in "internal error: AttributeError" and exit 1.

@@ -146,6 +146,7 @@ def _in_pty(*args: str, env: dict[str, str] | None = None) -> str:
     return in_pty(PHI4, list(args), env, width=200)
 
 
+@pytest.mark.daemon
 def test_solve_at_a_terminal_shows_no_hidden_or_reordered_text(backend: str):
     args = ["solve", "What is 12*13?", "--backend", backend, "-m", "phi4-mini-reasoning"]
     # Before: the entities reached the screen as real U+202E and U+2066, zero-width ones raw.
@@ -166,6 +167,7 @@ def test_solve_at_a_terminal_shows_no_hidden_or_reordered_text(backend: str):
     assert "156<U+200B>" in answer
 
 
+@pytest.mark.daemon
 def test_other_output_at_a_terminal_is_guarded_too(backend: str, tmp_path):
     # A file of problems (its answers and progress), and a setting shown by `config show`.
     problems = tmp_path / "problems.txt"
@@ -179,6 +181,7 @@ def test_other_output_at_a_terminal_is_guarded_too(backend: str, tmp_path):
     assert "be<U+200B> brief\ufffd" in config
 
 
+@pytest.mark.daemon
 def test_chat_at_a_terminal_shows_no_hidden_or_reordered_text(backend: str):
     screen = chat_in_pty(PHI4, ["chat", "--backend", backend, "-r"],
                          [("What is 12*13?", "Answer:")], width=200)  # fmt: skip
@@ -189,6 +192,7 @@ def test_chat_at_a_terminal_shows_no_hidden_or_reordered_text(backend: str):
     assert "Let me see &#x202e;evil and<U+200B>" in plain
 
 
+@pytest.mark.daemon
 def test_pipes_and_json_keep_the_text_as_sent(backend: str):
     args = ["solve", "What is 12*13?", "--backend", backend, "-m", "phi4-mini-reasoning"]
     piped = run_phi4(*args, "-r")

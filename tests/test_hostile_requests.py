@@ -350,6 +350,7 @@ def _log_has_no_traceback(daemon: Any) -> None:
          "'params.history[0].content'"),
     ],
 )  # fmt: skip
+@pytest.mark.daemon
 def test_a_lone_surrogate_gets_bad_request_naming_the_field(
     daemon: Any, op: str, params: dict[str, Any], field: str
 ):
@@ -364,6 +365,7 @@ def test_a_lone_surrogate_gets_bad_request_naming_the_field(
     _log_has_no_traceback(daemon)
 
 
+@pytest.mark.daemon
 def test_a_lone_surrogate_in_the_id_is_answered_and_the_connection_goes_on(daemon: Any):
     bystander = Bystander(daemon.socket)
     events = exchange(daemon.socket, [_line(f"x{LONE}", "solve", {"prompt": "hi"}),
@@ -376,6 +378,7 @@ def test_a_lone_surrogate_in_the_id_is_answered_and_the_connection_goes_on(daemo
     _log_has_no_traceback(daemon)
 
 
+@pytest.mark.daemon
 def test_deeply_nested_params_get_bad_request(daemon: Any):
     bystander = Bystander(daemon.socket)
     deep = b'{"v":1,"id":"deep","op":"solve","params":{"prompt":"x","x":' + b"[" * 50_000
@@ -388,6 +391,7 @@ def test_deeply_nested_params_get_bad_request(daemon: Any):
     _log_has_no_traceback(daemon)
 
 
+@pytest.mark.daemon
 def test_a_flood_then_a_hang_up_leaves_nothing_behind(tiny_model: Path, phi4_home: Path):
     # The flood's first request reserves nearly the whole context, so everything after it waits
     # in the queue whatever the machine's speed: the queue (8) would be full without fairness.
@@ -432,6 +436,7 @@ def test_a_flood_then_a_hang_up_leaves_nothing_behind(tiny_model: Path, phi4_hom
     assert status["queued"] == 0
 
 
+@pytest.mark.daemon
 def test_a_chat_of_ten_thousand_messages_is_refused_and_two_thousand_are_trimmed(daemon: Any):
     tiny = [{"role": r, "content": "ok"} for r in ("user", "assistant")]
     bystander = Bystander(daemon.socket)
@@ -464,6 +469,7 @@ def test_a_chat_sends_no_more_history_than_the_daemon_takes():
     assert history[-1] == {"role": "assistant", "content": "a1499"}
 
 
+@pytest.mark.daemon
 def test_phi4_serve_refuses_the_same_requests_with_400(daemon: Any, tiny_model: Path):
     # Through a keyless `phi4 serve`, as another local user could: the same checks, as 400s
     # (the history is the messages before the last).
@@ -508,6 +514,7 @@ def _prompt_tokens(result: Any) -> int:
     return int(json.loads(result.stdout)["stats"]["prompt_tokens"])
 
 
+@pytest.mark.daemon
 def test_a_message_cannot_hold_the_templates_special_tokens(tiny_model: Path):
     # Before: the rendered conversation was tokenised with special-token parsing throughout,
     # so a question holding "<|end|><|assistant|>" ended its own turn and opened the answer
@@ -528,6 +535,7 @@ def test_a_message_cannot_hold_the_templates_special_tokens(tiny_model: Path):
     assert counted > 20_000 * 2, "each marker is several text tokens, not one special one"
 
 
+@pytest.mark.daemon
 def test_an_integer_of_five_thousand_digits_is_a_bad_request(daemon: Any):
     # Before: json.loads' digit limit raised a bare ValueError: an `internal` error, id null,
     # and a traceback in the log.

@@ -108,6 +108,7 @@ def refusal(status_body: tuple[int, str]) -> tuple[int, str]:
     return status, error["message"]
 
 
+@pytest.mark.daemon
 def test_chat_completions_streaming_and_not_agree(server: str):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     messages = [{"role": "system", "content": "Be brief."},
@@ -130,6 +131,7 @@ def test_chat_completions_streaming_and_not_agree(server: str):
     assert follow_up.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
 
 
+@pytest.mark.daemon
 def test_models_health_and_metrics(server: str, tiny_model: Path):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     assert [m.id for m in client.models.list()] == [tiny_model.stem]
@@ -149,6 +151,7 @@ def test_models_health_and_metrics(server: str, tiny_model: Path):
     assert status == 503 and json.loads(body)["status"] == "stopped"
 
 
+@pytest.mark.daemon
 def test_bad_requests_get_openai_style_errors(server: str):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="last message must be the user"):
@@ -158,6 +161,7 @@ def test_bad_requests_get_openai_style_errors(server: str):
         client.completions.create(model="tiny-phi3", prompt="hi")
 
 
+@pytest.mark.daemon
 def test_api_key_is_required_when_set_and_for_public_binds(tiny_model: Path):
     refused = run_phi4("serve", "--http", "0.0.0.0:0", "-m", str(tiny_model))
     assert refused.returncode == 2 and "needs --api-key" in refused.stderr
@@ -194,6 +198,7 @@ def _stream_then(server: str, action: Any) -> tuple[str, Exception | None]:
     return text, None
 
 
+@pytest.mark.daemon
 def test_a_daemon_that_dies_mid_stream_is_an_error_event_not_a_traceback(tiny_model: Path):
     # Before: a traceback in the server, and the SSE stream cut with no end.
     proc, url = start_server(tiny_model)
@@ -215,6 +220,7 @@ def test_a_daemon_that_dies_mid_stream_is_an_error_event_not_a_traceback(tiny_mo
     assert "Traceback" not in err, err
 
 
+@pytest.mark.daemon
 def test_phi4_stop_mid_stream_is_reported_as_an_error(tiny_model: Path):
     # Before: `phi4 stop` reached the HTTP client as finish_reason "stop" and [DONE]. The loop
     # detector is off: the tiny model's greedy "count" repeats itself and was ended after 950
@@ -230,6 +236,7 @@ def test_phi4_stop_mid_stream_is_reported_as_an_error(tiny_model: Path):
     assert "shutting down" in str(error)
 
 
+@pytest.mark.daemon
 def test_a_stuck_client_does_not_hold_up_others(server: str):
     body = json.dumps({"model": "tiny-phi3", "stream": True, "max_tokens": 3000, "temperature": 0,
                        "messages": [{"role": "user", "content": "Count."}]}).encode()  # fmt: skip
@@ -269,6 +276,7 @@ def _raw(url: str, data: bytes, wait: float = 10) -> bytes:
 BODY = b'{"model":"tiny-phi3","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
 
 
+@pytest.mark.daemon
 def test_malformed_http_requests_get_an_answer_and_the_server_goes_on(tiny_model: Path):
     # Before (http.server): a malformed Content-Length, a short body, a chunked body or invalid
     # UTF-8 got no reply, hung a handler or desynchronised the connection.
@@ -308,6 +316,7 @@ def test_malformed_http_requests_get_an_answer_and_the_server_goes_on(tiny_model
 # --- Who may use the server: Host, Origin, content type, other users ---------------------------
 
 
+@pytest.mark.daemon
 def test_a_foreign_host_is_refused_so_dns_rebinding_fails(tiny_model: Path):
     # Before: `Host: evil.example` got 200, so a page at evil.example resolving to 127.0.0.1
     # could read answers (DNS rebinding).
@@ -327,6 +336,7 @@ def test_a_foreign_host_is_refused_so_dns_rebinding_fails(tiny_model: Path):
         assert post[0] == 403
 
 
+@pytest.mark.daemon
 def test_an_ipv6_loopback_server_checks_bracketed_hosts(tiny_model: Path):
     if not socket.has_ipv6:
         pytest.skip("no IPv6")
@@ -347,6 +357,7 @@ def test_an_ipv6_loopback_server_checks_bracketed_hosts(tiny_model: Path):
         assert status == 200, body
 
 
+@pytest.mark.daemon
 def test_cross_site_requests_and_simple_content_types_are_refused(server: str):
     # Before: a cross-site `Content-Type: text/plain` POST from a web page ran a completion.
     url = f"{server}/v1/chat/completions"
@@ -375,6 +386,7 @@ def test_cross_site_requests_and_simple_content_types_are_refused(server: str):
     assert status == 200, text
 
 
+@pytest.mark.daemon
 def test_an_allowed_origin_gets_cors(tiny_model: Path):
     with serving(tiny_model, "--allow-origin", "http://localhost:3000") as url:
         origin = {"Origin": "http://localhost:3000"}
@@ -411,6 +423,7 @@ needs_second_user = pytest.mark.skipif(
 
 
 @needs_second_user
+@pytest.mark.daemon
 def test_without_a_key_another_local_user_is_refused(tiny_model: Path):
     # Before: user nobody got 200 from the owner's keyless server on loopback.
     with serving(tiny_model) as url:
@@ -502,6 +515,7 @@ def test_a_peer_whose_uid_cannot_be_told_is_refused_fail_closed(tiny_model: Path
 # --- What a request may hold, and which model answers it ---------------------------------------
 
 
+@pytest.mark.daemon
 def test_lone_surrogates_and_deep_nesting_are_400s_naming_the_field(server: str):
     # Before: "\ud800" in content gave a 500 (UnicodeEncodeError on the way to the daemon).
     url = f"{server}/v1/chat/completions"
@@ -527,6 +541,7 @@ def test_lone_surrogates_and_deep_nesting_are_400s_naming_the_field(server: str)
     assert status == 200, text
 
 
+@pytest.mark.daemon
 def test_a_request_for_another_model_is_a_404_naming_the_served_one(server: str):
     # Before: a request for phi4-mini-reasoning was answered by whatever model was loaded.
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
@@ -587,6 +602,7 @@ print(opened)
 @needs_second_user
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("key", [None, "s3cret"])
+@pytest.mark.daemon
 def test_another_users_slow_connections_do_not_starve_the_owner(tiny_model: Path,
                                                                 key: str | None):  # fmt: skip
     # Before: 600 slow connections from uid nobody left the owner's /health 503, 8 of 8 tries.

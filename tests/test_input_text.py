@@ -47,12 +47,14 @@ def assert_refused_before_any_daemon(result: subprocess.CompletedProcess[str], p
     ],
     ids=["question", "system"],
 )  # fmt: skip
+@pytest.mark.daemon
 def test_an_argument_that_is_not_utf8_is_refused(tiny_model: Path, args: tuple[bytes, ...],
                                                   phrase: str):  # fmt: skip
     # Before: "internal error: UnicodeEncodeError" after a daemon was started.
     assert_refused_before_any_daemon(run_bytes("solve", "-m", str(tiny_model), *args), phrase)
 
 
+@pytest.mark.daemon
 def test_stdin_that_is_not_utf8_is_refused_naming_the_line(tiny_model: Path):
     result = run_bytes("solve", "-m", str(tiny_model), "-", input=b"What is\n2+2 \xff?\n")
     assert_refused_before_any_daemon(result, "stdin line 2 is not valid UTF-8 (byte 0xff)")
@@ -60,6 +62,7 @@ def test_stdin_that_is_not_utf8_is_refused_naming_the_line(tiny_model: Path):
     # there is that problem's error; see test_problem_feed.)
 
 
+@pytest.mark.daemon
 def test_a_file_of_problems_that_is_not_utf8_is_refused_naming_the_line(
     tiny_model: Path, tmp_path: Path
 ):
@@ -69,11 +72,13 @@ def test_a_file_of_problems_that_is_not_utf8_is_refused_naming_the_line(
     assert_refused_before_any_daemon(result, f"{problems} line 3 is not valid UTF-8 (byte 0xa3)")
 
 
+@pytest.mark.daemon
 def test_chat_with_a_system_prompt_that_is_not_utf8_is_refused(tiny_model: Path):
     result = run_bytes("chat", "-m", str(tiny_model), "-s", b"\xff", input=b"hi\n")
     assert_refused_before_any_daemon(result, "the system prompt (-s/--system or PHI4_SYSTEM)")
 
 
+@pytest.mark.daemon
 def test_a_piped_chat_line_that_is_not_utf8_is_read_with_replacement(tiny_model: Path):
     # Before: the whole chat ended with "internal error" at the bad line.
     result = run_bytes("chat", "-m", str(tiny_model), "-n", "3",
@@ -85,6 +90,7 @@ def test_a_piped_chat_line_that_is_not_utf8_is_read_with_replacement(tiny_model:
     assert [t.question for t in saved.turns] == ["hello", "caf\ufffd au lait"]
 
 
+@pytest.mark.daemon
 def test_a_typed_chat_line_that_is_not_utf8_is_read_with_replacement(tiny_model: Path):
     child = pexpect.spawn(PHI4, ["chat", "-m", str(tiny_model), "-n", "3", "--verbose"],
                           encoding="utf-8", codec_errors="replace", dimensions=(24, 100),
@@ -132,6 +138,7 @@ def _saved_chat(**changes: object) -> dict[str, object]:
     ids=["surrogate-in-a-turn", "surrogate-in-system", "temperature-hot", "max-tokens-negative",
          "unknown-setting", "dropped-too-many", "bad-name", "empty-session"],
 )  # fmt: skip
+@pytest.mark.daemon
 def test_a_saved_chat_is_checked_field_by_field(changes: dict[str, object], phrase: str):
     # Before: a surrogate ended the chat with "internal error"; bad settings were sent as is.
     chats = get_paths().data_dir / "chats"

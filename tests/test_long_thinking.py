@@ -10,7 +10,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import both_kv_layouts, run_phi4
+
+# Each test runs phi4 as a process (the command, its daemon or a server).
+pytestmark = pytest.mark.daemon
 
 
 def _status() -> dict[str, Any]:

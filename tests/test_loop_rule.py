@@ -149,6 +149,7 @@ def _served(thinking: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("shape", sorted(PROGRESSING))
+@pytest.mark.daemon
 def test_a_servers_progressing_thinking_runs_to_its_answer(shape: str):
     thinking = PROGRESSING[shape](random.Random(11), 2000)
     record, bodies = _served(thinking)
@@ -157,6 +158,7 @@ def test_a_servers_progressing_thinking_runs_to_its_answer(shape: str):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.daemon
 def test_a_servers_paragraph_loop_is_cut_within_a_few_hundred_tokens_and_answered():
     thinking, begins = paragraph_loop(random.Random(4), 1500, 60, 6000)
     record, bodies = _served(thinking)
@@ -171,6 +173,7 @@ def test_a_servers_paragraph_loop_is_cut_within_a_few_hundred_tokens_and_answere
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("shape", sorted(PROGRESSING))
+@pytest.mark.daemon
 def test_the_daemons_progressing_thinking_runs_to_its_answer(shape: str, tmp_path: Path):
     # A scripted tiny model that writes the shape (each piece of it a token of its own) and then
     # answers: the daemon watches its decoded tokens, and must let all of it run.
@@ -182,6 +185,7 @@ def test_the_daemons_progressing_thinking_runs_to_its_answer(shape: str, tmp_pat
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.daemon
 def test_the_daemon_cuts_a_paragraph_loop_within_a_few_hundred_tokens_and_answers(
     tmp_path: Path,
 ):

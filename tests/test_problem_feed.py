@@ -99,6 +99,7 @@ def test_a_pipe_is_not_read_before_the_run():
 # --- through the real command -------------------------------------------------------------------
 
 
+@pytest.mark.daemon
 def test_a_pipes_first_problems_are_answered_before_it_ends(tiny_model: Path):
     # Before: all of stdin was read before the first problem was sent.
     import json
@@ -140,6 +141,7 @@ def test_a_pipes_first_problems_are_answered_before_it_ends(tiny_model: Path):
         (1, "What is 1+1?"), (3, "What is 2+2?"), (4, "What is 3+3?")]  # fmt: skip
 
 
+@pytest.mark.daemon
 def test_a_bad_line_in_a_pipe_is_its_problems_error_and_the_rest_are_answered(tiny_model: Path):
     import subprocess
 
@@ -157,6 +159,7 @@ def test_a_bad_line_in_a_pipe_is_its_problems_error_and_the_rest_are_answered(ti
     assert len(result.stdout.decode().split("\n")) == 4  # three lines, each ended
 
 
+@pytest.mark.daemon
 def test_a_run_that_fails_ends_while_its_fifo_is_still_open(tmp_path: Path):
     # Before: closing the FIFO waited for the reader thread's read, so the error (no server)
     # came only when the writer closed its end.

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pexpect
+import pytest
 
 from phi4cli.environment import Environment
 from phi4cli.protocol import Event, EventKind
@@ -109,6 +110,7 @@ def test_a_redirected_stdout_keeps_its_results_while_the_bar_is_on_the_terminal(
     assert '{"line": 1}' not in err.getvalue()
 
 
+@pytest.mark.daemon
 def test_file_progress_through_a_terminal(tiny_model: Path, tmp_path: Path):
     problems = tmp_path / "problems.txt"
     problems.write_text("What is 1+1?\nWhat is 2+2?\nWhat is 3+3?\n")
@@ -127,6 +129,7 @@ def test_file_progress_through_a_terminal(tiny_model: Path, tmp_path: Path):
     assert "[3] What is 3+3?" in lines
 
 
+@pytest.mark.daemon
 def test_a_model_load_is_one_live_line_with_seconds_at_a_terminal_and_a_notice_in_a_pipe(
     tiny_model: Path, tiny_reasoning_model: Path
 ):
@@ -156,6 +159,7 @@ def test_a_model_load_is_one_live_line_with_seconds_at_a_terminal_and_a_notice_i
     assert "…" not in piped.stderr and "\x1b" not in piped.stderr
 
 
+@pytest.mark.daemon
 def test_eval_progress_through_a_terminal(tiny_model: Path, tmp_path: Path):
     problems = tmp_path / "quiz.jsonl"
     problems.write_text('{"problem": "What is 1+1?", "answer": "2"}\n'

@@ -418,6 +418,7 @@ def test_runtime_dir_of_another_user_is_refused(tmp_path: Path):
         Paths(tmp_path, tmp_path, tmp_path, tmp_path, link).ensure_runtime_dir()
 
 
+@pytest.mark.daemon
 def test_a_phi4_home_that_is_a_file_is_one_line_and_exit_3(tmp_path: Path):
     # Before: `phi4 status` ended in "internal error: NotADirectoryError".
     home = tmp_path / "home"

@@ -19,6 +19,7 @@ from tests.conftest import PHI4, run_phi4
 ANSI = "\x1b["
 
 
+@pytest.mark.daemon
 def test_piped_output_is_plain_text_with_the_solution_only(tiny_model: Path):
     result = run_phi4("solve", "What is 12*13?", "-m", str(tiny_model), "-t", "0", "-n", "12")
     assert result.returncode == 0, result.stderr
@@ -27,6 +28,7 @@ def test_piped_output_is_plain_text_with_the_solution_only(tiny_model: Path):
     assert "Answer:" not in result.stdout
 
 
+@pytest.mark.daemon
 def test_terminal_output_has_thinking_line_rendered_solution_and_answer_line(
     tiny_reasoning_model: Path,
 ):
@@ -79,6 +81,7 @@ def test_terminal_presenter_renders_markdown_math_and_highlights_the_answer(monk
     assert "Let me compute" not in text  # reasoning is folded away
 
 
+@pytest.mark.daemon
 def test_show_reasoning_goes_to_stderr_and_never_stdout(tiny_reasoning_model: Path):
     args = ["solve", "Q?", "-m", str(tiny_reasoning_model), "-t", "0", "-n", "20"]
     record = json.loads(run_phi4(*args, "--think-budget", "10", "--json").stdout)
@@ -91,6 +94,7 @@ def test_show_reasoning_goes_to_stderr_and_never_stdout(tiny_reasoning_model: Pa
     assert record["reasoning"].strip() in shown.stderr
 
 
+@pytest.mark.daemon
 def test_think_budget_closes_thinking_on_the_tiny_model(tiny_reasoning_model: Path):
     result = run_phi4(
         "solve", "What is 12*13?", "-m", str(tiny_reasoning_model), "-t", "0", "-n", "30",
@@ -106,6 +110,7 @@ def test_think_budget_closes_thinking_on_the_tiny_model(tiny_reasoning_model: Pa
     assert not stats["thinking_unfinished"]
 
 
+@pytest.mark.daemon
 def test_unfinished_thinking_says_so_and_answers_nothing(tiny_reasoning_model: Path):
     args = ["solve", "What is 12*13?", "-m", str(tiny_reasoning_model), "-t", "0", "-n", "15"]
     as_json = run_phi4(*args, "--json")
@@ -123,6 +128,7 @@ def test_unfinished_thinking_says_so_and_answers_nothing(tiny_reasoning_model: P
     assert "thinking did not finish" in answer_only.stderr
 
 
+@pytest.mark.daemon
 def test_json_has_every_field(tiny_model: Path):
     result = run_phi4("solve", "2+2?", "-m", str(tiny_model), "-n", "4", "--seed", "7", "--json")
     record = json.loads(result.stdout)
@@ -133,6 +139,7 @@ def test_json_has_every_field(tiny_model: Path):
     assert record["model"] == str(tiny_model)
 
 
+@pytest.mark.daemon
 def test_file_answers_in_input_order_with_a_failing_line_in_the_middle(
     tiny_model: Path, tmp_path: Path
 ):
@@ -155,6 +162,7 @@ def test_file_answers_in_input_order_with_a_failing_line_in_the_middle(
     assert records[3]["solution"] == alone.stdout.rstrip("\n")
 
 
+@pytest.mark.daemon
 def test_each_line_from_stdin_with_answer_only_keeps_one_line_per_problem(tiny_model: Path):
     result = run_phi4(
         "solve", "-", "--each-line", "--answer-only", "-m", str(tiny_model), "-n", "3",
@@ -166,6 +174,7 @@ def test_each_line_from_stdin_with_answer_only_keeps_one_line_per_problem(tiny_m
     assert result.stderr.count("no final answer: the answer was cut off at --max-tokens") == 3
 
 
+@pytest.mark.daemon
 def test_file_output_survives_head(tiny_model: Path, tmp_path: Path):
     problems = tmp_path / "p.txt"
     problems.write_text("\n".join(f"Problem {i}" for i in range(20)))
@@ -179,6 +188,7 @@ def test_file_output_survives_head(tiny_model: Path, tmp_path: Path):
     assert "rc=0" in pipeline.stderr
 
 
+@pytest.mark.daemon
 def test_ctrl_c_cancels_every_problem_of_a_file(tiny_model: Path, tmp_path: Path):
     problems = tmp_path / "p.txt"
     problems.write_text("\n".join(f"Count to {i}" for i in range(10)))
@@ -205,6 +215,7 @@ def test_ctrl_c_cancels_every_problem_of_a_file(tiny_model: Path, tmp_path: Path
     assert status["requests_active"] == 0 and status["queued"] == 0
 
 
+@pytest.mark.daemon
 def test_samples_vote_and_report_agreement(tiny_model: Path):
     result = run_phi4(
         "solve", "What is 12*13?", "-m", str(tiny_model), "-n", "6", "--samples", "3",
@@ -231,12 +242,14 @@ def test_samples_vote_and_report_agreement(tiny_model: Path):
         (["--samples", "2", "--file", "x"], "--samples works on one question"),
     ],
 )
+@pytest.mark.daemon
 def test_option_misuse_is_a_usage_error(tiny_model: Path, args: list[str], phrase: str):
     result = run_phi4("solve", *args, "-m", str(tiny_model))
     assert result.returncode == 2
     assert phrase in result.stderr
 
 
+@pytest.mark.daemon
 def test_answer_only_output_lines_up_with_input_lines_blank_ones_included(
     tiny_model: Path, tmp_path: Path
 ):

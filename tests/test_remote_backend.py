@@ -29,6 +29,9 @@ from tests.scripted_server import (
     separated,
 )
 
+# Each test runs phi4 as a process (the command, its daemon or a server).
+pytestmark = pytest.mark.daemon
+
 
 @pytest.fixture(scope="module")
 def backend(tiny_model: Path) -> Iterator[str]:

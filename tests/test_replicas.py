@@ -91,6 +91,7 @@ def gated(gate: Gate) -> Any:
     return script
 
 
+@pytest.mark.daemon
 def test_sixteen_problems_are_asked_at_once_and_printed_in_order(tmp_path: Path):
     # Before: sent one after another, so the server never saw two at once. Patient: on a CI
     # machine also running llama.cpp on both cores, 13 were in by the default 30 s.
@@ -102,6 +103,7 @@ def test_sixteen_problems_are_asked_at_once_and_printed_in_order(tmp_path: Path)
     assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 17)]
 
 
+@pytest.mark.daemon
 def test_backend_concurrency_bounds_the_requests_at_once(tmp_path: Path):
     gate = Gate(3)
     with scripted_server(gated(gate)) as server:
@@ -112,6 +114,7 @@ def test_backend_concurrency_bounds_the_requests_at_once(tmp_path: Path):
     assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 10)]
 
 
+@pytest.mark.daemon
 def test_backend_concurrency_from_the_environment_and_its_bad_value(tmp_path: Path):
     gate = Gate(2)
     path = problems_file(tmp_path, 4)
@@ -125,6 +128,7 @@ def test_backend_concurrency_from_the_environment_and_its_bad_value(tmp_path: Pa
     assert "PHI4_BACKEND_CONCURRENCY" in bad.stderr and "positive integer" in bad.stderr
 
 
+@pytest.mark.daemon
 def test_two_replicas_share_the_work_and_the_summary_says_how(tmp_path: Path):
     gates = [Gate(4), Gate(4)]
     with scripted_server(gated(gates[0])) as a, scripted_server(gated(gates[1])) as b:
@@ -139,6 +143,7 @@ def test_two_replicas_share_the_work_and_the_summary_says_how(tmp_path: Path):
     assert f"{b.url} answered {len(b.bodies)}" in result.stderr
 
 
+@pytest.mark.daemon
 def test_replicas_from_the_config_file(tmp_path: Path, phi4_home: Path):
     with scripted_server(answer_lines) as a, scripted_server(answer_lines) as b:
         config = phi4_home / "config" / "config.toml"
@@ -150,6 +155,7 @@ def test_replicas_from_the_config_file(tmp_path: Path, phi4_home: Path):
         assert len(a.bodies) + len(b.bodies) == 8 and a.bodies and b.bodies
 
 
+@pytest.mark.daemon
 def test_a_replica_that_refuses_connections_costs_nothing(tmp_path: Path):
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
@@ -164,6 +170,7 @@ def test_a_replica_that_refuses_connections_costs_nothing(tmp_path: Path):
     assert f"{dead} answered 0" in result.stderr and "(dead)" in result.stderr
 
 
+@pytest.mark.daemon
 def test_a_replica_that_never_takes_the_connection_costs_its_timeout_once(tmp_path: Path):
     with never_accepting(backlog_full=True) as stuck, scripted_server(answer_lines) as good:
         env = {**os.environ, "PHI4_BACKEND_TIMEOUT": "2s"}
@@ -173,6 +180,7 @@ def test_a_replica_that_never_takes_the_connection_costs_its_timeout_once(tmp_pa
     assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 7)]
 
 
+@pytest.mark.daemon
 def test_every_replica_unreachable_is_one_line_and_exit_3(tmp_path: Path):
     ports = []
     for _ in range(2):
@@ -186,6 +194,7 @@ def test_every_replica_unreachable_is_one_line_and_exit_3(tmp_path: Path):
     assert result.stdout == ""
 
 
+@pytest.mark.daemon
 def test_a_stream_cut_mid_answer_is_asked_again_and_printed_once(tmp_path: Path):
     cut = {"done": False}
     lock = threading.Lock()
@@ -211,6 +220,7 @@ def test_a_stream_cut_mid_answer_is_asked_again_and_printed_once(tmp_path: Path)
     assert len(a.bodies) + len(b.bodies) == 7, "one problem asked twice, the rest once"
 
 
+@pytest.mark.daemon
 def test_a_stream_cut_mid_answer_of_one_question_is_not_shown_twice():
     # One question streams to the screen: what it showed cannot be taken back, so a cut is
     # its error, as before (exit 5), not a second answer after the first half.
@@ -225,6 +235,7 @@ def test_a_stream_cut_mid_answer_of_one_question_is_not_shown_twice():
     assert result.stdout.count("So far") <= 1 and "\\boxed" not in result.stdout
 
 
+@pytest.mark.daemon
 def test_429_and_503_slow_the_client_and_every_problem_is_answered(tmp_path: Path):
     refused = {"429": 0, "503": 0}
     lock = threading.Lock()
@@ -252,6 +263,7 @@ def test_429_and_503_slow_the_client_and_every_problem_is_answered(tmp_path: Pat
     assert re.search(r"is busy \((429|503)\); asking again", result.stderr), result.stderr
 
 
+@pytest.mark.daemon
 def test_a_replica_busy_for_good_hands_its_problems_to_the_other(tmp_path: Path):
     def always_busy(_body: dict[str, Any]) -> list[str | Head]:
         return [Head(429, {"Retry-After": "0"}), '{"error": {"message": "full"}}']
@@ -263,6 +275,7 @@ def test_a_replica_busy_for_good_hands_its_problems_to_the_other(tmp_path: Path)
     assert len(good.bodies) == 6
 
 
+@pytest.mark.daemon
 def test_what_still_fails_is_that_problems_error_record_and_the_rest_complete(tmp_path: Path):
     def one_is_refused(body: dict[str, Any]) -> list[str | Step | Head]:
         if doubled(body) == "4":
@@ -278,6 +291,7 @@ def test_what_still_fails_is_that_problems_error_record_and_the_rest_complete(tm
     assert [r["answer"] for r in records if "error" not in r] == ["2", "6", "8"]
 
 
+@pytest.mark.daemon
 def test_status_probes_each_replica(tmp_path: Path):
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
@@ -298,6 +312,7 @@ def test_status_probes_each_replica(tmp_path: Path):
     assert alone.returncode == 3
 
 
+@pytest.mark.daemon
 def test_status_shows_each_replicas_load_from_its_metrics():
     # llama-server's names (with --metrics): 3 in flight, 40 more tokens at each scrape; vLLM's
     # count finished requests by reason, summed.
@@ -363,6 +378,7 @@ def two_engines(
                 proc.wait(timeout=30)
 
 
+@pytest.mark.daemon
 def test_killing_one_of_two_real_engines_mid_run_loses_no_problem(
     two_engines: list[tuple[subprocess.Popen[bytes], str]], tmp_path: Path
 ):
@@ -416,6 +432,7 @@ def test_backend_settings_name_replicas_one_way_or_another(tmp_path: Path):
         load_settings(config, environ={})
 
 
+@pytest.mark.daemon
 def test_phi4_serve_as_a_replica_decodes_concurrent_requests_together(
     tiny_model: Path, tmp_path: Path
 ):
@@ -427,17 +444,19 @@ def test_phi4_serve_as_a_replica_decodes_concurrent_requests_together(
     try:
         path = tmp_path / "eight.txt"
         path.write_text("".join(f"What is {i}*13?\n" for i in range(1, 9)))
-        run = subprocess.Popen(
-            [PHI4, "solve", "-f", str(path), "--jsonl", "--backend", f"{url}/v1", "-m",
-             "tiny-phi3", "-t", "0", "-n", "1500"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        # Its output goes to files: a pipe nobody reads while the loop below runs fills at
+        # 64 KiB (eight 1,500-token records), and the run would wait on it for ever.
+        with open(tmp_path / "out", "w") as out_file, open(tmp_path / "err", "w") as err_file:
+            run = subprocess.Popen(
+                [PHI4, "solve", "-f", str(path), "--jsonl", "--backend", f"{url}/v1", "-m",
+                 "tiny-phi3", "-t", "0", "-n", "1500"], stdout=out_file, stderr=err_file,
+            )  # fmt: skip
         most = 0
         while run.poll() is None:
             status = json.loads(run_phi4("status", "--json").stdout or "{}")
             most = max(most, status.get("memory", {}).get("running") or 0)
             time.sleep(0.05)
-        out, err = run.communicate(timeout=600)
+        out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
         load = json.loads(run_phi4("status", "--backend", f"{url}/v1", "--json").stdout)
     finally:
         proc.send_signal(signal.SIGINT)
@@ -453,6 +472,7 @@ def test_phi4_serve_as_a_replica_decodes_concurrent_requests_together(
     assert most >= 2, "the daemon behind `phi4 serve` had requests of this run at once"
 
 
+@pytest.mark.daemon
 def test_a_client_that_hangs_up_on_phi4_serve_cancels_its_request(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -505,6 +525,7 @@ def test_a_client_that_hangs_up_on_phi4_serve_cancels_its_request(
     assert whole == 2, "a whole answer the client left was cancelled too"
 
 
+@pytest.mark.daemon
 def test_a_metrics_page_too_big_to_be_one_is_not_read_to_its_end():
     # A server's answer is bounded here, this page too: beyond 4 MiB it is no load reading.
     page = "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 3\n"
@@ -529,6 +550,7 @@ def _broken(kind: str) -> Any:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["500", "garbage"])
+@pytest.mark.daemon
 def test_a_replica_up_but_broken_hands_every_problem_to_the_healthy_one(kind: str, tmp_path: Path):
     with scripted_server(_broken(kind)) as broken, scripted_server(answer_lines) as good:
         result = solve_file([broken.url, good.url], problems_file(tmp_path, 20), "--jsonl",
@@ -545,6 +567,7 @@ def test_a_replica_up_but_broken_hands_every_problem_to_the_healthy_one(kind: st
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_a_lone_broken_replica_is_each_problems_error_record(tmp_path: Path):
     with scripted_server(_broken("500")) as broken:
         result = solve_file([broken.url], problems_file(tmp_path, 3), "--jsonl", timeout=100)

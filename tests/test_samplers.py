@@ -28,6 +28,7 @@ def answer(model: Path, *args: str, env: dict[str, str] | None = None) -> str:
     return f"{record['reasoning']!r} {record['solution']!r}"
 
 
+@pytest.mark.daemon
 def test_each_sampler_changes_the_daemons_answer_however_it_is_set(tiny_model: Path):
     greedy = answer(tiny_model, "-t", "0")
     assert answer(tiny_model, "-t", "0") == greedy, "a greedy answer repeats"
@@ -47,6 +48,7 @@ def test_each_sampler_changes_the_daemons_answer_however_it_is_set(tiny_model: P
     assert answer(tiny_model, "-t", "1", "--seed", "3", "--min-p", "0") == seeded, "a flag wins"
 
 
+@pytest.mark.daemon
 def test_a_chat_sets_a_sampler_shows_it_and_sends_it(tiny_model: Path):
     from phi4cli.paths import get_paths
 
@@ -64,6 +66,7 @@ def test_a_chat_sets_a_sampler_shows_it_and_sends_it(tiny_model: Path):
     assert penalized.conversation.turns[0].answer != plain.conversation.turns[0].answer
 
 
+@pytest.mark.daemon
 def test_a_remote_server_is_sent_the_samplers_under_its_names_only_when_on(tmp_path: Path):
     def script(_body: dict[str, Any]) -> list[str | Step]:
         return separated("reasoning_content", ["Think."], ["$\\boxed{4}$"])
@@ -124,6 +127,7 @@ def test_the_daemon_checks_the_samplers_and_takes_its_defaults():
             parse_solve_params({"prompt": "x", **bad}, defaults)
 
 
+@pytest.mark.daemon
 def test_the_samplers_are_in_the_config_the_help_the_man_page_and_the_completions():
     from phi4cli.completion import setting_keys
     from phi4cli.config import load_settings

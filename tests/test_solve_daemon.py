@@ -19,6 +19,9 @@ import pytest
 
 from tests.conftest import PHI4, holding_daemon_lock, run_phi4
 
+# Each test runs phi4 as a process (the command, its daemon or a server).
+pytestmark = pytest.mark.daemon
+
 
 def status(home: Path) -> dict[str, object]:
     result = run_phi4("status", "--json")

@@ -234,6 +234,7 @@ CHAT_DAMAGES: list[tuple[str, Callable[[Path, bytes], None], str]] = [
 
 
 @both_kv_layouts
+@pytest.mark.daemon
 def test_a_damaged_swapped_chat_is_re_read_and_the_daemon_answers_everyone(
     tiny_model: Path, phi4_home: Path, layout: tuple[str, ...]
 ):
@@ -287,6 +288,7 @@ def test_a_damaged_swapped_chat_is_re_read_and_the_daemon_answers_everyone(
     assert run_phi4("stop").returncode == 0
 
 
+@pytest.mark.daemon
 def test_a_damaged_saved_system_prompt_state_is_recomputed_at_the_next_start(
     tiny_model: Path, tiny_reasoning_model: Path, phi4_home: Path
 ):
@@ -344,6 +346,7 @@ def test_a_damaged_saved_system_prompt_state_is_recomputed_at_the_next_start(
     assert solve() == reference
 
 
+@pytest.mark.daemon
 def test_whatever_is_planted_among_swapped_chats_a_daemon_starts_and_clears_it(
     tiny_model: Path, phi4_home: Path
 ):
@@ -366,6 +369,7 @@ def test_whatever_is_planted_among_swapped_chats_a_daemon_starts_and_clears_it(
     )
 
 
+@pytest.mark.daemon
 def test_a_real_models_damaged_chat_state_is_re_read(smollm2_model: Path, phi4_home: Path):
     # SmolLM2's states are megabytes of real KV: half of one, or one flipped bit in it, used to
     # abort the daemon or to continue the chat from garbage cells.

@@ -262,6 +262,7 @@ def _solve(url: str, *extra: str, env: dict[str, str] | None = None) -> Any:
                     *extra, env=env)  # fmt: skip
 
 
+@pytest.mark.daemon
 def test_a_hostile_backend_reaches_no_pipe_raw(hostile: str):
     # Before: OSC 52, title changes and a screen clear went to stdout and stderr as sent.
     plain = _solve(hostile, "-r")
@@ -283,6 +284,7 @@ def test_a_hostile_backend_reaches_no_pipe_raw(hostile: str):
     assert_no_control_characters(raw_json.replace("\n", ""), "--json")
 
 
+@pytest.mark.daemon
 def test_samples_and_a_file_of_problems_reach_a_pipe_clean(hostile: str, tmp_path: Path):
     voted = _solve(hostile, "-k", "2")
     assert voted.returncode == 0, voted.stderr
@@ -298,6 +300,7 @@ def test_samples_and_a_file_of_problems_reach_a_pipe_clean(hostile: str, tmp_pat
         assert "156\ufffd" in result.stdout
 
 
+@pytest.mark.daemon
 def test_eval_records_on_stdout_are_exact_json_with_nothing_raw(tmp_path: Path):
     quiz = tmp_path / "quiz.jsonl"
     quiz.write_text(json.dumps({"problem": "What is 12*13?", "answer": "156"}) + "\n")
@@ -311,6 +314,7 @@ def test_eval_records_on_stdout_are_exact_json_with_nothing_raw(tmp_path: Path):
     assert json.loads(result.stdout.splitlines()[0])["answer"] == "156" + C1_CSI + RLO
 
 
+@pytest.mark.daemon
 def test_raw_output_writes_the_model_text_unchanged_to_a_pipe_only(hostile: str):
     raw = _solve(hostile, "--raw-output", "-r")
     assert raw.returncode == 0, raw.stderr
@@ -318,6 +322,7 @@ def test_raw_output_writes_the_model_text_unchanged_to_a_pipe_only(hostile: str)
     assert_no_escape_at_all(raw.stderr, "stderr, raw or not")
 
 
+@pytest.mark.daemon
 def test_piped_chat_and_a_saved_system_prompt_reach_the_terminal_clean(hostile: str):
     store = ChatStore(get_paths().data_dir / "chats")
     store.save(Conversation(name="evil", model="phi4-mini-reasoning", system="be" + CLIPBOARD))
@@ -359,6 +364,7 @@ def refusing_server(status: int, message: str) -> Iterator[str]:
         server.server_close()
 
 
+@pytest.mark.daemon
 def test_a_backends_long_error_message_reaches_stderr_clean():
     # Before: a 20 KB error body with OSC 52 in it set the clipboard from stderr.
     message = ("model overloaded " + HOSTILE) * 600  # about 20 KB
@@ -378,6 +384,7 @@ def test_a_backends_long_error_message_reaches_stderr_clean():
     assert_no_escape_at_all(result.stderr, "stderr")
 
 
+@pytest.mark.daemon
 def test_the_daemon_log_is_shown_clean():
     log = get_paths().log_file
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -387,6 +394,7 @@ def test_the_daemon_log_is_shown_clean():
     assert result.stdout == "request from a client\ufffd\ufffd\ufffd\ufffd\ufffd\nnext line\n"
 
 
+@pytest.mark.daemon
 def test_settings_show_a_system_prompt_clean():
     result = run_phi4("config", "show", env={"PHI4_SYSTEM": "be brief" + CLIPBOARD})
     assert result.returncode == 0, result.stderr
@@ -406,6 +414,7 @@ def test_tables_are_cleaned():
 # --- in a real pseudo-terminal --------------------------------------------------------------
 
 
+@pytest.mark.daemon
 def test_at_a_terminal_only_phi4s_own_styling_reaches_the_screen(hostile: str):
     args = ["solve", "What is 12*13?", "--backend", hostile, "-m", "phi4-mini-reasoning"]
     screen = in_pty(PHI4, args)
@@ -433,6 +442,7 @@ def _quote(text: str) -> str:
     return "'" + text.replace("'", "'\\''") + "'"
 
 
+@pytest.mark.daemon
 def test_no_color_keeps_the_answer_line_and_the_thinking_trace(hostile: str):
     # Before: NO_COLOR=1 at a terminal also dropped the Answer line and the thinking line;
     # no-color.org asks only that colour go.
@@ -446,6 +456,7 @@ def test_no_color_keeps_the_answer_line_and_the_thinking_trace(hostile: str):
     assert_clean(screen, "the terminal with NO_COLOR")
 
 
+@pytest.mark.daemon
 def test_chat_at_a_terminal_shows_answers_and_a_saved_system_prompt_clean(hostile: str):
     store = ChatStore(get_paths().data_dir / "chats")
     store.save(Conversation(name="evil", model="phi4-mini-reasoning", system="be" + CLIPBOARD))
@@ -467,6 +478,7 @@ def _fourteen_lines_then_wait(_body: dict[str, Any]) -> list[str | Step]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_ctrl_c_while_solve_streams_leaves_what_streamed_and_says_it_stopped():
     # Before: the live region was taken down, erasing the 14 lines; only the exit 130 was left.
     with scripted_server(_fourteen_lines_then_wait) as server:

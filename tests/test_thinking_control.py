@@ -74,6 +74,7 @@ def _solve(model: Path, *args: str) -> tuple[Any, dict[str, Any]]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.daemon
 def test_thinking_that_ends_too_soon_is_made_to_go_on(script_models: dict[str, Path]):
     done, record = _solve(script_models["short"], "-n", "200")
     stats = record["stats"]
@@ -96,6 +97,7 @@ def test_thinking_that_ends_too_soon_is_made_to_go_on(script_models: dict[str, P
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.daemon
 def test_a_looping_thought_is_caught_before_max_tokens_and_answered(
     script_models: dict[str, Path], tiny_reasoning_model: Path
 ):
@@ -121,6 +123,7 @@ def test_a_looping_thought_is_caught_before_max_tokens_and_answered(
     assert record["stats"]["loop_at"] < 3000 and record["stats"]["completion_tokens"] < 3000
 
 
+@pytest.mark.daemon
 def test_loop_and_min_think_are_checked():
     bad = run_phi4("solve", "What is 2+2?", "--loop", "maybe", "--backend", "http://127.0.0.1:9")
     assert bad.returncode == 2 and "--loop" in bad.stderr and "answer" in bad.stderr
@@ -148,6 +151,7 @@ def _served(script: Any, *args: str) -> tuple[Any, list[dict[str, Any]]]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_a_servers_looping_thought_is_closed_and_the_answer_asked_for():
     done, bodies = _served(_looping_server, "What is 2+2?", "--json")
     assert done.returncode == 0, done.stderr
@@ -174,6 +178,7 @@ def _hasty_server(body: dict[str, Any]) -> list[str | Step]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_a_server_that_ends_its_thinking_too_soon_is_asked_to_go_on():
     done, bodies = _served(_hasty_server, "What is 2+3?", "--json", "--min-think", "10")
     assert done.returncode == 0, done.stderr
@@ -224,6 +229,7 @@ def test_after_wait_the_cache_holds_exactly_the_text_shown(script_models: dict[s
     engine.close()
 
 
+@pytest.mark.daemon
 def test_min_think_leaves_an_answer_without_thinking_alone():
     # A server that does not think: nothing to go on from, so one request and its answer.
     def plain(body: dict[str, Any]) -> list[str | Step]:
@@ -235,6 +241,7 @@ def test_min_think_leaves_an_answer_without_thinking_alone():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_with_min_think_the_answer_after_a_caught_loop_is_kept_and_counted():
     done, bodies = _served(_looping_server, "What is 2+2?", "--json", "--min-think", "20000")
     assert len(bodies) == 2
@@ -268,6 +275,7 @@ def _answer_looping_server(body: dict[str, Any]) -> list[str | Step]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", [[], ["--json"], ["-a"], ["--verbose"]])
+@pytest.mark.daemon
 def test_a_loop_in_the_answer_exits_1_and_says_so_in_every_mode(mode: list[str]):
     done, _ = _served(_answer_looping_server, "What is big?", *mode)
     assert done.returncode == 1, done.stderr
@@ -279,6 +287,7 @@ def test_a_loop_in_the_answer_exits_1_and_says_so_in_every_mode(mode: list[str])
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", [["--jsonl"], [], ["-a"]])
+@pytest.mark.daemon
 def test_a_loop_in_an_answer_of_a_file_exits_1_and_names_its_line(mode: list[str], tmp_path: Path):
     problems = tmp_path / "problems.txt"
     problems.write_text("What is big?\n")
@@ -296,6 +305,7 @@ def _looping_then_unsure_server(body: dict[str, Any]) -> list[str | Step]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", [[], ["--json"]])
+@pytest.mark.daemon
 def test_a_cut_loop_whose_answer_states_none_exits_1_and_says_so(mode: list[str]):
     done, bodies = _served(_looping_then_unsure_server, "What is 2+2?", *mode)
     assert len(bodies) == 2  # the answer was asked for
@@ -312,6 +322,7 @@ def _boxed_answer_looping_server(body: dict[str, Any]) -> list[str | Step]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", [[], ["--json"], ["-a"]])
+@pytest.mark.daemon
 def test_a_looping_answer_that_stated_one_exits_1_and_says_it_may_be_cut_short(mode: list[str]):
     done, _ = _served(_boxed_answer_looping_server, "What is 2+2?", *mode)
     assert done.returncode == 1, done.stderr
@@ -334,6 +345,7 @@ def _never_continuing_server(body: dict[str, Any]) -> list[str | Step]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.daemon
 def test_a_server_that_does_not_continue_is_asked_afresh_for_the_answer():
     # Before: the second request thought again and never answered: exit 1, "no final answer",
     # where the thinking (cut as a loop) was enough to answer.

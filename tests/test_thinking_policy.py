@@ -156,6 +156,7 @@ COMPARED = ("loop", "loop_at", "waits", "budget_reached", "finish_reason")
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("model", "args"), SCENARIOS, ids=[" ".join(s[1]) for s in SCENARIOS])
+@pytest.mark.daemon
 def test_the_daemon_and_a_remote_engine_decide_alike(
     script_models: dict[str, Path], model: str, args: list[str]
 ):

@@ -56,6 +56,7 @@ NO_ANSWER = ("phi4: no final answer: none of the 3 samples stated one (as \\boxe
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.daemon
 def test_a_vote_without_any_answer_exits_1_with_one_line_in_every_output_mode():
     with scripted_server(_unstated) as server:
         base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "3",
@@ -98,6 +99,7 @@ def test_at_a_terminal_a_vote_without_any_answer_says_why_and_exits_1(
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("script", [_unstated, _unstated_but_sure])
+@pytest.mark.daemon
 def test_a_vote_says_weighted_by_confidence_only_where_a_confidence_weighed(script: Any):
     with scripted_server(script) as server:
         base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "3",
@@ -137,6 +139,7 @@ def _partly_cancelled(release: threading.Event) -> Any:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.daemon
 def test_a_sample_cancelled_by_the_early_stop_shows_no_answer_in_json():
     release = threading.Event()
     try:
@@ -208,6 +211,7 @@ def _huge_logprobs(body: dict[str, Any]) -> list[str | Step | Head]:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.daemon
 def test_huge_logprobs_give_a_finite_confidence_and_strict_json(tmp_path: Path):
     problems = tmp_path / "set.jsonl"
     problems.write_text(json.dumps({"problem": "What is 3+4?", "answer": "7"}) + "\n")
@@ -248,6 +252,7 @@ def _two_fail_after_a_wrong_answer(body: dict[str, Any]) -> list[str | Step | He
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("command", ["solve", "eval"])
+@pytest.mark.daemon
 def test_a_failed_sample_does_not_vote_with_what_it_wrote_before_it_failed(
     command: str, tmp_path: Path
 ):

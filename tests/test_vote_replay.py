@@ -44,6 +44,7 @@ def _script(body: dict[str, Any]) -> list[str | Step]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.daemon
 def test_eval_records_each_sample_and_the_replay_tool_reads_them(tmp_path: Path):
     problems = tmp_path / "set.jsonl"
     problems.write_text("".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n"

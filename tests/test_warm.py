@@ -24,6 +24,7 @@ def ram_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return directory
 
 
+@pytest.mark.daemon
 def test_warm_stages_prewarms_saves_state_and_a_restart_restores_it(
     tiny_model: Path, ram_dir: Path, phi4_home: Path
 ):
@@ -67,6 +68,7 @@ def test_warm_stages_prewarms_saves_state_and_a_restart_restores_it(
     assert not staged.exists()
 
 
+@pytest.mark.daemon
 def test_cache_clear_of_one_home_keeps_the_copy_another_homes_daemon_runs_on(
     tiny_model: Path, ram_dir: Path, tmp_path: Path
 ):
@@ -85,6 +87,7 @@ def test_cache_clear_of_one_home_keeps_the_copy_another_homes_daemon_runs_on(
         run_phi4("stop", env=other_home)
 
 
+@pytest.mark.daemon
 def test_auto_mode_only_stages_onto_tmpfs(tiny_model: Path, ram_dir: Path):
     result = run_phi4("warm", "-m", str(tiny_model))
     assert result.returncode == 0, result.stderr
@@ -92,6 +95,7 @@ def test_auto_mode_only_stages_onto_tmpfs(tiny_model: Path, ram_dir: Path):
     assert not any(ram_dir.glob("*.gguf"))
 
 
+@pytest.mark.daemon
 def test_warm_no_wait_returns_while_loading(tiny_model: Path):
     result = run_phi4("warm", "-m", str(tiny_model), "--no-wait")
     assert result.returncode == 0
@@ -165,6 +169,7 @@ def test_staging_leaves_a_copy_another_daemon_has_loaded_and_a_copy_being_writte
     assert not loaded.exists(), "once no daemon has it loaded, an old copy goes"
 
 
+@pytest.mark.daemon
 def test_full_queue_answers_busy_and_a_cancelled_request_frees_the_engine(
     tiny_model: Path, phi4_home: Path
 ):
@@ -203,6 +208,7 @@ def test_full_queue_answers_busy_and_a_cancelled_request_frees_the_engine(
     assert ends == {1: "cancelled", 2: "done"}
 
 
+@pytest.mark.daemon
 def test_concurrent_streams_are_decoded_together_and_match_their_solo_output(
     smollm2_model: Path, phi4_home: Path
 ):
@@ -232,6 +238,7 @@ def test_concurrent_streams_are_decoded_together_and_match_their_solo_output(
     assert first["total_s"] > 0 and second["total_s"] > 0
 
 
+@pytest.mark.daemon
 def test_a_hung_up_request_frees_its_reservation_for_the_next(tiny_model: Path, phi4_home: Path):
     started = run_phi4("daemon", "start", "-m", str(tiny_model), "--parallel", "1",
                        "--n-ctx", "100000")  # fmt: skip
