@@ -152,6 +152,9 @@ class Replica:
         """Change what attempt ``serial`` was sent with, as far as the engine can while it runs
         (its ``confidence_floor``); an engine that cannot does nothing."""
 
+    def flush(self) -> None:
+        """The flight has sent what it will this round: send what was held to go together."""
+
     def may_recover(self, failure: Failure) -> bool:
         """Whether, after ``failure``, a recovery may bring this replica back."""
         return True
@@ -276,6 +279,13 @@ class Flight:
         return max(0.0, min([POLL_S, *paused]))
 
     def _fill(self) -> None:
+        try:
+            self._send_what_fits()
+        finally:
+            for replica in self.replicas:
+                replica.flush()
+
+    def _send_what_fits(self) -> None:
         now = time.monotonic()
         while self.waiting:
             chosen = self._choose(now)

@@ -513,8 +513,11 @@ def run_eval(
 
     def request(index: int) -> dict[str, Any]:
         i, k = divmod(index, samples)  # request index: problem i's sample k
+        # A problem's samples are one group: a remote engine that takes ``n`` is asked for
+        # them in one request.
         return job.params(todo[i].problem, priority="bulk",
-                          **({} if seed is None else {"seed": sample_seed(seed, k)}))  # fmt: skip
+                          **({} if seed is None else {"seed": sample_seed(seed, k)}),
+                          **({"sample_group": i} if samples > 1 else {}))  # fmt: skip
 
     requests = Requests(request, len(todo) * samples)
     stops: dict[int, EarlyStop] = {}  # by problem being answered

@@ -57,6 +57,7 @@ EXCERPT_CHARS = 200  # of a server's message, shown on one line
 MAX_EVENT_BYTES = 1024 * 1024  # one server-sent event (a line that never ends included)
 MAX_STREAM_BYTES = 64 * 1024 * 1024  # one response stream in all
 MAX_METRICS_BYTES = 4 * 1024 * 1024  # a /metrics page (vLLM's is some hundreds of KiB)
+MAX_SHARED = 16  # samples of a question asked in one request (its n), at most
 MAX_LISTED_MODELS = 16  # of a /v1/models list, the ids `phi4 status --backend` shows
 # Pieces of text one request may stream when it sets no max_tokens: beyond any context these
 # servers run, so only an endless stream meets it.
@@ -232,6 +233,10 @@ class RemoteEngine:
         self.thinks = model_thinks(model)
         self._retry_told = False
         self.gives_logprobs = True  # until it refuses them: then it is not asked again
+        # Whether it answers a request with ``n`` choices (None: not known yet). Found out by
+        # the first samples asked together, and remembered: one that refuses n, or answers
+        # one choice, is sent each sample on its own from then on.
+        self.takes_n: bool | None = None
         self.connections = max(1, connections)  # kept open to the server, for the requests at once
         self._client: httpx.Client | None = None
         self._client_lock = threading.Lock()
@@ -372,14 +377,16 @@ class RemoteEngine:
             body.update(logprobs=True, top_logprobs=TOP_K)  # each token's likeliest, for it
         return body
 
-    def stream(self, params: dict[str, Any], attempt: Attempt) -> Iterator[Event]:
+    def stream(self, params: dict[str, Any], attempt: Attempt,
+               member: _Member | None = None) -> Iterator[Event]:  # fmt: skip
         """Yield the events of one solve or chat request: ``reasoning``, ``token``, ``retract``,
         ``stats``, then ``done`` or ``error``. Closing the iterator, or cancelling ``attempt``
         (the flight's hold on it), closes the HTTP response, which stops the server's generation.
 
         A failure of the server rather than of the request (it cannot be reached, hung up, went
         quiet, stayed busy) is raised as ReplicaFault, for the flight to send the request again;
-        one of the request is the stream's error event.
+        one of the request is the stream's error event. ``member``: its first leg is one
+        choice of a request shared with other samples of its question (``n``).
         """
         started = time.monotonic()
         reader = _Reader(self.thinks)
@@ -399,8 +406,12 @@ class RemoteEngine:
                     state.policy.closed(fitted=True)
             else:
                 body = self._body(params, messages)
-                for kind, text in self._events(client, body, reader, state):
-                    yield Event(kind, text=text)
+                try:
+                    for kind, text in self._events(client, body, reader, state, member):
+                        yield Event(kind, text=text)
+                except _Alone:  # the shared request did not carry it: asked on its own
+                    for kind, text in self._events(client, body, reader, state):
+                        yield Event(kind, text=text)
                 while state.think_on and not state.cut:
                     yield from self._think_on(client, params, messages, reader, state)
                 for kind, text in reader.finish():
@@ -592,83 +603,33 @@ class RemoteEngine:
         body: dict[str, Any],
         reader: _Reader,
         state: _StreamState,
+        member: _Member | None = None,
     ) -> Generator[tuple[EventKind, str]]:
+        if member is not None:  # the first leg of a sample asked with others (``n``)
+            yield from self._watched_events(member.chunks(state), reader, state, None)
+            return
         with _Watch(self, state) as watch:
-            yield from self._watched_events(client, body, reader, state, watch)
+            yield from self._watched_events(self._chunks(client, body, watch), reader, state,
+                                            watch)  # fmt: skip
 
-    def _watched_events(
-        self,
-        client: httpx.Client,
-        body: dict[str, Any],
-        reader: _Reader,
-        state: _StreamState,
-        watch: _Watch,
-    ) -> Iterator[tuple[EventKind, str]]:
-        finished = False  # a finish_reason came: the answer is whole, whatever follows
-        policy = state.policy
+    def _chunks(self, client: httpx.Client, body: dict[str, Any],
+                watch: _Watch) -> Iterator[dict[str, Any] | None]:  # fmt: skip
+        """The chunks of the response to ``body``, parsed, then None for its ``[DONE]``; a
+        failure of the server or of the connection is raised as _Failure (or
+        DaemonUnavailableError: it was never reached)."""
+        done = False
         try:
             with self._opened(client, body, watch) as response:
                 watched = cast(httpx.Response, _WatchedResponse(response, watch))
-                source = httpx.EventSource(watched, max_event_size=MAX_EVENT_BYTES)
-                for sse in source:
+                for sse in httpx.EventSource(watched, max_event_size=MAX_EVENT_BYTES):
                     watch.last_event = time.monotonic()
-                    if state.attempt is not None and state.attempt.cancelled:
-                        return  # the flight has ended it already; leaving hangs up
                     if sse.data.strip() == "[DONE]":
-                        finished = True
-                        break
-                    chunk = _chunk(sse.data, self.url)
-                    state.usage(chunk)
-                    for choice in _choices(chunk, self.url):
-                        if state.trace is not None:
-                            _take_logprobs(choice, state.trace)
-                            if state.attempt is not None \
-                                    and state.trace.below(state.attempt.floor):  # fmt: skip
-                                # DeepConf online: too unsure to vote; leaving hangs up.
-                                state.finish, state.cut = "unsure", True
-                                return
-                        finish = choice.get("finish_reason")
-                        if finish is not None and not isinstance(finish, str):
-                            raise _nonsense(self.url, "a finish_reason that is not text")
-                        if finish:
-                            state.finish = finish[:40]
-                            finished = True
-                        for kind, text in reader.feed(_delta(choice, self.url)):
-                            if kind != EventKind.RETRACT and state.completion_pieces >= state.limit:
-                                # The server went past max_tokens (or streams without end):
-                                # stop here, as a length stop; leaving closes the response.
-                                state.finish, state.cut = "length", True
-                                return
-                            pieces = reader.reasoning_pieces
-                            if kind == EventKind.TOKEN and policy.closing(pieces) is Act.WAIT:
-                                state.think_on = True  # the answer began too soon: go on
-                                return  # leaving the with-block closes the response
-                            state.seen(kind, text)
-                            yield kind, text
-                            if kind == EventKind.RETRACT:
-                                continue
-                            act = policy.text(text, reader.in_reasoning, state.completion_pieces)
-                            if act is Act.ANSWER:
-                                # The answer is asked for next, in a request of its own.
-                                policy.closed(fitted=True)
-                                return  # leaving the with-block closes the response
-                            if act is Act.STOP:
-                                state.finish, state.cut = "loop", True
-                                return
-                        if policy.counted(reader.reasoning_pieces, reader.in_reasoning) \
-                                is Act.ANSWER:  # fmt: skip
-                            policy.closed(fitted=True)
-                            return  # leaving the with-block closes the response
-                if not finished:
-                    if watch.alarm is not None:
-                        raise watch.alarm
-                    raise _Failure(
-                        ErrorCode.BACKEND_ERROR,
-                        "the backend closed the stream before the answer was complete",
-                        fault="down",
-                    )
+                        done = True
+                        yield None
+                        return
+                    yield _chunk(sse.data, self.url)
         except httpx.TransportError as error:  # timeouts, broken connections, bad streams
-            if finished and not isinstance(error, httpx.SSEError):
+            if watch.finished and not isinstance(error, httpx.SSEError):
                 # The answer ended, then the server went quiet or hung up instead of sending
                 # [DONE]: its usage is lost, not the answer.
                 return
@@ -679,6 +640,74 @@ class RemoteEngine:
             raise _Failure(
                 ErrorCode.BACKEND_ERROR, f"the backend's reply cannot be read: {_reason(error)}"
             ) from None
+        if not done and not watch.finished:
+            if watch.alarm is not None:
+                raise watch.alarm
+            raise _Failure(ErrorCode.BACKEND_ERROR,
+                           "the backend closed the stream before the answer was complete",
+                           fault="down")  # fmt: skip
+
+    def _watched_events(
+        self,
+        chunks: Iterator[dict[str, Any] | None],
+        reader: _Reader,
+        state: _StreamState,
+        watch: _Watch | None,
+    ) -> Iterator[tuple[EventKind, str]]:
+        """Turn a stream's chunks into this request's pieces, as its thinking policy and limits
+        allow; leaving early (closing ``chunks``) hangs up."""
+        policy = state.policy
+        try:
+            for chunk in chunks:
+                if state.attempt is not None and state.attempt.cancelled:
+                    return  # the flight has ended it already; leaving hangs up
+                if chunk is None:  # [DONE]
+                    return
+                state.usage(chunk)
+                for choice in _choices(chunk, self.url):
+                    if state.trace is not None:
+                        _take_logprobs(choice, state.trace)
+                        if state.attempt is not None \
+                                and state.trace.below(state.attempt.floor):  # fmt: skip
+                            # DeepConf online: too unsure to vote; leaving hangs up.
+                            state.finish, state.cut = "unsure", True
+                            return
+                    finish = choice.get("finish_reason")
+                    if finish is not None and not isinstance(finish, str):
+                        raise _nonsense(self.url, "a finish_reason that is not text")
+                    if finish:
+                        state.finish = finish[:40]
+                        if watch is not None:
+                            watch.finished = True
+                    for kind, text in reader.feed(_delta(choice, self.url)):
+                        if kind != EventKind.RETRACT and state.completion_pieces >= state.limit:
+                            # The server went past max_tokens (or streams without end):
+                            # stop here, as a length stop; leaving closes the response.
+                            state.finish, state.cut = "length", True
+                            return
+                        pieces = reader.reasoning_pieces
+                        if kind == EventKind.TOKEN and policy.closing(pieces) is Act.WAIT:
+                            state.think_on = True  # the answer began too soon: go on
+                            return  # leaving closes the response
+                        state.seen(kind, text)
+                        yield kind, text
+                        if kind == EventKind.RETRACT:
+                            continue
+                        act = policy.text(text, reader.in_reasoning, state.completion_pieces)
+                        if act is Act.ANSWER:
+                            # The answer is asked for next, in a request of its own.
+                            policy.closed(fitted=True)
+                            return  # leaving closes the response
+                        if act is Act.STOP:
+                            state.finish, state.cut = "loop", True
+                            return
+                    if policy.counted(reader.reasoning_pieces, reader.in_reasoning) is Act.ANSWER:
+                        policy.closed(fitted=True)
+                        return  # leaving closes the response
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
 
 
 def _wants_confidence(params: dict[str, Any]) -> bool:
@@ -722,6 +751,7 @@ class _Watch:
         self.last_event = self.asked
         self.received = 0
         self.answered = False  # the latest attempt got a status line: the server is there
+        self.finished = False  # a finish_reason came: the answer is whole, whatever follows
         self.alarm: Exception | None = None  # why the guard hung up, when it did
         self.state = state
         self._done = threading.Event()
@@ -1098,6 +1128,172 @@ class _StreamState:
                 "lowest_group_confidence": stats["lowest_group_confidence"]}  # fmt: skip
 
 
+# --- samples of one question asked together (``n``) ----------------------------------------------
+
+
+class _Alone(Exception):
+    """The shared request did not carry this sample (the server refused ``n``, or answered
+    fewer choices): it is asked on its own."""
+
+
+class _SharedRequest:
+    """Samples of one question asked as one request with ``n`` (vLLM, SGLang, phi4 serve and
+    the llama-server builds that take it decode the choices together, the prompt's work done
+    once). One thread reads the stream and hands each choice's chunks to its sample's reader,
+    which treats them as its own response; the request is hung up once no sample reads it (an
+    early stop cancels them all). A sample that leaves early (a loop, a think budget, DeepConf's
+    floor) is no longer handed its chunks, though the server goes on with its choice: one
+    choice of a request cannot be stopped alone. What comes after its first leg (an answer
+    asked for after a budget, a "Wait") it asks on its own."""
+
+    def __init__(self, engine: RemoteEngine, params: JSON, count: int) -> None:
+        import queue
+
+        self.engine, self.params, self.count = engine, params, count
+        self.queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(count)]
+        self.empty = queue.Empty
+        self.heard = [False] * count  # a chunk of this choice came
+        self.reading = count  # members still reading
+        self._lock = threading.Lock()
+        self.state = _StreamState(time.monotonic())
+        if _wants_confidence(params):
+            self.state.trace = TraceConfidence()  # (the stream's size limit allows logprobs)
+        self.attempt = Attempt()  # to hang up once nobody reads
+        self.state.attempt = self.attempt
+
+    def member(self, index: int) -> _Member:
+        return _Member(self, index)
+
+    def start(self) -> None:
+        threading.Thread(target=self._read, daemon=True, name="phi4-remote-n").start()
+
+    def leave(self) -> None:
+        with self._lock:
+            self.reading -= 1
+            last = self.reading == 0
+        if last:
+            self.attempt.cancel()  # hangs up the shared connection
+
+    def _read(self) -> None:
+        engine = self.engine
+        body = engine._body(self.params, messages_for(self.params))
+        body["n"] = self.count
+        ended: tuple[str, Exception | None] = ("end", None)
+        # A choice's last chunk waits here while nothing else comes: the usage, which a server
+        # sends after the last choice ends, is then its sample's too. A chunk of another
+        # choice says the stream goes on, and lets it go at once.
+        held: list[tuple[int, dict[str, Any]]] = []
+        finished: set[int] = set()
+
+        def release() -> None:
+            for index, chunk in held:
+                self.queues[index].put(chunk)
+            held.clear()
+
+        try:
+            with _Watch(engine, self.state) as watch:
+                for chunk in engine._chunks(engine._http(), body, watch):
+                    if self.attempt.cancelled or chunk is None:
+                        break
+                    usage = chunk.get("usage")
+                    if isinstance(usage, dict):
+                        # The prompt's numbers are each sample's; the completions' are summed
+                        # over the choices, so each sample counts its own.
+                        prompt = {k: usage[k] for k in ("prompt_tokens", "prompt_tokens_details")
+                                  if k in usage}  # fmt: skip
+                        for each in self.queues:
+                            each.put({"usage": prompt})
+                        release()
+                    for choice in _choices(chunk, engine.url):
+                        index = choice.get("index", 0)
+                        if not (isinstance(index, int) and not isinstance(index, bool)
+                                and 0 <= index < self.count):  # fmt: skip
+                            continue
+                        self.heard[index] = True
+                        if choice.get("finish_reason"):
+                            held.append((index, {"choices": [choice]}))
+                            finished.add(index)
+                            # Every choice whole: a server that then hangs up without [DONE]
+                            # loses only its usage.
+                            watch.finished = len(finished) == self.count
+                        else:
+                            release()
+                            self.queues[index].put({"choices": [choice]})
+            release()
+        except _Failure as failure:
+            if failure.code == ErrorCode.BAD_REQUEST:  # (n refused, say): each asks alone
+                engine.takes_n = False
+                ended = ("alone", None)
+            else:
+                ended = ("fail", failure)
+        except DaemonUnavailableError as error:
+            ended = ("fail", error)
+        except Exception as error:  # a bug here must not leave the samples waiting
+            ended = (
+                "fail",
+                _Failure(ErrorCode.INTERNAL, f"reading the backend {engine.url} failed: {error!r}"),
+            )
+        if ended[0] == "end" and not self.attempt.cancelled:
+            if all(self.heard):
+                engine.takes_n = True
+            elif self.heard[0] and not any(self.heard[1:]):
+                engine.takes_n = False  # it answered one choice: n is not what it reads
+        for index, each in enumerate(self.queues):
+            alone = ended[0] == "end" and not self.heard[index] and not self.attempt.cancelled
+            each.put(("alone", None) if alone else ended)
+
+
+class _Member:
+    """One sample's view of a shared request: its choice's chunks, then None at the end."""
+
+    def __init__(self, shared: _SharedRequest, index: int) -> None:
+        self.shared, self.index = shared, index
+
+    def chunks(self, state: _StreamState) -> Iterator[dict[str, Any] | None]:
+        inbox = self.shared.queues[self.index]
+        try:
+            while True:
+                try:
+                    item = inbox.get(timeout=0.1)
+                except self.shared.empty:
+                    if state.attempt is not None and state.attempt.cancelled:
+                        return  # (the flight ended it)
+                    continue
+                if isinstance(item, tuple):
+                    kind, error = item
+                    if kind == "alone":
+                        raise _Alone
+                    if error is not None:
+                        raise error
+                    yield None
+                    return
+                yield item
+                if any(choice.get("finish_reason") for choice in item.get("choices", ())):
+                    # Its choice is whole: it ends now, not when the others do (the usage,
+                    # which comes after them all, is then not its to count).
+                    yield None
+                    return
+        finally:
+            self.shared.leave()
+
+
+def shared_params(members: list[JSON]) -> JSON | None:
+    """The one request that asks for ``members`` together, or None when they cannot be: each
+    the same but for its seed, and the seeds none or consecutive (seed, seed + 1, ...: the
+    choices phi4 serve gives a request seeded ``seed``), as ``--samples`` makes them."""
+    first = members[0]
+    bare = [{k: v for k, v in m.items() if k != "seed"} for m in members]
+    if any(b != bare[0] for b in bare[1:]):
+        return None
+    seeds = [m.get("seed") for m in members]
+    if all(seed is None for seed in seeds):
+        return first
+    start = seeds[0]
+    if isinstance(start, int) and seeds == list(range(start, start + len(seeds))):
+        return first
+    return None
+
+
 # --- replicas: remote servers in a flight --------------------------------------------------------
 
 # A replica that went away mid-run is probed this long after (seconds, one after another)
@@ -1134,6 +1330,8 @@ class RemoteReplica(Replica):
         self.engine, self.inbox = engine, inbox
         self.name = engine.url
         self.attempts: dict[int, Attempt] = {}
+        # Samples of one question sent in this round, by their group: asked together at flush.
+        self._grouped: dict[Any, list[tuple[int, JSON, Attempt]]] = {}
 
     def send(self, serial: int, op: str, params: JSON) -> None:
         def busy(wait: float) -> None:
@@ -1142,12 +1340,38 @@ class RemoteReplica(Replica):
         attempt = Attempt(on_busy=busy)
         attempt.floor = params.get("confidence_floor")  # (an adjust later replaces it)
         self.attempts[serial] = attempt
-        threading.Thread(target=self._read, args=(serial, params, attempt), daemon=True,
+        group = params.get("sample_group")
+        if group is not None and self.engine.takes_n is not False:
+            # One of several samples of a question: sent with the others given to this server
+            # in the same round, as one request with n (see flush).
+            self._grouped.setdefault(group, []).append((serial, params, attempt))
+            return
+        self._start(serial, params, attempt, None)
+
+    def flush(self) -> None:
+        grouped, self._grouped = self._grouped, {}
+        # At most MAX_SHARED choices a request (phi4 serve's and OpenAI's limit of n is 16).
+        parts = [members[at : at + MAX_SHARED] for members in grouped.values()
+                 for at in range(0, len(members), MAX_SHARED)]  # fmt: skip
+        for members in parts:
+            shared = shared_params([params for _serial, params, _attempt in members]) \
+                if len(members) > 1 else None  # fmt: skip
+            if shared is None:
+                for serial, params, attempt in members:
+                    self._start(serial, params, attempt, None)
+                continue
+            request = _SharedRequest(self.engine, shared, len(members))
+            for index, (serial, params, attempt) in enumerate(members):
+                self._start(serial, params, attempt, request.member(index))
+            request.start()
+
+    def _start(self, serial: int, params: JSON, attempt: Attempt, member: _Member | None) -> None:
+        threading.Thread(target=self._read, args=(serial, params, attempt, member), daemon=True,
                          name="phi4-remote").start()  # fmt: skip
 
-    def _read(self, serial: int, params: JSON, attempt: Attempt) -> None:
+    def _read(self, serial: int, params: JSON, attempt: Attempt, member: _Member | None) -> None:
         try:
-            for event in self.engine.stream(params, attempt):
+            for event in self.engine.stream(params, attempt, member):
                 if attempt.cancelled:
                     return
                 self.inbox.put((self, serial, event))

@@ -343,10 +343,12 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
     memory freed at once, and the vote is over those that finished."""
     outcomes = [Outcome(index=i, question=question) for i in range(samples)]
     seed = job.seed
+    # One group: a remote engine that takes ``n`` is asked for them in one request.
     requests = [
-        job.params(question, seed=None if seed is None else sample_seed(seed, i))
+        job.params(question, seed=None if seed is None else sample_seed(seed, i),
+                   sample_group=0)
         for i in range(samples)
-    ]
+    ]  # fmt: skip
     flight: list[Flight] = []
     compare = AnswerComparer()
     stop = EarlyStop(samples, compare, None if every else lambda k: flight[0].cancel(k),
