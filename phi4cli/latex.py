@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -442,29 +443,41 @@ def math_to_unicode(math: str) -> str:
     return re.sub(r"[ \t]+", " ", text).strip()
 
 
+def _wrap_outside_math(text: str, pattern: re.Pattern[str],
+                       extent: Callable[[re.Match[str]], int | None], opening: str,
+                       closing: str) -> str:  # fmt: skip
+    """Wrap each match of ``pattern`` that is not inside math in ``opening``...``closing``, up
+    to where ``extent`` says it ends (None: it is left as it is)."""
+    spans = [(start, end) for start, end, _kind, _math in _math_matches(text)]
+    starts = [a for a, _b in spans]
+    out: list[str] = []
+    position = 0
+    for match in pattern.finditer(text):
+        start = match.start()
+        inside = bisect.bisect_right(starts, start) - 1  # the last math span opening before it
+        if start < position or (inside >= 0 and start < spans[inside][1]):
+            continue
+        end = extent(match)
+        if end is None:
+            continue
+        out.append(text[position:start] + opening + text[start:end] + closing)
+        position = end
+    out.append(text[position:])
+    return "".join(out)
+
+
 def _delimit_bare_environments(text: str) -> str:
     """Wrap ``\\begin{align*}...\\end{align*}`` and the other math environments found outside
     math in ``\\[...\\]``, so that they are converted (and their rows kept) as display math."""
     if "\\begin{" not in text:
         return text
-    spans = [(start, end) for start, end, _kind, _math in _math_matches(text)]
-    starts = [a for a, _b in spans]
-    out: list[str] = []
-    position = 0
-    for match in _BARE_ENVIRONMENT.finditer(text):
-        start = match.start()
-        inside = bisect.bisect_right(starts, start) - 1
-        if start < position or (inside >= 0 and start < spans[inside][1]):
-            continue
+
+    def extent(match: re.Match[str]) -> int | None:
         closer = f"\\end{{{match.group(1)}}}"
         close = text.find(closer, match.end())
-        if close < 0:
-            continue
-        end = close + len(closer)
-        out.append(text[position:start] + "\\[" + text[start:end] + "\\]")
-        position = end
-    out.append(text[position:])
-    return "".join(out)
+        return close + len(closer) if close >= 0 else None
+
+    return _wrap_outside_math(text, _BARE_ENVIRONMENT, extent, "\\[", "\\]")
 
 
 def _display(shown: str) -> str:
@@ -480,15 +493,8 @@ def _delimit_bare_math(text: str) -> str:
     from phi4cli.reasoning import braced_group
 
     text = _delimit_bare_environments(text)
-    spans = [(start, end) for start, end, _kind, _math in _math_matches(text)]
-    starts = [a for a, _b in spans]
-    out: list[str] = []
-    position = 0
-    for match in _BARE.finditer(text):
-        start = match.start()
-        inside = bisect.bisect_right(starts, start) - 1  # the last math span opening before it
-        if start < position or (inside >= 0 and start < spans[inside][1]):
-            continue
+
+    def extent(match: re.Match[str]) -> int:
         end = match.end()
         while True:  # consume the arguments: [optional] and {groups}, spaces between allowed
             scan = end
@@ -500,12 +506,10 @@ def _delimit_bare_math(text: str) -> str:
                 continue
             group = braced_group(text, scan) if scan < len(text) and text[scan] == "{" else None
             if group is None:
-                break
+                return end
             end = scan + len(group) + 2
-        out.append(text[position:start] + "\\(" + text[start:end] + "\\)")
-        position = end
-    out.append(text[position:])
-    return "".join(out)
+
+    return _wrap_outside_math(text, _BARE, extent, "\\(", "\\)")
 
 
 def latex_to_unicode(text: str) -> str:
