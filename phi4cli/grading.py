@@ -22,18 +22,11 @@ from phi4cli.confidence import WARMUP
 from phi4cli.errors import UsageError
 from phi4cli.options import REQUEST_KEYS, SETTING, sample_seed
 from phi4cli.outcome import Outcome
+from phi4cli.progress import FileProgress, ProgressNotice
 from phi4cli.protocol import Event
 from phi4cli.reasoning import AnswerComparer, majority_vote
 from phi4cli.records import Record
-from phi4cli.solving import (
-    EarlyStop,
-    FileProgress,
-    ProgressNotice,
-    Requests,
-    SolveJob,
-    json_text,
-    votes,
-)
+from phi4cli.solving import EarlyStop, Requests, SolveJob, json_text, votes
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

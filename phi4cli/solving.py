@@ -7,23 +7,22 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from phi4cli.backends import Backend
 from phi4cli.confidence import WARMUP
 from phi4cli.environment import Environment
 from phi4cli.errors import ExitStatus, UsageError
-from phi4cli.exits import Announce
 from phi4cli.options import sample_seed
 from phi4cli.outcome import Outcome, exit_status
-from phi4cli.protocol import ErrorCode, Event, EventKind
+from phi4cli.problems import NO_PROBLEMS, Opened, ProblemFeed, open_problems, raw_lines
+from phi4cli.progress import FileProgress, LoadLine, ProgressNotice, StderrStatus
+from phi4cli.protocol import Event
 from phi4cli.reasoning import AnswerComparer, majority_vote, vote_settled
 from phi4cli.records import Record
 from phi4cli.render import (
     PlainPresenter,
     TerminalPresenter,
-    human_seconds,
     no_answer_reason,
     no_vote_reason,
 )
@@ -125,53 +124,6 @@ class OutputMode(Record):
     verbose: bool = False
 
 
-class _StderrStatus:
-    """A spinner line on stderr while waiting, for a person at a terminal.
-
-    Started on the first event, not before: the request is on its way to the daemon before rich
-    is imported. Not in a pipeline (stdout redirected): plain text only there.
-    """
-
-    def __init__(self, env: Environment, message: str) -> None:
-        self._wanted = env.terminal and bool(env.stderr_isatty)
-        self._env, self._message = env, message  # text, or a renderable
-        self._status: Any = None
-
-    @property
-    def message(self) -> Any:
-        return self._message
-
-    def update(self, message: Any) -> None:
-        """Show ``message``: text, or anything rich renders (a ``LoadLine``)."""
-        self._message = message
-        if self._status is not None:
-            self._status.update(message)
-
-    def see(self, _event: Event) -> None:
-        if self._wanted and self._status is None:
-            from rich.console import Console
-
-            console = Console(file=self._env.stderr, force_terminal=True)
-            self._status = console.status(self._message, spinner="dots")
-            self._status.start()
-            self._env.print_above_live = _printer(console)
-
-    def stop(self) -> None:
-        if self._status is not None:
-            self._env.print_above_live = None
-            self._status.stop()
-            self._status = None
-
-
-def _printer(console: Any) -> Callable[[str], None]:
-    """Print a line through ``console``: above its live display, while one is shown."""
-
-    def print_line(text: str) -> None:
-        console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
-
-    return print_line
-
-
 def _print_json(job: SolveJob, record: dict[str, Any]) -> None:
     job.print_json(record, indent=2)
 
@@ -214,7 +166,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     outcome = Outcome(index=0, question=question)
     quiet = mode.as_json or mode.answer_only
     presenter = _LazyPresenter(job.env, mode)
-    spinner = _StderrStatus(job.env, "solving…")
+    spinner = StderrStatus(job.env, "solving…")
     loading = ProgressNotice(job.announce, LoadLine(job.env, spinner if quiet else None))
 
     def on_event(_index: int, event: Event) -> None:
@@ -354,7 +306,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
     stop = EarlyStop(samples, compare, None if every else lambda k: flight[0].cancel(k),
                      (lambda k, params: flight[0].adjust(k, params))
                      if job.stop_unsure and samples > WARMUP else None)  # fmt: skip
-    spinner = _StderrStatus(job.env, f"sampling… 0/{samples} done")
+    spinner = StderrStatus(job.env, f"sampling… 0/{samples} done")
     loading = ProgressNotice(job.announce, LoadLine(job.env, spinner))
 
     def on_event(index: int, event: Event) -> None:
@@ -438,8 +390,6 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
     return status
 
 
-AHEAD = 4096  # problems read ahead of the last one printed, at most (more than any window)
-NO_PROBLEMS = "no problems: the input has no non-blank lines"
 ECHO_CHARS = 2000  # of a question, echoed above its solution; a longer one is shortened
 
 
@@ -451,182 +401,6 @@ def echoed(question: str) -> str:
     return f"{question[: ECHO_CHARS // 2]}… ({len(question):,} characters)"
 
 
-class ProblemFeed(Sequence["dict[str, Any] | Event"]):  # a string: typing is not imported to run
-    """The non-blank lines of a file or of stdin, each a problem, read as the run goes: a pipe's
-    first problems are answered while its later lines are still being written, and a file of a
-    million lines is never held at once (at most :data:`AHEAD` problems ahead of the output).
-
-    It is the run's list of requests, growing as lines come (``len`` is what has come so far,
-    ``ended`` once the input has), and the flight's :class:`~phi4cli.dispatch.Feed`. Lines are
-    numbered as ``str.splitlines`` numbers them. A line of a pipe that is not UTF-8 is that
-    problem's error (the lines before it were already on their way); a file's, and a file's
-    on stdin, are refused before anything is sent (:func:`open_problems`).
-    """
-
-    def __init__(self, source: Any, where: str, make: Callable[[str], dict[str, Any]]) -> None:
-        import threading
-
-        self.where, self._make = where, make
-        self.numbers: list[int] = []  # the input line of each problem
-        self._texts: list[str | Event | None] = []  # None once printed
-        self.total = 0  # lines read, blank ones too
-        self.ended = False
-        self.failure: str | None = None  # why the input could not be read to its end
-        self._printed = 0
-        self._changed = threading.Condition()
-        self._thread = threading.Thread(target=self._read, args=(source,), daemon=True,
-                                        name="phi4-input")  # fmt: skip
-        self._thread.start()
-
-    def _read(self, source: Any) -> None:
-        try:
-            for number, text in _numbered(source, self.where):
-                self.total = number
-                if isinstance(text, str) and not text.strip():
-                    continue
-                with self._changed:
-                    while len(self.numbers) - self._printed >= AHEAD:
-                        self._changed.wait()
-                    # The text first: the flight reads len() (the numbers), then the text.
-                    self._texts.append(text.strip() if isinstance(text, str) else text)
-                    self.numbers.append(self.total)
-                    self._changed.notify_all()
-        except OSError as exc:
-            self.failure = f"cannot read {self.where}: {exc.strerror or exc}"
-        except Exception as exc:  # whatever stops the reading, the run must not pass for whole
-            self.failure = f"cannot read {self.where} to its end: {type(exc).__name__}: {exc}"
-        finally:
-            with self._changed:
-                self.ended = True
-                self._changed.notify_all()
-
-    def wait(self, timeout: float) -> None:
-        with self._changed:
-            if not self.ended:
-                self._changed.wait(timeout)
-
-    def __len__(self) -> int:
-        return len(self.numbers)
-
-    def question(self, index: int) -> str:
-        text = self._texts[index]
-        return text if isinstance(text, str) else ""
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        text = self._texts[index]
-        assert text is not None, "a problem is not asked again once it is printed"
-        return text if isinstance(text, Event) else self._make(text)
-
-    def printed(self, index: int) -> None:
-        """Problem ``index`` is printed: its text is let go, and the reader may go on."""
-        with self._changed:
-            self._texts[index] = None
-            self._printed += 1
-            self._changed.notify_all()
-
-
-def _numbered(source: Any, where: str) -> Iterator[tuple[int, str | Event]]:
-    """(line number, line or its error event) for each line of ``source``, an iterable of
-    ``\\n``-ended pieces, as ``str.splitlines`` numbers them."""
-    number = 0
-    for raw in source:
-        for text in _lines_of(raw, where, number + 1):
-            number += 1
-            yield number, text
-
-
-def _lines_of(raw: bytes | str, where: str, number: int) -> list[str | Event]:
-    """The lines of one ``\\n``-ended piece of input: more than one where it holds another line
-    break that ``str.splitlines`` knows (``\\r``, form feed, ...), an error event for one that is
-    not UTF-8."""
-    from phi4cli.inputs import HOW_TO_FIX, check_text
-
-    if isinstance(raw, bytes):
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            message = (f"{where} line {number} is not valid UTF-8 (byte 0x{raw[exc.start]:02x}): "
-                       f"{HOW_TO_FIX}")  # fmt: skip
-            return [Event.error(ErrorCode.BAD_REQUEST, message)]
-    else:
-        try:
-            text = check_text(raw, f"{where} line {number}")
-        except UsageError as exc:
-            return [Event.error(ErrorCode.BAD_REQUEST, str(exc))]
-    return list(text.splitlines() or [""])
-
-
-def _raw_lines(stream: Any) -> Any:
-    """The ``\\n``-ended pieces of a pipe, read from its file descriptor rather than through
-    Python's buffered reader (nothing has read from it yet): a reader thread blocked there holds
-    that reader's lock, which a close or the interpreter's exit would wait on (or abort on). A
-    stream without one (a test's StringIO) is read as it is."""
-    try:
-        fd = stream.fileno()
-    except (AttributeError, OSError, ValueError):
-        return stream
-
-    def pieces() -> Any:
-        rest = b""
-        while chunk := os.read(fd, 65536):
-            *lines, rest = (rest + chunk).split(b"\n")
-            yield from (line + b"\n" for line in lines)
-        if rest:
-            yield rest
-
-    return pieces()
-
-
-class Opened(Record):
-    """The input of ``--file``: lines to read, what to call it in messages, how many problems
-    it holds if that is known before the run, and whether it is ours to close."""
-
-    stream: Any
-    where: str
-    known: int | None
-    owned: bool
-
-
-def open_problems(source: str, env: Environment) -> Opened:
-    """The input of ``--file`` to read lines from, what to call it, and how many problems it
-    holds when that is known before the run (a regular file: checked to its end first, so one
-    that is not UTF-8 is refused, exit 2, before any daemon is started; a pipe: None)."""
-    import stat
-
-    owned = source != "-"
-    if not owned:
-        stream, where = getattr(env.stdin, "buffer", env.stdin), "stdin"
-    else:
-        where = source
-        try:
-            stream = open(source, "rb")  # noqa: SIM115 (closed when the run ends)
-        except OSError as exc:
-            raise UsageError(f"cannot read {source}: {exc.strerror}") from None
-    try:
-        regular = stat.S_ISREG(os.fstat(stream.fileno()).st_mode) and stream.seekable()
-    except (AttributeError, OSError, ValueError):
-        regular = False  # a test's StringIO, say
-    if not regular:
-        return Opened(stream, where, None, owned)
-    try:
-        start = stream.tell()
-        problems = 0
-        for _number, text in _numbered(stream, where):
-            if isinstance(text, Event):
-                raise UsageError(text.message)
-            problems += bool(text.strip())
-        if not problems:
-            raise UsageError(NO_PROBLEMS)
-        stream.seek(start)
-    except BaseException:
-        if owned:
-            stream.close()
-        raise
-    return Opened(stream, where, problems, owned)
-
-
 def solve_file(job: SolveJob, opened: Opened, mode: OutputMode, jsonl: bool) -> int:
     """Answer every problem of an input (:func:`open_problems`) as it is read, at most a
     window at once, printed in input order; exit 1 if any failed.
@@ -634,7 +408,7 @@ def solve_file(job: SolveJob, opened: Opened, mode: OutputMode, jsonl: bool) -> 
     With ``--answer-only`` output line N belongs to input line N: a blank input line gets an
     empty output line. ``--jsonl`` records skip blank lines and carry their ``line`` number.
     """
-    source = opened.stream if opened.known is not None else _raw_lines(opened.stream)
+    source = opened.stream if opened.known is not None else raw_lines(opened.stream)
     feed = ProblemFeed(source, opened.where, lambda q: job.params(q, priority="bulk"))
     try:
         return _solve_feed(job, feed, opened.known, mode, jsonl)
@@ -750,272 +524,6 @@ class Requests(Sequence["dict[str, Any]"]):  # a string: typing is not imported 
         if not -self._length <= index < self._length:
             raise IndexError(index)
         return self._make(index % self._length)
-
-
-class FileProgress:
-    """A progress bar on stderr for `--file` and `eval`, only when stderr is a terminal.
-
-    From the start it shows n/N done, how many problems are being solved, and the time taken;
-    once one is done, the rate and the time left. With a token ``budget`` (``--max-tokens``) the
-    bar also moves as the model writes: a problem counts for the share of its budget it has
-    used (at most 0.95 until it is done). While it is shown, lines for the terminal (``notice``,
-    and ``out`` when stdout is a terminal too) are printed above the bar through rich's live
-    console, never onto the bar's line.
-    """
-
-    def __init__(self, total: int | None, env: Environment, label: str = "solving",
-                 budget: int | None = None) -> None:  # fmt: skip
-        self.total = total  # None: not known yet (a pipe); :meth:`reading` follows the input
-        self._feed: ProblemFeed | None = None
-        self.env = env
-        self.label = label
-        self.budget = budget
-        self._progress: Any = None
-        self._task: Any = None
-        self._started: set[int] = set()  # running: the model has written for them
-        self._done = 0
-        self._pieces: dict[int, int] = {}  # pieces of text written, per running problem
-        self._loading = False
-
-    def __enter__(self) -> FileProgress:
-        if self.env.stderr_isatty:
-            from rich import progress as bar
-            from rich.console import Console
-
-            console = Console(file=self.env.stderr, force_terminal=True)
-            self._progress = bar.Progress(
-                bar.TextColumn("{task.description}"),
-                bar.BarColumn(),
-                bar.TextColumn("{task.fields[done]}/{task.fields[of]}"),  # done, not partial
-                bar.TextColumn("{task.fields[activity]}"),
-                bar.TimeElapsedColumn(),
-                _RateColumn(),
-                console=console,
-                transient=True,
-            )
-            self._progress.start()
-            self._task = self._progress.add_task(self.label, total=self.total or 1, activity="",
-                                                 done=0, of=self._of(),
-                                                 known=self.total is not None)  # fmt: skip
-            self._progress.refresh()  # 0/N at once, not at the first tick
-            self.env.print_above_live = self._print_above
-        return self
-
-    def reading(self, feed: ProblemFeed) -> None:
-        """The problems come from ``feed`` (a pipe, its length unknown until it ends): N in
-        n/N is what has come so far, with a ``+`` until the input ends."""
-        self._feed = feed
-
-    def _of(self) -> str:
-        if self.total is not None:
-            return str(self.total)
-        if self._feed is None:
-            return "?"
-        return f"{len(self._feed)}" + ("" if self._feed.ended else "+")
-
-    def see(self, index: int, event: Event) -> None:
-        """Follow one request's event: it has started once the model writes for it."""
-        if self._progress is None:
-            return
-        kind = event.kind
-        loading = (kind == EventKind.ACCEPTED and event.get("state") in ("loading", "warming")) or (
-            kind == EventKind.PROGRESS and event.get("stage") == "loading"
-        )
-        if kind == EventKind.RESTART:  # sent again: its pieces so far do not count
-            self._pieces.pop(index, None)
-            return
-        if loading:
-            self._loading = True
-        elif kind in (EventKind.REASONING, EventKind.TOKEN):
-            self._pieces[index] = self._pieces.get(index, 0) + 1
-            if index in self._started:
-                if self.budget:
-                    self._show_completed()
-                return
-            self._started.add(index)
-            self._loading = False
-        else:
-            return
-        self._show_activity()
-
-    def advance(self, index: int) -> None:
-        """Problem ``index`` is done."""
-        if self._progress is not None:
-            self._done += 1
-            self._started.discard(index)
-            self._pieces.pop(index, None)
-            self._show_completed()
-            self._show_activity()
-
-    def _show_completed(self) -> None:
-        partial = 0.0
-        if self.budget:
-            partial = sum(min(n / self.budget, 0.95) for n in self._pieces.values())
-        done = self._done
-        if self.total is None and self._feed is not None:
-            known = self._feed.ended
-            self._progress.update(self._task, total=max(len(self._feed), 1), of=self._of(),
-                                  known=known)  # fmt: skip
-        self._progress.update(self._task, completed=done + partial, done=done)
-
-    def _show_activity(self) -> None:
-        running = len(self._started)
-        activity = "loading the model" if self._loading else f"{running} running" if running else ""
-        self._progress.update(self._task, activity=activity)
-
-    def notice(self, message: str) -> None:
-        """One ``phi4:`` line on stderr: above the bar while it is shown (as is every
-        ``env.notice`` then, the backend's included)."""
-        self.env.notice(message)
-
-    def out(self, text: str) -> None:
-        """A line of output on stdout; above the bar when stdout is the bar's terminal too.
-        Cleaned of control sequences as ``SolveJob.print`` does (unless ``--raw-output``)."""
-        text = text if self.env.raw_stdout else clean_text(text)
-        if self._progress is not None and self.env.stdout_isatty:
-            self._print_above(text)
-        else:
-            print(text, file=self.env.stdout, flush=True)
-
-    def _print_above(self, text: str) -> None:
-        _printer(self._progress.console)(text)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._progress is not None:
-            self.env.print_above_live = None
-            self._progress.stop()
-            self._progress = None
-
-
-def _RateColumn() -> Any:
-    """A rich column: problems a minute (or a second) and the time left, once one is done
-    (from the problems done, not the bar's share of budgets, which only guesses)."""
-    from rich.progress import ProgressColumn
-    from rich.text import Text
-
-    class RateColumn(ProgressColumn):
-        def render(self, task: Any) -> Text:
-            elapsed, done = task.elapsed or 0.0, task.fields.get("done", 0)
-            if not done or elapsed <= 0:
-                return Text("")
-            rate = done / elapsed
-            shown = f"{rate:.1f}/s" if rate >= 1 else f"{rate * 60:.1f}/min"
-            known = task.fields.get("known", True)  # how many in all: not yet from a pipe
-            left = (task.total - done) / rate if task.total and known else 0.0
-            return Text(f"{shown}, {human_seconds(left)} left" if left > 0 else shown)
-
-    return RateColumn()
-
-
-class ProgressNotice:
-    """Say once on stderr when requests wait for a model to load, and once when they wait for
-    room in the daemon's memory. With a ``LoadLine`` that is wanted (a terminal), the wait for
-    a load is that live line instead of a notice."""
-
-    def __init__(self, announce: Announce, load_line: LoadLine | None = None) -> None:
-        self._announce = announce
-        self._said: set[str] = set()
-        self._load_line = load_line if load_line is not None and load_line.wanted else None
-
-    def _once(self, topic: str, message: str) -> None:
-        if topic not in self._said:
-            self._said.add(topic)
-            self._announce(message)
-
-    def _loading(self, model: str | None, message: str) -> None:
-        if self._load_line is not None:
-            self._load_line.start(model)
-        else:
-            self._once("loading", message)
-
-    def see(self, event: Event) -> None:
-        kind = event.kind
-        if kind == EventKind.PROGRESS and event.get("stage") == "waiting":
-            self._once(
-                "memory",
-                f"waiting for memory: a request reserves {event.get('needed', 0):,} tokens of "
-                f"context and {event.get('free', 0):,} are free until a running one finishes",
-            )
-        elif kind == EventKind.PROGRESS and event.get("stage") == "loading":
-            self._loading(event.get("model"), f"loading {event.get('model', 'the model')}...")
-        elif kind == EventKind.ACCEPTED and event.get("state") in ("loading", "warming"):
-            self._loading(None, "waiting for the daemon to load the model...")
-        elif kind in (EventKind.REASONING, EventKind.TOKEN, EventKind.RETRACT) or kind.terminal:
-            self.stop()
-
-    def stop(self) -> None:
-        if self._load_line is not None:
-            self._load_line.stop()
-
-
-class LoadLine:
-    """At a terminal, while the daemon loads the model a request waits for: one live line with
-    what the daemon is doing (loading, then warming up: its status file says) and the seconds
-    since the command began, gone once the model writes. Shown in the command's spinner when
-    it has one (a terminal holds one live line at a time), else in a line of its own."""
-
-    def __init__(self, env: Environment, spinner: _StderrStatus | None = None) -> None:
-        self.wanted = env.terminal and bool(env.stderr_isatty)
-        self._env, self._spinner = env, spinner
-        self._began = time.monotonic()
-        self._model = "the model"
-        self._path: str | None = None  # the model being loaded, once a `progress` event says
-        self._state, self._read_at = "loading", 0.0
-        self._live: Any = None
-        self._restore: Any = None
-        self._shown = False
-
-    def start(self, model: str | None) -> None:
-        if model:
-            self._path, self._model, self._state = model, os.path.basename(model), "loading"
-        if self._shown:
-            return
-        self._shown = True
-        if self._spinner is not None:
-            self._restore = self._spinner.message
-            self._spinner.update(self)
-            return
-        from rich.console import Console
-        from rich.live import Live
-        from rich.spinner import Spinner
-
-        console = Console(file=self._env.stderr, force_terminal=True)
-        self._live = Live(Spinner("dots", text=self), console=console, transient=True,
-                          refresh_per_second=4)  # fmt: skip
-        self._live.start(refresh=True)
-        self._env.print_above_live = _printer(console)
-
-    def stop(self) -> None:
-        if not self._shown:
-            return
-        self._shown = False
-        if self._live is not None:
-            self._env.print_above_live = None
-            self._live.stop()
-            self._live = None
-        elif self._spinner is not None:
-            self._spinner.update(self._restore)
-
-    def __rich__(self) -> Any:
-        from rich.text import Text
-
-        now = time.monotonic()
-        if now - self._read_at > 0.5:
-            from phi4cli.daemon.spawn import read_status
-
-            status = read_status(self._env.paths)
-            # What the file says of another model (the one loaded before) is not this wait's.
-            if status is not None and self._path in (None, status.model):
-                self._state = status.state
-                if status.model and self._path is None:
-                    self._model = os.path.basename(status.model)
-            self._read_at = now
-        model = self._model
-        doing = {"starting": "starting the daemon", "loading": f"loading {model}",
-                 "warming": f"warming up {model}",
-                 "ready": f"{model} is loaded, reading the question"}.get(
-            self._state, f"waiting for {model}")  # fmt: skip
-        return Text(f"{doing}… {now - self._began:.0f} s")
 
 
 class SolveOptions:

@@ -1,4 +1,4 @@
-"""`--file` input read as the run goes (phi4cli.solving.ProblemFeed, open_problems): line
+"""`--file` input read as the run goes (phi4cli.problems.ProblemFeed, open_problems): line
 numbers as before, a pipe's bad line as that problem's error, a file's refused before the run,
 and no more than AHEAD problems read ahead of the output."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from phi4cli import solving
+from phi4cli import problems
 from phi4cli.environment import Environment
 from phi4cli.errors import UsageError
+from phi4cli.problems import ProblemFeed, open_problems
 from phi4cli.protocol import ErrorCode, Event
-from phi4cli.solving import ProblemFeed, open_problems
 
 
 def read_all(feed: ProblemFeed) -> list[tuple[int, object]]:
@@ -48,7 +48,7 @@ def test_a_line_of_a_pipe_that_is_not_utf8_is_that_problems_error():
 
 
 def test_no_more_than_ahead_problems_are_read_before_they_are_printed(monkeypatch):
-    monkeypatch.setattr(solving, "AHEAD", 8)
+    monkeypatch.setattr(problems, "AHEAD", 8)
     feed = ProblemFeed(io.BytesIO(b"".join(b"q%d\n" % i for i in range(100))), "stdin", made)
 
     def reaches(count: int, settle: bool = True) -> None:

@@ -11,8 +11,8 @@ import pexpect
 import pytest
 
 from phi4cli.environment import Environment
+from phi4cli.progress import FileProgress
 from phi4cli.protocol import Event, EventKind
-from phi4cli.solving import FileProgress
 from tests.conftest import PHI4, run_phi4
 
 # Cursor movement, erase and colour sequences: what a terminal acts on, not what it shows.
@@ -177,14 +177,14 @@ def test_eval_progress_through_a_terminal(tiny_model: Path, tmp_path: Path):
 
 
 def test_a_notice_during_the_load_line_or_the_spinner_has_a_line_of_its_own():
-    from phi4cli.solving import LoadLine, _StderrStatus
+    from phi4cli.progress import LoadLine, StderrStatus
 
     env, _out, err = terminal_env()
     line = LoadLine(env)
     line.start("/models/tiny.gguf")
     env.notice("waiting for memory: a request reserves 4,096 tokens of context")
     line.stop()
-    spinner = _StderrStatus(env, "solving…")
+    spinner = StderrStatus(env, "solving…")
     spinner.see(token())
     env.notice("line 2: no final answer")
     spinner.stop()
