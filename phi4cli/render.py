@@ -512,7 +512,7 @@ def format_setting(key: str, value: Any) -> str:
     """One setting's value as `phi4 config show` and `config set` print it: durations as
     written (30m), booleans as config.toml spells them, None as what it means for that key."""
     from phi4cli.config import format_duration
-    from phi4cli.daemon.memory import physical_cores
+    from phi4cli.machine import physical_cores
 
     if key in ("keep_alive", "backend_timeout", "backend_deadline"):
         return format_duration(value)

@@ -15,8 +15,8 @@ from phi4cli.daemon.memory import (
     MemoryRequest,
     ModelShape,
     plan_memory,
-    read_meminfo,
 )
+from phi4cli.machine import read_meminfo
 from tests.conftest import run_phi4
 
 GiB = 1 << 30

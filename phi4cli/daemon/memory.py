@@ -3,7 +3,7 @@ many requests can decode together, how the cache is laid out, and how many layer
 
 :func:`plan_memory` is a pure function of the model's shape, the machine's free memory and the
 user's settings, so it is unit-tested over many machine sizes; the engine gathers its inputs
-(the model's shape from llama.cpp, :func:`read_meminfo`, ggml's devices).
+(the model's shape from llama.cpp, :func:`phi4cli.machine.read_meminfo`, ggml's devices).
 
 The KV cache costs ``2 (K and V) x layers x KV heads x head size x bytes per element`` per token:
 for Phi-4-mini (32 layers, 8 KV heads of 128) that is 128 KiB at f16, so 8,192 tokens take 1 GiB.
@@ -11,9 +11,7 @@ for Phi-4-mini (32 layers, 8 KV heads of 128) that is 128 KiB at f16, so 8,192 t
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 GiB = 1 << 30
@@ -49,24 +47,6 @@ KV_LAYOUTS = ("auto", "shared", "streams")
 RAM_HEADROOM_FRACTION = 0.10
 RAM_HEADROOM_MIN = 1 * GiB
 DEVICE_HEADROOM = 512 * MiB
-
-
-def physical_cores() -> int:
-    """Return the number of physical cores this process may run on (hyperthreads count once)."""
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-    cores: set[tuple[str, str]] = set()
-    for cpu in allowed:
-        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            cores.add(
-                (
-                    (topology / "physical_package_id").read_text().strip(),
-                    (topology / "core_id").read_text().strip(),
-                )
-            )
-        except OSError:
-            return max(1, len(allowed))
-    return max(1, len(cores) or (os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -361,24 +341,3 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
         notes=tuple(notes),
         kv_layout=layout,
     )
-
-
-# --- gathering the inputs --------------------------------------------------------------------
-
-
-def read_meminfo(text: str | None = None) -> tuple[int, int]:
-    """Return (MemAvailable, MemTotal) in bytes from /proc/meminfo (or ``text``)."""
-    if text is None:
-        try:
-            text = Path("/proc/meminfo").read_text()
-        except OSError:
-            pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            return pages // 2, pages
-    values: dict[str, int] = {}
-    for line in text.splitlines():
-        name, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts:
-            values[name] = int(parts[0]) * 1024
-    total = values.get("MemTotal", 0)
-    return values.get("MemAvailable", values.get("MemFree", total // 2)), total

@@ -38,10 +38,10 @@ from phi4cli.config import Settings
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
-from phi4cli.daemon.memory import physical_cores
 from phi4cli.daemon.sessions import SwappedSession, SwapStore
 from phi4cli.daemon.statefile import remove_state
 from phi4cli.daemon.threads import ThreadGovernor
+from phi4cli.machine import physical_cores
 from phi4cli.protocol import ErrorCode, Stats
 from phi4cli.reasoning import ANSWER, THINK_CLOSE, ThinkSplitter
 from phi4cli.thinking import Act, ThinkingPolicy

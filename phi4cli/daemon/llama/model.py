@@ -29,11 +29,10 @@ from phi4cli.daemon.memory import (
     MemoryPlan,
     MemoryRequest,
     ModelShape,
-    physical_cores,
     plan_memory,
-    read_meminfo,
 )
 from phi4cli.daemon.ramdisk import Staging, stage
+from phi4cli.machine import physical_cores, read_meminfo
 from phi4cli.reasoning import model_thinks
 
 log = logging.getLogger("phi4.engine")
