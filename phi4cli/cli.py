@@ -550,11 +550,15 @@ def config_set(
 
     if key == "model":
         from phi4cli.config import parse_setting
+        from phi4cli.errors import InvalidModelError, ModelNotFoundError
         from phi4cli.models import ALIASES, resolve_model
 
         named = parse_setting(key, value, f"config key {key}")
         if named not in ALIASES:  # (an alias may be pulled later)
-            resolve_model(named, paths)  # a file that is not there, or not a GGUF: refused
+            try:
+                resolve_model(named, paths)  # a file that is not there, or not a GGUF
+            except (ModelNotFoundError, InvalidModelError) as error:
+                raise ConfigError(f"invalid model: {error}") from None  # a bad value: exit 2
     parsed = set_config_value(path, key, value)
     print(clean_text(f"{key} = {format_setting(key, parsed)} ({path})"))
 

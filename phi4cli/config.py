@@ -236,6 +236,8 @@ def _edited(config_file: Path, key: str, line: str | None, data: dict[str, Any])
     if len(hits) > 1:
         return None
     if hits:
+        if line is not None:
+            line = line.rstrip("\n") + _comment_of(lines[hits[0]]) + "\n"
         lines[hits[0] : hits[0] + 1] = [line] if line is not None else []
     elif line is not None:
         if lines and not lines[-1].endswith("\n"):
@@ -249,6 +251,22 @@ def _edited(config_file: Path, key: str, line: str | None, data: dict[str, Any])
     if "backends" in read and "backend" not in read:
         read["backend"] = read.pop("backends")
     return text if read == data else None
+
+
+def _comment_of(line: str) -> str:
+    """The comment at the end of a ``key = value  # comment`` line (with the spaces before it),
+    or "": the first ``#`` before which the line reads as TOML (one inside a string does not)."""
+    import tomllib
+
+    for at, char in enumerate(line):
+        if char == "#":
+            try:
+                tomllib.loads(line[:at])
+            except tomllib.TOMLDecodeError:
+                continue
+            start = len(line[:at].rstrip())
+            return line[start:].rstrip("\n")
+    return ""
 
 
 def check_config_file(config_file: Path, shown_as: Path | None = None) -> None:

@@ -1095,7 +1095,9 @@ class _StreamState:
         return Stats(
             prompt_tokens=prompt,
             cached_tokens=cached,
-            prompt_eval_tokens=_count(timings.get("prompt_n")) or prompt,
+            # What the server evaluated: its own count (llama-server's), else the prompt less
+            # what it found cached.
+            prompt_eval_tokens=_count(timings.get("prompt_n")) or max(0, prompt - cached),
             prompt_eval_s=round(prompt_eval_s, 4),
             completion_tokens=completion,
             reasoning_tokens=min(reasoning, completion),

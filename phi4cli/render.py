@@ -75,7 +75,12 @@ def format_stats(stats: Stats) -> str:
         ("confidence", _confidence(stats)),
         ("first token", human_seconds(stats.first_token_s)),
         ("total", human_seconds(stats.total_s)),
-        ("finish", f"{stats.finish_reason}, seed {stats.seed}"),
+        (
+            "finish",
+            stats.finish_reason
+            if stats.seed is None
+            else f"{stats.finish_reason}, seed {stats.seed}",
+        ),
     ]
     return "\n".join(f"{label + ':':<18}{value}" for label, value in rows if value is not None)
 

@@ -51,10 +51,11 @@ def test_config_set_keeps_the_files_comments_and_order(phi4_home: Path, tmp_path
                     "# the daemon\nkeep_alive = \"1h\"\n")  # fmt: skip
     assert run_phi4("config", "set", "temperature", "0.3").returncode == 0
     assert run_phi4("config", "set", "seed", "5").returncode == 0
-    assert path.read_text() == ("# my settings\ntemperature = 0.3\n\n# the daemon\n"
-                                'keep_alive = "1h"\nseed = 5\n')  # fmt: skip
+    assert path.read_text() == ("# my settings\ntemperature = 0.3   # a little less random\n\n"
+                                '# the daemon\nkeep_alive = "1h"\nseed = 5\n')  # fmt: skip
     assert run_phi4("config", "set", "seed", "random").returncode == 0
-    kept = '# my settings\ntemperature = 0.3\n\n# the daemon\nkeep_alive = "1h"\n'
+    kept = ('# my settings\ntemperature = 0.3   # a little less random\n\n# the daemon\n'
+            'keep_alive = "1h"\n')  # fmt: skip
     assert path.read_text() == kept
     # A value over several lines is not one line to change: the file is written afresh.
     path.write_text('# replicas\nbackends = [\n  "http://a:1/v1",\n  "http://b:2/v1",\n]\n')
@@ -66,8 +67,8 @@ def test_config_set_keeps_the_files_comments_and_order(phi4_home: Path, tmp_path
 def test_config_set_model_checks_the_file_but_not_an_alias(tmp_path: Path):
     # Before: any path was written, and every later command failed on it.
     missing = run_phi4("config", "set", "model", str(tmp_path / "nowhere.gguf"))
-    assert missing.returncode == 1
-    assert f"model file {tmp_path / 'nowhere.gguf'} does not exist" in missing.stderr
+    assert missing.returncode == 2, "a bad value, as any other setting's"
+    assert f"invalid model: model file {tmp_path / 'nowhere.gguf'} does not exist" in missing.stderr
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("hello")
     assert "is not a GGUF model file" in run_phi4("config", "set", "model", str(not_gguf)).stderr

@@ -694,3 +694,22 @@ def test_a_retry_after_beyond_the_bound_is_not_waited_for():
     assert asked == 1
     assert result.returncode == 1, result.stderr
     assert "the backend answered 429: busy, try later" in _one_error_line(result)
+
+
+def test_a_remote_prompt_found_cached_is_not_counted_as_evaluated():
+    # Before: "prompt tokens: 50 (49 cached, 50 evaluated)" against phi4 serve, whose usage
+    # says what was cached but gives no llama-server timings; and "seed None" in the footer.
+    def script(_body: dict[str, Any]) -> list[str | Step | Head]:
+        usage = {"prompt_tokens": 50, "completion_tokens": 2,
+                 "prompt_tokens_details": {"cached_tokens": 49}}  # fmt: skip
+        return [chunk({"content": "So "}), chunk({"content": "$\\boxed{4}$."}), chunk({}, "stop"),
+                data({"choices": [], "usage": usage}), data("[DONE]")]  # fmt: skip
+
+    with scripted_server(script) as server:
+        result = _solve(server.url, "--json", "-m", "m")
+        shown = _solve(server.url, "-v", "-m", "m")
+    stats = json.loads(result.stdout)["stats"]
+    assert (stats["prompt_tokens"], stats["cached_tokens"], stats["prompt_eval_tokens"]) == (
+        50, 49, 1)  # fmt: skip
+    assert "50 (49 cached, 1 evaluated)" in shown.stderr, shown.stderr
+    assert "seed None" not in shown.stderr

@@ -322,5 +322,10 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="Write the tests' tiny synthetic phi3 GGUF.")
-    parser.add_argument("path", nargs="?", default="tiny-phi3.gguf", help="where to write it")
+    parser.add_argument(
+        "path",
+        nargs="?",
+        default="tiny-phi3.gguf",
+        help="where to write it (default: ./tiny-phi3.gguf)",
+    )
     print(write_tiny_phi3(Path(parser.parse_args().path)))
