@@ -314,7 +314,7 @@ class RemoteBackend:
 
     def _flight(self, op: Op, requests: Sequence[JSON | Event], restart: bool,
                 feed: Feed | None = None) -> Flight:  # fmt: skip
-        from phi4cli.remote import RemoteReplica, ReplicaInbox
+        from phi4cli.replicas import RemoteReplica, ReplicaInbox
 
         inbox = ReplicaInbox()
         replicas: list[Replica] = [RemoteReplica(engine, self.concurrency, inbox)
@@ -340,7 +340,7 @@ class RemoteBackend:
         pass  # nothing to start: the first request finds out whether the server answers
 
     def status(self) -> JSON:
-        from phi4cli.remote import probe_all
+        from phi4cli.replicas import probe_all
 
         replicas = probe_all(self.engines)
         up = sum(1 for r in replicas if r["state"] == "up")

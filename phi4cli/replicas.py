@@ -1,0 +1,193 @@
+"""Remote servers as a flight's replicas: each request in flight on one is a thread reading its
+stream (the samples of a question given to it in one round share one request, ``n``), what
+comes goes to the flight's inbox; a server that went away is probed until it is back; and
+``phi4 status --backend``'s look at each server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from phi4cli.dispatch import Delivery, Failure, Flight, Probe, Replica, Slow
+from phi4cli.protocol import JSON, ErrorCode, Event
+from phi4cli.remote import LOAD_METRICS, LOAD_WINDOW_S, Attempt, RemoteEngine, ReplicaFault
+from phi4cli.remote_shared import MAX_SHARED, SharedMember, SharedRequest, shared_params
+
+# A replica that went away mid-run is probed this long after (seconds, one after another)
+# before it is given up on for the run: about 15 s in all, time for a server to restart.
+PROBE_DELAYS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+class ReplicaInbox:
+    """Where the threads of a flight's remote requests leave what their servers sent."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self._queue: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
+        self._empty = queue.Empty
+
+    def put(self, delivery: Delivery) -> None:
+        self._queue.put(delivery)
+
+    def get(self, timeout: float | None) -> Delivery | None:
+        try:
+            return self._queue.get(timeout=timeout)
+        except self._empty:
+            return None
+
+
+class RemoteReplica(Replica):
+    """One OpenAI-compatible server in a flight: each request in flight on it is a thread
+    reading its stream (httpx is blocking; a few dozen threads cost little next to a model's
+    answer), and what comes goes to the flight's inbox."""
+
+    def __init__(self, engine: RemoteEngine, window: int, inbox: ReplicaInbox) -> None:
+        super().__init__(window)
+        self.engine, self.inbox = engine, inbox
+        self.name = engine.url
+        self.attempts: dict[int, Attempt] = {}
+        # Samples of one question sent in this round, by their group: asked together at flush.
+        self._grouped: dict[Any, list[tuple[int, JSON, Attempt]]] = {}
+
+    def send(self, serial: int, op: str, params: JSON) -> None:
+        def busy(wait: float) -> None:
+            self.inbox.put((self, serial, Slow(wait)))
+
+        attempt = Attempt(on_busy=busy)
+        attempt.floor = params.get("confidence_floor")  # (an adjust later replaces it)
+        self.attempts[serial] = attempt
+        group = params.get("sample_group")
+        if group is not None and self.engine.takes_n is not False:
+            # One of several samples of a question: sent with the others given to this server
+            # in the same round, as one request with n (see flush).
+            self._grouped.setdefault(group, []).append((serial, params, attempt))
+            return
+        self._start(serial, params, attempt, None)
+
+    def flush(self) -> None:
+        grouped, self._grouped = self._grouped, {}
+        # At most MAX_SHARED choices a request (phi4 serve's and OpenAI's limit of n is 16).
+        parts = [members[at : at + MAX_SHARED] for members in grouped.values()
+                 for at in range(0, len(members), MAX_SHARED)]  # fmt: skip
+        for members in parts:
+            shared = shared_params([params for _serial, params, _attempt in members]) \
+                if len(members) > 1 else None  # fmt: skip
+            if shared is None:
+                for serial, params, attempt in members:
+                    self._start(serial, params, attempt, None)
+                continue
+            request = SharedRequest(self.engine, shared, len(members))
+            for index, (serial, params, attempt) in enumerate(members):
+                self._start(serial, params, attempt, request.member(index))
+            request.start()
+
+    def _start(self, serial: int, params: JSON, attempt: Attempt,
+               member: SharedMember | None) -> None:  # fmt: skip
+        threading.Thread(target=self._read, args=(serial, params, attempt, member), daemon=True,
+                         name="phi4-remote").start()  # fmt: skip
+
+    def _read(self, serial: int, params: JSON, attempt: Attempt,
+              member: SharedMember | None) -> None:  # fmt: skip
+        try:
+            for event in self.engine.stream(params, attempt, member):
+                if attempt.cancelled:
+                    return
+                self.inbox.put((self, serial, event))
+        except ReplicaFault as fault:
+            if attempt.cancelled:
+                return  # the hang-up was ours: it says nothing of the server
+            self.inbox.put((self, serial, Failure(fault.code, fault.message, down=fault.down,
+                                                  elsewhere=fault.elsewhere,
+                                                  stats=fault.stats)))  # fmt: skip
+        except Exception as error:  # a bug here must not leave the request without an end
+            self.inbox.put(
+                (
+                    self,
+                    serial,
+                    Failure(
+                        ErrorCode.INTERNAL,
+                        f"reading the backend {self.engine.url} failed: {error!r}",
+                    ),
+                )
+            )
+        finally:
+            self.attempts.pop(serial, None)
+
+    def adjust(self, serial: int, params: JSON) -> None:
+        attempt = self.attempts.get(serial)
+        if attempt is not None and "confidence_floor" in params:
+            attempt.floor = params["confidence_floor"]  # read by its stream's thread
+
+    def cancel(self, serial: int) -> Event | None:
+        attempt = self.attempts.pop(serial, None)
+        if attempt is not None:
+            attempt.cancel()
+        # Hanging up is the only way to stop an OpenAI-compatible server, and it sends no end.
+        return Event.error(ErrorCode.CANCELLED, "cancelled")
+
+    def may_recover(self, failure: Failure) -> bool:
+        # A server that never answered in this run and cannot be reached is not waited for:
+        # a wrong URL fails at once. While others of its requests are still in flight, one
+        # connection that failed says too little.
+        return self.worked or failure.code != ErrorCode.UNREACHABLE or bool(self.in_flight)
+
+    def recover(self, flight: Flight) -> None:
+        failure = self.last_failure
+        if failure is not None and not self.may_recover(failure):
+            self.inbox.put((self, None, Probe(False, failure)))
+            return
+
+        def probe() -> None:
+            reason = None
+            for delay in PROBE_DELAYS_S:
+                time.sleep(delay)
+                if flight.closed:
+                    return
+                reason = self.engine.probe()
+                if reason is None:
+                    self.inbox.put((self, None, Probe(True)))
+                    return
+            gone = Failure(ErrorCode.UNREACHABLE,
+                           f"the backend {self.engine.url} went away: {reason}")  # fmt: skip
+            self.inbox.put((self, None, Probe(False, failure or gone)))
+
+        threading.Thread(target=probe, daemon=True, name="phi4-probe").start()
+
+    def close(self, idle: bool) -> None:
+        for attempt in list(self.attempts.values()):
+            attempt.cancel()
+
+
+def probe_all(engines: list[RemoteEngine]) -> list[JSON]:
+    """Each server's state now (``phi4 status --backend``): up or down, how long the probe
+    took and, where the server publishes metrics, its requests in flight, waiting and answered
+    and the tokens a second it generates (over :data:`LOAD_WINDOW_S`); all probed at once."""
+    results: list[JSON] = [{} for _ in engines]
+
+    def probe(i: int) -> None:
+        started = time.monotonic()
+        reason = engines[i].probe()
+        results[i] = {"replica": engines[i].url, "state": "up" if reason is None else "down",
+                      "reason": reason,
+                      "probe_s": round(time.monotonic() - started, 3)}  # fmt: skip
+        if reason is not None:
+            return
+        results[i]["models"] = engines[i].served_models()
+        first = engines[i].load()
+        results[i].update({key: first.get(key) for key in LOAD_METRICS})
+        if "tokens" in first:
+            time.sleep(LOAD_WINDOW_S)
+            later = engines[i].load()
+            if "tokens" in later:
+                rate = max(0.0, later["tokens"] - first["tokens"]) / LOAD_WINDOW_S
+                results[i]["tokens_per_s"] = round(rate, 1)
+        results[i].setdefault("tokens_per_s", None)
+
+    threads = [threading.Thread(target=probe, args=(i,), daemon=True) for i in range(len(engines))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
