@@ -24,7 +24,7 @@ from phi4cli.errors import ConfigError, ExitStatus, Phi4Error, UsageError
 from phi4cli.exits import say  # the one `phi4:` line on stderr, cleaned
 from phi4cli.options import ANSWER_KEYS, DAEMON_OPTIONS, SETTING, SETTINGS
 from phi4cli.paths import Paths, get_paths
-from phi4cli.sanitize import TextCleaner, clean_text
+from phi4cli.sanitize import clean_text
 
 # Typer >= 0.26 vendors its own click: reach its exception classes through a public name.
 _click_exceptions = sys.modules[typer.BadParameter.__module__]
@@ -159,7 +159,7 @@ def _settings(paths: Paths, **overrides: object) -> Settings:
 
 def _version_callback(value: bool) -> None:
     if value:
-        print(f"phi4 {__version__} (protocol {protocol.PROTOCOL_VERSION})")
+        _print(f"phi4 {__version__} (protocol {protocol.PROTOCOL_VERSION})")
         raise typer.Exit()
 
 
@@ -351,9 +351,9 @@ def eval_(
         result["replicas"] = replicas  # how many each answered (also said on stderr)
     if as_json:
         summary = {**result, "seconds": round(seconds, 3), "results": str(results)}
-        print(json_text(summary, indent=2), file=env.stdout)
+        _print(json_text(summary, indent=2), file=env.stdout)
     else:
-        print(format_eval(result, seconds, results), file=env.stderr if jsonl else env.stdout)
+        _print(format_eval(result, seconds, results), file=env.stderr if jsonl else env.stdout)
     return ExitStatus.ERROR if result["error"] else ExitStatus.OK
 
 
@@ -416,9 +416,9 @@ def chat(
                     show_reasoning, verbose)  # fmt: skip
     interactive = bool(env.stdin_isatty)
     if interactive:
-        print(clean_text(f"phi4 chat · {model_path.name} · /help for commands, Ctrl-D to leave"))
+        _print(clean_text(f"phi4 chat · {model_path.name} · /help for commands, Ctrl-D to leave"))
     if conversation.turns:
-        print(clean_text(f"resumed {conversation.name}: {len(conversation.turns)} turns"))
+        _print(clean_text(f"resumed {conversation.name}: {len(conversation.turns)} turns"))
     if interactive:
         paths.state_dir.mkdir(parents=True, exist_ok=True)
         reader = prompt_reader(paths.state_dir / "chat_history")
@@ -511,18 +511,18 @@ def config_show(as_json: JsonOption = False) -> None:
 
     sources = setting_sources(get_paths().config_file)
     if as_json:
-        print(json.dumps({k: {"value": v, "source": src} for k, (v, src) in sources.items()},
+        _print(json.dumps({k: {"value": v, "source": src} for k, (v, src) in sources.items()},
                          indent=2))  # fmt: skip
         return
     from phi4cli.render import format_settings
 
-    print(format_settings(sources))
+    _print(format_settings(sources))
 
 
 @config_app.command("path")
 def config_path() -> None:
     """Print the config file's path."""
-    print(get_paths().config_file)
+    _print(get_paths().config_file)
 
 
 @config_app.command("set")
@@ -560,7 +560,7 @@ def config_set(
             except (ModelNotFoundError, InvalidModelError) as error:
                 raise ConfigError(f"invalid model: {error}") from None  # a bad value: exit 2
     parsed = set_config_value(path, key, value)
-    print(clean_text(f"{key} = {format_setting(key, parsed)} ({path})"))
+    _print(clean_text(f"{key} = {format_setting(key, parsed)} ({path})"))
 
 
 @config_app.command("edit")
@@ -602,7 +602,7 @@ def config_edit() -> None:
                      what="config file")  # fmt: skip
     finally:
         draft.unlink(missing_ok=True)
-    print(f"{path}: ok")
+    _print(f"{path}: ok")
 
 
 @app.command()
@@ -613,34 +613,12 @@ def logs(
     ] = False,
 ) -> None:
     """Show the daemon log (rotated by size in the state dir)."""
-    from collections import deque
+    from phi4cli.logfile import show_log
 
     path = get_paths().log_file
     if not path.exists():
         raise Phi4Error(f"no daemon log yet ({path}); the daemon writes it once it starts")
-    cleaner = TextCleaner()  # the log quotes requests and engine errors: foreign text
-    with path.open("rb") as handle:
-        # More lines than a deque can count (it overflows past sys.maxsize) is every line.
-        for line in deque(handle, maxlen=min(lines, sys.maxsize)) if lines else ():
-            sys.stdout.write(cleaner.feed(line.decode(errors="replace")))
-        sys.stdout.flush()
-        if not follow:
-            return
-        inode = os.fstat(handle.fileno()).st_ino
-        try:
-            while True:
-                chunk = handle.read()
-                if chunk:
-                    sys.stdout.write(cleaner.feed(chunk.decode(errors="replace")))
-                    sys.stdout.flush()
-                    continue
-                time.sleep(0.2)
-                if path.exists() and path.stat().st_ino != inode:  # rotated: follow the new one
-                    handle.close()
-                    handle = path.open("rb")
-                    inode = os.fstat(handle.fileno()).st_ino
-        except KeyboardInterrupt:
-            return
+    show_log(path, lines, follow, _env().stdout)
 
 
 @daemon_app.command("install-service")
@@ -651,50 +629,20 @@ def daemon_install_service(
     ] = "-1",
 ) -> None:
     """Write a systemd user unit that runs the daemon at login, and say how to enable it."""
+    from phi4cli.atomicfile import write_atomic
+    from phi4cli.config import variable
     from phi4cli.models import resolve_model
+    from phi4cli.service import unit_text
 
     paths = get_paths()
     settings = _settings(paths, model=model, keep_alive=keep_alive)
     model_path = resolve_model(settings.model, paths)
     config_home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     unit = config_home / "systemd" / "user" / "phi4.service"
-    from phi4cli.config import variable
-
-    home = variable("PHI4_HOME")
-    environment = f"Environment={_unit_word(f'PHI4_HOME={home}')}\n" if home is not None else ""
-    described = _unit_word(f"phi4 daemon: {model_path.name} kept resident for phi4 solve and chat",
-                           quote=False)  # fmt: skip
-    command = " ".join(_unit_word(word) for word in (
-        sys.executable, "-m", "phi4cli", "daemon", "run", "--model", str(model_path),
-        "--keep-alive", keep_alive))  # fmt: skip
-    text = (
-        "[Unit]\n"
-        f"Description={described}\n\n"
-        "[Service]\n"
-        "Type=simple\n"
-        f"{environment}"
-        f"ExecStart={command}\n"
-        "Restart=on-failure\n\n"
-        "[Install]\n"
-        "WantedBy=default.target\n"
-    )
-    from phi4cli.atomicfile import write_atomic
-
+    text = unit_text(model_path, keep_alive, variable("PHI4_HOME"))
     write_atomic(unit, text.encode(), mode=0o644, what="systemd unit")
-    print(f"wrote {unit}")
-    print("enable it with: systemctl --user daemon-reload && systemctl --user enable --now phi4")
-
-
-def _unit_word(value: str, quote: bool = True) -> str:
-    """``value`` as a systemd unit file reads it back: ``%`` doubled (a specifier otherwise), no
-    line break, and (with ``quote``) in double quotes when it holds a space, a quote or a
-    backslash, so that a path with a space stays one argument."""
-    import re
-
-    value = clean_text(value).replace("\n", " ").replace("%", "%%")
-    if quote and re.search(r'[\s"\'\\;]', value):
-        value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return value
+    _print(f"wrote {unit}")
+    _print("enable it with: systemctl --user daemon-reload && systemctl --user enable --now phi4")
 
 
 def _status_of(paths: Paths) -> dict[str, Any]:
@@ -706,7 +654,7 @@ def _status_of(paths: Paths) -> dict[str, Any]:
 def _print_status(status: dict[str, Any], as_json: bool) -> None:
     from phi4cli.render import format_status
 
-    print(json.dumps(status, indent=2) if as_json else format_status(status))
+    _print(json.dumps(status, indent=2) if as_json else format_status(status))
 
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
@@ -737,7 +685,7 @@ def status(
         found = _status_of(get_paths())
     except DaemonUnavailableError as error:
         if as_json:  # a script reading stdout gets an answer too (the exit status is still 3)
-            print(json.dumps({"running": False, "state": "not running", "reason": str(error)},
+            _print(json.dumps({"running": False, "state": "not running", "reason": str(error)},
                              indent=2))  # fmt: skip
         raise
     _print_status(found, as_json)
@@ -756,7 +704,7 @@ def _print_backend_status(urls: list[str], as_json: bool) -> None:
     remote = RemoteBackend(parsed, settings.model, backend_key(), settings.backend_timeout)
     status = remote.status()
     if as_json:
-        print(json.dumps(status, indent=2))
+        _print(json.dumps(status, indent=2))
     else:
         for replica in status["replicas"]:
             if replica["state"] == "up":
@@ -765,7 +713,7 @@ def _print_backend_status(urls: list[str], as_json: bool) -> None:
                     how = f"serving {', '.join(replica['models'])}  {how}"
             else:
                 how = replica["reason"] or ""
-            print(clean_text(f"{replica['replica']}  {replica['state']}  {how}"))
+            _print(clean_text(f"{replica['replica']}  {replica['state']}  {how}"))
     if status["state"] != "remote":
         raise typer.Exit(ExitStatus.DAEMON_UNAVAILABLE)
 
@@ -800,7 +748,7 @@ def daemon_stop() -> None:
     from phi4cli.client import stop_daemon
 
     pid = stop_daemon(get_paths(), announce=say)
-    print("no daemon was running" if pid is None else f"daemon stopped (pid {pid})")
+    _print("no daemon was running" if pid is None else f"daemon stopped (pid {pid})")
 
 
 def _daemon_setup(daemon: OptionGroup, **overrides: object) -> tuple[Paths, Settings, Path]:
@@ -826,7 +774,7 @@ def daemon_start(daemon: OptionGroup) -> None:
     load = _load_model(paths, settings, model_path, set_keep_alive)[0]
     current = daemon_status(paths)
     keep = format_duration(float(current.get("keep_alive_s", settings.keep_alive)))
-    print(
+    _print(
         f"daemon ready (pid {current['pid']}, model {current.get('model')}, "
         f"load {load.get('load_s', 0):.2f} s, keep_alive {keep})"
     )
@@ -911,16 +859,16 @@ def warm(
 
         connect_checked(paths, settings, model_path, say).close()
         if daemon_status(paths).get("state") == "ready":  # (it said "loading" when it was not)
-            print(f"the daemon is ready: {model_path.name} is loaded")
+            _print(f"the daemon is ready: {model_path.name} is loaded")
         else:
-            print(f"the daemon is loading {model_path.name}; `phi4 status` shows its progress")
+            _print(f"the daemon is loading {model_path.name}; `phi4 status` shows its progress")
         return
     started = time.monotonic()
     timings, spawned = _load_model(paths, settings, model_path, daemon["keep_alive"] is not None)
     timings["wall_s"] = round(time.monotonic() - started, 4)
     # A daemon this command started loaded the model as it started: that load was ours.
     timings["already_loaded"] = bool(timings.get("already_loaded")) and not spawned
-    print(json.dumps(timings, indent=2) if as_json else format_warm(timings))
+    _print(json.dumps(timings, indent=2) if as_json else format_warm(timings))
 
 
 cache_app = typer.Typer(help="Staged model copies and saved prompt states.", no_args_is_help=True)
@@ -930,35 +878,11 @@ app.add_typer(cache_app, name="cache")
 @cache_app.command("clear")
 def cache_clear() -> None:
     """Remove staged model copies (RAM), saved system-prompt states and swapped-out chats."""
-    import shutil
+    from phi4cli.caches import clear_caches
 
-    from phi4cli.daemon.ramdisk import mapped_by, ramdisk_dir, remove_staged
-    from phi4cli.paths import not_private
-
-    paths = get_paths()
-    directory = ramdisk_dir()
-    in_use: dict[Path, int] = {}
-    if directory is not None and os.path.lexists(directory):
-        problem = not_private(directory)
-        if problem is not None:
-            say(f"staged copies left alone: {problem}")
-        elif directory.is_dir():
-            # The staging dir is the user's, shared by every install (PHI4_HOME): a copy that a
-            # running daemon has loaded stays, or its RAM would stay taken and the file gone.
-            in_use = {path: pid for path, pid in mapped_by(directory).items()
-                      if path.suffix == ".gguf"}  # fmt: skip
-    staged = remove_staged(in_use=in_use)
-    for path, pid in sorted(in_use.items()):
-        say(f"kept {path}: in use by pid {pid} (a running daemon: stop it to free that RAM)")
-    counts = []
-    for name in ("states", "sessions"):
-        directory = paths.cache_dir / name
-        counts.append(len(list(directory.glob("*.state"))) if directory.is_dir() else 0)
-        shutil.rmtree(directory, ignore_errors=True)
-    print(
-        f"removed {staged} staged model copies, {counts[0]} saved prompt states and "
-        f"{counts[1]} swapped-out chat sessions"
-    )
+    staged, states, sessions = clear_caches(get_paths(), say)
+    _print(f"removed {staged} staged model copies, {states} saved prompt states and "
+           f"{sessions} swapped-out chat sessions")  # fmt: skip
 
 
 @app.command()
@@ -967,7 +891,7 @@ def models() -> None:
     from phi4cli.models import list_models
     from phi4cli.render import format_models
 
-    print(format_models(list_models(get_paths())))
+    _print(format_models(list_models(get_paths())))
 
 
 @app.command()
@@ -980,10 +904,16 @@ def pull(
     from phi4cli.models import pull_model
 
     path = pull_model(name, get_paths())
-    print(f"{name}: {path}")
+    _print(f"{name}: {path}")
 
 
 _environment: Environment | None = None  # the one main was given: see _env
+
+
+def _print(*values: object, file: Any = None, **options: Any) -> None:
+    """print, to this run's Environment's stdout unless told otherwise: a command's output
+    goes through the streams ``main`` was given, never around them."""
+    print(*values, file=file if file is not None else _env().stdout, **options)
 
 
 def _env() -> Environment:
