@@ -135,7 +135,7 @@ class FileProgress:
             return
         kind = event.kind
         loading = (kind == EventKind.ACCEPTED and event.get("state") in ("loading", "warming")) or (
-            kind == EventKind.PROGRESS and event.get("stage") == "loading"
+            kind == EventKind.PROGRESS and event.get("stage") in ("loading", "warming")
         )
         if kind == EventKind.RESTART:  # sent again: its pieces so far do not count
             self._pieces.pop(index, None)
@@ -238,9 +238,9 @@ class ProgressNotice:
             self._said.add(topic)
             self._announce(message)
 
-    def _loading(self, model: str | None, message: str) -> None:
+    def _loading(self, model: str | None, stage: str, message: str) -> None:
         if self._load_line is not None:
-            self._load_line.start(model)
+            self._load_line.start(model, stage)
         else:
             self._once("loading", message)
 
@@ -252,10 +252,15 @@ class ProgressNotice:
                 f"waiting for memory: a request reserves {event.get('needed', 0):,} tokens of "
                 f"context and {event.get('free', 0):,} are free until a running one finishes",
             )
-        elif kind == EventKind.PROGRESS and event.get("stage") == "loading":
-            self._loading(event.get("model"), f"loading {event.get('model', 'the model')}...")
+        elif kind == EventKind.PROGRESS and event.get("stage") in ("loading", "warming"):
+            self._loading(event.get("model"), str(event.get("stage")),
+                          f"loading {event.get('model', 'the model')}...")  # fmt: skip
+        elif kind == EventKind.PROGRESS and event.get("stage") == "ready":
+            if self._load_line is not None and self._load_line.shown:  # reading the question
+                self._load_line.start(event.get("model"), "ready")
         elif kind == EventKind.ACCEPTED and event.get("state") in ("loading", "warming"):
-            self._loading(None, "waiting for the daemon to load the model...")
+            self._loading(event.get("model"), str(event.get("state")),
+                          "waiting for the daemon to load the model...")  # fmt: skip
         elif kind in (EventKind.REASONING, EventKind.TOKEN, EventKind.RETRACT) or kind.terminal:
             self.stop()
 
@@ -266,8 +271,8 @@ class ProgressNotice:
 
 class LoadLine:
     """At a terminal, while the daemon loads the model a request waits for: one live line with
-    what the daemon is doing (loading, then warming up: its status file says) and the seconds
-    since the command began, gone once the model writes. Shown in the command's spinner when
+    what the daemon is doing (loading, then warming up: its ``progress`` events say) and the
+    seconds since the command began, gone once the model writes. Shown in the command's spinner when
     it has one (a terminal holds one live line at a time), else in a line of its own."""
 
     def __init__(self, env: Environment, spinner: StderrStatus | None = None) -> None:
@@ -275,15 +280,17 @@ class LoadLine:
         self._env, self._spinner = env, spinner
         self._began = time.monotonic()
         self._model = "the model"
-        self._path: str | None = None  # the model being loaded, once a `progress` event says
-        self._state, self._read_at = "loading", 0.0
+        self._state = "loading"
         self._live: Any = None
         self._restore: Any = None
         self._shown = False
 
-    def start(self, model: str | None) -> None:
+    def start(self, model: str | None, stage: str = "loading") -> None:
+        """Show the line, or say on it what the daemon does now: ``stage`` (loading, warming)
+        of ``model``."""
         if model:
-            self._path, self._model, self._state = model, os.path.basename(model), "loading"
+            self._model = os.path.basename(model)
+        self._state = stage
         if self._shown:
             return
         self._shown = True
@@ -301,6 +308,10 @@ class LoadLine:
         self._live.start(refresh=True)
         self._env.print_above_live = printer(console)
 
+    @property
+    def shown(self) -> bool:
+        return self._shown
+
     def stop(self) -> None:
         if not self._shown:
             return
@@ -316,16 +327,6 @@ class LoadLine:
         from rich.text import Text
 
         now = time.monotonic()
-        if now - self._read_at > 0.5:
-            from phi4cli.daemon.spawn import read_status
-
-            status = read_status(self._env.paths)
-            # What the file says of another model (the one loaded before) is not this wait's.
-            if status is not None and self._path in (None, status.model):
-                self._state = status.state
-                if status.model and self._path is None:
-                    self._model = os.path.basename(status.model)
-            self._read_at = now
         model = self._model
         doing = {"starting": "starting the daemon", "loading": f"loading {model}",
                  "warming": f"warming up {model}",

@@ -581,3 +581,25 @@ def test_platformdirs_answers_are_remembered_per_environment(monkeypatch, tmp_pa
     assert get_paths().config_dir == Path("/evil"), "a matching record is used"
     (runtime / "phi4").chmod(0o755)
     assert get_paths().config_dir == tmp_path / "conf-b" / "phi4", "but not from an open dir"
+
+
+def test_requests_waiting_for_a_model_hear_each_stage_of_its_load():
+    # The client's load line follows these events (it read the daemon's status file before).
+    engine = FakeEngine()
+    scheduler, states = make_scheduler(engine)
+    out = Collector()
+    scheduler.submit(out.job(0, "warm-up"))
+    out.wait(0)
+    engine.gate.clear()  # the next request is held inside its first step, after the load
+    engine.started.clear()
+    scheduler.submit(out.job(1, "other", model=Path("/m/other.gguf")))
+    assert engine.started.wait(5)
+    scheduler.submit(out.job(2, "after"))  # comes once the switch is done: hears nothing of it
+    engine.gate.set()
+    out.wait(1, 2)
+    stages = [(e["stage"], e["model"]) for e in out.events[1] if e["event"] == "progress"]
+    assert stages == [("loading", "/m/other.gguf"), ("warming", "/m/other.gguf"),
+                      ("ready", "/m/other.gguf")]  # fmt: skip
+    assert not [e for e in out.events[2] if e["event"] == "progress"]
+    assert states[-3:] == ["loading", "warming", "ready"]
+    scheduler.stop(5)

@@ -94,6 +94,11 @@ class JobQueue:
         with self._changed:
             self._in_hand = None
 
+    def snapshot(self) -> list[Job]:
+        """The jobs waiting now, the one in hand included."""
+        with self._changed:
+            return list(self._jobs)
+
     def discard(self, job: Job) -> bool:
         """Take ``job`` out unless the worker has it in hand; return whether it was taken out."""
         with self._changed:
@@ -267,9 +272,7 @@ class RequestScheduler:
             if model != self._engine.model_path:
                 if self._engine.active and not switch_model:
                     return _HELD
-                job.emit(Event(EventKind.PROGRESS, job.request_id,
-                               data={"stage": "loading", "model": str(model)}))  # fmt: skip
-                if not self._load(model):
+                if not self._load(model):  # (it tells the waiting requests, this one too)
                     self._settle(
                         job, ErrorCode.MODEL_ERROR, self.last_error or f"cannot load {model}"
                     )
@@ -366,14 +369,23 @@ class RequestScheduler:
                     ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; run the command again"
                 )
 
+    def _loading(self, stage: str, path: Path) -> None:
+        """The daemon is loading, warming or has loaded (ready) ``path``: say so in its
+        status, and to every request waiting, as a ``progress`` event (a client's load line
+        follows these; it need not read the status file)."""
+        self._on_state(stage, path, None)
+        for job in self._queue.snapshot():
+            job.emit(Event(EventKind.PROGRESS, job.request_id,
+                           data={"stage": stage, "model": str(path)}))  # fmt: skip
+
     def _load(self, path: Path, fall_back: bool = True) -> bool:
         """Load (and warm) ``path``; on failure keep serving the model loaded before, if any
         (the failed request gets ``last_error``)."""
         previous = self._engine.model_path
-        self._on_state("loading", path, None)
+        self._loading("loading", path)
         try:
             self.last_load = self._engine.load(path)
-            self._on_state("warming", path, None)
+            self._loading("warming", path)
             self.last_load.update(self._engine.warm())
         except Exception as exc:
             # Whatever broke, the worker must live on to answer the next request.
@@ -398,5 +410,5 @@ class RequestScheduler:
             self._on_state("failed", path, self.last_error)
             return False
         self.last_error = None
-        self._on_state("ready", path, None)
+        self._loading("ready", path)
         return True

@@ -407,9 +407,10 @@ class DaemonServer:
         except QueueFullError as exc:
             raise ProtocolViolation(ErrorCode.BUSY, str(exc), request.id) from None
         connection.jobs[request.id] = job
-        connection.send(
-            Event(EventKind.ACCEPTED, request.id, data={"ahead": ahead, "state": self.state})
-        )
+        loading = {"model": str(self.model_path)} if self.state in _LOADING and \
+            self.model_path is not None else {}  # fmt: skip
+        connection.send(Event(EventKind.ACCEPTED, request.id,
+                              data={"ahead": ahead, "state": self.state, **loading}))  # fmt: skip
 
     def _post(self, connection: Connection, request_id: Any, event: Event) -> None:
         """Hand an event from the engine thread to the event loop. Events posted before the loop
