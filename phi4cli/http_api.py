@@ -12,15 +12,11 @@ loop, so a slow or stuck client holds up nobody else; a client that hangs up can
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import ipaddress
 import json
-import re
 import socket
-import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,22 +37,21 @@ from starlette.routing import Route
 
 from phi4cli.backends import Backend, RequestStream
 from phi4cli.config import Settings, parse_duration, variable
-from phi4cli.errors import ConfigError, Phi4Error, RequestError, UsageError, http_status_for
+from phi4cli.errors import ConfigError, Phi4Error, RequestError, UsageError
 from phi4cli.exits import Announce
 from phi4cli.http_access import AccessGuard, AccessPolicy, PeerGate, port_number
-from phi4cli.options import SETTINGS, sample_seed
-from phi4cli.outcome import Outcome
+from phi4cli.openai_request import (
+    ApiError,
+    check_model,
+    read_chat_request,
+    unencodable_field,
+)
+from phi4cli.openai_response import Choice, Completion, next_event
 from phi4cli.protocol import (
-    MAX_TOP_LOGPROBS,
-    ErrorCode,
     Event,
     EventKind,
     Op,
-    ProtocolViolation,
-    Stats,
-    parse_chat_params,
 )
-from phi4cli.records import Record
 
 MAX_BODY_BYTES = 4 << 20
 
@@ -93,282 +88,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-class ApiError(Exception):
-    """An HTTP error in OpenAI's shape; ``code`` is the status unless OpenAI names one
-    (``model_not_found``), ``param`` the request field at fault."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-        self.code, self.param = code, param
-
-    @classmethod
-    def of(cls, code: ErrorCode, message: str) -> ApiError:
-        status = http_status_for(code)
-        return cls(status, message, "invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict[str, Any]:
-        error: dict[str, Any] = {"message": self.message, "type": self.kind,
-                                 "code": self.code or self.status}  # fmt: skip
-        if self.param is not None:
-            error["param"] = self.param
-        return {"error": error}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def unencodable_field(body: Any) -> str | None:
-    """The first field of a parsed JSON body holding text that is not UTF-8-encodable (a lone
-    surrogate such as ``"\\ud800"``, which JSON allows), named ``messages[0].content``; None if
-    every string is text."""
-    from phi4cli.inputs import find_unencodable
-
-    found = find_unencodable(body)
-    if found is None:
-        return None
-    path, is_key = found
-    named = ""
-    for step in path:
-        if isinstance(step, int):
-            named = f"{named}[{step}]"
-        else:
-            named = f"{named}.{step}" if named else step
-    return f"a key of {named or 'the body'}" if is_key else named or "the body"
-
-
-def check_model(body: dict[str, Any], model_name: str, served: frozenset[str]) -> None:
-    """Accept a request's ``model`` that names the loaded model (its name, file name, an alias
-    of its file, ``default``) or is absent; raise ApiError 404 ``model_not_found`` otherwise,
-    rather than answer with another model than the one asked for."""
-    requested = body.get("model")
-    if requested is None or requested == "":
-        return
-    if not isinstance(requested, str):
-        raise ApiError(400, "'model' must be a string", param="model")
-    if requested.lower() not in served:
-        raise ApiError(
-            404,
-            f"the model {requested!r} is not served here: this server serves {model_name!r} "
-            "(ask for that name, or 'default')",
-            code="model_not_found", param="model",
-        )  # fmt: skip
-
-
-# The most choices (``n``) one request may ask for: each is its own daemon request, and this
-# many leaves most of the daemon's queue (64 by default) to other clients.
-MAX_CHOICES = 16
-MAX_STOPS = 4  # as OpenAI
-MAX_STOP_CHARS = 1_000  # each stop string's (the text held back is checked against each)
-
-_NO_TOOLS = "this server calls no tools (no function calling)"
-# Fields of OpenAI's chat-completions reference that serve does not honour: each is taken at the
-# value that asks for nothing (null, or the value shown accepted here) and refused with a 400
-# naming it otherwise, so that no client gets other behaviour than it asked for without a word.
-_REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (lambda value: value == [], _NO_TOOLS),
-    "tool_choice": (lambda value: value == "none", _NO_TOOLS),
-    "functions": (lambda value: value == [], _NO_TOOLS),
-    "function_call": (lambda value: value == "none", _NO_TOOLS),
-    "response_format": (
-        lambda value: isinstance(value, dict) and value.get("type") == "text",
-        "only {'type': 'text'}: JSON mode and JSON schemas are not supported",
-    ),
-    "logit_bias": (lambda value: value == {}, "the sampler takes no logit biases"),
-    "audio": (lambda value: False, "this server answers with text only"),
-    "modalities": (lambda value: value == ["text"], "this server answers with text only"),
-    "prediction": (lambda value: False, "predicted outputs are not supported"),
-    "web_search_options": (lambda value: False, "this server does not search the web"),
-    "reasoning_effort": (
-        lambda value: False,
-        "the model's thinking has no effort levels here ('max_tokens' bounds it)",
-    ),
-    "verbosity": (lambda value: False, "the model's answer length cannot be chosen"),
-}
-
-
-def check_fields(body: dict[str, Any]) -> None:
-    """Raise ApiError 400 naming the first field of OpenAI's reference that asks for what
-    serve does not do (see ``_REFUSED``). Fields outside the reference are not read at all."""
-    for name, (accepted, why) in _REFUSED.items():
-        value = body.get(name)
-        if value is not None and not accepted(value):
-            raise ApiError(400, f"'{name}' is not supported: {why}", param=name)
-
-
-def _message_text(message: Any, index: int) -> str:
-    """A message's content: a string, or a list of text parts (joined); raise ApiError naming
-    the part that is not text (an image, audio, a file)."""
-    content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts: list[str] = []
-        for at, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):  # fmt: skip
-                raise ApiError(
-                    400,
-                    f"'messages[{index}].content[{at}]' is not supported: only text parts "
-                    "({'type': 'text', 'text': ...}); this model reads text only",
-                    param=f"messages[{index}].content[{at}]",
-                )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ApiError(400, "each message needs a string 'content'", param=f"messages[{index}]")
-
-
-def _whole(body: dict[str, Any], name: str, low: int, high: int, default: int) -> int:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ApiError(400, f"'{name}' must be a whole number from {low} to {high}", param=name)
-    return value
-
-
-def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
-    """The request's ``stop``: none, a string, or a list of up to MAX_STOPS non-empty strings."""
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if (
-        not isinstance(stops, list)
-        or len(stops) > MAX_STOPS
-        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
-    ):
-        raise ApiError(
-            400,
-            f"'stop' must be a string or a list of up to {MAX_STOPS} strings, each of 1 to "
-            f"{MAX_STOP_CHARS:,} characters",
-            param="stop",
-        )
-    return tuple(dict.fromkeys(stops))
-
-
-class ChatRequest(Record):
-    """An OpenAI chat request as serve answers it: one daemon request per choice."""
-
-    params: tuple[dict[str, Any], ...]  # each choice's daemon request
-    stops: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-
-
-def read_chat_request(body: dict[str, Any], model: str, settings: Settings) -> ChatRequest:
-    """Check an OpenAI chat request and make its daemon requests (ApiError if it cannot):
-    ``n`` of them, each its own session and, when a seed is given, seed + i."""
-    check_fields(body)
-    params = chat_params(body, model, settings)
-    choices = _whole(body, "n", 1, MAX_CHOICES, 1)
-    stops = _stop_strings(body)
-    stream = bool(body.get("stream"))
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not stream):
-        raise ApiError(400, "'stream_options' must be an object, given only with 'stream': true",
-                       param="stream_options")  # fmt: skip
-    include_usage = (options or {}).get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise ApiError(400, "'stream_options.include_usage' must be true or false",
-                       param="stream_options.include_usage")  # fmt: skip
-    seed = params.get("seed")
-    each = tuple(
-        {**params, "session": uuid.uuid4().hex if i else params["session"],
-         **({"seed": sample_seed(seed, i)} if seed is not None else {})}
-        for i in range(choices)
-    )  # fmt: skip
-    return ChatRequest(each, stops, stream, include_usage)
-
-
-def _logprobs(body: dict[str, Any]) -> int | None:
-    """How many likeliest tokens each answer token's ``logprobs`` entry lists, from OpenAI's
-    ``logprobs`` and ``top_logprobs``; None when the request asks for no log-probabilities."""
-    asked, top = body.get("logprobs"), body.get("top_logprobs")
-    if asked is not None and not isinstance(asked, bool):
-        raise ApiError(400, "'logprobs' must be true or false", param="logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int)
-                            or not 0 <= top <= MAX_TOP_LOGPROBS):  # fmt: skip
-        raise ApiError(400, "'top_logprobs' must be a whole number from 0 to "
-                       f"{MAX_TOP_LOGPROBS}", param="top_logprobs")  # fmt: skip
-    if top and not asked:  # as OpenAI: top_logprobs goes with logprobs true
-        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    return (top or 0) if asked else None
-
-
-def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[str, Any]:
-    """Turn an OpenAI chat request into a daemon ``chat`` request (ApiError if it cannot).
-
-    The OpenAI shape (roles, system messages) is checked here; the values themselves by the
-    protocol's own schema, the same check the daemon makes.
-    """
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list")
-    system_parts: list[str] = []
-    turns: list[dict[str, str]] = []
-    for index, message in enumerate(messages):
-        content = _message_text(message, index)
-        role = message.get("role")
-        if role in ("system", "developer"):
-            system_parts.append(content)
-        elif role in ("user", "assistant"):
-            turns.append({"role": role, "content": content})
-        else:
-            tools = ": this server calls no tools" if role in ("tool", "function") else ""
-            raise ApiError(400, f"unsupported message role {role!r}{tools}",
-                           param=f"messages[{index}].role")  # fmt: skip
-    if not turns or turns[-1]["role"] != "user":
-        raise ApiError(400, "the last message must be the user's")
-    # Read here, not by the daemon: a 1 for true, or n = 2 answered with one choice, would be
-    # taken without a word.
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise ApiError(400, "'stream' must be true or false", param="stream")
-    logprobs = _logprobs(body)
-    params: dict[str, Any] = {
-        # Each request is its own session: the daemon finds the shared prefix in its slots.
-        "session": uuid.uuid4().hex,
-        "message": turns[-1]["content"],
-        "history": turns[:-1],
-        "system": "\n\n".join(system_parts) or None,
-        "model": model,
-    }
-    # Each setting by its names on the OpenAI wire (``deterministic`` is phi4's own), checked
-    # below as the daemon checks it; a refusal names the field as the request spelled it.
-    field_of = {"history": "messages", "message": "messages"}
-    for row in SETTINGS:
-        given = [name for name in row.openai if body.get(name) is not None]
-        if given:
-            params[row.key] = body[given[0]]
-            field_of[row.key] = given[0]
-    if body.get("max_completion_tokens") is not None:  # OpenAI's newer name for max_tokens
-        params["max_tokens"] = body["max_completion_tokens"]
-        field_of["max_tokens"] = "max_completion_tokens"
-    if logprobs is not None:
-        params["logprobs"] = logprobs
-    try:
-        parse_chat_params(params, settings)
-    except ProtocolViolation as exc:
-        named = re.match(r"'([a-z_]+)'", exc.message)
-        field = field_of.get(named[1], named[1]) if named else None
-        message = exc.message
-        if named and field != named[1]:
-            message = f"'{field}'" + message[named.end() :]
-        raise ApiError(400, message, param=field) from None
-    return params
-
-
-def _finish_reason(outcome: Outcome) -> str:
-    return "length" if outcome.stats is not None and outcome.stats.length_limited else "stop"
 
 
 class DaemonCollector:
@@ -544,9 +263,9 @@ def create_app(
             raise refused
         first = [f for f in firsts if isinstance(f, list)]
         asked = chat_request.params[0].get("logprobs") is not None
-        choices = [_Choice(i, stream, chat_request.stops, asked)
+        choices = [Choice(i, stream, chat_request.stops, asked)
                    for i, stream in enumerate(streams)]  # fmt: skip
-        completion = _Completion(model_name, choices, chat_request.include_usage)
+        completion = Completion(model_name, choices, chat_request.include_usage)
         if chat_request.stream:
             return StreamingResponse(completion.sse(first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
@@ -589,281 +308,14 @@ async def _unless_disconnected(request: Request, streams: list[RequestStream], w
     return result
 
 
-async def _next(stream: RequestStream) -> Event | None:
-    """The stream's next event, read in a worker thread; None after the terminal one."""
-
-    def read() -> Event | None:
-        return next(stream, None)
-
-    return await anyio.to_thread.run_sync(read)
-
-
 async def _first_events(stream: RequestStream) -> list[Event]:
     """Read up to the request's acceptance (or its first text, or its end)."""
     events: list[Event] = []
-    while (event := await _next(stream)) is not None:
+    while (event := await next_event(stream)) is not None:
         events.append(event)
         if event.kind != EventKind.PROGRESS:
             break
     return events
-
-
-class StopStrings:
-    """Where an answer ends: at the first of its stop strings, fed piece by piece. Text that
-    could be the start of one is held back until the pieces after it say whether it is, so a
-    stop string split across tokens is found as one written whole."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.held = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Return the text that may be passed on now, and whether a stop string was reached
-        (then that text is all of the answer before it)."""
-        text = self.held + text
-        found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
-        if found:
-            self.held = ""
-            return text[: min(found)], True
-        keep = 0  # the longest end of the text that begins a stop string
-        for stop in self.stops:
-            for size in range(min(len(stop) - 1, len(text)), keep, -1):
-                if text.endswith(stop[:size]):
-                    keep = size
-                    break
-        self.held = text[len(text) - keep :]
-        return text[: len(text) - keep], False
-
-    def flush(self) -> str:
-        """The text held back, at the answer's end (no stop string came of it)."""
-        held, self.held = self.held, ""
-        return held
-
-
-# A delta for the client, and the logprobs entries of the tokens it carries (None: no logprobs
-# asked for, or none with it).
-Delta = tuple[dict[str, Any], list[dict[str, Any]] | None]
-
-
-class _Choice:
-    """One choice of a completion: its daemon request's events folded, its answer up to the
-    first stop string, how it ended and, when asked for, its answer tokens' logprobs."""
-
-    def __init__(self, index: int, stream: RequestStream, stops: tuple[str, ...],
-                 logprobs: bool = False) -> None:  # fmt: skip
-        self.index, self.stream = index, stream
-        self.outcome = Outcome(index=index, question="")
-        self.stops = StopStrings(stops)
-        self.content = ""  # the answer as sent: up to a stop string
-        self.reasoning = ""
-        self.stopped = False  # a stop string was reached, and the request cancelled there
-        # The answer's tokens' logprobs, as sent (None: not asked for), those not sent yet, and
-        # how much of the content the sent ones' text covers.
-        self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
-        self._unsent: list[dict[str, Any]] = []
-        self._covered = 0
-
-    def apply(self, event: Event) -> list[Delta]:
-        """Fold one event; return the deltas it makes for the client."""
-        before = self.outcome.solution
-        self.outcome.apply(event)
-        if self.stopped:
-            if event.terminal:  # the cancel's end (or any end): the answer ended at its stop
-                self.outcome.error = None
-            return []
-        if self.logprobs is not None and event.kind == EventKind.TOKEN:
-            self._unsent += event.get("logprobs") or []
-        deltas: list[Delta] = []
-        if event.kind == EventKind.TOKEN and event.text:
-            text, self.stopped = self.stops.feed(event.text)
-            if text:
-                self.content += text
-                deltas.append(({"content": text}, self._send()))
-            if self.stopped:
-                self.stream.cancel()  # the events go on to its end, with its stats
-        elif event.kind == EventKind.REASONING and event.text:
-            self.reasoning += event.text
-            deltas.append(({"reasoning_content": event.text}, None))
-        elif event.kind == EventKind.RETRACT and before:
-            # Text sent as answer was thinking after all (a model that closed a <think> it
-            # never opened): send it again as reasoning, so that is complete.
-            self.stops.flush()
-            self.content = ""
-            self.reasoning += before
-            if self.logprobs is not None:  # they were the thinking's tokens
-                self.logprobs, self._unsent, self._covered = [], [], 0
-            deltas.append(({"reasoning_content": before}, None))
-        elif event.kind == EventKind.DONE:
-            rest = self.stops.flush()
-            self.content += rest
-            if rest or self._unsent:
-                deltas.append(({"content": rest}, self._send()))
-        return deltas
-
-    def _send(self) -> list[dict[str, Any]] | None:
-        """The logprobs entries to send with the content sent so far: all those waiting, or
-        after a stop string only those whose text begins before it."""
-        if self.logprobs is None or not self._unsent:
-            return None
-        sent: list[dict[str, Any]] = []
-        for entry in self._unsent:
-            if self.stopped and self._covered >= len(self.content):
-                break
-            sent.append(entry)
-            self._covered += len(entry.get("token", ""))
-        self._unsent = []
-        self.logprobs += sent
-        return sent or None
-
-    @property
-    def finish_reason(self) -> str:
-        return "stop" if self.stopped else _finish_reason(self.outcome)
-
-    def message(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.reasoning:
-            message["reasoning_content"] = self.reasoning
-        return message
-
-
-def _logprobs_of(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
-    """A choice's (or a chunk's) ``logprobs`` object, as OpenAI writes it."""
-    return None if entries is None else {"content": entries, "refusal": None}
-
-
-def _usage(choices: list[_Choice]) -> dict[str, Any]:
-    """The completion's usage, counted as OpenAI and vLLM count ``n`` choices: the prompt once,
-    the completions' tokens summed; cached: the prompt's tokens every choice found cached."""
-    stats: list[Stats] = [c.outcome.stats for c in choices if c.outcome.stats is not None]
-    prompt = stats[0].prompt_tokens if stats else 0
-    completion = sum(s.completion_tokens for s in stats)
-    cached = min((s.cached_tokens for s in stats), default=0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
-
-
-def _close_when_read(future: asyncio.Future[Event | None], stream: RequestStream) -> None:
-    """Close ``stream`` once the read in flight on it returns (never while a thread reads it)."""
-
-    def close(done: asyncio.Future[Event | None]) -> None:
-        if not done.cancelled():
-            done.exception()  # (retrieved: a daemon gone as the client hung up is no news)
-        stream.close()
-
-    future.add_done_callback(close)
-
-
-async def _events(
-    choices: list[_Choice], first: list[list[Event]]
-) -> AsyncGenerator[tuple[_Choice, Event]]:
-    """Each choice's events as they come, interleaved, beginning with those already read; the
-    caller folds each before asking for the next. A choice whose daemon went away, or whose
-    events ended early, ends with an error event. Leaving early cancels the requests still
-    running and closes their streams as their reads in flight return."""
-    reads: dict[asyncio.Future[Event | None], _Choice] = {}
-
-    def read(choice: _Choice) -> None:
-        reads[asyncio.ensure_future(_next(choice.stream))] = choice
-
-    try:
-        for choice, events in zip(choices, first, strict=True):
-            for event in events:
-                yield choice, event
-        for choice in choices:
-            if not choice.outcome.done:
-                read(choice)
-        while reads:
-            finished, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
-            for future in sorted(finished, key=lambda f: reads[f].index):
-                choice = reads.pop(future)
-                try:
-                    read_event = future.result()
-                except Phi4Error as exc:
-                    read_event = Event.error(
-                        ErrorCode.INTERNAL, f"the daemon went away mid-answer: {exc}"
-                    )
-                if read_event is None:
-                    read_event = Event.error(ErrorCode.INTERNAL, "the daemon's answer ended early")
-                yield choice, read_event
-                if not choice.outcome.done:
-                    read(choice)
-    finally:
-        for future, choice in reads.items():
-            choice.stream.cancel()
-            _close_when_read(future, choice.stream)
-        for choice in choices:
-            if choice not in reads.values():
-                choice.stream.close()
-
-
-class _Completion:
-    """One chat completion's answer, whole or as chunks: its choices interleaved."""
-
-    def __init__(self, model_name: str, choices: list[_Choice], include_usage: bool) -> None:
-        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        self.created = int(time.time())
-        self.model_name = model_name
-        self.choices = choices
-        self.include_usage = include_usage
-
-    async def fold(self, first: list[list[Event]]) -> _Choice | None:
-        """Read every choice to its end; return the first that failed (None if none did)."""
-        async with contextlib.aclosing(_events(self.choices, first)) as events:
-            async for choice, event in events:
-                choice.apply(event)
-                if choice.outcome.error is not None:
-                    return choice
-        return None
-
-    def whole(self) -> dict[str, Any]:
-        return {
-            "id": self.id, "object": "chat.completion", "created": self.created,
-            "model": self.model_name,
-            "choices": [{"index": c.index, "message": c.message(),
-                         "logprobs": _logprobs_of(c.logprobs),
-                         "finish_reason": c.finish_reason} for c in self.choices],
-            "usage": _usage(self.choices),
-        }  # fmt: skip
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        chunk: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
-                                 "created": self.created, "model": self.model_name,
-                                 "choices": choices}  # fmt: skip
-        if self.include_usage:  # as OpenAI: null on every chunk but the last
-            chunk["usage"] = usage
-        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
-
-    def _delta(self, index: int, delta: dict[str, Any], finish: str | None = None,
-               logprobs: list[dict[str, Any]] | None = None) -> bytes:  # fmt: skip
-        return self._chunk([{"index": index, "delta": delta, "logprobs": _logprobs_of(logprobs),
-                             "finish_reason": finish}])  # fmt: skip
-
-    async def sse(self, first: list[list[Event]]) -> AsyncIterator[bytes]:
-        """The answer as server-sent events, each choice's chunks carrying its ``index``. An
-        error after the stream began (the daemon stopped or died, the request was cancelled)
-        is sent as an ``error`` object, and the stream ends without ``[DONE]``, as OpenAI's own
-        API does; hanging up cancels the requests."""
-        for choice in self.choices:
-            yield self._delta(choice.index, {"role": "assistant", "content": ""})
-        failed: _Choice | None = None
-        async with contextlib.aclosing(_events(self.choices, first)) as events:
-            async for choice, event in events:
-                for delta, logprobs in choice.apply(event):
-                    yield self._delta(choice.index, delta, logprobs=logprobs)
-                if choice.outcome.error is not None:
-                    failed = choice
-                    break
-                if event.terminal:
-                    yield self._delta(choice.index, {}, choice.finish_reason)
-        if failed is not None:
-            assert failed.outcome.error is not None
-            error = ApiError.of(failed.outcome.error.code, failed.outcome.error.message)
-            yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
-            return
-        if self.include_usage:
-            yield self._chunk([], _usage(self.choices))
-        yield b"data: [DONE]\n\n"
 
 
 def _header_deadline_protocol(gate: PeerGate) -> type[Any]:

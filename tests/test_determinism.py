@@ -144,7 +144,7 @@ def test_a_deterministic_request_waits_for_running_ones_and_holds_later_ones_bac
 
 
 def test_the_http_api_passes_deterministic_on_and_checks_it():
-    from phi4cli.http_api import ApiError, chat_params
+    from phi4cli.openai_request import ApiError, chat_params
 
     body = {"messages": [{"role": "user", "content": "2+2?"}], "deterministic": True}
     assert chat_params(body, "m", Settings())["deterministic"] is True

@@ -88,7 +88,7 @@ def test_a_remote_server_is_sent_the_samplers_under_its_names_only_when_on(tmp_p
 
 
 def test_phi4_serve_reads_the_samplers_by_their_openai_names_and_checks_them():
-    from phi4cli.http_api import ApiError, chat_params
+    from phi4cli.openai_request import ApiError, chat_params
 
     body = {"messages": [{"role": "user", "content": "2+2?"}], "min_p": 0.1,
             "repetition_penalty": 1.2}  # fmt: skip
