@@ -5,24 +5,36 @@ llama_cpp, numpy, hub).
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
 
 from phi4cli import __version__, protocol
+
+# The options commands share, each made from its row of the settings table (cli_options.py).
+from phi4cli.cli_options import (
+    ANSWER_OPTIONS,
+    KeepAliveOption,
+    ModelOption,
+    NoInstructionOption,
+    OptionGroup,
+    RawOutputOption,
+    ShowReasoningOption,
+    complete_alias,
+    complete_setting_key,
+    complete_setting_value,
+    with_daemon_options,
+    with_options,
+)
 from phi4cli.config import Settings, format_duration, load_settings, variable
 from phi4cli.environment import Environment
 from phi4cli.errors import ConfigError, ExitStatus, Phi4Error, UsageError
 from phi4cli.exits import say  # the one `phi4:` line on stderr, cleaned
-from phi4cli.options import ANSWER_KEYS, DAEMON_OPTIONS, SETTING, SETTINGS
 from phi4cli.paths import Paths, get_paths
 from phi4cli.sanitize import clean_text
 
@@ -41,116 +53,6 @@ daemon_app = typer.Typer(
     help="Start, stop, inspect or run the background daemon.", no_args_is_help=True
 )
 app.add_typer(daemon_app, name="daemon")
-
-
-def _complete_model(incomplete: str) -> list[tuple[str, str]]:
-    from phi4cli.completion import models
-
-    return models(incomplete)
-
-
-def _complete_alias(incomplete: str) -> list[tuple[str, str]]:
-    from phi4cli.models import ALIASES
-
-    return [(name, alias.description) for name, alias in ALIASES.items()
-            if name.startswith(incomplete)]  # fmt: skip
-
-
-def _complete_setting_key(incomplete: str) -> list[str]:
-    from phi4cli.completion import setting_keys
-
-    return setting_keys(incomplete)
-
-
-def _complete_setting_value(ctx: typer.Context, incomplete: str) -> list[str]:
-    from phi4cli.completion import setting_values
-
-    return setting_values(ctx.params.get("key"), incomplete)
-
-
-def setting_option(key: str, **extra: Any) -> Any:
-    """The Typer option of setting ``key``, from its row of ``options.SETTINGS``."""
-    row = SETTING[key]
-    given = (("min", row.low), ("max", row.high), ("metavar", row.metavar))
-    checks: dict[str, Any] = {name: value for name, value in given if value is not None}
-    make: Any = typer.Option  # its overloads take no unpacked names
-    return make(*row.flags.split(), help=row.help, show_default=False, **checks, **extra)
-
-
-# The type of an option's value, by ``Setting.option``; None: not given (the setting stands).
-_OPTION_TYPES: dict[str, Any] = {"int": int | None, "float": float | None, "str": str | None,
-                                 "bool": bool | None, "list": list[str] | None}  # fmt: skip
-ModelOption = Annotated[str | None, setting_option("model", autocompletion=_complete_model)]
-KeepAliveOption = Annotated[str | None, setting_option("keep_alive")]
-RawOutputOption = Annotated[
-    bool,
-    typer.Option("--raw-output",
-                 help="Write the model's text to stdout unchanged, control characters and "
-                      "escape sequences included, when stdout is not a terminal."),
-]  # fmt: skip
-ShowReasoningOption = Annotated[
-    bool,
-    typer.Option("--show-reasoning", "-r", help="Stream the model's thinking (dimmed, stderr)."),
-]
-
-# Options shared by several commands, each overriding the setting of its name (None: not given),
-# each made from its setting's row. ``with_options`` adds a group of them to a command's
-# signature, where Typer finds them, and hands them to the command as one dict.
-SHARED_OPTIONS: dict[str, Any] = {
-    row.key: Annotated[_OPTION_TYPES[row.option], setting_option(row.key)]
-    for row in SETTINGS if row.flags
-}  # fmt: skip
-SHARED_OPTIONS["model"] = ModelOption
-# Every command that asks for answers (solve, chat, eval) takes these.
-ANSWER_OPTIONS = ANSWER_KEYS
-
-
-class OptionGroup(dict[str, Any]):
-    """The shared options a command was given, by setting name (None: not given)."""
-
-
-def with_options(
-    group: tuple[str, ...], first: bool = False
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Add the SHARED_OPTIONS named in ``group`` to a command whose first parameter receives
-    them as one ``OptionGroup``, before or after the command's own options."""
-
-    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
-        import typing
-
-        hints = typing.get_type_hints(func, include_extras=True)  # this module's are text
-        parameters = list(inspect.signature(func).parameters.values())
-        receiver = parameters[0].name
-        own = [p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
-               for p in parameters[1:]]  # fmt: skip
-        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                   annotation=SHARED_OPTIONS[name])
-                 for name in group]  # fmt: skip
-
-        @functools.wraps(func)
-        def command(**kwargs: Any) -> Any:
-            options = OptionGroup({name: kwargs.pop(name) for name in group})
-            return func(**{receiver: options}, **kwargs)
-
-        every = [*added, *own] if first else [*own, *added]
-        command.__annotations__ = {p.name: p.annotation for p in every}
-        command.__signature__ = inspect.Signature(every)  # type: ignore[attr-defined]
-        return command
-
-    return decorate
-
-
-with_daemon_options = with_options(DAEMON_OPTIONS, first=True)
-
-
-NoInstructionOption = Annotated[
-    bool,
-    typer.Option(
-        "--no-instruction",
-        help="Send each question alone, without the instruction to reason step by step and "
-        "box the final answer [config instruction].",
-    ),
-]
 
 
 def _settings(paths: Paths, **overrides: object) -> Settings:
@@ -529,15 +431,13 @@ def config_path() -> None:
 def config_set(
     key: Annotated[
         str,
-        typer.Argument(
-            help="Setting name, e.g. temperature.", autocompletion=_complete_setting_key
-        ),
+        typer.Argument(help="Setting name, e.g. temperature.", autocompletion=complete_setting_key),
     ],
     value: Annotated[
         str,
         typer.Argument(
             help="New value; 'none' clears an optional one.",
-            autocompletion=_complete_setting_value,
+            autocompletion=complete_setting_value,
         ),
     ],
 ) -> None:
@@ -897,7 +797,7 @@ def models() -> None:
 @app.command()
 def pull(
     name: Annotated[
-        str, typer.Argument(help="Model alias to download.", autocompletion=_complete_alias)
+        str, typer.Argument(help="Model alias to download.", autocompletion=complete_alias)
     ] = "phi4-mini-reasoning",
 ) -> None:
     """Download a model (resumable, verified as GGUF) into the models directory."""

@@ -212,12 +212,12 @@ def solve_option_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-# The completion callbacks of cli.py, by the name the fast completer knows each by.
+# The completion callbacks of cli_options.py, by the name the fast completer knows each by.
 _COMPLETERS = {
     "_complete_model": "model",
-    "_complete_alias": "alias",
-    "_complete_setting_key": "setting_key",
-    "_complete_setting_value": "setting_value",
+    "complete_alias": "alias",
+    "complete_setting_key": "setting_key",
+    "complete_setting_value": "setting_value",
 }
 
 

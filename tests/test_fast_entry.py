@@ -107,7 +107,7 @@ def test_help_and_errors_are_still_typers():
 
 
 def test_the_daemon_options_are_declared_once_for_every_command_that_starts_it():
-    from phi4cli.cli import DAEMON_OPTIONS
+    from phi4cli.options import DAEMON_OPTIONS
 
     group = typer.main.get_command(app)
     commands = {

@@ -147,7 +147,7 @@ def test_the_samplers_are_in_the_config_the_help_the_man_page_and_the_completion
 
 def test_every_setting_is_declared_once_and_each_derived_list_says_so():
     from phi4cli import _settings, options
-    from phi4cli.cli import SHARED_OPTIONS
+    from phi4cli.cli_options import SHARED_OPTIONS
     from phi4cli.docs import environment
 
     keys = [row.key for row in options.SETTINGS]
