@@ -382,3 +382,25 @@ def make_backend(
                              settings.backend_timeout, settings.backend_deadline, announce,
                              settings.backend_concurrency)  # fmt: skip
     return DaemonBackend(paths, settings, Path(model), announce)
+
+
+def load_model(
+    paths: Paths, settings: Settings, model_path: Path, set_keep_alive: bool, announce: Announce
+) -> tuple[dict[str, Any], bool]:
+    """Have the daemon (started if need be) load and warm ``model_path``; return its load
+    timings and whether this call started the daemon."""
+    from phi4cli.errors import error_for
+
+    params: dict[str, Any] = {"model": str(model_path)}
+    if set_keep_alive:
+        params["keep_alive"] = settings.keep_alive
+    # Through the backend, so a daemon on its way out is replaced as for any request.
+    backend = DaemonBackend(paths, settings, model_path, announce)
+    try:
+        stream = backend.stream(Op.LOAD, params)
+        *_, terminal = stream
+    finally:
+        backend.close()
+    if terminal.kind == EventKind.ERROR:
+        raise error_for(terminal.code, terminal.message)
+    return terminal.result, stream.spawned

@@ -31,7 +31,7 @@ from phi4cli.cli_options import (
     with_daemon_options,
     with_options,
 )
-from phi4cli.config import Settings, format_duration, load_settings, variable
+from phi4cli.config import Settings, format_duration, load_settings, started_with, variable
 from phi4cli.environment import Environment
 from phi4cli.errors import ConfigError, ExitStatus, Phi4Error, UsageError
 from phi4cli.exits import say  # the one `phi4:` line on stderr, cleaned
@@ -467,41 +467,10 @@ def config_set(
 def config_edit() -> None:
     """Open the config file in $VISUAL or $EDITOR, then check what was written: the file is
     replaced only by a valid edit (at a terminal, a bad one can be edited again)."""
-    import shlex
-    import subprocess
-
-    from phi4cli.atomicfile import RefusedFileError, read_user_file, write_atomic
-    from phi4cli.config import check_config_file
+    from phi4cli.config import edit_config
 
     path = get_paths().config_file
-    try:
-        text = read_user_file(path, "config file")
-    except RefusedFileError as exc:
-        raise ConfigError(str(exc)) from None
-    except FileNotFoundError:
-        text = b"# phi4 settings: see `phi4 config show` for the keys\n"
-    # The editor works on a copy beside the file (as visudo and crontab -e do), so an invalid
-    # edit never becomes the config that every later command refuses to start with.
-    draft = path.with_name(f".{path.name}.edit.toml")
-    write_atomic(draft, text, mode=0o600, what="config file's draft")
-    editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
-    try:
-        while True:
-            subprocess.run([*shlex.split(editor), str(draft)], check=False)
-            try:
-                check_config_file(draft, shown_as=path)
-                break
-            except ConfigError as exc:
-                if not (sys.stdin.isatty() and sys.stderr.isatty()):
-                    raise ConfigError(f"{exc}; {path} is unchanged") from None
-                say(str(exc))
-                answer = input("Edit again? [Y/n] ").strip().lower()
-                if answer.startswith("n"):
-                    raise ConfigError(f"{path} is unchanged") from None
-        write_atomic(path, read_user_file(draft, "config file's draft"), mode=0o644,
-                     what="config file")  # fmt: skip
-    finally:
-        draft.unlink(missing_ok=True)
+    edit_config(path, os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi", say)
     _print(f"{path}: ok")
 
 
@@ -606,28 +575,11 @@ def _print_backend_status(urls: list[str], as_json: bool) -> None:
     if as_json:
         _print(json.dumps(status, indent=2))
     else:
-        for replica in status["replicas"]:
-            if replica["state"] == "up":
-                how = f"answered in {replica['probe_s']:.2f} s  {_replica_load(replica)}"
-                if replica.get("models"):
-                    how = f"serving {', '.join(replica['models'])}  {how}"
-            else:
-                how = replica["reason"] or ""
-            _print(clean_text(f"{replica['replica']}  {replica['state']}  {how}"))
+        from phi4cli.render import format_replicas
+
+        _print(format_replicas(status["replicas"]))
     if status["state"] != "remote":
         raise typer.Exit(ExitStatus.DAEMON_UNAVAILABLE)
-
-
-def _replica_load(replica: dict[str, Any]) -> str:
-    """ "in flight 3, waiting 0, answered 120, 45.2 tokens/s": what the server's /metrics says
-    (a part it does not publish is left out)."""
-    parts = [f"{label} {int(replica[key]):,}"
-             for key, label in (("in_flight", "in flight"), ("waiting", "waiting"),
-                                ("answered", "answered"))
-             if replica.get(key) is not None]  # fmt: skip
-    if replica.get("tokens_per_s") is not None:
-        parts.append(f"{replica['tokens_per_s']:g} tokens/s")
-    return ", ".join(parts) if parts else "(it publishes no load metrics)"
 
 
 @app.command()
@@ -671,36 +623,15 @@ def daemon_start(daemon: OptionGroup) -> None:
 
     paths, settings, model_path = _daemon_setup(daemon)
     set_keep_alive = daemon["keep_alive"] is not None
-    load = _load_model(paths, settings, model_path, set_keep_alive)[0]
+    from phi4cli.backends import load_model
+
+    load = load_model(paths, settings, model_path, set_keep_alive, say)[0]
     current = daemon_status(paths)
     keep = format_duration(float(current.get("keep_alive_s", settings.keep_alive)))
     _print(
         f"daemon ready (pid {current['pid']}, model {current.get('model')}, "
         f"load {load.get('load_s', 0):.2f} s, keep_alive {keep})"
     )
-
-
-def _load_model(
-    paths: Paths, settings: Settings, model_path: Path, set_keep_alive: bool
-) -> tuple[dict[str, Any], bool]:
-    """Have the daemon (started if need be) load and warm ``model_path``; return its load
-    timings and whether this call started the daemon."""
-    from phi4cli.backends import DaemonBackend
-    from phi4cli.errors import error_for
-
-    params: dict[str, Any] = {"model": str(model_path)}
-    if set_keep_alive:
-        params["keep_alive"] = settings.keep_alive
-    # Through the backend, so a daemon on its way out is replaced as for any request.
-    backend = DaemonBackend(paths, settings, model_path, say)
-    try:
-        stream = backend.stream(protocol.Op.LOAD, params)
-        *_, terminal = stream
-    finally:
-        backend.close()
-    if terminal.kind == protocol.EventKind.ERROR:
-        raise error_for(terminal.code, terminal.message)
-    return terminal.result, stream.spawned
 
 
 @daemon_app.command("run")
@@ -716,28 +647,8 @@ def daemon_run(
 
     paths, settings, model_path = _daemon_setup(daemon)
     if given is not None:  # a client started it: its settings, as that client has them
-        settings = _started_with(given, settings)
+        settings = started_with(given, settings)
     run_daemon(paths, settings, model_path)
-
-
-def _started_with(given: str, settings: Settings) -> Settings:
-    """``settings`` with those of ``--settings`` (JSON, from ``spawn.daemon_command``), each
-    checked as its row of options.SETTINGS says (null: "auto", for those that have one)."""
-    from phi4cli.options import DAEMON_START
-
-    try:
-        # A long whole number is kept as its text, which the table's parser refuses naming its
-        # key (json's own int() would stop at 4,300 digits with a bare ValueError).
-        values = json.loads(given, parse_int=lambda text: int(text) if len(text) < 40 else text)
-    except ValueError:
-        values = None
-    if not isinstance(values, dict) or not set(values) <= set(DAEMON_START):
-        raise UsageError(f"--settings must be a JSON object of {', '.join(DAEMON_START)}")
-    from phi4cli.config import parse_setting
-
-    checked: dict[str, Any] = {key: parse_setting(key, value, "--settings")
-                               for key, value in values.items()}  # fmt: skip
-    return settings._replace(**checked)
 
 
 @app.command()
@@ -750,6 +661,7 @@ def warm(
     as_json: Annotated[bool, typer.Option("--json", help="Print the timings as JSON.")] = False,
 ) -> None:
     """Start the daemon if needed, stage and load the model, prewarm it, and report timings."""
+    from phi4cli.backends import load_model
     from phi4cli.client import connect_checked
     from phi4cli.render import format_warm
 
@@ -764,7 +676,8 @@ def warm(
             _print(f"the daemon is loading {model_path.name}; `phi4 status` shows its progress")
         return
     started = time.monotonic()
-    timings, spawned = _load_model(paths, settings, model_path, daemon["keep_alive"] is not None)
+    timings, spawned = load_model(paths, settings, model_path, daemon["keep_alive"] is not None,
+                                  say)  # fmt: skip
     timings["wall_s"] = round(time.monotonic() - started, 4)
     # A daemon this command started loaded the model as it started: that load was ours.
     timings["already_loaded"] = bool(timings.get("already_loaded")) and not spawned

@@ -13,14 +13,14 @@ module from reading a ``PHI4_`` variable itself. The platform's variables (``HOM
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from phi4cli._settings import Settings as Settings
 from phi4cli.durations import FOREVER as FOREVER
 from phi4cli.durations import format_duration as format_duration
 from phi4cli.durations import parse_duration as parse_duration
-from phi4cli.errors import ConfigError
+from phi4cli.errors import ConfigError, UsageError
 from phi4cli.options import ANSWER_KEYS as ANSWER_KEYS
 from phi4cli.options import CHOICES as CHOICES
 from phi4cli.options import DAEMON_SETTINGS as DAEMON_SETTINGS
@@ -269,6 +269,45 @@ def _comment_of(line: str) -> str:
     return ""
 
 
+def edit_config(path: Path, editor: str, say: Callable[[str], None]) -> None:
+    """Open a copy of the config file in ``editor`` and put it in place once it checks out; at
+    a terminal a bad edit can be edited again, elsewhere it is refused (ConfigError) and the
+    file stays as it was."""
+    import shlex
+    import subprocess
+    import sys
+
+    from phi4cli.atomicfile import RefusedFileError, read_user_file, write_atomic
+
+    try:
+        text = read_user_file(path, "config file")
+    except RefusedFileError as exc:
+        raise ConfigError(str(exc)) from None
+    except FileNotFoundError:
+        text = b"# phi4 settings: see `phi4 config show` for the keys\n"
+    # The editor works on a copy beside the file (as visudo and crontab -e do), so an invalid
+    # edit never becomes the config that every later command refuses to start with.
+    draft = path.with_name(f".{path.name}.edit.toml")
+    write_atomic(draft, text, mode=0o600, what="config file's draft")
+    try:
+        while True:
+            subprocess.run([*shlex.split(editor), str(draft)], check=False)
+            try:
+                check_config_file(draft, shown_as=path)
+                break
+            except ConfigError as exc:
+                if not (sys.stdin.isatty() and sys.stderr.isatty()):
+                    raise ConfigError(f"{exc}; {path} is unchanged") from None
+                say(str(exc))
+                answer = input("Edit again? [Y/n] ").strip().lower()
+                if answer.startswith("n"):
+                    raise ConfigError(f"{path} is unchanged") from None
+        write_atomic(path, read_user_file(draft, "config file's draft"), mode=0o644,
+                     what="config file")  # fmt: skip
+    finally:
+        draft.unlink(missing_ok=True)
+
+
 def check_config_file(config_file: Path, shown_as: Path | None = None) -> None:
     """Raise ConfigError unless every key and value in the file is valid; the error names
     ``shown_as`` (the real file, when a draft of it is checked)."""
@@ -280,3 +319,23 @@ def check_config_file(config_file: Path, shown_as: Path | None = None) -> None:
         raise ConfigError(str(exc).replace(str(config_file), str(shown_as))) from None
     for key, value in data.items():
         parse_setting(key, value, str(shown_as or config_file))
+
+
+def started_with(given: str, settings: Settings) -> Settings:
+    """``settings`` with those of ``--settings`` (JSON, from ``spawn.daemon_command``), each
+    checked as its row of options.SETTINGS says (null: "auto", for those that have one)."""
+    import json
+
+    from phi4cli.options import DAEMON_START
+
+    try:
+        # A long whole number is kept as its text, which the table's parser refuses naming its
+        # key (json's own int() would stop at 4,300 digits with a bare ValueError).
+        values = json.loads(given, parse_int=lambda text: int(text) if len(text) < 40 else text)
+    except ValueError:
+        values = None
+    if not isinstance(values, dict) or not set(values) <= set(DAEMON_START):
+        raise UsageError(f"--settings must be a JSON object of {', '.join(DAEMON_START)}")
+    checked: dict[str, Any] = {key: parse_setting(key, value, "--settings")
+                               for key, value in values.items()}  # fmt: skip
+    return settings._replace(**checked)

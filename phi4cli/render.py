@@ -622,3 +622,30 @@ def format_eval(summary: dict[str, Any], seconds: float, output: object) -> str:
         rows.append(("confidence", said))
     rows += [("time", f"{human_seconds(seconds)} this run"), ("results", str(output))]
     return format_rows(rows)
+
+
+def format_replicas(replicas: list[dict[str, Any]]) -> str:
+    """`phi4 status --backend`: a line per server, up (what it serves, how fast it answered,
+    its load) or down (why)."""
+    lines = []
+    for replica in replicas:
+        if replica["state"] == "up":
+            how = f"answered in {replica['probe_s']:.2f} s  {_replica_load(replica)}"
+            if replica.get("models"):
+                how = f"serving {', '.join(replica['models'])}  {how}"
+        else:
+            how = replica["reason"] or ""
+        lines.append(f"{replica['replica']}  {replica['state']}  {how}")
+    return clean_text("\n".join(lines))
+
+
+def _replica_load(replica: dict[str, Any]) -> str:
+    """ "in flight 3, waiting 0, answered 120, 45.2 tokens/s": what the server's /metrics says
+    (a part it does not publish is left out)."""
+    parts = [f"{label} {int(replica[key]):,}"
+             for key, label in (("in_flight", "in flight"), ("waiting", "waiting"),
+                                ("answered", "answered"))
+             if replica.get(key) is not None]  # fmt: skip
+    if replica.get("tokens_per_s") is not None:
+        parts.append(f"{replica['tokens_per_s']:g} tokens/s")
+    return ", ".join(parts) if parts else "(it publishes no load metrics)"
