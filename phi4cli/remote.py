@@ -27,7 +27,6 @@ gives one.
 
 from __future__ import annotations
 
-import json
 import math
 import socket
 import threading
@@ -69,32 +68,12 @@ from phi4cli.thinking import Act, ThinkingPolicy
 FINAL_ANSWER_ASK = ("Stop thinking now. Give your final answer, with the final result in "
                     "\\boxed{}.")  # fmt: skip
 CONNECT_TIMEOUT_S = 10.0  # at most; a shorter backend_timeout shortens it too
-MAX_METRICS_BYTES = 4 * 1024 * 1024  # a /metrics page (vLLM's is some hundreds of KiB)
-MAX_LISTED_MODELS = 16  # of a /v1/models list, the ids `phi4 status --backend` shows
 # Pieces of text one request may stream when it sets no max_tokens: beyond any context these
 # servers run, so only an endless stream meets it.
 DEFAULT_TOKEN_LIMIT = 131072
 MAX_RETRIES = 3  # of a 429 or 503 answer
 MAX_RETRY_WAIT_S = 60.0  # a longer Retry-After is not waited for
 LONGEST_WAIT_S = 1e8  # about three years: longer settings are taken as this
-
-
-# What phi4 shows of a server's load (``phi4 status --backend``), and the metric each kind of
-# server publishes it as at /metrics: (sample name, labels it must have); the first found counts.
-# llama-server publishes its metrics with --metrics, SGLang with --enable-metrics; vLLM and
-# phi4 serve always; Ollama and LiteLLM publish none of these.
-LOAD_METRICS: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
-    "in_flight": (("phi4_requests_active", {}), ("llamacpp:requests_processing", {}),
-                  ("vllm:num_requests_running", {}), ("sglang:num_running_reqs", {})),
-    "waiting": (("phi4_queue_depth", {}), ("llamacpp:requests_deferred", {}),
-                ("vllm:num_requests_waiting", {}), ("sglang:num_queue_reqs", {})),
-    "answered": (("phi4_requests_total", {}), ("vllm:request_success_total", {}),
-                 ("sglang:num_requests_total", {})),
-    "tokens": (("phi4_tokens_total", {"kind": "completion"}),
-               ("llamacpp:tokens_predicted_total", {}), ("vllm:generation_tokens_total", {}),
-               ("sglang:generation_tokens_total", {})),
-}  # fmt: skip
-LOAD_WINDOW_S = 1.0  # tokens/s: the server's count of generated tokens over this long
 
 
 class ChunkSource(Protocol):
@@ -272,82 +251,6 @@ class RemoteEngine:
         """The server's address without its ``/v1``: where ``/health`` is."""
         return self.url[: -len("/v1")] if self.url.endswith("/v1") else self.url
 
-    def probe(self, timeout: float = 5.0) -> str | None:
-        """Whether the server is there and ready: None when it is, else why not. ``/health``
-        (llama-server, vLLM, SGLang, phi4 serve) answering 200 says ready and 503 not yet;
-        a server without that route is asked for ``/v1/models`` (Ollama, LiteLLM); one that
-        answers HTTP but has neither route counts as there."""
-        try:
-            with self._side_client(timeout) as client:
-                for url in (self.root + "/health", self.v1 + "/models"):
-                    status = client.get(url).status_code
-                    if status < 300:
-                        return None
-                    if status >= 500 and status != 501:  # 503: loading, or overloaded
-                        return f"it answered {status} to {url}"
-                return None
-        except (httpx.HTTPError, httpx.InvalidURL, OSError) as error:
-            return f"cannot reach it: {reason(error)}"
-
-    def served_models(self, timeout: float = 5.0) -> list[str] | None:
-        """The model ids the server lists at ``/v1/models`` (what it serves, whatever name a
-        request carries), or None when it lists none that can be read."""
-        body = bytearray()
-        try:
-            with self._side_client(timeout) as client, \
-                    client.stream("GET", self.v1 + "/models") as response:  # fmt: skip
-                if response.status_code != 200:
-                    return None
-                for piece in response.iter_bytes():
-                    body += piece
-                    if len(body) > MAX_METRICS_BYTES:
-                        return None
-            listed = json.loads(body)
-        except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError):
-            return None
-        entries = listed.get("data") if isinstance(listed, dict) else None
-        if not isinstance(entries, list):
-            return None
-        from phi4cli.sanitize import clean_text
-
-        ids = [clean_text(entry["id"]) for entry in entries
-               if isinstance(entry, dict) and isinstance(entry.get("id"), str)]  # fmt: skip
-        return ids[:MAX_LISTED_MODELS] or None
-
-    def load(self, timeout: float = 5.0) -> dict[str, float]:
-        """What the server says of its own load at ``/metrics`` (Prometheus text): requests in
-        flight and waiting, requests answered and tokens generated since it started, where it
-        publishes them (:data:`LOAD_METRICS`); empty when it has no such page."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        body = bytearray()
-        try:
-            with self._side_client(timeout) as client, \
-                    client.stream("GET", self.root + "/metrics") as response:  # fmt: skip
-                if response.status_code != 200:
-                    return {}
-                for piece in response.iter_bytes():  # read as it comes, and only so much
-                    body += piece
-                    if len(body) > MAX_METRICS_BYTES:
-                        return {}
-        except (httpx.HTTPError, httpx.InvalidURL, OSError):
-            return {}
-        text = body.decode("utf-8", "replace")
-        found: dict[str, float] = {}
-        try:
-            samples = [s for family in text_string_to_metric_families(text)
-                       for s in family.samples]  # fmt: skip
-        except (ValueError, TypeError, IndexError):
-            return {}  # not Prometheus text after all
-        for key, names in LOAD_METRICS.items():
-            for name, labels in names:
-                values = [s.value for s in samples if s.name == name
-                          and all(s.labels.get(k) == v for k, v in labels.items())]  # fmt: skip
-                if values and all(math.isfinite(v) and v >= 0 for v in values):
-                    found[key] = sum(values)
-                    break
-        return found
-
     @property
     def v1(self) -> str:
         """The server's address with its ``/v1``: where the OpenAI routes are."""
@@ -357,7 +260,7 @@ class RemoteEngine:
     def endpoint(self) -> str:
         return self.v1 + "/chat/completions"
 
-    def _side_client(self, timeout: float) -> httpx.Client:
+    def side_client(self, timeout: float) -> httpx.Client:
         """A client for one short look beside the answers (a health probe, the metrics page):
         the key, no compression (a small body must not become a huge one), ``timeout`` at most."""
         headers = {"Accept-Encoding": "identity"}

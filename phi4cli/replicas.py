@@ -5,18 +5,43 @@ comes goes to the flight's inbox; a server that went away is probed until it is 
 
 from __future__ import annotations
 
+import json
+import math
 import threading
 import time
 from typing import Any
 
+import httpx2 as httpx
+
 from phi4cli.dispatch import Delivery, Failure, Flight, Probe, Replica, Slow
 from phi4cli.protocol import JSON, ErrorCode, Event
-from phi4cli.remote import LOAD_METRICS, LOAD_WINDOW_S, Attempt, RemoteEngine, ReplicaFault
+from phi4cli.remote import Attempt, RemoteEngine, ReplicaFault
 from phi4cli.remote_shared import MAX_SHARED, SharedMember, SharedRequest, shared_params
+from phi4cli.remote_wire import reason
 
 # A replica that went away mid-run is probed this long after (seconds, one after another)
 # before it is given up on for the run: about 15 s in all, time for a server to restart.
 PROBE_DELAYS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+MAX_METRICS_BYTES = 4 * 1024 * 1024  # a /metrics page (vLLM's is some hundreds of KiB)
+MAX_LISTED_MODELS = 16  # of a /v1/models list, the ids `phi4 status --backend` shows
+
+# What phi4 shows of a server's load (``phi4 status --backend``), and the metric each kind of
+# server publishes it as at /metrics: (sample name, labels it must have); the first found counts.
+# llama-server publishes its metrics with --metrics, SGLang with --enable-metrics; vLLM and
+# phi4 serve always; Ollama and LiteLLM publish none of these.
+LOAD_METRICS: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
+    "in_flight": (("phi4_requests_active", {}), ("llamacpp:requests_processing", {}),
+                  ("vllm:num_requests_running", {}), ("sglang:num_running_reqs", {})),
+    "waiting": (("phi4_queue_depth", {}), ("llamacpp:requests_deferred", {}),
+                ("vllm:num_requests_waiting", {}), ("sglang:num_queue_reqs", {})),
+    "answered": (("phi4_requests_total", {}), ("vllm:request_success_total", {}),
+                 ("sglang:num_requests_total", {})),
+    "tokens": (("phi4_tokens_total", {"kind": "completion"}),
+               ("llamacpp:tokens_predicted_total", {}), ("vllm:generation_tokens_total", {}),
+               ("sglang:generation_tokens_total", {})),
+}  # fmt: skip
+LOAD_WINDOW_S = 1.0  # tokens/s: the server's count of generated tokens over this long
 
 
 class ReplicaInbox:
@@ -145,7 +170,7 @@ class RemoteReplica(Replica):
                 time.sleep(delay)
                 if flight.closed:
                     return
-                reason = self.engine.probe()
+                reason = probe_server(self.engine)
                 if reason is None:
                     self.inbox.put((self, None, Probe(True)))
                     return
@@ -168,18 +193,18 @@ def probe_all(engines: list[RemoteEngine]) -> list[JSON]:
 
     def probe(i: int) -> None:
         started = time.monotonic()
-        reason = engines[i].probe()
+        reason = probe_server(engines[i])
         results[i] = {"replica": engines[i].url, "state": "up" if reason is None else "down",
                       "reason": reason,
                       "probe_s": round(time.monotonic() - started, 3)}  # fmt: skip
         if reason is not None:
             return
-        results[i]["models"] = engines[i].served_models()
-        first = engines[i].load()
+        results[i]["models"] = served_models(engines[i])
+        first = load_of(engines[i])
         results[i].update({key: first.get(key) for key in LOAD_METRICS})
         if "tokens" in first:
             time.sleep(LOAD_WINDOW_S)
-            later = engines[i].load()
+            later = load_of(engines[i])
             if "tokens" in later:
                 rate = max(0.0, later["tokens"] - first["tokens"]) / LOAD_WINDOW_S
                 results[i]["tokens_per_s"] = round(rate, 1)
@@ -191,3 +216,82 @@ def probe_all(engines: list[RemoteEngine]) -> list[JSON]:
     for thread in threads:
         thread.join()
     return results
+
+
+def probe_server(engine: RemoteEngine, timeout: float = 5.0) -> str | None:
+    """Whether the server is there and ready: None when it is, else why not. ``/health``
+    (llama-server, vLLM, SGLang, phi4 serve) answering 200 says ready and 503 not yet;
+    a server without that route is asked for ``/v1/models`` (Ollama, LiteLLM); one that
+    answers HTTP but has neither route counts as there."""
+    try:
+        with engine.side_client(timeout) as client:
+            for url in (engine.root + "/health", engine.v1 + "/models"):
+                status = client.get(url).status_code
+                if status < 300:
+                    return None
+                if status >= 500 and status != 501:  # 503: loading, or overloaded
+                    return f"it answered {status} to {url}"
+            return None
+    except (httpx.HTTPError, httpx.InvalidURL, OSError) as error:
+        return f"cannot reach it: {reason(error)}"
+
+
+def served_models(engine: RemoteEngine, timeout: float = 5.0) -> list[str] | None:
+    """The model ids the server lists at ``/v1/models`` (what it serves, whatever name a
+    request carries), or None when it lists none that can be read."""
+    body = bytearray()
+    try:
+        with engine.side_client(timeout) as client, \
+                client.stream("GET", engine.v1 + "/models") as response:  # fmt: skip
+            if response.status_code != 200:
+                return None
+            for piece in response.iter_bytes():
+                body += piece
+                if len(body) > MAX_METRICS_BYTES:
+                    return None
+        listed = json.loads(body)
+    except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError):
+        return None
+    entries = listed.get("data") if isinstance(listed, dict) else None
+    if not isinstance(entries, list):
+        return None
+    from phi4cli.sanitize import clean_text
+
+    ids = [clean_text(entry["id"]) for entry in entries
+           if isinstance(entry, dict) and isinstance(entry.get("id"), str)]  # fmt: skip
+    return ids[:MAX_LISTED_MODELS] or None
+
+
+def load_of(engine: RemoteEngine, timeout: float = 5.0) -> dict[str, float]:
+    """What the server says of its own load at ``/metrics`` (Prometheus text): requests in
+    flight and waiting, requests answered and tokens generated since it started, where it
+    publishes them (:data:`LOAD_METRICS`); empty when it has no such page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = bytearray()
+    try:
+        with engine.side_client(timeout) as client, \
+                client.stream("GET", engine.root + "/metrics") as response:  # fmt: skip
+            if response.status_code != 200:
+                return {}
+            for piece in response.iter_bytes():  # read as it comes, and only so much
+                body += piece
+                if len(body) > MAX_METRICS_BYTES:
+                    return {}
+    except (httpx.HTTPError, httpx.InvalidURL, OSError):
+        return {}
+    text = body.decode("utf-8", "replace")
+    found: dict[str, float] = {}
+    try:
+        samples = [s for family in text_string_to_metric_families(text)
+                   for s in family.samples]  # fmt: skip
+    except (ValueError, TypeError, IndexError):
+        return {}  # not Prometheus text after all
+    for key, names in LOAD_METRICS.items():
+        for name, labels in names:
+            values = [s.value for s in samples if s.name == name
+                      and all(s.labels.get(k) == v for k, v in labels.items())]  # fmt: skip
+            if values and all(math.isfinite(v) and v >= 0 for v in values):
+                found[key] = sum(values)
+                break
+    return found
