@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 
+from phi4cli._solve_options import SolveOptions as SolveOptions  # generated from the command
 from phi4cli.backends import Backend
 from phi4cli.confidence import WARMUP
 from phi4cli.environment import Environment
@@ -524,30 +525,6 @@ class Requests(Sequence["dict[str, Any]"]):  # a string: typing is not imported 
         if not -self._length <= index < self._length:
             raise IndexError(index)
         return self._make(index % self._length)
-
-
-class SolveOptions:
-    """`phi4 solve`'s options, as Typer (or the fast path, from the same table) parsed them: its
-    own, and the answer options every command that solves takes (``options.ANSWER_KEYS``, by
-    setting name; None: not given), in ``answer``."""
-
-    def __init__(self, prompt: str | None = None, model: str | None = None,
-                 show_reasoning: bool = False, answer_only: bool = False,
-                 as_json: bool = False, file: str | None = None, each_line: bool = False,
-                 jsonl: bool = False, samples: int = 1, all_samples: bool = False,
-                 no_instruction: bool = False, verbose: bool = False, raw_output: bool = False,
-                 **answer: Any) -> None:  # fmt: skip
-        from phi4cli.options import ANSWER_KEYS
-
-        unknown = sorted(set(answer) - set(ANSWER_KEYS))
-        if unknown:
-            raise TypeError(f"SolveOptions() got an unknown option {unknown[0]!r}")
-        self.prompt, self.model, self.samples, self.all_samples = prompt, model, samples, \
-            all_samples  # fmt: skip
-        self.show_reasoning, self.answer_only, self.as_json = show_reasoning, answer_only, as_json
-        self.file, self.each_line, self.jsonl = file, each_line, jsonl
-        self.no_instruction, self.verbose, self.raw_output = no_instruction, verbose, raw_output
-        self.answer = {key: answer.get(key) for key in ANSWER_KEYS}
 
 
 def read_prompt(prompt: str | None, env: Environment) -> str:
