@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
 
-    from phi4cli.daemon.memory import physical_cores
+    from phi4cli.machine import physical_cores
 
     threads = physical_cores()
     home = Path(tempfile.mkdtemp(prefix="p4b-", dir="/tmp"))

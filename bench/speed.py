@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
 
-    from phi4cli.daemon.memory import physical_cores
+    from phi4cli.machine import physical_cores
     from phi4cli.models import resolve_model
     from phi4cli.paths import get_paths
 
