@@ -12,7 +12,8 @@ import pytest
 
 from phi4cli._settings import Sampling, Settings
 from phi4cli.daemon.jobs import Job
-from phi4cli.daemon.llama.batch import PREFILL_CHUNK, LlamaEngine, _Slot
+from phi4cli.daemon.llama.batch import PREFILL_CHUNK, LlamaEngine
+from phi4cli.daemon.llama.slots import Slot
 from phi4cli.protocol import PRIORITY_SOLVE, SolveParams
 from tests.test_thinking_control import ANSWER, THINKING
 from tests.tinymodel import write_script_model
@@ -32,7 +33,7 @@ def engine(tmp_path: Path) -> Iterator[LlamaEngine]:
     engine.close()
 
 
-def admit(engine: LlamaEngine, index: int) -> _Slot:
+def admit(engine: LlamaEngine, index: int) -> Slot:
     params = SolveParams(prompt=PROBLEM.format(i=index, m=97 + index), system=None, model=None,
                          sampling=Sampling(temperature=0.0), max_tokens=400, think_budget=None,
                          keep_alive=None, priority=PRIORITY_SOLVE, loop="off")  # fmt: skip
@@ -41,7 +42,7 @@ def admit(engine: LlamaEngine, index: int) -> _Slot:
     return next(s for s in engine._slots if s.run is not None and s.run.job is job)
 
 
-def state(slot: _Slot) -> tuple[int, int]:
+def state(slot: Slot) -> tuple[int, int]:
     """(prompt tokens still to read, tokens generated)."""
     assert slot.run is not None
     return len(slot.pending) if slot.run.prompt_s is None else 0, slot.run.generated

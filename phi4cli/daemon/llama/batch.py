@@ -18,14 +18,11 @@ shared from a reserved sequence rather than recomputed.
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import json
 import logging
 import random
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +30,20 @@ import llama_cpp
 from llama_cpp import _internals as llama_internals
 
 from phi4cli._settings import Sampling
-from phi4cli.confidence import LogitsConfidence, TokenLogprobs, TraceConfidence
+from phi4cli.confidence import TraceConfidence
 from phi4cli.config import Settings
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
+from phi4cli.daemon.llama.slots import Prepared, Run, Slot
+from phi4cli.daemon.llama.writing import RunWriter
 from phi4cli.daemon.sessions import SwappedSession, SwapStore
 from phi4cli.daemon.statefile import remove_state
 from phi4cli.daemon.threads import ThreadGovernor
 from phi4cli.machine import physical_cores
 from phi4cli.protocol import ErrorCode, Stats
-from phi4cli.reasoning import ANSWER, THINK_CLOSE, ThinkSplitter
-from phi4cli.thinking import Act, ThinkingPolicy
+from phi4cli.reasoning import ThinkSplitter
+from phi4cli.thinking import ThinkingPolicy
 
 log = logging.getLogger("phi4.engine")
 
@@ -65,69 +64,6 @@ STREAM_REUSE_MIN = 256
 SWAP_MAX_BYTES = 4 << 30
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """A request's tokens and budget, worked out once (a waiting request is offered again)."""
-
-    loaded: int  # which load of a model these tokens are for (a waiting job may outlive it)
-    tokens: list[int]
-    budget: int  # tokens it may generate
-    extra: int  # cells beyond prompt and budget (for closing the thinking)
-    chat: ChatPlan | None
-
-
-@dataclass(eq=False)
-class _Run:
-    """One request in a slot: its prompt, sampler, and how far it has got."""
-
-    job: Job
-    prompt: list[int]
-    cached: int
-    chat: ChatPlan | None
-    seed: int
-    sampler: Any
-    budget: int
-    max_len: int  # the longest its sequence may grow: the end of its reservation
-    reserved: int  # KV cells held for it: its own tokens, now and to come
-    splitter: ThinkSplitter
-    policy: ThinkingPolicy  # --think-budget, --min-think, --loop: what to do while it thinks
-    trace: TraceConfidence | None  # its token confidences, when the request asks for them
-    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
-    started: float = field(default_factory=time.monotonic)
-    prompt_s: float | None = None
-    first_token_s: float | None = None
-    decode_started: float = 0.0
-    # An answer was streaming when this request was admitted: its prompt is never read ahead of
-    # the streams (in whole batches while they wait), whichever streams run later.
-    behind_stream: bool = False
-    generated: int = 0
-    reasoning_tokens: int = 0
-    # Characters of the text of each of the last tokens in the sequence, for taking back the
-    # tokens of an early end of thinking (min_think).
-    recent: deque[int] = field(default_factory=lambda: deque(maxlen=len(THINK_CLOSE) + 1))
-    restored: int = 0  # prompt tokens taken from a swapped-out session's saved state
-    restore_s: float = 0.0
-    finish_reason: str | None = None  # set: finished once its pending tokens are evaluated
-    # OpenAI's logprobs of the answer's tokens not yet sent (a request that asks for them):
-    # each goes out on the token event that carries its text, or the next one.
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class _Slot:
-    seq: int
-    tokens: list[int] = field(default_factory=list)  # what the KV holds for this sequence
-    pending: list[int] = field(default_factory=list)  # tokens to evaluate next
-    shared: int = 0  # leading cells shared with the system prompt's sequence (not its own)
-    run: _Run | None = None
-    last_used: float = 0.0
-    session: str | None = None  # the chat session whose tokens it holds, after a chat turn
-
-    @property
-    def own_cells(self) -> int:
-        return len(self.tokens) - self.shared
-
-
 class LlamaEngine:
     """Several requests at once over one model and one context (see the module docstring)."""
 
@@ -144,14 +80,13 @@ class LlamaEngine:
         self._swap = SwapStore(swap_dir, SWAP_MAX_BYTES)  # chat sessions saved when evicted
         self._model: LoadedModel | None = None
         self._prompts: Prompts | None = None
-        self._slots: list[_Slot] = []
+        self._slots: list[Slot] = []
         self._system_seq = 0
         self._system_tokens: list[int] = []
         self._system_state: Any = None  # streams layout: the system prompt's KV (a buffer)
         self._streams = False  # the plan's KV layout is one stream per slot
         self._loads = 0  # models loaded so far: tells a job's tokens from another model's
-        self._confidence: LogitsConfidence | None = None  # its buffers are the vocabulary's size
-        self._logprobs: TokenLogprobs | None = None  # (likewise)
+        self._writer: RunWriter | None = None  # what each token of a run writes (writing.py)
         self._governor: ThreadGovernor | None = None  # threads from the cores others leave free
 
     @property
@@ -204,9 +139,10 @@ class LlamaEngine:
             model.close()
             raise
         self._model = model  # last: until here a failure leaves no half-loaded model behind
+        self._writer = RunWriter(model, self._prompts)
         self._loads += 1
         self._swap.clear()  # another model's (or an earlier daemon's) states are of no use
-        self._slots = [_Slot(seq=i) for i in range(model.plan.slots)]
+        self._slots = [Slot(seq=i) for i in range(model.plan.slots)]
         self._streams = model.plan.kv_layout == "streams"
         # Streams: no sequence of its own for the system prompt (it would take a whole stream);
         # it is read into the first slot and copied from there.
@@ -224,8 +160,7 @@ class LlamaEngine:
             self._model.close()
         self._model = None
         self._prompts = None
-        self._confidence = None
-        self._logprobs = None
+        self._writer = None
         self._governor = None
         self._slots = []
         self._system_tokens = []
@@ -417,7 +352,7 @@ class LlamaEngine:
         sampling = params.sampling
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(31)
         streaming = any(s.run is not None and s.run.prompt_s is not None for s in self._slots)
-        slot.run = _Run(
+        slot.run = Run(
             job=job,
             prompt=tokens,
             cached=keep,
@@ -449,7 +384,7 @@ class LlamaEngine:
         usable = _common_prefix(swapped.tokens, tokens)  # a /retry continues from an earlier turn
         return swapped if usable >= held + SWAP_MIN_TOKENS else None
 
-    def _drop(self, slot: _Slot, keep: int) -> None:
+    def _drop(self, slot: Slot, keep: int) -> None:
         """Remove a slot's cells from position ``keep`` on; a chat session's tokens that would be
         lost are saved to disk first, for its next turn to restore."""
         model, prompts = self._loaded()
@@ -474,7 +409,7 @@ class LlamaEngine:
         del slot.tokens[keep:]
         slot.shared = min(slot.shared, keep)
 
-    def _choose_slot(self, tokens: list[int]) -> _Slot:
+    def _choose_slot(self, tokens: list[int]) -> Slot:
         """Pick the idle slot sharing the longest prefix with ``tokens`` (least recently used on
         ties); give a slot that shares less than the system prompt the system prompt's KV.
 
@@ -505,7 +440,7 @@ class LlamaEngine:
             # else empty: the system prompt is read with the question
         return best
 
-    def _clean_start(self, tokens: list[int]) -> _Slot:
+    def _clean_start(self, tokens: list[int]) -> Slot:
         """The first slot, its cache as on a fresh daemon, for a deterministic request (nothing
         else running): llama.cpp's arithmetic depends on the cells around a sequence, not only
         on its tokens.
@@ -546,7 +481,7 @@ class LlamaEngine:
             slot.tokens = list(system)
         return slot
 
-    def _reclaim(self, needed: int, chosen: _Slot) -> None:
+    def _reclaim(self, needed: int, chosen: Slot) -> None:
         """Free idle slots' cached cells, least recently used first, until the running
         requests' reservations and ``needed`` fit beside what stays cached (shared layout; a
         stream holds only its own slot's cells)."""
@@ -582,7 +517,7 @@ class LlamaEngine:
         model, _ = self._loaded()
         finished = [self._finish(slot, "cancelled") for slot in self._slots
                     if slot.run is not None and slot.run.job.cancelled.is_set()]  # fmt: skip
-        chunks: list[tuple[_Slot, list[int], bool]] = []  # slot, tokens to feed, prompt done
+        chunks: list[tuple[Slot, list[int], bool]] = []  # slot, tokens to feed, prompt done
         answering = [s for s in self._slots if s.run is not None and s.run.prompt_s is not None]
         reading = [s for s in self._slots if s.run is not None and s.run.prompt_s is None]
         ahead = _ahead_of_streams(reading)
@@ -614,7 +549,7 @@ class LlamaEngine:
         # consecutive sequences, one pass over the weights each.
         chunks.sort(key=lambda item: item[0].seq)
         entries: list[tuple[int, int, int, bool]] = []
-        fed: list[tuple[_Slot, int, int]] = []  # slot, tokens fed, batch index of the last
+        fed: list[tuple[Slot, int, int]] = []  # slot, tokens fed, batch index of the last
         for slot, chunk, done in chunks:
             start = len(slot.tokens)
             for i, token in enumerate(chunk):
@@ -667,9 +602,8 @@ class LlamaEngine:
         victim.run.job.cancel(ErrorCode.CONTEXT_OVERFLOW)
         return [self._finish(victim, "context")]
 
-    def _advance(self, slot: _Slot, logits_index: int) -> tuple[Job, Stats] | None:
+    def _advance(self, slot: Slot, logits_index: int) -> tuple[Job, Stats] | None:
         """Sample the slot's next token and pass its text on; return the finished request."""
-        model, prompts = self._loaded()
         run = slot.run
         assert run is not None
         now = time.monotonic()
@@ -678,158 +612,16 @@ class LlamaEngine:
             run.decode_started = now
         if run.finish_reason is not None:  # the last token is in the KV now: done
             return self._finish(slot, run.finish_reason)
-        if run.trace is not None:
-            if self._confidence is None:
-                self._confidence = LogitsConfidence(model.model.n_vocab())
-            run.trace.add(self._confidence(model.logits(logits_index)))
-            if run.trace.below(run.job.confidence_floor):
-                # DeepConf online: its least sure stretch is worse than the question's first
-                # samples allow; it will not vote, so it stops here.
-                log.info("confidence fell below the floor at %d tokens: stopped", run.generated)
-                return self._finish(slot, "unsure")
-        token = run.sampler.sample(model.context, logits_index)
-        if model.is_eog(token):
-            return self._finish(slot, "stop")
-        if run.job.params.logprobs is not None and not run.splitter.in_reasoning:  # an answer's
-            run.logprobs.append(self._logprob_entry(logits_index, token, run.job.params.logprobs))
-        if run.first_token_s is None:
-            run.first_token_s = now - run.started
-        text = run.decoder.decode(prompts.piece(token))
-        policy = run.policy
-        closing = run.splitter.closing_at(text) is not None
-        # The tokens before this one that the end of thinking began in: counted as thinking,
-        # not for the policy, and taken back with it for a Wait.
-        tag = self._tag_tokens(run, text) if closing else 0
-        if not (
-            closing
-            and policy.closing(run.reasoning_tokens - tag) is Act.WAIT
-            and self._keep_thinking(slot, text, tag)  # the end taken back, "Wait" written
-        ):
-            run.generated += 1
-            run.reasoning_tokens += run.splitter.in_reasoning
-            self._forward(run, text)
-            slot.pending.append(token)
-            run.recent.append(len(text))
-            # (Where the text leaves it: a token that closes the thinking is answer after it.)
-            self._act(slot, policy.text(text, run.splitter.in_reasoning, run.generated))
-        if run.finish_reason is None:
-            self._act(slot, policy.counted(run.reasoning_tokens, run.splitter.in_reasoning))
-        if run.generated >= run.budget or len(slot.tokens) + len(slot.pending) >= run.max_len:
-            run.finish_reason = run.finish_reason or "length"  # once the pending are evaluated
-        return None
+        assert self._writer is not None
+        ended = self._writer.advance(slot, logits_index, now)
+        return self._finish(slot, ended) if ended is not None else None
 
-    def _close_thinking(self, slot: _Slot) -> bool:
-        """Insert the end of thinking into the slot's sequence (a think budget, a loop), if it
-        fits; say whether it did."""
-        model, _ = self._loaded()
-        run = slot.run
-        assert run is not None
-        closing = f"\n{THINK_CLOSE}\n\n"
-        tokens = model.tokenize(closing, add_bos=False)
-        if len(slot.tokens) + len(slot.pending) + len(tokens) >= run.max_len:
-            return False
-        slot.pending.extend(tokens)
-        self._forward(run, closing)
-        run.recent.clear()  # (the daemon's tokens: never taken back)
-        return True
-
-    def _act(self, slot: _Slot, act: Act) -> None:
-        """Do what the thinking policy decided: close the thinking so the model answers (a
-        think budget, a loop), or stop the request once its pending tokens are in (a loop)."""
-        run = slot.run
-        assert run is not None
-        if act is Act.ANSWER:
-            act = run.policy.closed(self._close_thinking(slot))
-            if run.policy.loop == "answered" and act is Act.GO_ON:
-                log.info("the thinking looped at %d tokens: ended it", run.generated)
-        if act is Act.STOP:
-            run.finish_reason = "loop"
-            log.info("the output looped at %d tokens: stopped", run.generated)
-
-    def _keep_thinking(self, slot: _Slot, text: str, dropped: int) -> bool:
-        """The model ends its thinking before min_think tokens (s1's budget forcing): take the
-        end of thinking back out of the sequence and write "Wait" in its place.
-
-        The tag may have begun in the ``dropped`` tokens before this one, in the KV already
-        (their text held back by the splitter): those tokens go, the text of theirs before the
-        tag is written again, and this token is not kept. Return False, changing nothing, where
-        "Wait" would not fit in the request's reservation: the thinking ends then."""
+    def _finish(self, slot: Slot, reason: str) -> tuple[Job, Stats]:
         model, prompts = self._loaded()
         run = slot.run
         assert run is not None
-        held = run.splitter.held
-        at = run.splitter.closing_at(text)
-        assert at is not None
-        kept = len(slot.tokens) - dropped
-        taken_back = b"".join(prompts.piece(t) for t in slot.tokens[kept:])
-        whole = taken_back.decode("utf-8", errors="replace") + text
-        before = whole[: max(0, len(whole) - (len(held) + len(text) - at))]  # up to the tag
-        shown = (held + text)[:at]  # what of the held text and this token's was not the tag
-        written = run.splitter.reasoning + shown
-        joiner = "" if not written or written[-1].isspace() else " "
-        wait = model.tokenize(before + joiner + "Wait", add_bos=False)
-        if kept + len(wait) >= run.max_len:
-            return False
-        if dropped:
-            model.seq_rm(slot.seq, kept)
-            del slot.tokens[kept:]
-        run.splitter.drop_held()
-        self._forward(run, shown + joiner + "Wait")
-        slot.pending.extend(wait)
-        run.recent.clear()  # (these are the daemon's tokens: never taken back)
-        run.generated += len(wait) - dropped
-        run.reasoning_tokens += len(wait) - dropped
-        run.policy.waited()
-        log.info("the thinking ended at %d tokens, before --min-think: Wait", run.generated)
-        return True
-
-    @staticmethod
-    def _tag_tokens(run: _Run, text: str) -> int:
-        """How many of the tokens before this one (``text``) the end of thinking it completes
-        began in: the last few of ``run.recent``."""
-        at = run.splitter.closing_at(text)
-        back = max(0, len(run.splitter.held) - (at or 0))  # the tag's characters before text
-        count, recent = 0, list(run.recent)
-        while back > 0 and recent:
-            back -= recent.pop()
-            count += 1
-        return count
-
-    def _forward(self, run: _Run, text: str) -> None:
-        for kind, piece in run.splitter.feed(text):
-            self._emit(run, kind, piece)
-
-    @staticmethod
-    def _emit(run: _Run, kind: str, piece: str) -> None:
-        sent = None
-        if kind == ANSWER and run.logprobs:
-            sent, run.logprobs = run.logprobs, []
-        run.job.emit_token(kind, piece, sent)
-
-    def _logprob_entry(self, logits_index: int, token: int, top: int) -> dict[str, Any]:
-        """A sampled token as OpenAI's ``logprobs.content[]`` shows it: its text, bytes and
-        log-probability, and its step's ``top`` likeliest tokens' (``top_logprobs``)."""
-        model, prompts = self._loaded()
-        if self._logprobs is None:
-            self._logprobs = TokenLogprobs(model.model.n_vocab())
-        chosen, likeliest = self._logprobs(model.logits(logits_index), token, top)
-
-        def shown(token_id: int, logprob: float) -> dict[str, Any]:
-            piece = prompts.piece(token_id)
-            return {"token": piece.decode("utf-8", "replace"), "logprob": logprob,
-                    "bytes": list(piece)}  # fmt: skip
-
-        return {**shown(token, chosen), "top_logprobs": [shown(t, lp) for t, lp in likeliest]}
-
-    def _finish(self, slot: _Slot, reason: str) -> tuple[Job, Stats]:
-        model, prompts = self._loaded()
-        run = slot.run
-        assert run is not None
-        self._forward(run, run.decoder.decode(b"", final=True))
-        for kind, piece in run.splitter.finish():
-            self._emit(run, kind, piece)
-        if run.logprobs:  # tokens whose text was not sent (whitespace at the answer's end)
-            run.job.emit_token(ANSWER, "", run.logprobs)
+        assert self._writer is not None
+        self._writer.flush(run)
         run.sampler.close()
         slot.pending = []
         slot.run = None
@@ -882,7 +674,7 @@ def check_model_file(path: Path) -> None:
         raise ModelLoadError(str(exc)) from None
 
 
-def _ahead_of_streams(reading: list[_Slot]) -> list[_Slot]:
+def _ahead_of_streams(reading: list[Slot]) -> list[Slot]:
     """The reading slots whose requests came while no answer was streaming, first admitted
     first: every answer streaming now began after them. (One admitted behind a stream stays
     behind, whichever streams run later.)"""
