@@ -4,8 +4,6 @@ test fails when it is stale."""
 
 from __future__ import annotations
 
-from phi4cli.records import Record
-
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
@@ -94,44 +92,82 @@ DEFAULTS = {
 }
 
 
-class SolveOptions(Record):
+class SolveOptions:
     """`phi4 solve`'s options, as Typer or the fast entry parsed them (None: not
-    given, the setting stands); ``answer``: those every answering command takes."""
+    given, the setting stands); ``answer``: those every answering command takes. A
+    plain class: a namedtuple of this many fields costs the fast start a millisecond."""
 
-    prompt: str | None = None
-    model: str | None = None
-    show_reasoning: bool = False
-    answer_only: bool = False
-    as_json: bool = False
-    file: str | None = None
-    each_line: bool = False
-    jsonl: bool = False
-    samples: int = 1
-    all_samples: bool = False
-    no_instruction: bool = False
-    verbose: bool = False
-    raw_output: bool = False
-    think_budget: int | None = None
-    min_think: int | None = None
-    loop: str | None = None
-    vote: str | None = None
-    stop_unsure: bool | None = None
-    system: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    max_tokens: int | None = None
-    deterministic: bool | None = None
-    keep_alive: str | None = None
-    n_ctx: str | None = None
-    threads: int | None = None
-    overcommit: bool | None = None
-    backend: tuple[str, ...] = ()
-    backend_concurrency: int | None = None
+    def __init__(
+        self,
+        prompt: str | None = None,
+        model: str | None = None,
+        show_reasoning: bool = False,
+        answer_only: bool = False,
+        as_json: bool = False,
+        file: str | None = None,
+        each_line: bool = False,
+        jsonl: bool = False,
+        samples: int = 1,
+        all_samples: bool = False,
+        no_instruction: bool = False,
+        verbose: bool = False,
+        raw_output: bool = False,
+        think_budget: int | None = None,
+        min_think: int | None = None,
+        loop: str | None = None,
+        vote: str | None = None,
+        stop_unsure: bool | None = None,
+        system: str | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repeat_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        seed: int | None = None,
+        max_tokens: int | None = None,
+        deterministic: bool | None = None,
+        keep_alive: str | None = None,
+        n_ctx: str | None = None,
+        threads: int | None = None,
+        overcommit: bool | None = None,
+        backend: tuple[str, ...] = (),
+        backend_concurrency: int | None = None,
+    ) -> None:
+        self.prompt = prompt
+        self.model = model
+        self.show_reasoning = show_reasoning
+        self.answer_only = answer_only
+        self.as_json = as_json
+        self.file = file
+        self.each_line = each_line
+        self.jsonl = jsonl
+        self.samples = samples
+        self.all_samples = all_samples
+        self.no_instruction = no_instruction
+        self.verbose = verbose
+        self.raw_output = raw_output
+        self.think_budget = think_budget
+        self.min_think = min_think
+        self.loop = loop
+        self.vote = vote
+        self.stop_unsure = stop_unsure
+        self.system = system
+        self.temperature = temperature
+        self.top_p = top_p
+        self.min_p = min_p
+        self.repeat_penalty = repeat_penalty
+        self.presence_penalty = presence_penalty
+        self.frequency_penalty = frequency_penalty
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.deterministic = deterministic
+        self.keep_alive = keep_alive
+        self.n_ctx = n_ctx
+        self.threads = threads
+        self.overcommit = overcommit
+        self.backend = backend
+        self.backend_concurrency = backend_concurrency
 
     @property
     def answer(self) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from phi4cli.cli_options import (
     with_daemon_options,
     with_options,
 )
-from phi4cli.config import Settings, format_duration, load_settings, started_with, variable
+from phi4cli.config import Settings, format_duration, load_settings, variable
 from phi4cli.environment import Environment
 from phi4cli.errors import ConfigError, ExitStatus, Phi4Error, UsageError
 from phi4cli.exits import say  # the one `phi4:` line on stderr, cleaned
@@ -442,7 +442,7 @@ def config_set(
     ],
 ) -> None:
     """Set one setting in the config file, after checking the value."""
-    from phi4cli.config import set_config_value
+    from phi4cli.config_writing import set_config_value
 
     paths = get_paths()
     path = paths.config_file
@@ -467,7 +467,7 @@ def config_set(
 def config_edit() -> None:
     """Open the config file in $VISUAL or $EDITOR, then check what was written: the file is
     replaced only by a valid edit (at a terminal, a bad one can be edited again)."""
-    from phi4cli.config import edit_config
+    from phi4cli.config_writing import edit_config
 
     path = get_paths().config_file
     edit_config(path, os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi", say)
@@ -647,6 +647,8 @@ def daemon_run(
 
     paths, settings, model_path = _daemon_setup(daemon)
     if given is not None:  # a client started it: its settings, as that client has them
+        from phi4cli.config_writing import started_with
+
         settings = started_with(given, settings)
     run_daemon(paths, settings, model_path)
 

@@ -16,7 +16,6 @@ from phi4cli.environment import Environment
 from phi4cli.errors import ExitStatus, UsageError
 from phi4cli.options import sample_seed
 from phi4cli.outcome import Outcome, exit_status
-from phi4cli.problems import NO_PROBLEMS, Opened, ProblemFeed, open_problems, raw_lines
 from phi4cli.progress import FileProgress, LoadLine, ProgressNotice, StderrStatus
 from phi4cli.protocol import Event
 from phi4cli.reasoning import AnswerComparer, majority_vote, vote_settled
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from phi4cli.dispatch import EventSink, Feed, Flight, FlightHook
+    from phi4cli.problems import Opened, ProblemFeed  # imported where --file reads, not before
 
 
 class SolveJob(Record):
@@ -409,6 +409,8 @@ def solve_file(job: SolveJob, opened: Opened, mode: OutputMode, jsonl: bool) -> 
     With ``--answer-only`` output line N belongs to input line N: a blank input line gets an
     empty output line. ``--jsonl`` records skip blank lines and carry their ``line`` number.
     """
+    from phi4cli.problems import ProblemFeed, raw_lines
+
     source = opened.stream if opened.known is not None else raw_lines(opened.stream)
     feed = ProblemFeed(source, opened.where, lambda q: job.params(q, priority="bulk"))
     try:
@@ -490,6 +492,8 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
     if feed.failure is not None:
         raise UsageError(feed.failure)
     if not count:
+        from phi4cli.problems import NO_PROBLEMS
+
         raise UsageError(NO_PROBLEMS)
     if mode.answer_only and not jsonl:
         for _blank in range(printed_line + 1, feed.total + 1):
@@ -612,6 +616,8 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
         raise UsageError(f"give a question or --file, not both: {o.prompt!r} and {o.file}")
     reads_file = o.file is not None or o.each_line
     # Checked before anything starts: a file that is not there or not UTF-8 is refused first.
+    if reads_file:
+        from phi4cli.problems import open_problems
     opened = open_problems(o.file or "-", env) if reads_file else None
     question = read_prompt(o.prompt, env) if opened is None else ""
     try:

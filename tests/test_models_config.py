@@ -308,7 +308,7 @@ def test_a_daemon_is_started_with_the_clients_settings_in_one_argument(tmp_path:
     # Before, spawn turned Settings back into ten flags by hand, which the daemon parsed again.
     import json
 
-    from phi4cli.config import started_with as _started_with
+    from phi4cli.config_writing import started_with as _started_with
     from phi4cli.daemon.spawn import daemon_command
     from phi4cli.errors import ConfigError, UsageError
     from phi4cli.options import DAEMON_START
