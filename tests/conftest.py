@@ -184,9 +184,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Kill what a suite that was itself killed (so never reached its last step) left."""
     orphans = []
     for pid in _processes_of_suites():
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):  # gone, or a value that is no pid
             suite = _suite_of(pid)
-            if suite != os.getpid() and not Path(f"/proc/{suite}").exists():
+            if suite > 0 and suite != os.getpid() and not Path(f"/proc/{suite}").exists():
                 orphans.append(pid)
     if orphans:
         _kill_all(orphans)
