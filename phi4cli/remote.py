@@ -224,7 +224,7 @@ class RemoteEngine:
         self._client: httpx.Client | None = None
         self._client_lock = threading.Lock()
 
-    def _http(self) -> httpx.Client:
+    def http_client(self) -> httpx.Client:
         """The engine's one HTTP client: its connection pool is shared by every request in
         flight (httpx's pool is thread-safe), so a run of thousands opens few connections."""
         with self._client_lock:
@@ -268,7 +268,9 @@ class RemoteEngine:
             headers["Authorization"] = f"Bearer {self.api_key}"
         return httpx.Client(timeout=min(timeout, self.timeout), headers=headers)
 
-    def _body(self, params: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
+    def request_body(
+        self, params: dict[str, Any], messages: list[dict[str, str]]
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": True,
                                 "stream_options": {"include_usage": True}}  # fmt: skip
         from phi4cli.options import SETTINGS
@@ -305,14 +307,14 @@ class RemoteEngine:
         state.policy = ThinkingPolicy(budget, int(params.get("min_think") or 0),
                                       str(params.get("loop", "answer")))  # fmt: skip
         messages = messages_for(params)
-        client = self._http()
+        client = self.http_client()
         try:
             if budget == 0 and self.thinks:
                 # No thinking at all: start the answer straight away.
                 if state.policy.counted(0, in_reasoning=True) is Act.ANSWER:
                     state.policy.closed(fitted=True)
             else:
-                body = self._body(params, messages)
+                body = self.request_body(params, messages)
                 try:
                     for kind, text in self._events(client, body, reader, state, member):
                         yield Event(kind, text=text)
@@ -361,7 +363,7 @@ class RemoteEngine:
         self, params: dict[str, Any], messages: list[dict[str, str]], state: StreamState
     ) -> dict[str, Any]:
         """A later request of this one: ``messages``, with the tokens left of max_tokens."""
-        body = self._body(params, messages)
+        body = self.request_body(params, messages)
         if params.get("max_tokens") is not None:
             body["max_tokens"] = max(1, self._tokens_left(params, state))
         return body
@@ -516,10 +518,10 @@ class RemoteEngine:
             yield from self._watched_events(member.chunks(state), reader, state, None)
             return
         with Watch(self, state) as watch:
-            yield from self._watched_events(self._chunks(client, body, watch), reader, state,
-                                            watch)  # fmt: skip
+            chunks = self.response_chunks(client, body, watch)
+            yield from self._watched_events(chunks, reader, state, watch)
 
-    def _chunks(self, client: httpx.Client, body: dict[str, Any],
+    def response_chunks(self, client: httpx.Client, body: dict[str, Any],
                 watch: Watch) -> Iterator[dict[str, Any] | None]:  # fmt: skip
         """The chunks of the response to ``body``, parsed, then None for its ``[DONE]``; a
         failure of the server or of the connection is raised as StreamFailure (or

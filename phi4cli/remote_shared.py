@@ -64,7 +64,7 @@ class SharedRequest:
 
     def _read(self) -> None:
         engine = self.engine
-        body = engine._body(self.params, messages_for(self.params))
+        body = engine.request_body(self.params, messages_for(self.params))
         body["n"] = self.count
         ended: tuple[str, Exception | None] = ("end", None)
         # A choice's last chunk waits here while nothing else comes: the usage, which a server
@@ -80,7 +80,7 @@ class SharedRequest:
 
         try:
             with Watch(engine, self.state) as watch:
-                for chunk in engine._chunks(engine._http(), body, watch):
+                for chunk in engine.response_chunks(engine.http_client(), body, watch):
                     if self.attempt.cancelled or chunk is None:
                         break
                     usage = chunk.get("usage")
