@@ -32,8 +32,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager, suppress
-from typing import Any, Protocol, cast
+from contextlib import suppress
+from typing import Any, Protocol
 
 import httpx2 as httpx
 
@@ -43,23 +43,15 @@ from phi4cli.exits import Announce
 from phi4cli.protocol import ErrorCode, Event, EventKind, Stats
 from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model_thinks
 from phi4cli.remote_wire import (
-    MAX_EVENT_BYTES,
     AskAlone,
     StreamFailure,
     Watch,
-    WatchedResponse,
     choices_of,
     count_of,
     delta_of,
-    excerpt,
-    http_failure,
     nonsense,
-    parse_chunk,
-    read_bounded,
-    reason,
-    retry_wait,
+    response_chunks,
     seconds_of,
-    transport_failure,
 )
 from phi4cli.thinking import Act, ThinkingPolicy
 
@@ -71,8 +63,6 @@ CONNECT_TIMEOUT_S = 10.0  # at most; a shorter backend_timeout shortens it too
 # Pieces of text one request may stream when it sets no max_tokens: beyond any context these
 # servers run, so only an endless stream meets it.
 DEFAULT_TOKEN_LIMIT = 131072
-MAX_RETRIES = 3  # of a 429 or 503 answer
-MAX_RETRY_WAIT_S = 60.0  # a longer Retry-After is not waited for
 LONGEST_WAIT_S = 1e8  # about three years: longer settings are taken as this
 
 
@@ -214,7 +204,7 @@ class RemoteEngine:
         self.deadline = min(deadline, LONGEST_WAIT_S)
         self.notice = notice  # one line for the user, e.g. that a busy server is waited for
         self.thinks = model_thinks(model)
-        self._retry_told = False
+        self.retry_told = False  # a busy server's wait said (once per command)
         self.gives_logprobs = True  # until it refuses them: then it is not asked again
         # Whether it answers a request with ``n`` choices (None: not known yet). Found out by
         # the first samples asked together, and remembered: one that refuses n, or answers
@@ -449,63 +439,6 @@ class RemoteEngine:
         limit = params.get("max_tokens")
         return max(0, int(limit) - state.completion_pieces) if limit is not None else state.limit
 
-    @contextmanager
-    def _opened(
-        self, client: httpx.Client, body: dict[str, Any], watch: Watch
-    ) -> Iterator[httpx.Response]:
-        """The response to ``body`` once the server accepts it: a 429 or 503 is asked again, up
-        to MAX_RETRIES times, after its Retry-After (or a short backoff). Raise StreamFailure for a
-        refusal, with a short excerpt of the server's message. A refusal of the logprobs asked
-        for is asked again at once without them, as an attempt of its own (it can happen once)."""
-        attempts = iter(range(MAX_RETRIES + 1))
-        attempt = next(attempts)
-        while True:
-            watch.ask()
-            with client.stream("POST", self.endpoint, json=body,
-                               extensions={"trace": watch.trace}) as response:  # fmt: skip
-                watch.answered = True
-                watch.last_event = time.monotonic()
-                encoding = response.headers.get("content-encoding", "identity").strip().lower()
-                if encoding not in ("", "identity"):
-                    # Not asked for, and a few KiB of it can inflate to gigabytes in one read.
-                    shown = excerpt(encoding, 40)
-                    raise StreamFailure(ErrorCode.BACKEND_ERROR,
-                                   f"the backend {self.url} sent a compressed answer ({shown}), "
-                                   "which phi4 did not ask for")  # fmt: skip
-                if response.status_code < 400:
-                    stream = response.extensions.get("network_stream")
-                    if stream is not None:
-                        # The connection this answer came on (from the pool, the trace saw no
-                        # connect): the one a cancel or the guard hangs up.
-                        watch.state.socket = stream.get_extra_info("socket")
-                    yield response
-                    return
-                text, whole = read_bounded(response, watch)
-                wait = retry_wait(response, attempt)
-            failure = http_failure(response, text, whole)
-            if body.get("logprobs") and response.status_code in (400, 422) \
-                    and "logprob" in failure.message.lower():  # fmt: skip
-                # A server that gives no logprobs (or not 20): asked again without, and never
-                # again for them; the answers then have no confidence.
-                told, self.gives_logprobs = not self.gives_logprobs, False
-                body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
-                if self.notice is not None and not told:
-                    self.notice(f"the backend {self.url} gives no logprobs ({failure.message}); "
-                                "answers have no confidence")  # fmt: skip
-                continue  # (the same attempt number: a busy server's retries are not spent)
-            if wait is not None and watch.state.attempt is not None \
-                    and watch.state.attempt.on_busy is not None:  # fmt: skip
-                watch.state.attempt.on_busy(wait)  # the flight sends less to this server now
-            left = self.deadline - (time.monotonic() - watch.started)
-            if wait is None or attempt == MAX_RETRIES or wait > min(MAX_RETRY_WAIT_S, left):
-                raise failure
-            if self.notice is not None and not self._retry_told:
-                self._retry_told = True  # once per command, however many waits follow
-                self.notice(f"the backend {self.url} is busy ({response.status_code}); "
-                            f"asking again in {wait:g} s (up to {MAX_RETRIES} times)")  # fmt: skip
-            time.sleep(wait)
-            attempt = next(attempts)
-
     def _events(
         self,
         client: httpx.Client,
@@ -518,43 +451,8 @@ class RemoteEngine:
             yield from self._watched_events(member.chunks(state), reader, state, None)
             return
         with Watch(self, state) as watch:
-            chunks = self.response_chunks(client, body, watch)
+            chunks = response_chunks(self, client, body, watch)
             yield from self._watched_events(chunks, reader, state, watch)
-
-    def response_chunks(self, client: httpx.Client, body: dict[str, Any],
-                watch: Watch) -> Iterator[dict[str, Any] | None]:  # fmt: skip
-        """The chunks of the response to ``body``, parsed, then None for its ``[DONE]``; a
-        failure of the server or of the connection is raised as StreamFailure (or
-        DaemonUnavailableError: it was never reached)."""
-        done = False
-        try:
-            with self._opened(client, body, watch) as response:
-                watched = cast(httpx.Response, WatchedResponse(response, watch))
-                for sse in httpx.EventSource(watched, max_event_size=MAX_EVENT_BYTES):
-                    watch.last_event = time.monotonic()
-                    if sse.data.strip() == "[DONE]":
-                        done = True
-                        yield None
-                        return
-                    yield parse_chunk(sse.data, self.url)
-        except httpx.TransportError as error:  # timeouts, broken connections, bad streams
-            if watch.finished and not isinstance(error, httpx.SSEError):
-                # The answer ended, then the server went quiet or hung up instead of sending
-                # [DONE]: its usage is lost, not the answer.
-                return
-            raise transport_failure(error, watch) from None
-        except (httpx.RequestError, httpx.InvalidURL) as error:  # a body it cannot decode, ...
-            if watch.alarm is not None:
-                raise watch.alarm from None
-            raise StreamFailure(
-                ErrorCode.BACKEND_ERROR, f"the backend's reply cannot be read: {reason(error)}"
-            ) from None
-        if not done and not watch.finished:
-            if watch.alarm is not None:
-                raise watch.alarm
-            raise StreamFailure(ErrorCode.BACKEND_ERROR,
-                           "the backend closed the stream before the answer was complete",
-                           fault="down")  # fmt: skip
 
     def _watched_events(
         self,

@@ -19,7 +19,7 @@ from phi4cli.remote import (
     messages_for,
     wants_confidence,
 )
-from phi4cli.remote_wire import AskAlone, StreamFailure, Watch, choices_of
+from phi4cli.remote_wire import AskAlone, StreamFailure, Watch, choices_of, response_chunks
 
 MAX_SHARED = 16  # samples of a question asked in one request (its n), at most
 
@@ -80,7 +80,7 @@ class SharedRequest:
 
         try:
             with Watch(engine, self.state) as watch:
-                for chunk in engine.response_chunks(engine.http_client(), body, watch):
+                for chunk in response_chunks(engine, engine.http_client(), body, watch):
                     if self.attempt.cancelled or chunk is None:
                         break
                     usage = chunk.get("usage")

@@ -12,10 +12,10 @@ import socket
 import threading
 import time
 import unicodedata
-from collections.abc import Iterator
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from email.utils import parsedate_to_datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import httpx2 as httpx
 
@@ -36,6 +36,18 @@ class Endpoint(Protocol):
     deadline: float
 
 
+class Engine(Endpoint, Protocol):
+    """What asking a server needs of its engine (``remote.RemoteEngine``): where to post, whether
+    it still asks for logprobs, and where to say a wait."""
+
+    @property
+    def endpoint(self) -> str: ...
+
+    gives_logprobs: bool
+    retry_told: bool
+    notice: Callable[[str], None] | None
+
+
 class WatchedState(Protocol):
     """What a Watch needs of a request's state: when it began, its connection (the guard's to
     hang up), whether it asked for logprobs (its size limit), and the flight's hold on it."""
@@ -49,6 +61,8 @@ class WatchedState(Protocol):
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error answer read before the connection is closed
 EXCERPT_CHARS = 200  # of a server's message, shown on one line
 MAX_EVENT_BYTES = 1024 * 1024  # one server-sent event (a line that never ends included)
+MAX_RETRIES = 3  # of a 429 or 503 answer
+MAX_RETRY_WAIT_S = 60.0  # a longer Retry-After is not waited for
 MAX_STREAM_BYTES = 64 * 1024 * 1024  # one response stream in all
 RETRY_BACKOFF_S = 0.5  # the first wait when the server gives no Retry-After; doubled each time
 MAX_COUNT = 10**9  # a token count above this, as a NaN or a negative one, is not believed
@@ -348,3 +362,97 @@ def seconds_of(millis: Any) -> float | None:
     if type(millis) in (int, float) and math.isfinite(millis) and 0 <= millis <= 1e10:
         return float(millis) / 1000.0
     return None
+
+
+@contextmanager
+def opened(
+    engine: Engine, client: httpx.Client, body: dict[str, Any], watch: Watch
+) -> Iterator[httpx.Response]:
+    """The response to ``body`` once the server accepts it: a 429 or 503 is asked again, up
+    to MAX_RETRIES times, after its Retry-After (or a short backoff). Raise StreamFailure for a
+    refusal, with a short excerpt of the server's message. A refusal of the logprobs asked
+    for is asked again at once without them, as an attempt of its own (it can happen once)."""
+    attempts = iter(range(MAX_RETRIES + 1))
+    attempt = next(attempts)
+    while True:
+        watch.ask()
+        with client.stream("POST", engine.endpoint, json=body,
+                           extensions={"trace": watch.trace}) as response:  # fmt: skip
+            watch.answered = True
+            watch.last_event = time.monotonic()
+            encoding = response.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                # Not asked for, and a few KiB of it can inflate to gigabytes in one read.
+                shown = excerpt(encoding, 40)
+                raise StreamFailure(ErrorCode.BACKEND_ERROR,
+                               f"the backend {engine.url} sent a compressed answer ({shown}), "
+                               "which phi4 did not ask for")  # fmt: skip
+            if response.status_code < 400:
+                stream = response.extensions.get("network_stream")
+                if stream is not None:
+                    # The connection this answer came on (from the pool, the trace saw no
+                    # connect): the one a cancel or the guard hangs up.
+                    watch.state.socket = stream.get_extra_info("socket")
+                yield response
+                return
+            text, whole = read_bounded(response, watch)
+            wait = retry_wait(response, attempt)
+        failure = http_failure(response, text, whole)
+        if body.get("logprobs") and response.status_code in (400, 422) \
+                and "logprob" in failure.message.lower():  # fmt: skip
+            # A server that gives no logprobs (or not 20): asked again without, and never
+            # again for them; the answers then have no confidence.
+            told, engine.gives_logprobs = not engine.gives_logprobs, False
+            body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+            if engine.notice is not None and not told:
+                engine.notice(f"the backend {engine.url} gives no logprobs ({failure.message}); "
+                            "answers have no confidence")  # fmt: skip
+            continue  # (the same attempt number: a busy server's retries are not spent)
+        if wait is not None and watch.state.attempt is not None \
+                and watch.state.attempt.on_busy is not None:  # fmt: skip
+            watch.state.attempt.on_busy(wait)  # the flight sends less to this server now
+        left = engine.deadline - (time.monotonic() - watch.started)
+        if wait is None or attempt == MAX_RETRIES or wait > min(MAX_RETRY_WAIT_S, left):
+            raise failure
+        if engine.notice is not None and not engine.retry_told:
+            engine.retry_told = True  # once per command, however many waits follow
+            engine.notice(f"the backend {engine.url} is busy ({response.status_code}); "
+                        f"asking again in {wait:g} s (up to {MAX_RETRIES} times)")  # fmt: skip
+        time.sleep(wait)
+        attempt = next(attempts)
+
+
+def response_chunks(engine: Engine, client: httpx.Client, body: dict[str, Any],
+            watch: Watch) -> Iterator[dict[str, Any] | None]:  # fmt: skip
+    """The chunks of the response to ``body``, parsed, then None for its ``[DONE]``; a
+    failure of the server or of the connection is raised as StreamFailure (or
+    DaemonUnavailableError: it was never reached)."""
+    done = False
+    try:
+        with opened(engine, client, body, watch) as response:
+            watched = cast(httpx.Response, WatchedResponse(response, watch))
+            for sse in httpx.EventSource(watched, max_event_size=MAX_EVENT_BYTES):
+                watch.last_event = time.monotonic()
+                if sse.data.strip() == "[DONE]":
+                    done = True
+                    yield None
+                    return
+                yield parse_chunk(sse.data, engine.url)
+    except httpx.TransportError as error:  # timeouts, broken connections, bad streams
+        if watch.finished and not isinstance(error, httpx.SSEError):
+            # The answer ended, then the server went quiet or hung up instead of sending
+            # [DONE]: its usage is lost, not the answer.
+            return
+        raise transport_failure(error, watch) from None
+    except (httpx.RequestError, httpx.InvalidURL) as error:  # a body it cannot decode, ...
+        if watch.alarm is not None:
+            raise watch.alarm from None
+        raise StreamFailure(
+            ErrorCode.BACKEND_ERROR, f"the backend's reply cannot be read: {reason(error)}"
+        ) from None
+    if not done and not watch.finished:
+        if watch.alarm is not None:
+            raise watch.alarm
+        raise StreamFailure(ErrorCode.BACKEND_ERROR,
+                       "the backend closed the stream before the answer was complete",
+                       fault="down")  # fmt: skip
