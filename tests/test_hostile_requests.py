@@ -176,12 +176,12 @@ def test_an_event_that_cannot_be_sent_costs_its_request_only(phi4_home: Path):
     out = Collector()
     first = out.job(1, "a")
     connection.jobs.update({1: first, 2: out.job(2, "b")})
-    server._outbox = [
+    server._outbox._posted = [
         (connection, 1, protocol.Event(protocol.EventKind.TOKEN, 1, "x", {"bad": {1, 2}})),
         (connection, 1, protocol.Event(protocol.EventKind.TOKEN, 1, "y")),
         (connection, 2, protocol.Event(protocol.EventKind.TOKEN, 2, "fine")),
     ]
-    server._flush_outbox()  # raised TypeError in the event loop before
+    server._outbox.flush()  # raised TypeError in the event loop before
     events = [json.loads(line) for line in writer.data.splitlines()]
     assert sorted((e["id"], e["event"]) for e in events) == [(1, "error"), (2, "token")]
     error = next(e for e in events if e["id"] == 1)

@@ -176,6 +176,15 @@ class RequestScheduler:
     def busy(self) -> bool:
         return self._outstanding > 0
 
+    def waiting_for_room(self) -> dict[str, Any] | None:
+        """The request at the head of the queue, if it waits for room in the KV cache (what
+        ``phi4 status`` says of it)."""
+        job = self.waiting
+        wait = job.waiting if job is not None else None
+        if wait is None:
+            return None
+        return {"reason": wait.reason, "needed": wait.needed, "free": wait.free}
+
     def submit(self, job: Job) -> int:
         """Queue a job; return how many jobs are ahead of it. Raise QueueFullError when full.
 

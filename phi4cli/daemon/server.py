@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,54 @@ class Connection:
             self.closed = True
 
 
+class _Outbox:
+    """Events the engine thread posts for the event loop. Those posted before the loop gets to
+    them go out together: one wake-up and one write per connection per decode step, not one per
+    token, which on a small machine takes cores from llama.cpp's threads."""
+
+    def __init__(self, deliver: Callable[[Connection, Any, Event], None],
+                 undeliverable: Callable[[Connection, Any, Event], None]) -> None:  # fmt: skip
+        self.deliver, self.undeliverable = deliver, undeliverable
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it serves
+        self._posted: list[tuple[Connection, Any, Event]] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, connection: Connection, request_id: Any, event: Event) -> None:
+        """Hand an event from the engine thread to the event loop."""
+        with self._lock:
+            self._posted.append((connection, request_id, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self.flush)
+
+    def flush(self) -> None:
+        """Deliver what the engine posted. Runs in the event loop, so nothing may escape: an event
+        that cannot be delivered costs its request (``undeliverable``: an error event, the job
+        cancelled), logged once, and everyone else's events still go out."""
+        with self._lock:
+            posted, self._posted = self._posted, []
+            self._scheduled = False
+        failed: set[tuple[int, Any]] = set()
+        for connection, request_id, event in posted:
+            key = (id(connection), _hashable(request_id))
+            if key in failed:
+                continue
+            try:
+                self.deliver(connection, request_id, event)
+            except Exception:
+                failed.add(key)
+                self.undeliverable(connection, request_id, event)
+        for connection in {connection for connection, _, _ in posted}:
+            try:
+                connection.flush()
+            except Exception:
+                log.exception("writing to a client failed; closing its connection")
+                connection.closed = True
+
+
 class DaemonServer:
     def __init__(
         self,
@@ -145,9 +194,7 @@ class DaemonServer:
         self.metrics = RequestMetrics()
         self.last_activity = time.monotonic()
         self._connections: set[Connection] = set()
-        self._outbox: list[tuple[Connection, Any, Event]] = []
-        self._outbox_lock = threading.Lock()
-        self._flush_scheduled = False
+        self._outbox = _Outbox(self._deliver, self._undeliverable)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._stopping = False
@@ -189,18 +236,10 @@ class DaemonServer:
             "keep_alive_left_s": None if left is None else round(left, 3),
             "n_ctx": self.scheduler.memory.get("n_ctx", self.settings.n_ctx),
             "memory": self.scheduler.memory,
-            "waiting": self._waiting(),
+            "waiting": self.scheduler.waiting_for_room(),
             "load": self.scheduler.last_load,
             "metrics": self.metrics.snapshot(),
         }
-
-    def _waiting(self) -> dict[str, Any] | None:
-        """The request at the head of the queue, if it waits for room in the KV cache."""
-        job = self.scheduler.waiting
-        wait = job.waiting if job is not None else None
-        if wait is None:
-            return None
-        return {"reason": wait.reason, "needed": wait.needed, "free": wait.free}
 
     def _write_status(self) -> None:
         if self._stopping and self.state != "stopping":
@@ -399,7 +438,7 @@ class DaemonServer:
         assert loop is not None
 
         def emit(event: Event) -> None:
-            self._post(connection, request.id, event)
+            self._outbox.post(connection, request.id, event)
 
         job = Job(request_id=request.id, params=params, emit=emit, owner=connection)
         try:
@@ -411,42 +450,6 @@ class DaemonServer:
             self.model_path is not None else {}  # fmt: skip
         connection.send(Event(EventKind.ACCEPTED, request.id,
                               data={"ahead": ahead, "state": self.state, **loading}))  # fmt: skip
-
-    def _post(self, connection: Connection, request_id: Any, event: Event) -> None:
-        """Hand an event from the engine thread to the event loop. Events posted before the loop
-        gets to them go out together: one wake-up and one write per connection per decode step,
-        not one per token, which on a small machine takes cores from llama.cpp's threads."""
-        with self._outbox_lock:
-            self._outbox.append((connection, request_id, event))
-            if self._flush_scheduled:
-                return
-            self._flush_scheduled = True
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._flush_outbox)
-
-    def _flush_outbox(self) -> None:
-        """Deliver what the engine posted. Runs in the event loop, so nothing may escape: an event
-        that cannot be delivered costs its request (an error event, the job cancelled), logged
-        once, and everyone else's events still go out."""
-        with self._outbox_lock:
-            posted, self._outbox = self._outbox, []
-            self._flush_scheduled = False
-        failed: set[tuple[int, Any]] = set()
-        for connection, request_id, event in posted:
-            key = (id(connection), _hashable(request_id))
-            if key in failed:
-                continue
-            try:
-                self._deliver(connection, request_id, event)
-            except Exception:
-                failed.add(key)
-                self._undeliverable(connection, request_id, event)
-        for connection in {connection for connection, _, _ in posted}:
-            try:
-                connection.flush()
-            except Exception:
-                log.exception("writing to a client failed; closing its connection")
-                connection.closed = True
 
     def _undeliverable(self, connection: Connection, request_id: Any, event: Event) -> None:
         log.exception("request %r: cannot deliver a %r event", request_id, event.kind.value)
@@ -520,7 +523,7 @@ class DaemonServer:
 
     async def serve(self) -> None:
         """Bind, load, serve until stopped; clean up the socket and status file on the way out."""
-        self._loop = asyncio.get_running_loop()
+        self._loop = self._outbox.loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         sock_path = self.paths.socket
         check_socket_path(sock_path)
