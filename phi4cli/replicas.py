@@ -236,21 +236,30 @@ def probe_server(engine: RemoteEngine, timeout: float = 5.0) -> str | None:
         return f"cannot reach it: {reason(error)}"
 
 
-def served_models(engine: RemoteEngine, timeout: float = 5.0) -> list[str] | None:
-    """The model ids the server lists at ``/v1/models`` (what it serves, whatever name a
-    request carries), or None when it lists none that can be read."""
+def _small_page(engine: RemoteEngine, url: str, timeout: float) -> bytes | None:
+    """The body of a 200 answer to GET ``url``, read as it comes and only so much (at most
+    MAX_METRICS_BYTES: a side look must not become a large download); None otherwise."""
     body = bytearray()
     try:
-        with engine.side_client(timeout) as client, \
-                client.stream("GET", engine.v1 + "/models") as response:  # fmt: skip
+        with engine.side_client(timeout) as client, client.stream("GET", url) as response:
             if response.status_code != 200:
                 return None
             for piece in response.iter_bytes():
                 body += piece
                 if len(body) > MAX_METRICS_BYTES:
                     return None
-        listed = json.loads(body)
-    except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError):
+    except (httpx.HTTPError, httpx.InvalidURL, OSError):
+        return None
+    return bytes(body)
+
+
+def served_models(engine: RemoteEngine, timeout: float = 5.0) -> list[str] | None:
+    """The model ids the server lists at ``/v1/models`` (what it serves, whatever name a
+    request carries), or None when it lists none that can be read."""
+    body = _small_page(engine, engine.v1 + "/models", timeout)
+    try:
+        listed = json.loads(body) if body is not None else None
+    except ValueError:
         return None
     entries = listed.get("data") if isinstance(listed, dict) else None
     if not isinstance(entries, list):
@@ -268,17 +277,8 @@ def load_of(engine: RemoteEngine, timeout: float = 5.0) -> dict[str, float]:
     publishes them (:data:`LOAD_METRICS`); empty when it has no such page."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    body = bytearray()
-    try:
-        with engine.side_client(timeout) as client, \
-                client.stream("GET", engine.root + "/metrics") as response:  # fmt: skip
-            if response.status_code != 200:
-                return {}
-            for piece in response.iter_bytes():  # read as it comes, and only so much
-                body += piece
-                if len(body) > MAX_METRICS_BYTES:
-                    return {}
-    except (httpx.HTTPError, httpx.InvalidURL, OSError):
+    body = _small_page(engine, engine.root + "/metrics", timeout)
+    if body is None:
         return {}
     text = body.decode("utf-8", "replace")
     found: dict[str, float] = {}
