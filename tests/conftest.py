@@ -55,19 +55,22 @@ SUITE_VARIABLE = "PHI4_TEST_SUITE"
 DAEMON_MARKER = "daemon"
 
 
-def _processes_with(entry: bytes) -> list[int]:
-    """The pids of this user's processes, other than this one, whose environment holds
-    ``entry`` (``NAME=value``, whole)."""
-    found = []
+def _environments() -> Iterator[tuple[int, list[bytes]]]:
+    """Each of this user's processes, other than this one, with its environment's entries
+    (``NAME=value``)."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
-            if entry in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(int(proc.name))
+            entries = (proc / "environ").read_bytes().split(b"\0")
         except OSError:  # gone, or another user's
             continue
-    return found
+        yield int(proc.name), entries
+
+
+def _processes_with(entry: bytes) -> list[int]:
+    """The pids of the processes whose environment holds ``entry`` (``NAME=value``, whole)."""
+    return [pid for pid, entries in _environments() if entry in entries]
 
 
 def _kill_all(pids: list[int]) -> None:
@@ -182,33 +185,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Kill what a suite that was itself killed (so never reached its last step) left."""
+    prefix = f"{SUITE_VARIABLE}=".encode()
     orphans = []
-    for pid in _processes_of_suites():
-        with contextlib.suppress(OSError, ValueError):  # gone, or a value that is no pid
-            suite = _suite_of(pid)
-            if suite > 0 and suite != os.getpid() and not Path(f"/proc/{suite}").exists():
+    for pid, entries in _environments():
+        for entry in entries:
+            if not entry.startswith(prefix):
+                continue
+            suite = entry[len(prefix) :]  # a pid, unless someone set it to something else
+            if suite.isdigit() and 0 < int(suite) != os.getpid() \
+                    and not Path(f"/proc/{int(suite)}").exists():  # fmt: skip
                 orphans.append(pid)
     if orphans:
         _kill_all(orphans)
         print(f"\nkilled {len(orphans)} process(es) left by an earlier test run that was killed")
-
-
-def _processes_of_suites() -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if f"{SUITE_VARIABLE}=".encode() in (proc / "environ").read_bytes():
-                    found.append(int(proc.name))
-    return found
-
-
-def _suite_of(pid: int) -> int:
-    prefix = f"{SUITE_VARIABLE}=".encode()
-    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-        if entry.startswith(prefix):
-            return int(entry[len(prefix) :])
-    return -1
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
