@@ -104,16 +104,27 @@ def _shown(value: object) -> str:
 def read_config_file(path: Path) -> dict[str, Any]:
     """Return the parsed config file ({} when absent); raise ConfigError naming bad keys, or
     saying why a file another user could have written is not read (``read_user_file``)."""
+    raw = read_config_bytes(path)
+    return {} if raw is None else config_from_bytes(raw, path)  # none: no TOML parser to import
+
+
+def read_config_bytes(path: Path) -> bytes | None:
+    """The config file as written (None when there is none), if it may be read at all."""
     from phi4cli.atomicfile import RefusedFileError, read_user_file
 
     try:
-        raw = read_user_file(path, "config file")
+        return read_user_file(path, "config file")
     except FileNotFoundError:
-        return {}  # no config file: no TOML parser to import either
+        return None
     except RefusedFileError as exc:
         raise ConfigError(str(exc)) from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
+
+
+def config_from_bytes(raw: bytes, path: Path) -> dict[str, Any]:
+    """The settings a config file's text holds (``backends`` read as ``backend``); raise
+    ConfigError naming ``path`` for what is not TOML or not a known key."""
     import tomllib
 
     try:

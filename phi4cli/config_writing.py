@@ -9,7 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from phi4cli.config import Settings, parse_setting, read_config_file
+from phi4cli.config import (
+    Settings,
+    config_from_bytes,
+    parse_setting,
+    read_config_bytes,
+    read_config_file,
+)
 from phi4cli.errors import ConfigError, UsageError
 from phi4cli.options import SETTING as _FIELDS
 
@@ -32,14 +38,15 @@ def set_config_value(config_file: Path, key: str, value: str) -> Any:
     if key not in _FIELDS:
         raise ConfigError(f"unknown key {key!r}; known keys: {', '.join(sorted(_FIELDS))}")
     parsed = parse_setting(key, value, f"config key {key}")
-    data = read_config_file(config_file)
+    raw = read_config_bytes(config_file)  # read once: parsed here, edited below
+    data = config_from_bytes(raw, config_file) if raw is not None else {}
     if parsed is None:
         data.pop(key, None)
     else:
         # Durations keep the user's spelling ("30m"); everything else its parsed form.
         data[key] = value if key == "keep_alive" else parsed
     line = None if parsed is None else f"{key} = {_toml_value(data[key])}\n"
-    text = _edited(config_file, key, line, data)
+    text = _edited(raw.decode("utf-8") if raw is not None else "", config_file, key, line, data)
     if text is None:  # not one plain line to change: the file written afresh, sorted
         text = "".join(f"{name} = {_toml_value(data[name])}\n" for name in sorted(data))
     try:
@@ -51,17 +58,15 @@ def set_config_value(config_file: Path, key: str, value: str) -> Any:
     return parsed
 
 
-def _edited(config_file: Path, key: str, line: str | None, data: dict[str, Any]) -> str | None:
-    """The config file with ``key``'s one line replaced by ``line`` (or removed when None, or
-    added at the end when absent), so that the user's comments and order are kept; None when
-    that edit would not read back as ``data`` (a value over several lines, a table)."""
+def _edited(text: str, config_file: Path, key: str, line: str | None,
+            data: dict[str, Any]) -> str | None:  # fmt: skip
+    """The config file's ``text`` with ``key``'s one line replaced by ``line`` (or removed when
+    None, or added at the end when absent), so that the user's comments and order are kept;
+    None when that edit would not read back as ``data`` (a value over several lines, a
+    table)."""
     import re
-    import tomllib
 
-    try:
-        lines = config_file.read_text(encoding="utf-8").splitlines(keepends=True)
-    except (OSError, UnicodeDecodeError):
-        return None
+    lines = text.splitlines(keepends=True)
     names = ("backend", "backends") if key == "backend" else (key,)
     pattern = re.compile(rf"\s*(?:{'|'.join(names)})\s*=")
     hits = [number for number, text in enumerate(lines) if pattern.match(text)]
@@ -75,14 +80,12 @@ def _edited(config_file: Path, key: str, line: str | None, data: dict[str, Any])
         if lines and not lines[-1].endswith("\n"):
             lines[-1] += "\n"
         lines.append(line)
-    text = "".join(lines)
+    edited = "".join(lines)
     try:
-        read = tomllib.loads(text)
-    except (tomllib.TOMLDecodeError, ValueError):
+        read = config_from_bytes(edited.encode("utf-8"), config_file)  # as the file will be read
+    except ConfigError:
         return None
-    if "backends" in read and "backend" not in read:
-        read["backend"] = read.pop("backends")
-    return text if read == data else None
+    return edited if read == data else None
 
 
 def _comment_of(line: str) -> str:
