@@ -111,6 +111,9 @@ class Attempt:
         # --stop-unsure: the stream is cut once its confidence falls below this (the request's
         # confidence_floor, or the flight's adjust since).
         self.floor: float | None = None
+        # What else wakes its reader when it is cancelled: a sample reading its choice of a
+        # shared request waits on a queue, not on a socket of its own.
+        self.wake: Callable[[], None] | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -118,6 +121,8 @@ class Attempt:
         if connection is not None:
             with suppress(OSError):  # wakes the read blocked on it
                 connection.shutdown(socket.SHUT_RDWR)
+        if self.wake is not None:
+            self.wake()
 
 
 class _Reader:

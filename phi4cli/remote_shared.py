@@ -39,7 +39,6 @@ class SharedRequest:
 
         self.engine, self.params, self.count = engine, params, count
         self.queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(count)]
-        self.empty = queue.Empty
         self.heard = [False] * count  # a chunk of this choice came
         self.reading = count  # members still reading
         self._lock = threading.Lock()
@@ -141,16 +140,18 @@ class SharedMember:
 
     def chunks(self, state: StreamState) -> Iterator[dict[str, Any] | None]:
         inbox = self.shared.queues[self.index]
+        attempt = state.attempt
         try:
+            if attempt is not None:
+                attempt.wake = lambda: inbox.put(("cancelled", None))  # the flight ended it
+                if attempt.cancelled:  # (before it could be woken)
+                    return
             while True:
-                try:
-                    item = inbox.get(timeout=0.1)
-                except self.shared.empty:
-                    if state.attempt is not None and state.attempt.cancelled:
-                        return  # (the flight ended it)
-                    continue
+                item = inbox.get()
                 if isinstance(item, tuple):
                     kind, error = item
+                    if kind == "cancelled":
+                        return
                     if kind == "alone":
                         raise AskAlone
                     if error is not None:
