@@ -215,6 +215,9 @@ class RemoteEngine:
         # the first samples asked together, and remembered: one that refuses n, or answers
         # one choice, is sent each sample on its own from then on.
         self.takes_n: bool | None = None
+        # Whether it continues an assistant's message it is sent (llama-server, vLLM asked to);
+        # one that refuses to (phi4 serve) is asked afresh for an answer from then on.
+        self.continues = True
         self.connections = max(1, connections)  # kept open to the server, for the requests at once
         self._client: httpx.Client | None = None
         self._client_lock = threading.Lock()
@@ -397,11 +400,20 @@ class RemoteEngine:
         sent as the start of the assistant's message for the server to continue. A server that
         does not continue a message (it starts a new one, and thinks again to its limit) is then
         asked afresh: the closed thinking as the assistant's turn, and a user's turn asking for
-        the final answer."""
+        the final answer. So is one that refuses to continue one (a 400: phi4 serve, whose
+        last message must be the user's); it is not asked to continue again."""
         thinking = state.reasoning_text
         closed = f"{THINK_OPEN}\n{thinking.strip()}\n{THINK_CLOSE}\n\n"
-        body = self._continuation(params, messages, closed, state)
-        answered = yield from self._answer_from(client, body, reader, state, continued=True)
+        answered = False
+        if self.continues:
+            body = self._continuation(params, messages, closed, state)
+            try:
+                answered = yield from self._answer_from(client, body, reader, state,
+                                                        continued=True)  # fmt: skip
+            except StreamFailure as failure:
+                if failure.code != ErrorCode.BAD_REQUEST:
+                    raise
+                self.continues = False  # (nothing of the refused request was passed on)
         if answered or state.cut or not self._tokens_left(params, state):
             return
         fresh = [*messages, {"role": "assistant", "content": closed.rstrip()},

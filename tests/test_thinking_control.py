@@ -14,7 +14,7 @@ import pytest
 from phi4cli.loops import LoopDetector
 from phi4cli.reasoning import ThinkSplitter
 from tests.conftest import run_phi4
-from tests.scripted_server import Step, chunk, data, scripted_server, separated
+from tests.scripted_server import Head, Step, chunk, data, scripted_server, separated
 from tests.tinymodel import write_script_model
 from tests.traces import looping_trace, normal_trace
 
@@ -342,6 +342,31 @@ def _never_continuing_server(body: dict[str, Any]) -> list[str | Step]:
         again = [f" hmm{i}" for i in range(400)]
         return separated("reasoning_content", again, [], with_usage=False)
     return _looping_server(body)
+
+
+def _refusing_to_continue_server(body: dict[str, Any]) -> list[str | Step | Head]:
+    """Thinks in a loop; as phi4 serve, it refuses a request whose last message is not the
+    user's (a 400); asked afresh by a user's turn for the final answer, it answers."""
+    last = body["messages"][-1]
+    if last["role"] == "assistant":
+        return [Head(400), json.dumps({"error": {"message": "the last message must be the "
+                                                 "user's"}})]  # fmt: skip
+    if last["content"].startswith("Stop thinking now."):
+        return [chunk({"content": " So $\\boxed{4}$."}), chunk({}, "stop"), data("[DONE]")]
+    return _looping_server(body)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.daemon
+def test_a_server_that_refuses_to_continue_is_asked_afresh_for_the_answer():
+    # Found trying `--backend <phi4 serve>` with a think budget: "the backend answered 400: the
+    # last message must be the user's", exit 1, though the thinking was enough to answer.
+    done, bodies = _served(_refusing_to_continue_server, "What is 2+2?", "--json")
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert (record["answer"], record["stats"]["loop"]) == ("4", "answered")
+    assert [b["messages"][-1]["role"] for b in bodies] == ["user", "assistant", "user"]
+    assert bodies[2]["messages"][-1]["content"].startswith("Stop thinking now.")
 
 
 @pytest.mark.timeout(120)
