@@ -24,11 +24,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from phi4cli._settings import Sampling, Settings  # noqa: E402
+from phi4cli._settings import Ask, Settings  # noqa: E402
 from phi4cli.confidence import LogitsConfidence  # noqa: E402
 from phi4cli.daemon.jobs import Job  # noqa: E402
 from phi4cli.daemon.llama.batch import LlamaEngine  # noqa: E402
-from phi4cli.protocol import PRIORITY_SOLVE, SolveParams  # noqa: E402
+from phi4cli.protocol import SolveParams  # noqa: E402
 
 QUESTIONS = ("What is 12*13?", "Solve 3x^2+4x+5=1.", "What is 2+2?", "Sum 1 to 10.")
 
@@ -36,10 +36,9 @@ QUESTIONS = ("What is 12*13?", "Solve 3x^2+4x+5=1.", "What is 2+2?", "Sum 1 to 1
 def run_step_times(engine: LlamaEngine, at_once: int, tokens: int, confidence: bool) -> float:
     """Seconds per decode step of ``at_once`` requests (their decode time over their tokens)."""
     jobs = [
-        Job(i, SolveParams(prompt=f"{QUESTIONS[i % 4]} (round {time.monotonic()})", system=None,
-                           model=None, sampling=Sampling(temperature=0.0), max_tokens=tokens,
-                           think_budget=None, keep_alive=None, priority=PRIORITY_SOLVE,
-                           loop="off", confidence=confidence), lambda _event: None)
+        Job(i, SolveParams(f"{QUESTIONS[i % 4]} (round {time.monotonic()})",
+                           Ask(temperature=0.0, max_tokens=tokens, loop="off"),
+                           confidence=confidence), lambda _event: None)
         for i in range(at_once)
     ]  # fmt: skip
     for job in jobs:

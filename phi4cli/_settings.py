@@ -79,7 +79,7 @@ class Settings(Record):
 
 
 class Sampling(Record):
-    """The sampler's settings of one request, checked by the protocol."""
+    """The sampler's settings of one request (a part of its ``Ask``)."""
 
     temperature: float = 0.8
     top_p: float = 0.95
@@ -88,3 +88,54 @@ class Sampling(Record):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+
+
+class Ask(Record):
+    """What one request asks of the engine that answers it (the table's request rows):
+    filled by the client, checked on the wire by ``protocol.parse_ask``, read by the
+    daemon and the remote engine alike."""
+
+    think_budget: int | None = None
+    min_think: int = 0
+    loop: str = 'answer'
+    system: str | None = None
+    temperature: float = 0.8
+    top_p: float = 0.95
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None
+    deterministic: bool = False
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+        )
+
+    @classmethod
+    def of(cls, settings: Settings) -> Ask:
+        """What ``settings`` ask of a request that does not say otherwise."""
+        return cls(
+            think_budget=settings.think_budget,
+            min_think=settings.min_think,
+            loop=settings.loop,
+            system=settings.system,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            min_p=settings.min_p,
+            repeat_penalty=settings.repeat_penalty,
+            presence_penalty=settings.presence_penalty,
+            frequency_penalty=settings.frequency_penalty,
+            seed=settings.seed,
+            max_tokens=settings.max_tokens,
+            deterministic=settings.deterministic,
+        )

@@ -31,7 +31,7 @@ from phi4cli.dispatch import (
 from phi4cli.errors import DaemonGoneError, RequestError
 from phi4cli.exits import Announce
 from phi4cli.paths import Paths
-from phi4cli.protocol import JSON, ErrorCode, Event, EventKind, Op
+from phi4cli.protocol import JSON, ErrorCode, Event, EventKind, Op, SolveParams, to_wire
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -59,12 +59,13 @@ class RequestStream(Protocol):
 class Backend(Protocol):
     name: str  # for messages: "the daemon", "the backend URL"
 
-    def stream(self, op: Op, params: JSON) -> RequestStream:
+    def stream(self, op: Op, params: SolveParams) -> RequestStream:
         """Send one solve or chat request and return its events."""
         ...
 
-    def run(self, requests: Sequence[JSON | Event], on_event: EventSink, restart: bool = False,
-            feed: Feed | None = None, on_flight: FlightHook | None = None) -> None:  # fmt: skip
+    def run(self, requests: Sequence[SolveParams | Event], on_event: EventSink,
+            restart: bool = False, feed: Feed | None = None,
+            on_flight: FlightHook | None = None) -> None:  # fmt: skip
         """Answer many solve requests, passing each event to ``on_event(index, event)``. With
         ``restart``, a request cut off mid-answer may be sent again after a ``restart`` event
         (the caller folds events and can drop what came before). With a ``feed``, ``requests``
@@ -119,16 +120,17 @@ class DaemonBackend:
     def connect(self) -> None:
         self._give_back(self._take())
 
-    def _flight(self, op: Op, requests: Sequence[JSON | Event], window: int, restart: bool,
+    def _flight(self, op: Op, requests: Sequence[SolveParams | Event], window: int, restart: bool,
                 feed: Feed | None = None) -> Flight:  # fmt: skip
         replica = DaemonReplica(self, window)
         return Flight(requests, [replica], replica, op=op, restart=restart, feed=feed)
 
-    def stream(self, op: Op, params: JSON) -> FlightStream:
+    def stream(self, op: Op, params: SolveParams) -> FlightStream:
         return FlightStream(self._flight(op, [params], 1, restart=False))
 
-    def run(self, requests: Sequence[JSON | Event], on_event: EventSink, restart: bool = False,
-            feed: Feed | None = None, on_flight: FlightHook | None = None) -> None:  # fmt: skip
+    def run(self, requests: Sequence[SolveParams | Event], on_event: EventSink,
+            restart: bool = False, feed: Feed | None = None,
+            on_flight: FlightHook | None = None) -> None:  # fmt: skip
         flight = self._flight(Op.SOLVE, requests, self.window, restart, feed)
         if on_flight is not None:
             on_flight(flight)
@@ -168,13 +170,13 @@ class DaemonReplica(Replica):
     def room(self, now: float) -> int:
         return 0 if self.pending else super().room(now)
 
-    def send(self, serial: int, op: str, params: JSON) -> None:
+    def send(self, serial: int, op: str, params: SolveParams) -> None:
         self.op = op
         if self.connection is None:
             self.connection = self.backend._take()
             self.spawned = self.spawned or bool(self.connection.spawned)
         try:
-            request_id = self.connection.send(op, params)
+            request_id = self.connection.send(op, to_wire(op, params))
         except DaemonGoneError as exc:
             self._gone(exc)  # the failure covers this request too
             return
@@ -244,11 +246,11 @@ class DaemonReplica(Replica):
                 self.connection.send(Op.CANCEL, {"target": request_id})
         return None  # the daemon ends it, with the partial answer
 
-    def adjust(self, serial: int, params: JSON) -> None:
+    def adjust(self, serial: int, floor: float) -> None:
         request_id = self.id_of.get(serial)
         if self.connection is not None and request_id is not None:
             with contextlib.suppress(DaemonGoneError):
-                self.connection.send(Op.ADJUST, {"target": request_id, **params})
+                self.connection.send(Op.ADJUST, {"target": request_id, "confidence_floor": floor})
 
     def may_recover(self, failure: Failure) -> bool:
         return self.recoveries < 1
@@ -312,7 +314,7 @@ class RemoteBackend:
         self.name = f"the backend {shown}"
         self.last_summary: list[JSON] = []
 
-    def _flight(self, op: Op, requests: Sequence[JSON | Event], restart: bool,
+    def _flight(self, op: Op, requests: Sequence[SolveParams | Event], restart: bool,
                 feed: Feed | None = None) -> Flight:  # fmt: skip
         from phi4cli.replicas import RemoteReplica, ReplicaInbox
 
@@ -321,11 +323,12 @@ class RemoteBackend:
                                    for engine in self.engines]  # fmt: skip
         return Flight(requests, replicas, inbox, op=op, restart=restart, feed=feed)
 
-    def stream(self, op: Op, params: JSON) -> FlightStream:
+    def stream(self, op: Op, params: SolveParams) -> FlightStream:
         return FlightStream(self._flight(op, [params], restart=False))
 
-    def run(self, requests: Sequence[JSON | Event], on_event: EventSink, restart: bool = False,
-            feed: Feed | None = None, on_flight: FlightHook | None = None) -> None:  # fmt: skip
+    def run(self, requests: Sequence[SolveParams | Event], on_event: EventSink,
+            restart: bool = False, feed: Feed | None = None,
+            on_flight: FlightHook | None = None) -> None:  # fmt: skip
         flight = self._flight(Op.SOLVE, requests, restart, feed)
         if on_flight is not None:
             on_flight(flight)
@@ -391,9 +394,8 @@ def load_model(
     timings and whether this call started the daemon."""
     from phi4cli.errors import error_for
 
-    params: dict[str, Any] = {"model": str(model_path)}
-    if set_keep_alive:
-        params["keep_alive"] = settings.keep_alive
+    params = SolveParams("", model=str(model_path), load_only=True,
+                         keep_alive=settings.keep_alive if set_keep_alive else None)  # fmt: skip
     # Through the backend, so a daemon on its way out is replaced as for any request.
     backend = DaemonBackend(paths, settings, model_path, announce)
     try:

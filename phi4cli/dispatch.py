@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from phi4cli.errors import error_for
-from phi4cli.protocol import JSON, ErrorCode, Event, EventKind
+from phi4cli.protocol import JSON, ErrorCode, Event, EventKind, SolveParams
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class Replica:
 
     # --- transport ---------------------------------------------------------------------------
 
-    def send(self, serial: int, op: str, params: JSON) -> None:
+    def send(self, serial: int, op: str, params: SolveParams) -> None:
         raise NotImplementedError
 
     def cancel(self, serial: int) -> Event | None:
@@ -148,9 +148,9 @@ class Replica:
         will not send one (a remote stream is hung up), else None: it comes as usual."""
         raise NotImplementedError
 
-    def adjust(self, serial: int, params: JSON) -> None:
-        """Change what attempt ``serial`` was sent with, as far as the engine can while it runs
-        (its ``confidence_floor``); an engine that cannot does nothing."""
+    def adjust(self, serial: int, floor: float) -> None:
+        """Set attempt ``serial``'s ``confidence_floor``, as far as the engine can while it
+        runs; an engine that cannot does nothing."""
 
     def flush(self) -> None:
         """The flight has sent what it will this round: send what was held to go together."""
@@ -181,7 +181,7 @@ class Flight:
 
     def __init__(
         self,
-        requests: Sequence[JSON | Event],
+        requests: Sequence[SolveParams | Event],
         replicas: list[Replica],
         inbox: Inbox,
         *,
@@ -205,7 +205,7 @@ class Flight:
         self.open: set[int] = set(range(self.known))
         self.closed = False
         self.cancelled: set[int] = set()  # asked to stop: never sent again
-        self.adjusted: dict[int, JSON] = {}  # index -> params changed since (sent with them)
+        self.adjusted: dict[int, float] = {}  # index -> confidence floor set since (sent with it)
         self.last_failure: Failure | None = None  # the latest seen, for what cannot be sent
         self.began = time.monotonic()
         self._serials = itertools.count(1)
@@ -298,7 +298,7 @@ class Flight:
                 self._finish(index, request)
                 continue
             if index in self.adjusted:
-                request = {**request, **self.adjusted[index]}
+                request = request._replace(confidence_floor=self.adjusted[index])
             serial = next(self._serials)
             self.live[serial] = (index, replica)
             self.serial_of[index] = serial
@@ -508,15 +508,15 @@ class Flight:
             if event is not None:
                 self._event(serial, event)
 
-    def adjust(self, index: int, params: JSON) -> None:
-        """Change request ``index``'s ``params`` (its ``confidence_floor``): where it runs, as
-        far as its engine can; where it is sent later (again, or for the first time), with them."""
+    def adjust(self, index: int, floor: float) -> None:
+        """Set request ``index``'s ``confidence_floor``: where it runs, as far as its engine
+        can; where it is sent later (again, or for the first time), with it."""
         if index not in self.open:
             return
-        self.adjusted[index] = {**self.adjusted.get(index, {}), **params}
+        self.adjusted[index] = floor
         serial = self.serial_of.get(index)
         if serial is not None:
-            self.live[serial][1].adjust(serial, params)
+            self.live[serial][1].adjust(serial, floor)
 
     def close(self) -> None:
         """Hang up: whatever still runs is cancelled, and no more events come."""

@@ -23,7 +23,7 @@ from phi4cli.errors import UsageError
 from phi4cli.options import REQUEST_KEYS, SETTING, sample_seed
 from phi4cli.outcome import Outcome
 from phi4cli.progress import FileProgress, ProgressNotice
-from phi4cli.protocol import Event
+from phi4cli.protocol import PRIORITY_BULK, Event, SolveParams
 from phi4cli.reasoning import AnswerComparer, majority_vote
 from phi4cli.records import Record
 from phi4cli.solving import EarlyStop, Requests, SolveJob, json_text, votes
@@ -251,15 +251,16 @@ def run_identity(job: SolveJob, samples: int, adaptive: bool = False) -> dict[st
     instruction and the sampling settings. As JSON would read it back, to compare with records."""
     from phi4cli.backends import RemoteBackend
 
-    base = job.base
+    model = job.request.model
     backend = (
         # Replicas of one model, in any order: the same run.
         " ".join(sorted(_without_secrets(e.url) for e in job.backend.engines))
         if isinstance(job.backend, RemoteBackend) else None
     )  # fmt: skip
-    identity: dict[str, Any] = {key: base.get(key) for key in RUN_KEYS if key in base}
-    model_file = None if backend else model_file_identity(Path(base["model"]))
-    identity.update(backend=backend, instruction=job.instruction, samples=samples,
+    asked = job.request.ask._asdict()
+    identity: dict[str, Any] = {key: asked[key] for key in RUN_KEYS if key in asked}
+    model_file = None if backend or model is None else model_file_identity(Path(model))
+    identity.update(model=model, backend=backend, instruction=job.instruction, samples=samples,
                     model_file=model_file, adaptive=adaptive or None,
                     vote=job.vote if samples > 1 else "count",
                     stop_unsure=job.stop_unsure and samples > WARMUP)  # fmt: skip
@@ -504,19 +505,18 @@ def run_eval(
     ended_s: dict[tuple[int, int], float] = {}  # when each sample's terminal event came
     seed = job.seed
 
-    def request(index: int) -> dict[str, Any]:
+    def request(index: int) -> SolveParams:
         i, k = divmod(index, samples)  # request index: problem i's sample k
         # A problem's samples are one group: a remote engine that takes ``n`` is asked for
         # them in one request.
-        return job.params(todo[i].problem, priority="bulk",
-                          **({} if seed is None else {"seed": sample_seed(seed, k)}),
-                          **({"sample_group": i} if samples > 1 else {}))  # fmt: skip
+        return job.params(todo[i].problem, PRIORITY_BULK, i if samples > 1 else None,
+                          None if seed is None else sample_seed(seed, k))  # fmt: skip
 
     requests = Requests(request, len(todo) * samples)
     stops: dict[int, EarlyStop] = {}  # by problem being answered
     flight: list[Flight] = []
     # A problem's budget is that of its K samples together.
-    budget = job.base.get("max_tokens")
+    budget = job.request.ask.max_tokens
     progress = FileProgress(len(todo), job.env, budget=budget * samples if budget else None)
     loading = ProgressNotice(progress.notice)  # above the bar while it is shown
     compare = AnswerComparer()  # one count for the run: one notice, not one per problem
@@ -538,7 +538,7 @@ def run_eval(
             first = i * samples  # its samples' request indices follow
             stop = stops[i] = EarlyStop(
                 samples, compare, (lambda s: flight[0].cancel(first + s)) if adaptive else None,
-                (lambda s, params: flight[0].adjust(first + s, params))
+                (lambda s, floor: flight[0].adjust(first + s, floor))
                 if job.stop_unsure and samples > WARMUP else None)  # fmt: skip
         stop.end(k, outcome)
         if len(stop.ended) < samples:

@@ -262,7 +262,7 @@ def create_app(
                 raise ApiError(503, str(refused), "server_error") from None
             raise refused
         first = [f for f in firsts if isinstance(f, list)]
-        asked = chat_request.params[0].get("logprobs") is not None
+        asked = chat_request.params[0].logprobs is not None
         choices = [Choice(i, stream, chat_request.stops, asked)
                    for i, stream in enumerate(streams)]  # fmt: skip
         completion = Completion(model_name, choices, chat_request.include_usage)

@@ -12,6 +12,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from phi4cli._settings import Ask
 from phi4cli.config import Settings
 from phi4cli.errors import http_status_for
 from phi4cli.options import SETTINGS, sample_seed
@@ -19,6 +20,7 @@ from phi4cli.protocol import (
     MAX_TOP_LOGPROBS,
     ErrorCode,
     ProtocolViolation,
+    SolveParams,
     parse_chat_params,
 )
 from phi4cli.records import Record
@@ -195,7 +197,7 @@ def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
 class ChatRequest(Record):
     """An OpenAI chat request as serve answers it: one daemon request per choice."""
 
-    params: tuple[dict[str, Any], ...]  # each choice's daemon request
+    params: tuple[SolveParams, ...]  # each choice's daemon request
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
@@ -217,10 +219,11 @@ def read_chat_request(body: dict[str, Any], model: str, settings: Settings) -> C
     if not isinstance(include_usage, bool):
         raise ApiError(400, "'stream_options.include_usage' must be true or false",
                        param="stream_options.include_usage")  # fmt: skip
-    seed = params.get("seed")
+    seed = params.ask.seed
     each = tuple(
-        {**params, "session": uuid.uuid4().hex if i else params["session"],
-         **({"seed": sample_seed(seed, i)} if seed is not None else {})}
+        params._replace(session=uuid.uuid4().hex if i else params.session,
+                        ask=params.ask._replace(seed=None if seed is None
+                                                else sample_seed(seed, i)))
         for i in range(choices)
     )  # fmt: skip
     return ChatRequest(each, stops, stream, include_usage)
@@ -241,7 +244,7 @@ def _logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if asked else None
 
 
-def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[str, Any]:
+def chat_params(body: dict[str, Any], model: str, settings: Settings) -> SolveParams:
     """Turn an OpenAI chat request into a daemon ``chat`` request (ApiError if it cannot).
 
     The OpenAI shape (roles, system messages) is checked here; the values themselves by the
@@ -292,7 +295,7 @@ def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[st
     if logprobs is not None:
         params["logprobs"] = logprobs
     try:
-        parse_chat_params(params, settings)
+        return parse_chat_params(params, Ask.of(settings))
     except ProtocolViolation as exc:
         named = re.match(r"'([a-z_]+)'", exc.message)
         field = field_of.get(named[1], named[1]) if named else None
@@ -300,4 +303,3 @@ def chat_params(body: dict[str, Any], model: str, settings: Settings) -> dict[st
         if named and field != named[1]:
             message = f"'{field}'" + message[named.end() :]
         raise ApiError(400, message, param=field) from None
-    return params

@@ -269,8 +269,9 @@ class Setting(Record):
     groups: tuple[str, ...] = ()  # the commands that take the option: "answer", "daemon"
     settable: int = 0  # its place among what a chat may /set (and keeps when saved); 0: none
     sampling: bool = False  # a field of the request's Sampling record (the sampler's)
-    # How the daemon checks a value sent with a request: (low, high) for a number, ints for a
-    # whole number; None: the protocol checks it itself.
+    # How a request's value is checked on the wire (``protocol.parse_ask``), for a number:
+    # (low, high), ints for a whole number. A bool is true or false, a str with CHOICES one of
+    # them, any other str text (empty: None); a null is taken where the type allows None.
     wire: tuple[float, float] | None = None
     openai: tuple[str, ...] = ()  # its names on the OpenAI wire (phi4 serve reads each)
     off: Any = None  # the value at which it does nothing: a remote server is not sent it then
@@ -296,12 +297,14 @@ SETTINGS = (
             None, "int | None", REQUEST,
             "After this many reasoning tokens the daemon closes the thinking; None: no budget.",
             flags="--think-budget", option="int", low=0, groups=("answer",), settable=4,
+            wire=(0, MAX_COUNT),
             help="End the thinking after N tokens; the model then answers "
                  "[env PHI4_THINK_BUDGET]."),
     Setting("min_think", _whole_or_zero, "a number of tokens (0: off)", 0, "int", REQUEST,
             "An end of thinking before this many reasoning tokens is replaced by \"Wait\" "
             "(s1's budget forcing); 0: the model ends its thinking when it will.",
             flags="--min-think", option="int", low=0, groups=("answer",), settable=8, off=0,
+            wire=(0, MAX_COUNT),
             help="Think at least N tokens: an earlier end of the thinking is replaced by "
                  "\"Wait\" [default off]."),
     Setting("loop", _one_of(*CHOICES["loop"]), "answer (end the thinking, the model answers), "
@@ -370,7 +373,7 @@ SETTINGS = (
             help="Random seed, for repeatable samples."),
     Setting("max_tokens", _optional_positive_int, "a positive integer, or none", None,
             "int | None", REQUEST, flags="--max-tokens -n", option="int", low=1,
-            groups=("answer",), settable=3, openai=("max_tokens",),
+            groups=("answer",), settable=3, wire=(1, MAX_COUNT), openai=("max_tokens",),
             help="Stop after this many tokens (thinking included)."),
     Setting("deterministic", _boolean, "true (each request alone, from a clean cache: -t 0 "
             "and --seed answers repeat) or false", False, "bool", REQUEST,
@@ -473,7 +476,9 @@ DAEMON_OPTIONS = tuple(s.key for s in SETTINGS if "daemon" in s.groups)
 DAEMON_SETTINGS = tuple(s.key for s in SETTINGS if s.lifetime == DAEMON)
 # What a daemon is started with (``phi4 daemon run --settings``): what it keeps for its life.
 DAEMON_START = ("keep_alive", *DAEMON_SETTINGS)
-# What each request sends the daemon (keep_alive only where given), and what its sampler uses.
+# What each request asks of the engine that answers it: the fields of its ``Ask`` record (a
+# request's keep_alive, which sets the daemon's life and not the answer's, is the protocol's
+# own), and of those what its sampler uses.
 REQUEST_KEYS = tuple(s.key for s in SETTINGS if s.lifetime == REQUEST and s.key != "keep_alive")
 SAMPLING_KEYS = tuple(s.key for s in SETTINGS if s.sampling)
 # What a chat may /set, and keeps in its saved file.
@@ -515,9 +520,25 @@ def generated_records() -> str:
                                    subsequent_indent="    # ")  # fmt: skip
         default = named.get(setting.default, repr(setting.default))
         lines.append(f"    {setting.key}: {setting.type} = {default}")
-    said = "The sampler's settings of one request, checked by the protocol."
+    said = "The sampler's settings of one request (a part of its ``Ask``)."
     lines += ["", "", "class Sampling(Record):", f'    """{said}"""', ""]
     for setting in SETTINGS:
         if setting.sampling:
             lines.append(f"    {setting.key}: {setting.type} = {setting.default!r}")
+    said = ("What one request asks of the engine that answers it (the table's request rows):\n"
+            "    filled by the client, checked on the wire by ``protocol.parse_ask``, read by the\n"
+            '    daemon and the remote engine alike."""')  # fmt: skip
+    lines += ["", "", "class Ask(Record):", f'    """{said}', ""]
+    for key in REQUEST_KEYS:
+        setting = SETTING[key]
+        assert setting.wire is not None or setting.type not in ("int", "int | None", "float"), \
+            f"{key}: a number of the request without wire bounds"  # fmt: skip
+        default = named.get(setting.default, repr(setting.default))
+        lines.append(f"    {key}: {setting.type} = {default}")
+    lines += ["", "    @property", "    def sampling(self) -> Sampling:",
+              "        return Sampling(", *(f"            {k}=self.{k}," for k in SAMPLING_KEYS),
+              "        )", "", "    @classmethod", "    def of(cls, settings: Settings) -> Ask:",
+              '        """What ``settings`` ask of a request that does not say otherwise."""',
+              "        return cls(", *(f"            {k}=settings.{k}," for k in REQUEST_KEYS),
+              "        )"]  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from phi4cli.environment import Environment
 from phi4cli.errors import UsageError
-from phi4cli.protocol import ErrorCode, Event
+from phi4cli.protocol import ErrorCode, Event, SolveParams
 from phi4cli.records import Record
 
 TYPE_CHECKING = False
@@ -22,7 +22,7 @@ AHEAD = 4096  # problems read ahead of the last one printed, at most (more than 
 NO_PROBLEMS = "no problems: the input has no non-blank lines"
 
 
-class ProblemFeed(Sequence["dict[str, Any] | Event"]):  # a string: typing is not imported to run
+class ProblemFeed(Sequence["SolveParams | Event"]):  # a string: typing is not imported to run
     """The non-blank lines of a file or of stdin, each a problem, read as the run goes: a pipe's
     first problems are answered while its later lines are still being written, and a file of a
     million lines is never held at once (at most :data:`AHEAD` problems ahead of the output).
@@ -34,7 +34,7 @@ class ProblemFeed(Sequence["dict[str, Any] | Event"]):  # a string: typing is no
     on stdin, are refused before anything is sent (:func:`open_problems`).
     """
 
-    def __init__(self, source: Any, where: str, make: Callable[[str], dict[str, Any]]) -> None:
+    def __init__(self, source: Any, where: str, make: Callable[[str], SolveParams]) -> None:
         import threading
 
         self.where, self._make = where, make

@@ -18,18 +18,15 @@ import re
 import sys
 from collections.abc import Mapping
 from enum import StrEnum
-from pathlib import Path
 
-from phi4cli._settings import Sampling
+from phi4cli._settings import Ask
 from phi4cli.errors import ErrorCode as ErrorCode  # the wire's error codes
 from phi4cli.options import MAX_COUNT
 from phi4cli.records import Record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Final, Protocol
-else:
-    Protocol = object  # RequestDefaults is for the type checker; a plain class at run time
+    from typing import Any, Final
 
 PROTOCOL_VERSION: Final = 1
 # A request line longer than this is refused: questions are short, and an unbounded line would let
@@ -234,26 +231,21 @@ PRIORITIES: Final = {"interactive": PRIORITY_INTERACTIVE, "solve": PRIORITY_SOLV
 
 
 class SolveParams(Record):
-    """A solve, chat or load request's parameters, validated (see ``parse_params``)."""
+    """A solve, chat or load request, typed: what the client fills, the daemon and the remote
+    engine read. Its wire form (a dict) is made by :func:`to_wire` and read back, checked, by
+    :func:`parse_params`, and by nothing else."""
 
-    prompt: str
-    system: str | None
-    model: Path | None
-    sampling: Sampling  # the sampler's settings (options.SAMPLING_KEYS)
-    max_tokens: int | None
-    think_budget: int | None
-    keep_alive: float | None
-    priority: int
+    prompt: str  # the question (a chat's message); "" for a load
+    ask: Ask = Ask()  # what it asks of the engine: the settings table's request rows
+    model: str | None = None  # a path to a .gguf (the daemon's), or a server's model name
+    # How long the daemon stays after this request (a duration's seconds; -1: forever); None:
+    # as it is. It sets the daemon's life, not the answer, so it is not one of the ask's.
+    keep_alive: float | None = None
+    priority: int = PRIORITY_SOLVE
     # Chat turns: the session id and the complete turns before this message.
     session: str | None = None
     history: tuple[dict[str, str], ...] = ()
     load_only: bool = False  # `phi4 warm`: load (and warm) the model, generate nothing
-    # Evaluated alone by a fixed recipe, so a greedy or seeded answer is the same whatever the
-    # daemon did before (see the engine's ``admit`` and the scheduler's exclusive runs).
-    deterministic: bool = False
-    # An end of thinking before this many reasoning tokens becomes "Wait" (0: never).
-    min_think: int = 0
-    loop: str = "answer"  # thinking that repeats itself: answer | stop | off
     # Work out the answer's confidence from its token probabilities (phi4cli.confidence): asked
     # for by what shows or votes with it, since it costs a pass over the vocabulary per token.
     confidence: bool = False
@@ -263,6 +255,9 @@ class SolveParams(Record):
     # OpenAI's logprobs of the answer's tokens (phi4 serve): None, none; N, each token's
     # log-probability and its step's N likeliest (0 to MAX_TOP_LOGPROBS), on its token event.
     logprobs: int | None = None
+    # The client's own: the samples of one question share a group, so that a remote server
+    # may be asked them in one request (``n``). The daemon does not read it.
+    sample_group: int | None = None
 
 
 MAX_TOP_LOGPROBS: Final = 20  # as OpenAI's top_logprobs
@@ -310,34 +305,51 @@ def _optional_int(
     return value
 
 
-class RequestDefaults(Protocol):
-    """What a request does not say takes from the daemon's settings (``config.Settings`` is
-    one): the protocol reads these, and the sampler's settings (``options.SAMPLING_KEYS``),
-    and nothing else of them."""
+def parse_ask(params: Mapping[str, Any], defaults: Ask) -> Ask:
+    """What a request asks (its ``Ask``): each of the settings table's request rows it gives,
+    checked as the row says (``options.Setting.wire``), and ``defaults`` (the daemon's
+    settings, ``Ask.of``) for the rest and for a null where the row's type has no None.
 
-    @property
-    def system(self) -> str | None: ...
-    @property
-    def deterministic(self) -> bool: ...
-    @property
-    def max_tokens(self) -> int | None: ...
-    @property
-    def think_budget(self) -> int | None: ...
-    @property
-    def min_think(self) -> int: ...
-    @property
-    def loop(self) -> str: ...
-    @property
-    def keep_alive(self) -> float: ...
+    Raise ProtocolViolation(bad_request) naming the offending field.
+    """
+    from phi4cli.options import CHOICES, SETTING
+
+    given: dict[str, Any] = {}
+    for key in Ask._fields:
+        row, value = SETTING[key], params.get(key)
+        if value is None:
+            if key in params and row.type.endswith("| None"):
+                given[key] = None
+        elif row.wire is not None:
+            low, high = row.wire
+            if isinstance(low, int) and isinstance(high, int):
+                given[key] = _optional_int(params, key, low, high)
+            else:
+                given[key] = _number(params, key, 0.0, low, high)
+        elif row.type == "bool":
+            if not isinstance(value, bool):
+                raise ProtocolViolation(ErrorCode.BAD_REQUEST, f"'{key}' must be true or false")
+            given[key] = value
+        elif key in CHOICES:
+            if value not in CHOICES[key]:
+                raise ProtocolViolation(
+                    ErrorCode.BAD_REQUEST, f"'{key}' must be one of {', '.join(CHOICES[key])}"
+                )
+            given[key] = value
+        else:  # text
+            if not isinstance(value, str):
+                raise ProtocolViolation(ErrorCode.BAD_REQUEST, f"'{key}' must be a string or null")
+            given[key] = value or None
+    return defaults._replace(**given)
 
 
-def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> SolveParams:
-    """Validate a solve request's params against the daemon's defaults.
+def parse_solve_params(params: Mapping[str, Any], defaults: Ask) -> SolveParams:
+    """Validate a solve request's params; what it does not ask takes ``defaults`` (the
+    daemon's settings, ``Ask.of``).
 
     Raise ProtocolViolation(bad_request) naming the offending field.
     """
     from phi4cli.durations import parse_duration
-    from phi4cli.options import CHOICES
 
     _check_text(params)
     prompt = params.get("prompt")
@@ -350,9 +362,6 @@ def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> 
             ErrorCode.BAD_REQUEST,
             f"question is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}",
         )
-    system = params.get("system", defaults.system)
-    if system is not None and not isinstance(system, str):
-        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'system' must be a string or null")
     model = params.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'model' must be a path to a .gguf file")
@@ -369,9 +378,6 @@ def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> 
         raise ProtocolViolation(
             ErrorCode.BAD_REQUEST, f"'priority' must be one of {', '.join(PRIORITIES)}"
         )
-    deterministic = params.get("deterministic", defaults.deterministic)
-    if not isinstance(deterministic, bool):
-        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'deterministic' must be true or false")
     confidence = params.get("confidence", False)
     if not isinstance(confidence, bool):
         raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'confidence' must be true or false")
@@ -384,55 +390,45 @@ def parse_solve_params(params: Mapping[str, Any], defaults: RequestDefaults) -> 
             f"'logprobs' must be a number of likeliest tokens from 0 to {MAX_TOP_LOGPROBS}, "
             "or null",
         )
-    loop = params.get("loop", defaults.loop)
-    if loop not in CHOICES["loop"]:
-        raise ProtocolViolation(
-            ErrorCode.BAD_REQUEST, f"'loop' must be one of {', '.join(CHOICES['loop'])}"
-        )
     return SolveParams(
         prompt=prompt,
-        system=system or None,
-        model=Path(model) if model else None,
-        sampling=parse_sampling(params, defaults),
-        max_tokens=_optional_int(params, "max_tokens", 1) or defaults.max_tokens,
-        think_budget=(
-            _optional_int(params, "think_budget", 0)
-            if "think_budget" in params
-            else defaults.think_budget
-        ),
+        ask=parse_ask(params, defaults),
+        model=model or None,
         keep_alive=keep_alive_s,
         priority=PRIORITIES[priority],
-        deterministic=deterministic,
-        min_think=(
-            _optional_int(params, "min_think", 0) or 0
-            if "min_think" in params
-            else defaults.min_think
-        ),
-        loop=loop,
         confidence=confidence or floor is not None,
         confidence_floor=floor,
         logprobs=logprobs,
+        sample_group=_optional_int(params, "sample_group", 0),
     )
 
 
-def parse_sampling(params: Mapping[str, Any], defaults: RequestDefaults) -> Sampling:
-    """The sampler's settings of a request, each checked as its row of ``options.SETTINGS``
-    says (a number within bounds, a whole number where the bounds are ints; null for an
-    optional one), and the daemon's own where the request does not say."""
-    from phi4cli.options import SETTING
+_PRIORITY_NAMES: Final = {number: name for name, number in PRIORITIES.items()}
 
-    values: dict[str, Any] = {}
-    for key in Sampling._fields:
-        wire = SETTING[key].wire
-        assert wire is not None, f"{key} is a sampler's setting without wire bounds"
-        low, high = wire
-        if key not in params:
-            values[key] = getattr(defaults, key)
-        elif isinstance(low, int) and isinstance(high, int):
-            values[key] = _optional_int(params, key, low, high)
+
+def to_wire(op: str, params: SolveParams) -> JSON:
+    """The wire form of a solve, chat or load request: what :func:`parse_params` reads back
+    as ``params``. All of its ask is sent: the client's settings, not the daemon's."""
+    wire: JSON
+    if op == Op.LOAD:
+        wire = {"model": params.model}
+    else:
+        wire = {**params.ask._asdict(), "priority": _PRIORITY_NAMES[params.priority]}
+        if op == Op.CHAT:
+            wire.update(session=params.session, message=params.prompt,
+                        history=list(params.history))  # fmt: skip
         else:
-            values[key] = _number(params, key, getattr(defaults, key), low, high)
-    return Sampling(**values)
+            wire["prompt"] = params.prompt
+        if params.model is not None:
+            wire["model"] = params.model
+        if params.confidence:
+            wire["confidence"] = True
+        for key in ("confidence_floor", "logprobs", "sample_group"):
+            if getattr(params, key) is not None:
+                wire[key] = getattr(params, key)
+    if params.keep_alive is not None:
+        wire["keep_alive"] = params.keep_alive
+    return wire
 
 
 def _check_text(params: Mapping[str, Any]) -> None:
@@ -469,7 +465,7 @@ def check_history(history: object) -> tuple[dict[str, str], ...]:
     return tuple({"role": m["role"], "content": m["content"]} for m in history)
 
 
-def parse_chat_params(params: Mapping[str, Any], defaults: RequestDefaults) -> SolveParams:
+def parse_chat_params(params: Mapping[str, Any], defaults: Ask) -> SolveParams:
     """Validate a chat request: ``session``, ``message`` and ``history`` (complete turns).
 
     Raise ProtocolViolation(bad_request) naming the offending field.
@@ -496,7 +492,7 @@ def parse_chat_params(params: Mapping[str, Any], defaults: RequestDefaults) -> S
     return solve._replace(session=session, history=turns)
 
 
-def parse_load_params(params: Mapping[str, Any], defaults: RequestDefaults) -> SolveParams:
+def parse_load_params(params: Mapping[str, Any], defaults: Ask) -> SolveParams:
     """Validate a load request (``model``); raise ProtocolViolation(bad_request)."""
     model = params.get("model")
     if not isinstance(model, str) or not model:
@@ -507,8 +503,9 @@ def parse_load_params(params: Mapping[str, Any], defaults: RequestDefaults) -> S
     return parse_solve_params(request, defaults)._replace(prompt="", load_only=True)
 
 
-def parse_params(op: str, params: Mapping[str, Any], defaults: RequestDefaults) -> SolveParams:
-    """Validate the params of a solve, chat or load request."""
+def parse_params(op: str, params: Mapping[str, Any], defaults: Ask) -> SolveParams:
+    """Validate the wire form of a solve, chat or load request (``to_wire`` makes it) into
+    its typed record; what it does not ask takes ``defaults`` (the daemon's, ``Ask.of``)."""
     parse = {Op.SOLVE: parse_solve_params, Op.CHAT: parse_chat_params,
              Op.LOAD: parse_load_params}[Op(op)]  # fmt: skip
     return parse(params, defaults)

@@ -40,7 +40,7 @@ import httpx2 as httpx
 from phi4cli.confidence import TOP_K, TraceConfidence, from_logprobs
 from phi4cli.errors import DaemonUnavailableError
 from phi4cli.exits import Announce
-from phi4cli.protocol import ErrorCode, Event, EventKind, Stats
+from phi4cli.protocol import ErrorCode, Event, EventKind, SolveParams, Stats
 from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model_thinks
 from phi4cli.remote_wire import (
     AskAlone,
@@ -81,12 +81,11 @@ def backend_key() -> str | None:
     return variable("PHI4_BACKEND_KEY")
 
 
-def messages_for(params: dict[str, Any]) -> list[dict[str, str]]:
-    system = params.get("system")
+def messages_for(params: SolveParams) -> list[dict[str, str]]:
+    system = params.ask.system
     messages = [{"role": "system", "content": system}] if system else []
-    messages += list(params.get("history") or [])
-    question = params.get("message", params.get("prompt"))
-    messages.append({"role": "user", "content": str(question)})
+    messages += params.history
+    messages.append({"role": "user", "content": params.prompt})
     return messages
 
 
@@ -266,25 +265,23 @@ class RemoteEngine:
             headers["Authorization"] = f"Bearer {self.api_key}"
         return httpx.Client(timeout=min(timeout, self.timeout), headers=headers)
 
-    def request_body(
-        self, params: dict[str, Any], messages: list[dict[str, str]]
-    ) -> dict[str, Any]:
+    def request_body(self, params: SolveParams, messages: list[dict[str, str]]) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": True,
                                 "stream_options": {"include_usage": True}}  # fmt: skip
-        from phi4cli.options import SETTINGS
+        from phi4cli.options import SETTING
 
-        # Each setting with names on the OpenAI wire, unless it is off (a server that knows
-        # no min_p is not sent one it would refuse): repeat_penalty under llama-server's name
-        # and vLLM's and SGLang's (repetition_penalty).
-        for row in SETTINGS:
-            value = params.get(row.key)
+        # Each setting the request asks with names on the OpenAI wire, unless it is off (a
+        # server that knows no min_p is not sent one it would refuse): repeat_penalty under
+        # llama-server's name and vLLM's and SGLang's (repetition_penalty).
+        for key, value in params.ask._asdict().items():
+            row = SETTING[key]
             if row.openai and row.sent and value is not None and not row.is_off(value):
                 body.update(dict.fromkeys(row.openai, value))
         if wants_confidence(params) and self.gives_logprobs:
             body.update(logprobs=True, top_logprobs=TOP_K)  # each token's likeliest, for it
         return body
 
-    def stream(self, params: dict[str, Any], attempt: Attempt,
+    def stream(self, params: SolveParams, attempt: Attempt,
                member: ChunkSource | None = None) -> Iterator[Event]:  # fmt: skip
         """Yield the events of one solve or chat request: ``reasoning``, ``token``, ``retract``,
         ``stats``, then ``done`` or ``error``. Closing the iterator, or cancelling ``attempt``
@@ -297,13 +294,12 @@ class RemoteEngine:
         """
         started = time.monotonic()
         reader = _Reader(self.thinks)
-        state = StreamState(started, _token_limit(params.get("max_tokens")))
+        state = StreamState(started, _token_limit(params.ask.max_tokens))
         state.attempt, attempt.state = attempt, state
-        budget = params.get("think_budget")
+        budget = params.ask.think_budget
         if wants_confidence(params):
             state.trace = TraceConfidence()
-        state.policy = ThinkingPolicy(budget, int(params.get("min_think") or 0),
-                                      str(params.get("loop", "answer")))  # fmt: skip
+        state.policy = ThinkingPolicy.asked(params.ask)
         messages = messages_for(params)
         client = self.http_client()
         try:
@@ -345,7 +341,7 @@ class RemoteEngine:
 
     def _continuation(
         self,
-        params: dict[str, Any],
+        params: SolveParams,
         messages: list[dict[str, str]],
         prefix: str,
         state: StreamState,
@@ -358,18 +354,18 @@ class RemoteEngine:
         return body
 
     def _rest(
-        self, params: dict[str, Any], messages: list[dict[str, str]], state: StreamState
+        self, params: SolveParams, messages: list[dict[str, str]], state: StreamState
     ) -> dict[str, Any]:
         """A later request of this one: ``messages``, with the tokens left of max_tokens."""
         body = self.request_body(params, messages)
-        if params.get("max_tokens") is not None:
+        if params.ask.max_tokens is not None:
             body["max_tokens"] = max(1, self._tokens_left(params, state))
         return body
 
     def _think_on(
         self,
         client: httpx.Client,
-        params: dict[str, Any],
+        params: SolveParams,
         messages: list[dict[str, str]],
         reader: _Reader,
         state: StreamState,
@@ -391,7 +387,7 @@ class RemoteEngine:
     def _answer_after_budget(
         self,
         client: httpx.Client,
-        params: dict[str, Any],
+        params: SolveParams,
         messages: list[dict[str, str]],
         reader: _Reader,
         state: StreamState,
@@ -451,10 +447,10 @@ class RemoteEngine:
         return answer.answer_pieces > 0
 
     @staticmethod
-    def _tokens_left(params: dict[str, Any], state: StreamState) -> int:
+    def _tokens_left(params: SolveParams, state: StreamState) -> int:
         """Pieces the request may still stream (max_tokens less what came; no limit: a lot)."""
-        limit = params.get("max_tokens")
-        return max(0, int(limit) - state.completion_pieces) if limit is not None else state.limit
+        limit = params.ask.max_tokens
+        return max(0, limit - state.completion_pieces) if limit is not None else state.limit
 
     def _events(
         self,
@@ -534,15 +530,13 @@ class RemoteEngine:
                 close()
 
 
-def wants_confidence(params: dict[str, Any]) -> bool:
+def wants_confidence(params: SolveParams) -> bool:
     """Whether the answer's confidence is worked out: asked for, or a floor to stop below."""
-    return bool(params.get("confidence")) or params.get("confidence_floor") is not None
+    return params.confidence or params.confidence_floor is not None
 
 
-def _token_limit(max_tokens: Any) -> int:
-    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0:
-        return max_tokens
-    return DEFAULT_TOKEN_LIMIT
+def _token_limit(max_tokens: int | None) -> int:
+    return max_tokens if max_tokens is not None and max_tokens > 0 else DEFAULT_TOKEN_LIMIT
 
 
 def _take_logprobs(choice: dict[str, Any], trace: TraceConfidence) -> None:
@@ -609,7 +603,7 @@ class StreamState:
         if isinstance(timings, dict):
             self.timings = timings
 
-    def stats(self, engine: RemoteEngine, reader: _Reader, params: dict[str, Any]) -> Stats:
+    def stats(self, engine: RemoteEngine, reader: _Reader, params: SolveParams) -> Stats:
         """The request's Stats: the server's numbers where it reported believable ones (a
         count that is not a whole number from 0 to 10**9, or a time that is not a finite
         positive number, is ignored), else what the stream showed."""
@@ -657,7 +651,7 @@ class StreamState:
             first_token_s=None if first is None else round(first, 4),
             total_s=round(total, 4),
             finish_reason=self.finish if self.finish in ("length", "loop", "unsure") else "stop",
-            seed=params.get("seed"),
+            seed=params.ask.seed,
             model=f"{engine.model} at {engine.url}",
             **self._confidence(),
             extra={"usage_reported": bool(usage),

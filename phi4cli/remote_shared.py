@@ -11,7 +11,7 @@ from typing import Any
 
 from phi4cli.confidence import TraceConfidence
 from phi4cli.errors import DaemonUnavailableError
-from phi4cli.protocol import JSON, ErrorCode
+from phi4cli.protocol import ErrorCode, SolveParams
 from phi4cli.remote import (
     Attempt,
     RemoteEngine,
@@ -34,7 +34,7 @@ class SharedRequest:
     choice of a request cannot be stopped alone. What comes after its first leg (an answer
     asked for after a budget, a "Wait") it asks on its own."""
 
-    def __init__(self, engine: RemoteEngine, params: JSON, count: int) -> None:
+    def __init__(self, engine: RemoteEngine, params: SolveParams, count: int) -> None:
         import queue
 
         self.engine, self.params, self.count = engine, params, count
@@ -168,15 +168,15 @@ class SharedMember:
             self.shared.leave()
 
 
-def shared_params(members: list[JSON]) -> JSON | None:
+def shared_params(members: list[SolveParams]) -> SolveParams | None:
     """The one request that asks for ``members`` together, or None when they cannot be: each
     the same but for its seed, and the seeds none or consecutive (seed, seed + 1, ...: the
     choices phi4 serve gives a request seeded ``seed``), as ``--samples`` makes them."""
     first = members[0]
-    bare = [{k: v for k, v in m.items() if k != "seed"} for m in members]
+    bare = [m._replace(ask=m.ask._replace(seed=None)) for m in members]
     if any(b != bare[0] for b in bare[1:]):
         return None
-    seeds = [m.get("seed") for m in members]
+    seeds = [m.ask.seed for m in members]
     if all(seed is None for seed in seeds):
         return first
     start = seeds[0]

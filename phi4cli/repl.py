@@ -20,6 +20,7 @@ from prompt_toolkit.completion import CompleteEvent, Completer, Completion
 from prompt_toolkit.document import Document
 from prompt_toolkit.history import FileHistory
 
+from phi4cli._settings import Ask
 from phi4cli.atomicfile import RefusedFileError, read_user_file, write_atomic
 from phi4cli.backends import Backend, RequestStream
 from phi4cli.chats import ChatStore, Conversation, Turn, default_name
@@ -30,7 +31,7 @@ from phi4cli.exits import Announce, say
 from phi4cli.inputs import replace_bad
 from phi4cli.options import SETTABLE, SETTING
 from phi4cli.outcome import Outcome
-from phi4cli.protocol import ErrorCode, Op, Stats
+from phi4cli.protocol import PRIORITY_INTERACTIVE, ErrorCode, Op, SolveParams, Stats
 from phi4cli.records import Record
 from phi4cli.render import (
     PlainPresenter,
@@ -258,16 +259,12 @@ class ChatRepl:
         values.update(self.conversation.settings)
         return values
 
-    def _request(self, question: str) -> dict[str, Any]:
-        return {
-            **self.sampling(),
-            "session": self.conversation.session,
-            "message": question,
-            "history": self.conversation.history(),
-            "system": self.conversation.system,
-            "model": self.model,
-            "deterministic": self.settings.deterministic,
-        }
+    def _request(self, question: str) -> SolveParams:
+        ask = Ask.of(self.settings)._replace(**self.conversation.settings,
+                                             system=self.conversation.system)  # fmt: skip
+        return SolveParams(question, ask, self.model, priority=PRIORITY_INTERACTIVE,
+                           session=self.conversation.session,
+                           history=tuple(self.conversation.history()))  # fmt: skip
 
     def ask(self, question: str) -> None:
         """Answer one message; keep the turn in the conversation (and save it)."""
@@ -345,7 +342,7 @@ class ChatRepl:
 
     def _stream(
         self,
-        params: dict[str, Any],
+        params: SolveParams,
         outcome: Outcome,
         presenter: PlainPresenter | TerminalPresenter,
     ) -> bool:

@@ -9,12 +9,11 @@ import json
 import math
 import threading
 import time
-from typing import Any
 
 import httpx2 as httpx
 
 from phi4cli.dispatch import Delivery, Failure, Flight, Probe, Replica, Slow
-from phi4cli.protocol import JSON, ErrorCode, Event
+from phi4cli.protocol import JSON, ErrorCode, Event, SolveParams
 from phi4cli.remote import Attempt, RemoteEngine, ReplicaFault
 from phi4cli.remote_shared import MAX_SHARED, SharedMember, SharedRequest, shared_params
 from phi4cli.remote_wire import reason
@@ -74,16 +73,16 @@ class RemoteReplica(Replica):
         self.name = engine.url
         self.attempts: dict[int, Attempt] = {}
         # Samples of one question sent in this round, by their group: asked together at flush.
-        self._grouped: dict[Any, list[tuple[int, JSON, Attempt]]] = {}
+        self._grouped: dict[int, list[tuple[int, SolveParams, Attempt]]] = {}
 
-    def send(self, serial: int, op: str, params: JSON) -> None:
+    def send(self, serial: int, op: str, params: SolveParams) -> None:
         def busy(wait: float) -> None:
             self.inbox.put((self, serial, Slow(wait)))
 
         attempt = Attempt(on_busy=busy)
-        attempt.floor = params.get("confidence_floor")  # (an adjust later replaces it)
+        attempt.floor = params.confidence_floor  # (an adjust later replaces it)
         self.attempts[serial] = attempt
-        group = params.get("sample_group")
+        group = params.sample_group
         if group is not None and self.engine.takes_n is not False:
             # One of several samples of a question: sent with the others given to this server
             # in the same round, as one request with n (see flush).
@@ -108,12 +107,12 @@ class RemoteReplica(Replica):
                 self._start(serial, params, attempt, request.member(index))
             request.start()
 
-    def _start(self, serial: int, params: JSON, attempt: Attempt,
+    def _start(self, serial: int, params: SolveParams, attempt: Attempt,
                member: SharedMember | None) -> None:  # fmt: skip
         threading.Thread(target=self._read, args=(serial, params, attempt, member), daemon=True,
                          name="phi4-remote").start()  # fmt: skip
 
-    def _read(self, serial: int, params: JSON, attempt: Attempt,
+    def _read(self, serial: int, params: SolveParams, attempt: Attempt,
               member: SharedMember | None) -> None:  # fmt: skip
         try:
             for event in self.engine.stream(params, attempt, member):
@@ -140,10 +139,10 @@ class RemoteReplica(Replica):
         finally:
             self.attempts.pop(serial, None)
 
-    def adjust(self, serial: int, params: JSON) -> None:
+    def adjust(self, serial: int, floor: float) -> None:
         attempt = self.attempts.get(serial)
-        if attempt is not None and "confidence_floor" in params:
-            attempt.floor = params["confidence_floor"]  # read by its stream's thread
+        if attempt is not None:
+            attempt.floor = floor  # read by its stream's thread
 
     def cancel(self, serial: int) -> Event | None:
         attempt = self.attempts.pop(serial, None)

@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 
+from phi4cli._settings import Ask
 from phi4cli._solve_options import SolveOptions as SolveOptions  # generated from the command
 from phi4cli.backends import Backend
 from phi4cli.confidence import WARMUP
@@ -17,7 +18,7 @@ from phi4cli.errors import ExitStatus, UsageError
 from phi4cli.options import sample_seed
 from phi4cli.outcome import Outcome, exit_status
 from phi4cli.progress import FileProgress, LoadLine, ProgressNotice, StderrStatus
-from phi4cli.protocol import Event
+from phi4cli.protocol import PRIORITY_BULK, Event, SolveParams
 from phi4cli.reasoning import AnswerComparer, majority_vote, vote_settled
 from phi4cli.records import Record
 from phi4cli.render import (
@@ -42,8 +43,7 @@ class SolveJob(Record):
 
     backend: Backend
     env: Environment
-    base: dict[str, Any]
-    seed: int | None = None
+    request: SolveParams  # what each request shares: its ask, model, confidence, keep_alive
 
     def announce(self, message: str) -> None:
         self.env.notice(message)
@@ -80,13 +80,25 @@ class SolveJob(Record):
             return None
         return weights
 
-    def params(self, question: str, **extra: Any) -> dict[str, Any]:
+    @property
+    def seed(self) -> int | None:
+        return self.request.ask.seed
+
+    def params(self, question: str, priority: int | None = None, sample_group: int | None = None,
+               seed: int | None = None) -> SolveParams:  # fmt: skip
+        """The request for ``question`` (the instruction after it): at ``priority``, one of
+        ``sample_group``'s samples, or with its own ``seed`` (sample k's of a seeded run)."""
         prompt = f"{question}\n\n{self.instruction}" if self.instruction else question
-        return {**self.base, "prompt": prompt, **extra}
+        request = self.request._replace(prompt=prompt, sample_group=sample_group)
+        if priority is not None:
+            request = request._replace(priority=priority)
+        if seed is not None:
+            request = request._replace(ask=request.ask._replace(seed=seed))
+        return request
 
     def run(
         self,
-        requests: Sequence[dict[str, Any] | Event],
+        requests: Sequence[SolveParams | Event],
         on_event: EventSink,
         restart: bool = False,
         feed: Feed | None = None,
@@ -230,13 +242,13 @@ class EarlyStop:
     the answers of those that vote, and which were cancelled. ``cancel(k)`` stops sample k;
     None: all K are taken (``--all``). `solve -k` keeps one, `eval -k` one per problem.
 
-    ``adjust(k, params)`` (``--stop-unsure``, DeepConf online): once the first WARMUP samples
+    ``adjust(k, floor)`` (``--stop-unsure``, DeepConf online): once the first WARMUP samples
     have ended, the floor their confidences set (``confidence.floor_from``) goes to each
     sample not ended; one that falls below it ends ``unsure`` and does not vote."""
 
     def __init__(self, samples: int, compare: AnswerComparer,
                  cancel: Callable[[int], None] | None,
-                 adjust: Callable[[int, dict[str, Any]], None] | None = None) -> None:  # fmt: skip
+                 adjust: Callable[[int, float], None] | None = None) -> None:  # fmt: skip
         self.samples, self.compare, self.cancel, self.adjust = samples, compare, cancel, adjust
         self.ended: set[int] = set()
         self.answers: list[str | None] = []  # of the samples that vote, as they ended
@@ -282,10 +294,10 @@ class EarlyStop:
         self.warmup.append(confidence)
         if len(self.warmup) < min(WARMUP, self.samples):
             return
-        self.floor = floor_from(self.warmup)
+        self.floor = floor = floor_from(self.warmup)
         for i in range(self.samples):
-            if i not in self.ended:
-                self.adjust(i, {"confidence_floor": self.floor})
+            if i not in self.ended and floor is not None:
+                self.adjust(i, floor)
 
 
 def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
@@ -305,7 +317,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
     flight: list[Flight] = []
     compare = AnswerComparer()
     stop = EarlyStop(samples, compare, None if every else lambda k: flight[0].cancel(k),
-                     (lambda k, params: flight[0].adjust(k, params))
+                     (lambda k, floor: flight[0].adjust(k, floor))
                      if job.stop_unsure and samples > WARMUP else None)  # fmt: skip
     spinner = StderrStatus(job.env, f"sampling… 0/{samples} done")
     loading = ProgressNotice(job.announce, LoadLine(job.env, spinner))
@@ -412,7 +424,7 @@ def solve_file(job: SolveJob, opened: Opened, mode: OutputMode, jsonl: bool) -> 
     from phi4cli.problems import ProblemFeed, raw_lines
 
     source = opened.stream if opened.known is not None else raw_lines(opened.stream)
-    feed = ProblemFeed(source, opened.where, lambda q: job.params(q, priority="bulk"))
+    feed = ProblemFeed(source, opened.where, lambda q: job.params(q, PRIORITY_BULK))
     try:
         return _solve_feed(job, feed, opened.known, mode, jsonl)
     finally:
@@ -430,7 +442,7 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
     next_to_print = 0
     printed_line = 0  # the input line the output has reached (--answer-only)
     failed = 0
-    progress = FileProgress(known, job.env, budget=job.base.get("max_tokens"))
+    progress = FileProgress(known, job.env, budget=job.request.ask.max_tokens)
     loading = ProgressNotice(progress.notice)  # above the bar while it is shown
 
     def emit(index: int) -> None:
@@ -513,11 +525,11 @@ class Printed(Record):
     looped: bool
 
 
-class Requests(Sequence["dict[str, Any]"]):  # a string: typing is not imported to run
+class Requests(Sequence[SolveParams]):
     """A run's requests, each made when it is sent (a 10,000-line file holds its questions, not
-    10,000 request dicts)."""
+    10,000 requests)."""
 
-    def __init__(self, make: Callable[[int], dict[str, Any]], length: int) -> None:
+    def __init__(self, make: Callable[[int], SolveParams], length: int) -> None:
         self._make, self._length = make, length
 
     def __len__(self) -> int:
@@ -585,18 +597,18 @@ def make_job(
     settings = load_settings(paths.config_file, {"model": model, **answer_options})
     check_sent_text(settings)
     model_path = None if settings.backend else resolve_model(settings.model, paths)
-    from phi4cli.options import REQUEST_KEYS
-
-    base: dict[str, Any] = {"model": str(model_path or settings.model),
-                            **{key: getattr(settings, key) for key in REQUEST_KEYS}}  # fmt: skip
-    if confidence or settings.vote == "confidence" or settings.stop_unsure:
-        base["confidence"] = True
-    if answer_options.get("keep_alive") is not None or set_in_environment("keep_alive"):
-        base["keep_alive"] = settings.keep_alive
+    keep_alive = answer_options.get("keep_alive") is not None or set_in_environment("keep_alive")
+    request = SolveParams(
+        prompt="",
+        ask=Ask.of(settings),
+        model=str(model_path or settings.model),
+        keep_alive=settings.keep_alive if keep_alive else None,
+        confidence=confidence or settings.vote == "confidence" or settings.stop_unsure,
+    )
     backend = make_backend(paths, settings, model_path or settings.model, env.notice)
     instruction = None if no_instruction else settings.instruction
-    return SolveJob(backend, env, base, seed=settings.seed, instruction=instruction,
-                    vote=settings.vote, stop_unsure=settings.stop_unsure)  # fmt: skip
+    return SolveJob(backend, env, request, instruction=instruction, vote=settings.vote,
+                    stop_unsure=settings.stop_unsure)  # fmt: skip
 
 
 def run_solve(o: SolveOptions, env: Environment | None = None) -> int:

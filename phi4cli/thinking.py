@@ -22,6 +22,10 @@ from enum import StrEnum
 
 from phi4cli.loops import LoopDetector
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from phi4cli._settings import Ask
+
 # Ends of thinking turned into "Wait" that one answer may take: a model that keeps closing its
 # thinking at once would otherwise be asked again until its token limit.
 MAX_WAITS = 16
@@ -46,6 +50,11 @@ class ThinkingPolicy:
         self.loop_at: int | None = None  # tokens written when the loop was caught
         self.waits = 0
         self._closing_for: str | None = None  # why the engine was asked to close the thinking
+
+    @classmethod
+    def asked(cls, ask: Ask) -> ThinkingPolicy:
+        """The policy a request asks for: both engines make theirs here."""
+        return cls(ask.think_budget, ask.min_think, ask.loop)
 
     def text(self, text: str, in_reasoning: bool, tokens: int) -> Act:
         """A piece of the output was written (thinking when ``in_reasoning``), ``tokens`` in

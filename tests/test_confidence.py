@@ -258,7 +258,7 @@ def _sample(answer: str | None, confidence: float | None, finish: str = "stop") 
 
 
 def test_the_first_samples_set_the_floor_and_an_unsure_one_does_not_vote():
-    adjusted: list[tuple[int, dict[str, Any]]] = []
+    adjusted: list[tuple[int, float]] = []
     cancelled: list[int] = []
     stop = EarlyStop(6, AnswerComparer(), cancelled.append,
                      lambda k, params: adjusted.append((k, params)))  # fmt: skip
@@ -267,7 +267,7 @@ def test_the_first_samples_set_the_floor_and_an_unsure_one_does_not_vote():
     assert adjusted == [] and stop.floor is None
     stop.end(3, _sample("7", 14.0))  # the third to end sets the floor for those still running
     assert stop.floor == pytest.approx(10.4)
-    assert adjusted == [(k, {"confidence_floor": stop.floor}) for k in (2, 4, 5)]
+    assert adjusted == [(k, stop.floor) for k in (2, 4, 5)]
     unsure = _sample("8", 9.0, finish="unsure")
     assert unsure.unsure and unsure.answer is None  # cut short: it states no answer
     stop.end(2, unsure)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from phi4cli import protocol
+from phi4cli._settings import Ask
 from phi4cli.config import Settings
 from phi4cli.daemon.jobs import Job, Wait
 from phi4cli.protocol import parse_solve_params
@@ -93,12 +94,13 @@ def test_deterministic_answers_repeat_whatever_ran_before(
 
 
 def test_deterministic_is_a_request_parameter_with_the_setting_as_default():
-    assert parse_solve_params({"prompt": "x"}, Settings()).deterministic is False
-    on = Settings(deterministic=True)
-    assert parse_solve_params({"prompt": "x"}, on).deterministic is True
-    assert parse_solve_params({"prompt": "x", "deterministic": False}, on).deterministic is False
+    assert parse_solve_params({"prompt": "x"}, Ask.of(Settings())).ask.deterministic is False
+    on = Ask.of(Settings(deterministic=True))
+    assert parse_solve_params({"prompt": "x"}, on).ask.deterministic is True
+    sent = parse_solve_params({"prompt": "x", "deterministic": False}, on)
+    assert sent.ask.deterministic is False
     with pytest.raises(protocol.ProtocolViolation, match="deterministic"):
-        parse_solve_params({"prompt": "x", "deterministic": "yes"}, Settings())
+        parse_solve_params({"prompt": "x", "deterministic": "yes"}, Ask())
 
 
 class CountingEngine(FakeEngine):
@@ -123,7 +125,7 @@ def test_a_deterministic_request_waits_for_running_ones_and_holds_later_ones_bac
     scheduler.submit(out.job(0, "hold-running"))
     assert engine.started.wait(30)
     det = out.job(1, "det")
-    det.params = det.params._replace(deterministic=True)
+    det.params = det.params._replace(ask=det.params.ask._replace(deterministic=True))
     scheduler.submit(det)
     scheduler.submit(out.job(2, "later"))
     # Let the worker go round its loop a good many times: neither may be admitted meanwhile.
@@ -147,8 +149,11 @@ def test_the_http_api_passes_deterministic_on_and_checks_it():
     from phi4cli.openai_request import ApiError, chat_params
 
     body = {"messages": [{"role": "user", "content": "2+2?"}], "deterministic": True}
-    assert chat_params(body, "m", Settings())["deterministic"] is True
-    assert "deterministic" not in chat_params({**body, "deterministic": None}, "m", Settings())
+    assert chat_params(body, "m", Settings()).ask.deterministic is True
+    # A null takes the server's setting.
+    unsaid = {**body, "deterministic": None}
+    assert chat_params(unsaid, "m", Settings()).ask.deterministic is False
+    assert chat_params(unsaid, "m", Settings(deterministic=True)).ask.deterministic is True
     with pytest.raises(ApiError, match="deterministic"):
         chat_params({**body, "deterministic": 1}, "m", Settings())
 

@@ -286,14 +286,17 @@ def test_a_hard_link_to_a_file_of_yours_is_not_appended_to(tiny_model: Path, sha
 def test_a_backend_url_is_recorded_without_its_password():
     import io
 
+    from phi4cli._settings import Ask
     from phi4cli.backends import RemoteBackend
     from phi4cli.environment import Environment
     from phi4cli.grading import run_identity
+    from phi4cli.protocol import SolveParams
     from phi4cli.solving import SolveJob
 
     backend = RemoteBackend("http://me:s3cret@127.0.0.1:8080/v1", "m", "sk-key", 5.0)
     env = Environment(io.StringIO(), io.StringIO(), io.StringIO())
-    job = SolveJob(backend, env, {"model": "m", "temperature": 0.0}, instruction="Box it.")
+    request = SolveParams("", Ask(temperature=0.0), model="m")
+    job = SolveJob(backend, env, request, instruction="Box it.")
     run = run_identity(job, 2)
     assert run["backend"] == "http://127.0.0.1:8080/v1"
     assert "s3cret" not in json.dumps(run) and "sk-key" not in json.dumps(run)

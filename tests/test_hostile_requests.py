@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from phi4cli import protocol
+from phi4cli._settings import Ask
 from phi4cli.config import Settings
 from phi4cli.daemon.llama.prompts import Prompts
 from phi4cli.daemon.scheduler import QueueFullError
@@ -95,7 +96,7 @@ def test_brackets_inside_strings_do_not_count_as_nesting():
 @pytest.mark.parametrize("session", ["", "a b", "../x", "x/y", "é", "a" * 129, 7, None])
 def test_a_session_id_must_be_plain_words(session: object):
     with pytest.raises(protocol.ProtocolViolation) as caught:
-        protocol.parse_chat_params({"session": session, "message": "hi"}, Settings())
+        protocol.parse_chat_params({"session": session, "message": "hi"}, Ask())
     assert "'session' must be 1 to 128 letters" in caught.value.message
 
 
@@ -103,7 +104,7 @@ def test_a_history_over_the_cap_is_refused_naming_the_cap():
     history = [{"role": r, "content": "x"} for r in ("user", "assistant")] * 5_000
     with pytest.raises(protocol.ProtocolViolation) as caught:
         protocol.parse_chat_params({"session": "s", "message": "hi", "history": history},
-                                   Settings())  # fmt: skip
+                                   Ask())  # fmt: skip
     assert "10,000 messages; the limit is 2,000" in caught.value.message
 
 
@@ -233,7 +234,7 @@ def _chat(turns: int, words: int) -> Any:
         history += [{"role": "user", "content": f"question {turn} " + "w " * words},
                     {"role": "assistant", "content": f"answer {turn} " + "v " * words}]  # fmt: skip
     return protocol.parse_chat_params(
-        {"session": "s", "message": "last one", "history": history}, Settings()
+        {"session": "s", "message": "last one", "history": history}, Ask()
     )
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from phi4cli import protocol
-from phi4cli.config import FOREVER, Settings, load_settings, parse_duration, parse_setting
+from phi4cli._settings import Ask
+from phi4cli.config import FOREVER, load_settings, parse_duration, parse_setting
 from phi4cli.errors import ConfigError
 from phi4cli.http_access import AccessPolicy, split_host
 from phi4cli.options import SETTINGS
@@ -114,7 +115,7 @@ def _raw(request_id: str, op: str, params: str) -> bytes:
 def test_a_request_with_a_number_out_of_range_is_a_bad_request_naming_it(params: str, field: str):
     request = protocol.parse_request(_raw("r", "solve", params))
     with pytest.raises(protocol.ProtocolViolation) as caught:
-        protocol.parse_params(request.op, request.params, Settings())
+        protocol.parse_params(request.op, request.params, Ask())
     assert caught.value.code == protocol.ErrorCode.BAD_REQUEST
     assert caught.value.message.startswith(field), caught.value.message
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from phi4cli._settings import Sampling, Settings
+from phi4cli._settings import Ask, Settings
 from phi4cli.daemon.jobs import Job
 from phi4cli.daemon.llama.batch import PREFILL_CHUNK, LlamaEngine
 from phi4cli.daemon.llama.slots import Slot
-from phi4cli.protocol import PRIORITY_SOLVE, SolveParams
+from phi4cli.protocol import SolveParams
 from tests.test_thinking_control import ANSWER, THINKING
 from tests.tinymodel import write_script_model
 
@@ -34,9 +34,8 @@ def engine(tmp_path: Path) -> Iterator[LlamaEngine]:
 
 
 def admit(engine: LlamaEngine, index: int) -> Slot:
-    params = SolveParams(prompt=PROBLEM.format(i=index, m=97 + index), system=None, model=None,
-                         sampling=Sampling(temperature=0.0), max_tokens=400, think_budget=None,
-                         keep_alive=None, priority=PRIORITY_SOLVE, loop="off")  # fmt: skip
+    params = SolveParams(PROBLEM.format(i=index, m=97 + index),
+                         Ask(temperature=0.0, max_tokens=400, loop="off"))  # fmt: skip
     job = Job(index, params, lambda event: None)
     assert engine.admit(job) is None
     return next(s for s in engine._slots if s.run is not None and s.run.job is job)

@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 
 from phi4cli import protocol
-from phi4cli._settings import Sampling
-from phi4cli.config import Settings
+from phi4cli._settings import Ask
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, Wait
 from phi4cli.daemon.scheduler import JobQueue, QueueFullError, RequestScheduler
 from phi4cli.daemon.server import peer_allowed, peer_uid
@@ -67,16 +66,16 @@ def test_error_events_say_whether_to_retry():
 
 
 def test_solve_params_defaults_and_validation():
-    defaults = Settings(temperature=0.8, top_p=0.95, seed=7)
+    defaults = Ask(temperature=0.8, top_p=0.95, seed=7)
     params = parse_solve_params({"prompt": "2+2", "priority": "bulk"}, defaults)
-    sampling = params.sampling  # the sampler's settings, in one record
+    sampling = params.ask.sampling  # the sampler's settings, in one record
     assert (sampling.temperature, sampling.top_p, sampling.seed, params.priority) == (
         0.8,
         0.95,
         7,
         PRIORITY_BULK,
     )
-    assert parse_solve_params({"prompt": "x", "seed": None}, defaults).sampling.seed is None
+    assert parse_solve_params({"prompt": "x", "seed": None}, defaults).ask.seed is None
     for bad in (
         {"prompt": "x", "top_p": 2},
         {"prompt": "x", "max_tokens": 0},
@@ -186,11 +185,8 @@ class Collector:
                 self.events[request_id].append(event.to_wire())  # as the server writes it
                 self.done.notify_all()
 
-        params = SolveParams(
-            prompt=prompt, system=None, model=kw.get("model"),
-            sampling=Sampling(temperature=0.0, top_p=1.0), max_tokens=None, think_budget=None,
-            keep_alive=None, priority=priority,
-        )  # fmt: skip
+        params = SolveParams(prompt, Ask(temperature=0.0, top_p=1.0), model=kw.get("model"),
+                             priority=priority)  # fmt: skip
         return Job(request_id=request_id, params=params, emit=emit)
 
     def terminal(self, request_id: Any) -> list[dict[str, Any]]:

@@ -92,14 +92,14 @@ def test_phi4_serve_reads_the_samplers_by_their_openai_names_and_checks_them():
 
     body = {"messages": [{"role": "user", "content": "2+2?"}], "min_p": 0.1,
             "repetition_penalty": 1.2}  # fmt: skip
-    params = chat_params(body, "m", Settings())
-    assert (params["min_p"], params["repeat_penalty"]) == (0.1, 1.2)
-    assert chat_params({**body, "repeat_penalty": 1.3}, "m", Settings())["repeat_penalty"] == 1.3
+    params = chat_params(body, "m", Settings()).ask
+    assert (params.min_p, params.repeat_penalty) == (0.1, 1.2)
+    assert chat_params({**body, "repeat_penalty": 1.3}, "m", Settings()).ask.repeat_penalty == 1.3
     with pytest.raises(ApiError, match=r"'min_p' must be a number from 0\.0 to 1\.0"):
         chat_params({**body, "min_p": 2}, "m", Settings())
     penalized = chat_params({**body, "presence_penalty": 1.5, "frequency_penalty": -2}, "m",
-                            Settings())  # fmt: skip
-    assert (penalized["presence_penalty"], penalized["frequency_penalty"]) == (1.5, -2)
+                            Settings()).ask  # fmt: skip
+    assert (penalized.presence_penalty, penalized.frequency_penalty) == (1.5, -2)
     with pytest.raises(ApiError, match=r"'frequency_penalty' must be a number from -2\.0 to 2"):
         chat_params({**body, "frequency_penalty": 2.5}, "m", Settings())
     # Each refusal names the field as the request spelled it, in the message and in `param`
@@ -113,13 +113,14 @@ def test_phi4_serve_reads_the_samplers_by_their_openai_names_and_checks_them():
 
 
 def test_the_daemon_checks_the_samplers_and_takes_its_defaults():
+    from phi4cli._settings import Ask
     from phi4cli.protocol import ProtocolViolation, parse_solve_params
 
-    defaults = Settings(min_p=0.05, repeat_penalty=1.1)
-    sampling = parse_solve_params({"prompt": "x"}, defaults).sampling
+    defaults = Ask.of(Settings(min_p=0.05, repeat_penalty=1.1))
+    sampling = parse_solve_params({"prompt": "x"}, defaults).ask.sampling
     assert (sampling.min_p, sampling.repeat_penalty) == (0.05, 1.1)
     sent = parse_solve_params({"prompt": "x", "min_p": 0, "repeat_penalty": 1}, defaults)
-    assert (sent.sampling.min_p, sent.sampling.repeat_penalty) == (0.0, 1.0)
+    assert (sent.ask.min_p, sent.ask.repeat_penalty) == (0.0, 1.0)
     # A penalty of 0 would divide logits by 0 (llama.cpp wants it above 0): 0.5 at least.
     for bad in ({"min_p": -0.1}, {"min_p": "0.1"}, {"repeat_penalty": 3}, {"repeat_penalty": True},
                 {"repeat_penalty": 0}, {"repeat_penalty": 0.4}):  # fmt: skip

@@ -123,7 +123,7 @@ def test_the_benches_take_no_private_names_from_the_tests():
 
 
 def test_the_protocol_stands_on_leaves_only():
-    # It does not import config: its parsers take a RequestDefaults (Settings is one).
+    # It does not import config: its parsers take the daemon's defaults as an Ask.
     known = modules()
     taken = {target for target, _line in imports("phi4cli.protocol", known["phi4cli.protocol"],
                                                  known)}  # fmt: skip
@@ -160,3 +160,40 @@ def test_only_config_reads_phi4_variables():
             if read:
                 readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")  # type: ignore[attr-defined]
     assert readers == []
+
+
+def test_only_the_protocol_reads_a_request_as_a_dict():
+    # A request is a typed SolveParams (its ask generated from the settings table) everywhere
+    # but on the wire: protocol.to_wire makes the dict, protocol.parse_params reads it back,
+    # and serve's openai_request turns an OpenAI body into one. Anywhere else, a request key
+    # read out of a dict (params.get("think_budget"), request["seed"]) is a second shape.
+    from phi4cli._settings import Ask
+    from phi4cli.protocol import SolveParams
+
+    keys = set(Ask._fields) | set(SolveParams._fields) | {"message"}
+    holders = {"params", "request", "base", "wire", "sent"}
+    allowed = {"phi4cli.protocol", "phi4cli.openai_request"}
+
+    def read(node: ast.AST) -> str | None:
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("get", "pop") and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in holders and node.args
+                and isinstance(node.args[0], ast.Constant)):  # fmt: skip
+            return str(node.args[0].value)
+        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+                and node.value.id in holders and isinstance(node.slice, ast.Constant)):  # fmt: skip
+            return str(node.slice.value)
+        return None
+
+    readers = []
+    for module, path in modules().items():
+        if module in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            key = read(node)
+            if key in keys:
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno}: {key}")  # type: ignore[attr-defined]
+    assert readers == []
+    # The checker sees one.
+    probe = ast.parse('budget = params.get("think_budget")')
+    assert any(read(node) == "think_budget" for node in ast.walk(probe))

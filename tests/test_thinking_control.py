@@ -199,18 +199,16 @@ def test_after_wait_the_cache_holds_exactly_the_text_shown(script_models: dict[s
     # the KV cache, and what it holds after the prompt is what was shown, tag included.
     import llama_cpp
 
-    from phi4cli._settings import Sampling, Settings
+    from phi4cli._settings import Ask, Settings
     from phi4cli.daemon.jobs import Job
     from phi4cli.daemon.llama.batch import LlamaEngine
-    from phi4cli.protocol import PRIORITY_SOLVE, Event, EventKind, SolveParams
+    from phi4cli.protocol import Event, EventKind, SolveParams
 
     engine = LlamaEngine(Settings(n_ctx=1024, threads=1, ramdisk="off"))
     engine.load(script_models["short"])
     engine.warm()
     events: list[Event] = []
-    params = SolveParams(prompt="What is 2+2?", system=None, model=None,
-                         sampling=Sampling(temperature=0.0), max_tokens=100, think_budget=None,
-                         keep_alive=None, priority=PRIORITY_SOLVE, min_think=30)  # fmt: skip
+    params = SolveParams("What is 2+2?", Ask(temperature=0.0, max_tokens=100, min_think=30))
     assert engine.admit(Job(1, params, events.append)) is None
     finished: list[Any] = []
     while not finished:

@@ -158,11 +158,11 @@ def test_the_engine_hands_the_count_to_llama_cpp(
     they go quiet, and on two again. The status says which."""
     import llama_cpp
 
-    from phi4cli._settings import Sampling, Settings
+    from phi4cli._settings import Ask, Settings
     from phi4cli.daemon.jobs import Job
     from phi4cli.daemon.llama import batch
     from phi4cli.daemon.llama.batch import LlamaEngine
-    from phi4cli.protocol import PRIORITY_SOLVE, SolveParams
+    from phi4cli.protocol import SolveParams
     from tests.test_thinking_control import ANSWER, THINKING
     from tests.tinymodel import write_script_model
 
@@ -172,10 +172,7 @@ def test_the_engine_hands_the_count_to_llama_cpp(
     try:
         ticks, clock = Ticks(), [0.0]
         engine._governor = governor(ticks)  # as with threads=None, on a 2-core machine
-        params = SolveParams(prompt="Go.", system=None, model=None,
-                             sampling=Sampling(temperature=0.0), max_tokens=400,
-                             think_budget=None, keep_alive=None, priority=PRIORITY_SOLVE,
-                             loop="off")  # fmt: skip
+        params = SolveParams("Go.", Ask(temperature=0.0, max_tokens=400, loop="off"))
         assert engine.admit(Job(1, params, lambda event: None)) is None
         # The engine's clock, advanced by the test.
         monkeypatch.setattr(batch, "time", SimpleNamespace(monotonic=lambda: clock[0]))

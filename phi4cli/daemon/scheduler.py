@@ -273,7 +273,8 @@ class RequestScheduler:
             if job.cancelled.is_set():
                 self._settle(job, job.cancel_code, "cancelled before it started")
                 return _SETTLED
-            model = job.params.model or self._engine.model_path or self._default_model
+            asked = job.params.model
+            model = Path(asked) if asked else self._engine.model_path or self._default_model
             if model is None:
                 self._settle(job, ErrorCode.MODEL_ERROR, "no model given and none loaded")
                 return _SETTLED
@@ -291,7 +292,7 @@ class RequestScheduler:
                 job.done(result={**self.last_load, "already_loaded": load_s == 0.0})
                 self._finished_one()
                 return _SETTLED
-            if job.params.deterministic and self._engine.active:
+            if job.params.ask.deterministic and self._engine.active:
                 # Decoded alone: the running ones finish first (never cut short), and nothing
                 # else is admitted meanwhile, so it is not overtaken for ever.
                 return _HELD
@@ -328,7 +329,7 @@ class RequestScheduler:
     def _exclusive(self) -> bool:
         """A deterministic request is decoding: it has the engine to itself until it ends
         (its batches must hold its tokens alone for its arithmetic to be a fresh daemon's)."""
-        return any(job.params.deterministic for job in self._admitted)
+        return any(job.params.ask.deterministic for job in self._admitted)
 
     def _settle(self, job: Job, code: ErrorCode, message: str) -> None:
         job.fail(code, message)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from phi4cli import __version__, protocol
+from phi4cli._settings import Ask
 from phi4cli.atomicfile import RefusedFileError, write_atomic
 from phi4cli.config import DAEMON_SETTINGS, FOREVER, Settings
 from phi4cli.daemon.jobs import Engine, Job
@@ -428,7 +429,7 @@ class DaemonServer:
                 request.id,
             )
         try:
-            params = protocol.parse_params(request.op, request.params, self.settings)
+            params = protocol.parse_params(request.op, request.params, Ask.of(self.settings))
         except ProtocolViolation as exc:
             raise ProtocolViolation(exc.code, exc.message, request.id) from None
         if params.keep_alive is not None:

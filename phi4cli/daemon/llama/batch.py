@@ -268,9 +268,10 @@ class LlamaEngine:
         share = capacity if self._streams else capacity // max(1, model.plan.parallel)
         default = min(model.plan.request_tokens, share)
         chat: ChatPlan | None = None
+        max_tokens = params.ask.max_tokens
         if params.session is not None:
             # Trimmed to what admit() checks, so a chat that must drop turns drops enough.
-            tokens, chat = prompts.chat_turn(params, params.max_tokens or default // 4, capacity)
+            tokens, chat = prompts.chat_turn(params, max_tokens or default // 4, capacity)
         else:
             tokens = prompts.question(params)
         room = capacity - len(tokens)
@@ -285,15 +286,15 @@ class LlamaEngine:
                 f"the question is {len(tokens):,} tokens but {holds}; shorten it, or restart "
                 "the daemon with a larger context (phi4 stop; phi4 daemon start --n-ctx N)"
             )
-        if params.max_tokens is not None:
-            if params.max_tokens > room:
+        if max_tokens is not None:
+            if max_tokens > room:
                 raise ContextOverflowError(
-                    f"this request needs {len(tokens) + params.max_tokens:,} tokens of context "
-                    f"({len(tokens):,} of prompt + {params.max_tokens:,} of --max-tokens) but "
+                    f"this request needs {len(tokens) + max_tokens:,} tokens of context "
+                    f"({len(tokens):,} of prompt + {max_tokens:,} of --max-tokens) but "
                     f"{holds}; lower --max-tokens, or restart the daemon with a larger one "
                     "(phi4 stop; phi4 daemon start --n-ctx N)"
                 )
-            budget = params.max_tokens
+            budget = max_tokens
         else:
             budget = min(room, max(default - len(tokens), default // 4))
         if budget < 1:
@@ -301,7 +302,7 @@ class LlamaEngine:
                 f"the question is {len(tokens):,} tokens but {holds}; shorten it, or restart "
                 "the daemon with a larger context (phi4 stop; phi4 daemon start --n-ctx N)"
             )
-        extra = min(THINK_CLOSE_ROOM, room - budget) if params.think_budget is not None else 0
+        extra = min(THINK_CLOSE_ROOM, room - budget) if params.ask.think_budget is not None else 0
         return Prepared(self._loads, tokens, budget, extra, chat)
 
     def admit(self, job: Job) -> Wait | None:
@@ -315,7 +316,7 @@ class LlamaEngine:
         prepared: Prepared = job.prepared
         tokens = prepared.tokens
         needed = len(tokens) + prepared.budget + prepared.extra
-        deterministic = job.params.deterministic
+        deterministic = job.params.ask.deterministic
         # A deterministic request reads its whole prompt afresh: a saved state is not used.
         swapped = None if deterministic else self._restorable(job.params, tokens)
         if swapped is not None and len(swapped.tokens) > needed:
@@ -349,7 +350,7 @@ class LlamaEngine:
         slot.pending = tokens[keep:]
         self._reclaim(needed, slot)
         params = job.params
-        sampling = params.sampling
+        sampling = params.ask.sampling
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(31)
         streaming = any(s.run is not None and s.run.prompt_s is not None for s in self._slots)
         slot.run = Run(
@@ -363,7 +364,7 @@ class LlamaEngine:
             max_len=len(tokens) + prepared.budget + prepared.extra,
             reserved=needed,
             splitter=ThinkSplitter(starts_in_reasoning=model.thinks),
-            policy=ThinkingPolicy(params.think_budget, params.min_think, params.loop),
+            policy=ThinkingPolicy.asked(params.ask),
             trace=TraceConfidence() if params.confidence else None,
             restored=restored,
             restore_s=restore_s,
@@ -558,7 +559,7 @@ class LlamaEngine:
         if not entries:
             return finished
         # A deterministic request decodes alone, on the threads a fresh daemon starts with.
-        hold = any(slot.run.job.params.deterministic for slot, _, _ in chunks if slot.run)
+        hold = any(slot.run.job.params.ask.deterministic for slot, _, _ in chunks if slot.run)
         self._follow_the_cores(model, hold)
         code = model.decode(entries)
         if self._governor is not None:

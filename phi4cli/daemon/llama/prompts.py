@@ -110,7 +110,7 @@ class Prompts:
 
     def question(self, params: SolveParams) -> list[int]:
         """Return the tokens of a one-shot question."""
-        return self.tokens(params.system, [{"role": "user", "content": params.prompt}])
+        return self.tokens(params.ask.system, [{"role": "user", "content": params.prompt}])
 
     def system_prefix(self, system: str | None) -> list[int]:
         """Tokens every conversation with this system prompt starts with: those before the
@@ -166,8 +166,8 @@ class Prompts:
         session = self.sessions.get(params.session)
         # A deterministic turn is rendered from the transcript, as a fresh daemon would: the
         # session's tokens hold what this daemon happened to generate (its thinking too).
-        base = (session.continues(self.model.path, params.system, history)
-                if session and not params.deterministic else None)  # fmt: skip
+        base = (session.continues(self.model.path, params.ask.system, history)
+                if session and not params.ask.deterministic else None)  # fmt: skip
         tokens: list[int] | None = None
         dropped, rebuilt = 0, False
         if base is not None and self.glue is not None and session is not None:
@@ -193,7 +193,7 @@ class Prompts:
 
     def _rendered(self, params: SolveParams, history: list[Message]) -> list[int]:
         question = {"role": "user", "content": params.prompt}
-        return self.tokens(params.system, [*history, question])
+        return self.tokens(params.ask.system, [*history, question])
 
     def _fit(self, params: SolveParams, history: list[Message], room: int) -> tuple[int, list[int]]:
         """Render the question after as many of the newest turns as fit in ``room`` tokens (all
@@ -264,7 +264,7 @@ class Prompts:
             ChatSession(
                 id=params.session,
                 model=Path(self.model.path),
-                system=params.system,
+                system=params.ask.system,
                 messages=[*history, {"role": "user", "content": params.prompt},
                           {"role": "assistant", "content": answer}],
                 tokens=tokens,
