@@ -28,6 +28,9 @@ class Settings(Record):
     system: str | None = None
     temperature: float = 0.8
     top_p: float = 0.95
+    # The likeliest this many tokens are drawn from; None: the engine's default (the daemon's
+    # 50, as the model card; a server's own).
+    top_k: int | None = None
     # Tokens less likely than this share of the likeliest one's are never drawn.
     min_p: float = 0.0
     # Tokens of the last 64 are made this much less likely (1: not at all).
@@ -83,6 +86,7 @@ class Sampling(Record):
 
     temperature: float = 0.8
     top_p: float = 0.95
+    top_k: int | None = None
     min_p: float = 0.0
     repeat_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -101,6 +105,7 @@ class Ask(Record):
     system: str | None = None
     temperature: float = 0.8
     top_p: float = 0.95
+    top_k: int | None = None
     min_p: float = 0.0
     repeat_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -114,6 +119,7 @@ class Ask(Record):
         return Sampling(
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=self.top_k,
             min_p=self.min_p,
             repeat_penalty=self.repeat_penalty,
             presence_penalty=self.presence_penalty,
@@ -131,6 +137,7 @@ class Ask(Record):
             system=settings.system,
             temperature=settings.temperature,
             top_p=settings.top_p,
+            top_k=settings.top_k,
             min_p=settings.min_p,
             repeat_penalty=settings.repeat_penalty,
             presence_penalty=settings.presence_penalty,

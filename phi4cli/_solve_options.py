@@ -38,6 +38,7 @@ OPTIONS = {
     '--temperature': ('temperature', 'float', None),
     '-t': ('temperature', 'float', None),
     '--top-p': ('top_p', 'float', None),
+    '--top-k': ('top_k', 'int', (0, None)),
     '--min-p': ('min_p', 'float', None),
     '--repeat-penalty': ('repeat_penalty', 'float', None),
     '--presence-penalty': ('presence_penalty', 'float', None),
@@ -76,6 +77,7 @@ DEFAULTS = {
     'system': None,
     'temperature': None,
     'top_p': None,
+    'top_k': None,
     'min_p': None,
     'repeat_penalty': None,
     'presence_penalty': None,
@@ -120,6 +122,7 @@ class SolveOptions:
         system: str | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
+        top_k: int | None = None,
         min_p: float | None = None,
         repeat_penalty: float | None = None,
         presence_penalty: float | None = None,
@@ -155,6 +158,7 @@ class SolveOptions:
         self.system = system
         self.temperature = temperature
         self.top_p = top_p
+        self.top_k = top_k
         self.min_p = min_p
         self.repeat_penalty = repeat_penalty
         self.presence_penalty = presence_penalty

@@ -247,6 +247,8 @@ def _model(value: object) -> str:
 
 # --- the table ---------------------------------------------------------------------------------
 
+NEVER_OFF = "(never off)"  # a row's ``off`` when no value of it does nothing
+
 
 class Setting(Record):
     """One setting, and everything phi4 does with it."""
@@ -274,7 +276,8 @@ class Setting(Record):
     # them, any other str text (empty: None); a null is taken where the type allows None.
     wire: tuple[float, float] | None = None
     openai: tuple[str, ...] = ()  # its names on the OpenAI wire (phi4 serve reads each)
-    off: Any = None  # the value at which it does nothing: a remote server is not sent it then
+    # The value at which it does nothing: a remote server is not sent it then (NEVER_OFF: none).
+    off: Any = NEVER_OFF
     sent: bool = True  # a remote server is sent it (phi4's own are not: strict servers refuse)
     env: str = ""  # its variable, when not PHI4_ + the key in capitals
     doc_allowed: str = ""  # what the docs say it allows, where that depends on the machine
@@ -282,7 +285,7 @@ class Setting(Record):
     def is_off(self, value: object) -> bool:
         """Whether ``value`` is the one at which this setting does nothing (min_p 0): then it
         is not sent to a remote server, shown by /show, or said in an eval's run."""
-        return self.off is not None and value == self.off
+        return self.off is not NEVER_OFF and value == self.off
 
 
 _THREADS_ALLOWED = f"auto, or from 1 to {min(MAX_THREADS, 4 * (os.cpu_count() or 1))} " \
@@ -340,6 +343,13 @@ SETTINGS = (
     Setting("top_p", _between(0.0, 1.0), "a number from 0 to 1", 0.95, "float", REQUEST,
             flags="--top-p", option="float", groups=("answer",), settable=2, sampling=True,
             wire=(0.0, 1.0), openai=("top_p",), help="Nucleus sampling [default 0.95]."),
+    Setting("top_k", _whole_or("default"), "a whole number (0: off), or default", None,
+            "int | None", REQUEST, "The likeliest this many tokens are drawn from; None: the "
+            "engine's default (the daemon's 50, as the model card; a server's own).",
+            flags="--top-k", option="int", low=0, groups=("answer",), settable=12,
+            sampling=True, wire=(0, MAX_COUNT), openai=("top_k",), off=None,
+            help="Draw from the K likeliest tokens only (0: all) [default 50, as the model "
+                 "card; a --backend server's own]."),
     Setting("min_p", _between(0.0, 1.0), "a number from 0 to 1 (0: off)", 0.0, "float", REQUEST,
             "Tokens less likely than this share of the likeliest one's are never drawn.",
             flags="--min-p", option="float", groups=("answer",), settable=6, sampling=True,

@@ -352,7 +352,8 @@ def test_tab_completes_slash_commands_and_set_keys():
 
     assert complete("/sh") == ["/show"]
     assert complete("/s") == ["/system", "/set", "/show", "/save", "/stats"]
-    assert complete("/set t") == ["/set temperature", "/set top_p", "/set think_budget"]
+    assert complete("/set t") == ["/set temperature", "/set top_p", "/set think_budget",
+                                  "/set top_k"]  # fmt: skip
     assert complete("what is /sh") == []
 
 

@@ -46,6 +46,13 @@ def test_each_sampler_changes_the_daemons_answer_however_it_is_set(tiny_model: P
     assert run_phi4("config", "set", "min_p", "0.99").returncode == 0
     assert answer(tiny_model, "-t", "1", "--seed", "3") == narrowed, "from the config file"
     assert answer(tiny_model, "-t", "1", "--seed", "3", "--min-p", "0") == seeded, "a flag wins"
+    # top_k (issue 38's added request row): the one likeliest token is greedy, at any
+    # temperature; set by flag, variable or config as any row.
+    assert answer(tiny_model, "-t", "1.5", "--seed", "3", "--min-p", "0", "--top-k", "1") == greedy
+    hot = answer(tiny_model, "-t", "1.5", "--seed", "3", "--min-p", "0")
+    assert hot != greedy, "without it the hot answer is not the greedy one"
+    assert answer(tiny_model, "-t", "1.5", "--seed", "3", "--min-p", "0",
+                  env={"PHI4_TOP_K": "1"}) == greedy  # fmt: skip
 
 
 @pytest.mark.daemon
@@ -75,13 +82,15 @@ def test_a_remote_server_is_sent_the_samplers_under_its_names_only_when_on(tmp_p
         base = ("solve", "2+2?", "--backend", server.url, "-m", "m", "--answer-only")
         assert run_phi4(*base).returncode == 0
         on = run_phi4(*base, "--min-p", "0.05", "--repeat-penalty", "1.1", "--deterministic",
-                      "--presence-penalty", "0.5", "--frequency-penalty", "-0.25")  # fmt: skip
+                      "--presence-penalty", "0.5", "--frequency-penalty", "-0.25",
+                      "--top-k", "40")  # fmt: skip
         assert on.returncode == 0, on.stderr
         plain, sent = server.bodies
     # phi4's own deterministic is not sent: a strict server (OpenAI's) refuses what it lacks.
     assert "deterministic" not in sent
     assert not {"min_p", "repeat_penalty", "repetition_penalty", "presence_penalty",
-                "frequency_penalty"} & set(plain), plain  # fmt: skip
+                "frequency_penalty", "top_k"} & set(plain), plain  # fmt: skip
+    assert sent["top_k"] == 40, "a top_k given is sent; unset, the server keeps its own"
     assert (sent["min_p"], sent["repeat_penalty"], sent["repetition_penalty"]) == (0.05, 1.1, 1.1)
     assert (sent["presence_penalty"], sent["frequency_penalty"]) == (0.5, -0.25)
     assert (sent["temperature"], sent["top_p"]) == (plain["temperature"], plain["top_p"])
@@ -97,6 +106,10 @@ def test_phi4_serve_reads_the_samplers_by_their_openai_names_and_checks_them():
     assert chat_params({**body, "repeat_penalty": 1.3}, "m", Settings()).ask.repeat_penalty == 1.3
     with pytest.raises(ApiError, match=r"'min_p' must be a number from 0\.0 to 1\.0"):
         chat_params({**body, "min_p": 2}, "m", Settings())
+    assert chat_params(body, "m", Settings()).ask.top_k is None, "unset: the daemon's 50"
+    assert chat_params({**body, "top_k": 5}, "m", Settings()).ask.top_k == 5
+    with pytest.raises(ApiError, match=r"'top_k' must be a whole number from 0"):
+        chat_params({**body, "top_k": 1.5}, "m", Settings())
     penalized = chat_params({**body, "presence_penalty": 1.5, "frequency_penalty": -2}, "m",
                             Settings()).ask  # fmt: skip
     assert (penalized.presence_penalty, penalized.frequency_penalty) == (1.5, -2)

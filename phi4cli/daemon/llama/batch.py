@@ -702,7 +702,7 @@ def _make_sampler(sampling: Sampling, seed: int, n_vocab: int) -> Any:
     if sampling.temperature <= 0.0:
         sampler.add_greedy()
     else:
-        sampler.add_top_k(TOP_K)
+        sampler.add_top_k(TOP_K if sampling.top_k is None else sampling.top_k)
         sampler.add_top_p(sampling.top_p, 1)
         if sampling.min_p > 0.0:
             sampler.add_min_p(sampling.min_p, 1)
