@@ -88,8 +88,8 @@ def summary(started: float, produced: list[int], first: list[float | None]) -> d
 
 def phi4_round(home: Path, prompts: list[str], tokens: int) -> dict[str, Any]:
     """len(prompts) greedy solves sent at once over one connection."""
-    from phi4cli.client import DaemonConnection
-    from phi4cli.protocol import EventKind
+    from phi4cli.core.protocol import EventKind
+    from phi4cli.engines.daemon_link import DaemonConnection
 
     k = len(prompts)
     produced: list[int] = [0] * k
@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
 
-    from phi4cli.machine import physical_cores
+    from phi4cli.core.machine import physical_cores
 
     threads = physical_cores()
     home = Path(tempfile.mkdtemp(prefix="p4b-", dir="/tmp"))

@@ -47,7 +47,7 @@ def phi4_turns(
     home: Path, model: Path, turns: int, max_tokens: int
 ) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """Play the conversation through the daemon; return per-turn rows and the history."""
-    from phi4cli.client import DaemonConnection
+    from phi4cli.engines.daemon_link import DaemonConnection
 
     connection = DaemonConnection.open(home / "run" / "daemon.sock")
     history: list[dict[str, str]] = []
@@ -129,9 +129,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
 
-    from phi4cli.machine import physical_cores
-    from phi4cli.models import resolve_model
-    from phi4cli.paths import get_paths
+    from phi4cli.core.machine import physical_cores
+    from phi4cli.core.models import resolve_model
+    from phi4cli.core.paths import get_paths
 
     model = resolve_model(args.model, get_paths())
     threads = physical_cores()

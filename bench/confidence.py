@@ -24,11 +24,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from phi4cli._settings import Ask, Settings  # noqa: E402
-from phi4cli.confidence import LogitsConfidence  # noqa: E402
+from phi4cli.core._settings import Ask, Settings  # noqa: E402
+from phi4cli.core.protocol import SolveParams  # noqa: E402
 from phi4cli.daemon.jobs import Job  # noqa: E402
 from phi4cli.daemon.llama.batch import LlamaEngine  # noqa: E402
-from phi4cli.protocol import SolveParams  # noqa: E402
+from phi4cli.text.confidence import LogitsConfidence  # noqa: E402
 
 QUESTIONS = ("What is 12*13?", "Solve 3x^2+4x+5=1.", "What is 2+2?", "Sum 1 to 10.")
 

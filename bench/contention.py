@@ -149,8 +149,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
 
+    from phi4cli.core.machine import physical_cores
     from phi4cli.daemon.threads import SPIN_COUNT
-    from phi4cli.machine import physical_cores
 
     threads = physical_cores()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}

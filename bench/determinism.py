@@ -25,10 +25,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from phi4cli.config import DEFAULT_INSTRUCTION, Settings  # noqa: E402
+from phi4cli.core.config import DEFAULT_INSTRUCTION, Settings  # noqa: E402
+from phi4cli.core.protocol import parse_solve_params  # noqa: E402
 from phi4cli.daemon.jobs import Job  # noqa: E402
 from phi4cli.daemon.llama.batch import LlamaEngine  # noqa: E402
-from phi4cli.protocol import parse_solve_params  # noqa: E402
 
 QUESTION = f"What is 2+2?\n\n{DEFAULT_INSTRUCTION}"
 OTHERS = ["What is 3+5?", "What is 7*8?", "What is 10-4?", "Name a prime above 20."]

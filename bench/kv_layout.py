@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="default: physical cores")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
-    from phi4cli.machine import physical_cores
+    from phi4cli.core.machine import physical_cores
 
     threads = args.threads or physical_cores()
     llama_cpp.llama_backend_init()

@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from phi4cli import loops  # noqa: E402
+from phi4cli.text import loops  # noqa: E402
 from tests.shapes import PROGRESSING, paragraph_loop  # noqa: E402
 from tests.traces import looping_trace, normal_trace  # noqa: E402
 

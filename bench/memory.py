@@ -150,7 +150,7 @@ def crowd(connection: Any, max_tokens: int) -> None:
 
 
 def chat_restore(model: Path, chat_tokens: int) -> dict[str, Any]:
-    from phi4cli.client import DaemonConnection
+    from phi4cli.engines.daemon_link import DaemonConnection
 
     env = fresh_home()
     n_ctx = chat_tokens + 1024
@@ -213,7 +213,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
 
-    from phi4cli.machine import physical_cores
+    from phi4cli.core.machine import physical_cores
 
     threads = physical_cores()
     model = args.model

@@ -30,7 +30,7 @@ def flawed(text: str) -> bool:
 def main() -> None:
     from pylatexenc.latex2text import LatexNodes2Text
 
-    from phi4cli.latex import math_to_unicode
+    from phi4cli.text.latex import math_to_unicode
 
     converters: dict[str, Callable[[str], str]] = {
         "phi4 (pylatexenc + its layer)": math_to_unicode,

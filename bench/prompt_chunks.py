@@ -84,7 +84,7 @@ def main() -> None:
     import llama_cpp
     from llama_cpp import _internals as internals
 
-    from phi4cli.machine import physical_cores
+    from phi4cli.core.machine import physical_cores
 
     threads = physical_cores()
     model_params = llama_cpp.llama_model_default_params()

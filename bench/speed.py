@@ -88,7 +88,7 @@ def in_process(model: Path, threads: int, tokens: int) -> dict[str, float]:
 
 def concurrent(home: Path, k: int, tokens: int) -> float:
     """Aggregate completion tokens/s of k solves sent at once over one connection."""
-    from phi4cli.client import DaemonConnection
+    from phi4cli.engines.daemon_link import DaemonConnection
 
     with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
         started = time.monotonic()
@@ -130,9 +130,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
 
-    from phi4cli.machine import physical_cores
-    from phi4cli.models import resolve_model
-    from phi4cli.paths import get_paths
+    from phi4cli.core.machine import physical_cores
+    from phi4cli.core.models import resolve_model
+    from phi4cli.core.paths import get_paths
 
     model = resolve_model(args.model, get_paths())
     threads = physical_cores()

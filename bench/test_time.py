@@ -32,8 +32,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from phi4cli.confidence import GROUP, WARMUP, floor_from  # noqa: E402
-from phi4cli.reasoning import STOP_CONFIDENCE, majority_vote, vote_settled  # noqa: E402
+from phi4cli.text.confidence import GROUP, WARMUP, floor_from  # noqa: E402
+from phi4cli.text.reasoning import STOP_CONFIDENCE, majority_vote, vote_settled  # noqa: E402
 
 # Mixtures of problems: (share, alpha, beta) of the Beta each problem's chance p is drawn from,
 # and the share of samples that state no answer. "stated" is the one the table has always used;

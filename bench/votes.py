@@ -1,6 +1,6 @@
 """Votes replayed as the CLI runs them: the early stop of ``solve -k`` / ``eval -k`` (the CLI's own
-``phi4cli.solving.EarlyStop``, not a copy of its rule) fed each problem's samples in the order
-they finished, the samples it cancels paying for the tokens they had written by then.
+``phi4cli.client.solving.EarlyStop``, not a copy of its rule) fed each problem's samples in the
+order they finished, the samples it cancels paying for the tokens they had written by then.
 
     python bench/votes.py simulate [--problems 2000] [--k 8] [--parallel 4] [--seeds 5]
     python bench/votes.py replay RESULTS.jsonl [--stop-unsure]
@@ -41,10 +41,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from test_time import MEDIAN_TOKENS, MIXTURES, TOKENS_SIGMA, draw_problem  # noqa: E402
 
-from phi4cli.outcome import Outcome  # noqa: E402
-from phi4cli.protocol import Stats  # noqa: E402
-from phi4cli.reasoning import AnswerComparer, majority_vote  # noqa: E402
-from phi4cli.solving import EarlyStop  # noqa: E402
+from phi4cli.client.solving import EarlyStop  # noqa: E402
+from phi4cli.core.protocol import Stats  # noqa: E402
+from phi4cli.engines.outcome import Outcome  # noqa: E402
+from phi4cli.text.reasoning import AnswerComparer, majority_vote  # noqa: E402
 
 RATE = 10.0  # tokens a second a stream decodes, in the simulation (only the order matters)
 

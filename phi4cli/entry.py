@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from phi4cli.exits import exit_now, run_reporting
+from phi4cli.client.exits import exit_now, run_reporting
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 def parse_solve(args: list[str]) -> dict[str, Any] | None:
     """Parse ``phi4 solve``'s arguments as Typer would; None when unsure (Typer decides then)."""
-    from phi4cli._solve_options import ARGUMENT, DEFAULTS, OPTIONS
+    from phi4cli.client._solve_options import ARGUMENT, DEFAULTS, OPTIONS
 
     values: dict[str, Any] = dict(DEFAULTS)
     positional: list[str] = []
@@ -71,7 +71,7 @@ def parse_solve(args: list[str]) -> dict[str, Any] | None:
         if kind == "list":
             value = (*(values[dest] or ()), value)  # a tuple, as Typer gives it
         values[dest] = value
-    from phi4cli.inputs import join_words
+    from phi4cli.core.inputs import join_words
 
     values[ARGUMENT] = join_words(positional)
     return values
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
     if "_PHI4_COMPLETE" in os.environ:
         # A Tab: answered from a table when it can be, without building the Typer app.
-        from phi4cli.completion import answer
+        from phi4cli.client.completion import answer
 
         answered = answer(os.environ)
         if answered is not None:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
             sys.exit(status)
     # The one Environment of the run (streams, terminals, colour; paths on first use), which
     # every command that reads or writes through one is handed.
-    from phi4cli.environment import Environment
+    from phi4cli.client.environment import Environment
 
     env = Environment()
     # What writes to sys.stdout or sys.stderr, not through env (rich's own consoles, print), meets
@@ -105,10 +105,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
     if args[:1] == ["solve"] and "_PHI4_COMPLETE" not in os.environ:
         parsed = parse_solve(args[1:])
         if parsed is not None:
-            from phi4cli.solving import SolveOptions, run_solve
+            from phi4cli.client.solving import SolveOptions, run_solve
 
             options = SolveOptions(**parsed)
             run_reporting(lambda: run_solve(options, env), fast_exit=argv is None)
-    from phi4cli.cli import main as typer_main
+    from phi4cli.client.cli import main as typer_main
 
     typer_main(args, env)

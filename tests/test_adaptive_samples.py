@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from phi4cli.reasoning import Vote, leader_confidence, majority_vote, vote_settled
+from phi4cli.text.reasoning import Vote, leader_confidence, majority_vote, vote_settled
 from tests.conftest import run_phi4
 from tests.scripted_server import Step, scripted_server, separated
 
@@ -95,10 +95,10 @@ def test_through_the_daemon_a_settled_vote_cancels_the_samples_still_to_come(
     # daemon, its socket and its cancellation are the real ones.
     import io
 
-    from phi4cli import outcome
-    from phi4cli.environment import Environment
-    from phi4cli.paths import get_paths
-    from phi4cli.solving import SolveOptions, run_solve
+    from phi4cli.client.environment import Environment
+    from phi4cli.client.solving import SolveOptions, run_solve
+    from phi4cli.core.paths import get_paths
+    from phi4cli.engines import outcome
 
     monkeypatch.setattr(outcome, "extract_final_answer", lambda text: "7" if text else None)
     # A context that holds one such request at a time: the samples run one after another, so

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from phi4cli.latex import latex_to_unicode, math_to_unicode
-from phi4cli.outcome import Outcome, exit_status
-from phi4cli.protocol import Event, EventKind
-from phi4cli.reasoning import (
+from phi4cli.core.protocol import Event, EventKind
+from phi4cli.engines.outcome import Outcome, exit_status
+from phi4cli.text.latex import latex_to_unicode, math_to_unicode
+from phi4cli.text.reasoning import (
     AnswerComparer,
     ComparisonTooCostly,
     _within_budget,
@@ -195,7 +195,7 @@ def test_no_interruption_escapes_a_budget_that_races_the_end_of_its_work():
 
 @pytest.mark.timeout(60)
 def test_a_comparison_past_its_budget_is_text_and_counted(monkeypatch: pytest.MonkeyPatch):
-    import phi4cli.reasoning as reasoning
+    import phi4cli.text.reasoning as reasoning
 
     monkeypatch.setattr(reasoning, "_verified", lambda _verify, _a, _b: _spin())
     compare = AnswerComparer(budget_s=0.05)
@@ -353,7 +353,7 @@ def test_the_terminal_view_of_two_thousand_nested_powers_is_quick():
 
     from rich.console import Console
 
-    from phi4cli.render import TerminalPresenter
+    from phi4cli.client.render import TerminalPresenter
 
     presenter = TerminalPresenter(show_reasoning=False, verbose=False)
     buffer = io.StringIO()

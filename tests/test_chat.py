@@ -20,13 +20,13 @@ import pytest
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from phi4cli.backends import DaemonBackend
-from phi4cli.chats import ChatStore, Conversation, Turn
-from phi4cli.config import Settings
+from phi4cli.client.chats import ChatStore, Conversation, Turn
+from phi4cli.client.environment import Environment
+from phi4cli.client.repl import AtomicFileHistory, ChatRepl, prompt_reader, read_message
+from phi4cli.core.config import Settings
+from phi4cli.core.paths import get_paths
 from phi4cli.daemon.sessions import ChatSession, SessionStore
-from phi4cli.environment import Environment
-from phi4cli.paths import get_paths
-from phi4cli.repl import AtomicFileHistory, ChatRepl, prompt_reader, read_message
+from phi4cli.engines.backends import DaemonBackend
 from tests.conftest import PHI4, run_phi4
 
 
@@ -211,7 +211,7 @@ def test_help_completion_and_dispatch_come_from_one_table(tiny_model: Path):
     from prompt_toolkit.completion import CompleteEvent
     from prompt_toolkit.document import Document
 
-    from phi4cli.repl import COMMANDS, SlashCompleter
+    from phi4cli.client.repl import COMMANDS, SlashCompleter
 
     repl, out, _err = make_repl(tiny_model)
     assert repl.command("/help") is True
@@ -344,7 +344,7 @@ def test_tab_completes_slash_commands_and_set_keys():
     from prompt_toolkit.completion import CompleteEvent
     from prompt_toolkit.document import Document
 
-    from phi4cli.repl import SlashCompleter
+    from phi4cli.client.repl import SlashCompleter
 
     def complete(text: str) -> list[str]:
         found = SlashCompleter().get_completions(Document(text), CompleteEvent())

@@ -44,7 +44,7 @@ def test_config_set_completes_a_fixed_set_of_values(key: str, values: list[str])
 
 @pytest.mark.daemon
 def test_the_values_offered_are_the_values_config_set_takes():
-    from phi4cli.completion import setting_values
+    from phi4cli.client.completion import setting_values
 
     for key in ("kv_layout", "kv_cache_type", "ramdisk", "mlock"):
         for value in setting_values(key, ""):
@@ -69,7 +69,7 @@ def typer_answer(environ: dict[str, str], monkeypatch: pytest.MonkeyPatch,
     """What Typer itself answers the completion request ``environ`` (printed text, status)."""
     import typer
 
-    from phi4cli.cli import app
+    from phi4cli.client.cli import app
 
     for name in ("COMP_WORDS", "COMP_CWORD", "_TYPER_COMPLETE_ARGS",
                  "_TYPER_COMPLETE_FISH_ACTION"):  # fmt: skip
@@ -126,7 +126,7 @@ def normalised(answered: tuple[str | None, int]) -> tuple[list[str] | None, int]
 
 @pytest.mark.parametrize("line", LINES)
 def test_the_fast_completer_answers_as_typer_does(line: str, monkeypatch, capsys):
-    from phi4cli.completion import answer
+    from phi4cli.client.completion import answer
 
     for environ in requests(line):
         fast = answer(environ)
@@ -147,7 +147,7 @@ WORDS = ["solve", "config", "set", "daemon", "start", "pull", "chat", "kv_layout
                                    "-m"]))  # fmt: skip
 def test_the_fast_completer_agrees_with_typer_on_any_words(words, incomplete, monkeypatch,
                                                            capsys):  # fmt: skip
-    from phi4cli.completion import answer
+    from phi4cli.client.completion import answer
 
     line = " ".join(["phi4", *words, incomplete])
     for environ in requests(line if incomplete else line + " "):

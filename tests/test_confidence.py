@@ -13,11 +13,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from phi4cli.confidence import GROUP, LogitsConfidence, TraceConfidence, floor_from, from_logprobs
-from phi4cli.outcome import Outcome
-from phi4cli.protocol import ErrorCode, Event, EventKind, Stats
-from phi4cli.reasoning import AnswerComparer, majority_vote
-from phi4cli.solving import EarlyStop
+from phi4cli.client.solving import EarlyStop
+from phi4cli.core.protocol import ErrorCode, Event, EventKind, Stats
+from phi4cli.engines.outcome import Outcome
+from phi4cli.text.confidence import (
+    GROUP,
+    LogitsConfidence,
+    TraceConfidence,
+    floor_from,
+    from_logprobs,
+)
+from phi4cli.text.reasoning import AnswerComparer, majority_vote
 from tests.conftest import run_phi4
 from tests.scripted_server import Head, Step, data, scripted_server
 from tests.test_thinking_control import ANSWER, THINKING

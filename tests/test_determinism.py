@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from phi4cli import protocol
-from phi4cli._settings import Ask
-from phi4cli.config import Settings
+from phi4cli.core import protocol
+from phi4cli.core._settings import Ask
+from phi4cli.core.config import Settings
+from phi4cli.core.protocol import parse_solve_params
 from phi4cli.daemon.jobs import Job, Wait
-from phi4cli.protocol import parse_solve_params
 from tests.conftest import PHI4, run_phi4
 from tests.test_protocol_scheduler import Collector, FakeEngine, make_scheduler
 
@@ -146,7 +146,7 @@ def test_a_deterministic_request_waits_for_running_ones_and_holds_later_ones_bac
 
 
 def test_the_http_api_passes_deterministic_on_and_checks_it():
-    from phi4cli.openai_request import ApiError, chat_params
+    from phi4cli.serve.openai_request import ApiError, chat_params
 
     body = {"messages": [{"role": "user", "content": "2+2?"}], "deterministic": True}
     assert chat_params(body, "m", Settings()).ask.deterministic is True

@@ -1,7 +1,8 @@
-"""The one request path (phi4cli.dispatch) with fake replicas: the window, the choice of replica,
-exactly one terminal event per request, the resend rule and its bound, restarts, busy answers,
-cancellation. The real daemon and real servers go through the same Flight in test_solve_daemon,
-test_chat, test_remote_backend and test_replicas; here each rule is pinned down alone."""
+"""The one request path (phi4cli.engines.dispatch) with fake replicas: the window, the choice of
+replica, exactly one terminal event per request, the resend rule and its bound, restarts, busy
+answers, cancellation. The real daemon and real servers go through the same Flight in
+test_solve_daemon, test_chat, test_remote_backend and test_replicas; here each rule is pinned down
+alone."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phi4cli.dispatch import DEAD, Delivery, Failure, Flight, Probe, Replica, Slow
-from phi4cli.errors import DaemonUnavailableError, Phi4Error
-from phi4cli.protocol import ErrorCode, Event, EventKind
+from phi4cli.core.errors import DaemonUnavailableError, Phi4Error
+from phi4cli.core.protocol import ErrorCode, Event, EventKind
+from phi4cli.engines.dispatch import DEAD, Delivery, Failure, Flight, Probe, Replica, Slow
 
 # What one attempt does: the items its replica delivers, in order.
 Script = Callable[["FakeReplica", int, dict[str, Any]], list[Any]]

@@ -77,8 +77,8 @@ def test_man_page_examples_can_be_typed_as_shown_and_every_variable_is_listed():
 
 
 def test_the_man_pages_exit_status_is_the_readmes_table_for_every_code():
+    from phi4cli.core.errors import ExitStatus
     from phi4cli.docs import exit_meanings
-    from phi4cli.errors import ExitStatus
 
     rows = dict(exit_meanings())
     assert set(rows) == {str(int(status)) for status in ExitStatus}
@@ -172,7 +172,7 @@ def _command_lines(page: Path) -> list[str]:
 def test_every_phi4_command_shown_in_the_docs_names_a_real_command_and_real_options():
     import shlex
 
-    from phi4cli._completion_table import TABLE
+    from phi4cli.client._completion_table import TABLE
 
     wrong = []
     checked = 0
@@ -207,8 +207,8 @@ def test_every_phi4_command_shown_in_the_docs_names_a_real_command_and_real_opti
 
 
 def test_every_phi4_variable_named_in_the_docs_exists():
-    from phi4cli.config import VARIABLES
-    from phi4cli.options import SETTINGS, env_name
+    from phi4cli.core.config import VARIABLES
+    from phi4cli.core.options import SETTINGS, env_name
 
     named_in_code = {env_name(s.key) for s in SETTINGS} | {n for v in VARIABLES for n in v.names}
     for folder in ("phi4cli", "tests", "bench"):
@@ -228,7 +228,7 @@ def test_every_phi4_variable_named_in_the_docs_exists():
 
 
 def test_every_setting_is_in_the_configuration_table_with_its_variable():
-    from phi4cli.options import SETTINGS, env_name
+    from phi4cli.core.options import SETTINGS, env_name
 
     text = (DOC_ROOT / "docs" / "configuration.md").read_text()
     rows = {m[1]: m[2] for m in re.finditer(r"^\| `(\w+)` \| `(PHI4_\w+)` \|", text, re.M)}
@@ -236,7 +236,7 @@ def test_every_setting_is_in_the_configuration_table_with_its_variable():
 
 
 def test_every_toml_example_is_a_config_phi4_accepts(tmp_path: Path):
-    from phi4cli.config import load_settings
+    from phi4cli.core.config import load_settings
 
     examples = [(page, body) for page in PAGES for lang, body in FENCE.findall(page.read_text())
                 if lang == "toml"]  # fmt: skip
@@ -249,8 +249,8 @@ def test_every_toml_example_is_a_config_phi4_accepts(tmp_path: Path):
 
 
 def test_the_chat_page_lists_every_slash_command_and_what_set_takes():
-    from phi4cli.options import SETTABLE
-    from phi4cli.repl import COMMANDS
+    from phi4cli.client.repl import COMMANDS
+    from phi4cli.core.options import SETTABLE
 
     text = (DOC_ROOT / "docs" / "chat.md").read_text()
     for command in COMMANDS:

@@ -224,7 +224,7 @@ def test_other_settings_or_another_engine_do_not_resume(tmp_path: Path):
 
 
 def test_open_user_file_refuses_what_it_cannot_trust_and_never_blocks(tmp_path: Path):
-    from phi4cli.atomicfile import RefusedFileError, open_user_file
+    from phi4cli.core.atomicfile import RefusedFileError, open_user_file
 
     os.mkfifo(tmp_path / "fifo")  # ours, but a FIFO: opening it must not wait for a writer
     (tmp_path / "dir").mkdir()
@@ -286,12 +286,12 @@ def test_a_hard_link_to_a_file_of_yours_is_not_appended_to(tiny_model: Path, sha
 def test_a_backend_url_is_recorded_without_its_password():
     import io
 
-    from phi4cli._settings import Ask
-    from phi4cli.backends import RemoteBackend
-    from phi4cli.environment import Environment
-    from phi4cli.grading import run_identity
-    from phi4cli.protocol import SolveParams
-    from phi4cli.solving import SolveJob
+    from phi4cli.client.environment import Environment
+    from phi4cli.client.grading import run_identity
+    from phi4cli.client.solving import SolveJob
+    from phi4cli.core._settings import Ask
+    from phi4cli.core.protocol import SolveParams
+    from phi4cli.engines.backends import RemoteBackend
 
     backend = RemoteBackend("http://me:s3cret@127.0.0.1:8080/v1", "m", "sk-key", 5.0)
     env = Environment(io.StringIO(), io.StringIO(), io.StringIO())
@@ -307,7 +307,7 @@ def test_a_backend_url_is_recorded_without_its_password():
 def test_a_rewritten_results_file_escapes_what_the_appended_lines_escape():
     # Before: --force-resume's rewrite wrote json.dumps(...).encode(): a lone surrogate from a
     # problem's JSON was an "internal error", and a C1 character went into the file raw.
-    from phi4cli.grading import _lines
+    from phi4cli.client.grading import _lines
 
     written = _lines([{"reference": "\ud800", "answer": "\x9b31m"}])
     assert b"\\ud800" in written and b"\\u009b" in written and b"\xc2\x9b" not in written
@@ -318,7 +318,7 @@ def test_a_rewritten_results_file_escapes_what_the_appended_lines_escape():
 
 
 def test_eval_holds_only_the_problems_being_solved_and_skips_those_already_done(tmp_path: Path):
-    from phi4cli.grading import Pending, Problems
+    from phi4cli.client.grading import Pending, Problems
 
     rows = [{"problem": f"p{i}", "answer": str(i)} for i in range(1, 1001)]
     path = _write_problems(tmp_path / "set.jsonl", rows)
@@ -341,8 +341,8 @@ def test_eval_holds_only_the_problems_being_solved_and_skips_those_already_done(
 
 
 def test_an_input_that_shrinks_while_eval_reads_it_stops_with_one_line(tmp_path: Path):
-    from phi4cli.errors import UsageError
-    from phi4cli.grading import Pending, Problems
+    from phi4cli.client.grading import Pending, Problems
+    from phi4cli.core.errors import UsageError
 
     path = _write_problems(tmp_path / "set.jsonl")
     problems = Problems(path, "problem", "answer")
@@ -355,8 +355,8 @@ def test_an_input_that_shrinks_while_eval_reads_it_stops_with_one_line(tmp_path:
 
 @pytest.mark.daemon
 def test_eval_numbers_lines_as_before_and_names_a_line_that_is_not_utf8(tmp_path: Path):
-    from phi4cli.errors import UsageError
-    from phi4cli.grading import Problems
+    from phi4cli.client.grading import Problems
+    from phi4cli.core.errors import UsageError
 
     # Lines are numbered as str.splitlines numbers them: "\r" and a blank line count.
     path = tmp_path / "set.jsonl"
@@ -388,7 +388,7 @@ def test_eval_numbers_lines_as_before_and_names_a_line_that_is_not_utf8(tmp_path
 
 
 def test_a_problem_changed_and_changed_back_resumes_its_record():
-    from phi4cli.grading import RUN_KEYS, Item, read_earlier
+    from phi4cli.client.grading import RUN_KEYS, Item, read_earlier
 
     run = {**dict.fromkeys(RUN_KEYS), "samples": 1, "model": "m"}
 

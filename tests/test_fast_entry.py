@@ -15,10 +15,10 @@ import typer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phi4cli._solve_options import OPTIONS
-from phi4cli.cli import app
+from phi4cli.client._solve_options import OPTIONS
+from phi4cli.client.cli import app
+from phi4cli.core.inputs import join_words
 from phi4cli.entry import parse_solve
-from phi4cli.inputs import join_words
 from tests.conftest import run_phi4
 
 SOLVE = typer.main.get_command(app).commands["solve"]  # type: ignore[attr-defined]
@@ -107,7 +107,7 @@ def test_help_and_errors_are_still_typers():
 
 
 def test_the_daemon_options_are_declared_once_for_every_command_that_starts_it():
-    from phi4cli.options import DAEMON_OPTIONS
+    from phi4cli.core.options import DAEMON_OPTIONS
 
     group = typer.main.get_command(app)
     commands = {
@@ -132,9 +132,9 @@ def test_solve_runs_in_process_on_an_environment_of_its_own(tiny_model: Path):
     # Before, solve read sys.stdout and isatty itself: tests patched presenters or needed a pty.
     import io
 
-    from phi4cli.environment import Environment
-    from phi4cli.paths import get_paths
-    from phi4cli.solving import SolveOptions, run_solve
+    from phi4cli.client.environment import Environment
+    from phi4cli.client.solving import SolveOptions, run_solve
+    from phi4cli.core.paths import get_paths
 
     out, err = io.StringIO(), io.StringIO()
     env = Environment(io.StringIO("not read: the question is the argument"), out, err,
@@ -149,7 +149,7 @@ def test_solve_runs_in_process_on_an_environment_of_its_own(tiny_model: Path):
 
 
 def test_the_answer_options_are_declared_once_for_solve_and_chat():
-    from phi4cli.cli import ANSWER_OPTIONS
+    from phi4cli.client.cli import ANSWER_OPTIONS
 
     group = typer.main.get_command(app)
     solve, chat = group.commands["solve"], group.commands["chat"]  # type: ignore[attr-defined]
@@ -169,7 +169,8 @@ def test_a_question_of_unquoted_words_is_joined_and_stdin_left_alone(tiny_model:
     assert fast.returncode == 0, fast.stderr
     assert json.loads(fast.stdout)["question"] == "what is 2+2"
     typer_path = subprocess.run(
-        [sys.executable, "-c", "import sys; from phi4cli.cli import main; main(sys.argv[1:])",
+        [sys.executable, "-c",
+         "import sys; from phi4cli.client.cli import main; main(sys.argv[1:])",
          *args], input="from stdin\n", capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert typer_path.returncode == 0, typer_path.stderr
@@ -192,8 +193,8 @@ def test_the_typer_commands_write_through_the_environment_main_is_given(tmp_path
     # One Environment per run, made by the entry and handed down: solve and eval print there.
     import io
 
-    from phi4cli import cli
-    from phi4cli.environment import Environment
+    from phi4cli.client import cli
+    from phi4cli.client.environment import Environment
     from tests.scripted_server import scripted_server, separated
 
     problems = tmp_path / "set.jsonl"

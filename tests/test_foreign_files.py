@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from phi4cli.atomicfile import RefusedFileError, open_user_file, write_atomic
-from phi4cli.chats import ChatStore, Conversation
-from phi4cli.paths import get_paths
-from phi4cli.repl import AtomicFileHistory
+from phi4cli.client.chats import ChatStore, Conversation
+from phi4cli.client.repl import AtomicFileHistory
+from phi4cli.core.atomicfile import RefusedFileError, open_user_file, write_atomic
+from phi4cli.core.paths import get_paths
 from tests.conftest import run_phi4
 from tests.scripted_server import Step, scripted_server, separated
 from tests.test_eval_files import NOBODY, _as_nobody, shared_dir  # noqa: F401 (a fixture)
@@ -208,7 +208,7 @@ def test_directories_others_can_change_are_refused_and_yours_are_not(
         write_atomic(tmp_path / "open" / "chat.json", b"{}")
     with open_user_file(tmp_path / "sticky" / "out.jsonl", "results file") as handle:
         handle.write(b"ok\n")
-    from phi4cli.atomicfile import read_user_file
+    from phi4cli.core.atomicfile import read_user_file
 
     # A link of yours on the way is followed (a config kept with your dotfiles), and the walk
     # goes where the kernel's would: "..", relative links, a relative path.

@@ -165,11 +165,11 @@ def test_the_http_api_answers_any_body_without_a_500(
     import anyio
     import httpx2
 
-    from phi4cli.backends import DaemonBackend
-    from phi4cli.config import Settings
-    from phi4cli.http_access import AccessPolicy
-    from phi4cli.http_api import create_app
-    from phi4cli.paths import get_paths
+    from phi4cli.core.config import Settings
+    from phi4cli.core.paths import get_paths
+    from phi4cli.engines.backends import DaemonBackend
+    from phi4cli.serve.http_access import AccessPolicy
+    from phi4cli.serve.http_api import create_app
 
     settings_ = Settings(model=str(tiny_model))
     backend = DaemonBackend(get_paths(), settings_, tiny_model, lambda _m: None)
@@ -206,7 +206,7 @@ def test_the_http_api_answers_any_body_without_a_500(
           HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(st.integers(1, 20_000), st.sampled_from(["[", '{"k":']), st.sampled_from(["x", "prompt"]))
 def test_nesting_is_bounded_before_parsing(daemon: Path, depth: int, opener: str, key: str):
-    from phi4cli.protocol import MAX_NESTING
+    from phi4cli.core.protocol import MAX_NESTING
 
     closer = "]" if opener == "[" else "}"
     value = opener * depth + "1" + closer * depth
@@ -246,7 +246,7 @@ def test_a_flood_then_a_hang_up_leaves_room_for_the_next_client(
           HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(st.sampled_from([2, 40, 400, 1_998, 2_000, 2_002, 6_000]), st.text(max_size=3))
 def test_a_huge_chat_history_is_refused_or_trimmed(daemon: Path, messages: int, content: str):
-    from phi4cli.protocol import MAX_HISTORY_MESSAGES
+    from phi4cli.core.protocol import MAX_HISTORY_MESSAGES
 
     history = [{"role": ("user", "assistant")[n % 2], "content": content}
                for n in range(messages)]  # fmt: skip

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from phi4cli.backends import DaemonBackend
-from phi4cli.chats import ChatStore, Conversation
-from phi4cli.config import Settings
-from phi4cli.environment import Environment
-from phi4cli.paths import get_paths
-from phi4cli.repl import ChatRepl
+from phi4cli.client.chats import ChatStore, Conversation
+from phi4cli.client.environment import Environment
+from phi4cli.client.repl import ChatRepl
+from phi4cli.core.config import Settings
+from phi4cli.core.paths import get_paths
+from phi4cli.engines.backends import DaemonBackend
 from tests.conftest import holding_daemon_lock, run_phi4
 
 
@@ -339,7 +339,7 @@ def test_stop_with_the_lock_held_and_no_status_file_says_so(phi4_home: Path):
 
 
 def test_an_unwritable_input_history_does_not_end_the_chat(tmp_path: Path, capsys):
-    from phi4cli.repl import AtomicFileHistory
+    from phi4cli.client.repl import AtomicFileHistory
 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")

@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 
-from phi4cli import protocol
-from phi4cli._settings import Ask
-from phi4cli.config import Settings
+from phi4cli.core import protocol
+from phi4cli.core._settings import Ask
+from phi4cli.core.config import Settings
+from phi4cli.core.paths import get_paths
 from phi4cli.daemon.llama.prompts import Prompts
 from phi4cli.daemon.scheduler import QueueFullError
 from phi4cli.daemon.server import Connection, DaemonServer
-from phi4cli.paths import get_paths
 from tests.conftest import exchange, run_phi4
 from tests.test_protocol_scheduler import Collector, FakeEngine, busy_scheduler
 
@@ -461,7 +461,7 @@ def test_a_chat_of_ten_thousand_messages_is_refused_and_two_thousand_are_trimmed
 
 
 def test_a_chat_sends_no_more_history_than_the_daemon_takes():
-    from phi4cli.chats import Conversation, Turn
+    from phi4cli.client.chats import Conversation, Turn
 
     conversation = Conversation("long", "tiny", turns=[Turn(f"q{n}", f"a{n}") for n in range(1500)])
     history = conversation.history()
@@ -477,9 +477,9 @@ def test_phi4_serve_refuses_the_same_requests_with_400(daemon: Any, tiny_model: 
     import anyio
     import httpx2
 
-    from phi4cli.backends import DaemonBackend
-    from phi4cli.http_access import AccessPolicy
-    from phi4cli.http_api import create_app
+    from phi4cli.engines.backends import DaemonBackend
+    from phi4cli.serve.http_access import AccessPolicy
+    from phi4cli.serve.http_api import create_app
 
     settings = Settings(model=str(tiny_model))
     backend = DaemonBackend(get_paths(), settings, tiny_model, lambda _m: None)

@@ -459,7 +459,7 @@ def test_without_a_key_another_local_user_is_refused(tiny_model: Path):
 
 
 def test_the_peer_uid_is_read_from_proc_and_unknown_peers_are_refused():
-    from phi4cli.http_access import peer_uid_from_proc
+    from phi4cli.serve.http_access import peer_uid_from_proc
 
     for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
         try:
@@ -483,11 +483,11 @@ def test_a_peer_whose_uid_cannot_be_told_is_refused_fail_closed(tiny_model: Path
     import anyio
     import httpx2
 
-    from phi4cli.backends import DaemonBackend
-    from phi4cli.config import Settings
-    from phi4cli.http_access import AccessPolicy
-    from phi4cli.http_api import create_app
-    from phi4cli.paths import get_paths
+    from phi4cli.core.config import Settings
+    from phi4cli.core.paths import get_paths
+    from phi4cli.engines.backends import DaemonBackend
+    from phi4cli.serve.http_access import AccessPolicy
+    from phi4cli.serve.http_api import create_app
 
     settings_ = Settings(model=str(tiny_model))
     backend = DaemonBackend(get_paths(), settings_, tiny_model, lambda _m: None)
@@ -639,7 +639,7 @@ def test_another_users_slow_connections_do_not_starve_the_owner(tiny_model: Path
 
 
 def test_each_peer_holds_at_most_its_share_of_connections():
-    from phi4cli.http_access import FOREIGN_CONNECTIONS, PEER_CONNECTIONS, PeerGate
+    from phi4cli.serve.http_access import FOREIGN_CONNECTIONS, PEER_CONNECTIONS, PeerGate
 
     uids = {1111: 1000, 2222: 65534}  # the client port's owner, as /proc would say
     server = ("127.0.0.1", 8080)

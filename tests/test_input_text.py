@@ -13,8 +13,8 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from phi4cli.chats import ChatStore
-from phi4cli.paths import get_paths
+from phi4cli.client.chats import ChatStore
+from phi4cli.core.paths import get_paths
 from tests.conftest import PHI4, run_phi4
 from tests.test_hardening import one_error_line
 

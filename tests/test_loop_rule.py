@@ -1,5 +1,5 @@
-"""The loop rule (phi4cli.loops): reasoning that repeats its shape while it makes progress runs to
-its end; a block of text recurring with nothing new is caught — on the progressing shapes of
+"""The loop rule (phi4cli.text.loops): reasoning that repeats its shape while it makes progress
+runs to its end; a block of text recurring with nothing new is caught — on the progressing shapes of
 tests/shapes.py and on real reasoning traces (tests/data/real_traces, labelled by hand)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from phi4cli.loops import COPIES, LONG_CHARS, LoopDetector
+from phi4cli.text.loops import COPIES, LONG_CHARS, LoopDetector
 from tests.conftest import run_phi4
 from tests.scripted_server import chunk, data, scripted_server, separated
 from tests.shapes import PROGRESSING, paragraph_loop

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from phi4cli.core.machine import read_meminfo
 from phi4cli.daemon.memory import (
     CTX_ALIGN,
     MAX_SLOTS,
@@ -16,7 +17,6 @@ from phi4cli.daemon.memory import (
     ModelShape,
     plan_memory,
 )
-from phi4cli.machine import read_meminfo
 from tests.conftest import run_phi4
 
 GiB = 1 << 30
@@ -281,7 +281,7 @@ def test_ggml_device_listing_and_the_offload_load_path_run_on_this_build(tiny_mo
     # (ggml's backend device API through ctypes) and the probe-then-reload path of a GPU build.
     import llama_cpp
 
-    from phi4cli.config import Settings
+    from phi4cli.core.config import Settings
     from phi4cli.daemon.llama import model as llama_model
 
     assert llama_model.gpu_devices() == ()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from phi4cli.config import FOREVER, Settings, load_settings, parse_duration
-from phi4cli.errors import ConfigError
-from phi4cli.models import ALIASES
+from phi4cli.core.config import FOREVER, Settings, load_settings, parse_duration
+from phi4cli.core.errors import ConfigError
+from phi4cli.core.models import ALIASES
 from tests.conftest import run_phi4
 
 PHI4_ALIAS = ALIASES["phi4-mini-reasoning"]
@@ -308,10 +308,10 @@ def test_a_daemon_is_started_with_the_clients_settings_in_one_argument(tmp_path:
     # Before, spawn turned Settings back into ten flags by hand, which the daemon parsed again.
     import json
 
-    from phi4cli.config_writing import started_with as _started_with
+    from phi4cli.client.config_writing import started_with as _started_with
+    from phi4cli.core.errors import ConfigError, UsageError
+    from phi4cli.core.options import DAEMON_START
     from phi4cli.daemon.spawn import daemon_command
-    from phi4cli.errors import ConfigError, UsageError
-    from phi4cli.options import DAEMON_START
 
     client = Settings(keep_alive=FOREVER, n_ctx=None, threads=2, ramdisk="off", mlock=True,
                       gpu_layers=3, kv_cache_type="q8_0", parallel=8)  # fmt: skip

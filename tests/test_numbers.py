@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from phi4cli import protocol
-from phi4cli._settings import Ask
-from phi4cli.config import FOREVER, load_settings, parse_duration, parse_setting
-from phi4cli.errors import ConfigError
-from phi4cli.http_access import AccessPolicy, split_host
-from phi4cli.options import SETTINGS
-from phi4cli.paths import get_paths
+from phi4cli.core import protocol
+from phi4cli.core._settings import Ask
+from phi4cli.core.config import FOREVER, load_settings, parse_duration, parse_setting
+from phi4cli.core.errors import ConfigError
+from phi4cli.core.options import SETTINGS
+from phi4cli.core.paths import get_paths
+from phi4cli.serve.http_access import AccessPolicy, split_host
 from tests.conftest import exchange, run_phi4
 from tests.test_http_api import JSON, chat_body, fetch, refusal, serving
 

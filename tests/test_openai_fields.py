@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from phi4cli.openai_response import StopStrings
+from phi4cli.serve.openai_response import StopStrings
 from tests.conftest import _stop_processes_in, run_phi4
 from tests.test_http_api import get, start_server
 

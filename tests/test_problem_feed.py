@@ -1,4 +1,4 @@
-"""`--file` input read as the run goes (phi4cli.problems.ProblemFeed, open_problems): line
+"""`--file` input read as the run goes (phi4cli.client.problems.ProblemFeed, open_problems): line
 numbers as before, a pipe's bad line as that problem's error, a file's refused before the run,
 and no more than AHEAD problems read ahead of the output."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from phi4cli import problems
-from phi4cli.environment import Environment
-from phi4cli.errors import UsageError
-from phi4cli.problems import ProblemFeed, open_problems
-from phi4cli.protocol import ErrorCode, Event
+from phi4cli.client import problems
+from phi4cli.client.environment import Environment
+from phi4cli.client.problems import ProblemFeed, open_problems
+from phi4cli.core.errors import UsageError
+from phi4cli.core.protocol import ErrorCode, Event
 
 
 def read_all(feed: ProblemFeed) -> list[tuple[int, object]]:

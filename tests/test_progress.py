@@ -10,9 +10,9 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from phi4cli.environment import Environment
-from phi4cli.progress import FileProgress
-from phi4cli.protocol import Event, EventKind
+from phi4cli.client.environment import Environment
+from phi4cli.client.progress import FileProgress
+from phi4cli.core.protocol import Event, EventKind
 from tests.conftest import PHI4, run_phi4
 
 # Cursor movement, erase and colour sequences: what a terminal acts on, not what it shows.
@@ -177,7 +177,7 @@ def test_eval_progress_through_a_terminal(tiny_model: Path, tmp_path: Path):
 
 
 def test_a_notice_during_the_load_line_or_the_spinner_has_a_line_of_its_own():
-    from phi4cli.progress import LoadLine, StderrStatus
+    from phi4cli.client.progress import LoadLine, StderrStatus
 
     env, _out, err = terminal_env()
     line = LoadLine(env)

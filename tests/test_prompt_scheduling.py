@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from phi4cli._settings import Ask, Settings
+from phi4cli.core._settings import Ask, Settings
+from phi4cli.core.protocol import SolveParams
 from phi4cli.daemon.jobs import Job
 from phi4cli.daemon.llama.batch import PREFILL_CHUNK, LlamaEngine
 from phi4cli.daemon.llama.slots import Slot
-from phi4cli.protocol import SolveParams
 from tests.test_thinking_control import ANSWER, THINKING
 from tests.tinymodel import write_script_model
 

@@ -12,18 +12,18 @@ from typing import Any
 
 import pytest
 
-from phi4cli import protocol
-from phi4cli._settings import Ask
-from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, Wait
-from phi4cli.daemon.scheduler import JobQueue, QueueFullError, RequestScheduler
-from phi4cli.daemon.server import peer_allowed, peer_uid
-from phi4cli.protocol import (
+from phi4cli.core import protocol
+from phi4cli.core._settings import Ask
+from phi4cli.core.protocol import (
     PRIORITY_BULK,
     PRIORITY_INTERACTIVE,
     PRIORITY_SOLVE,
     SolveParams,
     parse_solve_params,
 )
+from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, Wait
+from phi4cli.daemon.scheduler import JobQueue, QueueFullError, RequestScheduler
+from phi4cli.daemon.server import peer_allowed, peer_uid
 from tests.conftest import run_phi4
 
 
@@ -360,8 +360,8 @@ def test_peer_check_compares_the_connecting_uid():
 
 def test_status_json_shape_is_stable():
     # The status file is read by clients of other versions; keep its keys.
+    from phi4cli.core.paths import get_paths
     from phi4cli.daemon.spawn import DaemonStatus, read_status
-    from phi4cli.paths import get_paths
 
     paths = get_paths()
     paths.ensure_runtime_dir()
@@ -394,8 +394,8 @@ def test_tiny_model_has_phi4_special_tokens_as_single_tokens(tiny_model: Path):
 
 
 def test_runtime_dir_of_another_user_is_refused(tmp_path: Path):
-    from phi4cli.errors import DaemonUnavailableError
-    from phi4cli.paths import Paths
+    from phi4cli.core.errors import DaemonUnavailableError
+    from phi4cli.core.paths import Paths
 
     if os.getuid() != 0:
         pytest.skip("needs root to create a directory owned by another user")
@@ -426,7 +426,7 @@ def test_a_phi4_home_that_is_a_file_is_one_line_and_exit_3(tmp_path: Path):
 
 
 def test_default_runtime_dir_prefers_xdg_and_falls_back_to_tmp(monkeypatch, tmp_path: Path):
-    from phi4cli.paths import get_paths
+    from phi4cli.core.paths import get_paths
 
     monkeypatch.delenv("PHI4_HOME")
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
@@ -489,8 +489,8 @@ def test_a_long_waiting_job_is_taken_before_newer_urgent_ones(monkeypatch):
 
 
 def test_a_silent_daemon_is_reported_frozen_not_waited_for_forever():
-    from phi4cli.client import DaemonConnection
-    from phi4cli.errors import DaemonFrozenError
+    from phi4cli.core.errors import DaemonFrozenError
+    from phi4cli.engines.daemon_link import DaemonConnection
 
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with right:
@@ -546,7 +546,7 @@ def test_platformdirs_answers_are_remembered_per_environment(monkeypatch, tmp_pa
     import subprocess
     import sys
 
-    from phi4cli.paths import get_paths
+    from phi4cli.core.paths import get_paths
 
     runtime = tmp_path / "xdg-run"
     runtime.mkdir()
@@ -558,7 +558,7 @@ def test_platformdirs_answers_are_remembered_per_environment(monkeypatch, tmp_pa
     assert not (runtime / "phi4" / "dirs.json").exists(), "no runtime dir yet: nothing written"
     first.ensure_runtime_dir()
     assert get_paths() == first and (runtime / "phi4" / "dirs.json").exists()
-    probe = ("import sys; from phi4cli.paths import get_paths; p = get_paths(); "
+    probe = ("import sys; from phi4cli.core.paths import get_paths; p = get_paths(); "
              "print(p.config_dir, 'platformdirs' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True).stdout.split()  # fmt: skip
@@ -568,7 +568,7 @@ def test_platformdirs_answers_are_remembered_per_environment(monkeypatch, tmp_pa
     # Only a private runtime dir is believed: another user's could redirect the config file.
     import os
 
-    from phi4cli.paths import _DIR_INPUTS
+    from phi4cli.core.paths import _DIR_INPUTS
 
     inputs = [sys.platform, *(os.environ.get(name) for name in _DIR_INPUTS)]
     (runtime / "phi4" / "dirs.json").write_text(json.dumps(

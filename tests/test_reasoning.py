@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from phi4cli.latex import latex_to_unicode, math_to_unicode
-from phi4cli.reasoning import (
+from phi4cli.text.latex import latex_to_unicode, math_to_unicode
+from phi4cli.text.reasoning import (
     ThinkSplitter,
     boxed_answers,
     extract_final_answer,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from phi4cli.outcome import Outcome
-from phi4cli.protocol import Event, EventKind
+from phi4cli.core.protocol import Event, EventKind
+from phi4cli.engines.outcome import Outcome
 from tests.conftest import PHI4, run_phi4
 
 ANSI = "\x1b["
@@ -54,7 +54,7 @@ def test_terminal_output_has_thinking_line_rendered_solution_and_answer_line(
 def test_terminal_presenter_renders_markdown_math_and_highlights_the_answer(monkeypatch):
     from rich.console import Console
 
-    from phi4cli.render import TerminalPresenter
+    from phi4cli.client.render import TerminalPresenter
 
     presenter = TerminalPresenter(show_reasoning=False, verbose=False)
     buffer = io.StringIO()

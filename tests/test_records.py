@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from phi4cli.records import Record
+from phi4cli.core.records import Record
 
 
 class Point(Record):
@@ -51,7 +51,8 @@ def test_a_field_without_a_default_after_one_with_is_refused():
 
 
 def test_the_records_module_imports_no_typing():
-    script = "import sys\nimport phi4cli.records, phi4cli.protocol\nprint('typing' in sys.modules)"
+    script = ("import sys\nimport phi4cli.core.records, phi4cli.core.protocol\n"
+              "print('typing' in sys.modules)")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             check=True)  # fmt: skip
     assert result.stdout.strip() == "False"

@@ -412,7 +412,7 @@ def test_killing_one_of_two_real_engines_mid_run_loses_no_problem(
 
 
 def test_backend_settings_name_replicas_one_way_or_another(tmp_path: Path):
-    from phi4cli.config import ConfigError, load_settings
+    from phi4cli.core.config import ConfigError, load_settings
 
     config = tmp_path / "config.toml"
     config.write_text('backends = ["http://a:1/v1", "http://b:2/v1"]\n')

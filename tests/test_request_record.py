@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phi4cli import options
-from phi4cli._settings import Ask, Settings
-from phi4cli.options import CHOICES
-from phi4cli.protocol import (
+from phi4cli.core import options
+from phi4cli.core._settings import Ask, Settings
+from phi4cli.core.options import CHOICES
+from phi4cli.core.protocol import (
     MAX_TOP_LOGPROBS,
     PRIORITIES,
     PRIORITY_INTERACTIVE,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from phi4cli.config import Settings
+from phi4cli.core.config import Settings
 from tests.conftest import run_phi4
 from tests.scripted_server import Step, scripted_server, separated
 from tests.test_chat import make_repl, run_script
@@ -57,7 +57,7 @@ def test_each_sampler_changes_the_daemons_answer_however_it_is_set(tiny_model: P
 
 @pytest.mark.daemon
 def test_a_chat_sets_a_sampler_shows_it_and_sends_it(tiny_model: Path):
-    from phi4cli.paths import get_paths
+    from phi4cli.core.paths import get_paths
 
     get_paths().state_dir.mkdir(parents=True, exist_ok=True)
     plain, out, _err = make_repl(tiny_model, temperature=0.0, max_tokens=16)
@@ -97,7 +97,7 @@ def test_a_remote_server_is_sent_the_samplers_under_its_names_only_when_on(tmp_p
 
 
 def test_phi4_serve_reads_the_samplers_by_their_openai_names_and_checks_them():
-    from phi4cli.openai_request import ApiError, chat_params
+    from phi4cli.serve.openai_request import ApiError, chat_params
 
     body = {"messages": [{"role": "user", "content": "2+2?"}], "min_p": 0.1,
             "repetition_penalty": 1.2}  # fmt: skip
@@ -126,8 +126,8 @@ def test_phi4_serve_reads_the_samplers_by_their_openai_names_and_checks_them():
 
 
 def test_the_daemon_checks_the_samplers_and_takes_its_defaults():
-    from phi4cli._settings import Ask
-    from phi4cli.protocol import ProtocolViolation, parse_solve_params
+    from phi4cli.core._settings import Ask
+    from phi4cli.core.protocol import ProtocolViolation, parse_solve_params
 
     defaults = Ask.of(Settings(min_p=0.05, repeat_penalty=1.1))
     sampling = parse_solve_params({"prompt": "x"}, defaults).ask.sampling
@@ -143,8 +143,8 @@ def test_the_daemon_checks_the_samplers_and_takes_its_defaults():
 
 @pytest.mark.daemon
 def test_the_samplers_are_in_the_config_the_help_the_man_page_and_the_completions():
-    from phi4cli.completion import setting_keys
-    from phi4cli.config import load_settings
+    from phi4cli.client.completion import setting_keys
+    from phi4cli.core.config import load_settings
     from phi4cli.docs import man_page
 
     settings = load_settings(Path("/nonexistent"), {}, {"PHI4_MIN_P": "0.2"})
@@ -160,8 +160,8 @@ def test_the_samplers_are_in_the_config_the_help_the_man_page_and_the_completion
 
 
 def test_every_setting_is_declared_once_and_each_derived_list_says_so():
-    from phi4cli import _settings, options
-    from phi4cli.cli_options import SHARED_OPTIONS
+    from phi4cli.client.cli_options import SHARED_OPTIONS
+    from phi4cli.core import _settings, options
     from phi4cli.docs import environment
 
     keys = [row.key for row in options.SETTINGS]

@@ -224,7 +224,7 @@ def test_closed_stdout_pipe_is_not_a_traceback(tiny_model: Path, phi4_home: Path
 def test_client_path_never_imports_llama_cpp_numpy_or_hub(tiny_model: Path):
     code = (
         "import sys\n"
-        "from phi4cli.cli import main\n"
+        "from phi4cli.client.cli import main\n"
         "try:\n"
         f"    main(['solve', 'What is 1+1?', '-m', {str(tiny_model)!r}, '-n', '2'])\n"
         "except SystemExit as exc:\n"

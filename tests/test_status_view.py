@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from phi4cli.render import format_status
+from phi4cli.client.render import format_status
 
 
 def test_status_counts_running_and_queued_in_the_words_of_the_kv_row():

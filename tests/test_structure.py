@@ -36,7 +36,7 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[s
                 parts = package.split(".")
                 parts = parts[: len(parts) - (node.level - 1)]
                 base = ".".join(parts + ([node.module] if node.module else []))
-            # `from phi4cli import protocol` imports the module phi4cli.protocol.
+            # `from phi4cli import protocol` imports the module phi4cli.core.protocol.
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
                        for a in node.names]  # fmt: skip
         else:
@@ -103,8 +103,40 @@ def test_no_import_cycle_among_the_modules():
 
 
 def test_no_import_cycle_between_the_rooms():
-    # The daemon package as one room: it and the client may not import each other.
+    # Each subpackage (client, serve, engines, daemon, text, core) as one room.
     assert cycle(graph(group=True)) is None
+
+
+# The layers, lowest first (docs/architecture.md's module map): a room imports its own and those
+# below it; rooms on one level (the daemon and the engines) may import each other's modules
+# only where no cycle comes of it (the engines start the daemon through daemon.spawn).
+LAYERS = (("phi4cli.core",), ("phi4cli.text",), ("phi4cli.daemon", "phi4cli.engines"),
+          ("phi4cli.serve",), ("phi4cli.client",), ("phi4cli.entry", "phi4cli.docs",
+                                                     "phi4cli.__main__"))  # fmt: skip
+
+
+def test_no_room_imports_one_above_it():
+    known = modules()
+    level = {room: depth for depth, rooms in enumerate(LAYERS) for room in rooms}
+
+    def room_of(module: str) -> str | None:
+        return next((r for r in level if module == r or module.startswith(r + ".")), None)
+
+    # Every module is in a room, but the package itself (its __version__, read by all).
+    assert [m for m in known if room_of(m) is None] == ["phi4cli"]
+    upward, crossings = [], set()
+    for module, path in known.items():
+        source = room_of(module)
+        for target, line in imports(module, path, known):
+            sink = room_of(target)
+            if source and sink and sink != source:
+                crossings.add((source, sink))
+                if level[sink] > level[source]:
+                    upward.append(f"{path.relative_to(ROOT)}:{line}: {module} -> {target}")
+    assert upward == []
+    # It sees the imports it judges: the client stands on every room below it.
+    assert {("phi4cli.client", room) for room in ("phi4cli.core", "phi4cli.text",
+            "phi4cli.engines", "phi4cli.serve")} <= crossings  # fmt: skip
 
 
 def test_the_checker_finds_a_cycle():
@@ -125,14 +157,18 @@ def test_the_benches_take_no_private_names_from_the_tests():
 def test_the_protocol_stands_on_leaves_only():
     # It does not import config: its parsers take the daemon's defaults as an Ask.
     known = modules()
-    taken = {target for target, _line in imports("phi4cli.protocol", known["phi4cli.protocol"],
-                                                 known)}  # fmt: skip
-    assert taken <= {"phi4cli.errors", "phi4cli.records", "phi4cli.durations", "phi4cli.inputs",
-                     "phi4cli.options", "phi4cli._settings"}  # fmt: skip
+    protocol = "phi4cli.core.protocol"
+    taken = {target for target, _line in imports(protocol, known[protocol], known)}
+    leaves = ("errors", "records", "durations", "inputs", "options", "_settings")
+    assert taken <= {f"phi4cli.core.{leaf}" for leaf in leaves}
     # The table of settings it checks requests by stands on leaves too.
-    for table in ("phi4cli.options", "phi4cli._settings"):
+    for table in ("phi4cli.core.options", "phi4cli.core._settings"):
         under = {target for target, _line in imports(table, known[table], known)}
-        assert under <= {"phi4cli.records", "phi4cli.durations", "phi4cli.options"}, table
+        assert under <= {
+            "phi4cli.core.records",
+            "phi4cli.core.durations",
+            "phi4cli.core.options",
+        }, table
 
 
 def test_only_config_reads_phi4_variables():
@@ -146,7 +182,7 @@ def test_only_config_reads_phi4_variables():
 
     readers = []
     for module, path in modules().items():
-        if module == "phi4cli.config":
+        if module == "phi4cli.core.config":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             read = (
@@ -167,12 +203,12 @@ def test_only_the_protocol_reads_a_request_as_a_dict():
     # but on the wire: protocol.to_wire makes the dict, protocol.parse_params reads it back,
     # and serve's openai_request turns an OpenAI body into one. Anywhere else, a request key
     # read out of a dict (params.get("think_budget"), request["seed"]) is a second shape.
-    from phi4cli._settings import Ask
-    from phi4cli.protocol import SolveParams
+    from phi4cli.core._settings import Ask
+    from phi4cli.core.protocol import SolveParams
 
     keys = set(Ask._fields) | set(SolveParams._fields) | {"message"}
     holders = {"params", "request", "base", "wire", "sent"}
-    allowed = {"phi4cli.protocol", "phi4cli.openai_request"}
+    allowed = {"phi4cli.core.protocol", "phi4cli.serve.openai_request"}
 
     def read(node: ast.AST) -> str | None:
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)

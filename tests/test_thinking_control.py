@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from phi4cli.loops import LoopDetector
-from phi4cli.reasoning import ThinkSplitter
+from phi4cli.text.loops import LoopDetector
+from phi4cli.text.reasoning import ThinkSplitter
 from tests.conftest import run_phi4
 from tests.scripted_server import Head, Step, chunk, data, scripted_server, separated
 from tests.tinymodel import write_script_model
@@ -199,10 +199,10 @@ def test_after_wait_the_cache_holds_exactly_the_text_shown(script_models: dict[s
     # the KV cache, and what it holds after the prompt is what was shown, tag included.
     import llama_cpp
 
-    from phi4cli._settings import Ask, Settings
+    from phi4cli.core._settings import Ask, Settings
+    from phi4cli.core.protocol import Event, EventKind, SolveParams
     from phi4cli.daemon.jobs import Job
     from phi4cli.daemon.llama.batch import LlamaEngine
-    from phi4cli.protocol import Event, EventKind, SolveParams
 
     engine = LlamaEngine(Settings(n_ctx=1024, threads=1, ramdisk="off"))
     engine.load(script_models["short"])

@@ -1,6 +1,6 @@
-"""One thinking policy (phi4cli.thinking) for both engines: a decision table for the policy itself,
-and the same scripts through the daemon (scripted tiny models) and through a remote engine (a
-scripted server that writes what those models write), with the same decisions and stats."""
+"""One thinking policy (phi4cli.text.thinking) for both engines: a decision table for the policy
+itself, and the same scripts through the daemon (scripted tiny models) and through a remote engine
+(a scripted server that writes what those models write), with the same decisions and stats."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from phi4cli.loops import COPIES
-from phi4cli.thinking import MAX_WAITS, Act, ThinkingPolicy
+from phi4cli.text.loops import COPIES
+from phi4cli.text.thinking import MAX_WAITS, Act, ThinkingPolicy
 from tests.conftest import run_phi4
 from tests.scripted_server import Step, chunk, data, scripted_server
 from tests.tinymodel import write_script_model

@@ -158,11 +158,11 @@ def test_the_engine_hands_the_count_to_llama_cpp(
     they go quiet, and on two again. The status says which."""
     import llama_cpp
 
-    from phi4cli._settings import Ask, Settings
+    from phi4cli.core._settings import Ask, Settings
+    from phi4cli.core.protocol import SolveParams
     from phi4cli.daemon.jobs import Job
     from phi4cli.daemon.llama import batch
     from phi4cli.daemon.llama.batch import LlamaEngine
-    from phi4cli.protocol import SolveParams
     from tests.test_thinking_control import ANSWER, THINKING
     from tests.tinymodel import write_script_model
 

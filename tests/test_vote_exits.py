@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from phi4cli.confidence import MAX_CONFIDENCE, TraceConfidence, from_logprobs
-from phi4cli.solving import json_text
+from phi4cli.client.solving import json_text
+from phi4cli.text.confidence import MAX_CONFIDENCE, TraceConfidence, from_logprobs
 from tests.conftest import run_phi4
 from tests.scripted_server import Head, Step, data, scripted_server
 from tests.test_confidence import _with_logprobs
@@ -82,8 +82,8 @@ def test_at_a_terminal_a_vote_without_any_answer_says_why_and_exits_1(
 ):
     import io
 
-    from phi4cli.environment import Environment
-    from phi4cli.solving import SolveOptions, run_solve
+    from phi4cli.client.environment import Environment
+    from phi4cli.client.solving import SolveOptions, run_solve
 
     monkeypatch.setenv("TERM", "xterm")
     out, err = io.StringIO(), io.StringIO()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from phi4cli.protocol import PRIORITIES, ErrorCode, Event, EventKind, SolveParams, Stats
+from phi4cli.core.protocol import PRIORITIES, ErrorCode, Event, EventKind, SolveParams, Stats
 
 __all__ = ["PRIORITIES", "SolveParams"]  # re-exported for the engine and the tests
 

@@ -3,7 +3,7 @@ many requests can decode together, how the cache is laid out, and how many layer
 
 :func:`plan_memory` is a pure function of the model's shape, the machine's free memory and the
 user's settings, so it is unit-tested over many machine sizes; the engine gathers its inputs
-(the model's shape from llama.cpp, :func:`phi4cli.machine.read_meminfo`, ggml's devices).
+(the model's shape from llama.cpp, :func:`phi4cli.core.machine.read_meminfo`, ggml's devices).
 
 The KV cache costs ``2 (K and V) x layers x KV heads x head size x bytes per element`` per token:
 for Phi-4-mini (32 layers, 8 KV heads of 128) that is 128 KiB at f16, so 8,192 tokens take 1 GiB.

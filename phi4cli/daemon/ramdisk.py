@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from phi4cli.config import variable
-from phi4cli.paths import not_private
+from phi4cli.core.config import variable
+from phi4cli.core.paths import not_private
 
 log = logging.getLogger("phi4.ramdisk")
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from phi4cli.core.protocol import ErrorCode, Event, EventKind
 from phi4cli.daemon.jobs import ContextOverflowError, Engine, Job, ModelLoadError
-from phi4cli.protocol import ErrorCode, Event, EventKind
 
 log = logging.getLogger("phi4.daemon")
 

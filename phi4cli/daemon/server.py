@@ -22,15 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from phi4cli import __version__, protocol
-from phi4cli._settings import Ask
-from phi4cli.atomicfile import RefusedFileError, write_atomic
-from phi4cli.config import DAEMON_SETTINGS, FOREVER, Settings
+from phi4cli import __version__
+from phi4cli.core import protocol
+from phi4cli.core._settings import Ask
+from phi4cli.core.atomicfile import RefusedFileError, write_atomic
+from phi4cli.core.config import DAEMON_SETTINGS, FOREVER, Settings
+from phi4cli.core.errors import DaemonUnavailableError
+from phi4cli.core.paths import Paths, check_socket_path, peer_uid
+from phi4cli.core.protocol import ErrorCode, Event, EventKind, Op, ProtocolViolation, Request, Stats
 from phi4cli.daemon.jobs import Engine, Job
 from phi4cli.daemon.scheduler import QueueFullError, RequestScheduler
-from phi4cli.errors import DaemonUnavailableError
-from phi4cli.paths import Paths, check_socket_path, peer_uid
-from phi4cli.protocol import ErrorCode, Event, EventKind, Op, ProtocolViolation, Request, Stats
 
 log = logging.getLogger("phi4.daemon")
 
@@ -372,7 +373,7 @@ class DaemonServer:
             )
 
     def _op_ping(self, connection: Connection, request: Request) -> None:
-        from phi4cli.paths import install_id
+        from phi4cli.core.paths import install_id
 
         # The client compares these with its own, and replaces a daemon from another install.
         result = {

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from phi4cli.config import Settings
-from phi4cli.paths import Paths
-from phi4cli.records import Record
+from phi4cli.core.config import Settings
+from phi4cli.core.paths import Paths
+from phi4cli.core.records import Record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def daemon_command(settings: Settings, model_path: Path | None) -> list[str]:
     has them so too whatever its own environment says."""
     import json
 
-    from phi4cli.options import DAEMON_START
+    from phi4cli.core.options import DAEMON_START
 
     # -P: not the working directory first on sys.path, so the daemon runs the same phi4 as the
     # client even when started inside a source checkout (it would be "another install").
@@ -143,7 +143,7 @@ def spawn_daemon(
         rotate_log(paths.log_file)
         log = open(paths.log_file, "ab")  # noqa: SIM115 - handed to the child, closed below
     except OSError as exc:
-        from phi4cli.errors import DaemonUnavailableError
+        from phi4cli.core.errors import DaemonUnavailableError
 
         raise DaemonUnavailableError(
             f"cannot start the daemon: cannot write its log {paths.log_file}: {exc.strerror}"

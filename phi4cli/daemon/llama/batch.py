@@ -29,9 +29,10 @@ from typing import Any
 import llama_cpp
 from llama_cpp import _internals as llama_internals
 
-from phi4cli._settings import Sampling
-from phi4cli.confidence import TraceConfidence
-from phi4cli.config import Settings
+from phi4cli.core._settings import Sampling
+from phi4cli.core.config import Settings
+from phi4cli.core.machine import physical_cores
+from phi4cli.core.protocol import ErrorCode, Stats
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
@@ -40,10 +41,9 @@ from phi4cli.daemon.llama.writing import RunWriter
 from phi4cli.daemon.sessions import SwappedSession, SwapStore
 from phi4cli.daemon.statefile import remove_state
 from phi4cli.daemon.threads import ThreadGovernor
-from phi4cli.machine import physical_cores
-from phi4cli.protocol import ErrorCode, Stats
-from phi4cli.reasoning import ThinkSplitter
-from phi4cli.thinking import ThinkingPolicy
+from phi4cli.text.confidence import TraceConfidence
+from phi4cli.text.reasoning import ThinkSplitter
+from phi4cli.text.thinking import ThinkingPolicy
 
 log = logging.getLogger("phi4.engine")
 
@@ -664,8 +664,8 @@ class LlamaEngine:
 
 def check_model_file(path: Path) -> None:
     """Raise ModelLoadError unless ``path`` is a complete GGUF file (header and tensor data)."""
-    from phi4cli.errors import InvalidModelError
-    from phi4cli.models import validate_gguf
+    from phi4cli.core.errors import InvalidModelError
+    from phi4cli.core.models import validate_gguf
 
     if not path.is_file():
         raise ModelLoadError(f"model file {path} does not exist")

@@ -20,7 +20,8 @@ from typing import Any
 import llama_cpp
 from llama_cpp import _internals as llama_internals
 
-from phi4cli.config import Settings
+from phi4cli.core.config import Settings
+from phi4cli.core.machine import physical_cores, read_meminfo
 from phi4cli.daemon import statefile
 from phi4cli.daemon.jobs import ModelLoadError
 from phi4cli.daemon.memory import (
@@ -32,8 +33,7 @@ from phi4cli.daemon.memory import (
     plan_memory,
 )
 from phi4cli.daemon.ramdisk import Staging, stage
-from phi4cli.machine import physical_cores, read_meminfo
-from phi4cli.reasoning import model_thinks
+from phi4cli.text.reasoning import model_thinks
 
 log = logging.getLogger("phi4.engine")
 
@@ -474,8 +474,8 @@ def _load_weights(
 
 def _diagnose_load_failure(path: Path, exc: Exception) -> str:
     """Turn llama.cpp's terse load failure into a sentence that says what is wrong."""
-    from phi4cli.errors import InvalidModelError
-    from phi4cli.models import validate_gguf
+    from phi4cli.core.errors import InvalidModelError
+    from phi4cli.core.models import validate_gguf
 
     try:
         validate_gguf(path)

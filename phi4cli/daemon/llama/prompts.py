@@ -16,7 +16,7 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from phi4cli.daemon.jobs import ContextOverflowError, SolveParams
 from phi4cli.daemon.llama.model import LoadedModel
 from phi4cli.daemon.sessions import ChatSession, Message, SessionStore
-from phi4cli.reasoning import THINK_CLOSE, THINK_OPEN
+from phi4cli.text.reasoning import THINK_CLOSE, THINK_OPEN
 
 # Used when a GGUF carries no chat template (rare): Phi-4-mini's own format.
 FALLBACK_TEMPLATE = (

@@ -9,11 +9,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from phi4cli.confidence import TraceConfidence
 from phi4cli.daemon.jobs import Job
 from phi4cli.daemon.llama.prompts import ChatPlan
-from phi4cli.reasoning import THINK_CLOSE, ThinkSplitter
-from phi4cli.thinking import ThinkingPolicy
+from phi4cli.text.confidence import TraceConfidence
+from phi4cli.text.reasoning import THINK_CLOSE, ThinkSplitter
+from phi4cli.text.thinking import ThinkingPolicy
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from phi4cli.confidence import LogitsConfidence, TokenLogprobs
 from phi4cli.daemon.llama.model import LoadedModel
 from phi4cli.daemon.llama.prompts import Prompts
 from phi4cli.daemon.llama.slots import Run, Slot
-from phi4cli.reasoning import ANSWER, THINK_CLOSE
-from phi4cli.thinking import Act
+from phi4cli.text.confidence import LogitsConfidence, TokenLogprobs
+from phi4cli.text.reasoning import ANSWER, THINK_CLOSE
+from phi4cli.text.thinking import Act
 
 log = logging.getLogger("phi4.engine")
 

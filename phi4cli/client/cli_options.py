@@ -1,0 +1,124 @@
+"""The command line's shared options, each made from its row of the settings table
+(``options.SETTINGS``): the Typer option of a setting, the groups of them that the answering
+commands and the daemon commands take (``with_options``), and their completions."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+
+from phi4cli.core.options import ANSWER_KEYS, DAEMON_OPTIONS, SETTING, SETTINGS
+
+
+def _complete_model(incomplete: str) -> list[tuple[str, str]]:
+    from phi4cli.client.completion import models
+
+    return models(incomplete)
+
+
+def complete_alias(incomplete: str) -> list[tuple[str, str]]:
+    from phi4cli.core.models import ALIASES
+
+    return [(name, alias.description) for name, alias in ALIASES.items()
+            if name.startswith(incomplete)]  # fmt: skip
+
+
+def complete_setting_key(incomplete: str) -> list[str]:
+    from phi4cli.client.completion import setting_keys
+
+    return setting_keys(incomplete)
+
+
+def complete_setting_value(ctx: typer.Context, incomplete: str) -> list[str]:
+    from phi4cli.client.completion import setting_values
+
+    return setting_values(ctx.params.get("key"), incomplete)
+
+
+def setting_option(key: str, **extra: Any) -> Any:
+    """The Typer option of setting ``key``, from its row of ``options.SETTINGS``."""
+    row = SETTING[key]
+    given = (("min", row.low), ("max", row.high), ("metavar", row.metavar))
+    checks: dict[str, Any] = {name: value for name, value in given if value is not None}
+    make: Any = typer.Option  # its overloads take no unpacked names
+    return make(*row.flags.split(), help=row.help, show_default=False, **checks, **extra)
+
+
+# The type of an option's value, by ``Setting.option``; None: not given (the setting stands).
+_OPTION_TYPES: dict[str, Any] = {"int": int | None, "float": float | None, "str": str | None,
+                                 "bool": bool | None, "list": list[str] | None}  # fmt: skip
+ModelOption = Annotated[str | None, setting_option("model", autocompletion=_complete_model)]
+KeepAliveOption = Annotated[str | None, setting_option("keep_alive")]
+RawOutputOption = Annotated[
+    bool,
+    typer.Option("--raw-output",
+                 help="Write the model's text to stdout unchanged, control characters and "
+                      "escape sequences included, when stdout is not a terminal."),
+]  # fmt: skip
+ShowReasoningOption = Annotated[
+    bool,
+    typer.Option("--show-reasoning", "-r", help="Stream the model's thinking (dimmed, stderr)."),
+]
+
+# Options shared by several commands, each overriding the setting of its name (None: not given),
+# each made from its setting's row. ``with_options`` adds a group of them to a command's
+# signature, where Typer finds them, and hands them to the command as one dict.
+SHARED_OPTIONS: dict[str, Any] = {
+    row.key: Annotated[_OPTION_TYPES[row.option], setting_option(row.key)]
+    for row in SETTINGS if row.flags
+}  # fmt: skip
+SHARED_OPTIONS["model"] = ModelOption
+# Every command that asks for answers (solve, chat, eval) takes these.
+ANSWER_OPTIONS = ANSWER_KEYS
+
+
+class OptionGroup(dict[str, Any]):
+    """The shared options a command was given, by setting name (None: not given)."""
+
+
+def with_options(
+    group: tuple[str, ...], first: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add the SHARED_OPTIONS named in ``group`` to a command whose first parameter receives
+    them as one ``OptionGroup``, before or after the command's own options."""
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        import typing
+
+        hints = typing.get_type_hints(func, include_extras=True)  # this module's are text
+        parameters = list(inspect.signature(func).parameters.values())
+        receiver = parameters[0].name
+        own = [p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
+               for p in parameters[1:]]  # fmt: skip
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                   annotation=SHARED_OPTIONS[name])
+                 for name in group]  # fmt: skip
+
+        @functools.wraps(func)
+        def command(**kwargs: Any) -> Any:
+            options = OptionGroup({name: kwargs.pop(name) for name in group})
+            return func(**{receiver: options}, **kwargs)
+
+        every = [*added, *own] if first else [*own, *added]
+        command.__annotations__ = {p.name: p.annotation for p in every}
+        command.__signature__ = inspect.Signature(every)  # type: ignore[attr-defined]
+        return command
+
+    return decorate
+
+
+with_daemon_options = with_options(DAEMON_OPTIONS, first=True)
+
+
+NoInstructionOption = Annotated[
+    bool,
+    typer.Option(
+        "--no-instruction",
+        help="Send each question alone, without the instruction to reason step by step and "
+        "box the final answer [config instruction].",
+    ),
+]

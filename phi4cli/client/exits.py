@@ -1,0 +1,83 @@
+"""How the ``phi4`` process ends: the one printer of ``phi4:`` lines on stderr, the documented exit
+status for whatever a command raised (``run_reporting``, as httpie's ``main`` around its
+``program``), and the fast exit that skips the interpreter's teardown. Below ``entry`` and
+``cli``, which both end here."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+
+from phi4cli.engines.dispatch import Announce as Announce  # what says a line to the user
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn, TextIO
+
+
+def notice_line(message: str) -> str:
+    """A ``phi4:`` line as it is shown: cleaned, since an error's text may carry a model's or a
+    remote engine's words."""
+    from phi4cli.text.sanitize import clean_text
+
+    return f"phi4: {clean_text(message)}"
+
+
+def say(message: str, file: TextIO | None = None) -> None:
+    """One ``phi4:`` line on stderr (or ``file``): the one printer of such lines (an
+    ``Environment`` prints its notices through it too)."""
+    print(notice_line(message), file=file or sys.stderr, flush=True)
+
+
+def exit_now(status: int) -> NoReturn:
+    """Exit without the interpreter's teardown: flush what was written, then leave.
+
+    Tearing down the modules a solve imported takes longer than the daemon takes to answer a
+    short question (about 5 ms here), and a finished `phi4 solve` has nothing left to clean up:
+    its files are closed and it starts no threads that outlive the answer. Only for the ``phi4``
+    program itself, never in-process callers (tests, ``python -m`` embedding)."""
+    for stream in (sys.stdout, sys.stderr):
+        # A reader that went away, or a closed stream (None when it was closed at start-up, as
+        # by `2>&-`): nothing more can be said.
+        if stream is not None:
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+    os._exit(status)
+
+
+def run_reporting(run: Callable[[], int | None], fast_exit: bool = False) -> NoReturn:
+    """Run a command and exit with the documented status for whatever happened (with
+    ``fast_exit``, skipping the interpreter's teardown: see ``exit_now``)."""
+    from phi4cli.core.errors import ExitStatus, Phi4Error
+
+    try:
+        code = run()
+        if sys.stdout is not None:  # None: closed when the command started (`>&-`)
+            sys.stdout.flush()
+        status = code if isinstance(code, int) else ExitStatus.OK
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        status = ExitStatus.INTERRUPTED
+    except Phi4Error as exc:
+        if _debug():
+            import traceback
+
+            traceback.print_exc()
+        say(f"error: {exc}")
+        status = exc.exit_status
+    except Exception as exc:
+        if _debug():
+            raise
+        say(f"internal error: {type(exc).__name__}: {exc} (PHI4_DEBUG=1 shows the traceback)")
+        status = ExitStatus.ERROR
+    if fast_exit:
+        exit_now(int(status))
+    sys.exit(status)
+
+
+def _debug() -> bool:
+    from phi4cli.core.config import variable
+
+    return bool(variable("PHI4_DEBUG"))

@@ -1,0 +1,760 @@
+"""The ``phi4 chat`` REPL: input with history and slash commands, answers streamed from the
+daemon, where the conversation's tokens stay cached between turns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from prompt_toolkit.completion import CompleteEvent, Completer, Completion
+from prompt_toolkit.document import Document
+from prompt_toolkit.history import FileHistory
+
+from phi4cli.client.chats import ChatStore, Conversation, Turn, default_name
+from phi4cli.client.environment import Environment
+from phi4cli.client.exits import Announce, say
+from phi4cli.client.render import (
+    PlainPresenter,
+    TerminalPresenter,
+    format_chat_list,
+    format_chat_show,
+    format_rows,
+    format_stats,
+)
+from phi4cli.core._settings import Ask
+from phi4cli.core.atomicfile import RefusedFileError, read_user_file, write_atomic
+from phi4cli.core.config import Settings, parse_setting
+from phi4cli.core.errors import DaemonGoneError, Phi4Error, RequestError
+from phi4cli.core.inputs import replace_bad
+from phi4cli.core.options import SETTABLE, SETTING
+from phi4cli.core.protocol import PRIORITY_INTERACTIVE, ErrorCode, Op, SolveParams, Stats
+from phi4cli.core.records import Record
+from phi4cli.engines.backends import Backend, RequestStream
+from phi4cli.engines.outcome import Outcome
+from phi4cli.text.sanitize import clean_text
+
+PROMPT = "phi4> "
+CONTINUATION = "... "
+HISTORY_LIMIT = 1000
+CONTEXT_WARNING = 0.8
+
+
+Reader = Callable[[str], str | None]  # prompt -> line; None at end of input
+
+
+class Interrupts:
+    """Ctrl-C (SIGINT) during a chat, taken only where it is safe to stop.
+
+    Python's own handler raises KeyboardInterrupt at whatever line runs: in the middle of rich
+    starting its live display (which then fails to stop: "IndexError: pop from empty list"),
+    between reading a line and starting the answer (the Ctrl-C then counted as one at the
+    prompt). Here a Ctrl-C raises only inside ``allowed()`` — around the waits for the daemon
+    and for piped input — and is otherwise noted, for ``take()`` at the next safe point.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._raising = False
+        self._previous: Any = None
+        self.installed = False
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if self._raising:
+            self._raising = False  # a second Ctrl-C in the except block is noted, not raised
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def install(self) -> None:
+        # Only the main thread may set signal handlers; elsewhere (an embedding caller's
+        # thread) Python's default stays, and KeyboardInterrupt is handled where it lands.
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+            self.installed = True
+
+    def uninstall(self) -> None:
+        if self.installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self.installed = False
+
+    def take(self) -> bool:
+        """Whether a Ctrl-C came since the last take (and forget it)."""
+        pending, self.pending = self.pending, False
+        return pending
+
+    @contextlib.contextmanager
+    def allowed(self) -> Iterator[None]:
+        """A wait that a Ctrl-C may break with KeyboardInterrupt (one noted before, too)."""
+        self._raising = True
+        try:
+            if self.take():
+                raise KeyboardInterrupt
+            yield
+        finally:
+            self._raising = False
+
+
+class AnswerKeys:
+    """The keyboard while an answer streams: nothing typed is echoed into it, Ctrl-C stops it.
+
+    From Enter to the next prompt the terminal is put in non-canonical mode without echo, with
+    signals on, so Ctrl-C is a SIGINT whenever it is pressed. A Ctrl-C typed so soon after
+    Enter that the prompt still read it as a key (prompt-toolkit keeps such keys for the next
+    prompt) or the terminal queued it as a byte counts as well. Every other key typed from
+    Enter to the next prompt is discarded: typed blind, it would otherwise land in the next
+    question unseen.
+    """
+
+    def __init__(self, fd: int, prompt_input: Any = None) -> None:
+        self.fd = fd
+        self.prompt_input = prompt_input  # prompt-toolkit's Input, whose typeahead is checked
+        self._saved: list[Any] | None = None
+
+    def begin(self) -> bool:
+        """Quiet the keyboard; return True if a Ctrl-C was typed already."""
+        import termios
+
+        interrupted = self._typeahead_has_ctrl_c()
+        try:
+            self._saved = termios.tcgetattr(self.fd)
+        except (termios.error, OSError):
+            self._saved = None
+            return interrupted
+        mode = [*self._saved[:6], list(self._saved[6])]
+        mode[3] = (mode[3] & ~(termios.ECHO | termios.ICANON)) | termios.ISIG
+        mode[6][termios.VMIN], mode[6][termios.VTIME] = 0, 0
+        with contextlib.suppress(termios.error, OSError):
+            termios.tcsetattr(self.fd, termios.TCSANOW, mode)
+        return b"\x03" in self._drain() or interrupted
+
+    def end(self) -> None:
+        """Discard what was typed, and give the terminal back as it was."""
+        import termios
+
+        self._typeahead_has_ctrl_c()  # and forget the rest of it
+        if self._saved is None:
+            return
+        self._drain()
+        with contextlib.suppress(termios.error, OSError):
+            termios.tcsetattr(self.fd, termios.TCSANOW, self._saved)
+        self._saved = None
+
+    def _typeahead_has_ctrl_c(self) -> bool:
+        if self.prompt_input is None:
+            return False
+        from prompt_toolkit.input.typeahead import get_typeahead
+        from prompt_toolkit.keys import Keys
+
+        return any(press.key == Keys.ControlC for press in get_typeahead(self.prompt_input))
+
+    def _drain(self) -> bytes:
+        """Read what the terminal holds, without waiting."""
+        data = b""
+        with contextlib.suppress(OSError, ValueError):
+            while select.select([self.fd], [], [], 0)[0]:
+                chunk = os.read(self.fd, 4096)
+                if not chunk:
+                    break
+                data += chunk
+        return data
+
+
+class ChatRepl:
+    def __init__(
+        self,
+        env: Environment,
+        backend: Backend,
+        settings: Settings,
+        model: str,
+        conversation: Conversation,
+        store: ChatStore,
+        show_reasoning: bool = False,
+        verbose: bool = False,
+    ) -> None:
+        self.env = env
+        self.backend = backend
+        self.settings = settings
+        self.model = model  # the model's path (or, for a remote backend, its name there)
+        self.conversation = conversation
+        self.store = store
+        self.show_reasoning = show_reasoning
+        self.verbose = verbose
+        self._last_stats: Stats | None = None
+        self._answers_shown = 0
+        self._n_ctx: int | None = None  # the daemon's, as the last answer said, across /reset
+        self.failed = 0  # messages that ended in an error
+        self.interrupts = Interrupts()
+        self.keys: AnswerKeys | None = None  # at a terminal: the keyboard during answers
+
+    # --- input loop ---------------------------------------------------------------------------
+
+    def run(self, read: Reader) -> int:
+        """Read and answer until /exit or end of input; return the exit status: 1 when some
+        message got no answer (an error), as a script piping questions in needs to know."""
+        self._loop(read)
+        return 1 if self.failed else 0
+
+    def _loop(self, read: Reader) -> None:
+        interrupted_once = False
+        # Start the daemon (and its model load) now, while the user types the first question.
+        self.backend.connect()
+        # prompt-toolkit takes Ctrl-C itself while it reads (as a key); any other reader's
+        # wait (a pipe) is one a Ctrl-C may break.
+        reading: Callable[[], contextlib.AbstractContextManager[None]] = (
+            contextlib.nullcontext if getattr(read, "handles_ctrl_c", False)
+            else self.interrupts.allowed
+        )  # fmt: skip
+        self.interrupts.install()
+        try:
+            while True:
+                try:
+                    self.interrupts.take()  # one after an answer was complete: for nothing
+                    with reading():
+                        line = read_message(read)
+                except KeyboardInterrupt:
+                    if interrupted_once:
+                        return
+                    interrupted_once = True
+                    self.env.notice("press Ctrl-C again (or Ctrl-D, or /exit) to leave")
+                    continue
+                interrupted_once = False
+                if line is None:
+                    return
+                line, replaced = replace_bad(line)  # typed bytes that are not UTF-8
+                if replaced:
+                    self.env.notice("your input is not valid UTF-8; its bad bytes are read as "
+                                    "U+FFFD, the replacement character")  # fmt: skip
+                if not line.strip():
+                    continue
+                if line.strip().startswith("/"):
+                    if not self.command(line.strip()):
+                        return
+                else:
+                    self.ask(line)
+        finally:
+            self.interrupts.uninstall()
+            self.backend.close()
+
+    # --- answering ----------------------------------------------------------------------------
+
+    def _presenter(self) -> PlainPresenter | TerminalPresenter:
+        if self.env.terminal:
+            return TerminalPresenter(self.show_reasoning, verbose=False)
+        if self._answers_shown:  # piped: a blank line between answers, or they run together
+            self.env.stdout.write("\n")
+        return PlainPresenter(self.env.stdout, self.env.stderr, self.show_reasoning, verbose=False,
+                              raw=self.env.raw_stdout)  # fmt: skip
+
+    def sampling(self) -> dict[str, Any]:
+        values = {key: getattr(self.settings, key) for key in SETTABLE}
+        values.update(self.conversation.settings)
+        return values
+
+    def _request(self, question: str) -> SolveParams:
+        ask = Ask.of(self.settings)._replace(**self.conversation.settings,
+                                             system=self.conversation.system)  # fmt: skip
+        return SolveParams(question, ask, self.model, priority=PRIORITY_INTERACTIVE,
+                           session=self.conversation.session,
+                           history=tuple(self.conversation.history()))  # fmt: skip
+
+    def ask(self, question: str) -> None:
+        """Answer one message; keep the turn in the conversation (and save it)."""
+        typed_ctrl_c = self.keys.begin() if self.keys is not None else False
+        try:
+            if typed_ctrl_c or self.interrupts.take():  # between Enter and now
+                self.env.notice("stopped before the answer began; this question is not kept")
+                return
+            self._ask(question)
+        finally:
+            if self.keys is not None:
+                self.keys.end()
+
+    def _ask(self, question: str) -> None:
+        outcome = Outcome(index=0, question=question)
+        presenter = self._presenter()
+        try:
+            interrupted = self._stream(self._request(question), outcome, presenter)
+        except KeyboardInterrupt:  # before the request was sent (daemon starting up)
+            presenter.abort()
+            self.env.notice("stopped before the answer began; this question is not kept")
+            return
+        except DaemonGoneError as exc:
+            # Mid-answer (before any output the stream itself starts a fresh daemon): the chat
+            # goes on, and the next message starts a fresh daemon with the whole transcript.
+            presenter.abort()
+            self.env.notice(f"error: {chat_hints(str(exc))}; this question is not kept (ask it "
+                            "again)")  # fmt: skip
+            self.failed += 1
+            return
+        except RequestError as exc:  # refused before it was sent (too long): the chat goes on
+            presenter.abort()
+            self.env.notice(f"error: {chat_hints(str(exc))}")
+            self.failed += 1
+            return
+        except Phi4Error:
+            presenter.abort()
+            raise
+        if outcome.error is not None and not interrupted:
+            presenter.abort()
+            kept = ""
+            if outcome.error_code in (ErrorCode.SHUTTING_DOWN, ErrorCode.UNREACHABLE):
+                # The engine went away mid-answer: the chat goes on, and the next message
+                # goes to a fresh daemon (or a replica still up) with the whole transcript.
+                kept = "; this question is not kept (ask it again)"
+            self.env.notice(f"error: {chat_hints(str(outcome.exception()))}{kept}")
+            self.failed += 1
+            return
+        if interrupted:
+            presenter.show_partial(outcome)
+            if not outcome.solution.strip():
+                self.env.notice("stopped before the answer began; this question is not kept")
+                return
+            self.env.notice(
+                "stopped; the partial answer is kept in the conversation (/retry samples it again)"
+            )
+        else:
+            self._show_answer(outcome, presenter)
+        turn = Turn(question, outcome.solution, outcome.reasoning, outcome.stats_dict, interrupted)
+        self._record(turn, outcome.stats)
+
+    def _show_answer(self, outcome: Outcome, presenter: PlainPresenter | TerminalPresenter) -> None:
+        """Most chat replies are talk, not a solved problem: one without a boxed answer is shown
+        as written, with no "no final answer" line after it. Only thinking that ran out of
+        tokens is said, as that reply is not what the model meant to write."""
+        if outcome.answer is not None:
+            presenter.finish(outcome)
+            return
+        presenter.show_partial(outcome)
+        if outcome.thinking_unfinished:
+            self.env.notice(
+                "no final answer: the thinking did not finish (give it more tokens: "
+                "/set max_tokens N, or /set think_budget N)"
+            )
+
+    def _stream(
+        self,
+        params: SolveParams,
+        outcome: Outcome,
+        presenter: PlainPresenter | TerminalPresenter,
+    ) -> bool:
+        """Send the turn and show its events; return True if the user stopped it with Ctrl-C.
+
+        The first Ctrl-C asks the engine to stop and keeps reading, so the partial answer (and
+        its stats) arrive; a second one hangs up. A Ctrl-C breaks only the wait for the next
+        event: one while an event is shown is taken once it is.
+        """
+        stream: RequestStream = self.backend.stream(Op.CHAT, params)
+        interrupted = False
+        while not outcome.done:
+            if self.interrupts.take():
+                if interrupted:
+                    stream.close()
+                    outcome.fail(ErrorCode.CANCELLED, "cancelled")
+                    break
+                interrupted = True
+                stream.cancel()
+            try:
+                with self.interrupts.allowed():
+                    event = next(stream, None)
+            except KeyboardInterrupt:
+                self.interrupts.pending = True  # taken at the top of the loop
+                continue
+            if event is None:
+                if not outcome.done:
+                    outcome.fail(ErrorCode.BACKEND_ERROR, "the answer ended without an end")
+                break
+            outcome.apply(event)
+            presenter.on_event(event)
+        return interrupted
+
+    def _record(self, turn: Turn, stats: Stats | None) -> None:
+        conversation = self.conversation
+        self._answers_shown += 1
+        conversation.turns.append(turn)
+        if stats is not None:
+            self._last_stats = stats
+        dropped = stats.dropped_turns if stats is not None else 0
+        if dropped:
+            conversation.dropped = min(len(conversation.turns) - 1, conversation.dropped + dropped)
+            self.env.notice(
+                f"the context was full: the {dropped} oldest turn(s) were dropped from what the "
+                "model sees (the system prompt is kept; /show tells how much)"
+            )
+        used = stats.context_used if stats is not None else None
+        n_ctx = stats.n_ctx if stats is not None else None
+        if used and n_ctx and used / n_ctx > CONTEXT_WARNING:
+            self.env.notice(
+                f"the context is {used / n_ctx:.0%} full; the oldest turns will be dropped soon "
+                "(/reset starts afresh)"
+            )
+        if self.verbose and stats is not None:
+            print(format_stats(stats), file=self.env.stderr, flush=True)
+        self._autosave()
+
+    def _autosave(self) -> None:
+        """Save after each answer. A failed save (disk full) is said, not fatal: the
+        conversation stays in memory and is saved again after the next answer."""
+        try:
+            self.store.save(self.conversation)
+        except Phi4Error as exc:
+            self.env.notice(f"{exc}; the conversation is kept in memory and saved again after "
+                            "the next answer")  # fmt: skip
+
+    # --- slash commands -----------------------------------------------------------------------
+
+    def command(self, line: str) -> bool:
+        """Run one slash command; return False to leave the REPL."""
+        name, _, argument = line.partition(" ")
+        found = COMMAND_NAMES.get(name)
+        if found is None:
+            self.env.notice(f"unknown command {name}; /help lists them")
+            return True
+        return found.handler(self, argument.strip()) is not False
+
+    def _exit(self, _argument: str) -> bool:
+        return False
+
+    def _help(self, _argument: str) -> None:
+        out = self.env.stdout
+        print(format_rows([(c.name, c.help) for c in COMMANDS]), file=out)
+        print('Multi-line input: start and end it with """, or press Alt-Enter (Esc Enter) '
+              "for a new line. Ctrl-C stops an answer.", file=out)  # fmt: skip
+
+    def _reset(self, _argument: str) -> None:
+        old = self.conversation
+        self.conversation = Conversation(
+            name=default_name(), model=old.model, system=old.system, settings=dict(old.settings)
+        )
+        self._forget_context()
+        print("new conversation (same model and settings)", file=self.env.stdout)
+
+    def _forget_context(self) -> None:
+        """A new or loaded conversation: the last answer's context figures were another
+        conversation's (/show said "2,000 of 4,096 tokens used" after /reset); n_ctx stays."""
+        if self._last_stats is not None:
+            self._n_ctx = self._last_stats.n_ctx
+        self._last_stats = None
+
+    def _system(self, argument: str) -> None:
+        if not argument:
+            system = self.conversation.system or "(the model default)"
+            print(clean_text(f"system prompt: {system}"), file=self.env.stdout)
+        else:
+            self.conversation.system = None if argument == "-" else argument
+            print("system prompt set; it applies from the next answer", file=self.env.stdout)
+
+    def _stats(self, _argument: str) -> None:
+        shown = format_stats(self._last_stats) if self._last_stats else "no answer yet"
+        print(shown, file=self.env.stdout)
+
+    def _reasoning(self, argument: str) -> None:
+        if argument not in ("on", "off"):
+            self.env.notice("usage: /reasoning on|off")
+            return
+        self.show_reasoning = argument == "on"
+        print(f"reasoning {'shown' if self.show_reasoning else 'folded'}", file=self.env.stdout)
+
+    def _set(self, argument: str) -> None:
+        key, _, value = argument.partition(" ")
+        if key not in SETTABLE or not value.strip():
+            self.env.notice(f"usage: /set {'|'.join(SETTABLE)} VALUE")
+            return
+        try:
+            parsed = parse_setting(key, value.strip(), f"/set {key}")
+        except Phi4Error as exc:
+            self.env.notice(str(exc))
+            return
+        self.conversation.settings[key] = parsed
+        print(f"{key} = {parsed}", file=self.env.stdout)
+
+    def _show(self, _argument: str = "") -> None:
+        stats = self._last_stats or Stats()
+        n_ctx = stats.n_ctx or self._n_ctx or self.settings.n_ctx or "auto (planned by the daemon)"
+        settings = ", ".join(
+            f"{k}={v}" for k, v in self.sampling().items() if not SETTING[k].is_off(v)
+        )  # off: not said
+        shown = format_chat_show(self.conversation, stats, self.model, settings, n_ctx)
+        print(shown, file=self.env.stdout)
+
+    def _retry(self, _argument: str = "") -> None:
+        conversation = self.conversation
+        if not conversation.turns:
+            self.env.notice("nothing to retry yet")
+            return
+        last = conversation.turns.pop()
+        dropped = conversation.dropped
+        conversation.dropped = min(dropped, len(conversation.turns))
+        before = len(conversation.turns)
+        self.ask(last.question)
+        if len(conversation.turns) == before:  # no new answer: keep the old one
+            conversation.turns.append(last)
+            conversation.dropped = dropped
+
+    def _save(self, name: str) -> None:
+        if not name:
+            self.env.notice("usage: /save NAME")
+            return
+        old = self.conversation.name
+        self.conversation.name = name
+        try:
+            path = self.store.save(self.conversation)
+        except Phi4Error as exc:
+            self.conversation.name = old
+            self.env.notice(str(exc))
+            return
+        if old != name and old.startswith("chat-"):
+            self.store.delete(old)  # the autosave under the generated name is now this one
+        print(f"saved as {name} ({path})", file=self.env.stdout)
+
+    def _load(self, name: str) -> None:
+        if not name:
+            self.env.notice("usage: /load NAME")
+            return
+        try:
+            self.conversation = self.store.load(name)
+        except Phi4Error as exc:
+            self.env.notice(str(exc))
+            return
+        self._forget_context()
+        print(f"loaded {name}: {len(self.conversation.turns)} turns", file=self.env.stdout)
+
+    def _list(self, _argument: str = "") -> None:
+        entries = []
+        for name in self.store.names():
+            try:
+                saved = self.store.load(name)
+            except Phi4Error:
+                continue
+            entries.append((name, len(saved.turns), max(0.0, time.time() - saved.updated)))
+        print(format_chat_list(entries), file=self.env.stdout)
+
+
+class SlashCommand(Record):
+    """One of the chat's slash commands: what ``/help`` says of it, what Tab completes, and the
+    method that runs it (given the rest of the line; False leaves the chat)."""
+
+    name: str
+    help: str
+    handler: Callable[[ChatRepl, str], bool | None]
+    aliases: tuple[str, ...] = ()
+
+
+# The chat's commands: /help, completion and dispatch are all read from this table.
+COMMANDS = (
+    SlashCommand("/help", "show this help", ChatRepl._help),
+    SlashCommand("/reset", "start a new conversation (same model and settings)", ChatRepl._reset),
+    SlashCommand("/system", "/system TEXT sets the system prompt; /system - restores the "
+                 "model's own", ChatRepl._system),
+    SlashCommand("/set", f"/set {'|'.join(SETTABLE)} VALUE", ChatRepl._set),
+    SlashCommand("/show", "model, settings, context used of n_ctx, cached tokens, dropped turns",
+                 ChatRepl._show),
+    SlashCommand("/retry", "sample the last answer again", ChatRepl._retry),
+    SlashCommand("/save", "/save NAME saves the conversation under NAME", ChatRepl._save),
+    SlashCommand("/load", "/load NAME continues a saved conversation", ChatRepl._load),
+    SlashCommand("/list", "list saved conversations", ChatRepl._list),
+    SlashCommand("/stats", "statistics of the last answer", ChatRepl._stats),
+    SlashCommand("/reasoning", "/reasoning on|off shows the model's thinking, or folds it into "
+                 "one line", ChatRepl._reasoning),
+    SlashCommand("/exit", "leave (also /bye, /quit or Ctrl-D)", ChatRepl._exit,
+                 ("/bye", "/quit")),
+)  # fmt: skip
+COMMAND_NAMES = {name: c for c in COMMANDS for name in (c.name, *c.aliases)}
+
+
+def chat_hints(message: str) -> str:
+    """A message for the command line, told the chat way: the settings a chat changes with
+    /set are named so, not as the options of ``phi4 solve`` (``--max-tokens``)."""
+    named = []
+    for key in SETTABLE:
+        flag = "--" + key.replace("_", "-")
+        message, count = re.subn(rf"{flag}(?![\w-])", key, message)
+        if count:
+            named.append(f"/set {key} N")
+    return f"{message} (in this chat: {', '.join(named)})" if named else message
+
+
+def read_message(read: Reader) -> str | None:
+    """Read one message: a line, or a block between lines that start and end with triple quotes."""
+    line = read(PROMPT)
+    if line is None or not line.lstrip().startswith('"""'):
+        return line
+    text = line.lstrip()[3:]
+    if text.rstrip().endswith('"""') and text.strip():
+        return text.rstrip()[:-3]
+    parts = [text] if text else []
+    while True:
+        more = read(CONTINUATION)
+        if more is None:
+            return "\n".join(parts)
+        if more.rstrip().endswith('"""'):
+            parts.append(more.rstrip()[:-3])
+            return "\n".join(part for part in parts).strip("\n")
+        parts.append(more)
+
+
+def line_reader(
+    stream: TextIO, echo: TextIO | None = None, notice: Announce | None = None
+) -> Reader:
+    """Read input from a non-terminal stream (a pipe or file), one line per call.
+
+    A line that is not valid UTF-8 is read with U+FFFD in place of each bad byte, and
+    ``notice`` says so with its line number: one bad line in a file of questions is no reason to
+    end the chat (as the decoder's exception would)."""
+    raw = getattr(stream, "buffer", None)  # bytes, so a bad line can be decoded on its own
+    number = 0
+
+    def read(prompt: str) -> str | None:
+        nonlocal number
+        if raw is not None:
+            data = raw.readline()
+            line = data.decode("utf-8", errors="surrogateescape")
+        else:
+            line = stream.readline()
+        if not line:
+            return None
+        number += 1
+        line, replaced = replace_bad(line)
+        if replaced and notice is not None:
+            notice(f"stdin line {number} is not valid UTF-8; its bad bytes are read as "
+                   "U+FFFD, the replacement character")  # fmt: skip
+        if echo is not None:
+            print(clean_text(f"{prompt}{line.rstrip()}"), file=echo)
+        return line.rstrip("\n")
+
+    return read
+
+
+class SlashCompleter(Completer):
+    """Tab completion of slash commands, and of the keys after ``/set``."""
+
+    def get_completions(
+        self, document: Document, complete_event: CompleteEvent
+    ) -> Iterable[Completion]:
+        text = document.text_before_cursor
+        if not text.startswith("/"):
+            return
+        if text.startswith("/set ") and text.count(" ") == 1:
+            word = text[5:]
+            for key in SETTABLE:
+                if key.startswith(word):
+                    yield Completion(key, start_position=-len(word))
+            return
+        if " " in text:
+            return
+        for command in COMMAND_NAMES:
+            if command.startswith(text):
+                yield Completion(command, start_position=-len(text))
+
+
+class PromptReader:
+    """A Reader on prompt-toolkit's session (a callable, as every Reader)."""
+
+    handles_ctrl_c = True  # read as a key while the prompt is up, never as a signal
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+
+    def __call__(self, prompt: str) -> str | None:
+        try:
+            text: str = self.session.prompt(prompt)
+        except EOFError:
+            return None
+        return text
+
+    def answer_keys(self) -> AnswerKeys | None:
+        """The keyboard during answers, when the input is a terminal."""
+        try:
+            fd = self.session.input.fileno()
+        except (AttributeError, NotImplementedError, OSError, ValueError):
+            return None
+        return AnswerKeys(fd, self.session.input) if os.isatty(fd) else None
+
+
+def prompt_reader(history_file: Path, input: Any = None, output: Any = None) -> PromptReader:
+    """Read input with prompt-toolkit: history (Up/Down, Ctrl-R), suggestions, completion."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.auto_suggest import AutoSuggestFromHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    bindings = KeyBindings()
+
+    @bindings.add("escape", "enter")
+    def _newline(event: Any) -> None:
+        event.current_buffer.insert_text("\n")
+
+    @bindings.add("c-c")
+    def _interrupt(event: Any) -> None:
+        # With text typed, Ctrl-C clears it; on an empty line it asks to leave.
+        if event.current_buffer.text:
+            event.current_buffer.reset()
+        else:
+            event.app.exit(exception=KeyboardInterrupt())
+
+    session: PromptSession[str] = PromptSession(
+        history=AtomicFileHistory(history_file),
+        auto_suggest=AutoSuggestFromHistory(),
+        completer=SlashCompleter(),
+        complete_while_typing=True,
+        key_bindings=bindings,
+        input=input,
+        output=output,
+    )
+    return PromptReader(session)
+
+
+class AtomicFileHistory(FileHistory):
+    """prompt-toolkit's file history, rewritten atomically (and kept to HISTORY_LIMIT entries)."""
+
+    failed = False  # said once: a history that cannot be written is no reason to end the chat
+
+    def __init__(self, filename: str | os.PathLike[str]) -> None:
+        """Raise RefusedFileError (the chat does not start) when the history is a file another
+        user could have written: what it holds is offered as your own input."""
+        super().__init__(filename)
+        self.load_history_strings()
+
+    def load_history_strings(self) -> Iterable[str]:
+        try:
+            raw = read_user_file(Path(os.fsdecode(self.filename)), "input history")
+        except OSError:  # none, or none that can be read: no reason to end the chat
+            return []
+        strings: list[str] = []
+        lines: list[str] = []
+        for line_bytes in io.BytesIO(raw):  # lines end at "\n" only, as FileHistory's do
+            line = line_bytes.decode("utf-8", errors="replace")
+            if line.startswith("+"):
+                lines.append(line[1:])
+            elif lines:
+                strings.append("".join(lines)[:-1])  # the last line's newline is no input
+                lines = []
+        if lines:
+            strings.append("".join(lines)[:-1])
+        return reversed(strings)
+
+    def store_string(self, string: str) -> None:
+        try:
+            self._store(string)
+        except (OSError, RefusedFileError) as exc:
+            if not self.failed:
+                self.failed = True
+                why = exc.strerror if isinstance(exc, OSError) else str(exc)
+                say(f"cannot save the input history to {self.filename!s}: {why}; the chat goes on")
+
+    def _store(self, string: str) -> None:
+        path = Path(os.fsdecode(self.filename))
+        entries = list(reversed(list(self.load_history_strings())))[-(HISTORY_LIMIT - 1) :]
+        entries.append(string)
+        lines = []
+        for entry in entries:
+            lines.append("\n# phi4\n")
+            lines.extend(f"+{part}\n" for part in entry.split("\n"))
+        write_atomic(path, "".join(lines).encode("utf-8", errors="replace"), what="input history")
