@@ -5,6 +5,7 @@ prompt-toolkit."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,20 +73,69 @@ def test_common_commands_take_the_fast_path(args: list[str]):
     assert parsed is not None and parsed == typer_parse(args)
 
 
-def _imported_by_solve(tiny_model: Path, *extra: str) -> tuple[int, list[str]]:
+def _imports(argv: list[str], env: dict[str, str] | None = None,
+             stdin: str = "") -> tuple[int, list[str], list[str]]:  # fmt: skip
+    """Run phi4 with ``argv``: its exit status, the heavy top-level modules it imported, and
+    all of phi4cli's modules it imported."""
     script = (
         "import atexit, sys\n"
         "heavy = ('typer', 'click', 'rich', 'prompt_toolkit', 'llama_cpp', 'numpy', 'httpx2',\n"
         "         'math_verify', 'sympy', 'typing', 'threading', 'signal', 'dataclasses')\n"
-        "atexit.register(lambda: print(json.dumps(sorted({m.split('.')[0] for m in sys.modules\n"
-        "    if m.split('.')[0] in heavy})), file=sys.stderr))\n"
+        "atexit.register(lambda: print(json.dumps([sorted({m.split('.')[0] for m in sys.modules\n"
+        "    if m.split('.')[0] in heavy}), sorted(m for m in sys.modules\n"
+        "    if m.split('.')[0] == 'phi4cli')]), file=sys.stderr))\n"
         "import json\n"
         "from phi4cli.entry import main\n"
-        f"main(['solve', 'What?', '-m', {str(tiny_model)!r}, '-n', '2', *{list(extra)!r}])\n"
+        f"main({argv!r})\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            input=stdin, env={**os.environ, **(env or {})},
                             check=False)  # fmt: skip
-    return result.returncode, json.loads(result.stderr.strip().splitlines()[-1])
+    heavy, ours = json.loads(result.stderr.strip().splitlines()[-1])
+    return result.returncode, heavy, ours
+
+
+def _imported_by_solve(tiny_model: Path, *extra: str) -> tuple[int, list[str]]:
+    code, heavy, _ours = _imports(["solve", "What?", "-m", str(tiny_model), "-n", "2", *extra])
+    return code, heavy
+
+
+def _start_up_tricks() -> set[str]:
+    """The modules that keep typing out of an import: ``TYPE_CHECKING = False`` instead of
+    typing's, or ``Protocol = object`` at run time."""
+    root = Path(__file__).resolve().parent.parent
+    found = set()
+    for path in (root / "phi4cli").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        if "\nTYPE_CHECKING = False\n" in text or "Protocol = object" in text:
+            parts = path.relative_to(root).with_suffix("").parts
+            found.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return found
+
+
+@pytest.mark.daemon
+def test_start_up_tricks_are_only_where_a_fast_path_imports_them(tiny_model: Path, tmp_path: Path):
+    # The fast paths: a warm `phi4 solve` in its output modes, and a Tab (shell completion).
+    # Their modules may not import typing, so they write TYPE_CHECKING = False; every other
+    # module imports typing as usual. A module that leaves the fast paths leaves the trick.
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    solve = ["solve", "What?", "-m", str(tiny_model), "-n", "2"]
+    fast: set[str] = set()
+    for argv, stdin in ((solve, ""), ([*solve, "--json"], ""), ([*solve, "-a"], ""),
+                        ([*solve, "-k", "2"], ""), (["solve", "--file", "-", "-m",
+                        str(tiny_model), "-n", "2"], "What?\n2+2?\n")):  # fmt: skip
+        code, heavy, ours = _imports(argv, stdin=stdin)
+        # 1: two tokens hold no answer; a file of problems is read on a thread of its own.
+        assert code in (0, 1) and set(heavy) <= {"threading"}, argv
+        fast |= set(ours)
+    completion = {"_PHI4_COMPLETE": "complete_bash", "COMP_WORDS": "phi4 solve --lo",
+                  "COMP_CWORD": "2"}  # fmt: skip
+    code, heavy, ours = _imports([], env=completion)
+    assert (code, heavy) == (0, [])
+    fast |= set(ours)
+    tricks = _start_up_tricks()
+    assert {"phi4cli.core.records", "phi4cli.client.solving"} <= tricks, "the scan finds them"
+    assert sorted(tricks - fast) == []
 
 
 @pytest.mark.daemon

@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Container, Generator, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from phi4cli.client.progress import FileProgress, ProgressNotice
 from phi4cli.client.solving import EarlyStop, Requests, SolveJob, json_text, votes
@@ -28,10 +29,7 @@ from phi4cli.engines.outcome import Outcome
 from phi4cli.text.confidence import WARMUP
 from phi4cli.text.reasoning import AnswerComparer, majority_vote
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, BinaryIO
-
     from phi4cli.engines.dispatch import Flight
 
 STATUSES = ("correct", "wrong", "no_answer", "truncated", "error")

@@ -19,10 +19,10 @@ request's Stats (``budget_reached``, ``loop``, ``loop_at``, ``waits``).
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from phi4cli.text.loops import LoopDetector
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from phi4cli.core._settings import Ask
 
