@@ -61,6 +61,9 @@ def test_config_set_keeps_the_files_comments_and_order(phi4_home: Path, tmp_path
     path.write_text('# replicas\nbackends = [\n  "http://a:1/v1",\n  "http://b:2/v1",\n]\n')
     assert run_phi4("config", "set", "backend", "http://c:3/v1").returncode == 0
     assert path.read_text() == 'backend = "http://c:3/v1"\n'
+    # Replicas: the URLs as parsed (once), written as a list.
+    assert run_phi4("config", "set", "backend", "http://c:3/v1, http://d:4/v1").returncode == 0
+    assert path.read_text() == 'backend = ["http://c:3/v1", "http://d:4/v1"]\n'
 
 
 @pytest.mark.daemon

@@ -416,13 +416,15 @@ def test_backend_settings_name_replicas_one_way_or_another(tmp_path: Path):
 
     config = tmp_path / "config.toml"
     config.write_text('backends = ["http://a:1/v1", "http://b:2/v1"]\n')
-    assert load_settings(config, environ={}).backend == "http://a:1/v1 http://b:2/v1"
+    # Parsed once, into the URLs themselves: in order, each once.
+    assert load_settings(config, environ={}).backend == ("http://a:1/v1", "http://b:2/v1")
     env = {"PHI4_BACKEND": "http://a:1/v1, http://c:3/v1 http://a:1/v1"}
-    assert load_settings(config, environ=env).backend == "http://a:1/v1 http://c:3/v1"
+    assert load_settings(config, environ=env).backend == ("http://a:1/v1", "http://c:3/v1")
     flags = {"backend": ("http://d:4/v1",)}
-    assert load_settings(config, flags, environ=env).backend == "http://d:4/v1"
+    assert load_settings(config, flags, environ=env).backend == ("http://d:4/v1",)
     assert load_settings(config, {"backend": ()}, environ=env).backend == (
-        "http://a:1/v1 http://c:3/v1"
+        "http://a:1/v1",
+        "http://c:3/v1",
     ), "a repeatable flag not given overrides nothing"
     config.write_text('backend = "http://a:1/v1"\nbackends = ["http://b:2/v1"]\n')
     with pytest.raises(ConfigError, match="give backend or backends, not both"):

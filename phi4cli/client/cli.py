@@ -565,12 +565,12 @@ def _print_backend_status(urls: list[str], as_json: bool) -> None:
     """`phi4 status --backend A --backend B`: each replica probed (``/health``, else
     ``/v1/models``); exit 3 when none is up."""
     from phi4cli.core.config import parse_setting
-    from phi4cli.engines.backends import RemoteBackend, backend_urls
+    from phi4cli.engines.backends import RemoteBackend
     from phi4cli.engines.remote import backend_key
 
     paths = get_paths()
     settings = _settings(paths)
-    parsed = backend_urls(parse_setting("backend", urls, "--backend"))
+    parsed = list(parse_setting("backend", urls, "--backend") or ())
     remote = RemoteBackend(parsed, settings.model, backend_key(), settings.backend_timeout)
     status = remote.status()
     if as_json:

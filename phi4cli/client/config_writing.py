@@ -21,6 +21,8 @@ from phi4cli.core.options import SETTING as _FIELDS
 
 
 def _toml_value(value: object) -> str:
+    if isinstance(value, (list, tuple)):  # the backend's replicas
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -28,6 +30,13 @@ def _toml_value(value: object) -> str:
     import json
 
     return json.dumps(str(value), ensure_ascii=False)  # JSON strings are TOML basic strings
+
+
+def _as_toml(value: Any) -> Any:
+    """A parsed value as the config file holds it (and TOML reads it back)."""
+    if isinstance(value, tuple):
+        return value[0] if len(value) == 1 else list(value)
+    return value
 
 
 def set_config_value(config_file: Path, key: str, value: str) -> Any:
@@ -43,8 +52,9 @@ def set_config_value(config_file: Path, key: str, value: str) -> Any:
     if parsed is None:
         data.pop(key, None)
     else:
-        # Durations keep the user's spelling ("30m"); everything else its parsed form.
-        data[key] = value if key == "keep_alive" else parsed
+        # Durations keep the user's spelling ("30m"); replicas are a list (one URL, a string);
+        # everything else its parsed form.
+        data[key] = value if key == "keep_alive" else _as_toml(parsed)
     line = None if parsed is None else f"{key} = {_toml_value(data[key])}\n"
     text = _edited(raw.decode("utf-8") if raw is not None else "", config_file, key, line, data)
     if text is None:  # not one plain line to change: the file written afresh, sorted

@@ -523,6 +523,8 @@ def format_setting(key: str, value: Any) -> str:
         return format_duration(value)
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, tuple):  # the backend's replicas
+        return " ".join(value)
     if value is None:
         if key == "threads":
             return f"auto ({physical_cores()} physical cores)"

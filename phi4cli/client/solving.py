@@ -576,7 +576,7 @@ def check_sent_text(settings: Any) -> None:
         (settings.system, "the system prompt (-s/--system or PHI4_SYSTEM)"),
         (settings.instruction, "the instruction (PHI4_INSTRUCTION or the config)"),
         (settings.model, "the model (-m/--model or PHI4_MODEL)"),
-        (settings.backend, "the backend URL (--backend or PHI4_BACKEND)"),
+        *((url, "the backend URL (--backend or PHI4_BACKEND)") for url in settings.backend or ()),
     ):
         if isinstance(value, str):
             check_text(value, where)

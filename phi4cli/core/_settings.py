@@ -69,7 +69,7 @@ class Settings(Record):
     gpu_layers: str | int = 'auto'
     # OpenAI-compatible servers to use instead of the daemon: one URL, or several (replicas of
     # one model) separated by spaces.
-    backend: str | None = None
+    backend: tuple[str, ...] | None = None
     # Requests in flight at once on each of them: enough to fill a GPU server's batch.
     backend_concurrency: int = 16
     # seconds a remote server may send no event before we give up

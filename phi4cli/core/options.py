@@ -205,9 +205,10 @@ def _instruction(value: object) -> str | None:
     return None if not text or text.lower() == "none" else text
 
 
-def _backend_urls(value: object) -> str | None:
+def _backend_urls(value: object) -> tuple[str, ...] | None:
     """One URL, or several (replicas of one model): a list (TOML, repeated --backend) or text
-    with spaces or commas between them. Kept as one space-separated text."""
+    with spaces or commas between them; each checked once, here, and kept in order without
+    repeats."""
     items = value if isinstance(value, (list, tuple)) else [value]
     urls: list[str] = []
     for item in items:
@@ -222,7 +223,7 @@ def _backend_urls(value: object) -> str | None:
                 raise ValueError(value)
             if url not in urls:
                 urls.append(url)
-    return " ".join(urls) or None
+    return tuple(urls) or None
 
 
 def _boolean(value: object) -> bool:
@@ -454,7 +455,7 @@ SETTINGS = (
             help="Layers to offload to a GPU [default auto: as many as fit; 0 on a CPU-only "
                  "build]."),
     Setting("backend", _backend_urls, "the http(s) URL of an OpenAI-compatible server (several: "
-            "replicas), or none", None, "str | None",
+            "replicas), or none", None, "tuple[str, ...] | None",
             comment="OpenAI-compatible servers to use instead of the daemon: one URL, or several "
                     "(replicas of one model) separated by spaces.",
             flags="--backend", option="list", metavar="URL", groups=("answer",),

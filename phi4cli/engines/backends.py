@@ -369,11 +369,6 @@ def _replica_line(part: JSON) -> str:
     return line + (f" ({part['state']})" if part["state"] != "up" else "")
 
 
-def backend_urls(value: str | None) -> list[str]:
-    """The URLs a ``backend`` setting names: one, or several separated by spaces or commas."""
-    return [url for url in (value or "").replace(",", " ").split() if url]
-
-
 def make_backend(
     paths: Paths, settings: Settings, model: Path | str, announce: Announce
 ) -> Backend:
@@ -381,7 +376,7 @@ def make_backend(
     if settings.backend:
         from phi4cli.engines.remote import backend_key
 
-        return RemoteBackend(backend_urls(settings.backend), str(model), backend_key(),
+        return RemoteBackend(list(settings.backend), str(model), backend_key(),
                              settings.backend_timeout, settings.backend_deadline, announce,
                              settings.backend_concurrency)  # fmt: skip
     return DaemonBackend(paths, settings, Path(model), announce)
