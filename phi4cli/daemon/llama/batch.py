@@ -18,15 +18,12 @@ shared from a reserved sequence rather than recomputed.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import random
 import time
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
 from llama_cpp import _internals as llama_internals
 
 from phi4cli.core._settings import Sampling
@@ -34,12 +31,12 @@ from phi4cli.core.config import Settings
 from phi4cli.core.machine import physical_cores
 from phi4cli.core.protocol import ErrorCode, Stats
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
+from phi4cli.daemon.llama.cells import KVCells, common_prefix
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
 from phi4cli.daemon.llama.slots import Prepared, Run, Slot
 from phi4cli.daemon.llama.writing import RunWriter
-from phi4cli.daemon.sessions import SwappedSession, SwapStore
-from phi4cli.daemon.statefile import remove_state
+from phi4cli.daemon.sessions import SwapStore
 from phi4cli.daemon.threads import ThreadGovernor
 from phi4cli.text.confidence import TraceConfidence
 from phi4cli.text.reasoning import ThinkSplitter
@@ -55,12 +52,7 @@ PREFILL_CHUNK = 64
 # Room kept for the tokens that close the thinking when a think budget is reached; they are the
 # daemon's, not the model's, so they do not count against max_tokens.
 THINK_CLOSE_ROOM = 16
-# A chat session whose cells are reclaimed is saved to disk if it holds at least this many tokens
-# of its own (fewer are as quick to re-read), in at most SWAP_MAX_BYTES of files.
-SWAP_MIN_TOKENS = 64
-# With a stream per slot, a new request takes the lowest idle slot (keeping the running ones
-# consecutive) unless another idle slot holds at least this many more tokens of its prompt.
-STREAM_REUSE_MIN = 256
+# Chat sessions swapped out to disk (cells.SWAP_MIN_TOKENS) take at most this many bytes.
 SWAP_MAX_BYTES = 4 << 30
 
 
@@ -80,11 +72,7 @@ class LlamaEngine:
         self._swap = SwapStore(swap_dir, SWAP_MAX_BYTES)  # chat sessions saved when evicted
         self._model: LoadedModel | None = None
         self._prompts: Prompts | None = None
-        self._slots: list[Slot] = []
-        self._system_seq = 0
-        self._system_tokens: list[int] = []
-        self._system_state: Any = None  # streams layout: the system prompt's KV (a buffer)
-        self._streams = False  # the plan's KV layout is one stream per slot
+        self._cells: KVCells | None = None  # who holds which cells of the loaded model's context
         self._loads = 0  # models loaded so far: tells a job's tokens from another model's
         self._writer: RunWriter | None = None  # what each token of a run writes (writing.py)
         self._governor: ThreadGovernor | None = None  # threads from the cores others leave free
@@ -95,28 +83,18 @@ class LlamaEngine:
 
     @property
     def active(self) -> int:
-        return sum(slot.run is not None for slot in self._slots)
+        return self._cells.active if self._cells is not None else 0
+
+    @property
+    def _slots(self) -> list[Slot]:
+        return self._cells.slots if self._cells is not None else []
 
     def memory(self) -> dict[str, Any]:
         """The KV cache now: cells reserved by running requests, held by idle slots, free."""
-        if self._model is None:
+        if self._model is None or self._cells is None:
             return {}
-        reserved = self._committed()
-        idle = sum(s.own_cells for s in self._slots if s.run is None)
-        if self._streams:  # the free streams' cells
-            free = self._capacity() * (len(self._slots) - self.active)
-        else:
-            free = self._capacity() - reserved
         return {
-            "n_ctx": self._model.n_ctx,
-            "system_tokens": len(self._system_tokens),
-            "reserved_tokens": reserved,
-            "idle_cached_tokens": idle,
-            "free_tokens": free,
-            "kv_layout": self._model.plan.kv_layout,
-            "running": self.active,
-            "slots": len(self._slots),
-            "swapped_sessions": len(self._swap),
+            **self._cells.usage(),
             "plan": self._model.info["memory"],
             **(self._governor.describe() if self._governor is not None else {}),
         }
@@ -142,11 +120,7 @@ class LlamaEngine:
         self._writer = RunWriter(model, self._prompts)
         self._loads += 1
         self._swap.clear()  # another model's (or an earlier daemon's) states are of no use
-        self._slots = [Slot(seq=i) for i in range(model.plan.slots)]
-        self._streams = model.plan.kv_layout == "streams"
-        # Streams: no sequence of its own for the system prompt (it would take a whole stream);
-        # it is read into the first slot and copied from there.
-        self._system_seq = 0 if self._streams else model.plan.slots
+        self._cells = KVCells(model, self._prompts, self._swap, self.state_dir)
         self._governor = ThreadGovernor(
             model.info["threads"], adapt=self.settings.threads is None, cores=physical_cores()
         )
@@ -154,105 +128,34 @@ class LlamaEngine:
 
     def close(self) -> None:
         if self._model is not None:
-            for slot in self._slots:
-                if slot.run is not None:
-                    slot.run.sampler.close()
+            if self._cells is not None:
+                self._cells.close()
             self._model.close()
         self._model = None
         self._prompts = None
         self._writer = None
         self._governor = None
-        self._slots = []
-        self._system_tokens = []
-        self._system_state = None
+        self._cells = None
 
     def _loaded(self) -> tuple[LoadedModel, Prompts]:
         assert self._model is not None and self._prompts is not None, "no model loaded"
         return self._model, self._prompts
 
-    # --- the system prompt, prefilled once --------------------------------------------------------
+    def _loaded_cells(self) -> KVCells:
+        assert self._cells is not None, "no model loaded"
+        return self._cells
 
     def warm(self) -> dict[str, Any]:
-        """Make the first question cheap: one warm-up decode, then the default system prompt's
-        KV in the reserved sequence — restored from the state an earlier daemon saved, or
-        computed and saved."""
-        model, prompts = self._loaded()
-        started = time.monotonic()
-        prefix = prompts.system_prefix(None)
-        model.evaluate(self._system_seq, prefix[:1], 0)  # allocates llama.cpp's compute buffers
-        model.seq_rm(self._system_seq, 0)
-        warmup_s = time.monotonic() - started
-        started = time.monotonic()
-        state_file = self._state_file(prefix)
-        restored = state_file is not None and model.restore_seq(
-            self._system_seq, prefix, state_file, self._state_bound(len(prefix))
-        )
-        if not restored:
-            model.seq_rm(self._system_seq, 0)
-            model.evaluate(self._system_seq, prefix, 0)
-            if state_file is not None:
-                # One daemon per home: a temp file here is a killed daemon's, never finished.
-                for leftover in state_file.parent.glob(".system-*.tmp"):
-                    remove_state(leftover)
-                model.save_seq(self._system_seq, prefix, state_file)
-        self._system_tokens = prefix
-        # Streams: fresh slots get a copy of it. Both layouts: a deterministic request puts it
-        # back into an emptied cache (_clean_start).
-        self._system_state = model.seq_state(self._system_seq)
-        if self._streams:
-            # The first slot holds it, as its own cells.
-            self._slots[0].tokens = list(prefix)
-            self._slots[0].last_used = time.monotonic()
-        return {
-            "warmup_s": round(warmup_s, 4),
-            "prefill_s": round(time.monotonic() - started, 4),
-            "prefill": "restored" if restored else "computed",
-            "system_tokens": len(prefix),
-        }
+        """Make the first question cheap (``KVCells.warm``: the system prompt prefilled)."""
+        return self._loaded_cells().warm()
 
-    def _state_bound(self, tokens: int) -> int:
-        """The most bytes a saved state of ``tokens`` tokens may take: their KV, and a generous
-        allowance for the header and llama.cpp's per-layer framing."""
-        model, _ = self._loaded()
-        return tokens * (model.plan.kv_bytes_per_token + 4) + (4 << 20)
+    def reset(self) -> None:
+        """Drop every request and every slot's cache (after a failed step); keep the model."""
+        self._loaded_cells().reset()
 
-    def _state_file(self, prefix: list[int]) -> Path | None:
-        """Where the prefilled state of ``prefix`` is kept, keyed by everything it depends on."""
-        if self.state_dir is None or self._model is None:
-            return None
-        path = self._model.path
-        stat = path.stat()
-        key = hashlib.sha256(
-            json.dumps(
-                [str(path), stat.st_size, stat.st_mtime_ns, prefix, llama_cpp.__version__,
-                 self._model.plan.kv_cache_type,
-                 # llama.cpp loads a state only into as many streams as it was saved from
-                 [self._model.plan.slots] if self._streams else []],
-            ).encode()
-        ).hexdigest()[:24]  # fmt: skip
-        return self.state_dir / f"system-{key}.state"
+    # --- the system prompt, prefilled once --------------------------------------------------------
 
     # --- admitting requests -------------------------------------------------------------------
-
-    def _capacity(self) -> int:
-        """KV cells that one request may reserve. Shared: all but the system prompt's (a request
-        reserves its whole prompt and budget, though a fresh one shares the system prompt's
-        cells: a few cells' slack that keeps the count exact whichever slot it lands in).
-        Streams: a stream's."""
-        model, _ = self._loaded()
-        if self._streams:
-            return model.plan.request_capacity
-        return model.n_ctx - len(self._system_tokens)
-
-    def _committed(self) -> int:
-        return sum(slot.run.reserved for slot in self._slots if slot.run is not None)
-
-    def _free(self) -> int:
-        """Cells a new request may reserve now: beside the running requests' reservations
-        (shared), or a stream's, once a slot is free (streams)."""
-        if self._streams:
-            return self._capacity()
-        return self._capacity() - self._committed()
 
     def _prepare(self, params: SolveParams) -> Prepared:
         """Work out a request's tokens and generation budget.
@@ -262,10 +165,11 @@ class LlamaEngine:
         the request could never fit in the context, even alone.
         """
         model, prompts = self._loaded()
-        capacity = self._capacity()
+        cells = self._loaded_cells()
+        capacity = cells.capacity()
         # Shared layout: the plan's requests share what the system prompt leaves, so that as many
         # as it says fit at once (4 x 4,096 of 16,384 cells did not fit beside its 24).
-        share = capacity if self._streams else capacity // max(1, model.plan.parallel)
+        share = capacity if cells.streams else capacity // max(1, model.plan.parallel)
         default = min(model.plan.request_tokens, share)
         chat: ChatPlan | None = None
         max_tokens = params.ask.max_tokens
@@ -275,11 +179,11 @@ class LlamaEngine:
         else:
             tokens = prompts.question(params)
         room = capacity - len(tokens)
-        if self._streams:
+        if cells.streams:
             holds = (f"a request's stream of the daemon's context holds {capacity:,} (--n-ctx "
                      f"{model.n_ctx:,} over {len(self._slots)} streams)")  # fmt: skip
         else:
-            holds = (f"the daemon's context holds {model.n_ctx:,} ({len(self._system_tokens)} "
+            holds = (f"the daemon's context holds {model.n_ctx:,} ({len(cells.system_tokens)} "
                      "of them the system prompt's)")  # fmt: skip
         if room < 1:  # the prompt alone: no --max-tokens would make it fit
             raise ContextOverflowError(
@@ -311,6 +215,7 @@ class LlamaEngine:
         Raise ContextOverflowError when it could never fit, even alone.
         """
         model, _ = self._loaded()
+        cells = self._loaded_cells()
         if job.prepared is None or job.prepared.loaded != self._loads:
             job.prepared = self._prepare(job.params)
         prepared: Prepared = job.prepared
@@ -318,10 +223,10 @@ class LlamaEngine:
         needed = len(tokens) + prepared.budget + prepared.extra
         deterministic = job.params.ask.deterministic
         # A deterministic request reads its whole prompt afresh: a saved state is not used.
-        swapped = None if deterministic else self._restorable(job.params, tokens)
+        swapped = None if deterministic else cells.restorable(job.params, tokens)
         if swapped is not None and len(swapped.tokens) > needed:
             swapped = None  # restored whole, it would overrun the reservation, even briefly
-        free = self._free()
+        free = cells.free()
         if needed > free:
             return Wait("memory", needed, free)
         if all(slot.run is not None for slot in self._slots) or (deterministic and self.active):
@@ -329,26 +234,27 @@ class LlamaEngine:
         restored, restore_s = 0, 0.0
         if swapped is not None:
             slot = min((s for s in self._slots if s.run is None), key=lambda s: s.last_used)
-            self._drop(slot, 0)
-            self._reclaim(needed, slot)
+            cells.drop(slot, 0)
+            cells.reclaim(needed, slot)
             started = time.monotonic()
             if model.restore_seq(slot.seq, swapped.tokens, swapped.path, swapped.size):
                 slot.tokens = list(swapped.tokens)
-                restored = min(_common_prefix(swapped.tokens, tokens), len(tokens) - 1)
+                restored = min(common_prefix(swapped.tokens, tokens), len(tokens) - 1)
                 restore_s = time.monotonic() - started
             assert job.params.session is not None
             self._swap.discard(job.params.session)
         if deterministic:
-            slot = self._clean_start(tokens)
+            self._follow_the_cores(model, hold=True)
+            slot = cells.clean_start(tokens)
         elif not restored:
-            slot = self._choose_slot(tokens)
+            slot = cells.choose_slot(tokens)
         # At least one prompt token is always evaluated: sampling needs fresh logits.
-        keep = min(_common_prefix(slot.tokens, tokens), len(tokens) - 1)
-        self._drop(slot, keep)
+        keep = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
+        cells.drop(slot, keep)
         slot.tokens = tokens[:keep]
         slot.shared = min(slot.shared, keep)
         slot.pending = tokens[keep:]
-        self._reclaim(needed, slot)
+        cells.reclaim(needed, slot)
         params = job.params
         sampling = params.ask.sampling
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(31)
@@ -371,144 +277,6 @@ class LlamaEngine:
             behind_stream=streaming,
         )
         return None
-
-    def _restorable(self, params: SolveParams, tokens: list[int]) -> SwappedSession | None:
-        """The saved state of this chat session, if restoring it beats what the idle slots
-        hold; else None."""
-        if params.session is None:
-            return None
-        swapped = self._swap.get(params.session)
-        if swapped is None:
-            return None
-        held = max((_common_prefix(s.tokens, tokens) for s in self._slots if s.run is None),
-                   default=0)  # fmt: skip
-        usable = _common_prefix(swapped.tokens, tokens)  # a /retry continues from an earlier turn
-        return swapped if usable >= held + SWAP_MIN_TOKENS else None
-
-    def _drop(self, slot: Slot, keep: int) -> None:
-        """Remove a slot's cells from position ``keep`` on; a chat session's tokens that would be
-        lost are saved to disk first, for its next turn to restore."""
-        model, prompts = self._loaded()
-        if keep >= len(slot.tokens):
-            return
-        session = prompts.sessions.get(slot.session) if slot.session else None
-        path = self._swap.path_for(slot.session) if slot.session else None
-        if (
-            session is not None
-            and path is not None
-            and session.tokens == slot.tokens
-            and len(slot.tokens) - keep >= SWAP_MIN_TOKENS
-        ):
-            started = time.monotonic()
-            size = model.save_seq(slot.seq, slot.tokens, path)
-            if size is not None:
-                self._swap.add(session.id, slot.tokens, size)
-                log.info("swapped session %s out (%d tokens, %.3f s)", session.id,
-                         len(slot.tokens), time.monotonic() - started)  # fmt: skip
-        slot.session = None
-        model.seq_rm(slot.seq, keep)
-        del slot.tokens[keep:]
-        slot.shared = min(slot.shared, keep)
-
-    def _choose_slot(self, tokens: list[int]) -> Slot:
-        """Pick the idle slot sharing the longest prefix with ``tokens`` (least recently used on
-        ties); give a slot that shares less than the system prompt the system prompt's KV.
-
-        With a stream per slot, the lowest idle slot instead, unless another holds at least
-        STREAM_REUSE_MIN more of the prompt (a conversation): llama.cpp decodes a batch in one
-        pass over the weights only for consecutive sequences, so a gap among the running slots
-        costs a whole extra pass every step (a 1-token step of 0 and 2 takes as long as two)."""
-        model, _ = self._loaded()
-        idle = [slot for slot in self._slots if slot.run is None]
-        best = max(idle, key=lambda s: (_common_prefix(s.tokens, tokens), -s.last_used))
-        shared = _common_prefix(best.tokens, tokens)
-        if self._streams:
-            lowest = min(idle, key=lambda s: s.seq)
-            if shared - _common_prefix(lowest.tokens, tokens) < STREAM_REUSE_MIN:
-                best, shared = lowest, _common_prefix(lowest.tokens, tokens)
-        system = self._system_tokens
-        if system and shared < len(system) and tokens[: len(system)] == system:
-            if not self._streams:
-                best = min(idle, key=lambda s: s.last_used)
-                self._drop(best, 0)
-                model.seq_cp(self._system_seq, best.seq, len(system))
-                best.shared = len(system)
-                best.tokens = list(system)
-                return best
-            self._drop(best, 0)
-            if self._system_state is not None and model.set_seq_state(best.seq, self._system_state):
-                best.tokens = list(system)
-            # else empty: the system prompt is read with the question
-        return best
-
-    def _clean_start(self, tokens: list[int]) -> Slot:
-        """The first slot, its cache as on a fresh daemon, for a deterministic request (nothing
-        else running): llama.cpp's arithmetic depends on the cells around a sequence, not only
-        on its tokens.
-
-        Shared layout: every idle slot's cells go (a chat session's are saved to disk first, as
-        always) and the system prompt's state is put back into the emptied cache, so it lies at
-        cells 0..S-1 and the question is read into the cells after it, the used span (n_kv) and
-        the mask the same as after ``warm``. Streams: the first slot's own stream gets the same
-        treatment; the other streams do not take part in its arithmetic and keep their cells.
-        The prompt is then read from there in the step loop's n_batch chunks, alone, on the
-        threads a fresh daemon starts with (the system prompt too, if it is read again here)."""
-        model, _ = self._loaded()
-        self._follow_the_cores(model, hold=True)
-        slot = self._slots[0]
-        system = self._system_tokens
-        starts_with_system = bool(system) and tokens[: len(system)] == system
-        if self._streams:
-            self._drop(slot, 0)
-            if (
-                starts_with_system
-                and self._system_state is not None
-                and model.set_seq_state(slot.seq, self._system_state)
-            ):
-                slot.tokens = list(system)
-            return slot
-        for other in self._slots:
-            self._drop(other, 0)
-        # Emptying the cache moves llama.cpp's search for free cells back to cell 0; failing a
-        # restore, the system prompt is computed again there, as ``warm`` did.
-        if system and not (
-            self._system_state is not None
-            and model.set_seq_state(self._system_seq, self._system_state)
-        ):
-            model.evaluate(self._system_seq, system, 0)
-        if starts_with_system:
-            model.seq_cp(self._system_seq, slot.seq, len(system))
-            slot.shared = len(system)
-            slot.tokens = list(system)
-        return slot
-
-    def _reclaim(self, needed: int, chosen: Slot) -> None:
-        """Free idle slots' cached cells, least recently used first, until the running
-        requests' reservations and ``needed`` fit beside what stays cached (shared layout; a
-        stream holds only its own slot's cells)."""
-        if self._streams:
-            return
-        room = self._capacity() - self._committed() - needed
-        idle = sorted(
-            (s for s in self._slots if s.run is None and s is not chosen and s.own_cells > 0),
-            key=lambda s: s.last_used,
-        )
-        cached = sum(s.own_cells for s in idle)
-        for slot in idle:
-            if cached <= room:
-                break
-            cached -= slot.own_cells
-            self._drop(slot, 0)
-
-    def reset(self) -> None:
-        """Drop every request and every slot's cache (after a failed step); keep the model."""
-        model, _ = self._loaded()
-        for slot in self._slots:
-            if slot.run is not None:
-                slot.run.sampler.close()
-            slot.run, slot.pending, slot.tokens, slot.shared = None, [], [], 0
-            slot.session = None
-            model.seq_rm(slot.seq, 0)
 
     # --- the step loop ------------------------------------------------------------------------
 
@@ -592,8 +360,8 @@ class LlamaEngine:
         freed = False
         for slot in self._slots:
             # (A stream holds only its own slot's cells: freeing others' would not help.)
-            if slot.run is None and slot.tokens and not self._streams:
-                self._drop(slot, 0)
+            if slot.run is None and slot.tokens and not self._loaded_cells().streams:
+                self._loaded_cells().drop(slot, 0)
                 freed = True
         if freed:
             return []
@@ -681,15 +449,6 @@ def _ahead_of_streams(reading: list[Slot]) -> list[Slot]:
     behind, whichever streams run later.)"""
     ahead = [s for s in reading if s.run is not None and not s.run.behind_stream]
     return sorted(ahead, key=lambda s: s.run.started if s.run is not None else 0.0)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count
 
 
 def _make_sampler(sampling: Sampling, seed: int, n_vocab: int) -> Any:
