@@ -464,9 +464,12 @@ def _threads_row(memory: dict[str, Any]) -> str:
     now, most = memory["threads"], memory.get("threads_max", memory["threads"])
     if not memory.get("threads_adapt"):
         return f"{now} (fixed: --threads or a single core)"
+    measured = memory.get("threads_measured") or {}
+    speeds = ", ".join(f"{rate:g} tokens/s on {count}" for count, rate in measured.items())
+    said = f"; measured {speeds}" if speeds else ""
     if now < most:
-        return f"{now} of {most} (other processes kept the other cores busy at the last check)"
-    return f"{now} (fewer while other processes keep cores busy; checked while decoding)"
+        return f"{now} of {most} (the fastest the free cores allow{said})"
+    return f"{now} (fewer while other processes keep cores busy or one fewer decodes faster{said})"
 
 
 def format_status(status: dict[str, Any]) -> str:

@@ -330,8 +330,10 @@ class LlamaEngine:
         hold = any(slot.run.job.params.ask.deterministic for slot, _, _ in chunks if slot.run)
         self._follow_the_cores(model, hold)
         code = model.decode(entries)
-        if self._governor is not None:
-            self._governor.decoded(time.monotonic())
+        if self._governor is not None:  # (a step of answers alone is one it may measure)
+            answers_only = all(slot.run is not None and slot.run.prompt_s is not None
+                               for slot, _, _ in chunks)  # fmt: skip
+            self._governor.decoded(time.monotonic(), len(chunks), answers_only)
         if code == DECODE_NO_KV_SPACE:
             return finished + self._out_of_kv()
         if code != DECODE_OK:
