@@ -408,10 +408,11 @@ SETTINGS = (
                  "free memory]."),
     Setting("threads", _threads, _THREADS_ALLOWED, None, "int | None", DAEMON,
             flags="--threads", option="int", groups=("answer", "daemon"),
-            doc_allowed="auto (the physical cores, fewer while other processes keep cores busy), "
-                        "or from 1 to 4 per CPU of the machine (kept as set)",
+            doc_allowed="auto (the physical cores, fewer while other processes keep cores busy "
+                        "or while fewer measure faster), or from 1 to 4 per CPU of the machine "
+                        "(kept as set)",
             help="CPU threads for a daemon this command starts [default: the physical cores, "
-                 "fewer while other processes keep cores busy]."),
+                 "fewer while other processes keep cores busy or fewer measure faster]."),
     Setting("ramdisk", _ramdisk_mode, "auto (stage on tmpfs if there is room), on or off",
             "auto", "str", DAEMON, "stage the model on tmpfs: auto | on | off",
             flags="--ramdisk/--no-ramdisk", option="bool", groups=("daemon",),
