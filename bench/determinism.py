@@ -25,8 +25,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from phi4cli.core._settings import Ask  # noqa: E402
 from phi4cli.core.config import DEFAULT_INSTRUCTION, Settings  # noqa: E402
-from phi4cli.core.protocol import parse_solve_params  # noqa: E402
+from phi4cli.core.protocol import Event, EventKind, parse_solve_params  # noqa: E402
 from phi4cli.daemon.jobs import Job  # noqa: E402
 from phi4cli.daemon.llama.batch import LlamaEngine  # noqa: E402
 
@@ -37,14 +38,14 @@ OTHERS = ["What is 3+5?", "What is 7*8?", "What is 10-4?", "Name a prime above 2
 def job(prompt: str, tokens: int, deterministic: bool, **extra: Any) -> tuple[Job, list[str]]:
     pieces: list[str] = []
 
-    def emit(event: dict[str, Any]) -> None:
-        if event.get("event") in ("token", "reasoning"):
-            pieces.append(event["text"])
+    def emit(event: Event) -> None:
+        if event.kind in (EventKind.TOKEN, EventKind.REASONING):
+            pieces.append(event.text)
 
     params = parse_solve_params(
         {"prompt": prompt, "temperature": 0, "max_tokens": tokens,
          "deterministic": deterministic, **extra},
-        Settings(),
+        Ask.of(Settings()),
     )  # fmt: skip
     return Job(request_id=0, params=params, emit=emit), pieces
 
@@ -55,17 +56,17 @@ def run(engine: LlamaEngine, jobs: list[Job]) -> tuple[float, int]:
     CPU seconds it took (this process's: the machine's other load does not count, as it does
     in wall time on a busy machine) and the tokens generated."""
     started = time.process_time()
-    waiting, running, tokens = list(jobs), set(), 0
+    waiting, running, tokens = list(jobs), set[Job](), 0
     while waiting or running:
-        while waiting and not any(j.params.deterministic for j in running):
-            if waiting[0].params.deterministic and engine.active:
+        while waiting and not any(j.params.ask.deterministic for j in running):
+            if waiting[0].params.ask.deterministic and engine.active:
                 break
             if engine.admit(waiting[0]) is not None:
                 break
             running.add(waiting.pop(0))
         for done, stats in engine.step():
             running.discard(done)
-            tokens += int(stats["completion_tokens"])
+            tokens += stats.completion_tokens
     return time.process_time() - started, tokens
 
 

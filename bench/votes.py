@@ -87,8 +87,8 @@ def replay(samples: list[Sample], compare: Any, stop_unsure: bool = False) -> Re
     def cancel(i: int) -> None:
         cancelled_at[i] = now
 
-    def adjust(_i: int, params: dict[str, Any]) -> None:
-        floor[:] = [params["confidence_floor"]]
+    def adjust(_i: int, value: float) -> None:
+        floor[:] = [value]
 
     stop = EarlyStop(k, compare, cancel, adjust if stop_unsure else None)
     for i in sorted(range(k), key=lambda i: samples[i].end_s):

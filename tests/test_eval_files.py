@@ -204,9 +204,9 @@ def test_other_settings_or_another_engine_do_not_resume(tmp_path: Path):
         base = ["eval", str(problems), "-m", "m", "-o", str(results), "--json"]
         assert run_phi4(*base, "--backend", server.url).returncode == 0
         cases = {
-            ("-n", "99"): "max_tokens null, not 99",
+            ("-n", "99"): "max_tokens none, not 99",
             ("-t", "0.1"): "temperature 0.8, not 0.1",
-            ("--seed", "7"): "seed null, not 7",
+            ("--seed", "7"): "seed random, not 7",
             ("-k", "2"): "samples 1, not 2",
             ("--no-instruction",): "another instruction",
             ("-m", "other"): "model m, not other",

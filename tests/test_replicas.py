@@ -435,6 +435,14 @@ def test_backend_settings_name_replicas_one_way_or_another(tmp_path: Path):
 
 
 @pytest.mark.daemon
+def test_status_of_an_empty_backend_is_a_usage_error():
+    # Before: an IndexError, reported as an internal error.
+    empty = run_phi4("status", "--backend", "")
+    assert empty.returncode == 2
+    assert "--backend needs the URL of an OpenAI-compatible server" in empty.stderr
+
+
+@pytest.mark.daemon
 def test_phi4_serve_as_a_replica_decodes_concurrent_requests_together(
     tiny_model: Path, tmp_path: Path
 ):

@@ -108,8 +108,11 @@ def test_phi4_serve_reads_the_samplers_by_their_openai_names_and_checks_them():
         chat_params({**body, "min_p": 2}, "m", Settings())
     assert chat_params(body, "m", Settings()).ask.top_k is None, "unset: the daemon's 50"
     assert chat_params({**body, "top_k": 5}, "m", Settings()).ask.top_k == 5
-    with pytest.raises(ApiError, match=r"'top_k' must be a whole number from 0"):
-        chat_params({**body, "top_k": 1.5}, "m", Settings())
+    # -1 is llama-server's and vLLM's "all tokens", as 0 is; a client of theirs may send it.
+    assert chat_params({**body, "top_k": -1}, "m", Settings()).ask.top_k == -1
+    for bad in (1.5, -2):
+        with pytest.raises(ApiError, match=r"'top_k' must be a whole number from -1"):
+            chat_params({**body, "top_k": bad}, "m", Settings())
     penalized = chat_params({**body, "presence_penalty": 1.5, "frequency_penalty": -2}, "m",
                             Settings()).ask  # fmt: skip
     assert (penalized.presence_penalty, penalized.frequency_penalty) == (1.5, -2)
@@ -173,3 +176,12 @@ def test_every_setting_is_declared_once_and_each_derived_list_says_so():
     assert options.SETTABLE[:5] == ("temperature", "top_p", "max_tokens", "think_budget", "seed")
     assert set(options.SAMPLING_KEYS) <= set(options.REQUEST_KEYS)
     assert "    min_p: float = 0.0\n" in options.generated_records()
+
+
+def test_a_setting_at_none_is_shown_by_its_rows_word():
+    from phi4cli.client.render import format_setting
+
+    assert format_setting("top_k", None) == "default"
+    assert format_setting("seed", None) == "random"
+    assert format_setting("n_ctx", None) == "auto"
+    assert format_setting("max_tokens", None) == "none"

@@ -37,6 +37,18 @@ def test_the_clis_early_stop_replayed_in_finishing_order_pays_for_what_cancelled
     assert (row.used, row.tokens, row.full_tokens, row.tie) == (8, 800, 800, True)
 
 
+def test_a_replay_with_stop_unsure_sets_the_floor_the_cli_would(tmp_path: Path):
+    # The CLI's early stop hands its adjust a floor (a float): the bench's replay takes it so.
+    confident = [Sample("7", 100, 0.0, 1.0 + i, confidence=10.0 - i) for i in range(8)]
+    row = replay(confident, str.__eq__, stop_unsure=True)
+    assert row.answer == "7"
+    command = [sys.executable, str(ROOT / "bench" / "votes.py"), "simulate", "--problems", "20",
+               "--k", "8", "--seeds", "1", "--stop-unsure", "--out", str(tmp_path)]  # fmt: skip
+    simulated = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert simulated.returncode == 0, simulated.stderr
+    assert "AIME-like" in simulated.stdout
+
+
 def _script(body: dict[str, Any]) -> list[str | Step]:
     number = body["messages"][-1]["content"].split("\n\n")[0].removeprefix("p")
     answer = number if body["seed"] % 4 else "99"  # one sample in four is wrong

@@ -571,6 +571,8 @@ def _print_backend_status(urls: list[str], as_json: bool) -> None:
     paths = get_paths()
     settings = _settings(paths)
     parsed = list(parse_setting("backend", urls, "--backend") or ())
+    if not parsed:  # `--backend ""`: a URL was meant (an IndexError before)
+        raise UsageError("--backend needs the URL of an OpenAI-compatible server")
     remote = RemoteBackend(parsed, settings.model, backend_key(), settings.backend_timeout)
     status = remote.status()
     if as_json:

@@ -394,15 +394,17 @@ def describe_differences(theirs: dict[str, Any], run: dict[str, Any]) -> tuple[s
                 said.append("samples stopped once settled, not all K" if old else
                             "all K samples, not stopped once settled (--all)")  # fmt: skip
         else:
-            said.append(f"{key} {_short(old)}, not {_short(new)}")
+            said.append(f"{key} {_short(key, old)}, not {_short(key, new)}")
     return tuple(said) or ("other settings",)
 
 
 def _model_name(model: Any) -> str:
-    return Path(model).name if isinstance(model, str) else _short(model)
+    return Path(model).name if isinstance(model, str) else _short("model", model)
 
 
-def _short(value: Any) -> str:
+def _short(key: str, value: Any) -> str:
+    if value is None and key in SETTING:
+        return SETTING[key].none  # (top_k default, not null)
     text = json.dumps(value, ensure_ascii=True)
     return text if len(text) <= 40 else text[:37] + "..."
 

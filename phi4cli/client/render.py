@@ -531,7 +531,9 @@ def format_setting(key: str, value: Any) -> str:
     if value is None:
         if key == "threads":
             return f"auto ({physical_cores()} physical cores)"
-        return {"n_ctx": "auto", "seed": "random"}.get(key, "none")
+        from phi4cli.core.options import SETTING
+
+        return SETTING[key].none if key in SETTING else "none"
     return str(value)
 
 

@@ -281,6 +281,7 @@ class Setting(Record):
     off: Any = NEVER_OFF
     sent: bool = True  # a remote server is sent it (phi4's own are not: strict servers refuse)
     env: str = ""  # its variable, when not PHI4_ + the key in capitals
+    none: str = "none"  # what its None is called where it is shown (seed: random, n_ctx: auto)
     doc_allowed: str = ""  # what the docs say it allows, where that depends on the machine
 
     def is_off(self, value: object) -> bool:
@@ -348,7 +349,7 @@ SETTINGS = (
             "int | None", REQUEST, "The likeliest this many tokens are drawn from; None: the "
             "engine's default (the daemon's 50, as the model card; a server's own).",
             flags="--top-k", option="int", low=0, groups=("answer",), settable=12,
-            sampling=True, wire=(0, MAX_COUNT), openai=("top_k",), off=None,
+            sampling=True, wire=(-1, MAX_COUNT), openai=("top_k",), off=None, none="default",
             help="Draw from the K likeliest tokens only (0: all) [default 50, as the model "
                  "card; a --backend server's own]."),
     Setting("min_p", _between(0.0, 1.0), "a number from 0 to 1 (0: off)", 0.0, "float", REQUEST,
@@ -379,7 +380,7 @@ SETTINGS = (
                  "(OpenAI's frequency penalty) [default 0: off]."),
     Setting("seed", _whole_or("random", MAX_SEED), f"a whole number from 0 to {MAX_SEED}, or "
             "random", None, "int | None", REQUEST, flags="--seed", option="int",
-            groups=("answer",), settable=5, sampling=True, wire=(0, MAX_SEED),
+            groups=("answer",), settable=5, sampling=True, wire=(0, MAX_SEED), none="random",
             openai=("seed",),
             help="Random seed, for repeatable samples."),
     Setting("max_tokens", _optional_positive_int, "a positive integer, or none", None,
@@ -402,7 +403,7 @@ SETTINGS = (
             f"at least {MIN_N_CTX} and at most {MAX_COUNT:,}", None, "int | None", DAEMON,
             "KV cache cells shared by all requests; None: planned from the model and free "
             "memory.", flags="--n-ctx", option="str", metavar="auto|N",
-            groups=("answer", "daemon"),
+            groups=("answer", "daemon"), none="auto",
             help="KV cache tokens in all (shared by the requests, or split into their streams) "
                  "of a daemon this command starts [default auto: planned from the model and "
                  "free memory]."),
