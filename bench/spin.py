@@ -8,8 +8,8 @@ spins ``GOMP_SPINCOUNT`` turns, then sleeps (libgomp reads it once, when the dae
 llama.cpp). For each spin count a daemon is started with ``--threads`` all cores. In each of
 ``--rounds`` interleaved passes it:
 
-- reads a fresh prompt of about ``--prompt`` tokens on the quiet machine (one token answered),
-  timing the prompt from the daemon's own stats;
+- reads a fresh prompt of ``--prompt`` words on the quiet machine (one token answered), timing
+  the prompt from the daemon's own stats (the table says how many tokens that was);
 - decodes ``--tokens`` greedy tokens on the quiet machine;
 - decodes them again beside one process busy ``--duty`` of each 100 ms (the light load where a
   short spin pays), unless ``--duty 0``.
@@ -83,7 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--spins", type=int, nargs="+", default=[10000, 100000, 300000])
-    parser.add_argument("--prompt", type=int, default=1000, help="tokens of the prompt read")
+    parser.add_argument("--prompt", type=int, default=1000, help="words of the prompt read")
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duty", type=float, default=0.5,
@@ -92,7 +92,14 @@ def main() -> None:
     args = parser.parse_args()
     longest = max(args.spins)
     runs: dict[int, dict[str, list[float]]] = {
-        spin: {"prompt": [], "quiet": [], "busy": [], "prompt_vs": [], "decode_vs": []}
+        spin: {
+            "prompt": [],
+            "quiet": [],
+            "busy": [],
+            "prompt_vs": [],
+            "decode_vs": [],
+            "prompt_tokens": [],
+        }
         for spin in args.spins
     }
     seed = 0
@@ -110,6 +117,7 @@ def main() -> None:
                     with busy(1, args.duty):
                         loaded = solve(env, args.model, QUESTION, args.tokens)
             passed[spin] = {"prompt": read["prompt_tokens_per_s"],
+                            "prompt_tokens": read["prompt_tokens"],
                             "quiet": quiet["decode_tokens_per_s"],
                             "busy": loaded["decode_tokens_per_s"] if loaded else 0.0}  # fmt: skip
             print(f"pass {round_ + 1}, spin {spin:,}: prompt {read['prompt_tokens']} tokens at "
@@ -123,7 +131,9 @@ def main() -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs"
     lines = [
         f"Spin counts on {args.model.name} ({machine}), {args.rounds} interleaved passes, "
-        f"a prompt of about {args.prompt} tokens, {args.tokens} tokens decoded, busy: one "
+        f"a prompt of {args.prompt} words (a median of "
+        f"{statistics.median(t for r in runs.values() for t in r['prompt_tokens']):.0f} tokens), "
+        f"{args.tokens} tokens decoded, busy: one "
         f"process {args.duty:.0%} of each 100 ms.",
         "",
         f"| GOMP_SPINCOUNT | prompt read | vs {longest:,} | decode, quiet | vs {longest:,} "
