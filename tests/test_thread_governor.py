@@ -322,3 +322,16 @@ def test_the_users_thread_count_is_not_tried_either():
     gov = governor(ticks, adapt=False)
     _, counts = answer(gov, ticks, 0.0, 60.0, HALF_BUSY, others=0.5)
     assert set(counts) == {2} and gov.speeds == {}
+
+
+def test_when_the_neighbour_leaves_all_threads_come_back_at_once():
+    # One thread was kept beside the half-busy process; once it is gone, a quiet machine would
+    # try two only ten minutes later: they come back at the next load check instead.
+    ticks = Ticks()
+    gov = governor(ticks)
+    now, _ = answer(gov, ticks, 0.0, 30.0, HALF_BUSY, others=0.5)
+    assert gov.threads == 1
+    now, counts = answer(gov, ticks, now, 10.0, QUIET)
+    back = counts.index(2)
+    assert back * QUIET[1] < 2 * CHECK_S + 0.5, "within two load checks"
+    assert set(counts[back:]) == {2}

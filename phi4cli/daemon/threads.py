@@ -197,6 +197,11 @@ class ThreadGovernor:
         # two threads on 2 cores measure 1.0-1.1 CPUs; a lighter, elastic load 0.5-0.9 and
         # returns it when one thread leaves room, which would make the count flap).
         ceiling = max(1, min(self.configured, math.ceil(free - FREE_MARGIN)))
+        if others < BUSY_OTHERS <= self._others and self._best < self.configured:
+            # The neighbours that made fewer threads faster are gone: all of them again, at
+            # once (a quiet machine tries counts only every PROBE_QUIET_S).
+            log.info("others left the CPUs: back to %s", _threads(self.configured))
+            self._best, self._trial = self.configured, None
         self._others = others
         if ceiling != self._ceiling:
             log.info("at most %d of %d threads (other processes kept %.1f of %d CPUs busy)",
