@@ -281,10 +281,8 @@ def confidence_floor(params: Mapping[str, Any]) -> float | None:
     return float(value)
 
 
-def _number(params: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
+def _number(params: Mapping[str, Any], key: str, low: float, high: float) -> float:
     value = params.get(key)
-    if value is None:
-        return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise ProtocolViolation(
             ErrorCode.BAD_REQUEST, f"'{key}' must be a number from {low} to {high}"
@@ -325,7 +323,7 @@ def parse_ask(params: Mapping[str, Any], defaults: Ask) -> Ask:
             if isinstance(low, int) and isinstance(high, int):
                 given[key] = _optional_int(params, key, low, high)
             else:
-                given[key] = _number(params, key, 0.0, low, high)
+                given[key] = _number(params, key, low, high)
         elif row.type == "bool":
             if not isinstance(value, bool):
                 raise ProtocolViolation(ErrorCode.BAD_REQUEST, f"'{key}' must be true or false")

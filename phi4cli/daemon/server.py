@@ -186,6 +186,7 @@ class DaemonServer:
     ) -> None:
         self.paths = paths
         self.settings = settings
+        self.asked = Ask.of(settings)  # what a request takes where it does not say
         self.keep_alive = settings.keep_alive
         self.engine = engine
         self.model_path = model_path  # loaded, being loaded, or failed to load
@@ -430,7 +431,7 @@ class DaemonServer:
                 request.id,
             )
         try:
-            params = protocol.parse_params(request.op, request.params, Ask.of(self.settings))
+            params = protocol.parse_params(request.op, request.params, self.asked)
         except ProtocolViolation as exc:
             raise ProtocolViolation(exc.code, exc.message, request.id) from None
         if params.keep_alive is not None:
