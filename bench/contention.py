@@ -20,6 +20,13 @@ both report) and the median of each pass's busy / quiet. The variants:
   and on all; ``--only TEXT`` (repeatable) runs the variants whose names hold it;
 - llama-server (same threads) by default, and with ``--poll 0``.
 
+Each busy process, the daemon and llama-server run in a session of their own, as a browser, a
+daemon and a server started from a terminal do on a desktop. Where the kernel groups processes
+by session for the scheduler (``/proc/sys/kernel/sched_autogroup_enabled``, on by default on
+many distributions), that decides who gets the CPUs: a server started in the bench's own session
+would share one group with the busy processes and get two of every three turns on the CPUs
+where, in a group of its own, it gets half.
+
 One daemon or server at a time, passes interleaved, so the machine's drift hits each alike. Writes
 bench/results/contention-<model>.json and .md (a run with other than ``--busy 2``, with
 ``--duty``, ``--spin`` or ``--only`` adds ``-busyN``, ``-dutyP``, ``-chosen`` to the name), and
@@ -63,7 +70,8 @@ def busy(count: int, duty: float = 1.0) -> Iterator[None]:
     """``count`` processes spinning on the CPUs while the block runs (each ``duty`` of the
     time)."""
     code = SPIN if duty >= 1.0 else SOME.format(duty=duty)
-    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
+    procs = [subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+             for _ in range(count)]  # fmt: skip
     try:
         time.sleep(1.0)  # let them take their share of the CPUs
         yield
@@ -107,7 +115,7 @@ def llama_server(server: Path, model: Path, threads: int, extra: list[str]) -> I
     proc = subprocess.Popen(
         [str(server), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-np", "1",
          "-c", "4096", "--host", "127.0.0.1", "--port", str(port), *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
 
     def ask(tokens: int) -> float:
@@ -126,6 +134,15 @@ def llama_server(server: Path, model: Path, threads: int, extra: list[str]) -> I
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def autogroup() -> str:
+    """Whether the kernel groups processes by session when it shares the CPUs."""
+    try:
+        on = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return "no session groups"
+    return "session groups" if on else "no session groups"
 
 
 def main() -> None:
@@ -189,7 +206,8 @@ def main() -> None:
     results: dict[str, Any] = {
         "model": str(args.model), "tokens": args.tokens, "rounds": args.rounds,
         "busy": args.busy, "duty": args.duty, "threads": threads,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "quiet": {}, "busy_rates": {},
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {autogroup()}",
+        "quiet": {}, "busy_rates": {},
     }  # fmt: skip
     # Interleaved: each pass starts each variant in turn and times one answer on the quiet
     # machine and one beside the busy processes, so that the machine's drift (these are
