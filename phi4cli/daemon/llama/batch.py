@@ -76,6 +76,7 @@ class LlamaEngine:
         self._loads = 0  # models loaded so far: tells a job's tokens from another model's
         self._writer: RunWriter | None = None  # what each token of a run writes (writing.py)
         self._governor: ThreadGovernor | None = None  # threads from the cores others leave free
+        self._whole: set[tuple[int, int, int, int]] = set()  # files known whole (_file_identity)
 
     @property
     def model_path(self) -> Path | None:
@@ -106,11 +107,19 @@ class LlamaEngine:
 
         Raise ModelLoadError with a message for the user when llama.cpp cannot load it. A file
         that is missing, not a GGUF or truncated is refused before the loaded model is let go:
-        one client's bad path must not take the model away from everyone.
+        one client's bad path must not take the model away from everyone. With no model loaded
+        there is nothing to keep serving: the whole file is not read ahead of llama.cpp, which
+        refuses a truncated one itself (the gguf package's read of a real model's tokenizer
+        takes seconds, the most of a start; the failure's message is the same, from
+        ``_diagnose_load_failure``). A file this daemon has loaded or checked is not read again
+        while it is unchanged.
         """
-        check_model_file(path)
+        identity = _file_identity(path)
+        check_model_file(path, whole=self._model is not None and identity not in self._whole)
         self.close()
         model = load_model(path, self.settings, self.n_batch)
+        if identity is not None:
+            self._whole.add(identity)
         try:
             self._prompts = Prompts(model)
         except BaseException:
@@ -432,17 +441,27 @@ class LlamaEngine:
         })  # fmt: skip
 
 
-def check_model_file(path: Path) -> None:
-    """Raise ModelLoadError unless ``path`` is a complete GGUF file (header and tensor data)."""
+def check_model_file(path: Path, whole: bool = True) -> None:
+    """Raise ModelLoadError unless ``path`` is a GGUF file; with ``whole``, a complete one
+    (header and tensor data)."""
     from phi4cli.core.errors import InvalidModelError
-    from phi4cli.core.models import validate_gguf
+    from phi4cli.core.models import check_gguf_magic, validate_gguf
 
     if not path.is_file():
         raise ModelLoadError(f"model file {path} does not exist")
     try:
-        validate_gguf(path)
+        validate_gguf(path) if whole else check_gguf_magic(path)
     except InvalidModelError as exc:
         raise ModelLoadError(str(exc)) from None
+
+
+def _file_identity(path: Path) -> tuple[int, int, int, int] | None:
+    """What tells one state of a file from another: device, inode, size, mtime."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 def _ahead_of_streams(reading: list[Slot]) -> list[Slot]:
