@@ -244,11 +244,11 @@ def main() -> None:
             server.wait(30)
     rows = []
     for k in args.concurrent:
-        ours, theirs = results["phi4"][k], results["llama_server"].get(k)
-        row = f"| {k} | {ours['tps']:.2f} tok/s | {ours['slowest_ttft_s']:.2f} s | "
-        if theirs:
-            row += (f"{theirs['tps']:.2f} tok/s | {theirs['slowest_ttft_s']:.2f} s | "
-                    f"**{ours['tps'] / theirs['tps']:.2f}x** |")  # fmt: skip
+        mine, peer = results["phi4"][k], results["llama_server"].get(k)
+        row = f"| {k} | {mine['tps']:.2f} tok/s | {mine['slowest_ttft_s']:.2f} s | "
+        if peer:
+            row += (f"{peer['tps']:.2f} tok/s | {peer['slowest_ttft_s']:.2f} s | "
+                    f"**{mine['tps'] / peer['tps']:.2f}x** |")  # fmt: skip
         else:
             row += "- | - | - |"
         rows.append(row)

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -93,8 +93,9 @@ def in_process_turns(
         messages = [*history[: 2 * turn], history[2 * turn]]
         sent = time.monotonic()
         first = None
-        stream = llm.create_chat_completion(
-            messages, max_tokens=max_tokens, temperature=0, stream=True
+        # (Typed as an answer or a stream of chunks, of messages typed more narrowly than this.)
+        stream: Any = llm.create_chat_completion(
+            cast(Any, messages), max_tokens=max_tokens, temperature=0, stream=True
         )
         for chunk in stream:
             if first is None and chunk["choices"][0]["delta"].get("content"):

@@ -47,7 +47,7 @@ def run_step_times(engine: LlamaEngine, at_once: int, tokens: int, confidence: b
     while len(done) < at_once:
         done += engine.step()
     # Every request decodes in every step once all are reading no prompt: the slowest's rate.
-    return max(stats.decode_s / max(1, stats.completion_tokens) for _, stats in done)
+    return float(max(stats.decode_s / max(1, stats.completion_tokens) for _, stats in done))
 
 
 def main() -> None:

@@ -183,14 +183,16 @@ def main() -> None:
         f"phi4, its spin, {n} threads": lambda: phi4_daemon(args.model, n, base),
         "phi4, 1 thread": lambda: phi4_daemon(args.model, 1, base),
     }  # fmt: skip
+
+    def spinning(
+        threads: int | None, env: dict[str, str]
+    ) -> Callable[[], AbstractContextManager[Ask]]:
+        return lambda: phi4_daemon(args.model, threads, env)
+
     for spin in args.spin:
         spun = {**base, "GOMP_SPINCOUNT": str(spin)}
-        variants[f"phi4, GOMP_SPINCOUNT={spin}, threads from the free cores"] = lambda spun=spun: (
-            phi4_daemon(args.model, None, spun)
-        )
-        variants[f"phi4, GOMP_SPINCOUNT={spin}, {n} threads"] = lambda spun=spun: phi4_daemon(
-            args.model, n, spun
-        )
+        variants[f"phi4, GOMP_SPINCOUNT={spin}, threads from the free cores"] = spinning(None, spun)
+        variants[f"phi4, GOMP_SPINCOUNT={spin}, {n} threads"] = spinning(n, spun)
     if args.server is not None:
         server = args.server
         variants["llama-server"] = lambda: llama_server(server, args.model, n, [])

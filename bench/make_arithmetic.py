@@ -56,7 +56,8 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=200)
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    rows, seen = [], set()
+    rows: list[dict[str, str]] = []
+    seen: set[str] = set()
     while len(rows) < args.count:
         text, answer = problem(rng)
         if text not in seen:

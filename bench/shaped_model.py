@@ -34,7 +34,7 @@ N_ROT = 96
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
 
 
-def _vocab() -> tuple[list[str], list[int], list[str]]:
+def _vocab() -> tuple[list[str], list[gguf.TokenType], list[str]]:
     byte_tokens = list(bytes_to_unicode().values())
     merged, merges = train_bpe(400)
     tokens = byte_tokens + merged

@@ -71,10 +71,11 @@ def in_process(model: Path, threads: int, tokens: int) -> dict[str, float]:
         started = time.monotonic()
         first = None
         count = 0
-        for chunk in llm.create_chat_completion(
+        stream: Any = llm.create_chat_completion(  # (typed as an answer or a stream of chunks)
             [{"role": "user", "content": QUESTION}], max_tokens=tokens, temperature=0,
             stream=True,
-        ):  # fmt: skip
+        )  # fmt: skip
+        for chunk in stream:
             if chunk["choices"][0]["delta"].get("content"):
                 count += 1
                 first = first or time.monotonic()

@@ -37,10 +37,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from test_time import MEDIAN_TOKENS, MIXTURES, TOKENS_SIGMA, draw_problem  # noqa: E402
-
+from bench.test_time import MEDIAN_TOKENS, MIXTURES, TOKENS_SIGMA, draw_problem  # noqa: E402
 from phi4cli.client.solving import EarlyStop  # noqa: E402
 from phi4cli.core.protocol import Stats  # noqa: E402
 from phi4cli.engines.outcome import Outcome  # noqa: E402
