@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from phi4cli.daemon.memory import (
     MIN_CTX,
     Device,
     Machine,
+    MemoryPlan,
     MemoryRequest,
     ModelShape,
     plan_memory,
@@ -213,6 +215,46 @@ def test_auto_offloads_as_many_layers_as_fit_after_the_kv_plan():
     assert plan.gpu_layers == blocks + 1
     assert any(f"{blocks + 1} of 33 layers fit" in note and f"the output layer and {blocks} of 32"
                in note for note in plan.notes)  # fmt: skip
+
+
+def _host_bytes(plan: MemoryPlan, shape: ModelShape) -> float:
+    """What a plan leaves on the host: the weights of the blocks it keeps there (and the rest
+    of the file), with their share of the KV cache."""
+    layers = shape.n_layer + 1 if plan.gpu_layers < 0 else plan.gpu_layers
+    host_blocks = shape.n_layer - max(0, layers - 1)
+    kv = shape.kv_bytes_per_token(plan.kv_cache_type) * plan.n_ctx * host_blocks / shape.n_layer
+    return shape.other_bytes + host_blocks * shape.layer_bytes + kv
+
+
+def test_a_model_split_between_device_and_host_leaves_the_host_room_for_its_part():
+    # Before: with part of the model on the device, the context was sized as if the device held
+    # every weight and the host only the KV cache. On a 6 GiB machine (4.5 free) beside a GPU
+    # with 1.5 GiB free it planned 24,576 tokens with 4 of 33 layers on the device: the 29 blocks
+    # left on the CPU and their share of the cache needed 4.9 GiB of the 3.5 GiB free. Now
+    # 12,032 tokens, 6 layers on the device, 3.3 GiB on the host.
+    small = replace(gpu_machine(1.5), ram_total=6 * GiB, ram_available=int(4.5 * GiB))
+    plan = plan_memory(PHI4_MINI, small, MemoryRequest())
+    assert 0 < plan.gpu_layers < 33
+    assert _host_bytes(plan, PHI4_MINI) <= 3.5 * GiB
+    assert plan.n_ctx >= MIN_CTX and plan.n_ctx % CTX_ALIGN == 0
+    assert any("left on the CPU and their share of the KV cache fit the free RAM" in note
+               for note in plan.notes)  # fmt: skip
+    assert not any(note.startswith("free memory holds") for note in plan.notes)
+
+
+@pytest.mark.parametrize("device_gib", [0.8, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+@pytest.mark.parametrize("total_gib", [4, 6, 8, 12, 16])
+def test_over_many_machines_a_split_model_fits_the_host_or_says_so(device_gib, total_gib):
+    available = total_gib * 0.75
+    host = replace(gpu_machine(device_gib), ram_total=int(total_gib * GiB),
+                   ram_available=int(available * GiB))  # fmt: skip
+    plan = plan_memory(PHI4_MINI, host, MemoryRequest())
+    ram_free = available * GiB - max(GiB, 0.1 * total_gib * GiB)
+    if plan.gpu_layers > 0:  # part on each (-1 is all on the device, 0 all on the CPU)
+        assert _host_bytes(plan, PHI4_MINI) <= ram_free or (
+            plan.n_ctx == MIN_CTX and any("need more RAM than is free" in n for n in plan.notes)
+        )
+    assert plan.request_tokens <= plan.n_ctx
 
 
 def test_a_tiny_device_gets_no_layers():

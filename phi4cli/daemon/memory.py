@@ -206,7 +206,8 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
         wanted_layers = 0
 
     headroom = max(RAM_HEADROOM_MIN, int(machine.ram_total * RAM_HEADROOM_FRACTION))
-    ram_room = machine.ram_available - headroom
+    ram_free = machine.ram_available - headroom  # before any weights
+    ram_room = ram_free
     if not machine.model_in_ram:
         # Weights that stay on the host must be resident too (mmap'd pages count as available).
         host_blocks = shape.n_layer - _blocks(wanted_layers)
@@ -237,16 +238,54 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
     request_tokens = min(wanted_request, n_ctx)
 
     # --- layers on the device ------------------------------------------------------------------
-    gpu_layers = 0
-    if wanted_layers:
-        # Each block with its share of the KV cache; the output layer (and, to be safe, the
-        # input embedding that stays on the CPU) counted in other_bytes.
+    def fitting(n_ctx: int) -> int:
+        """The layers the device holds beside their share of an n_ctx-token KV cache: each
+        block with its share; the output layer (and, to be safe, the input embedding that stays
+        on the CPU) counted in other_bytes."""
         per_layer = shape.layer_bytes + per_layer_token * n_ctx
         blocks_fit = int((device_room - shape.other_bytes) // per_layer) if per_layer else 0
-        fitting = 0 if blocks_fit < 0 else min(all_layers, blocks_fit + 1)
+        return 0 if blocks_fit < 0 else min(all_layers, blocks_fit + 1)
+
+    def host_tokens(layers: int) -> int:
+        """The KV tokens the host's RAM holds beside the weights of the layers left on it,
+        with those layers' share of each token."""
+        host_blocks = shape.n_layer - _blocks(layers)
+        weights = 0 if machine.model_in_ram else shape.other_bytes + host_blocks * shape.layer_bytes
+        share = per_layer_token * host_blocks
+        return int((ram_free - weights) / share) if share else 1 << 62
+
+    gpu_layers = 0
+    if wanted_layers:
+        per_layer = shape.layer_bytes + per_layer_token * n_ctx
         where = device.name if device else "the device"
         if layers_setting == "auto":
-            gpu_layers = fitting
+            gpu_layers = fitting(n_ctx)
+            # Part on the device, part on the host: the context was sized as if the device held
+            # every weight and the host the whole KV cache. The layers left on the host need
+            # their weights and their share of the cache in its RAM; a smaller context lets the
+            # device take more layers, so the two are settled together.
+            if source == "auto" and 0 < gpu_layers < all_layers:
+                shrunk = False
+                while n_ctx > MIN_CTX and host_tokens(gpu_layers) < n_ctx:
+                    n_ctx = max(MIN_CTX, min(n_ctx - CTX_ALIGN,
+                                             _align_down(host_tokens(gpu_layers))))  # fmt: skip
+                    gpu_layers = fitting(n_ctx)
+                    shrunk = True
+                request_tokens = min(request_tokens, n_ctx)
+                if host_tokens(gpu_layers) < n_ctx:
+                    notes.append(
+                        f"the {shape.n_layer - _blocks(gpu_layers)} blocks left on the CPU and "
+                        f"their share of even a {n_ctx:,}-token KV cache need more RAM than is "
+                        "free"
+                    )
+                elif shrunk:
+                    # (Instead of the count above, which left the host's weights out.)
+                    notes = [note for note in notes if not note.startswith("free memory holds")]
+                    notes.append(
+                        f"the {shape.n_layer - _blocks(gpu_layers)} blocks left on the CPU and "
+                        f"their share of the KV cache fit the free RAM with {n_ctx:,} tokens of "
+                        "context"
+                    )
             if not gpu_layers:
                 notes.append(f"no layer fits in {where}'s free memory beside a {n_ctx:,}-token "
                              "KV cache: all on the CPU")  # fmt: skip
@@ -258,7 +297,7 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
                 )
         else:
             gpu_layers = wanted_layers
-            if fitting < wanted_layers:
+            if fitting(n_ctx) < wanted_layers:
                 need = shape.other_bytes + _blocks(wanted_layers) * per_layer
                 needed = (
                     f"{wanted_layers} of {all_layers} layers with a {n_ctx:,}-token {kv_type} KV "
