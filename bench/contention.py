@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -146,6 +147,9 @@ def autogroup() -> str:
 
 
 def main() -> None:
+    # A bench stopped with SIGTERM still kills its busy processes (each in a session of its
+    # own, so nothing else would): the finally blocks run on the way out.
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--server", type=Path)

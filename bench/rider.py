@@ -3,8 +3,10 @@
     python bench/rider.py --model PATH [--server PATH/TO/llama-server] [--prompt-tokens 500]
                           [--rounds 3]
 
-In each of ``--rounds`` passes, for phi4's daemon and (with ``--server``) llama-server on the same
-model, threads and two slots:
+In each of ``--rounds`` passes, for phi4's daemon (``--parallel 2``: its plan may make more
+slots) and (with ``--server``) llama-server (``-np 2``) on the same model and threads. phi4 reads
+its system prompt and instruction before each question (cached), llama-server the question
+alone:
 
 - **alone**: a question opening with ``--prompt-tokens`` tokens of problem text, on an idle
   engine: seconds to its first token;
@@ -179,7 +181,9 @@ def main() -> None:
                   f"{measured['stream_before_tps']:.2f} tok/s before, "
                   f"{measured['stream_during_tps']:.2f} while the prompt was read",
                   flush=True)  # fmt: skip
-    median = {name: {key: statistics.median(values) for key, values in keys.items()}
+    # (A pass whose stream ended before the rider's first token has no rate "while": left out.)
+    median = {name: {key: statistics.median([v for v in values if v == v] or [float("nan")])
+                     for key, values in keys.items()}
               for name, keys in runs.items()}  # fmt: skip
     results: dict[str, Any] = {
         "model": str(args.model), "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,

@@ -231,7 +231,7 @@ def test_a_model_split_between_device_and_host_leaves_the_host_room_for_its_part
     # every weight and the host only the KV cache. On a 6 GiB machine (4.5 free) beside a GPU
     # with 1.5 GiB free it planned 24,576 tokens with 4 of 33 layers on the device: the 29 blocks
     # left on the CPU and their share of the cache needed 4.9 GiB of the 3.5 GiB free. Now
-    # 12,032 tokens, 6 layers on the device, 3.3 GiB on the host.
+    # 13,056 tokens, 5 layers on the device, 3.48 GiB on the host.
     small = replace(gpu_machine(1.5), ram_total=6 * GiB, ram_available=int(4.5 * GiB))
     plan = plan_memory(PHI4_MINI, small, MemoryRequest())
     assert 0 < plan.gpu_layers < 33
@@ -250,11 +250,22 @@ def test_over_many_machines_a_split_model_fits_the_host_or_says_so(device_gib, t
                    ram_available=int(available * GiB))  # fmt: skip
     plan = plan_memory(PHI4_MINI, host, MemoryRequest())
     ram_free = available * GiB - max(GiB, 0.1 * total_gib * GiB)
-    if plan.gpu_layers > 0:  # part on each (-1 is all on the device, 0 all on the CPU)
+    if plan.gpu_layers >= 0:  # part on each, or all on the CPU (-1: all on the device)
         assert _host_bytes(plan, PHI4_MINI) <= ram_free or (
             plan.n_ctx == MIN_CTX and any("need more RAM than is free" in n for n in plan.notes)
         )
     assert plan.request_tokens <= plan.n_ctx
+
+
+@pytest.mark.parametrize("device_gib", [0.8, 1.5, 2.0, 3.3])
+def test_beside_a_device_more_ram_never_plans_a_smaller_context(device_gib):
+    # Before (a first version of the split plan): a 3.3 GiB GPU beside 1.55 GiB of free RAM
+    # planned 4,352 tokens, beside 1.6 GiB 2,048, beside 1.7 GiB 4,608.
+    sizes = [plan_memory(PHI4_MINI, replace(gpu_machine(device_gib), ram_total=16 * GiB,
+                                            ram_available=int(gib / 20 * GiB)),
+                         MemoryRequest()).n_ctx
+             for gib in range(20, 300)]  # fmt: skip
+    assert sizes == sorted(sizes)
 
 
 def test_a_tiny_device_gets_no_layers():

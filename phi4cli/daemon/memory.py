@@ -260,32 +260,44 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
         where = device.name if device else "the device"
         if layers_setting == "auto":
             gpu_layers = fitting(n_ctx)
-            # Part on the device, part on the host: the context was sized as if the device held
-            # every weight and the host the whole KV cache. The layers left on the host need
-            # their weights and their share of the cache in its RAM; a smaller context lets the
-            # device take more layers, so the two are settled together.
-            if source == "auto" and 0 < gpu_layers < all_layers:
-                shrunk = False
-                while n_ctx > MIN_CTX and host_tokens(gpu_layers) < n_ctx:
-                    n_ctx = max(MIN_CTX, min(n_ctx - CTX_ALIGN,
-                                             _align_down(host_tokens(gpu_layers))))  # fmt: skip
+            # Not all on the device: the context was sized as if the device held every weight
+            # and the host the whole KV cache. The blocks left on the host need their weights
+            # and their share of the cache in its RAM, and a smaller context lets the device
+            # take more blocks. The host's room shrinks as the context grows, so the contexts
+            # that fit are the ones up to some size: found by halving, in CTX_ALIGN steps.
+            if source == "auto" and gpu_layers < all_layers:
+
+                def host_fits(tokens: int) -> bool:
+                    return host_tokens(fitting(tokens)) >= tokens
+
+                if not host_fits(n_ctx):
+                    low, high = MIN_CTX // CTX_ALIGN, n_ctx // CTX_ALIGN  # high does not fit
+                    while high - low > 1:
+                        middle = (low + high) // 2
+                        low, high = (
+                            (middle, high) if host_fits(middle * CTX_ALIGN) else (low, middle)
+                        )
+                    n_ctx = low * CTX_ALIGN
                     gpu_layers = fitting(n_ctx)
-                    shrunk = True
-                request_tokens = min(request_tokens, n_ctx)
-                if host_tokens(gpu_layers) < n_ctx:
-                    notes.append(
-                        f"the {shape.n_layer - _blocks(gpu_layers)} blocks left on the CPU and "
-                        f"their share of even a {n_ctx:,}-token KV cache need more RAM than is "
-                        "free"
-                    )
-                elif shrunk:
+                    request_tokens = min(request_tokens, n_ctx)
                     # (Instead of the count above, which left the host's weights out.)
                     notes = [note for note in notes if not note.startswith("free memory holds")]
-                    notes.append(
-                        f"the {shape.n_layer - _blocks(gpu_layers)} blocks left on the CPU and "
-                        f"their share of the KV cache fit the free RAM with {n_ctx:,} tokens of "
-                        "context"
-                    )
+                    left = shape.n_layer - _blocks(gpu_layers)
+                    if not host_fits(n_ctx):
+                        notes.append(
+                            f"the {left} blocks left on the CPU and their share of even a "
+                            f"{n_ctx:,}-token KV cache need more RAM than is free"
+                        )
+                    elif gpu_layers < all_layers:
+                        notes.append(
+                            f"the {left} blocks left on the CPU and their share of the KV cache "
+                            f"fit the free RAM with {n_ctx:,} tokens of context"
+                        )
+                    else:
+                        notes.append(
+                            f"with {n_ctx:,} tokens of context every layer and its KV cache "
+                            f"fit in {where}'s free memory"
+                        )
             if not gpu_layers:
                 notes.append(f"no layer fits in {where}'s free memory beside a {n_ctx:,}-token "
                              "KV cache: all on the CPU")  # fmt: skip

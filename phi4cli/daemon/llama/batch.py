@@ -76,7 +76,7 @@ class LlamaEngine:
         self._loads = 0  # models loaded so far: tells a job's tokens from another model's
         self._writer: RunWriter | None = None  # what each token of a run writes (writing.py)
         self._governor: ThreadGovernor | None = None  # threads from the cores others leave free
-        self._whole: set[tuple[int, int, int, int]] = set()  # files known whole (_file_identity)
+        self._whole: set[tuple[int, ...]] = set()  # files loaded whole (_file_identity)
 
     @property
     def model_path(self) -> Path | None:
@@ -109,16 +109,16 @@ class LlamaEngine:
         that is missing, not a GGUF or truncated is refused before the loaded model is let go:
         one client's bad path must not take the model away from everyone. With no model loaded
         there is nothing to keep serving: the whole file is not read ahead of llama.cpp, which
-        refuses a truncated one itself (the gguf package's read of a real model's tokenizer
+        refuses a truncated one itself (the gguf package's parse of a real model's tokenizer
         takes seconds, the most of a start; the failure's message is the same, from
-        ``_diagnose_load_failure``). A file this daemon has loaded or checked is not read again
-        while it is unchanged.
+        ``_diagnose_load_failure``). A file this daemon has loaded is not read again while it
+        is unchanged (the same file, size and times, before and after that load).
         """
         identity = _file_identity(path)
         check_model_file(path, whole=self._model is not None and identity not in self._whole)
         self.close()
         model = load_model(path, self.settings, self.n_batch)
-        if identity is not None:
+        if identity is not None and _file_identity(path) == identity:
             self._whole.add(identity)
         try:
             self._prompts = Prompts(model)
@@ -455,13 +455,14 @@ def check_model_file(path: Path, whole: bool = True) -> None:
         raise ModelLoadError(str(exc)) from None
 
 
-def _file_identity(path: Path) -> tuple[int, int, int, int] | None:
-    """What tells one state of a file from another: device, inode, size, mtime."""
+def _file_identity(path: Path) -> tuple[int, int, int, int, int] | None:
+    """What tells one state of a file from another: device, inode, size, mtime and ctime (which,
+    unlike mtime, no one can set back after rewriting the file in place)."""
     try:
         stat = path.stat()
     except OSError:
         return None
-    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
 def _ahead_of_streams(reading: list[Slot]) -> list[Slot]:
