@@ -34,6 +34,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +149,23 @@ def server_round(port: int, prompts: list[str], tokens: int) -> dict[str, Any]:
     for thread in threads:
         thread.join()
     return summary(started, produced, first)
+
+
+@contextmanager
+def llama_server_running(server: Path, model: Path, args: list[str]) -> Iterator[int]:
+    """llama-server on ``model`` with ``args``, in a session of its own (as a server started
+    from another terminal is), on a free local port; yields the port once it is healthy."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(server), "-m", str(model), *args, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_healthy(port)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def wait_healthy(port: int, timeout: float = 300) -> None:

@@ -54,7 +54,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.batching import free_port, wait_healthy  # noqa: E402
+from bench.batching import llama_server_running  # noqa: E402
 from bench.speed import PHI4, QUESTION  # noqa: E402
 
 SPIN = "while True: pass"
@@ -112,29 +112,20 @@ def phi4_daemon(model: Path, threads: int | None, env: dict[str, str]) -> Iterat
 def llama_server(server: Path, model: Path, threads: int, extra: list[str]) -> Iterator[Ask]:
     """A llama-server started with ``extra``; yields the decode rate of a greedy chat
     completion (its own timings: predicted_per_second)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(server), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-np", "1",
-         "-c", "4096", "--host", "127.0.0.1", "--port", str(port), *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    args = ["-t", str(threads), "-tb", str(threads), "-np", "1", "-c", "4096", *extra]
+    with llama_server_running(server, model, args) as port:
 
-    def ask(tokens: int) -> float:
-        body = json.dumps({"messages": [{"role": "user", "content": QUESTION}],
-                           "max_tokens": tokens, "temperature": 0,
-                           "cache_prompt": False}).encode()  # fmt: skip
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-            headers={"Content-Type": "application/json"})  # fmt: skip
-        with urllib.request.urlopen(request, timeout=900) as reply:
-            return float(json.loads(reply.read())["timings"]["predicted_per_second"])
+        def ask(tokens: int) -> float:
+            body = json.dumps({"messages": [{"role": "user", "content": QUESTION}],
+                               "max_tokens": tokens, "temperature": 0,
+                               "cache_prompt": False}).encode()  # fmt: skip
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                headers={"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(request, timeout=900) as reply:
+                return float(json.loads(reply.read())["timings"]["predicted_per_second"])
 
-    try:
-        wait_healthy(port)
         yield ask
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def autogroup() -> str:

@@ -24,7 +24,6 @@ bench/results/restart-<model>.json and .md, and prints the Markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -40,6 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import report  # noqa: E402
 from bench.speed import PHI4, QUESTION, first_byte_s  # noqa: E402
 
 
@@ -143,11 +143,7 @@ def main() -> None:
         "| --- | --- | --- |",
         *(f"| {what} | {seconds:.2f} s | {note} |" for what, seconds, note in rows),
     ]
-    table = "\n".join(lines)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"restart-{model.stem}.json").write_text(json.dumps(results, indent=2))
-    (args.out / f"restart-{model.stem}.md").write_text(table + "\n")
-    print(table)
+    report.write(args.out, f"restart-{model.stem}", results, "\n".join(lines))
 
 
 if __name__ == "__main__":

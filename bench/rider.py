@@ -42,7 +42,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.batching import free_port, questions, wait_healthy  # noqa: E402
+from bench import report  # noqa: E402
+from bench.batching import llama_server_running, questions  # noqa: E402
 from bench.speed import PHI4, QUESTION  # noqa: E402
 
 STREAM_TOKENS = 160  # the stream's answer: long enough to outlast the rider's prompt
@@ -83,33 +84,25 @@ def phi4_engine(model: Path, threads: int) -> Iterator[Ask]:
 
 @contextmanager
 def server_engine(server: Path, model: Path, threads: int) -> Iterator[Ask]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(server), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-np", "2",
-         "-c", "4096", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    args = ["-t", str(threads), "-tb", str(threads), "-np", "2", "-c", "4096"]
+    with llama_server_running(server, model, args) as port:
 
-    def ask(prompt: str, tokens: int, on_token: Callable[[float], None]) -> None:
-        body = json.dumps({"messages": [{"role": "user", "content": prompt}],
-                           "max_tokens": tokens, "temperature": 0, "stream": True,
-                           "cache_prompt": False}).encode()  # fmt: skip
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-            headers={"Content-Type": "application/json"})  # fmt: skip
-        with urllib.request.urlopen(request, timeout=3600) as response:
-            for line in response:
-                if line.startswith(b"data: {"):
-                    delta = (json.loads(line[6:]).get("choices") or [{}])[0].get("delta") or {}
-                    if delta.get("content") or delta.get("reasoning_content"):
-                        on_token(time.monotonic())
+        def ask(prompt: str, tokens: int, on_token: Callable[[float], None]) -> None:
+            body = json.dumps({"messages": [{"role": "user", "content": prompt}],
+                               "max_tokens": tokens, "temperature": 0, "stream": True,
+                               "cache_prompt": False}).encode()  # fmt: skip
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                headers={"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(request, timeout=3600) as response:
+                for line in response:
+                    if line.startswith(b"data: {"):
+                        choices = json.loads(line[6:]).get("choices") or [{}]
+                        delta = choices[0].get("delta") or {}
+                        if delta.get("content") or delta.get("reasoning_content"):
+                            on_token(time.monotonic())
 
-    try:
-        wait_healthy(port)
         yield ask
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def alone(ask: Ask, prompt: str) -> float:
@@ -201,11 +194,7 @@ def main() -> None:
           f"{m['stream_before_tps']:.2f} tok/s | {m['stream_during_tps']:.2f} tok/s |"
           for name, m in median.items()),
     ]  # fmt: skip
-    table = "\n".join(lines)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rider-{args.model.stem}.json").write_text(json.dumps(results, indent=2))
-    (args.out / f"rider-{args.model.stem}.md").write_text(table + "\n")
-    print(table)
+    report.write(args.out, f"rider-{args.model.stem}", results, "\n".join(lines))
 
 
 if __name__ == "__main__":
