@@ -268,6 +268,16 @@ def test_beside_a_device_more_ram_never_plans_a_smaller_context(device_gib):
     assert sizes == sorted(sizes)
 
 
+def test_a_split_plan_never_grows_a_context_smaller_than_the_floor():
+    # A model trained on 512 tokens, one request: 512 tokens planned, below MIN_CTX. When the
+    # host's part does not fit, the plan says so and keeps the 512 (it once rose to MIN_CTX).
+    short = replace(PHI4_MINI, n_ctx_train=512)
+    cramped = replace(gpu_machine(0.9), ram_total=4 * GiB, ram_available=int(1.1 * GiB))
+    plan = plan_memory(short, cramped, MemoryRequest(parallel=1))
+    assert plan.n_ctx <= 512
+    assert any("need more RAM than is free" in note for note in plan.notes)
+
+
 def test_a_tiny_device_gets_no_layers():
     plan = plan_memory(PHI4_MINI, gpu_machine(0.4), MemoryRequest())
     assert plan.gpu_layers == 0 and plan.device is None

@@ -271,13 +271,14 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
                     return host_tokens(fitting(tokens)) >= tokens
 
                 if not host_fits(n_ctx):
-                    low, high = MIN_CTX // CTX_ALIGN, n_ctx // CTX_ALIGN  # high does not fit
-                    while high - low > 1:
-                        middle = (low + high) // 2
-                        low, high = (
-                            (middle, high) if host_fits(middle * CTX_ALIGN) else (low, middle)
-                        )
-                    n_ctx = low * CTX_ALIGN
+                    if n_ctx > MIN_CTX:  # (never below MIN_CTX, nor above what was planned)
+                        low, high = MIN_CTX // CTX_ALIGN, n_ctx // CTX_ALIGN  # high: no fit
+                        while high - low > 1:
+                            middle = (low + high) // 2
+                            low, high = (
+                                (middle, high) if host_fits(middle * CTX_ALIGN) else (low, middle)
+                            )
+                        n_ctx = low * CTX_ALIGN
                     gpu_layers = fitting(n_ctx)
                     request_tokens = min(request_tokens, n_ctx)
                     # (Instead of the count above, which left the host's weights out.)
