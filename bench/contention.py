@@ -83,29 +83,42 @@ def busy(count: int, duty: float = 1.0) -> Iterator[None]:
 
 
 @contextmanager
+def phi4_running(model: Path, args: list[str], env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """A daemon of its own (a fresh PHI4_HOME) on ``model`` with ``args``, a 4,096-token
+    context and ``env``; yields its environment, for the commands that talk to it."""
+    home = Path(tempfile.mkdtemp(prefix="p4c-", dir="/tmp"))
+    env = {**env, "PHI4_HOME": str(home)}
+    subprocess.run([*PHI4, "daemon", "start", "-m", str(model), *args, "--n-ctx", "4096"],
+                   env=env, check=True, capture_output=True)  # fmt: skip
+    try:
+        yield env
+    finally:
+        subprocess.run([*PHI4, "stop"], env=env, capture_output=True, check=False)
+
+
+def solve_stats(env: dict[str, str], model: Path, question: str, tokens: int) -> dict[str, Any]:
+    """The stats of a greedy ``phi4 solve --json`` of ``tokens`` tokens (no instruction)."""
+    done = subprocess.run([*PHI4, "solve", question, "-m", str(model), "-t", "0", "--json",
+                           "--no-instruction", "-n", str(tokens)], env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    # (Exit 1 is fine: a reasoning model's thinking cut short has no final answer.)
+    if done.returncode not in (0, 1):
+        raise RuntimeError(f"phi4 solve failed ({done.returncode}): {done.stderr.strip()}")
+    return dict(json.loads(done.stdout)["stats"])
+
+
+@contextmanager
 def phi4_daemon(model: Path, threads: int | None, env: dict[str, str]) -> Iterator[Ask]:
     """A daemon started with ``env`` (and ``--threads``, unless None: its own choice); yields
     the decode rate of a greedy solve of so many tokens."""
-    home = Path(tempfile.mkdtemp(prefix="p4c-", dir="/tmp"))
-    env = {**env, "PHI4_HOME": str(home)}
     fixed = [] if threads is None else ["--threads", str(threads)]
-    subprocess.run([*PHI4, "daemon", "start", "-m", str(model), *fixed, "--n-ctx", "4096"],
-                   env=env, check=True, capture_output=True)  # fmt: skip
-    solve = [*PHI4, "solve", QUESTION, "-m", str(model), "-t", "0", "--json", "--no-instruction"]
+    with phi4_running(model, fixed, env) as running:
 
-    def ask(tokens: int) -> float:
-        done = subprocess.run([*solve, "-n", str(tokens)], env=env, capture_output=True,
-                              text=True)  # fmt: skip
-        # (Exit 1 is fine: a reasoning model's thinking cut short has no final answer.)
-        if done.returncode not in (0, 1):
-            raise RuntimeError(f"phi4 solve failed ({done.returncode}): {done.stderr.strip()}")
-        stats = json.loads(done.stdout)["stats"]
-        return float((stats["completion_tokens"] - 1) / max(stats["decode_s"], 1e-9))
+        def ask(tokens: int) -> float:
+            stats = solve_stats(running, model, QUESTION, tokens)
+            return float((stats["completion_tokens"] - 1) / max(stats["decode_s"], 1e-9))
 
-    try:
         yield ask
-    finally:
-        subprocess.run([*PHI4, "stop"], env=env, capture_output=True, check=False)
 
 
 @contextmanager

@@ -27,18 +27,15 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.contention import busy  # noqa: E402
-from bench.speed import PHI4, QUESTION  # noqa: E402
+from bench.contention import busy, phi4_running, solve_stats  # noqa: E402
+from bench.speed import QUESTION  # noqa: E402
 
 WORDS = ("the", "number", "of", "ways", "to", "choose", "two", "points", "from", "a", "grid",
          "is", "given", "by", "sum", "over", "all", "pairs", "and", "then")  # fmt: skip
@@ -51,27 +48,14 @@ def prompt_text(tokens: int, seed: int) -> str:
     return f"Case {seed}: " + " ".join(rng.choice(WORDS) for _ in range(tokens)) + "?"
 
 
-@contextmanager
-def daemon(model: Path, spin: int) -> Iterator[dict[str, str]]:
+def daemon(model: Path, spin: int) -> AbstractContextManager[dict[str, str]]:
     """A daemon on all cores whose threads spin ``spin`` turns; yields its environment."""
-    home = Path(tempfile.mkdtemp(prefix="p4s-", dir="/tmp"))
-    env = {**os.environ, "PHI4_HOME": str(home), "GOMP_SPINCOUNT": str(spin)}
     cores = str(len(os.sched_getaffinity(0)))
-    subprocess.run([*PHI4, "daemon", "start", "-m", str(model), "--threads", cores,
-                    "--n-ctx", "4096"], env=env, check=True, capture_output=True)  # fmt: skip
-    try:
-        yield env
-    finally:
-        subprocess.run([*PHI4, "stop"], env=env, capture_output=True, check=False)
+    return phi4_running(model, ["--threads", cores], {**os.environ, "GOMP_SPINCOUNT": str(spin)})
 
 
 def solve(env: dict[str, str], model: Path, question: str, tokens: int) -> dict[str, float]:
-    done = subprocess.run([*PHI4, "solve", question, "-m", str(model), "-t", "0", "--json",
-                           "--no-instruction", "-n", str(tokens)], env=env, capture_output=True,
-                          text=True)  # fmt: skip
-    if done.returncode not in (0, 1):  # (1: an answer cut short has no final answer)
-        raise RuntimeError(f"phi4 solve failed ({done.returncode}): {done.stderr.strip()}")
-    stats = json.loads(done.stdout)["stats"]
+    stats = solve_stats(env, model, question, tokens)
     return {
         "prompt_tokens_per_s": stats["prompt_eval_tokens"] / max(stats["prompt_eval_s"], 1e-9),
         "prompt_tokens": stats["prompt_eval_tokens"],
