@@ -256,7 +256,6 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
 
     gpu_layers = 0
     if wanted_layers:
-        per_layer = shape.layer_bytes + per_layer_token * n_ctx
         where = device.name if device else "the device"
         if layers_setting == "auto":
             gpu_layers = fitting(n_ctx)
@@ -311,6 +310,7 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
         else:
             gpu_layers = wanted_layers
             if fitting(n_ctx) < wanted_layers:
+                per_layer = shape.layer_bytes + per_layer_token * n_ctx
                 need = shape.other_bytes + _blocks(wanted_layers) * per_layer
                 needed = (
                     f"{wanted_layers} of {all_layers} layers with a {n_ctx:,}-token {kv_type} KV "
