@@ -521,10 +521,17 @@ def test_heartbeats_go_out_only_while_the_engine_goes_round():
     connection.jobs["r1"] = object()  # type: ignore[assignment]
     scheduler = SimpleNamespace(beats=5, stepping_since=None)
     server: Any = SimpleNamespace(scheduler=scheduler, _last_beats=-1, state="ready",
-                                  _connections={connection})  # fmt: skip
+                                  _connections={connection}, _served=set())  # fmt: skip
     DaemonServer._heartbeat(server)
     beat = json.loads(writer.data)
     assert (beat["id"], beat["event"], beat["stage"]) == ("r1", "progress", "alive")
+    writer.data = b""
+    # A command the daemon runs for the thin client hears it too (it may wait long in silence).
+    scheduler.beats += 1
+    connection.commands["c1"] = object()  # type: ignore[assignment]
+    DaemonServer._heartbeat(server)
+    assert [json.loads(line)["id"] for line in writer.data.splitlines()] == ["r1", "c1"]
+    del connection.commands["c1"]
     writer.data = b""
     DaemonServer._heartbeat(server)  # the engine did not go round: a wedged engine is silent
     assert writer.data == b""

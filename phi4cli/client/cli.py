@@ -653,7 +653,9 @@ def daemon_run(
         from phi4cli.client.config_writing import started_with
 
         settings = started_with(given, settings)
-    run_daemon(paths, settings, model_path)
+    from phi4cli.client.served import serve
+
+    run_daemon(paths, settings, model_path, serve)
 
 
 @app.command()

@@ -50,31 +50,44 @@ def exit_now(status: int) -> NoReturn:
 def run_reporting(run: Callable[[], int | None], fast_exit: bool = False) -> NoReturn:
     """Run a command and exit with the documented status for whatever happened (with
     ``fast_exit``, skipping the interpreter's teardown: see ``exit_now``)."""
+    status = report(run, sys.stdout, sys.stderr, reraise=_debug)
+    if fast_exit:
+        exit_now(status)
+    sys.exit(status)
+
+
+def report(run: Callable[[], int | None], stdout: TextIO | None, stderr: TextIO,
+           reraise: Callable[[], bool] = lambda: False) -> int:  # fmt: skip
+    """Run a command; return the documented exit status for whatever happened, having said
+    on ``stderr`` what went wrong (a traceback too with ``PHI4_DEBUG``). An unexpected error is
+    raised instead where ``reraise()`` says so (the ``phi4`` process: Python prints it)."""
     from phi4cli.core.errors import ExitStatus, Phi4Error
 
     try:
         code = run()
-        if sys.stdout is not None:  # None: closed when the command started (`>&-`)
-            sys.stdout.flush()
-        status = code if isinstance(code, int) else ExitStatus.OK
+        if stdout is not None:  # None: closed when the command started (`>&-`)
+            stdout.flush()
+        return code if isinstance(code, int) else ExitStatus.OK
     except KeyboardInterrupt:
-        print(file=sys.stderr)
-        status = ExitStatus.INTERRUPTED
+        print(file=stderr)
+        return ExitStatus.INTERRUPTED
     except Phi4Error as exc:
         if _debug():
             import traceback
 
-            traceback.print_exc()
-        say(f"error: {exc}")
-        status = exc.exit_status
+            traceback.print_exc(file=stderr)
+        say(f"error: {exc}", file=stderr)
+        return exc.exit_status
     except Exception as exc:
-        if _debug():
+        if reraise():
             raise
-        say(f"internal error: {type(exc).__name__}: {exc} (PHI4_DEBUG=1 shows the traceback)")
-        status = ExitStatus.ERROR
-    if fast_exit:
-        exit_now(int(status))
-    sys.exit(status)
+        if _debug():
+            import traceback
+
+            traceback.print_exc(file=stderr)
+        say(f"internal error: {type(exc).__name__}: {exc} (PHI4_DEBUG=1 shows the traceback)",
+            file=stderr)  # fmt: skip
+        return ExitStatus.ERROR
 
 
 def _debug() -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable, Sequence
 
 from phi4cli.client._solve_options import SolveOptions as SolveOptions  # generated from the command
@@ -608,7 +607,7 @@ def make_job(
         keep_alive=settings.keep_alive if keep_alive else None,
         confidence=confidence or settings.vote == "confidence" or settings.stop_unsure,
     )
-    backend = make_backend(paths, settings, model_path or settings.model, env.notice)
+    backend = make_backend(paths, settings, model_path or settings.model, env.notice, env.link)
     instruction = None if no_instruction else settings.instruction
     return SolveJob(backend, env, request, instruction=instruction, vote=settings.vote,
                     stop_unsure=settings.stop_unsure)  # fmt: skip
@@ -651,5 +650,5 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
     except BrokenPipeError:
         # The reader went away (`| head -1`): leaving here closes the connection, which stops
         # the generation. Point stdout at /dev/null so the exit-time flush is quiet.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), env.stdout.fileno())
+        env.stdout_gone()
         return ExitStatus.OK

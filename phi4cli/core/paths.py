@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 from phi4cli.core.records import Record
+from phi4cli.core.rendezvous import APP_NAME, SOCKET_NAME, home_root, runtime_dir
+from phi4cli.core.rendezvous import install_id as install_id  # asked by the client and the daemon
 
-APP_NAME = "phi4"
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL on Linux.
 MAX_SOCKET_PATH = 107
 
@@ -33,7 +34,7 @@ class Paths(Record):
 
     @property
     def socket(self) -> Path:
-        return self.runtime_dir / "daemon.sock"
+        return self.runtime_dir / SOCKET_NAME
 
     @property
     def status_file(self) -> Path:
@@ -95,12 +96,6 @@ class Paths(Record):
         return self.runtime_dir
 
 
-def install_id() -> str:
-    """Where this phi4 lives (the ``phi4cli`` package's directory): two installs of one version
-    are still two daemons' worth. The client and the daemon both ask."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def not_private(directory: Path) -> str | None:
     """Why ``directory`` is not a private directory of this user's, or None: it must be a real
     directory (not a link), owned by this user, with no access for group or others. For what
@@ -155,17 +150,18 @@ def check_socket_path(path: Path) -> None:
 
 
 def _default_runtime_dir() -> Path:
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
-        return Path(xdg) / APP_NAME
-    if sys.platform == "darwin":
+    runtime = runtime_dir(os.environ, _tempdir)
+    if runtime is None:  # macOS
         from platformdirs import user_runtime_dir
 
         return Path(user_runtime_dir(APP_NAME))
-    # Containers, cron jobs and ssh sessions without a session manager have no XDG_RUNTIME_DIR.
+    return Path(runtime)
+
+
+def _tempdir() -> str:
     import tempfile
 
-    return Path(tempfile.gettempdir()) / f"{APP_NAME}-{os.getuid()}"
+    return tempfile.gettempdir()
 
 
 # What platformdirs' answers depend on; with these unchanged, its answers are reused from a small
@@ -183,7 +179,7 @@ def get_paths() -> Paths:
 
     home = variable("PHI4_HOME")
     if home:
-        root = Path(home).expanduser().absolute()
+        root = Path(home_root(home))
         return Paths(
             config_dir=root / "config",
             data_dir=root / "data",

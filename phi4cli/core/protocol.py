@@ -55,6 +55,9 @@ class Op(StrEnum):
     CANCEL = "cancel"
     ADJUST = "adjust"  # change a running or queued request's confidence_floor
     PING = "ping"
+    # Run a command line for the thin client (``phi4cli.thin``, ``client.served``): ``argv``,
+    # ``env``, ``cwd``; answered by ``output`` events and ``done`` with ``status``.
+    RUN = "run"
 
 
 class EventKind(StrEnum):
@@ -64,6 +67,7 @@ class EventKind(StrEnum):
     TOKEN = "token"  # a piece of the answer
     RETRACT = "retract"  # all answer text so far was thinking after all
     STATS = "stats"  # the request's Stats, just before its terminal event
+    OUTPUT = "output"  # what a command run for the thin client writes: ``stream``, ``text``
     # Client side only (never on the wire): the request was sent again, to a fresh daemon or
     # another replica, after its engine failed mid-answer; what it produced so far is void.
     RESTART = "restart"
@@ -210,7 +214,7 @@ class Event(Record):
         return dict(result) if isinstance(result, Mapping) else {}
 
 
-_TEXT_KINDS = frozenset({EventKind.TOKEN, EventKind.REASONING})
+_TEXT_KINDS = frozenset({EventKind.TOKEN, EventKind.REASONING, EventKind.OUTPUT})
 
 
 # --- requests -----------------------------------------------------------------------------------

@@ -11,13 +11,14 @@ import fcntl
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,7 @@ class Connection:
     jobs: dict[Any, Job] = field(default_factory=dict)
     closed: bool = False
     held: list[bytes] = field(default_factory=list)  # lines to write in one go (see flush)
+    commands: dict[Any, ServedCommand] = field(default_factory=dict)  # `run` requests
 
     def send(self, event: Event) -> None:
         self.hold(event)
@@ -126,6 +128,131 @@ class Connection:
             self.writer.write(data)
         except (ConnectionError, RuntimeError):
             self.closed = True
+
+
+# A command run for the thin client (``op: run``, ``client.served``): the client's command line,
+# run in a thread of the daemon, whose requests reach the daemon through channels, not sockets.
+# ``Runner`` is ``served.serve``, handed in by ``phi4 daemon run`` (the daemon imports no client).
+Runner = Callable[[Mapping[str, Any], "ServedCommand", str, Callable[[str], None]], "int | None"]
+MAX_COMMANDS = 64  # run at once; past that the thin client's command runs in its own process
+_INTERRUPT, _GONE = object(), object()  # what a channel's queue holds besides events
+
+
+@dataclass(eq=False)
+class LocalConnection(Connection):
+    """The daemon's side of a channel: events go, as they would arrive over a socket (through
+    the wire form and back), onto the channel's queue."""
+
+    events: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
+
+    def hold(self, event: Event) -> None:
+        if not self.closed:
+            self.events.put(Event.from_wire(protocol.decode(protocol.encode(event.to_wire()))))
+
+    def flush(self) -> None:
+        pass
+
+
+class Channel:
+    """A connection to this daemon from a command it runs (``daemon_link.ChannelConnection``
+    wraps it): request lines go to the dispatcher as a socket's would, events come back on a
+    queue. An interrupted command gets a KeyboardInterrupt from it, as a client at a terminal
+    does from Ctrl-C while it waits."""
+
+    def __init__(self, server: DaemonServer, command: ServedCommand) -> None:
+        self.server, self.command = server, command
+        self.connection = LocalConnection(writer=None)  # type: ignore[arg-type]
+
+    def send(self, line: bytes) -> None:
+        """Raise ConnectionError once the daemon is on its way out."""
+        self.command.check()
+        loop = self.server._loop
+        if loop is None or self.server._stopping:
+            raise ConnectionError("the daemon is shutting down")
+        try:
+            loop.call_soon_threadsafe(self.server._dispatch_guarded, self.connection, line)
+        except RuntimeError:  # the loop has closed
+            raise ConnectionError("the daemon is shutting down") from None
+
+    def get(self, timeout: float) -> Event | None:
+        """The next event; None after ``timeout`` seconds without one."""
+        while True:
+            self.command.check()
+            try:
+                item = self.connection.events.get(timeout=timeout)
+            except queue.Empty:
+                return None
+            if item is _GONE:
+                raise ConnectionError("the daemon is shutting down")
+            if item is not _INTERRUPT:
+                return item  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        loop = self.server._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self.server._close_local, self.connection)
+
+
+class ServedCommand:
+    """A ``run`` request: the command's ``CommandIO`` (``client.served``)."""
+
+    def __init__(self, server: DaemonServer, connection: Connection, request_id: Any) -> None:
+        self.server, self.connection, self.request_id = server, connection, request_id
+        self.channels: list[Channel] = []
+        self.gone = False  # the client hung up
+        self.declined = False  # the client runs it itself
+        self._interrupt = False
+        self._lock = threading.Lock()
+
+    def _post(self, event: Event) -> None:
+        self.server._outbox.post(self.connection, self.request_id, event)
+
+    def accept(self) -> None:
+        self._post(Event(EventKind.ACCEPTED, self.request_id))
+
+    def write(self, stream: str, text: str) -> None:
+        if self.gone or self.connection.closed:
+            raise BrokenPipeError("the client has gone")
+        self._post(Event(EventKind.OUTPUT, self.request_id, text, {"stream": stream}))
+
+    def channel(self) -> Channel:
+        channel = Channel(self.server, self)
+        with self._lock:
+            self.channels.append(channel)
+        return channel
+
+    def interrupt(self) -> None:
+        """Ctrl-C at the client: the command's next wait for the daemon raises
+        KeyboardInterrupt (once)."""
+        with self._lock:
+            self._interrupt = True
+            channels = list(self.channels)
+        for channel in channels:
+            channel.connection.events.put(_INTERRUPT)
+
+    def check(self) -> None:
+        with self._lock:
+            interrupted, self._interrupt = self._interrupt, False
+        if interrupted:
+            raise KeyboardInterrupt
+
+    def hang_up(self) -> None:
+        """The client went away (in the event loop): stop what the command asked for."""
+        self.gone = True
+        self.interrupt()
+        for channel in self.channels:
+            self.server._close_local(channel.connection)
+
+    def shut_down(self) -> None:
+        """The daemon is going (in the event loop): the command ends, and says no more (its
+        end included: the thin client, told nothing, runs a command that had written no
+        answer yet in a process of its own, against a fresh daemon)."""
+        self.gone = True
+        for channel in self.channels:
+            for job in channel.connection.jobs.values():
+                job.cancel(ErrorCode.SHUTTING_DOWN)
+            channel.connection.events.put(_GONE)
 
 
 class _Outbox:
@@ -183,8 +310,11 @@ class DaemonServer:
         settings: Settings,
         engine: Engine,
         model_path: Path | None,
+        commands: Runner | None = None,
     ) -> None:
         self.paths = paths
+        self.commands = commands  # runs the thin client's commands (None: it is declined)
+        self._served: set[ServedCommand] = set()
         self.settings = settings
         self.asked = Ask.of(settings)  # what a request takes where it does not say
         self.keep_alive = settings.keep_alive
@@ -194,6 +324,7 @@ class DaemonServer:
         self.error: str | None = None
         self.started_at = time.time()
         self.requests_served = 0
+        self.commands_served = self.commands_declined = 0
         self.metrics = RequestMetrics()
         self.last_activity = time.monotonic()
         self._connections: set[Connection] = set()
@@ -232,7 +363,18 @@ class DaemonServer:
             "uptime_s": round(time.time() - self.started_at, 3),
             "rss_bytes": _rss_bytes(),
             "requests_served": self.requests_served,
-            "requests_active": sum(len(c.jobs) for c in self._connections),
+            "requests_active": sum(len(c.jobs) for c in self._connections)
+            + sum(
+                len(channel.connection.jobs)
+                for command in self._served
+                for channel in list(command.channels)
+            ),
+            # The thin client's commands (``op: run``) run here, and those declined.
+            "commands": {
+                "served": self.commands_served,
+                "declined": self.commands_declined,
+                "active": len(self._served),
+            },
             "queued": self.scheduler.queued,
             "idle_s": None if idle_s is None else round(idle_s, 3),
             "keep_alive_s": self.keep_alive,
@@ -322,6 +464,8 @@ class DaemonServer:
             # A client that hangs up (Ctrl-C, `| head -1`) stops its generations.
             for job in list(connection.jobs.values()):
                 self.scheduler.cancel(job)
+            for command in list(connection.commands.values()):
+                command.hang_up()
             self._connections.discard(connection)
             await self._close(connection)
 
@@ -358,6 +502,7 @@ class DaemonServer:
                 Op.CANCEL: self._op_cancel,
                 Op.ADJUST: self._op_adjust,
                 Op.PING: self._op_ping,
+                Op.RUN: self._op_run,
             }[Op(request.op)]
             handler(connection, request)
         except ProtocolViolation as exc:
@@ -400,7 +545,70 @@ class DaemonServer:
         job = _target(connection, request)
         if job is not None:
             self.scheduler.cancel(job)
-        connection.send(_done(request.id, {"cancelled": job is not None}))
+        command = None if job is not None else connection.commands.get(request.params["target"])
+        if command is not None:
+            command.interrupt()
+        connection.send(_done(request.id, {"cancelled": job is not None or command is not None}))
+
+    def _op_run(self, connection: Connection, request: Request) -> None:
+        """Run the thin client's command line in a thread (``client.served``); what it writes
+        goes out as ``output`` events, then ``done`` with its ``status``, or with ``declined``
+        (and nothing written) for the client to run it itself."""
+        if request.id in connection.commands or request.id in connection.jobs:
+            raise ProtocolViolation(
+                ErrorCode.BAD_REQUEST, f"request id {request.id!r} is already in use", request.id
+            )
+        runner = self.commands
+        command = ServedCommand(self, connection, request.id)
+
+        def decline(why: str) -> None:
+            command.declined = True
+            log.info("declined to run %r: %s", request.params.get("argv"), why)
+            command._post(_done(request.id, {"declined": why}))
+
+        if runner is None or self._stopping or len(self._served) >= MAX_COMMANDS:
+            self.commands_declined += 1
+            decline("not now" if runner is not None else "this daemon runs no commands")
+            return
+        connection.commands[request.id] = command
+        self._served.add(command)
+        self.last_activity = time.monotonic()
+        params, socket_path = dict(request.params), str(self.paths.socket)
+
+        def run() -> None:
+            status = None
+            try:
+                status = runner(params, command, socket_path, decline)
+            except BaseException:
+                log.exception("running %r failed", params.get("argv"))
+                status = 1
+            finally:
+                if status is not None and not command.gone:
+                    command._post(_done(request.id, {"status": int(status)}))
+                for channel in command.channels:
+                    channel.close()
+                loop = self._loop
+                if loop is not None:
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(self._command_ended, command)
+
+        threading.Thread(target=run, name=f"command {request.id}", daemon=True).start()
+
+    def _command_ended(self, command: ServedCommand) -> None:
+        if command.declined:
+            self.commands_declined += 1
+        else:
+            self.commands_served += 1
+        command.connection.commands.pop(command.request_id, None)
+        self._served.discard(command)
+        self.last_activity = time.monotonic()
+
+    def _close_local(self, connection: Connection) -> None:
+        """A channel's connection is closed (or its command's client went): as for a socket
+        that hangs up, its requests stop."""
+        connection.closed = True
+        for job in list(connection.jobs.values()):
+            self.scheduler.cancel(job)
 
     def _op_adjust(self, connection: Connection, request: Request) -> None:
         """Set a running or queued request's ``confidence_floor`` (``--stop-unsure``: the
@@ -474,8 +682,8 @@ class DaemonServer:
         elif kind == EventKind.ERROR:
             self.metrics.errors[event.code.value] += 1
         if kind.terminal:
-            connection.jobs.pop(request_id, None)
-            if kind == EventKind.DONE:
+            job = connection.jobs.pop(request_id, None)
+            if kind == EventKind.DONE and job is not None:  # not a command's own end
                 self.requests_served += 1
             self.last_activity = time.monotonic()
 
@@ -490,6 +698,8 @@ class DaemonServer:
         for connection in self._connections:
             for job in connection.jobs.values():
                 job.cancel(ErrorCode.SHUTTING_DOWN)
+        for command in list(self._served):
+            command.shut_down()
         if self._stopped is not None:
             self._stopped.set()
 
@@ -503,9 +713,11 @@ class DaemonServer:
         if beats == self._last_beats and self.state not in _LOADING and not in_step:
             return  # a wedged engine: let the clients' deadlines speak
         self._last_beats = beats
-        for connection in list(self._connections):
+        # Commands run for the thin client: their client, and the channels they wait on.
+        channels = [channel.connection for command in self._served for channel in command.channels]
+        for connection in [*self._connections, *channels]:
             try:
-                for request_id in list(connection.jobs):
+                for request_id in [*connection.jobs, *connection.commands]:
                     connection.hold(Event(EventKind.PROGRESS, request_id, data={"stage": "alive"}))
                 connection.flush()
             except Exception:
@@ -595,8 +807,10 @@ def _take_daemon_lock(paths: Paths) -> int:
     return fd
 
 
-def run_daemon(paths: Paths, settings: Settings, model_path: Path | None) -> None:
-    """Run the daemon in the foreground until it is stopped (``phi4 daemon run``)."""
+def run_daemon(paths: Paths, settings: Settings, model_path: Path | None,
+               commands: Runner | None = None) -> None:  # fmt: skip
+    """Run the daemon in the foreground until it is stopped (``phi4 daemon run``); it runs the
+    thin client's commands with ``commands``."""
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
@@ -612,7 +826,7 @@ def run_daemon(paths: Paths, settings: Settings, model_path: Path | None) -> Non
         engine = LlamaEngine(
             settings, state_dir=paths.cache_dir / "states", swap_dir=paths.cache_dir / "sessions"
         )
-        server = DaemonServer(paths, settings, engine, model_path)
+        server = DaemonServer(paths, settings, engine, model_path, commands)
         asyncio.run(server.serve())
     finally:
         os.close(lock_fd)

@@ -28,12 +28,16 @@ from phi4cli.core.errors import (
 )
 from phi4cli.core.paths import Paths, check_socket_path, install_id, is_our_daemon, peer_uid
 from phi4cli.core.protocol import ErrorCode, Event, EventKind, Op
+from phi4cli.core.rendezvous import foreign_socket
 from phi4cli.daemon import spawn
 from phi4cli.engines.dispatch import Announce
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from collections.abc import Callable
+    from typing import Any, Protocol
+else:
+    Protocol = object
 
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
@@ -82,10 +86,7 @@ class DaemonConnection:
             raise
         if uid is not None and uid != os.getuid():
             sock.close()
-            raise DaemonUnavailableError(
-                f"the socket {path} is served by another user's process (uid {uid}); phi4 will "
-                f"not talk to it: remove {path.parent}, or set XDG_RUNTIME_DIR"
-            )
+            raise DaemonUnavailableError(foreign_socket(os.fspath(path), uid))
         return cls(sock)
 
     def close(self) -> None:
@@ -101,14 +102,7 @@ class DaemonConnection:
     def send(self, op: str, params: dict[str, Any] | None = None) -> int:
         """Send one request; return its id. Raise RequestError for one longer than the daemon
         takes (a very long chat transcript, say), before any of it is sent."""
-        request_id = next(_ids)
-        request = protocol.Request(id=request_id, op=op, params=params or {})
-        line = protocol.encode_request(request)
-        if len(line) > protocol.MAX_LINE_BYTES:
-            raise RequestError(
-                f"the request is {len(line):,} bytes; the daemon takes at most "
-                f"{protocol.MAX_LINE_BYTES:,} (shorten the question, or /reset a long chat)"
-            )
+        request_id, line = _request_line(op, params)
         try:
             self._sock.sendall(line)
         except OSError as exc:
@@ -123,10 +117,7 @@ class DaemonConnection:
                 self._sock.settimeout(timeout)
                 chunk = self._sock.recv(65536)
             except TimeoutError:
-                raise DaemonFrozenError(
-                    f"the daemon sent nothing for {timeout:g} s: it is not answering (frozen, or "
-                    "stopped with SIGSTOP?); `phi4 stop` ends it"
-                ) from None
+                raise _frozen(timeout) from None
             except OSError as exc:
                 raise DaemonGoneError(f"lost the connection to the daemon: {exc}") from None
             if not chunk:
@@ -170,6 +161,67 @@ class DaemonConnection:
         if terminal.kind == EventKind.ERROR:
             raise error_for(terminal.code, terminal.message)
         return terminal
+
+
+def _frozen(timeout: float) -> DaemonFrozenError:
+    return DaemonFrozenError(
+        f"the daemon sent nothing for {timeout:g} s: it is not answering (frozen, or stopped "
+        "with SIGSTOP?); `phi4 stop` ends it"
+    )
+
+
+def _request_line(op: str, params: dict[str, Any] | None) -> tuple[int, bytes]:
+    request_id = next(_ids)
+    request = protocol.Request(id=request_id, op=op, params=params or {})
+    line = protocol.encode_request(request)
+    if len(line) > protocol.MAX_LINE_BYTES:
+        raise RequestError(
+            f"the request is {len(line):,} bytes; the daemon takes at most "
+            f"{protocol.MAX_LINE_BYTES:,} (shorten the question, or /reset a long chat)"
+        )
+    return request_id, line
+
+
+class Channel(Protocol):
+    """How a command the daemon runs itself reaches it (``server.Channel``)."""
+
+    def send(self, line: bytes) -> None:
+        """Hand the daemon a request line; ConnectionError once it is on its way out."""
+
+    def get(self, timeout: float) -> Event | None:
+        """The next event, None after ``timeout`` seconds without one; ConnectionError once
+        the daemon is on its way out, KeyboardInterrupt when the command was interrupted."""
+
+    def close(self) -> None: ...
+
+
+class ChannelConnection(DaemonConnection):
+    """A connection to the daemon from a command it runs itself (``client.served``): the same
+    requests and events as over its socket, with no socket between."""
+
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+        self.spawned = False
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def send(self, op: str, params: dict[str, Any] | None = None) -> int:
+        request_id, line = _request_line(op, params)
+        try:
+            self._channel.send(line)
+        except ConnectionError as exc:
+            raise DaemonGoneError(f"lost the connection to the daemon: {exc}") from None
+        return request_id
+
+    def next_event(self, timeout: float = STREAM_IDLE_TIMEOUT) -> Event:
+        try:
+            event = self._channel.get(timeout)
+        except ConnectionError as exc:
+            raise DaemonGoneError(f"lost the connection to the daemon: {exc}") from None
+        if event is None:
+            raise _frozen(timeout)
+        return event
 
 
 def try_connect(paths: Paths) -> DaemonConnection | None:
@@ -347,9 +399,14 @@ def wait_until_gone(paths: Paths, timeout: float = STOP_TIMEOUT, pid: int | None
 
 
 def connect_checked(
-    paths: Paths, settings: Settings, model_path: Path | None, announce: Announce
+    paths: Paths,
+    settings: Settings,
+    model_path: Path | None,
+    announce: Announce,
+    link: Callable[[], DaemonConnection] | None = None,
 ) -> DaemonConnection:
-    """Return a connection to a daemon that answers and speaks our protocol version.
+    """Return a connection to a daemon that answers and speaks our protocol version (through
+    ``link``, when given: a command the daemon runs itself, never spawned or replaced).
 
     A daemon of another protocol version, or from another install of phi4 (like dmypy, it
     compares the version and where the package lives), is stopped and replaced once
@@ -358,7 +415,9 @@ def connect_checked(
     """
     restarted = False
     for attempt in range(CONNECT_ATTEMPTS):
-        connection = ensure_daemon(paths, settings, model_path, announce)
+        connection = (
+            link() if link is not None else ensure_daemon(paths, settings, model_path, announce)
+        )
         try:
             ping = connection.call(Op.PING).result
             other = _other_install(ping)
@@ -387,7 +446,7 @@ def connect_checked(
                 _warn_settings(ping.get("settings"), settings, announce)
             return connection
         connection.close()
-        if restarted:
+        if restarted or link is not None:
             raise ProtocolMismatchError(
                 f"the daemon still {other} after a restart; is another phi4 installed "
                 "elsewhere? stop it with `phi4 stop`"
