@@ -104,10 +104,13 @@ class DaemonConnection:
         takes (a very long chat transcript, say), before any of it is sent."""
         request_id, line = _request_line(op, params)
         try:
-            self._sock.sendall(line)
-        except OSError as exc:
+            self._write(line)
+        except OSError as exc:  # ConnectionError: a channel's daemon is on its way out
             raise DaemonGoneError(f"lost the connection to the daemon: {exc}") from None
         return request_id
+
+    def _write(self, line: bytes) -> None:
+        self._sock.sendall(line)
 
     def next_event(self, timeout: float = STREAM_IDLE_TIMEOUT) -> Event:
         """Return the next event; raise DaemonUnavailableError if the daemon went away, and
@@ -206,13 +209,8 @@ class ChannelConnection(DaemonConnection):
     def close(self) -> None:
         self._channel.close()
 
-    def send(self, op: str, params: dict[str, Any] | None = None) -> int:
-        request_id, line = _request_line(op, params)
-        try:
-            self._channel.send(line)
-        except ConnectionError as exc:
-            raise DaemonGoneError(f"lost the connection to the daemon: {exc}") from None
-        return request_id
+    def _write(self, line: bytes) -> None:
+        self._channel.send(line)
 
     def next_event(self, timeout: float = STREAM_IDLE_TIMEOUT) -> Event:
         try:
