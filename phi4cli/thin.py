@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from typing import Any, ClassVar, NoReturn
 
 PROTOCOL_VERSION = 1  # protocol.PROTOCOL_VERSION (a test checks they agree)
+MAX_LINE_BYTES = 1 << 20  # protocol.MAX_LINE_BYTES
 INTERRUPTED = 130  # ExitStatus.INTERRUPTED
 UNAVAILABLE = 3  # ExitStatus.DAEMON_UNAVAILABLE
 # A daemon says at once whether it runs a command; one that does not within this is frozen or
@@ -130,6 +131,16 @@ class Declined(Exception):
     full client runs it."""
 
 
+class NeedsStdin(Declined):
+    """The daemon runs this command only with its question, which is on stdin (``-``, or none
+    given and stdin no terminal): read it and ask again."""
+
+
+# A command's stdin, once read here for the daemon: the full client gets it if it runs the
+# command after all (``main``).
+_stdin: list[bytes] = []
+
+
 def run_in_daemon(argv: list[str]) -> int:
     """Have the daemon run ``phi4 argv``; return its exit status. Raise Declined when nothing
     was written."""
@@ -151,7 +162,6 @@ def run_in_daemon(argv: list[str]) -> int:
     params = {"argv": argv, "env": environment(os.environ), "cwd": cwd, "socket": path,
               "version": __version__, "install": install_id(), "stdin_tty": ttys[0],
               "stderr_tty": ttys[2]}  # fmt: skip
-    request = f'{{"v":{PROTOCOL_VERSION},"id":1,"op":"run","params":{encode(params)}}}\n'
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:  # (closed on the way out: a daemon that accepts the command late then drops it)
         try:
@@ -163,12 +173,32 @@ def run_in_daemon(argv: list[str]) -> int:
                 _write(sys.stderr, f"phi4: error: {foreign_socket(path, uid)}\n")
                 return UNAVAILABLE
             sock.settimeout(ACCEPT_TIMEOUT)
-            sock.sendall(request.encode("ascii"))  # (encode() escapes all but ASCII)
+            _ask(sock, 1, params)
         except OSError:
             raise Declined from None
-        return _follow(sock)
+        try:
+            return _follow(sock, 1)
+        except NeedsStdin:
+            pass
+        _stdin.append(sys.stdin.buffer.read())
+        # Its bytes as they are, one character each (JSON escapes those past ASCII).
+        params["stdin"] = _stdin[0].decode("latin-1")
+        try:
+            _ask(sock, 3, params)
+        except (OSError, ValueError):
+            raise Declined from None
+        return _follow(sock, 3)
     finally:
         sock.close()
+
+
+def _ask(sock: Any, request_id: int, params: dict[str, Any]) -> None:
+    """Send a ``run`` request; ValueError for one longer than the daemon reads
+    (``protocol.MAX_LINE_BYTES``: a question of hundreds of kilobytes on stdin)."""
+    line = f'{{"v":{PROTOCOL_VERSION},"id":{request_id},"op":"run","params":{encode(params)}}}\n'
+    if len(line) > MAX_LINE_BYTES:
+        raise ValueError("too long for one request")
+    sock.sendall(line.encode("ascii"))  # (encode() escapes all but ASCII)
 
 
 def _peer_uid(sock: Any) -> int | None:
@@ -225,6 +255,8 @@ class _Command:
             if not isinstance(status, int) or isinstance(status, bool):  # declined
                 if self.written:
                     return self.gone("the daemon gave no exit status; run the command again")
+                if (event.get("result") or {}).get("stdin"):
+                    raise NeedsStdin
                 raise Declined
             return status
         elif kind == "error":
@@ -234,7 +266,7 @@ class _Command:
         return None
 
 
-def _follow(sock: Any) -> int:
+def _follow(sock: Any, request_id: int) -> int:
     """Write out what the command writes, up to its exit status. A Ctrl-C is passed on (the
     command stops as at a terminal, saying so); a second one leaves at once."""
     import _signal  # type: ignore[import-not-found]  # signal itself imports enum
@@ -248,7 +280,8 @@ def _follow(sock: Any) -> int:
             raise KeyboardInterrupt
         command.interrupted = True
         try:
-            sock.sendall(b'{"v":1,"id":2,"op":"cancel","params":{"target":1}}\n')
+            cancel = f'{{"v":1,"id":2,"op":"cancel","params":{{"target":{request_id}}}}}\n'
+            sock.sendall(cancel.encode())
         except OSError:
             raise KeyboardInterrupt from None
 
@@ -276,7 +309,7 @@ def _follow(sock: Any) -> int:
                 event = decode(line)
             except (ValueError, StopIteration):
                 return command.gone("the daemon sent garbage; run the command again")
-            if isinstance(event, dict) and event.get("id") in (1, None):
+            if isinstance(event, dict) and event.get("id") in (request_id, None):
                 status = command.see(event)
                 if status is not None:
                     command.flush()
@@ -307,7 +340,11 @@ def main() -> NoReturn:
         try:
             status = run_in_daemon(argv)
         except Declined:
-            pass
+            if _stdin:  # read for the daemon: the full client reads it from here
+                import io
+
+                sys.stdin = io.TextIOWrapper(io.BytesIO(_stdin[0]), sys.stdin.encoding,
+                                             sys.stdin.errors)  # fmt: skip
         except BrokenPipeError:
             # The reader went away (`| head -1`): leaving closes the connection, which stops
             # the command. Point stdout at /dev/null so the last flush is quiet.

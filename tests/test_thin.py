@@ -189,7 +189,7 @@ def _steady(stdout: str) -> Any:
 
 
 DECLINED = [
-    (["-", "-n", "4", "-t", "0"], "What is 2+2?", {}),  # the question on stdin
+    (["-f", "-", "-n", "4", "-t", "0"], "What is 2+2?\n3+3?\n", {}),  # problems on stdin
     (["What is 2+2?", "-n", "4"], None, {"PHI4_TEMPERATURE": "0"}),  # another environment
     (["What is 2+2?", "-n", "4", "--help"], None, {}),  # Typer's to answer
     (["What is 2+2?", "-n", "x"], None, {}),  # Typer's to refuse
@@ -197,7 +197,7 @@ DECLINED = [
 
 
 @pytest.mark.daemon
-@pytest.mark.parametrize(("args", "stdin", "env"), DECLINED, ids=["stdin", "env", "help", "bad"])
+@pytest.mark.parametrize(("args", "stdin", "env"), DECLINED, ids=["file", "env", "help", "bad"])
 def test_what_the_daemon_declines_runs_in_the_full_client(warm: Path, args: list[str],
                                                           stdin: str | None,
                                                           env: dict[str, str]):  # fmt: skip
@@ -206,6 +206,45 @@ def test_what_the_daemon_declines_runs_in_the_full_client(warm: Path, args: list
     after = _commands()
     assert after["served"] == before["served"]
     full_run = _run(FULL, "solve", *args, "-m", str(warm), input=stdin, env=env)
+    assert (thin_run.returncode, thin_run.stdout, thin_run.stderr) == \
+        (full_run.returncode, full_run.stdout, full_run.stderr)  # fmt: skip
+
+
+STDIN = [
+    (["-", "-n", "12", "-t", "0"], b"What is 2+2?\n"),
+    (["-n", "12", "-t", "0", "-a"], b"What is 2+2?"),  # no question given: stdin, a pipe
+    (["-", "-n", "12", "-t", "0"], b""),  # the question is empty
+    (["-", "-n", "12", "-t", "0"], b"What is \xff?\n"),  # not UTF-8
+    (["-", "-n", "12", "-t", "0", "--json"], "Was ist 2·2? ∑ \U0001d465".encode()),
+]
+
+
+@pytest.mark.daemon
+@pytest.mark.parametrize(("args", "stdin"), STDIN, ids=["dash", "none", "empty", "bad", "utf8"])
+def test_a_question_on_stdin_is_read_by_the_thin_client_for_the_daemon(warm: Path,
+                                                                      args: list[str],
+                                                                      stdin: bytes):  # fmt: skip
+    before = _commands()
+    runs = [subprocess.run([*command, "solve", *args, "-m", str(warm)], input=stdin,
+                           capture_output=True, timeout=120, check=False)
+            for command in ([PHI4], FULL)]  # fmt: skip
+    after = _commands()
+    assert (after["served"], after["declined"]) == (before["served"] + 1, before["declined"])
+    thin_run, full_run = runs
+    assert (thin_run.returncode, _steady(thin_run.stdout.decode()), thin_run.stderr) == \
+        (full_run.returncode, _steady(full_run.stdout.decode()), full_run.stderr)  # fmt: skip
+
+
+@pytest.mark.daemon
+def test_a_question_too_long_for_the_daemon_reaches_the_full_client_whole(warm: Path):
+    # Read for the daemon, then too long for one request: the full client gets all of it.
+    question = b"x" * (1 << 20)
+    before = _commands()
+    thin_run, full_run = [subprocess.run([*command, "solve", "-", "-m", str(warm), "-n", "4"],
+                                         input=question, capture_output=True, timeout=120,
+                                         check=False) for command in ([PHI4], FULL)]  # fmt: skip
+    assert _commands()["served"] == before["served"]
+    assert full_run.returncode != 0 and full_run.stderr  # too long: said, not sent
     assert (thin_run.returncode, thin_run.stdout, thin_run.stderr) == \
         (full_run.returncode, full_run.stdout, full_run.stderr)  # fmt: skip
 

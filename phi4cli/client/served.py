@@ -76,6 +76,9 @@ class RemoteStream(io.TextIOBase):
         return True
 
 
+NEEDS_STDIN = "the question is on stdin"
+
+
 def why_declined(params: Mapping[str, Any], socket: str) -> str | SolveOptions:
     """Why the daemon (serving at ``socket``) will not run this command; else its options."""
     from phi4cli.client.solve_line import parse_solve
@@ -102,8 +105,14 @@ def why_declined(params: Mapping[str, Any], socket: str) -> str | SolveOptions:
     from phi4cli.client._solve_options import SolveOptions
 
     options = SolveOptions(**parsed)
-    if options.file is not None or options.each_line or options.prompt in (None, "-"):
-        return "reads the client's files or stdin"
+    if options.file is not None or options.each_line:
+        return "reads the client's files"
+    stdin = params.get("stdin")
+    if not (stdin is None or isinstance(stdin, str)):
+        return "not a command line"
+    reads_stdin = options.prompt == "-" or (options.prompt is None and not params.get("stdin_tty"))
+    if reads_stdin and stdin is None:
+        return NEEDS_STDIN  # the client reads it and asks again
     same_directory = _same_directory(cwd)
     home = env.get("PHI4_HOME")
     if home and not os.path.isabs(os.path.expanduser(home)) and not same_directory:
@@ -134,12 +143,13 @@ def _same_directory(cwd: str) -> bool:
 
 
 def serve(params: Mapping[str, Any], command: CommandIO, socket: str,
-          decline: Callable[[str], None]) -> int | None:  # fmt: skip
+          decline: Callable[[str, bool], None]) -> int | None:  # fmt: skip
     """Run the command ``params`` describe; its exit status, or None when it was declined
-    (``decline`` was told why, and nothing ran)."""
+    (``decline`` was told why, and whether the client should ask again with its stdin; nothing
+    ran)."""
     options = why_declined(params, socket)
     if isinstance(options, str):
-        decline(options)
+        decline(options, options == NEEDS_STDIN)
         return None
     from phi4cli.client.environment import Environment
     from phi4cli.client.exits import report
@@ -149,7 +159,11 @@ def serve(params: Mapping[str, Any], command: CommandIO, socket: str,
     command.accept()
     out = RemoteStream(command, "out", False)
     err = RemoteStream(command, "err", bool(params.get("stderr_tty")))
-    env = Environment(io.StringIO(), cast(TextIO, out), cast(TextIO, err),
+    # The question on stdin, as the client read it (bytes, sent as latin-1 text): read_all
+    # checks its bytes as the full client's does.
+    data = str(params.get("stdin") or "").encode("latin-1")
+    stdin = io.TextIOWrapper(io.BytesIO(data), "utf-8")
+    env = Environment(stdin, cast(TextIO, out), cast(TextIO, err),
                       stdin_isatty=bool(params.get("stdin_tty")), stdout_isatty=False,
                       stderr_isatty=err.isatty(),
                       link=lambda: ChannelConnection(command.channel()))  # fmt: skip

@@ -133,7 +133,9 @@ class Connection:
 # A command run for the thin client (``op: run``, ``client.served``): the client's command line,
 # run in a thread of the daemon, whose requests reach the daemon through channels, not sockets.
 # ``Runner`` is ``served.serve``, handed in by ``phi4 daemon run`` (the daemon imports no client).
-Runner = Callable[[Mapping[str, Any], "ServedCommand", str, Callable[[str], None]], "int | None"]
+Runner = Callable[
+    [Mapping[str, Any], "ServedCommand", str, Callable[[str, bool], None]], "int | None"
+]
 MAX_COMMANDS = 64  # run at once; past that the thin client's command runs in its own process
 _INTERRUPT, _GONE = object(), object()  # what a channel's queue holds besides events
 
@@ -201,7 +203,7 @@ class ServedCommand:
         self.server, self.connection, self.request_id = server, connection, request_id
         self.channels: list[Channel] = []
         self.gone = False  # the client hung up
-        self.declined = False  # the client runs it itself
+        self.outcome: str | None = "served"  # or "declined", or None: counted as neither
         self._interrupt = False
         self._lock = threading.Lock()
 
@@ -561,10 +563,12 @@ class DaemonServer:
         runner = self.commands
         command = ServedCommand(self, connection, request.id)
 
-        def decline(why: str) -> None:
-            command.declined = True
-            log.info("declined to run %r: %s", request.params.get("argv"), why)
-            command._post(_done(request.id, {"declined": why}))
+        def decline(why: str, stdin: bool = False) -> None:
+            # (Asked again with its stdin, a command counts once, as what comes of that.)
+            command.outcome = None if stdin else "declined"
+            if not stdin:
+                log.info("declined to run %r: %s", request.params.get("argv"), why)
+            command._post(_done(request.id, {"declined": why, "stdin": stdin}))
 
         if runner is None or self._stopping or len(self._served) >= MAX_COMMANDS:
             self.commands_declined += 1
@@ -595,9 +599,9 @@ class DaemonServer:
         threading.Thread(target=run, name=f"command {request.id}", daemon=True).start()
 
     def _command_ended(self, command: ServedCommand) -> None:
-        if command.declined:
+        if command.outcome == "declined":
             self.commands_declined += 1
-        else:
+        elif command.outcome == "served":
             self.commands_served += 1
         command.connection.commands.pop(command.request_id, None)
         self._served.discard(command)
