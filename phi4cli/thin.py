@@ -165,6 +165,7 @@ def run_in_daemon(argv: list[str]) -> int:
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:  # (closed on the way out: a daemon that accepts the command late then drops it)
         try:
+            sock.settimeout(ACCEPT_TIMEOUT)  # a connect too: a frozen daemon's backlog fills
             sock.connect(path)
             uid = _peer_uid(sock)
             if uid is not None and uid != os.getuid():
@@ -172,7 +173,6 @@ def run_in_daemon(argv: list[str]) -> int:
 
                 _write(sys.stderr, f"phi4: error: {foreign_socket(path, uid)}\n")
                 return UNAVAILABLE
-            sock.settimeout(ACCEPT_TIMEOUT)
             _ask(sock, 1, params)
         except OSError:
             raise Declined from None
@@ -269,24 +269,9 @@ class _Command:
 def _follow(sock: Any, request_id: int) -> int:
     """Write out what the command writes, up to its exit status. A Ctrl-C is passed on (the
     command stops as at a terminal, saying so); a second one leaves at once."""
-    import _signal  # type: ignore[import-not-found]  # signal itself imports enum
-
     decode = decoder()
     command = _Command()
-
-    def on_interrupt(signum: int, frame: Any) -> None:
-        # Wherever it lands (a read, a write): only a command that runs can be told.
-        if command.interrupted or not command.accepted:
-            raise KeyboardInterrupt
-        command.interrupted = True
-        try:
-            cancel = f'{{"v":1,"id":2,"op":"cancel","params":{{"target":{request_id}}}}}\n'
-            sock.sendall(cancel.encode())
-        except OSError:
-            raise KeyboardInterrupt from None
-
-    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:  # not ignored (`cmd &`)
-        _signal.signal(_signal.SIGINT, on_interrupt)
+    _listen_for_interrupts(sock, command, request_id)
     pending = b""
     patient = False  # waiting as long as a running command may be silent
     while True:
@@ -318,6 +303,28 @@ def _follow(sock: Any, request_id: int) -> int:
             sock.settimeout(IDLE_TIMEOUT)
             patient = True
         command.flush()
+
+
+def _listen_for_interrupts(sock: Any, command: _Command, request_id: int) -> None:
+    """Pass a Ctrl-C to ``command`` (as ``cancel`` of its request): wherever it lands, a read or
+    a write, and however many requests the command took (its stdin asked for)."""
+    import _signal  # type: ignore[import-not-found]  # signal itself imports enum
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        # Only a command that runs can be told; a second Ctrl-C leaves at once.
+        if command.interrupted or not command.accepted:
+            raise KeyboardInterrupt
+        command.interrupted = True
+        cancel = f'{{"v":1,"id":2,"op":"cancel","params":{{"target":{request_id}}}}}\n'
+        try:
+            sock.sendall(cancel.encode())
+        except OSError:
+            raise KeyboardInterrupt from None
+
+    on_interrupt.thin = True  # type: ignore[attr-defined]
+    handler = _signal.getsignal(_signal.SIGINT)
+    if handler is _signal.default_int_handler or getattr(handler, "thin", False):
+        _signal.signal(_signal.SIGINT, on_interrupt)  # (not where it is ignored: `cmd &`)
 
 
 def _write(stream: Any, text: str) -> None:
@@ -353,6 +360,10 @@ def main() -> NoReturn:
         except KeyboardInterrupt:
             _write(sys.stderr, "\n")
             _quit(INTERRUPTED)
+        except OSError as exc:  # writing out what the daemon sent (a full disk)
+            _write(sys.stderr, f"phi4: internal error: {type(exc).__name__}: {exc} (PHI4_DEBUG=1 "
+                               "shows the traceback)\n")  # fmt: skip
+            _quit(1)
         else:
             _quit(status)
     from phi4cli.entry import main as full_client

@@ -149,7 +149,6 @@ SAME = [
     ["What is 2+2?", "-n", "12", "-t", "0"],
     ["What is 2+2?", "-n", "12", "-t", "0", "--json"],
     ["What is 2+2?", "-n", "12", "-t", "0", "-a"],
-    ["What is 2+2?", "-n", "12", "-k", "3", "--seed", "7", "--all"],
     ["What is 2+2?", "-n", "12", "-t", "0", "-r", "--raw-output"],
     ["What is 2+2?", "-m", "no-such-model"],  # an error, said by the same code
     [""],  # the question is empty: a usage error
@@ -192,12 +191,15 @@ DECLINED = [
     (["-f", "-", "-n", "4", "-t", "0"], "What is 2+2?\n3+3?\n", {}),  # problems on stdin
     (["What is 2+2?", "-n", "4"], None, {"PHI4_TEMPERATURE": "0"}),  # another environment
     (["What is 2+2?", "-n", "4", "--help"], None, {}),  # Typer's to answer
+    (["What is 2+2?", "-n", "12", "-k", "3", "--seed", "7", "--all"], None, {}),  # a vote
     (["What is 2+2?", "-n", "x"], None, {}),  # Typer's to refuse
 ]
 
 
 @pytest.mark.daemon
-@pytest.mark.parametrize(("args", "stdin", "env"), DECLINED, ids=["file", "env", "help", "bad"])
+@pytest.mark.parametrize(
+    ("args", "stdin", "env"), DECLINED, ids=["file", "env", "help", "vote", "bad"]
+)
 def test_what_the_daemon_declines_runs_in_the_full_client(warm: Path, args: list[str],
                                                           stdin: str | None,
                                                           env: dict[str, str]):  # fmt: skip
@@ -211,6 +213,7 @@ def test_what_the_daemon_declines_runs_in_the_full_client(warm: Path, args: list
 
 
 STDIN = [
+    (["-", "-n", "12", "-t", "0", "--jsonl"], b""),  # said before stdin is read
     (["-", "-n", "12", "-t", "0"], b"What is 2+2?\n"),
     (["-n", "12", "-t", "0", "-a"], b"What is 2+2?"),  # no question given: stdin, a pipe
     (["-", "-n", "12", "-t", "0"], b""),  # the question is empty
@@ -220,7 +223,9 @@ STDIN = [
 
 
 @pytest.mark.daemon
-@pytest.mark.parametrize(("args", "stdin"), STDIN, ids=["dash", "none", "empty", "bad", "utf8"])
+@pytest.mark.parametrize(
+    ("args", "stdin"), STDIN, ids=["usage", "dash", "none", "empty", "bad", "utf8"]
+)
 def test_a_question_on_stdin_is_read_by_the_thin_client_for_the_daemon(warm: Path,
                                                                       args: list[str],
                                                                       stdin: bytes):  # fmt: skip
@@ -233,6 +238,20 @@ def test_a_question_on_stdin_is_read_by_the_thin_client_for_the_daemon(warm: Pat
     thin_run, full_run = runs
     assert (thin_run.returncode, _steady(thin_run.stdout.decode()), thin_run.stderr) == \
         (full_run.returncode, _steady(full_run.stdout.decode()), full_run.stderr)  # fmt: skip
+
+
+@pytest.mark.daemon
+def test_options_that_do_not_go_together_are_refused_before_stdin_is_read(warm: Path):
+    # `sleep 100 | phi4 solve --jsonl`: refused at once, as by the full client.
+    process = subprocess.Popen([PHI4, "solve", "--jsonl", "-m", str(warm)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        process.wait(timeout=30)  # with its stdin open all along
+    finally:
+        process.kill()
+    assert process.stderr is not None
+    assert process.returncode == ExitStatus.USAGE
+    assert b"--jsonl goes with --file or --each-line" in process.stderr.read()
 
 
 @pytest.mark.daemon
@@ -277,20 +296,28 @@ def test_the_thin_client_imports_no_re_enum_json_socket_or_pathlib(warm: Path):
     assert imported & heavy == set()
 
 
-def _streaming(model: Path) -> subprocess.Popen[bytes]:
-    """A long answer from the thin client, piped, once its first bytes are out."""
-    process = subprocess.Popen([PHI4, "solve", "Count.", "-m", str(model), "-n", "6000",
-                                "-t", "1", "--seed", "3"], stdin=subprocess.DEVNULL,
+def _streaming(model: Path, on_stdin: bool = False) -> subprocess.Popen[bytes]:
+    """A long answer from the thin client, piped, once its first bytes are out (the question
+    given, or on stdin)."""
+    question = "-" if on_stdin else "Count."
+    process = subprocess.Popen([PHI4, "solve", question, "-m", str(model), "-n", "6000",
+                                "-t", "1", "--seed", "3"], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    assert process.stdout is not None
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write(b"Count.\n" if on_stdin else b"")
+    process.stdin.close()
+    process.stdin = None  # (given: communicate has nothing more to send)
     assert process.stdout.read(1), "nothing was written"
     return process
 
 
 @pytest.mark.daemon
-def test_ctrl_c_stops_a_command_the_daemon_runs_as_it_stops_the_full_client(warm: Path):
+@pytest.mark.parametrize("on_stdin", [False, True], ids=["argument", "stdin"])
+def test_ctrl_c_stops_a_command_the_daemon_runs_as_it_stops_the_full_client(
+    warm: Path, on_stdin: bool
+):
     before = _commands()
-    process = _streaming(warm)
+    process = _streaming(warm, on_stdin)
     process.send_signal(signal.SIGINT)
     _out, err = process.communicate(timeout=60)
     assert process.returncode == ExitStatus.INTERRUPTED

@@ -44,6 +44,9 @@ class CommandIO(Protocol):
         """Text the command writes to ``stream`` (out or err); BrokenPipeError once the client
         has gone."""
 
+    def check(self) -> None:
+        """Raise KeyboardInterrupt for a Ctrl-C at the client not yet answered."""
+
     def channel(self) -> Channel:
         """A way to this daemon for the command's requests (``ChannelConnection`` wraps it)."""
         ...
@@ -77,6 +80,17 @@ class RemoteStream(io.TextIOBase):
 
 
 NEEDS_STDIN = "the question is on stdin"
+# Variables naming directories, read against the working directory when relative (platformdirs
+# takes a relative XDG_*_HOME as it is).
+RELATIVE_TO_CWD = (
+    "PHI4_HOME",
+    "HOME",
+    "XDG_CONFIG_HOME",
+    "XDG_DATA_HOME",
+    "XDG_STATE_HOME",
+    "XDG_CACHE_HOME",
+    "XDG_RUNTIME_DIR",
+)
 
 
 def why_declined(params: Mapping[str, Any], socket: str) -> str | SolveOptions:
@@ -93,7 +107,7 @@ def why_declined(params: Mapping[str, Any], socket: str) -> str | SolveOptions:
     own = environment(os.environ)
     if env != own:
         differ = sorted(name for name in {*env, *own} if env.get(name) != own.get(name))
-        return f"another environment ({', '.join(differ)})"
+        return f"another environment ({', '.join(map(repr, differ))})"  # (names, not values)
     try:
         if not os.path.samefile(params["socket"], socket):
             return "another daemon's socket"
@@ -107,16 +121,18 @@ def why_declined(params: Mapping[str, Any], socket: str) -> str | SolveOptions:
     options = SolveOptions(**parsed)
     if options.file is not None or options.each_line:
         return "reads the client's files"
+    if options.samples > 1:
+        # Votes compare answers with sympy (math-verify): work for the client's own process,
+        # not for threads beside the engine's.
+        return "samples"
     stdin = params.get("stdin")
     if not (stdin is None or isinstance(stdin, str)):
         return "not a command line"
-    reads_stdin = options.prompt == "-" or (options.prompt is None and not params.get("stdin_tty"))
-    if reads_stdin and stdin is None:
-        return NEEDS_STDIN  # the client reads it and asks again
     same_directory = _same_directory(cwd)
-    home = env.get("PHI4_HOME")
-    if home and not os.path.isabs(os.path.expanduser(home)) and not same_directory:
-        return "a relative PHI4_HOME"
+    for name in RELATIVE_TO_CWD:
+        value = env.get(name)
+        if value and not os.path.isabs(os.path.expanduser(value)) and not same_directory:
+            return f"a relative {name}"
     try:
         from phi4cli.core.config import load_settings
         from phi4cli.core.models import ALIASES
@@ -132,6 +148,16 @@ def why_declined(params: Mapping[str, Any], socket: str) -> str | SolveOptions:
     if model not in ALIASES and not os.path.isabs(os.path.expanduser(model)) \
             and not same_directory:  # fmt: skip
         return "a model named relative to the working directory"
+    reads_stdin = options.prompt == "-" or (options.prompt is None and not params.get("stdin_tty"))
+    if reads_stdin and stdin is None:
+        from phi4cli.client.solving import check_options
+        from phi4cli.core.errors import UsageError
+
+        try:
+            check_options(options)  # options that do not go together: said before stdin is read
+        except UsageError:
+            return options
+        return NEEDS_STDIN  # the client reads it and asks again
     return options
 
 
@@ -167,7 +193,13 @@ def serve(params: Mapping[str, Any], command: CommandIO, socket: str,
                       stdin_isatty=bool(params.get("stdin_tty")), stdout_isatty=False,
                       stderr_isatty=err.isatty(),
                       link=lambda: ChannelConnection(command.channel()))  # fmt: skip
-    status = report(lambda: run_solve(options, env), env.stdout, env.stderr)
+
+    def run() -> int:
+        status = run_solve(options, env)
+        command.check()  # a Ctrl-C while it printed its last: as the full client, exit 130
+        return status
+
+    status = report(run, env.stdout, env.stderr)
     for stream in (out, err):
         with contextlib.suppress(BrokenPipeError):
             stream.flush()

@@ -613,10 +613,8 @@ def make_job(
                     stop_unsure=settings.stop_unsure)  # fmt: skip
 
 
-def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
-    """`phi4 solve`: one question, K samples, or a file of problems; return the exit status."""
-    env = env or Environment()
-    env.raw_output = env.raw_output or o.raw_output
+def check_options(o: SolveOptions) -> None:
+    """Refuse options that do not go together (UsageError), before anything is read."""
     if (o.file is not None or o.each_line) and o.samples > 1:
         raise UsageError("--samples works on one question, not with --file or --each-line")
     if o.all_samples and o.samples == 1:
@@ -628,6 +626,13 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
     if o.file is not None and o.prompt is not None:
         # Else the question would be dropped without a word.
         raise UsageError(f"give a question or --file, not both: {o.prompt!r} and {o.file}")
+
+
+def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
+    """`phi4 solve`: one question, K samples, or a file of problems; return the exit status."""
+    env = env or Environment()
+    env.raw_output = env.raw_output or o.raw_output
+    check_options(o)
     reads_file = o.file is not None or o.each_line
     # Checked before anything starts: a file that is not there or not UTF-8 is refused first.
     if reads_file:

@@ -482,6 +482,8 @@ class DaemonServer:
     def _dispatch_guarded(self, connection: Connection, line: bytes) -> None:
         """Dispatch a line; whatever fails, even answering the failure, costs this line's answer
         (logged), never the connection's other requests or the event loop."""
+        if connection.closed:  # a channel whose command's client went (its line was on its way)
+            return
         try:
             self._dispatch(connection, line)
         except Exception:
@@ -711,17 +713,24 @@ class DaemonServer:
         """Tell clients with requests in the daemon that it is alive, if the engine has gone
         round since the last beat, or is in one long call: a model's load, or a step that began
         less than STEP_ALIVE_S ago (a slow device's prompt batch)."""
+        # The thin client's commands: a daemon whose loop runs is alive for them, whatever the
+        # engine does (a wedged engine is for the command to find, as its own client would).
+        for connection in list(self._connections):
+            if connection.commands and not connection.closed:
+                for request_id in list(connection.commands):
+                    connection.hold(Event(EventKind.PROGRESS, request_id, data={"stage": "alive"}))
+                connection.flush()
         beats = self.scheduler.beats
         stepping = self.scheduler.stepping_since
         in_step = stepping is not None and time.monotonic() - stepping < STEP_ALIVE_S
         if beats == self._last_beats and self.state not in _LOADING and not in_step:
             return  # a wedged engine: let the clients' deadlines speak
         self._last_beats = beats
-        # Commands run for the thin client: their client, and the channels they wait on.
+        # And the commands' own requests, on the channels they wait on.
         channels = [channel.connection for command in self._served for channel in command.channels]
         for connection in [*self._connections, *channels]:
             try:
-                for request_id in [*connection.jobs, *connection.commands]:
+                for request_id in list(connection.jobs):
                     connection.hold(Event(EventKind.PROGRESS, request_id, data={"stage": "alive"}))
                 connection.flush()
             except Exception:
@@ -735,7 +744,12 @@ class DaemonServer:
             if time.monotonic() - last_beat >= HEARTBEAT_S:
                 last_beat = time.monotonic()
                 self._heartbeat()
-            if self.keep_alive == FOREVER or self.scheduler.busy or self.state in _LOADING:
+            if (
+                self.keep_alive == FOREVER
+                or self.scheduler.busy
+                or self.state in _LOADING
+                or self._served
+            ):  # a command still writes what its requests answered
                 continue
             if time.monotonic() - self.last_activity >= self.keep_alive:
                 self.request_shutdown(f"idle for {self.keep_alive:g} s (keep_alive)")
