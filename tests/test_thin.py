@@ -268,6 +268,32 @@ def test_a_question_too_long_for_the_daemon_reaches_the_full_client_whole(warm: 
         (full_run.returncode, full_run.stdout, full_run.stderr)  # fmt: skip
 
 
+def test_a_daemon_is_not_idle_while_a_command_runs():
+    from types import SimpleNamespace
+
+    from phi4cli.daemon.server import DaemonServer
+
+    server: Any = SimpleNamespace(keep_alive=0.0, scheduler=SimpleNamespace(busy=False),
+                                  state="ready", _served={object()},
+                                  last_activity=time.monotonic() - 10)  # fmt: skip
+    # Its requests have ended, but it still writes what they answered (--json, --answer-only).
+    assert not DaemonServer._idle_expired(server)
+    server._served = set()
+    assert DaemonServer._idle_expired(server)
+
+
+@pytest.mark.daemon
+def test_keep_alive_0_answers_through_the_daemon(warm: Path):
+    # The daemon leaves after each answer; the command finishes first (no second daemon is
+    # started for it, which would say so on stderr).
+    for _ in range(3):
+        result = _run([PHI4], "solve", "What?", "-m", str(warm), "-n", "12", "-t", "0", "--json",
+                      "--keep-alive", "0")  # fmt: skip
+        assert (result.returncode, result.stderr) == (0, ""), result.stderr
+        assert json.loads(result.stdout)["solution"]
+        run_phi4("warm", "-m", str(warm))
+
+
 @pytest.mark.daemon
 def test_a_model_named_relative_to_another_directory_is_found_there(warm: Path, tmp_path: Path):
     os.symlink(warm, tmp_path / "here.gguf")

@@ -744,15 +744,17 @@ class DaemonServer:
             if time.monotonic() - last_beat >= HEARTBEAT_S:
                 last_beat = time.monotonic()
                 self._heartbeat()
-            if (
-                self.keep_alive == FOREVER
-                or self.scheduler.busy
-                or self.state in _LOADING
-                or self._served
-            ):  # a command still writes what its requests answered
-                continue
-            if time.monotonic() - self.last_activity >= self.keep_alive:
+            if self._idle_expired():
                 self.request_shutdown(f"idle for {self.keep_alive:g} s (keep_alive)")
+
+    def _idle_expired(self) -> bool:
+        """Whether the daemon has been idle for its keep_alive: no request running or queued,
+        no model loading, and no command run for the thin client still writing what its
+        requests answered."""
+        if self.keep_alive == FOREVER or self.scheduler.busy or self.state in _LOADING \
+                or self._served:  # fmt: skip
+            return False
+        return time.monotonic() - self.last_activity >= self.keep_alive
 
     async def serve(self) -> None:
         """Bind, load, serve until stopped; clean up the socket and status file on the way out."""
