@@ -291,7 +291,11 @@ def test_keep_alive_0_answers_through_the_daemon(warm: Path):
                       "--keep-alive", "0")  # fmt: skip
         assert (result.returncode, result.stderr) == (0, ""), result.stderr
         assert json.loads(result.stdout)["solution"]
-        run_phi4("warm", "-m", str(warm))
+        deadline = time.monotonic() + 30
+        while run_phi4("status").returncode != 3:  # it leaves, as keep_alive 0 asks
+            assert time.monotonic() < deadline, "the daemon stayed"
+            time.sleep(0.1)
+        assert run_phi4("warm", "-m", str(warm)).returncode == 0
 
 
 @pytest.mark.daemon

@@ -180,6 +180,7 @@ def serve(params: Mapping[str, Any], command: CommandIO, socket: str,
     from phi4cli.client.environment import Environment
     from phi4cli.client.exits import report
     from phi4cli.client.solving import run_solve
+    from phi4cli.core.errors import ExitStatus
     from phi4cli.engines.daemon_link import ChannelConnection
 
     command.accept()
@@ -199,7 +200,10 @@ def serve(params: Mapping[str, Any], command: CommandIO, socket: str,
         command.check()  # a Ctrl-C while it printed its last: as the full client, exit 130
         return status
 
-    status = report(run, env.stdout, env.stderr)
+    try:
+        status = report(run, env.stdout, env.stderr)
+    except BrokenPipeError:  # the client went while its error was being said: no one to tell
+        return ExitStatus.OK
     for stream in (out, err):
         with contextlib.suppress(BrokenPipeError):
             stream.flush()
