@@ -327,6 +327,13 @@ def _listen_for_interrupts(sock: Any, command: _Command, request_id: int) -> Non
         _signal.signal(_signal.SIGINT, on_interrupt)  # (not where it is ignored: `cmd &`)
 
 
+def _stop_listening() -> None:
+    import _signal
+
+    if getattr(_signal.getsignal(_signal.SIGINT), "thin", False):
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+
+
 def _write(stream: Any, text: str) -> None:
     stream.write(text)
 
@@ -347,6 +354,7 @@ def main() -> NoReturn:
         try:
             status = run_in_daemon(argv)
         except Declined:
+            _stop_listening()  # Ctrl-C is the full client's again
             if _stdin:  # read for the daemon: the full client reads it from here
                 import io
 
