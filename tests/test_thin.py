@@ -59,6 +59,17 @@ def test_the_thin_client_refuses_garbage_as_json_does():
             decode(line)
 
 
+def test_the_installed_phi4_is_bin_phi4_and_imports_nothing_first():
+    # As pip installs a script file: bin/phi4 with this environment's python on its first line,
+    # not a script generated for an entry point (which would import re first).
+    installed = Path(PHI4).read_text().splitlines()
+    source = (Path(__file__).resolve().parent.parent / "bin" / "phi4").read_text().splitlines()
+    assert installed[0].startswith("#!") and source[0] == "#!python"
+    assert installed[1:] == source[1:]
+    statements = [line for line in source if line.startswith(("import", "from"))]
+    assert statements == ["import sys", "from phi4cli.thin import main"], statements
+
+
 def test_the_thin_clients_constants_are_the_protocols():
     assert thin.PROTOCOL_VERSION == protocol.PROTOCOL_VERSION
     assert thin.INTERRUPTED == ExitStatus.INTERRUPTED
