@@ -22,7 +22,7 @@ from phi4cli.core import protocol
 from phi4cli.core.config import VARIABLES, Settings, env_name
 from phi4cli.core.errors import ExitStatus
 from phi4cli.core.paths import get_paths
-from phi4cli.core.rendezvous import read_by_a_command, runtime_dir
+from phi4cli.core.rendezvous import NOT_READ_BY_A_SOLVE, read_by_a_command, runtime_dir
 from tests.conftest import PHI4, run_phi4
 
 # The full client, as the `phi4` script was before the thin client: the same process start.
@@ -77,11 +77,32 @@ def test_the_thin_clients_constants_are_the_protocols():
 
 
 def test_every_variable_phi4_reads_is_compared_before_the_daemon_runs_a_command():
-    names = {name for variable in VARIABLES for name in variable.names}
+    names = {name for variable in VARIABLES for name in variable.names} - NOT_READ_BY_A_SOLVE
     names |= {env_name(key) for key in Settings._fields}
-    names |= {"HOME", "XDG_CONFIG_HOME", "XDG_RUNTIME_DIR", "NO_COLOR", "TERM", "TMPDIR"}
+    names |= {
+        "HOME",
+        "XDG_CONFIG_HOME",
+        "XDG_DATA_HOME",
+        "XDG_STATE_HOME",
+        "XDG_CACHE_HOME",
+        "XDG_RUNTIME_DIR",
+        "NO_COLOR",
+        "TMPDIR",
+    }  # platformdirs', tempfile's, the view's
     assert {name for name in names if not read_by_a_command(name)} == set()
-    assert not read_by_a_command("PWD") and not read_by_a_command("SHLVL")
+    # A login's own: two terminals of one user differ in these, and share one daemon.
+    for name in (
+        "PWD",
+        "SHLVL",
+        "XDG_SESSION_ID",
+        "XDG_VTNR",
+        "TERM",
+        "LANG",
+        "COLUMNS",
+        "EDITOR",
+        "https_proxy",
+    ):
+        assert not read_by_a_command(name), name
 
 
 def test_the_thin_client_finds_the_runtime_dir_the_full_client_uses(monkeypatch, tmp_path: Path):
@@ -196,6 +217,19 @@ def _steady(stdout: str) -> Any:
     except ValueError:
         return stdout
     return {key: value for key, value in record.items() if key not in ("stats", "seed")}
+
+
+@pytest.mark.daemon
+def test_a_daemon_started_in_one_terminal_runs_the_commands_of_another(warm: Path):
+    # Another login: its own session, terminal type and locale; the same phi4 settings.
+    other = {"XDG_SESSION_ID": "77", "TERM": "dumb", "LANG": "C.UTF-8", "SHLVL": "3"}
+    before = _commands()
+    args = ["solve", "What is 2+2?", "-n", "12", "-t", "0", "-m", str(warm)]
+    thin_run = _run([PHI4], *args, env=other)
+    assert _commands()["served"] == before["served"] + 1, thin_run.stderr
+    full_run = _run(FULL, *args, env=other)
+    assert (thin_run.returncode, thin_run.stdout, thin_run.stderr) == \
+        (full_run.returncode, full_run.stdout, full_run.stderr)  # fmt: skip
 
 
 DECLINED = [

@@ -14,21 +14,28 @@ if TYPE_CHECKING:
 
 APP_NAME = "phi4"
 SOCKET_NAME = "daemon.sock"
-# What a command reads from the environment besides its PHI4_* and XDG_* variables: the daemon
-# runs the thin client's command only when all of these are as in its own environment. Not
-# COLUMNS or LINES: only a terminal's view reads them, and the daemon runs no command whose
-# stdout is a terminal (readline sets them in a process's environment behind Python's back).
+# What a command reads from the environment besides its PHI4_* variables: the daemon runs the
+# thin client's command only when all of these are as in its own environment. Only those: a
+# login's own (XDG_SESSION_ID, TERM, which differ between two terminals of one user) would keep
+# a daemon started in one from running the commands of another. Not TERM, COLUMNS, LINES or the
+# locale either: only a terminal's view reads them (the daemon runs no command whose stdout is a
+# terminal), and the thin client writes what it is sent in its own encoding.
 ENVIRONMENT = frozenset({
-    "HOME", "TMPDIR", "TEMP", "TMP", "NO_COLOR", "FORCE_COLOR", "TERM",
-    "HF_ENDPOINT", "VISUAL", "EDITOR", "LANG", "LC_ALL", "LC_CTYPE", "PYTHONIOENCODING",
-    "PYTHONUTF8", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy",
-    "no_proxy",
+    "HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME",
+    "XDG_RUNTIME_DIR", "TMPDIR", "TEMP", "TMP", "NO_COLOR", "FORCE_COLOR", "PYTHONIOENCODING",
+    "PYTHONUTF8",
+})  # fmt: skip
+# Read only by commands the daemon does not run (`phi4 config edit`, `phi4 pull`): a daemon
+# started by systemd, without them, still runs a solve for a shell that has them.
+NOT_READ_BY_A_SOLVE = frozenset({
+    "VISUAL", "EDITOR", "HF_ENDPOINT", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy",
+    "https_proxy", "no_proxy",
 })  # fmt: skip
 
 
 def read_by_a_command(name: str) -> bool:
     """Whether a variable can change what a command does (see ``ENVIRONMENT``)."""
-    return name.startswith(("PHI4_", "XDG_")) or name in ENVIRONMENT
+    return name.startswith("PHI4_") or name in ENVIRONMENT
 
 
 def environment(environ: Mapping[str, str]) -> dict[str, str]:
