@@ -126,7 +126,7 @@ def why_declined(params: Mapping[str, Any], socket: str) -> str | SolveOptions:
         # not for threads beside the engine's.
         return "samples"
     stdin = params.get("stdin")
-    if not (stdin is None or isinstance(stdin, str)):
+    if stdin is not None and not (isinstance(stdin, str) and _bytes_as_text(stdin)):
         return "not a command line"
     same_directory = _same_directory(cwd)
     for name in RELATIVE_TO_CWD:
@@ -159,6 +159,11 @@ def why_declined(params: Mapping[str, Any], socket: str) -> str | SolveOptions:
             return options
         return NEEDS_STDIN  # the client reads it and asks again
     return options
+
+
+def _bytes_as_text(text: str) -> bool:
+    """Whether ``text`` is bytes sent as latin-1 text (stdin's, by the thin client)."""
+    return text.isascii() or max(map(ord, text)) < 256
 
 
 def _same_directory(cwd: str) -> bool:
