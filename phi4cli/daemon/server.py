@@ -169,8 +169,8 @@ class Channel:
         """Raise ConnectionError once the daemon is on its way out."""
         self.command.check()
         loop = self.server._loop
-        if loop is None or self.server._stopping:
-            raise ConnectionError("the daemon is shutting down")
+        if loop is None or self.server._stopping or self.command.gone:
+            raise ConnectionError("the daemon is shutting down, or the client has gone")
         try:
             loop.call_soon_threadsafe(self.server._dispatch_guarded, self.connection, line)
         except RuntimeError:  # the loop has closed
