@@ -421,12 +421,26 @@ def test_a_client_that_goes_away_stops_what_the_daemon_runs_for_it(warm: Path):
 
 
 @pytest.mark.daemon
-def test_a_daemon_stopped_mid_answer_ends_its_command_with_exit_3(warm: Path):
-    process = _streaming(warm)
+@pytest.mark.parametrize("quiet", [[], ["--json"], ["-a"]], ids=["streamed", "json", "answer"])
+def test_a_daemon_stopped_mid_answer_ends_its_command_as_the_full_clients(
+    warm: Path, quiet: list[str]
+):
+    # As the full client: the partial answer's line ended, the error said, exit 3, and no
+    # daemon started again behind the `phi4 stop` (a --json answer had written nothing yet).
+    process = subprocess.Popen([PHI4, "solve", "Count.", "-m", str(warm), "-n", "6000", "-t", "1",
+                                "--seed", "3", *quiet], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not _status()["requests_active"]:
+        assert time.monotonic() < deadline, "it never ran"
+        time.sleep(0.02)
     assert run_phi4("stop").returncode == 0
-    _out, err = process.communicate(timeout=60)
+    out, err = process.communicate(timeout=60)
     assert process.returncode == ExitStatus.DAEMON_UNAVAILABLE, err
-    assert err.decode().endswith("; run it again\n"), err
+    assert err.decode().endswith("phi4: error: the daemon is shutting down; the answer was cut "
+                                 "short\n"), err  # fmt: skip
+    assert out.endswith(b"\n") if not quiet else out == b""
+    assert run_phi4("status").returncode == 3, "a daemon was started again"
 
 
 @pytest.mark.daemon

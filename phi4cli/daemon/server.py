@@ -137,6 +137,7 @@ Runner = Callable[
     [Mapping[str, Any], "ServedCommand", str, Callable[[str, bool], None]], "int | None"
 ]
 MAX_COMMANDS = 64  # run at once; past that the thin client's command runs in its own process
+COMMANDS_END_S = 2.0  # how long a daemon on its way out waits for its commands to say so
 _INTERRUPT, _GONE = object(), object()  # what a channel's queue holds besides events
 
 
@@ -168,8 +169,8 @@ class Channel:
     def send(self, line: bytes) -> None:
         """Raise ConnectionError once the daemon is on its way out."""
         self.command.check()
-        loop = self.server._loop
-        if loop is None or self.server._stopping or self.command.gone:
+        loop = self.server._loop  # (a daemon on its way out answers shutting_down, as on a socket)
+        if loop is None or self.command.gone:
             raise ConnectionError("the daemon is shutting down, or the client has gone")
         try:
             loop.call_soon_threadsafe(self.server._dispatch_guarded, self.connection, line)
@@ -246,14 +247,18 @@ class ServedCommand:
         for channel in self.channels:
             self.server._close_local(channel.connection)
 
-    def shut_down(self) -> None:
-        """The daemon is going (in the event loop): the command ends, and says no more (its
-        end included: the thin client, told nothing, runs a command that had written no
-        answer yet in a process of its own, against a fresh daemon)."""
-        self.gone = True
+    def shutting_down(self) -> None:
+        """The daemon is on its way out (in the event loop): the command's requests end with
+        ``shutting_down``, as a socket client's do, and it says so as that client would."""
         for channel in self.channels:
             for job in channel.connection.jobs.values():
                 job.cancel(ErrorCode.SHUTTING_DOWN)
+
+    def shut_down(self) -> None:
+        """The daemon leaves now (in the event loop): the command's waits end, and nothing
+        more of it goes out."""
+        self.gone = True
+        for channel in self.channels:
             channel.connection.events.put(_GONE)
 
 
@@ -568,8 +573,8 @@ class DaemonServer:
         def decline(why: str, stdin: bool = False) -> None:
             # (Asked again with its stdin, a command counts once, as what comes of that.)
             command.outcome = None if stdin else "declined"
-            if not stdin:
-                log.info("declined to run %r: %s", request.params.get("argv"), why)
+            if not stdin:  # (why, not the command line: it holds the question)
+                log.info("declined to run a command: %s", why)
             command._post(_done(request.id, {"declined": why, "stdin": stdin}))
 
         if runner is None or self._stopping or len(self._served) >= MAX_COMMANDS:
@@ -586,7 +591,7 @@ class DaemonServer:
             try:
                 status = runner(params, command, socket_path, decline)
             except BaseException:
-                log.exception("running %r failed", params.get("argv"))
+                log.exception("a command run for the thin client failed")
                 status = 1
             finally:
                 if status is not None and not command.gone:
@@ -705,7 +710,7 @@ class DaemonServer:
             for job in connection.jobs.values():
                 job.cancel(ErrorCode.SHUTTING_DOWN)
         for command in list(self._served):
-            command.shut_down()
+            command.shutting_down()
         if self._stopped is not None:
             self._stopped.set()
 
@@ -788,6 +793,14 @@ class DaemonServer:
             server.close()
             worker_done = await self._loop.run_in_executor(None, self.scheduler.stop, 10.0)
             await asyncio.sleep(0.05)  # let the last terminal events reach their clients
+            # The thin client's commands say how their requests ended, as their own clients
+            # would (a little longer: they are threads here, told through the loop).
+            deadline = time.monotonic() + COMMANDS_END_S
+            while self._served and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            for command in list(self._served):
+                command.shut_down()
+            await asyncio.sleep(0.05)
             for connection in list(self._connections):
                 await self._close(connection)
             with contextlib.suppress(FileNotFoundError):
