@@ -7,13 +7,14 @@ it imported already. So, like Mercurial's ``chg`` in front of its command server
 sends the command line to the running daemon (``op: run``), which runs the same ``phi4 solve``
 code in a thread of its own, against itself, and sends back what the command writes and its exit
 status; this module writes those out and exits with that status. It imports only ``os``,
-``sys``, ``_socket`` and ``_json`` (C modules and what every interpreter has loaded at start-up).
+``sys``, ``_socket``, ``_json`` and ``_signal`` (C modules and what every interpreter has loaded
+at start-up). A question on stdin is read here when the daemon asks for it, and sent.
 
 Anything else goes to the full client (``phi4cli.entry``), unchanged: another command, stdout
 at a terminal (the live view needs rich in this process), no daemon answering, or a daemon that
-declines, before it has run anything: a question read from stdin, ``--file``, an environment or
-install unlike its own (``core.rendezvous``, ``client.served``). A daemon from before this op
-answers ``bad_request`` and is declined the same way.
+declines, before it has run anything: ``--file``, ``--samples``, an environment or install
+unlike its own (``core.rendezvous``, ``client.served``). A daemon from before this op answers
+``bad_request`` and is declined the same way.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ UNAVAILABLE = 3  # ExitStatus.DAEMON_UNAVAILABLE
 # A daemon says at once whether it runs a command; one that does not within this is frozen or
 # swamped, and the full client (which says which) takes over.
 ACCEPT_TIMEOUT = 5.0
-# Once it runs, the daemon sends a heartbeat at least every 20 s while the command waits for
-# the engine (server.HEARTBEAT_S); silence this long is a frozen daemon (the full client's
+# Once it runs, the daemon sends a heartbeat at least every 20 s while the command runs
+# (server.HEARTBEAT_S); silence this long is a frozen daemon (the full client's
 # daemon_link.STREAM_IDLE_TIMEOUT).
 IDLE_TIMEOUT = 90.0
+
+
 # --- the wire, without json (which imports re) ---------------------------------------------------
 
 
