@@ -1,6 +1,6 @@
 """A daemon's first answer after a reboot and after a restart, against a plain start, in one run.
 
-    python bench/restart.py --model PATH [--rounds 3] [--tokens 8]
+    python bench/restart.py --model PATH [--rounds 3] [--tokens 8] [--checkout DIR]
 
 A reboot is simulated for the model file: its pages are dropped from the page cache
 (``posix_fadvise(DONTNEED)``, so the next read comes from the disk) and its staged copy in RAM is
@@ -75,10 +75,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--checkout", type=Path,
+                        help="run phi4 from this checkout instead (a git worktree of another "
+                             "commit, for a before/after comparison)")  # fmt: skip
     args = parser.parse_args()
-    model = args.model.resolve()
+    model = args.model.absolute()  # (not resolved: a link's name can say the model reasons)
     home = Path(tempfile.mkdtemp(prefix="p4r-", dir="/tmp"))
     env = {**os.environ, "PHI4_HOME": str(home)}
+    if args.checkout is not None:
+        env["PYTHONPATH"] = str(args.checkout.resolve())
     solve = [*PHI4, "solve", QUESTION, "-m", str(model), "-t", "0", "-n", str(args.tokens)]
 
     def stop() -> None:
@@ -143,6 +148,7 @@ def main() -> None:
         "| --- | --- | --- |",
         *(f"| {what} | {seconds:.2f} s | {note} |" for what, seconds, note in rows),
     ]
+    results["checkout"] = str(args.checkout) if args.checkout else "this one"
     report.write(args.out, f"restart-{model.stem}", results, "\n".join(lines))
 
 

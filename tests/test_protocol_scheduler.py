@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import threading
 import time
@@ -21,6 +22,7 @@ from phi4cli.core.protocol import (
     SolveParams,
     parse_solve_params,
 )
+from phi4cli.daemon import scheduler as scheduler_module
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, Wait
 from phi4cli.daemon.scheduler import JobQueue, QueueFullError, RequestScheduler
 from phi4cli.daemon.server import peer_allowed, peer_uid
@@ -113,6 +115,9 @@ class FakeEngine:
     @property
     def active(self) -> int:
         return len(self._runs)
+
+    def tend(self) -> bool:
+        return False
 
     def memory(self) -> dict[str, Any]:
         return {"running": len(self._runs)}
@@ -467,6 +472,44 @@ def test_a_warm_up_failure_leaves_the_worker_serving():
     assert states[:3] == ["loading", "warming", "failed"]
     assert engine.model_path is None, "the half-loaded model was closed"
     scheduler.stop(5)
+
+
+class TendingEngine(FakeEngine):
+    """Has work of its own between steps (as a context made in the background) for a while."""
+
+    def __init__(self, rounds: int) -> None:
+        super().__init__()
+        self.rounds = rounds
+        self.tended = 0
+
+    def tend(self) -> bool:
+        self.tended += 1
+        return self.tended < self.rounds
+
+
+def test_an_idle_worker_comes_back_to_an_engine_that_tends_and_then_sleeps():
+    engine = TendingEngine(rounds=4)
+    scheduler, _ = make_scheduler(engine)
+    deadline = time.monotonic() + 10
+    while engine.tended < 4:  # no request came: the worker came back on its own
+        assert time.monotonic() < deadline, f"tended {engine.tended} times"
+        time.sleep(0.05)
+    time.sleep(4 * scheduler_module.TEND_S)
+    assert engine.tended == 4, "the worker went on polling an engine with nothing to tend"
+    out = Collector()
+    scheduler.submit(out.job(0, "x"))
+    out.wait(0)  # and it still serves
+    assert out.terminal(0)[0]["event"] == "done"
+    scheduler.stop(5)
+
+
+def test_a_peek_with_a_timeout_gives_up_when_no_job_comes():
+    jobs = JobQueue()
+    started = time.monotonic()
+    with pytest.raises(queue.Empty):
+        jobs.peek(block=True, timeout=0.2)
+    assert time.monotonic() - started >= 0.2
+    jobs.stop()
 
 
 def test_a_long_waiting_job_is_taken_before_newer_urgent_ones(monkeypatch):

@@ -512,6 +512,10 @@ def format_status(status: dict[str, Any]) -> str:
         rows.append(("kv now", f"{memory['reserved_tokens']:,} reserved by {memory['running']} "
                                f"running, {memory['free_tokens']:,} free, "
                                f"{memory['idle_cached_tokens']:,} cached for reuse"))  # fmt: skip
+        cells = memory.get("context_cells")
+        if cells and cells != memory.get("n_ctx"):
+            rows.append(("kv growing", f"answering from {cells:,} cells while the whole "
+                                       "context is made"))  # fmt: skip
     if memory.get("threads"):
         rows.append(("threads", _threads_row(memory)))
     waiting = status.get("waiting")

@@ -81,6 +81,12 @@ class Engine(Protocol):
         """The KV cache now (n_ctx, reserved, free, ...) and the memory plan; {} if unloaded."""
         ...
 
+    def tend(self) -> bool:
+        """Work of the engine's own between steps (a context made in the background moving
+        in); True while there is more of it: the worker then comes back within ``TEND_S``
+        even with no request to offer."""
+        ...
+
     def reset(self) -> None:
         """Drop every request in the engine (after a failed step), keeping the model."""
         ...

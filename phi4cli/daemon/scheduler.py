@@ -32,6 +32,8 @@ _CANCEL_MESSAGES = {
 
 
 AGING_S = 10.0
+# While the engine has work of its own (Engine.tend), the worker comes back this often.
+TEND_S = 0.25
 
 
 class JobQueue:
@@ -66,14 +68,17 @@ class JobQueue:
             self._stopping = True
             self._changed.notify()
 
-    def peek(self, block: bool) -> Job | None:
+    def peek(self, block: bool, timeout: float | None = None) -> Job | None:
         """Return the job to offer the engine next, leaving it queued (it may have to wait), or
-        None once stopped. Raise queue.Empty if there is none and not ``block``."""
+        None once stopped. Raise queue.Empty if there is none and not ``block``, or none came
+        within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             while not self._jobs and not self._stopping:
-                if not block:
+                left = None if deadline is None else deadline - time.monotonic()
+                if not block or (left is not None and left <= 0):
                     raise queue.Empty
-                self._changed.wait()
+                self._changed.wait(left)
             if self._stopping:
                 return None
             oldest = self._jobs[0]
@@ -235,10 +240,12 @@ class RequestScheduler:
         held: Job | None = None
         while True:
             self.beats += 1  # the worker goes round: the server's heartbeats say it lives
+            tending = self._engine.tend()
             self.memory = self._engine.memory()
             if held is None and not self._exclusive():
                 try:
-                    job = self._queue.peek(block=self._engine.active == 0)
+                    job = self._queue.peek(block=self._engine.active == 0,
+                                           timeout=TEND_S if tending else None)  # fmt: skip
                 except queue.Empty:
                     pass
                 else:

@@ -100,6 +100,14 @@ class LlamaEngine:
             **(self._governor.describe() if self._governor is not None else {}),
         }
 
+    def tend(self) -> bool:
+        """Move to the whole context once it is made (``LoadedModel.grow``), when idle too."""
+        model = self._model
+        if model is None or model.growing is None:
+            return False
+        model.grow(wait=False)
+        return model.growing is not None
+
     # --- loading ------------------------------------------------------------------------------
 
     def load(self, path: Path) -> dict[str, Any]:
@@ -338,7 +346,16 @@ class LlamaEngine:
         # A deterministic request decodes alone, on the threads a fresh daemon starts with.
         hold = any(slot.run.job.params.ask.deterministic for slot, _, _ in chunks if slot.run)
         self._follow_the_cores(model, hold)
+        if model.growing is not None:  # the whole context once made, or now if these need it
+            adding = {slot.seq: count for slot, count, _ in fed}
+            model.grow(wait=not self._loaded_cells().holds(model.cells_now, adding))
+        if model.shrunk:  # it could not be made: nothing is decoded that the small one cannot hold
+            model.shrunk = False
+            return finished + self._shrink()
         code = model.decode(entries)
+        if code == DECODE_NO_KV_SPACE and model.growing is not None:
+            model.grow(wait=True)
+            code = model.decode(entries)
         if self._governor is not None:  # (a step of answers alone is one it may measure)
             answers_only = all(slot.run is not None and slot.run.prompt_s is not None
                                for slot, _, _ in chunks)  # fmt: skip
@@ -362,6 +379,29 @@ class LlamaEngine:
         threads = self._governor.check(time.monotonic(), hold) if self._governor else None
         if threads is not None:
             model.set_threads(threads)
+
+    def _shrink(self) -> list[tuple[Job, Stats]]:
+        """The plan shrank to the small context (``LoadedModel.grow``): idle slots' cells go
+        first, then the requests admitted against the whole context that the small one cannot
+        hold stop, the newest first, as a daemon with that context would have refused them."""
+        cells = self._loaded_cells()
+        capacity = cells.capacity()
+        if cells.streams:
+            for slot in self._slots:
+                if slot.run is None and len(slot.tokens) > capacity:
+                    cells.drop(slot, 0)
+        else:
+            cells.reclaim(0, None)
+        finished = []
+        running = [s for s in self._slots if s.run is not None]
+        for slot in sorted(running, key=lambda s: s.run.started if s.run else 0.0, reverse=True):
+            assert slot.run is not None
+            if (slot.run.reserved <= capacity) if cells.streams else \
+                    (cells.committed() <= capacity):  # fmt: skip
+                continue
+            slot.run.job.cancel(ErrorCode.CONTEXT_OVERFLOW)
+            finished.append(self._finish(slot, "context"))
+        return finished
 
     def _out_of_kv(self) -> list[tuple[Job, Stats]]:
         """llama.cpp found no room although every reservation fits (this should not happen):

@@ -61,6 +61,7 @@ class KVCells:
             free = self.capacity() - reserved
         return {
             "n_ctx": self.model.n_ctx,
+            "context_cells": self.model.cells_now,  # fewer while the whole context is made
             "system_tokens": len(self.system_tokens),
             "reserved_tokens": reserved,
             "idle_cached_tokens": idle,
@@ -145,6 +146,16 @@ class KVCells:
         if self.streams:
             return model.plan.request_capacity
         return model.n_ctx - len(self.system_tokens)
+
+    def holds(self, cells: int, adding: dict[int, int]) -> bool:
+        """Whether a context of ``cells`` cells in all holds the tokens the cache holds now and
+        ``adding`` (tokens for some sequences): shared, the system prompt's cells once and each
+        slot's own; streams, each slot's tokens and its additions in its stream."""
+        if self.streams:
+            stream = cells // len(self.slots)
+            return all(len(s.tokens) + adding.get(s.seq, 0) <= stream for s in self.slots)
+        held = len(self.system_tokens) + sum(slot.own_cells for slot in self.slots)
+        return held + sum(adding.values()) <= cells
 
     def committed(self) -> int:
         return sum(slot.run.reserved for slot in self.slots if slot.run is not None)
@@ -266,7 +277,7 @@ class KVCells:
             slot.tokens = list(system)
         return slot
 
-    def reclaim(self, needed: int, chosen: Slot) -> None:
+    def reclaim(self, needed: int, chosen: Slot | None) -> None:
         """Free idle slots' cached cells, least recently used first, until the running
         requests' reservations and ``needed`` fit beside what stays cached (shared layout; a
         stream holds only its own slot's cells)."""

@@ -7,13 +7,16 @@ slots, batching) lives in :mod:`.prompts` and :mod:`.batch`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
+import os
 import re
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ from phi4cli.daemon.memory import (
     MemoryRequest,
     ModelShape,
     plan_memory,
+    start_cells,
 )
 from phi4cli.daemon.ramdisk import Staging, stage
 from phi4cli.text.reasoning import model_thinks
@@ -48,7 +52,10 @@ _KEPT_INFO = re.compile(r"offloaded \d+/\d+ layers to GPU|\bbuffer size =")
 llama_log = logging.getLogger("phi4.llama")
 
 
-class _LogFilter:
+class _LogFilter(threading.local):
+    """Per thread: the whole context is made on a thread of its own (``GrowingContext``) while
+    the loop thread decodes, and a message and its continuations come from one thread."""
+
     def __init__(self) -> None:
         self.level: int | None = None
         self.pending = ""
@@ -168,12 +175,48 @@ def model_shape(model: Any, path: Path) -> ModelShape:
     )
 
 
+class GrowingContext:
+    """The plan's whole context, made on a thread of its own while a smaller one answers (see
+    ``memory.START_CELLS``). The thread runs at Linux's idle priority (SCHED_IDLE): it takes a
+    CPU only when no decoding thread wants it, so the first answers are not slowed by it; when
+    the small context is about to be full, the engine waits for it (``LoadedModel.grow``)."""
+
+    def __init__(self, start_cells: int, make: Callable[[], Any]) -> None:
+        self.start_cells = start_cells
+        self.context: Any = None  # llama_internals.LlamaContext, once made
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._make = make
+        self._thread = threading.Thread(target=self._run, name="phi4-context", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        idle = getattr(os, "SCHED_IDLE", None)
+        if idle is not None:
+            # This thread only (Linux); refused (a seccomp or container policy): normal priority.
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, idle, os.sched_param(0))
+        started = time.monotonic()
+        try:
+            self.context = self._make()
+        except BaseException as exc:  # a failure is reported by LoadedModel.grow, on the loop
+            self.error = exc
+        self.seconds = time.monotonic() - started
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+
 @dataclass(eq=False)
 class LoadedModel:
     """The model, its one context and a batch of ``n_batch`` tokens. The context's KV cache has
     ``plan.n_ctx`` cells: with the shared layout one unified cache over ``plan.slots + 1``
     sequences (the last holds the system prompt), with the streams layout a stream of
-    ``n_ctx / slots`` cells for each of ``plan.slots`` sequences."""
+    ``n_ctx / slots`` cells for each of ``plan.slots`` sequences. Just after a start the
+    context may hold fewer cells while the whole one is made (``growing``, :meth:`grow`)."""
 
     path: Path
     model: Any  # llama_internals.LlamaModel
@@ -183,6 +226,9 @@ class LoadedModel:
     n_batch: int
     thinks: bool  # a model that reasons before answering, maybe without <think>
     info: dict[str, Any]  # what loading did, for `phi4 warm` and `phi4 status`
+    threads: int = 1  # the context's threads (set_threads); a grown context gets the same
+    growing: GrowingContext | None = None  # the whole context, being made
+    shrunk: bool = False  # the whole context could not be made: the plan is the small one's
 
     def __post_init__(self) -> None:
         self.vocab = self.model.vocab
@@ -192,6 +238,70 @@ class LoadedModel:
     @property
     def n_ctx(self) -> int:
         return self.plan.n_ctx
+
+    @property
+    def cells_now(self) -> int:
+        """The cells of the context answering now: ``n_ctx``, or fewer while ``growing``."""
+        return self.growing.start_cells if self.growing is not None else self.plan.n_ctx
+
+    def grow(self, wait: bool) -> None:
+        """Answer from the whole context if it is made (with ``wait``, once it is): every
+        sequence's cells move over in one piece (llama.cpp's whole-context state, which keeps
+        cells shared between sequences shared, their positions as they were), the small context
+        is let go. If the whole context could not be made or take the state, the small one
+        stays and the plan shrinks to it (requests are then admitted against what it holds)."""
+        growing = self.growing
+        if growing is None or not (wait or growing.done()):
+            return
+        started = time.monotonic()
+        growing.wait()
+        waited = time.monotonic() - started
+        self.growing = None
+        whole = growing.context
+        if whole is not None and self._move_into(whole):
+            small, self.context = self.context, whole
+            small.close()
+            llama_cpp.llama_set_n_threads(whole.ctx, self.threads, self.threads)
+            self.info["grown_s"] = round(growing.seconds, 4)
+            log.info("the whole context of %d cells is ready (made in %.2f s beside the first "
+                     "answers; waited %.2f s for it)", self.plan.n_ctx, growing.seconds,
+                     waited)  # fmt: skip
+            return
+        if whole is not None:
+            whole.close()
+        cells = growing.start_cells
+        log.warning("could not make the whole context of %d cells (%s); answering from one of %d",
+                    self.plan.n_ctx, growing.error or "llama.cpp refused the state",
+                    cells)  # fmt: skip
+        small = replace(self.plan, n_ctx=cells, notes=(*self.plan.notes, f"context kept at "
+                        f"{cells} cells: the whole one could not be made"))  # fmt: skip
+        self.plan = replace(small, request_tokens=min(small.request_tokens, small.request_capacity))
+        self.info["n_ctx"] = cells
+        self.info["memory"] = self.plan.as_dict()
+        self.shrunk = True
+
+    def _move_into(self, whole: Any) -> bool:
+        size = llama_cpp.llama_state_get_size(self.context.ctx)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_get_data(self.context.ctx, buffer, size)
+        return bool(llama_cpp.llama_state_set_data(whole.ctx, buffer, written) == written)
+
+    def _room_for(self, seq: int, cells: int) -> None:
+        """Before writing ``cells`` into ``seq`` outside the step loop: wait for the whole
+        context if the small one might not hold them (shared: counting each sequence's cells,
+        the ones it shares with others too, so never too few; streams: ``seq``'s stream)."""
+        if self.growing is None:
+            return
+        memory = self.context.memory
+        if self.plan.kv_layout == "streams":
+            held = llama_cpp.llama_memory_seq_pos_max(memory, seq) + 1
+            room = self.growing.start_cells // self.plan.slots
+        else:
+            sequences = range(self.plan.slots + 1)
+            held = sum(llama_cpp.llama_memory_seq_pos_max(memory, s) + 1 for s in sequences)
+            room = self.growing.start_cells
+        if held + cells > room:
+            self.grow(wait=True)
 
     def metadata(self) -> dict[str, str]:
         return dict(self.model.metadata())
@@ -250,6 +360,7 @@ class LoadedModel:
         False if llama.cpp could not (``seq`` is then left empty)."""
         self.seq_rm(seq, 0)
         view = memoryview(state).cast("B")
+        self._room_for(seq, view.nbytes // max(1, self.plan.kv_bytes_per_token) + 1)
         buffer = (ctypes.c_uint8 * view.nbytes).from_buffer(view)
         if llama_cpp.llama_state_seq_set_data(self.context.ctx, buffer, view.nbytes, seq) == (
             view.nbytes
@@ -285,11 +396,13 @@ class LoadedModel:
 
     def set_threads(self, threads: int) -> None:
         """Decode (and read prompts) on ``threads`` threads from the next decode on."""
+        self.threads = threads
         llama_cpp.llama_set_n_threads(self.context.ctx, threads, threads)
 
     def evaluate(self, seq: int, tokens: list[int], start: int) -> None:
         """Decode ``tokens`` into ``seq`` from position ``start`` in batch-sized chunks (outside
         the step loop: the system prompt, a restored conversation). Raise RuntimeError."""
+        self._room_for(seq, len(tokens))
         for offset in range(0, len(tokens), self.n_batch):
             chunk = tokens[offset : offset + self.n_batch]
             code = self.decode(
@@ -367,6 +480,11 @@ class LoadedModel:
         return False
 
     def close(self) -> None:
+        if self.growing is not None:  # (the thread uses the model: it must finish first)
+            self.growing.wait()
+            if self.growing.context is not None:
+                self.growing.context.close()
+            self.growing = None
         for resource in (self.batch, self.context, self.model):
             resource.close()
 
@@ -386,10 +504,11 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
     may_offload = bool(llama_cpp.llama_supports_gpu_offload()) and settings.gpu_layers != 0
     model = _load_weights(path, staging.path, settings.mlock, 0, repack=not may_offload)
     shape = model_shape(model, path)
+    machine = machine_now(staging)
     try:
         plan = plan_memory(
             shape,
-            machine_now(staging),
+            machine,
             MemoryRequest(
                 n_ctx=settings.n_ctx,
                 parallel=settings.parallel,
@@ -406,35 +525,31 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
         model.close()
         model = _load_weights(path, staging.path, settings.mlock, plan.gpu_layers)
     threads = settings.threads or physical_cores()
+    first = start_cells(plan, shape, machine)
+    if first is not None and first < n_batch:  # (llama.cpp takes no batch over its n_ctx)
+        first = None
     try:
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = plan.n_ctx
-        params.n_batch = n_batch
-        params.n_ubatch = n_batch
-        streams = plan.kv_layout == "streams"
-        # Shared: every sequence draws on the same n_ctx cells, and one more holds the system
-        # prompt for fresh slots to share. Streams: a stream per slot; the system prompt is
-        # copied into a fresh slot from its saved state instead.
-        params.n_seq_max = plan.slots if streams else plan.slots + 1
-        params.kv_unified = not streams
-        params.n_threads = threads
-        params.n_threads_batch = threads
-        params.type_k = params.type_v = _GGML_TYPES[plan.kv_cache_type]
-        params.flash_attn_type = _FLASH_ATTN[plan.flash_attn]
-        context = llama_internals.LlamaContext(model=model, params=params, verbose=False)
+        context = _make_context(model, plan, first or plan.n_ctx, n_batch, threads)
         batch = llama_internals.LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1)
     except BaseException as exc:
         model.close()
         if isinstance(exc, ValueError):
             raise ModelLoadError(
-                f"llama.cpp could not create a context of {plan.n_ctx} tokens "
+                f"llama.cpp could not create a context of {first or plan.n_ctx} tokens "
                 f"({plan.kv_cache_type} KV cache) for {path}: {exc}"
             ) from None
         raise
+    growing = None
+    if first is not None:
+        whole = plan.n_ctx
+        growing = GrowingContext(first, lambda: _make_context(model, plan, whole, n_batch, threads))
     load_s = time.monotonic() - started
     log.info("loaded %s from %s in %.2f s (threads %d, n_ctx %d, %d slots, %s KV %s, gpu layers "
              "%d)", path, staging.path, load_s, threads, plan.n_ctx, plan.slots,
              plan.kv_cache_type, plan.kv_layout, plan.gpu_layers)  # fmt: skip
+    if first is not None:
+        log.info("answering from a context of %d cells while the whole one of %d is made",
+                 first, plan.n_ctx)  # fmt: skip
     info = {
         "model": str(path),
         "loaded_from": str(staging.path),
@@ -444,6 +559,7 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
         "stage_note": staging.note,
         "load_s": round(load_s, 4),
         "n_ctx": plan.n_ctx,
+        "start_cells": first,
         "threads": threads,
         "parallel": plan.parallel,
         "mlock": settings.mlock,
@@ -451,8 +567,27 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
     }
     return LoadedModel(
         path=path, model=model, context=context, batch=batch, plan=plan, n_batch=n_batch,
-        thinks=shape.thinks, info=info,
+        thinks=shape.thinks, info=info, threads=threads, growing=growing,
     )  # fmt: skip
+
+
+def _make_context(model: Any, plan: MemoryPlan, n_ctx: int, n_batch: int, threads: int) -> Any:
+    """A llama context of ``n_ctx`` cells laid out as ``plan`` says; raise ValueError."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = n_batch
+    params.n_ubatch = n_batch
+    streams = plan.kv_layout == "streams"
+    # Shared: every sequence draws on the same n_ctx cells, and one more holds the system
+    # prompt for fresh slots to share. Streams: a stream per slot; the system prompt is
+    # copied into a fresh slot from its saved state instead.
+    params.n_seq_max = plan.slots if streams else plan.slots + 1
+    params.kv_unified = not streams
+    params.n_threads = threads
+    params.n_threads_batch = threads
+    params.type_k = params.type_v = _GGML_TYPES[plan.kv_cache_type]
+    params.flash_attn_type = _FLASH_ATTN[plan.flash_attn]
+    return llama_internals.LlamaContext(model=model, params=params, verbose=False)
 
 
 def _load_weights(
