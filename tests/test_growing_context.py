@@ -19,7 +19,7 @@ import pytest
 
 from phi4cli.client.render import format_status
 from phi4cli.core._settings import Ask, Settings
-from phi4cli.core.protocol import EventKind, SolveParams
+from phi4cli.core.protocol import ErrorCode, EventKind, SolveParams
 from phi4cli.daemon import memory
 from phi4cli.daemon.jobs import ContextOverflowError, Job
 from phi4cli.daemon.llama import model as model_module
@@ -90,6 +90,24 @@ def whole(tiny_model: Path, layout: str) -> Iterator[LlamaEngine]:
     engine.close()
 
 
+@pytest.fixture
+def start_small(
+    tiny_model: Path, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., tuple[LlamaEngine, Gate]]]:
+    """Start engines that answer from a small context until their gate is opened."""
+    made: list[tuple[LlamaEngine, Gate]] = []
+
+    def start(fail: bool = False) -> tuple[LlamaEngine, Gate]:
+        gate = Gate(monkeypatch, fail)
+        made.append((make_engine(tiny_model, layout), gate))
+        return made[-1]
+
+    yield start
+    for engine, gate in made:
+        gate.opened.set()
+        engine.close()
+
+
 def admit(
     engine: LlamaEngine, index: int, tokens: int = 48, problem: str = PROBLEM
 ) -> tuple[Job, list[str]]:
@@ -126,81 +144,65 @@ def answers(
 
 
 def test_the_answers_are_those_of_the_whole_context_when_it_moves_in_mid_answer(
-    tiny_model: Path, layout: str, whole: LlamaEngine, monkeypatch: pytest.MonkeyPatch
+    whole: LlamaEngine, start_small: Callable[..., tuple[LlamaEngine, Gate]], layout: str
 ) -> None:
     expected = answers(whole, 2)
-    gate = Gate(monkeypatch)
-    engine = make_engine(tiny_model, layout)
-    try:
-        loaded = engine._model
-        assert loaded is not None and loaded.growing is not None
-        small = SMALL * (2 if layout == "streams" else 1)
-        assert loaded.cells_now == small and loaded.n_ctx == WHOLE
-        assert engine.memory()["context_cells"] == small
+    engine, gate = start_small()
+    loaded = engine._model
+    assert loaded is not None and loaded.growing is not None
+    small = SMALL * (2 if layout == "streams" else 1)
+    assert loaded.cells_now == small and loaded.n_ctx == WHOLE
+    assert engine.memory()["context_cells"] == small
 
-        def open_at_step_3(step: int) -> None:
-            if step == 3:
-                assert loaded.growing is not None, "moved before the gate opened"
-                gate.opened.set()
-                loaded.growing.wait()
+    def open_at_step_3(step: int) -> None:
+        if step == 3:
+            assert loaded.growing is not None, "moved before the gate opened"
+            gate.opened.set()
+            loaded.growing.wait()
 
-        said = answers(engine, 2, between=open_at_step_3)
-        assert loaded.growing is None and loaded.cells_now == WHOLE
-        assert engine.memory()["context_cells"] == WHOLE
-        assert said == expected
-        assert all(text for text in said)
-    finally:
-        gate.opened.set()
-        engine.close()
+    said = answers(engine, 2, between=open_at_step_3)
+    assert loaded.growing is None and loaded.cells_now == WHOLE
+    assert engine.memory()["context_cells"] == WHOLE
+    assert said == expected
+    assert all(text for text in said)
 
 
 def test_a_step_the_small_context_cannot_hold_waits_for_the_whole_one(
-    tiny_model: Path, layout: str, whole: LlamaEngine, monkeypatch: pytest.MonkeyPatch
+    whole: LlamaEngine, start_small: Callable[..., tuple[LlamaEngine, Gate]]
 ) -> None:
     # (A stream takes a LONG prompt and the system prompt's: its answer overflows it.)
     expected = answers(whole, 2, LONG, tokens=150)
-    gate = Gate(monkeypatch)
-    engine = make_engine(tiny_model, layout)
-    try:
-        loaded = engine._model
-        assert loaded is not None
-        # Two prompts read together overflow the small context: the step waits for the whole
-        # one, which this timer lets be made only after a while.
-        threading.Timer(0.5, gate.opened.set).start()
-        started = time.monotonic()
-        said = answers(engine, 2, LONG, tokens=150)
-        assert time.monotonic() - started >= 0.5
-        assert loaded.growing is None and loaded.cells_now == WHOLE
-        assert said == expected
-    finally:
-        gate.opened.set()
-        engine.close()
+    engine, gate = start_small()
+    loaded = engine._model
+    assert loaded is not None
+    # Two prompts read together overflow the small context: the step waits for the whole
+    # one, which this timer lets be made only after a while.
+    threading.Timer(0.5, gate.opened.set).start()
+    started = time.monotonic()
+    said = answers(engine, 2, LONG, tokens=150)
+    assert time.monotonic() - started >= 0.5
+    assert loaded.growing is None and loaded.cells_now == WHOLE
+    assert said == expected
 
 
 def test_an_idle_engine_moves_in_when_tended(
-    tiny_model: Path, layout: str, monkeypatch: pytest.MonkeyPatch
+    start_small: Callable[..., tuple[LlamaEngine, Gate]],
 ) -> None:
-    gate = Gate(monkeypatch)
-    engine = make_engine(tiny_model, layout)
-    try:
-        loaded = engine._model
-        assert loaded is not None and loaded.growing is not None
-        assert engine.tend() is True  # still being made: the worker is to come back
-        gate.opened.set()
-        loaded.growing.wait()
-        assert engine.tend() is False
-        assert loaded.growing is None and loaded.cells_now == WHOLE
-        assert engine.tend() is False  # nothing more to do
-    finally:
-        gate.opened.set()
-        engine.close()
+    engine, gate = start_small()
+    loaded = engine._model
+    assert loaded is not None and loaded.growing is not None
+    assert engine.tend() is True  # still being made: the worker is to come back
+    gate.opened.set()
+    loaded.growing.wait()
+    assert engine.tend() is False
+    assert loaded.growing is None and loaded.cells_now == WHOLE
+    assert engine.tend() is False  # nothing more to do
 
 
 def test_closing_while_the_whole_context_is_made_waits_for_it(
-    tiny_model: Path, layout: str, monkeypatch: pytest.MonkeyPatch
+    start_small: Callable[..., tuple[LlamaEngine, Gate]],
 ) -> None:
-    gate = Gate(monkeypatch)
-    engine = make_engine(tiny_model, layout)
+    engine, gate = start_small()
     loaded = engine._model
     assert loaded is not None and loaded.growing is not None
     growing = loaded.growing
@@ -210,32 +212,46 @@ def test_closing_while_the_whole_context_is_made_waits_for_it(
 
 
 def test_a_whole_context_that_cannot_be_made_leaves_the_small_one_serving(
-    tiny_model: Path, layout: str, whole: LlamaEngine, monkeypatch: pytest.MonkeyPatch,
+    whole: LlamaEngine, start_small: Callable[..., tuple[LlamaEngine, Gate]], layout: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
     expected = answers(whole, 1)
-    gate = Gate(monkeypatch, fail=True)
-    engine = make_engine(tiny_model, layout)
-    try:
-        loaded = engine._model
-        assert loaded is not None
-        gate.opened.set()
-        with caplog.at_level(logging.WARNING, logger="phi4.engine"):
-            assert loaded.growing is not None
-            loaded.growing.wait()
-            engine.tend()
-        assert "could not make the whole context of 4096 cells" in caplog.text
-        assert loaded.growing is None
-        small = SMALL * (2 if layout == "streams" else 1)
-        assert loaded.n_ctx == loaded.cells_now == small
-        assert engine.memory()["n_ctx"] == small
-        assert answers(engine, 1) == expected  # one fits the small context
-        # One that needs more than it holds is refused as it would be by a small daemon.
-        params = SolveParams(LONG.format(i=0, m=97), Ask(temperature=0.0, max_tokens=SMALL))
-        with pytest.raises(ContextOverflowError):
-            engine.admit(Job(9, params, lambda event: None))
-    finally:
-        engine.close()
+    engine, gate = start_small(fail=True)
+    loaded = engine._model
+    assert loaded is not None and loaded.growing is not None
+    gate.opened.set()
+    with caplog.at_level(logging.WARNING, logger="phi4.engine"):
+        loaded.growing.wait()
+        engine.tend()
+    assert "could not make the whole context of 4096 cells" in caplog.text
+    assert loaded.growing is None
+    small = SMALL * (2 if layout == "streams" else 1)
+    assert loaded.n_ctx == loaded.cells_now == small
+    assert engine.memory()["n_ctx"] == small
+    assert answers(engine, 1) == expected  # one fits the small context
+    # One that needs more than it holds is refused as it would be by a small daemon.
+    params = SolveParams(LONG.format(i=0, m=97), Ask(temperature=0.0, max_tokens=SMALL))
+    with pytest.raises(ContextOverflowError):
+        engine.admit(Job(9, params, lambda event: None))
+
+
+def test_requests_the_small_context_cannot_hold_end_when_the_whole_one_cannot_be_made(
+    start_small: Callable[..., tuple[LlamaEngine, Gate]],
+) -> None:
+    engine, gate = start_small(fail=True)
+    # Admitted against the whole context: each reserves more than the small one holds.
+    jobs = [admit(engine, i, 150, LONG)[0] for i in range(2)]
+    gate.opened.set()
+    finished = []
+    for _ in range(400):  # until a step would overflow the small context (it waits, in vain)
+        finished += engine.step()
+        if not engine.active:
+            break
+    assert sorted(job.request_id for job, _ in finished) == [0, 1]
+    assert all(job.cancel_code == ErrorCode.CONTEXT_OVERFLOW for job in jobs)
+    assert all("could not make its whole context" in (job.cancel_message or "") for job in jobs)
+    assert engine.active == 0
+    assert answers(engine, 1)[0], "the small context still answers what it holds"
 
 
 # --- the plan's part -----------------------------------------------------------------------
@@ -254,7 +270,10 @@ def test_a_large_cache_on_a_roomy_machine_starts_small() -> None:
     # A reasoning model's default: a stream each for 4 requests of 8,192 tokens (4 GiB).
     whole = plan(roomy)
     assert whole.kv_layout == "streams" and whole.kv_bytes == 4 * GiB and whole.slots == 4
-    assert start_cells(whole, PHI4_MINI, roomy) == 4 * START_CELLS  # a stream of START_CELLS each
+    assert start_cells(whole, PHI4_MINI, roomy) == START_CELLS  # 4 streams of 512
+    many = plan(roomy, n_ctx=65536, parallel=16, kv_layout="streams")
+    assert many.slots == 16  # 16 streams of at least START_STREAM
+    assert start_cells(many, PHI4_MINI, roomy) == 16 * memory.START_STREAM
     shared = plan(roomy, kv_layout="shared")
     assert start_cells(shared, PHI4_MINI, roomy) == START_CELLS
 
@@ -283,14 +302,14 @@ def test_starting_small_needs_room_for_both_caches_beside_the_weights() -> None:
     headroom = memory.ram_headroom(Machine(ram_available=0, ram_total=total))
     whole = plan(Machine(ram_available=24 * GiB, ram_total=total))
     need = (PHI4_MINI.file_bytes + whole.kv_bytes + headroom
-            + 4 * START_CELLS * whole.kv_bytes_per_token + memory.START_SPARE)  # fmt: skip
+            + 2 * START_CELLS * whole.kv_bytes_per_token + memory.START_SPARE)  # fmt: skip
     just = Machine(ram_available=need, ram_total=total)
     short = Machine(ram_available=need - MiB, ram_total=total)
-    assert start_cells(whole, PHI4_MINI, just) == 4 * START_CELLS
+    assert start_cells(whole, PHI4_MINI, just) == START_CELLS
     assert start_cells(whole, PHI4_MINI, short) is None
     # Weights staged in RAM are out of what is available already.
     staged = Machine(ram_available=need - PHI4_MINI.file_bytes, ram_total=total, model_in_ram=True)
-    assert start_cells(whole, PHI4_MINI, staged) == 4 * START_CELLS
+    assert start_cells(whole, PHI4_MINI, staged) == START_CELLS
 
 
 def test_status_says_while_the_context_grows() -> None:

@@ -105,6 +105,7 @@ class Job:
     emit: Emit
     cancelled: threading.Event = field(default_factory=threading.Event)
     cancel_code: ErrorCode = ErrorCode.CANCELLED
+    cancel_message: str | None = None
     seq: int = field(default_factory=lambda: next(_job_seq))
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0
@@ -123,8 +124,9 @@ class Job:
         if self.confidence_floor is None:
             self.confidence_floor = self.params.confidence_floor
 
-    def cancel(self, code: ErrorCode = ErrorCode.CANCELLED) -> None:
+    def cancel(self, code: ErrorCode = ErrorCode.CANCELLED, message: str | None = None) -> None:
         self.cancel_code = code
+        self.cancel_message = message  # what the client is told, if not the code's usual words
         self.cancelled.set()
 
     def emit_token(self, kind: str, text: str, logprobs: list[Any] | None = None) -> None:

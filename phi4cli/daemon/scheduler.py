@@ -366,7 +366,8 @@ class RequestScheduler:
             # how much context it used.
             job.emit(Event.of_stats(stats, job.request_id))
             if job.cancelled.is_set():
-                job.fail(job.cancel_code, _CANCEL_MESSAGES.get(job.cancel_code, "cancelled"))
+                job.fail(job.cancel_code, job.cancel_message
+                         or _CANCEL_MESSAGES.get(job.cancel_code, "cancelled"))  # fmt: skip
             else:
                 job.done(finish_reason=stats.finish_reason)
 

@@ -343,15 +343,16 @@ class LlamaEngine:
             fed.append((slot, len(chunk), len(entries) - 1 if done else -1))
         if not entries:
             return finished
-        # A deterministic request decodes alone, on the threads a fresh daemon starts with.
-        hold = any(slot.run.job.params.ask.deterministic for slot, _, _ in chunks if slot.run)
-        self._follow_the_cores(model, hold)
         if model.growing is not None:  # the whole context once made, or now if these need it
             adding = {slot.seq: count for slot, count, _ in fed}
             model.grow(wait=not self._loaded_cells().holds(model.cells_now, adding))
         if model.shrunk:  # it could not be made: nothing is decoded that the small one cannot hold
             model.shrunk = False
             return finished + self._shrink()
+        # A deterministic request decodes alone, on the threads a fresh daemon starts with.
+        # (After any wait above: the governor times this step from here.)
+        hold = any(slot.run.job.params.ask.deterministic for slot, _, _ in chunks if slot.run)
+        self._follow_the_cores(model, hold)
         code = model.decode(entries)
         if code == DECODE_NO_KV_SPACE and model.growing is not None:
             model.grow(wait=True)
@@ -383,15 +384,20 @@ class LlamaEngine:
     def _shrink(self) -> list[tuple[Job, Stats]]:
         """The plan shrank to the small context (``LoadedModel.grow``): idle slots' cells go
         first, then the requests admitted against the whole context that the small one cannot
-        hold stop, the newest first, as a daemon with that context would have refused them."""
+        hold stop, the newest first, saying so; queued ones are prepared again against it."""
+        model, _ = self._loaded()
         cells = self._loaded_cells()
         capacity = cells.capacity()
+        self._loads += 1  # (a queued request's budget was worked out for the whole context)
         if cells.streams:
             for slot in self._slots:
                 if slot.run is None and len(slot.tokens) > capacity:
                     cells.drop(slot, 0)
         else:
             cells.reclaim(0, None)
+        why = (f"the daemon could not make its whole context (its log says why) and the "
+               f"{model.n_ctx:,}-token one it answers from cannot hold this request; lower "
+               "--max-tokens, or restart the daemon (phi4 stop)")  # fmt: skip
         finished = []
         running = [s for s in self._slots if s.run is not None]
         for slot in sorted(running, key=lambda s: s.run.started if s.run else 0.0, reverse=True):
@@ -399,7 +405,7 @@ class LlamaEngine:
             if (slot.run.reserved <= capacity) if cells.streams else \
                     (cells.committed() <= capacity):  # fmt: skip
                 continue
-            slot.run.job.cancel(ErrorCode.CONTEXT_OVERFLOW)
+            slot.run.job.cancel(ErrorCode.CONTEXT_OVERFLOW, why)
             finished.append(self._finish(slot, "context"))
         return finished
 

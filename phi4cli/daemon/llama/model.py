@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -177,9 +178,12 @@ def model_shape(model: Any, path: Path) -> ModelShape:
 
 class GrowingContext:
     """The plan's whole context, made on a thread of its own while a smaller one answers (see
-    ``memory.START_CELLS``). The thread runs at Linux's idle priority (SCHED_IDLE): it takes a
-    CPU only when no decoding thread wants it, so the first answers are not slowed by it; when
-    the small context is about to be full, the engine waits for it (``LoadedModel.grow``)."""
+    ``memory.START_CELLS``). On Linux the thread runs at the lowest priority (nice 19, that
+    thread only): the daemon's decoding threads go first, so the first answers are hardly
+    slowed by it, and while the engine waits for it (``LoadedModel.grow``: the small context is
+    full) it has the daemon's share of the CPUs. (Linux's SCHED_IDLE would take only CPUs that
+    no process wants, and starve beside busy ones; an unprivileged thread cannot be raised
+    again once the engine waits.)"""
 
     def __init__(self, start_cells: int, make: Callable[[], Any]) -> None:
         self.start_cells = start_cells
@@ -191,11 +195,9 @@ class GrowingContext:
         self._thread.start()
 
     def _run(self) -> None:
-        idle = getattr(os, "SCHED_IDLE", None)
-        if idle is not None:
-            # This thread only (Linux); refused (a seccomp or container policy): normal priority.
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(0, idle, os.sched_param(0))
+        if sys.platform == "linux":  # (a thread's own priority: elsewhere it is the process's)
+            with contextlib.suppress(OSError):  # refused by a policy: the normal priority
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         started = time.monotonic()
         try:
             self.context = self._make()
@@ -256,9 +258,17 @@ class LoadedModel:
         started = time.monotonic()
         growing.wait()
         waited = time.monotonic() - started
-        self.growing = None
         whole = growing.context
-        if whole is not None and self._move_into(whole):
+        problem: BaseException | str | None = growing.error
+        if whole is not None:
+            try:
+                moved = self._move_into(whole)
+            except Exception as exc:  # (a MemoryError for the state's buffer): as a refusal
+                problem = exc
+            else:
+                problem = None if moved else "llama.cpp refused the state"
+        self.growing = None
+        if whole is not None and problem is None:
             small, self.context = self.context, whole
             small.close()
             llama_cpp.llama_set_n_threads(whole.ctx, self.threads, self.threads)
@@ -271,8 +281,7 @@ class LoadedModel:
             whole.close()
         cells = growing.start_cells
         log.warning("could not make the whole context of %d cells (%s); answering from one of %d",
-                    self.plan.n_ctx, growing.error or "llama.cpp refused the state",
-                    cells)  # fmt: skip
+                    self.plan.n_ctx, problem, cells)  # fmt: skip
         small = replace(self.plan, n_ctx=cells, notes=(*self.plan.notes, f"context kept at "
                         f"{cells} cells: the whole one could not be made"))  # fmt: skip
         self.plan = replace(small, request_tokens=min(small.request_tokens, small.request_capacity))
@@ -281,9 +290,15 @@ class LoadedModel:
         self.shrunk = True
 
     def _move_into(self, whole: Any) -> bool:
+        """Copy the whole state of the context answering now into ``whole``; True if llama.cpp
+        wrote all of it and ``whole`` took all of it."""
         size = llama_cpp.llama_state_get_size(self.context.ctx)
+        if size <= 0:
+            return False
         buffer = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_get_data(self.context.ctx, buffer, size)
+        if written != size:
+            return False
         return bool(llama_cpp.llama_state_set_data(whole.ctx, buffer, written) == written)
 
     def _room_for(self, seq: int, cells: int) -> None:
