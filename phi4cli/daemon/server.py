@@ -813,6 +813,12 @@ class DaemonServer:
                 log.warning("the engine did not stop in time; exiting without unloading")
                 logging.shutdown()
                 os._exit(0)
+            if self.engine.tend():
+                # A context still being made in the background (uninterruptible, seconds): the
+                # model cannot be freed under it, and a stop need not wait for it.
+                log.info("stopped (a context was still being made: exiting without unloading)")
+                logging.shutdown()
+                os._exit(0)
             self.engine.close()
             log.info("stopped")
 
