@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from phi4cli.client.render import format_status
+from phi4cli.client.render import format_status, format_warm
 from phi4cli.core._settings import Ask, Settings
 from phi4cli.core.protocol import ErrorCode, EventKind, SolveParams
 from phi4cli.daemon import memory
@@ -192,11 +192,13 @@ def test_an_idle_engine_moves_in_when_tended(
     loaded = engine._model
     assert loaded is not None and loaded.growing is not None
     assert engine.tend() is True  # still being made: the worker is to come back
+    assert engine.memory()["context_growing_s"] >= 0
     gate.opened.set()
     loaded.growing.wait()
     assert engine.tend() is False
     assert loaded.growing is None and loaded.cells_now == WHOLE
     assert engine.tend() is False  # nothing more to do
+    assert "context_growing_s" not in engine.memory()
 
 
 def test_closing_while_the_whole_context_is_made_waits_for_it(
@@ -313,9 +315,19 @@ def test_starting_small_needs_room_for_both_caches_beside_the_weights() -> None:
 
 
 def test_status_says_while_the_context_grows() -> None:
-    status = {"state": "ready", "n_ctx": 16384, "memory": {
-        "n_ctx": 16384, "context_cells": 2048, "reserved_tokens": 0, "running": 0,
-        "free_tokens": 16368, "idle_cached_tokens": 0}}  # fmt: skip
-    assert "answering from 2,048 cells while the whole context is made" in format_status(status)
-    status["memory"]["context_cells"] = 16384
+    memory: dict[str, Any] = {"n_ctx": 16384, "context_cells": 2048, "context_growing_s": 12.0,
+                              "reserved_tokens": 0, "running": 0, "free_tokens": 16368,
+                              "idle_cached_tokens": 0}  # fmt: skip
+    status = {"state": "ready", "n_ctx": 16384, "memory": memory}
+    shown = format_status(status)
+    assert "answering from 2,048 of its 16,384 cells while the whole context is made" in shown
+    assert "(for 12.0 s;" in shown
+    del memory["context_growing_s"]
+    memory["context_cells"] = 16384
     assert "kv growing" not in format_status(status)
+
+
+def test_warm_says_the_cache_is_made_in_the_background() -> None:
+    timings = {"model": "m.gguf", "load_s": 1.0, "start_cells": 2048}
+    assert "answers from 2,048 cells while the whole KV cache is made" in format_warm(timings)
+    assert "background" not in format_warm({**timings, "start_cells": None})

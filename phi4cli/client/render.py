@@ -453,6 +453,9 @@ def format_warm(timings: dict[str, Any]) -> str:
                           f"({timings.get('system_tokens', 0)} tokens, {prefill_how})"),
         ("total", f"{sum(steps):.2f} s"),
     ]  # fmt: skip
+    if timings.get("start_cells"):
+        rows.append(("", f"(answers from {timings['start_cells']:,} cells while the whole KV "
+                         "cache is made in the background)"))  # fmt: skip
     if timings.get("already_loaded"):
         rows.append(("", "(already warm: these are the timings of its load)"))
     rows += plan_rows(timings.get("memory") or {})
@@ -512,10 +515,12 @@ def format_status(status: dict[str, Any]) -> str:
         rows.append(("kv now", f"{memory['reserved_tokens']:,} reserved by {memory['running']} "
                                f"running, {memory['free_tokens']:,} free, "
                                f"{memory['idle_cached_tokens']:,} cached for reuse"))  # fmt: skip
-        cells = memory.get("context_cells")
-        if cells and cells != memory.get("n_ctx"):
-            rows.append(("kv growing", f"answering from {cells:,} cells while the whole "
-                                       "context is made"))  # fmt: skip
+        growing = memory.get("context_growing_s")
+        if growing is not None:
+            rows.append(("kv growing", f"answering from {memory['context_cells']:,} of its "
+                                       f"{memory['n_ctx']:,} cells while the whole context is "
+                                       f"made (for {human_seconds(growing)}; requests may "
+                                       "reserve the whole)"))  # fmt: skip
     if memory.get("threads"):
         rows.append(("threads", _threads_row(memory)))
     waiting = status.get("waiting")

@@ -59,9 +59,12 @@ class KVCells:
             free = self.capacity() * (len(self.slots) - self.active)
         else:
             free = self.capacity() - reserved
+        growing = self.model.growing  # the whole context, while it is made
+        since = {"context_growing_s": round(growing.elapsed(), 1)} if growing is not None else {}
         return {
             "n_ctx": self.model.n_ctx,
             "context_cells": self.model.cells_now,  # fewer while the whole context is made
+            **since,
             "system_tokens": len(self.system_tokens),
             "reserved_tokens": reserved,
             "idle_cached_tokens": idle,

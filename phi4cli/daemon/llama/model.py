@@ -191,6 +191,7 @@ class GrowingContext:
         self.error: BaseException | None = None
         self.seconds = 0.0
         self._make = make
+        self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="phi4-context", daemon=True)
         self._thread.start()
 
@@ -207,6 +208,9 @@ class GrowingContext:
 
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._started
 
     def wait(self) -> None:
         self._thread.join()
