@@ -295,6 +295,18 @@ def test_unknown_option_and_command_are_usage_errors():
 
 
 @pytest.mark.daemon
+def test_a_command_group_without_its_command_shows_its_help_laid_out():
+    # Before: "phi4: error: usage: phi4 cache [OPTIONS] ...  Commands:   clear ..." on one
+    # line, the whole help squashed (`phi4` alone too).
+    for args, first in ((("cache",), "Usage: phi4 cache "), ((), "Usage: phi4 [OPTIONS]")):
+        shown = run_phi4(*args)
+        assert shown.returncode == 2, shown.stderr
+        assert shown.stderr.startswith(first), shown.stderr
+        assert "\nCommands:\n" in shown.stderr and shown.stdout == ""
+    assert "  clear " in run_phi4("cache").stderr
+
+
+@pytest.mark.daemon
 def test_version_and_help():
     version = run_phi4("--version")
     assert version.returncode == 0

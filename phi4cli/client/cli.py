@@ -772,7 +772,12 @@ def main(argv: list[str] | None = None, env: Environment | None = None) -> NoRet
         try:
             code = command.main(args=argv, prog_name="phi4", standalone_mode=False)
         except _click_exceptions.UsageError as exc:
-            say(usage_line(exc))
+            if type(exc).__name__ == "NoArgsIsHelpError":  # (Click 8.2+: `phi4`, `phi4 cache`)
+                # A command group without its command: its help, laid out as written, not the
+                # one-line error (which squashed the whole help onto one line).
+                print(clean_text(exc.format_message()), file=sys.stderr, flush=True)
+            else:
+                say(usage_line(exc))
             return ExitStatus.USAGE
         except _click_exceptions.ClickException as exc:
             exc.show()
