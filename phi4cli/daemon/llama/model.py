@@ -189,7 +189,7 @@ class GrowingContext:
         self.start_cells = start_cells
         self.context: Any = None  # llama_internals.LlamaContext, once made
         self.error: BaseException | None = None
-        self.seconds = 0.0
+        self.seconds = 0.0  # how long it took, once made
         self._make = make
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="phi4-context", daemon=True)
@@ -199,12 +199,11 @@ class GrowingContext:
         if sys.platform == "linux":  # (a thread's own priority: elsewhere it is the process's)
             with contextlib.suppress(OSError):  # refused by a policy: the normal priority
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        started = time.monotonic()
         try:
             self.context = self._make()
         except BaseException as exc:  # a failure is reported by LoadedModel.grow, on the loop
             self.error = exc
-        self.seconds = time.monotonic() - started
+        self.seconds = self.elapsed()
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -276,7 +275,6 @@ class LoadedModel:
             small, self.context = self.context, whole
             small.close()
             llama_cpp.llama_set_n_threads(whole.ctx, self.threads, self.threads)
-            self.info["grown_s"] = round(growing.seconds, 4)
             log.info("the whole context of %d cells is ready (made in %.2f s beside the first "
                      "answers; waited %.2f s for it)", self.plan.n_ctx, growing.seconds,
                      waited)  # fmt: skip
@@ -289,8 +287,7 @@ class LoadedModel:
         small = replace(self.plan, n_ctx=cells, notes=(*self.plan.notes, f"context kept at "
                         f"{cells} cells: the whole one could not be made"))  # fmt: skip
         self.plan = replace(small, request_tokens=min(small.request_tokens, small.request_capacity))
-        self.info["n_ctx"] = cells
-        self.info["memory"] = self.plan.as_dict()
+        self.info["memory"] = self.plan.as_dict()  # (what status shows of the plan)
         self.shrunk = True
 
     def _move_into(self, whole: Any) -> bool:
@@ -560,8 +557,9 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
         raise
     growing = None
     if first is not None:
-        whole = plan.n_ctx
-        growing = GrowingContext(first, lambda: _make_context(model, plan, whole, n_batch, threads))
+        growing = GrowingContext(
+            first, lambda: _make_context(model, plan, plan.n_ctx, n_batch, threads)
+        )
     load_s = time.monotonic() - started
     log.info("loaded %s from %s in %.2f s (threads %d, n_ctx %d, %d slots, %s KV %s, gpu layers "
              "%d)", path, staging.path, load_s, threads, plan.n_ctx, plan.slots,
