@@ -272,10 +272,12 @@ def test_a_large_cache_on_a_roomy_machine_starts_small() -> None:
     # A reasoning model's default: a stream each for 4 requests of 8,192 tokens (4 GiB).
     whole = plan(roomy)
     assert whole.kv_layout == "streams" and whole.kv_bytes == 4 * GiB and whole.slots == 4
-    assert start_cells(whole, PHI4_MINI, roomy) == START_CELLS  # 4 streams of 512
+    assert start_cells(whole, PHI4_MINI, roomy) == 4 * START_CELLS  # a stream of 2,048 each
     many = plan(roomy, n_ctx=65536, parallel=16, kv_layout="streams")
-    assert many.slots == 16  # 16 streams of at least START_STREAM
-    assert start_cells(many, PHI4_MINI, roomy) == 16 * memory.START_STREAM
+    assert many.slots == 16 and start_cells(many, PHI4_MINI, roomy) == 16 * START_CELLS
+    fewer = plan(roomy, n_ctx=49152, parallel=16, kv_layout="streams")
+    assert fewer.slots == 16  # the small one would be over half of it: made at once
+    assert start_cells(fewer, PHI4_MINI, roomy) is None
     shared = plan(roomy, kv_layout="shared")
     assert start_cells(shared, PHI4_MINI, roomy) == START_CELLS
 
@@ -304,14 +306,14 @@ def test_starting_small_needs_room_for_both_caches_beside_the_weights() -> None:
     headroom = memory.ram_headroom(Machine(ram_available=0, ram_total=total))
     whole = plan(Machine(ram_available=24 * GiB, ram_total=total))
     need = (PHI4_MINI.file_bytes + whole.kv_bytes + headroom
-            + 2 * START_CELLS * whole.kv_bytes_per_token + memory.START_SPARE)  # fmt: skip
+            + 2 * 4 * START_CELLS * whole.kv_bytes_per_token + memory.START_SPARE)  # fmt: skip
     just = Machine(ram_available=need, ram_total=total)
     short = Machine(ram_available=need - MiB, ram_total=total)
-    assert start_cells(whole, PHI4_MINI, just) == START_CELLS
+    assert start_cells(whole, PHI4_MINI, just) == 4 * START_CELLS
     assert start_cells(whole, PHI4_MINI, short) is None
     # Weights staged in RAM are out of what is available already.
     staged = Machine(ram_available=need - PHI4_MINI.file_bytes, ram_total=total, model_in_ram=True)
-    assert start_cells(whole, PHI4_MINI, staged) == START_CELLS
+    assert start_cells(whole, PHI4_MINI, staged) == 4 * START_CELLS
 
 
 def test_status_says_while_the_context_grows() -> None:
