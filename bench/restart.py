@@ -1,6 +1,6 @@
 """A daemon's first answer after a reboot and after a restart, against a plain start, in one run.
 
-    python bench/restart.py --model PATH [--rounds 3] [--tokens 8] [--checkout DIR]
+    python bench/restart.py --model PATH [--rounds 3] [--tokens 1] [--checkout DIR]
 
 A reboot is simulated for the model file: its pages are dropped from the page cache
 (``posix_fadvise(DONTNEED)``, so the next read comes from the disk) and its staged copy in RAM is
@@ -16,7 +16,10 @@ disk). In each of ``--rounds`` passes, in this order:
 3. **daemon restart**: ``phi4 stop``, then ``phi4 solve`` until its first byte, with the staged
    copy and the saved states that 2 left.
 
-Each ``phi4 solve`` starts the daemon itself, as a user's first question does. Also read from
+Each ``phi4 solve`` starts the daemon itself, as a user's first question does. It asks for
+``--tokens`` (1): the command ends at the first token, so its first byte is the first token's
+time for any model (a model that thinks first writes nothing to stdout before its thinking ends:
+with more tokens its first byte would be the command's end). Also read from
 the daemon's log for 1 and 3: how long llama.cpp's load took. Writes
 bench/results/restart-<model>.json and .md, and prints the Markdown table.
 """
@@ -73,7 +76,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=1,
+                        help="tokens to ask for (-n): with 1 the command ends at its first "
+                             "token, so its first byte is the first token's time whether the "
+                             "model answers at once or thinks first (then nothing reaches "
+                             "stdout before the end)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--checkout", type=Path,
                         help="run phi4 from this checkout instead (a git worktree of another "
