@@ -655,3 +655,80 @@ def test_requests_waiting_for_a_model_hear_each_stage_of_its_load():
     assert not [e for e in out.events[2] if e["event"] == "progress"]
     assert states[-3:] == ["loading", "warming", "ready"]
     scheduler.stop(5)
+
+
+class _UninterruptibleLoad(FakeEngine):
+    """A load that returns only once ``finish`` is set, as llama.cpp's cannot be interrupted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loading = threading.Event()
+        self.finish = threading.Event()
+
+    def load(self, path: Path) -> dict[str, Any]:
+        self.loading.set()
+        self.finish.wait(60)
+        return super().load(path)
+
+
+def test_a_stop_during_a_load_leaves_without_waiting_for_the_load(
+    phi4_home: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    # `phi4 stop` (or SIGTERM) while the model loads: the load holds nothing to save, so the
+    # daemon tells its clients, removes its socket and leaves, without the load (a stop waited up
+    # to 10 s for it before, and went through the "did not stop in time" warning).
+    import asyncio
+    import logging
+
+    from phi4cli.core.config import Settings
+    from phi4cli.core.paths import get_paths
+    from phi4cli.daemon import server as server_module
+
+    class Exited(Exception):
+        pass
+
+    exits: list[int] = []
+
+    def leave(code: int) -> None:  # (the daemon's os._exit, which would end the test run)
+        exits.append(code)
+        raise Exited
+
+    monkeypatch.setattr(server_module.os, "_exit", leave)
+    monkeypatch.setattr(logging, "shutdown", lambda: None)  # (pytest's handlers stay open)
+    paths = get_paths()
+    paths.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    engine = _UninterruptibleLoad()
+    server = server_module.DaemonServer(paths, Settings(), engine, Path("/m/slow.gguf"))
+    replies: list[dict[str, Any]] = []
+    queued: list[dict[str, Any]] = []
+
+    def client() -> None:
+        assert engine.loading.wait(10)
+        with socket.socket(socket.AF_UNIX) as waiting, socket.socket(socket.AF_UNIX) as stopper:
+            waiting.connect(str(paths.socket))  # a question waiting for the model
+            waiting.sendall(b'{"v": 1, "id": 7, "op": "solve", "params": {"prompt": "q"}}\n')
+            time.sleep(0.2)
+            stopper.connect(str(paths.socket))
+            stopper.sendall(b'{"v": 1, "id": 1, "op": "stop"}\n')
+            replies.append(json.loads(stopper.makefile().readline()))
+            for line in waiting.makefile():
+                queued.append(json.loads(line))
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    caplog.set_level(logging.INFO, logger="phi4.daemon")
+    try:
+        with pytest.raises(Exited):
+            asyncio.run(server.serve())
+        thread.join(10)
+        assert exits == [0], "it left without tearing the model down"
+        assert engine.loaded == [], "while the load was still running"
+        assert replies and replies[0]["event"] == "done"
+        assert [e["code"] for e in queued if e["event"] == "error"] == ["shutting_down"], queued
+        assert not paths.socket.exists() and not paths.status_file.exists()
+        assert "stopped during the model's loading" in caplog.text
+        assert "did not stop in time" not in caplog.text
+    finally:
+        server.scheduler._on_state = lambda *args: None  # (the loop is gone: the load ends quietly)
+        engine.finish.set()
+        server.scheduler._thread.join(10)

@@ -379,6 +379,12 @@ class RequestScheduler:
             self._step()
         self._drain()
 
+    def abandon(self) -> None:
+        """The worker did not stop (it is inside llama.cpp: a load) and the daemon leaves
+        without it: the queued requests hear so from here, as :meth:`_shut_down` would tell
+        them."""
+        self._drain()
+
     def _drain(self) -> None:
         for job in self._queue.take_all():
             if job is not None:

@@ -45,6 +45,11 @@ HEARTBEAT_S = 20.0
 # later). On lavapipe one step reading 53 prompt tokens of the shaped Phi-4-mini took 173 s.
 STEP_ALIVE_S = 900.0
 _LOADING = ("loading", "warming")
+# How long a stop waits for the engine to end what it is in; a load or warm-up cannot be
+# interrupted (inside llama.cpp, seconds) and holds nothing to save, so a stop then leaves
+# without it after STOP_IN_LOAD_S.
+STOP_WAIT_S = 10.0
+STOP_IN_LOAD_S = 0.5
 
 
 def peer_allowed(sock: socket.socket, own_uid: int) -> bool:
@@ -339,6 +344,7 @@ class DaemonServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._stopping = False
+        self._stopped_in = ""  # the state a stop came in
         self._uid = os.getuid()
         self._last_beats = -1
         self.scheduler = RequestScheduler(engine, model_path, settings.max_queue,
@@ -705,7 +711,7 @@ class DaemonServer:
             return
         log.info("shutting down: %s", reason)
         self._stopping = True
-        self.state = "stopping"
+        self._stopped_in, self.state = self.state, "stopping"
         for connection in self._connections:
             for job in connection.jobs.values():
                 job.cancel(ErrorCode.SHUTTING_DOWN)
@@ -791,7 +797,12 @@ class DaemonServer:
         finally:
             idle.cancel()
             server.close()
-            worker_done = await self._loop.run_in_executor(None, self.scheduler.stop, 10.0)
+            loading = self._stopped_in in _LOADING
+            worker_done = await self._loop.run_in_executor(
+                None, self.scheduler.stop, STOP_IN_LOAD_S if loading else STOP_WAIT_S
+            )
+            if not worker_done:
+                self.scheduler.abandon()
             await asyncio.sleep(0.05)  # let the last terminal events reach their clients
             # The thin client's commands say how their requests ended, as their own clients
             # would (a little longer: they are threads here, told through the loop).
@@ -810,7 +821,12 @@ class DaemonServer:
             if not worker_done:
                 # The engine thread is still inside llama.cpp (an uninterruptible load): freeing
                 # the model under it would crash, so leave without tearing anything down.
-                log.warning("the engine did not stop in time; exiting without unloading")
+                if loading:
+                    log.info("stopped during the model's %s (llama.cpp cannot be "
+                             "interrupted there): exiting without waiting for it",
+                             self._stopped_in)  # fmt: skip
+                else:
+                    log.warning("the engine did not stop in time; exiting without unloading")
                 logging.shutdown()
                 os._exit(0)
             if self.engine.tend():
