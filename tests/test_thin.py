@@ -451,3 +451,29 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(warm: Path):
     _out, err = process.communicate(timeout=60)
     assert process.returncode == 0
     assert err == b""
+
+
+@pytest.mark.parametrize("name", ["PHI4_HOME", "HOME", "XDG_CACHE_HOME", "XDG_RUNTIME_DIR",
+                                  "TMPDIR"])  # fmt: skip
+def test_a_relative_directory_from_another_working_directory_is_left_to_the_client(
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    # The same relative value names another directory from the client's working directory than
+    # from the daemon's: the command is the full client's, which reads it where the user is.
+    from phi4cli import __version__
+    from phi4cli.client import served
+    from phi4cli.core.paths import install_id
+    from phi4cli.core.rendezvous import environment
+
+    monkeypatch.setenv(name, "relative/dir")
+    socket = tmp_path / "daemon.sock"
+    socket.touch()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    params = {"argv": ["solve", "What?"], "env": environment(os.environ), "socket": str(socket),
+              "version": __version__, "install": install_id()}  # fmt: skip
+    assert served.why_declined({**params, "cwd": str(elsewhere)}, str(socket)) == (
+        f"a relative {name}"
+    )
+    here = served.why_declined({**params, "cwd": os.getcwd()}, str(socket))
+    assert here != f"a relative {name}", "from the daemon's own directory it is the same one"

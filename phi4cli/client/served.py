@@ -81,7 +81,8 @@ class RemoteStream(io.TextIOBase):
 
 NEEDS_STDIN = "the question is on stdin"
 # Variables naming directories, read against the working directory when relative (platformdirs
-# takes a relative XDG_*_HOME as it is).
+# takes a relative XDG_*_HOME as it is; tempfile makes a relative TMPDIR absolute against the
+# directory it is first asked in).
 RELATIVE_TO_CWD = (
     "PHI4_HOME",
     "HOME",
@@ -90,6 +91,7 @@ RELATIVE_TO_CWD = (
     "XDG_STATE_HOME",
     "XDG_CACHE_HOME",
     "XDG_RUNTIME_DIR",
+    "TMPDIR",
 )
 
 
