@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -157,3 +158,29 @@ def test_the_unit_keeps_a_model_path_with_spaces_and_percent_signs_whole(
     escaped = str(odd).replace("%", "%%")
     assert f'--model "{escaped}" --keep-alive -1' in unit
     assert "Description=phi4 daemon: 100%% tiny.gguf kept resident" in unit
+
+
+@pytest.mark.daemon
+@pytest.mark.parametrize(
+    "args",
+    [["config", "path"], ["config", "show", "--json"], ["models"], ["--help"],
+     ["solve", "--help"], ["logs", "-n", "200"]],
+    ids=" ".join,
+)  # fmt: skip
+def test_every_command_exits_0_when_the_reader_of_stdout_went_away(
+    args: list[str], phi4_home: Path
+):
+    # README: exit 0 "also when the reader of stdout went away, as with `| head -1`". Click
+    # turned the BrokenPipeError of any command but the fast solve into exit 1, silently.
+    log = phi4_home / "state" / "daemon.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("".join(f"2026-12-06 00:00:00,000 INFO [1] line {i}\n" for i in range(200)))
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write: `| true`
+    try:
+        result = subprocess.run([PHI4, *args], stdout=write, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True, timeout=60,
+                                check=False)  # fmt: skip
+    finally:
+        os.close(write)
+    assert (result.returncode, result.stderr) == (0, "")

@@ -763,7 +763,7 @@ def main(argv: list[str] | None = None, env: Environment | None = None) -> NoRet
     ``phi4cli.entry.main`` (the ``phi4`` script) comes here for everything but the fast solve.
     """
     global _environment
-    from phi4cli.client.exits import run_reporting
+    from phi4cli.client.exits import quiet_stdout, reader_gone, run_reporting
 
     _environment = env
     command = typer.main.get_command(app)
@@ -784,6 +784,15 @@ def main(argv: list[str] | None = None, env: Environment | None = None) -> NoRet
             return int(exc.exit_code)
         except typer.Abort:
             raise KeyboardInterrupt from None
+        except SystemExit as exc:
+            # Click (and Typer) meet a BrokenPipeError from any command with sys.exit(1), even
+            # outside standalone mode: the reader of stdout went away, which the README counts
+            # as success (`phi4 logs | head -1`).
+            stdout = _env().stdout
+            if exc.code == 1 and reader_gone(stdout):
+                quiet_stdout(stdout)
+                return ExitStatus.OK
+            raise
         return code if isinstance(code, int) else None
 
     run_reporting(run)

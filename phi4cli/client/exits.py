@@ -31,6 +31,30 @@ def say(message: str, file: TextIO | None = None) -> None:
     print(notice_line(message), file=file or sys.stderr, flush=True)
 
 
+def reader_gone(stream: TextIO | None) -> bool:
+    """Whether the reader at the other end of ``stream`` (a pipe or a socket) has gone away, as
+    with ``| head -1`` or ``| true``: writes to it fail with EPIPE. False for a stream with no
+    file under it, a file or a terminal."""
+    import select
+
+    try:
+        fd = stream.fileno() if stream is not None else -1
+        if fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        return False
+
+
+def quiet_stdout(stream: TextIO) -> None:
+    """Point ``stream``'s file at /dev/null, so that what is left in its buffer, and the flush at
+    exit, go nowhere instead of raising BrokenPipeError again."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
 def exit_now(status: int) -> NoReturn:
     """Exit without the interpreter's teardown: flush what was written, then leave.
 
@@ -64,9 +88,18 @@ def report(run: Callable[[], int | None], stdout: TextIO | None, stderr: TextIO,
     from phi4cli.core.errors import ExitStatus, Phi4Error
 
     try:
-        code = run()
-        if stdout is not None:  # None: closed when the command started (`>&-`)
-            stdout.flush()
+        try:
+            code = run()
+            if stdout is not None:  # None: closed when the command started (`>&-`)
+                stdout.flush()
+        except BrokenPipeError:
+            if not reader_gone(stdout):
+                raise  # (another pipe's: an error like any other)
+            # The reader of stdout went away (`| head -1`): what it wanted it has. Exit 0, as
+            # the README says, and quietly.
+            assert stdout is not None
+            quiet_stdout(stdout)
+            return ExitStatus.OK
         return code if isinstance(code, int) else ExitStatus.OK
     except KeyboardInterrupt:
         print(file=stderr)
