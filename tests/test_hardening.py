@@ -372,6 +372,48 @@ def test_stop_with_the_lock_held_and_no_status_file_says_so(phi4_home: Path):
         assert "does not answer, and its pid is unknown" in one_error_line(result.stderr)
 
 
+@pytest.mark.daemon
+def test_a_daemon_that_has_not_listened_yet_is_stopped_by_the_pid_in_its_lock(
+    phi4_home: Path, tiny_model: Path
+):
+    # Between taking its lock and listening (imports, or wedged there) a daemon has no status
+    # file: `phi4 stop` said it "does not answer, and its pid is unknown" and sent the user to
+    # pgrep, and `phi4 status` said no daemon ran. Its pid is in the lock now. The stand-in
+    # holds the lock as a daemon does, writes its pid as a daemon does, and never listens.
+    import sys
+
+    run_dir = phi4_home / "run"
+    run_dir.mkdir(mode=0o700, exist_ok=True)
+    starting = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[4], "
+         "os.O_RDWR | os.O_CREAT, 0o600); fcntl.flock(fd, fcntl.LOCK_EX); "
+         "os.write(fd, b'%d\\n' % os.getpid()); print('locked', flush=True); time.sleep(60)",
+         "phi4", "daemon", "run", str(run_dir / "daemon.lock")],  # (a daemon's command line)
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert starting.stdout is not None and starting.stdout.readline().strip() == "locked"
+        status = run_phi4("status")
+        assert status.returncode == 3
+        assert f"the daemon (pid {starting.pid}) is starting" in one_error_line(status.stderr)
+        stopped = run_phi4("stop")
+        assert (stopped.returncode, stopped.stdout.strip()) == (0, f"daemon stopped (pid "
+                                                                   f"{starting.pid})"), (
+            stopped.stderr
+        )  # fmt: skip
+        assert starting.wait(10) == -15, "it was sent SIGTERM"
+    finally:
+        starting.kill()
+        starting.wait()
+    # And a real daemon writes its own pid there, as its status file says.
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    try:
+        pid = json.loads((run_dir / "daemon.json").read_text())["pid"]
+        assert (run_dir / "daemon.lock").read_text() == f"{pid}\n"
+    finally:
+        run_phi4("stop")
+
+
 def test_an_unwritable_input_history_does_not_end_the_chat(tmp_path: Path, capsys):
     from phi4cli.client.repl import AtomicFileHistory
 

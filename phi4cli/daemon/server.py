@@ -859,6 +859,11 @@ def _take_daemon_lock(paths: Paths) -> int:
         raise DaemonUnavailableError(
             "a phi4 daemon is already running for this user; `phi4 status` shows it"
         ) from None
+    # Its pid, for a `phi4 stop` that comes before the status file (written once it listens).
+    # Only a help: on a full disk the daemon starts without it.
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 

@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,6 +70,26 @@ def daemon_alive(paths: Paths) -> bool:
     return False
 
 
+def lock_holder(paths: Paths) -> int | None:
+    """The pid the daemon holding the lock wrote into it as it took it (None if none can be
+    read). Only a hint: a pid read from a file is checked before it is signalled."""
+    try:
+        fd = os.open(paths.daemon_lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 32)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        pid = int(text.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return pid if pid > 0 else None
+
+
 def remove_stale_files(paths: Paths) -> bool:
     """Remove the socket and status file of a dead daemon; return True if anything was removed.
 
@@ -85,13 +106,28 @@ def remove_stale_files(paths: Paths) -> bool:
 
 
 @contextlib.contextmanager
-def spawn_lock(paths: Paths) -> Iterator[None]:
-    """Hold the spawn lock: one client at a time decides whether to start a daemon."""
+def spawn_lock(paths: Paths, timeout: float | None = None) -> Iterator[bool]:
+    """Hold the spawn lock: one client at a time decides whether to start a daemon. With
+    ``timeout``, go on without it after that long (yield False)."""
     paths.ensure_runtime_dir()
     fd = os.open(paths.spawn_lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        if timeout is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield True
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                yield False
+                return
+            yield True
+            return
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 

@@ -40,6 +40,7 @@ else:
     Protocol = object
 
 START_TIMEOUT = 60.0
+STOP_SPAWN_WAIT_S = 10.0  # how long `phi4 stop` waits for a client starting a daemon
 STOP_TIMEOUT = 15.0
 KILL_GRACE = 5.0  # after SIGTERM, before SIGKILL
 # The daemon answers a ping, status, stop or cancel at once from its event loop; one that does
@@ -314,6 +315,16 @@ def stop_daemon(
     a phi4 daemon of this user's (the file may be stale or planted). Raise
     DaemonUnavailableError if it will not exit.
     """
+    # A client starting a daemon holds the spawn lock until the daemon answers: that daemon is
+    # the one to stop, once it can be asked (else `stop` found none, and it came up after). A
+    # client waiting longer (for a daemon wedged before it listens) is not waited for.
+    if not paths.runtime_dir.is_dir():  # (no daemon, and none starting: nothing to make)
+        return _stop_daemon(paths, timeout, announce)
+    with spawn.spawn_lock(paths, timeout=STOP_SPAWN_WAIT_S):
+        return _stop_daemon(paths, timeout, announce)
+
+
+def _stop_daemon(paths: Paths, timeout: float, announce: Announce | None) -> int | None:
     import signal  # here, not at the top: a solve never needs it
 
     status = spawn.read_status(paths)
@@ -323,6 +334,11 @@ def stop_daemon(
         connection = try_connect(paths)
     except DaemonFrozenError:
         connection = None
+    where = paths.status_file
+    if connection is None and pid is None and spawn.daemon_alive(paths):
+        # Starting (by hand, or by a service manager) or wedged before it listens: no status
+        # file yet, but it wrote its pid into the lock as it took it.
+        pid, where = spawn.lock_holder(paths), paths.daemon_lock
     if connection is not None:
         with connection:
             try:
@@ -346,7 +362,7 @@ def stop_daemon(
                 spawn.remove_stale_files(paths)
                 return None
             raise DaemonUnavailableError(
-                f"pid {pid} in {paths.status_file} is not a phi4 daemon of yours, so it is not "
+                f"pid {pid} in {where} is not a phi4 daemon of yours, so it is not "
                 "signalled; find the daemon with `pgrep -af 'phi4cli daemon run'`"
             )
         with contextlib.suppress(ProcessLookupError):
@@ -368,6 +384,12 @@ def daemon_status(paths: Paths) -> dict[str, Any]:
     """Return the running daemon's live status; raise DaemonUnavailableError if none answers."""
     connection = try_connect(paths)
     if connection is None:
+        if spawn.daemon_alive(paths):  # it holds the lock, and does not listen yet
+            pid = spawn.lock_holder(paths)
+            who = f" (pid {pid})" if pid else ""
+            raise DaemonUnavailableError(
+                f"the daemon{who} is starting and does not answer yet; try again in a moment"
+            )
         raise DaemonUnavailableError("no daemon is running; `phi4 daemon start` starts one")
     with connection:
         try:
