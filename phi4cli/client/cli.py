@@ -285,6 +285,7 @@ def chat(
 ) -> int:
     """Chat: a streaming REPL whose conversation stays cached in the daemon."""
     from phi4cli.client.chats import ChatStore, Conversation, default_name
+    from phi4cli.client.render import turns_of
     from phi4cli.client.repl import ChatRepl, line_reader, prompt_reader
     from phi4cli.client.solving import check_sent_text
     from phi4cli.core.models import resolve_model
@@ -320,8 +321,9 @@ def chat(
     interactive = bool(env.stdin_isatty)
     if interactive:
         _print(clean_text(f"phi4 chat · {model_path.name} · /help for commands, Ctrl-D to leave"))
-    if conversation.turns:
-        _print(clean_text(f"resumed {conversation.name}: {len(conversation.turns)} turns"))
+    if conversation.turns:  # (with stdout piped, on stderr: stdout holds the answers)
+        _print(clean_text(f"resumed {conversation.name}: {turns_of(len(conversation.turns))}"),
+               file=None if env.stdout_isatty else env.stderr)  # fmt: skip
     if interactive:
         paths.state_dir.mkdir(parents=True, exist_ok=True)
         reader = prompt_reader(paths.state_dir / "chat_history")

@@ -582,16 +582,22 @@ def format_rows(rows: list[tuple[str, object]], gap: int = 2) -> str:
     return clean_text("\n".join(f"{label:<{width}}{value}" for label, value in rows))
 
 
+def turns_of(count: int) -> str:
+    """``1 turn``, ``2 turns``."""
+    return f"{count} turn" if count == 1 else f"{count} turns"
+
+
 def format_chat_show(conversation: Any, stats: Stats, model: str, settings: str,
                      n_ctx: object) -> str:  # fmt: skip
     """The chat's `/show`: the conversation, its model and settings, context use and cache."""
     used = stats.context_used
     return format_rows([
-        ("conversation", f"{conversation.name} ({len(conversation.turns)} turns)"),
+        ("conversation", f"{conversation.name} ({turns_of(len(conversation.turns))})"),
         ("model", model),
         ("system", conversation.system or "(the model default)"),
         ("settings", settings),
-        ("context", f"{used} of {n_ctx} tokens used" if used else f"{n_ctx} tokens, unused"),
+        ("context", f"{used} of {n_ctx} tokens used" if used
+         else f"{n_ctx} tokens, unused" if isinstance(n_ctx, int) else f"{n_ctx}, unused"),
         ("cached", f"{stats.cached_tokens} tokens of the last prompt came from cache"),
         ("dropped", f"{conversation.dropped} oldest turn(s) no longer in the model's context"),
     ], gap=1)  # fmt: skip

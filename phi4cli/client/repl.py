@@ -30,6 +30,7 @@ from phi4cli.client.render import (
     format_chat_show,
     format_rows,
     format_stats,
+    turns_of,
 )
 from phi4cli.core._settings import Ask
 from phi4cli.core.atomicfile import RefusedFileError, read_user_file, write_atomic
@@ -339,6 +340,7 @@ class ChatRepl:
                 "no final answer: the thinking did not finish (give it more tokens: "
                 "/set max_tokens N, or /set think_budget N)"
             )
+            self.failed += 1  # the message got no answer: exit 1, as `phi4 solve` does
 
     def _stream(
         self,
@@ -435,7 +437,13 @@ class ChatRepl:
             name=default_name(), model=old.model, system=old.system, settings=dict(old.settings)
         )
         self._forget_context()
-        print("new conversation (same model and settings)", file=self.env.stdout)
+        self._done("new conversation (same model and settings)")
+
+    def _done(self, message: str) -> None:
+        """Say what a command did: on stdout at a terminal, on stderr when stdout is piped (it
+        then holds the answers and what was asked for, as /show or /list, only)."""
+        out = self.env.stdout if self.env.stdout_isatty else self.env.stderr
+        print(clean_text(message), file=out, flush=True)
 
     def _forget_context(self) -> None:
         """A new or loaded conversation: the last answer's context figures were another
@@ -450,7 +458,7 @@ class ChatRepl:
             print(clean_text(f"system prompt: {system}"), file=self.env.stdout)
         else:
             self.conversation.system = None if argument == "-" else argument
-            print("system prompt set; it applies from the next answer", file=self.env.stdout)
+            self._done("system prompt set; it applies from the next answer")
 
     def _stats(self, _argument: str) -> None:
         shown = format_stats(self._last_stats) if self._last_stats else "no answer yet"
@@ -461,7 +469,7 @@ class ChatRepl:
             self.env.notice("usage: /reasoning on|off")
             return
         self.show_reasoning = argument == "on"
-        print(f"reasoning {'shown' if self.show_reasoning else 'folded'}", file=self.env.stdout)
+        self._done(f"reasoning {'shown' if self.show_reasoning else 'folded'}")
 
     def _set(self, argument: str) -> None:
         key, _, value = argument.partition(" ")
@@ -474,7 +482,7 @@ class ChatRepl:
             self.env.notice(str(exc))
             return
         self.conversation.settings[key] = parsed
-        print(f"{key} = {parsed}", file=self.env.stdout)
+        self._done(f"{key} = {parsed}")
 
     def _show(self, _argument: str = "") -> None:
         stats = self._last_stats or Stats()
@@ -513,7 +521,7 @@ class ChatRepl:
             return
         if old != name and old.startswith("chat-"):
             self.store.delete(old)  # the autosave under the generated name is now this one
-        print(f"saved as {name} ({path})", file=self.env.stdout)
+        self._done(f"saved as {name} ({path})")
 
     def _load(self, name: str) -> None:
         if not name:
@@ -525,7 +533,7 @@ class ChatRepl:
             self.env.notice(str(exc))
             return
         self._forget_context()
-        print(f"loaded {name}: {len(self.conversation.turns)} turns", file=self.env.stdout)
+        self._done(f"loaded {name}: {turns_of(len(self.conversation.turns))}")
 
     def _list(self, _argument: str = "") -> None:
         entries = []
