@@ -266,3 +266,19 @@ def test_answer_only_output_lines_up_with_input_lines_blank_ones_included(
     assert warned == {1, 4, 6}, "each problem's line number, as in the input"
     jsonl = run_phi4("solve", "-f", str(problems), "--jsonl", "-m", str(tiny_model), "-n", "2")
     assert [json.loads(r)["line"] for r in jsonl.stdout.splitlines()] == [1, 4, 6]
+
+
+@pytest.mark.daemon
+def test_an_answer_cut_off_at_max_tokens_is_said_in_a_pipe_as_at_a_terminal(tiny_model: Path):
+    # Before: at a terminal a yellow "cut off at --max-tokens" line, in a pipe the text simply
+    # stopped, so a script could not tell a truncated answer from a whole one.
+    assert run_phi4("warm", "-m", str(tiny_model)).returncode == 0
+    piped = run_phi4("solve", "What is 7*8?", "-m", str(tiny_model), "-n", "3", "-t", "0")
+    assert piped.returncode == 0 and piped.stdout.strip(), "the text is still the output"
+    assert piped.stderr == (
+        "phi4: no final answer: the answer was cut off at --max-tokens (raise it)\n"
+    )
+    as_json = run_phi4("solve", "What is 7*8?", "-m", str(tiny_model), "-n", "3", "-t", "0",
+                       "--json")  # fmt: skip
+    assert as_json.returncode == 0 and as_json.stderr == ""
+    assert json.loads(as_json.stdout)["stats"]["finish_reason"] == "length"

@@ -224,8 +224,12 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     # stdout may be empty), and --answer-only always says why it printed an empty line. At a
     # terminal the presenter has said it in the output already.
     # A loop stopped is said in every mode (at a terminal with an answer shown, too).
+    # An answer cut off at --max-tokens is said in a pipe too, as at a terminal (--json has
+    # its finish_reason).
     plain_terminal = not (mode.as_json or mode.answer_only) and job.env.terminal
-    if (not plain_terminal and (outcome.thinking_unfinished or outcome.looped
+    cut_off = (outcome.answer is None and outcome.stats is not None
+               and outcome.stats.finish_reason == "length" and not mode.as_json)  # fmt: skip
+    if (not plain_terminal and (outcome.thinking_unfinished or outcome.looped or cut_off
                                 or (mode.answer_only and outcome.answer is None))) \
             or (plain_terminal and outcome.looped and outcome.answer is not None):  # fmt: skip
         job.announce(no_answer_reason(outcome))
