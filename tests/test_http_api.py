@@ -661,3 +661,21 @@ def test_each_peer_holds_at_most_its_share_of_connections():
     assert keyed.admit(("203.0.113.10", 1), server) == ("address", "203.0.113.10")
     local = [keyed.admit(("127.0.0.1", 2222), server) for _ in range(PEER_CONNECTIONS + 1)]
     assert local.count(None) == 1
+
+
+def test_a_port_in_use_is_one_line_that_says_how_to_choose_another(tmp_path: Path):
+    from phi4cli.core.config import Settings
+    from phi4cli.core.errors import UsageError
+    from phi4cli.serve import http_api
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(UsageError) as refused:  # (before any daemon is asked for)
+            http_api.serve(None, Settings(), tmp_path / "m.gguf", "m", address, None,  # type: ignore[arg-type]
+                           print)  # fmt: skip
+    assert str(refused.value) == (
+        f"cannot listen on {address}: Address already in use (another server listens there: "
+        "give another port, --http HOST:PORT)"
+    )

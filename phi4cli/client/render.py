@@ -181,6 +181,12 @@ def no_answer_reason(outcome: Outcome) -> str:
             "no final answer: the thinking repeated itself and was ended there, and the answer "
             "then asked for stated none (ask again, or with --samples)"
         )
+    if outcome.looped and not outcome.reasoning.strip():
+        # No thinking (a model that does not think, or --think-budget 0): the answer looped.
+        return (
+            "no final answer: the answer repeated itself and was stopped (ask again, or with "
+            "--samples)"
+        )
     if outcome.looped:
         return (
             "no final answer: the output repeated itself and was stopped (--loop answer "

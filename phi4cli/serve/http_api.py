@@ -12,6 +12,7 @@ loop, so a slow or stuck client holds up nobody else; a client that hangs up can
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import ipaddress
 import json
@@ -421,6 +422,8 @@ def serve(
     except OSError as exc:
         sock.close()
         reason = exc.strerror or str(exc)  # a bad host name is a gaierror with no strerror
+        if exc.errno == errno.EADDRINUSE:
+            reason += " (another server listens there: give another port, --http HOST:PORT)"
         raise UsageError(f"cannot listen on {address}: {reason}") from None
     backend.connect()  # start the daemon and its model load now
     created = int(model_path.stat().st_mtime)
