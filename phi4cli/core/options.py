@@ -427,8 +427,9 @@ SETTINGS = (
             "An explicit n_ctx whose KV cache is over the free memory, or gpu_layers over the "
             "GPU's, is refused unless this is true.", flags="--overcommit/--no-overcommit",
             option="bool", groups=("answer", "daemon"),
-            help="Load an --n-ctx whose KV cache is more than the free memory, or --gpu-layers "
-                 "more than fit on the GPU (refused otherwise, with the numbers)."),
+            help="Load an --n-ctx whose KV cache is more than the free memory, or more GPU "
+                 "layers (gpu_layers) than fit on the GPU (refused otherwise, with the "
+                 "numbers)."),
     Setting("max_queue", _positive_int, "a positive integer (requests)", 64, "int", DAEMON,
             "requests waiting in the daemon before it answers busy", flags="--max-queue",
             option="int", low=1, groups=("daemon",),
