@@ -204,8 +204,11 @@ def test_ctrl_c_cancels_every_problem_of_a_file(tiny_model: Path, tmp_path: Path
             break
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
+    # Said, as for one question (before: exit 130 and nothing on stderr).
+    said = "phi4: stopped (Ctrl-C) after 0 of 10 problems; the rest were not answered"
+    assert said in err.decode().splitlines()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         status = json.loads(run_phi4("status", "--json").stdout)

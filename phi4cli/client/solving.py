@@ -504,9 +504,17 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
             emit(next_to_print)
             next_to_print += 1
 
-    with progress:
-        progress.reading(feed)
-        job.run(feed, on_event, restart=True, feed=feed)
+    try:
+        with progress:
+            progress.reading(feed)
+            job.run(feed, on_event, restart=True, feed=feed)
+    except KeyboardInterrupt:
+        # Said once the bar is gone; the exit status is 130 all the same.
+        of = f" of {known}" if known is not None else ""
+        many = "" if (known if known is not None else next_to_print) == 1 else "s"
+        job.announce(f"stopped (Ctrl-C) after {next_to_print}{of} problem{many}; the rest "
+                     "were not answered")  # fmt: skip
+        raise
     if feed.failure is not None:
         raise UsageError(feed.failure)
     if not count:
