@@ -184,3 +184,14 @@ def test_every_command_exits_0_when_the_reader_of_stdout_went_away(
     finally:
         os.close(write)
     assert (result.returncode, result.stderr) == (0, "")
+
+
+@pytest.mark.daemon
+def test_a_mistyped_command_gets_its_suggestion_as_a_clause_and_help_names_a_variable_once():
+    mistyped = run_phi4("bogus")
+    assert (mistyped.returncode, mistyped.stderr) == (
+        2, "phi4: error: no such command 'bogus' (did you mean 'logs'?); `phi4 -h` lists the "
+           "commands\n",
+    )  # fmt: skip
+    help_text = " ".join(run_phi4("serve", "--help").stdout.split())
+    assert help_text.count("PHI4_API_KEY") == 1, "Typer's [env var: ...] beside the help's own"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -347,6 +348,7 @@ def serve(
         typer.Option(
             "--api-key",
             envvar="PHI4_API_KEY",
+            show_envvar=False,  # (the help says it, as the other options' do)
             show_default=False,
             help="Require 'Authorization: Bearer KEY' [env PHI4_API_KEY].",
         ),
@@ -752,6 +754,8 @@ def usage_line(exc: Any) -> str:
     to look ("error: no such option: --bogus; `phi4 solve -h` lists the options"), rather than
     Click's usage, hint and error on four lines."""
     message = clean_text(exc.format_message()).replace("\n", " ").strip()
+    # Click's suggestion as a clause: "no such command 'bogus' (did you mean 'logs'?)".
+    message = re.sub(r"\.\s+Did you mean (.+\?)$", r" (did you mean \1)", message)
     message = message[:1].lower() + message[1:]
     path = exc.ctx.command_path if exc.ctx is not None else "phi4"
     lists = "the commands" if "command" in message else "the options"
