@@ -68,6 +68,27 @@ def test_config_set_keeps_the_files_comments_and_order(phi4_home: Path, tmp_path
 
 
 @pytest.mark.daemon
+def test_config_unset_removes_one_key_and_says_what_it_is_now(phi4_home: Path):
+    # Before: no way back to a default but editing the file (`set KEY none` only clears an
+    # optional key; `set temperature default` is refused).
+    path = Path(run_phi4("config", "path").stdout.strip())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# mine\ntemperature = 0.3  # calmer\ntop_p = 0.9\n")
+    removed = run_phi4("config", "unset", "temperature")
+    assert (removed.returncode, removed.stdout) == (
+        0, f"temperature removed from {path}; temperature = 0.8 (default)\n")  # fmt: skip
+    assert path.read_text() == "# mine\ntop_p = 0.9\n", "the rest of the file as it was"
+    again = run_phi4("config", "unset", "temperature")
+    assert (again.returncode, again.stdout) == (
+        0, f"temperature is not set in {path}; temperature = 0.8 (default)\n")  # fmt: skip
+    from_env = run_phi4("config", "unset", "top_p", env={"PHI4_TOP_P": "0.5"})
+    assert from_env.stdout.endswith("; top_p = 0.5 (PHI4_TOP_P)\n"), from_env.stdout
+    unknown = run_phi4("config", "unset", "colour")
+    assert unknown.returncode == 2 and "unknown key 'colour'" in unknown.stderr
+    assert path.read_text() == "# mine\n"
+
+
+@pytest.mark.daemon
 def test_config_set_model_checks_the_file_but_not_an_alias(tmp_path: Path):
     # Before: any path was written, and every later command failed on it.
     missing = run_phi4("config", "set", "model", str(tmp_path / "nowhere.gguf"))

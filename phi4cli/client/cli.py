@@ -468,6 +468,26 @@ def config_set(
     _print(clean_text(f"{key} = {format_setting(key, parsed)} ({path})"))
 
 
+@config_app.command("unset")
+def config_unset(
+    key: Annotated[
+        str,
+        typer.Argument(help="Setting name, e.g. temperature.", autocompletion=complete_setting_key),
+    ],
+) -> None:
+    """Remove one setting from the config file: it takes its default again (or the value of its
+    environment variable, where that is set)."""
+    from phi4cli.client.config_writing import unset_config_value
+    from phi4cli.client.render import format_setting
+    from phi4cli.core.config import setting_sources
+
+    path = get_paths().config_file
+    removed = unset_config_value(path, key)
+    value, source = setting_sources(path)[key]
+    now = clean_text(f"{key} = {format_setting(key, value)} ({source})")
+    _print(f"{key} removed from {path}; {now}" if removed else f"{key} is not set in {path}; {now}")
+
+
 @config_app.command("edit")
 def config_edit() -> None:
     """Open the config file in $VISUAL or $EDITOR, then check what was written: the file is

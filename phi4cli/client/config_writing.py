@@ -42,11 +42,34 @@ def _as_toml(value: Any) -> Any:
 def set_config_value(config_file: Path, key: str, value: str) -> Any:
     """Validate ``value`` for ``key`` and write it to the config file (atomically); return the
     parsed value. ``none`` clears an optional setting. Raise ConfigError naming the key."""
-    from phi4cli.core.atomicfile import write_atomic
+    _known(key)
+    parsed = parse_setting(key, value, f"config key {key}")
+    _write_key(config_file, key, value, parsed)
+    return parsed
 
+
+def unset_config_value(config_file: Path, key: str) -> bool:
+    """Remove ``key`` from the config file (atomically), so that it takes its default again (or
+    its environment variable's value); False if the file did not set it. Raise ConfigError for
+    an unknown key."""
+    _known(key)
+    raw = read_config_bytes(config_file)
+    if raw is None or key not in config_from_bytes(raw, config_file):
+        return False
+    _write_key(config_file, key, "", None)
+    return True
+
+
+def _known(key: str) -> None:
     if key not in _FIELDS:
         raise ConfigError(f"unknown key {key!r}; known keys: {', '.join(sorted(_FIELDS))}")
-    parsed = parse_setting(key, value, f"config key {key}")
+
+
+def _write_key(config_file: Path, key: str, value: str, parsed: Any) -> None:
+    """Write ``key`` (its ``value`` as typed, ``parsed``) into the config file, or remove it
+    (``parsed`` None), changing only its line where it is one plain line."""
+    from phi4cli.core.atomicfile import write_atomic
+
     raw = read_config_bytes(config_file)  # read once: parsed here, edited below
     data = config_from_bytes(raw, config_file) if raw is not None else {}
     if parsed is None:
@@ -65,7 +88,6 @@ def set_config_value(config_file: Path, key: str, value: str) -> Any:
         from phi4cli.core.errors import Phi4Error
 
         raise Phi4Error(f"cannot write {config_file}: {exc.strerror}; nothing changed") from None
-    return parsed
 
 
 def _edited(text: str, config_file: Path, key: str, line: str | None,
