@@ -514,3 +514,12 @@ def test_chat_error_hints_name_set_not_command_line_options(tiny_model: Path):
     assert result.returncode == 1
     assert "lower max_tokens" in result.stderr and "/set max_tokens N" in result.stderr
     assert "--max-tokens" not in result.stderr
+
+
+@pytest.mark.daemon
+def test_chat_has_no_options_of_votes_it_would_ignore():
+    # Before: `chat --vote confidence --stop-unsure` was taken and did nothing (their help says
+    # "With --samples", which chat has not).
+    for option in (["--vote", "count"], ["--stop-unsure"]):
+        refused = run_phi4("chat", *option, input="")
+        assert refused.returncode == 2 and f"no such option: {option[0]}" in refused.stderr

@@ -18,6 +18,7 @@ import typer
 from phi4cli import __version__
 from phi4cli.client.cli_options import (
     ANSWER_OPTIONS,
+    CHAT_OPTIONS,
     KeepAliveOption,
     ModelOption,
     NoInstructionOption,
@@ -262,7 +263,7 @@ def eval_(
 
 
 @app.command()
-@with_options(ANSWER_OPTIONS)
+@with_options(CHAT_OPTIONS)
 def chat(
     answer: OptionGroup,
     model: ModelOption = None,

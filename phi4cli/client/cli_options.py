@@ -72,8 +72,10 @@ SHARED_OPTIONS: dict[str, Any] = {
     for row in SETTINGS if row.flags
 }  # fmt: skip
 SHARED_OPTIONS["model"] = ModelOption
-# Every command that asks for answers (solve, chat, eval) takes these.
+# Every command that asks for answers (solve, chat, eval) takes these; chat not those of votes,
+# as it samples each message once.
 ANSWER_OPTIONS = ANSWER_KEYS
+CHAT_OPTIONS = tuple(key for key in ANSWER_KEYS if key not in ("vote", "stop_unsure"))
 
 
 class OptionGroup(dict[str, Any]):
