@@ -129,15 +129,23 @@ def validate_gguf(path: Path) -> None:
     check_gguf_magic(path)
     from gguf import GGUFReader
 
+    short = None  # what is wrong, where it can be said in a user's words
     try:
-        reader = GGUFReader(path)
         size = path.stat().st_size
+        reader = GGUFReader(path)
         for tensor in reader.tensors:
             if tensor.data_offset + int(tensor.n_bytes) > size:
-                raise ValueError(f"tensor {tensor.name} runs past the end of the file")
-    except (ValueError, IndexError, OSError) as exc:
+                short = f"tensor {tensor.name} runs past the end of the file"
+                break
+    except OSError as exc:
+        short = exc.strerror or str(exc)
+    except (ValueError, IndexError):
+        # The reader's own words are numpy's ("cannot reshape array of size ...", "when
+        # changing to a larger dtype ..."): what they mean is this.
+        short = f"{size:,} bytes: less than its header describes, or a damaged header"
+    if short is not None:
         raise InvalidModelError(
-            f"{path} is truncated or corrupt ({exc}); delete it and download it again"
+            f"{path} is truncated or corrupt ({short}); delete it and download it again"
         ) from None
 
 
