@@ -249,6 +249,7 @@ _COMPLETERS = {
     "complete_alias": "alias",
     "complete_setting_key": "setting_key",
     "complete_setting_value": "setting_value",
+    "complete_chat": "chat",
 }
 
 
@@ -260,6 +261,9 @@ def _value_kind(param: Any) -> Any:
         for cell in custom.__closure__ or ():
             wrapped = getattr(cell.cell_contents, "__wrapped__", None)
             if wrapped is not None:
+                choices = getattr(wrapped, "choices", None)
+                if choices is not None:
+                    return ("choice", *choices)
                 return _COMPLETERS.get(wrapped.__name__, "typer")
         return "typer"
     type_name = type(param.type).__name__

@@ -35,7 +35,8 @@ def test_config_set_completes_the_setting_names():
 @pytest.mark.parametrize(
     ("key", "values"),
     [("kv_layout", ["auto", "shared", "streams"]), ("kv_cache_type", ["f16", "q8_0", "q4_0"]),
-     ("ramdisk", ["auto", "on", "off"]), ("mlock", ["true", "false"]), ("temperature", [])],
+     ("ramdisk", ["auto", "on", "off"]), ("mlock", ["true", "false"]), ("temperature", []),
+     ("deterministic", ["true", "false"]), ("loop", ["answer", "stop", "off"])],
 )  # fmt: skip
 @pytest.mark.daemon
 def test_config_set_completes_a_fixed_set_of_values(key: str, values: list[str]):
@@ -46,7 +47,7 @@ def test_config_set_completes_a_fixed_set_of_values(key: str, values: list[str])
 def test_the_values_offered_are_the_values_config_set_takes():
     from phi4cli.client.completion import setting_values
 
-    for key in ("kv_layout", "kv_cache_type", "ramdisk", "mlock"):
+    for key in ("kv_layout", "kv_cache_type", "ramdisk", "mlock", "deterministic", "loop"):
         for value in setting_values(key, ""):
             assert run_phi4("config", "set", key, value).returncode == 0, (key, value)
 
@@ -97,6 +98,9 @@ LINES = [
     "phi4 config set kv_layout auto ", "phi4 daemon ", "phi4 daemon start --", "phi4 pull ",
     "phi4 pull p", "phi4 chat --resume ", "phi4 eval ", "phi4 eval x.jsonl -o ", "phi4 warm -m ",
     "phi4 cache ", "phi4 stop -", "phi4 models --", "phi4 serve --", "phi4 status --json -",
+    "phi4 warm --kv-cache-type ", "phi4 warm --gpu-layers a", "phi4 solve --loop ",
+    "phi4 eval x.jsonl --vote c", "phi4 daemon start --kv-layout s",
+    "phi4 config set deterministic ",
 ]  # fmt: skip
 
 
@@ -155,3 +159,23 @@ def test_the_fast_completer_agrees_with_typer_on_any_words(words, incomplete, mo
         if fast is not None:
             typer_says = typer_answer(environ, monkeypatch, capsys)
             assert normalised(fast) == normalised(typer_says), environ
+
+
+@pytest.mark.parametrize(
+    ("line", "offered"),
+    [("phi4 warm --kv-cache-type ", ["f16", "q8_0", "q4_0"]), ("phi4 solve --loop s", ["stop"]),
+     ("phi4 daemon start --gpu-layers ", ["auto", "all", "0"]), ("phi4 eval x --vote ",
+     ["count", "confidence"]), ("phi4 chat --resume ", ["algebra", "geometry"]),
+     ("phi4 chat --resume g", ["geometry"])],
+)  # fmt: skip
+@pytest.mark.daemon
+def test_option_values_are_offered_where_they_are_a_few_words(line: str, offered: list[str]):
+    # Before: `config set kv_cache_type <Tab>` offered the values, `warm --kv-cache-type <Tab>`
+    # nothing; nor `chat --resume <Tab>` the saved conversations.
+    from phi4cli.core.paths import get_paths
+
+    chats = get_paths().data_dir / "chats"
+    chats.mkdir(parents=True, exist_ok=True)
+    for name in ("algebra", "geometry"):
+        (chats / f"{name}.json").write_text("{}")
+    assert bash_complete(line) == offered

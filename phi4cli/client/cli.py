@@ -26,6 +26,7 @@ from phi4cli.client.cli_options import (
     RawOutputOption,
     ShowReasoningOption,
     complete_alias,
+    complete_chat,
     complete_setting_key,
     complete_setting_value,
     with_daemon_options,
@@ -274,6 +275,7 @@ def chat(
             help="Reopen the saved conversation NAME.",
             metavar="NAME",
             show_default=False,
+            autocompletion=complete_chat,
         ),
     ] = None,
     continue_last: Annotated[

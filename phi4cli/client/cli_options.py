@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from phi4cli.core.options import ANSWER_KEYS, DAEMON_OPTIONS, SETTING, SETTINGS
+from phi4cli.core.options import ANSWER_KEYS, CHOICES, DAEMON_OPTIONS, SETTING, SETTINGS
 
 
 def _complete_model(incomplete: str) -> list[tuple[str, str]]:
@@ -39,11 +39,33 @@ def complete_setting_value(ctx: typer.Context, incomplete: str) -> list[str]:
     return setting_values(ctx.params.get("key"), incomplete)
 
 
+def complete_chat(incomplete: str) -> list[str]:
+    from phi4cli.client.completion import chats
+
+    return chats(incomplete)
+
+
+def _choices(values: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """A completer offering ``values`` (the fast completer reads them from its table)."""
+
+    def complete_choice(incomplete: str) -> list[str]:
+        return [value for value in values if value.startswith(incomplete)]
+
+    complete_choice.choices = values  # type: ignore[attr-defined]  # (for docs.completion_table)
+    return complete_choice
+
+
+# Values offered at Tab for options whose setting has a few words among its values.
+_OFFERED = {**CHOICES, "gpu_layers": ("auto", "all", "0")}
+
+
 def setting_option(key: str, **extra: Any) -> Any:
     """The Typer option of setting ``key``, from its row of ``options.SETTINGS``."""
     row = SETTING[key]
     given = (("min", row.low), ("max", row.high), ("metavar", row.metavar))
     checks: dict[str, Any] = {name: value for name, value in given if value is not None}
+    if key in _OFFERED and row.option != "bool" and "autocompletion" not in extra:
+        extra["autocompletion"] = _choices(_OFFERED[key])
     make: Any = typer.Option  # its overloads take no unpacked names
     return make(*row.flags.split(), help=row.help, show_default=False, **checks, **extra)
 

@@ -32,8 +32,23 @@ def setting_values(key: str | None, incomplete: str) -> list[str]:
     """The values of setting ``key`` that start with ``incomplete``, where they are a fixed set
     (none for a number, a duration or text: the shell then offers nothing)."""
     from phi4cli.core.config import CHOICES
+    from phi4cli.core.options import SETTING
 
-    return [value for value in CHOICES.get(key or "", ()) if value.startswith(incomplete)]
+    row = SETTING.get(key or "")
+    values = CHOICES.get(key or "", ("true", "false") if row and row.option == "bool" else ())
+    return [value for value in values if value.startswith(incomplete)]
+
+
+def chats(incomplete: str) -> list[str]:
+    """The saved conversations (``chat --resume NAME``) whose names start with ``incomplete``."""
+    from phi4cli.core.paths import get_paths
+
+    try:
+        names = os.listdir(get_paths().data_dir / "chats")
+    except OSError:
+        return []
+    return sorted(name.removesuffix(".json") for name in names
+                  if name.endswith(".json") and name.startswith(incomplete))  # fmt: skip
 
 
 def models(incomplete: str) -> list[tuple[str, str]]:
@@ -106,6 +121,8 @@ def _values(kind: Any, incomplete: str, positionals: list[str], shell: str) -> l
     elif kind == "setting_value":
         key = positionals[0] if positionals else None
         found = [(value, None) for value in setting_values(key, incomplete)]
+    elif kind == "chat":
+        found = [(name, None) for name in chats(incomplete)]
     else:
         return None
     return [(value, _help_for(shell, help_)) for value, help_ in found
