@@ -207,13 +207,16 @@ def test_solve_runs_in_process_on_an_environment_of_its_own(tiny_model: Path):
 
 
 def test_the_answer_options_are_declared_once_for_solve_and_chat():
-    from phi4cli.client.cli import ANSWER_OPTIONS
+    from phi4cli.client.cli import ANSWER_OPTIONS, CHAT_OPTIONS
 
     group = typer.main.get_command(app)
     solve, chat = group.commands["solve"], group.commands["chat"]  # type: ignore[attr-defined]
     in_solve = {p.name: p for p in solve.params}
     in_chat = {p.name: p for p in chat.params}
-    for key in ANSWER_OPTIONS:
+    # Chat samples each message once: the options of votes are solve's (and eval's) only.
+    assert set(ANSWER_OPTIONS) - set(CHAT_OPTIONS) == {"vote", "stop_unsure"}
+    assert not {"vote", "stop_unsure"} & set(in_chat)
+    for key in CHAT_OPTIONS:
         assert in_solve[key].opts == in_chat[key].opts
         assert in_solve[key].help == in_chat[key].help
 
