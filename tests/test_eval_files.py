@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import run_phi4
-from tests.scripted_server import Step, scripted_server, separated
+from tests.scripted_server import Head, Step, scripted_server, separated
 
 PROBLEMS = [{"problem": "What is 1+1?", "answer": "2"}, {"problem": "What is 2+2?", "answer": "4"}]
 NOBODY = 65534
@@ -457,3 +457,96 @@ def test_eval_of_an_input_read_once_and_of_a_csv_ends_cleanly(tmp_path: Path):
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["correct"] == 5
         assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr
+
+
+def _numbered(body: dict[str, Any]) -> list[str | Step]:
+    number = body["messages"][-1]["content"].split("\n\n")[0].removeprefix("p")
+    return separated("reasoning_content", ["Think."], [f"$\\boxed{{{number}}}$"])
+
+
+@pytest.mark.daemon
+def test_results_are_never_written_into_the_problems_file(tmp_path: Path):
+    # Before: `-o` naming the input appended each record to the problems, and the next run
+    # refused the file ("no 'answer'").
+    path = _write_problems(tmp_path / "set.jsonl", [{"problem": "p1", "answer": "1"}])
+    before = path.read_bytes()
+    with scripted_server(_numbered) as server:
+        refused = run_phi4("eval", str(path), "--backend", server.url, "-m", "m", "-o",
+                           str(tmp_path / "." / "set.jsonl"))  # fmt: skip
+        assert not server.bodies, "nothing was asked"
+    assert refused.returncode == 2
+    assert "is the problems file itself; give the results another file" in refused.stderr
+    assert path.read_bytes() == before
+
+
+@pytest.mark.daemon
+def test_a_last_record_cut_short_is_cut_off_and_its_problem_solved_again(tmp_path: Path):
+    # A run stopped while it wrote a record (a crash, a full disk): the rerun appended the next
+    # record onto the broken line, which then held two records and parsed as neither.
+    rows = [{"problem": f"p{i}", "answer": str(i)} for i in range(1, 5)]
+    path = _write_problems(tmp_path / "set.jsonl", rows)
+    results = tmp_path / "out.jsonl"
+    with scripted_server(_numbered) as server:
+        args = ["eval", str(path), "--backend", server.url, "-m", "m", "-o", str(results),
+                "--json"]  # fmt: skip
+        assert run_phi4(*args).returncode == 0
+        whole = results.read_bytes()
+        last = whole.rstrip(b"\n").rsplit(b"\n", 1)[1]
+        results.write_bytes(whole[: len(whole) - 1 - len(last) // 2])  # half the last record
+        again = run_phi4(*args)
+        assert again.returncode == 0, again.stderr
+        assert "resuming: 3 of 4 problems" in again.stderr
+        cut = len(last) - len(last) // 2
+        assert f"ended in a record cut short ({cut:,} bytes" in again.stderr, again.stderr
+        records = _records(results)  # every line whole JSON
+        assert sorted(r["line"] for r in records) == [1, 2, 3, 4]
+        assert json.loads(again.stdout)["correct"] == 4
+        # A whole last record without its newline is kept, and the next one starts a line.
+        results.write_bytes(results.read_bytes().rstrip(b"\n"))
+        path.write_text(path.read_text() + json.dumps({"problem": "p5", "answer": "5"}) + "\n")
+        third = run_phi4(*args)
+        assert third.returncode == 0 and "cut short" not in third.stderr, third.stderr
+        assert sorted(r["line"] for r in _records(results)) == [1, 2, 3, 4, 5]
+
+
+def _failing_second(body: dict[str, Any]) -> list[str | Step | Head]:
+    if body["messages"][-1]["content"].startswith("p2"):
+        return [Head(400, {"Content-Type": "application/json"}),
+                '{"error": {"message": "the question is too long"}}']  # fmt: skip
+    return list(_numbered(body))
+
+
+@pytest.mark.daemon
+def test_a_failed_problem_is_said_on_stderr_and_a_record_says_how_the_answer_ended(
+    tmp_path: Path,
+):
+    path = _write_problems(tmp_path / "set.jsonl", [{"problem": f"p{i}", "answer": str(i)}
+                                                    for i in (1, 2)])  # fmt: skip
+    with scripted_server(_failing_second) as server:
+        result = run_phi4("eval", str(path), "--backend", server.url, "-m", "m", "--json")
+    assert result.returncode == 1
+    assert "line 2: " in result.stderr and "the question is too long" in result.stderr
+    records = {r["line"]: r for r in _records(Path(json.loads(result.stdout)["results"]))}
+    assert records[1]["finish_reason"] == "stop" and records[2]["status"] == "error"
+
+
+@pytest.mark.daemon
+def test_a_csv_from_a_spreadsheet_and_a_missing_column_name_what_the_file_has(tmp_path: Path):
+    with_bom = tmp_path / "excel.csv"
+    with_bom.write_bytes(b"\xef\xbb\xbfproblem,answer\r\np1,1\r\n")
+    jsonl_bom = tmp_path / "bom.jsonl"
+    jsonl_bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"problem": "p1", "answer": "1"}).encode())
+    semicolons = tmp_path / "semi.csv"
+    semicolons.write_text("problem;answer\np1;1\n")
+    empty = _write_problems(tmp_path / "empty.jsonl", [{"problem": "p1", "answer": ""}])
+    with scripted_server(_numbered) as server:
+        common = ("--backend", server.url, "-m", "m", "--json")
+        for path in (with_bom, jsonl_bom):
+            read = run_phi4("eval", str(path), *common)
+            assert read.returncode == 0 and json.loads(read.stdout)["correct"] == 1, read.stderr
+        semi = run_phi4("eval", str(semicolons), *common)
+        assert semi.returncode == 2
+        assert ("no 'problem' (--problem-field names it; the columns are 'problem;answer')"
+                in semi.stderr), semi.stderr  # fmt: skip
+        blank = run_phi4("eval", str(empty), *common)
+        assert blank.returncode == 2 and f"{empty}:1: 'answer' is empty" in blank.stderr

@@ -5,6 +5,7 @@ llama_cpp, numpy, hub).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -243,6 +244,11 @@ def eval_(
     problems = Problems(file, problem_field, answer_field)
     count = problems.check()  # before anything starts: a bad line is exit 2
     results = output or file.with_name(file.name + ".results.jsonl")
+    with contextlib.suppress(OSError):  # (a results file not there yet: it is made)
+        if os.path.samefile(file, results):
+            # Else each record was appended to the problems, and the next run refused them.
+            raise UsageError(f"-o {results} is the problems file itself; give the results "
+                             "another file")  # fmt: skip
     job = make_job(env, model, dict(answer), no_instruction)
     policy = MismatchPolicy(restart=restart, force=force_resume)
     try:

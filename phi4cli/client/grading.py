@@ -76,7 +76,9 @@ class Problems:
         is_csv = path.suffix.lower() == ".csv"
         try:
             # A CSV's line ends are translated ("\r\n", "\r": "\n"), as read_text() did.
-            with (path.open(encoding="utf-8", newline=None) if is_csv else
+            # utf-8-sig: a spreadsheet's "CSV UTF-8" starts with a byte order mark, which
+            # would be read as part of the first column's name.
+            with (path.open(encoding="utf-8-sig", newline=None) if is_csv else
                   path.open("rb")) as handle:  # fmt: skip
                 rows = _csv_rows(path, handle) if is_csv else _json_lines(path, handle)
                 try:
@@ -86,16 +88,29 @@ class Problems:
                                              f"{problem_field!r} and {answer_field!r}")  # fmt: skip
                         problem, reference = row.get(problem_field), row.get(answer_field)
                         if not isinstance(problem, str) or not problem.strip():
-                            raise UsageError(f"{path}:{line}: no {problem_field!r} "
-                                             "(--problem-field names it)")  # fmt: skip
+                            raise UsageError(f"{path}:{line}: " + _missing(
+                                row, problem_field, "--problem-field", is_csv))  # fmt: skip
                         if reference is None or not str(reference).strip():
-                            raise UsageError(f"{path}:{line}: no {answer_field!r} "
-                                             "(--answer-field names it)")  # fmt: skip
+                            raise UsageError(f"{path}:{line}: " + _missing(
+                                row, answer_field, "--answer-field", is_csv))  # fmt: skip
                         yield Item(line, problem.strip(), str(reference).strip())
                 finally:
                     rows.close()
         except OSError as exc:
             raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _missing(row: dict[str, Any], field: str, option: str, is_csv: bool) -> str:
+    """Why ``row`` has no usable ``field``: empty, or not there (and what is)."""
+    if field in row and row[field] is not None:
+        return f"{field!r} is empty"
+    if field in row:
+        return f"{field!r} is null"
+    found = ", ".join(repr(str(name)) for name in row if name is not None) or "none"
+    return (
+        f"no {field!r} ({option} names it; {'the columns are' if is_csv else 'its fields are'}"
+        f" {found})"
+    )
 
 
 def _csv_rows(path: Path, text: Any) -> Generator[tuple[int, Any]]:
@@ -113,7 +128,7 @@ def _json_lines(path: Path, handle: Any) -> Generator[tuple[int, Any]]:
     line = 0
     for raw in handle:
         try:
-            piece = raw.decode("utf-8")
+            piece = raw.decode("utf-8-sig" if line == 0 else "utf-8")  # (a byte order mark)
         except UnicodeDecodeError:
             raise UsageError(f"{path}:{line + 1}: not UTF-8 text") from None
         for text in piece.splitlines() or [""]:
@@ -189,6 +204,8 @@ def judge(item: Item, outcomes: list[Outcome], same_answer: AnswerComparer | Non
         "completion_tokens": sum(s.completion_tokens for s in stats),
         "seconds": round(max((s.total_s or 0.0 for s in stats), default=0.0), 3),
     }  # fmt: skip
+    if len(outcomes) == 1 and stats:  # (a vote's samples each say theirs in sample_details)
+        record["finish_reason"] = stats[0].finish_reason  # "length": cut off at --max-tokens
     confidences = [o.stats.lowest_group_confidence if o.stats else None for o in outcomes]
     if any(c is not None for c in confidences):  # each answer's (phi4cli.text.confidence)
         record["confidence"] = confidences if len(outcomes) > 1 else confidences[0]
@@ -432,21 +449,22 @@ def _lines(records: list[dict[str, Any]]) -> bytes:
     return "".join(result_line(r) + "\n" for r in records).encode()
 
 
-def open_results(output: Path, problems: Problems, run: dict[str, Any],
-                 policy: MismatchPolicy) -> tuple[BinaryIO, dict[int, dict[str, Any]]]:  # fmt: skip
-    """The results file open to append to, and this run's records already in it, by line (as
-    much of each as the summary counts).
+def open_results(output: Path, problems: Problems, run: dict[str, Any], policy: MismatchPolicy
+                 ) -> tuple[BinaryIO, dict[int, dict[str, Any]], int]:  # fmt: skip
+    """The results file open to append to, this run's records already in it, by line (as
+    much of each as the summary counts), and how many bytes of a last record cut short were
+    cut off it.
 
     Raise RefusedFileError (one line, exit 1) when the file is a link, a FIFO or anything but
     a regular file of this user's, or holds records of another model or other settings and
     ``policy`` does not say what to do with them."""
     if policy.restart:
-        return replace_user_file(output, RESULTS_FILE, b""), {}
+        return replace_user_file(output, RESULTS_FILE, b""), {}, 0
     results = open_user_file(output, RESULTS_FILE)
     try:
         earlier = read_earlier(_text_lines(results, output), problems, run, keep=policy.force)
         if not earlier.foreign:
-            return results, earlier.done
+            return results, earlier.done, _end_on_a_line(results)
         if not policy.force:
             raise RefusedFileError(_mismatch_message(output, earlier))
     except BaseException:
@@ -460,7 +478,38 @@ def open_results(output: Path, problems: Problems, run: dict[str, Any],
     done.update(earlier.done)
     kept = [done[item.line] for item in problems if item.line in done]
     return (replace_user_file(output, RESULTS_FILE, _lines(kept)),
-            {line: _counted(record) for line, record in done.items()})  # fmt: skip
+            {line: _counted(record) for line, record in done.items()}, 0)  # fmt: skip
+
+
+def _end_on_a_line(results: BinaryIO) -> int:
+    """Make the results file end with a whole line before records are appended to it: a last
+    record cut short (a crash while it was written) is cut off, its problem solved again; a
+    whole one without its newline gets it. Return how many bytes were cut off."""
+    end = results.seek(0, os.SEEK_END)
+    if end == 0:
+        return 0
+    results.seek(end - 1)
+    if results.read(1) == b"\n":
+        return 0
+    start = max(0, end - (1 << 20))
+    while True:  # the start of the last line
+        results.seek(start)
+        chunk = results.read(end - start)
+        newline = chunk.rfind(b"\n")
+        if newline >= 0 or start == 0:
+            last_start = start + newline + 1 if newline >= 0 else 0
+            break
+        start = max(0, start - (1 << 20))
+    results.seek(last_start)
+    try:
+        json.loads(results.read(end - last_start))
+    except ValueError:  # (UnicodeDecodeError too)
+        results.truncate(last_start)
+        results.seek(last_start)
+        return end - last_start
+    results.seek(end)
+    results.write(b"\n")
+    return 0
 
 
 def _text_lines(results: BinaryIO, output: Path) -> Iterator[str]:
@@ -488,7 +537,10 @@ def run_eval(
     do (:func:`reasoning.vote_settled`), unless ``every``."""
     adaptive = samples > 1 and not every
     run = run_identity(job, samples, adaptive)
-    results, earlier = open_results(output, problems, run, policy or MismatchPolicy())
+    results, earlier, cut = open_results(output, problems, run, policy or MismatchPolicy())
+    if cut:
+        job.announce(f"{output} ended in a record cut short ({cut:,} bytes, a run stopped while "
+                     "writing it): cut off, its problem is solved again")  # fmt: skip
     tally = Tally()
     for record in earlier.values():
         tally.add(record)
@@ -556,6 +608,8 @@ def run_eval(
                 sample_details(o, ended_s.pop((i, s)), s in stop.stopped)
                 for s, o in enumerate(judged)
             ]
+        if record["status"] == "error":  # (said as `solve -f` says it; the record keeps it)
+            progress.notice(f"line {todo[i].line}: {record['errors'][-1]}")
         todo.release(i)
         tally.add(record)
         line = result_line(record)
