@@ -86,6 +86,14 @@ def test_config_unset_removes_one_key_and_says_what_it_is_now(phi4_home: Path):
     unknown = run_phi4("config", "unset", "colour")
     assert unknown.returncode == 2 and "unknown key 'colour'" in unknown.stderr
     assert path.read_text() == "# mine\n"
+    # `backends`, the plural the docs' example file uses, is the same key for set and unset.
+    assert run_phi4("config", "set", "backends", "http://a:1/v1 http://b:2/v1").returncode == 0
+    assert run_phi4("config", "unset", "backends").stdout.startswith("backend removed from")
+    assert path.read_text() == "# mine\n"
+    # A value the environment overrides is written, and said not to be the one in effect.
+    overridden = run_phi4("config", "set", "temperature", "0.2", env={"PHI4_TEMPERATURE": "0.5"})
+    assert overridden.stdout == (f"temperature = 0.2 ({path}); PHI4_TEMPERATURE=0.5 overrides "
+                                 "it here\n")  # fmt: skip
 
 
 @pytest.mark.daemon

@@ -474,7 +474,15 @@ def config_set(
             except (ModelNotFoundError, InvalidModelError) as error:
                 raise ConfigError(f"invalid model: {error}") from None  # a bad value: exit 2
     parsed = set_config_value(path, key, value)
-    _print(clean_text(f"{key} = {format_setting(key, parsed)} ({path})"))
+    key = "backend" if key == "backends" else key
+    said = f"{key} = {format_setting(key, parsed)} ({path})"
+    from phi4cli.core.config import setting_sources
+    from phi4cli.core.options import env_name
+
+    now, source = setting_sources(path)[key]
+    if source == env_name(key):  # the file's value is not the one in effect here
+        said += f"; {source}={format_setting(key, now)} overrides it here"
+    _print(clean_text(said))
 
 
 @config_app.command("unset")
@@ -492,6 +500,7 @@ def config_unset(
 
     path = get_paths().config_file
     removed = unset_config_value(path, key)
+    key = "backend" if key == "backends" else key
     value, source = setting_sources(path)[key]
     now = clean_text(f"{key} = {format_setting(key, value)} ({source})")
     _print(f"{key} removed from {path}; {now}" if removed else f"{key} is not set in {path}; {now}")
