@@ -64,11 +64,11 @@ def test_a_chat_sets_a_sampler_shows_it_and_sends_it(tiny_model: Path):
     assert run_script(plain, ["Count to ten.", "/show", "/exit"]) == 0
     shown = out.getvalue()
     assert "repeat_penalty" not in shown and "min_p" not in shown, "off: not said"
-    penalized, out, _err = make_repl(tiny_model, temperature=0.0, max_tokens=16)
+    penalized, out, err = make_repl(tiny_model, temperature=0.0, max_tokens=16)
     script = ["/set repeat_penalty 1.9", "/set min_p 2", "Count to ten.", "/show", "/exit"]
     assert run_script(penalized, script) == 0
-    said = out.getvalue()
-    assert "repeat_penalty = 1.9" in said and "repeat_penalty=1.9" in said
+    # What /set did is said on stderr (stdout is not a terminal here); /show's on stdout.
+    assert "repeat_penalty = 1.9" in err.getvalue() and "repeat_penalty=1.9" in out.getvalue()
     assert penalized.conversation.settings == {"repeat_penalty": 1.9}, "min_p 2 is refused"
     assert penalized.conversation.turns[0].answer != plain.conversation.turns[0].answer
 
