@@ -59,12 +59,12 @@ def test_warm_stages_prewarms_saves_state_and_a_restart_restores_it(
     # the user is told why.
     pid = json.loads(run_phi4("status", "--json").stdout)["pid"]
     cleared = run_phi4("cache", "clear")
-    assert "removed 0 staged model copies, 1 saved prompt states and 0 swapped" in cleared.stdout
+    assert "removed 0 staged model copies, 1 saved prompt state and 0 swapped" in cleared.stdout
     assert f"kept {staged}: in use by pid {pid}" in cleared.stderr
     assert staged.exists()
     assert run_phi4("stop").returncode == 0
     cleared = run_phi4("cache", "clear")
-    assert "removed 1 staged model copies" in cleared.stdout
+    assert "removed 1 staged model copy," in cleared.stdout
     assert not staged.exists()
 
 

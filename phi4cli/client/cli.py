@@ -743,8 +743,14 @@ def cache_clear() -> None:
     from phi4cli.client.caches import clear_caches
 
     staged, states, sessions = clear_caches(get_paths(), say)
-    _print(f"removed {staged} staged model copies, {states} saved prompt states and "
-           f"{sessions} swapped-out chat sessions")  # fmt: skip
+
+    def count(number: int, one: str, many: str) -> str:
+        return f"{number} {one if number == 1 else many}"
+
+    copies = count(staged, "staged model copy", "staged model copies")
+    saved = count(states, "saved prompt state", "saved prompt states")
+    chats = count(sessions, "swapped-out chat session", "swapped-out chat sessions")
+    _print(f"removed {copies}, {saved} and {chats}")
 
 
 @app.command()
