@@ -550,3 +550,14 @@ def test_a_csv_from_a_spreadsheet_and_a_missing_column_name_what_the_file_has(tm
                 in semi.stderr), semi.stderr  # fmt: skip
         blank = run_phi4("eval", str(empty), *common)
         assert blank.returncode == 2 and f"{empty}:1: 'answer' is empty" in blank.stderr
+
+
+@pytest.mark.daemon
+def test_an_eval_that_reaches_no_engine_leaves_no_empty_results_file(tmp_path: Path):
+    path = _write_problems(tmp_path / "set.jsonl")
+    results = tmp_path / "out.jsonl"
+    unreachable = ("--backend", "http://127.0.0.1:9/v1", "-m", "m", "-o", str(results))
+    failed = run_phi4("eval", str(path), *unreachable)
+    assert failed.returncode == 3 and not results.exists(), "made, and then left empty"
+    results.write_text("")  # one that was there is the user's: left as it was
+    assert run_phi4("eval", str(path), *unreachable).returncode == 3 and results.exists()

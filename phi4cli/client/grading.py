@@ -10,6 +10,7 @@ next to a user-given path, perhaps in /tmp, so it is opened by ``atomicfile.open
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -537,6 +538,7 @@ def run_eval(
     do (:func:`reasoning.vote_settled`), unless ``every``."""
     adaptive = samples > 1 and not every
     run = run_identity(job, samples, adaptive)
+    new = not os.path.lexists(output)
     results, earlier, cut = open_results(output, problems, run, policy or MismatchPolicy())
     if cut:
         job.announce(f"{output} ended in a record cut short ({cut:,} bytes, a run stopped while "
@@ -623,6 +625,11 @@ def run_eval(
         with results, progress:
             if requests:
                 job.run(requests, on_event, restart=True, on_flight=flight.append)
+    except Exception:
+        if new and not sum(tally.counts.values()):  # (an engine never reached: no empty file)
+            with contextlib.suppress(OSError):
+                output.unlink()
+        raise
     finally:
         todo.close()
     notice = compare.notice()
