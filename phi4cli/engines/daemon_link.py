@@ -384,11 +384,12 @@ def daemon_status(paths: Paths) -> dict[str, Any]:
     """Return the running daemon's live status; raise DaemonUnavailableError if none answers."""
     connection = try_connect(paths)
     if connection is None:
-        if spawn.daemon_alive(paths):  # it holds the lock, and does not listen yet
+        if spawn.daemon_alive(paths):  # it holds the lock, and does not listen (yet, or now)
             pid = spawn.lock_holder(paths)
             who = f" (pid {pid})" if pid else ""
             raise DaemonUnavailableError(
-                f"the daemon{who} is starting and does not answer yet; try again in a moment"
+                f"the daemon{who} is starting or stopping and does not answer now; try again "
+                "in a moment"
             )
         raise DaemonUnavailableError("no daemon is running; `phi4 daemon start` starts one")
     with connection:
