@@ -679,3 +679,25 @@ def test_a_port_in_use_is_one_line_that_says_how_to_choose_another(tmp_path: Pat
         f"cannot listen on {address}: Address already in use (another server listens there: "
         "give another port, --http HOST:PORT)"
     )
+
+
+@pytest.mark.daemon
+def test_a_prompt_too_long_is_a_400_streamed_or_not_and_a_stream_still_streams(server: str):
+    # Before: streamed, the daemon's refusal at admission came after the 200 and the role
+    # chunk, as an error event (openai raised a bare APIError); not streamed it was a 400.
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    huge = [{"role": "user", "content": "word " * 40_000}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="shorten it"):
+            answer = client.chat.completions.create(model="tiny-phi3", messages=huge,
+                                                    stream=stream)  # fmt: skip
+            if stream:
+                list(answer)  # type: ignore[arg-type]
+    chunks = list(client.chat.completions.create(
+        model="tiny-phi3", messages=[{"role": "user", "content": "Count."}], max_tokens=5,
+        temperature=0, stream=True, n=2))  # fmt: skip
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    ended = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert ended == ["length", "length"]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip(), "the answers came through the reads the stream took over"

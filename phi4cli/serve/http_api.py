@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from phi4cli.core.config import Settings, parse_duration, variable
-from phi4cli.core.errors import ConfigError, Phi4Error, RequestError, UsageError
+from phi4cli.core.errors import ConfigError, ErrorCode, Phi4Error, RequestError, UsageError
 from phi4cli.core.protocol import (
     Event,
     EventKind,
@@ -52,9 +52,13 @@ from phi4cli.serve.openai_request import (
     read_chat_request,
     unencodable_field,
 )
-from phi4cli.serve.openai_response import Choice, Completion, next_event
+from phi4cli.serve.openai_response import Choice, Completion, close_when_read, next_event
 
 MAX_BODY_BYTES = 4 << 20
+# How long a streamed answer's headers wait for the daemon to admit its request (or to write
+# its first text, or to refuse it): a refusal in that time is an HTTP status. Text is never
+# held back by it.
+ADMIT_WAIT_S = 2.0
 
 
 def _timeout(name: str, default: float) -> float:
@@ -263,12 +267,29 @@ def create_app(
                 raise ApiError(503, str(refused), "server_error") from None
             raise refused
         first = [f for f in firsts if isinstance(f, list)]
+        pending: dict[int, asyncio.Future[list[Event]]] = {}
+        if chat_request.stream:
+            # Refused at admission (a prompt too long for the context): a status, as when not
+            # streamed, rather than an error event after a 200.
+            pending = await _past_admission(streams, first)
+            ends = [events[-1] for events in first if events]
+            refused_late = next((end for end in ends if end.kind == EventKind.ERROR), None)
+            if refused_late is not None:
+                for index, stream in enumerate(streams):
+                    read = pending.get(index)
+                    if read is None:
+                        stream.close()
+                    else:
+                        stream.cancel()
+                        close_when_read(read, stream)
+                raise ApiError.of(refused_late.code, refused_late.message)
         asked = chat_request.params[0].logprobs is not None
         choices = [Choice(i, stream, chat_request.stops, asked)
                    for i, stream in enumerate(streams)]  # fmt: skip
         completion = Completion(model_name, choices, chat_request.include_usage)
         if chat_request.stream:
-            return StreamingResponse(completion.sse(first), media_type="text/event-stream",
+            return StreamingResponse(completion.sse(first, pending),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
         failed = await _unless_disconnected(request, streams, completion.fold(first))
         if failed is not None:
@@ -307,6 +328,32 @@ async def _unless_disconnected(request: Request, streams: list[RequestStream], w
         result = await work
         group.cancel_scope.cancel()
     return result
+
+
+async def _past_admission(streams: list[RequestStream], first: list[list[Event]]
+                          ) -> dict[int, asyncio.Future[list[Event]]]:  # fmt: skip
+    """Read on past each accepted request's acceptance, up to its first text or its end, for
+    up to ADMIT_WAIT_S: the daemon refuses a prompt too long for the context when it admits
+    the request, moments after accepting it when it is idle. What came is added to ``first``;
+    the reads still in flight are returned, by choice, for the stream to take over. No text
+    is held back by this: it goes out as soon as it comes either way."""
+    reads = {index: asyncio.ensure_future(_first_events(stream))
+             for index, stream in enumerate(streams)
+             if not (first[index] and first[index][-1].terminal)}  # fmt: skip
+    if reads:
+        await asyncio.wait(reads.values(), timeout=ADMIT_WAIT_S)
+    pending: dict[int, asyncio.Future[list[Event]]] = {}
+    for index, read in reads.items():
+        if not read.done():
+            pending[index] = read
+            continue
+        try:
+            first[index].extend(read.result())
+        except Phi4Error as exc:
+            first[index].append(
+                Event.error(ErrorCode.INTERNAL, f"the daemon went away mid-answer: {exc}")
+            )
+    return pending
 
 
 async def _first_events(stream: RequestStream) -> list[Event]:

@@ -175,10 +175,10 @@ def _usage(choices: list[Choice]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
-def _close_when_read(future: asyncio.Future[Event | None], stream: RequestStream) -> None:
+def close_when_read(future: asyncio.Future[Any], stream: RequestStream) -> None:
     """Close ``stream`` once the read in flight on it returns (never while a thread reads it)."""
 
-    def close(done: asyncio.Future[Event | None]) -> None:
+    def close(done: asyncio.Future[Any]) -> None:
         if not done.cancelled():
             done.exception()  # (retrieved: a daemon gone as the client hung up is no news)
         stream.close()
@@ -187,13 +187,15 @@ def _close_when_read(future: asyncio.Future[Event | None], stream: RequestStream
 
 
 async def _events(
-    choices: list[Choice], first: list[list[Event]]
-) -> AsyncGenerator[tuple[Choice, Event]]:
-    """Each choice's events as they come, interleaved, beginning with those already read; the
-    caller folds each before asking for the next. A choice whose daemon went away, or whose
-    events ended early, ends with an error event. Leaving early cancels the requests still
-    running and closes their streams as their reads in flight return."""
-    reads: dict[asyncio.Future[Event | None], Choice] = {}
+    choices: list[Choice], first: list[list[Event]],
+    pending: dict[int, asyncio.Future[list[Event]]] | None = None,
+) -> AsyncGenerator[tuple[Choice, Event]]:  # fmt: skip
+    """Each choice's events as they come, interleaved, beginning with those already read (and
+    those of the reads ``pending``, by choice, each a list up to a first event that is not
+    progress); the caller folds each before asking for the next. A choice whose daemon went
+    away, or whose events ended early, ends with an error event. Leaving early cancels the
+    requests still running and closes their streams as their reads in flight return."""
+    reads: dict[asyncio.Future[Any], Choice] = {}
 
     def read(choice: Choice) -> None:
         reads[asyncio.ensure_future(next_event(choice.stream))] = choice
@@ -203,27 +205,36 @@ async def _events(
             for event in events:
                 yield choice, event
         for choice in choices:
-            if not choice.outcome.done:
+            in_flight = (pending or {}).pop(choice.index, None)
+            if in_flight is not None:
+                reads[in_flight] = choice
+            elif not choice.outcome.done:
                 read(choice)
         while reads:
             finished, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
             for future in sorted(finished, key=lambda f: reads[f].index):
                 choice = reads.pop(future)
                 try:
-                    read_event = future.result()
+                    result = future.result()
                 except Phi4Error as exc:
-                    read_event = Event.error(
+                    result = Event.error(
                         ErrorCode.INTERNAL, f"the daemon went away mid-answer: {exc}"
                     )
-                if read_event is None:
-                    read_event = Event.error(ErrorCode.INTERNAL, "the daemon's answer ended early")
-                yield choice, read_event
+                got: list[Event | None] = list(result) if isinstance(result, list) else [result]
+                for read_event in got or [None]:
+                    if read_event is None:
+                        read_event = Event.error(
+                            ErrorCode.INTERNAL, "the daemon's answer ended early"
+                        )
+                    yield choice, read_event
                 if not choice.outcome.done:
                     read(choice)
     finally:
+        for index, future in (pending or {}).items():  # (left before they were taken over)
+            reads[future] = choices[index]
         for future, choice in reads.items():
             choice.stream.cancel()
-            _close_when_read(future, choice.stream)
+            close_when_read(future, choice.stream)
         for choice in choices:
             if choice not in reads.values():
                 choice.stream.close()
@@ -271,7 +282,9 @@ class Completion:
         return self._chunk([{"index": index, "delta": delta, "logprobs": _logprobs_of(logprobs),
                              "finish_reason": finish}])  # fmt: skip
 
-    async def sse(self, first: list[list[Event]]) -> AsyncIterator[bytes]:
+    async def sse(self, first: list[list[Event]],
+                  pending: dict[int, asyncio.Future[list[Event]]] | None = None
+                  ) -> AsyncIterator[bytes]:  # fmt: skip
         """The answer as server-sent events, each choice's chunks carrying its ``index``. An
         error after the stream began (the daemon stopped or died, the request was cancelled)
         is sent as an ``error`` object, and the stream ends without ``[DONE]``, as OpenAI's own
@@ -279,7 +292,7 @@ class Completion:
         for choice in self.choices:
             yield self._delta(choice.index, {"role": "assistant", "content": ""})
         failed: Choice | None = None
-        async with contextlib.aclosing(_events(self.choices, first)) as events:
+        async with contextlib.aclosing(_events(self.choices, first, pending)) as events:
             async for choice, event in events:
                 for delta, logprobs in choice.apply(event):
                     yield self._delta(choice.index, delta, logprobs=logprobs)
