@@ -340,8 +340,10 @@ async def _past_admission(streams: list[RequestStream], first: list[list[Event]]
     reads = {index: asyncio.ensure_future(_first_events(stream))
              for index, stream in enumerate(streams)
              if not (first[index] and first[index][-1].terminal)}  # fmt: skip
-    if reads:
-        await asyncio.wait(reads.values(), timeout=ADMIT_WAIT_S)
+    if reads:  # (the choices share one prompt: the first of them to be admitted or refused
+        # says it for all, and the text of one is not held back for another's)
+        await asyncio.wait(reads.values(), timeout=ADMIT_WAIT_S,
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
     pending: dict[int, asyncio.Future[list[Event]]] = {}
     for index, read in reads.items():
         if not read.done():
