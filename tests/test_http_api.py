@@ -701,3 +701,20 @@ def test_a_prompt_too_long_is_a_400_streamed_or_not_and_a_stream_still_streams(s
     assert ended == ["length", "length"]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip(), "the answers came through the reads the stream took over"
+
+
+@pytest.mark.daemon
+def test_a_model_is_retrieved_by_any_name_it_answers_to_and_counted_once(server: str):
+    # Before: GET /v1/models/{id} was a 404, so openai's client.models.retrieve failed.
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    listed = client.models.list().data[0]
+    for name in (listed.id, "default", "tiny-phi3.gguf"):
+        assert client.models.retrieve(name).id == listed.id
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        client.models.retrieve("another-model")
+    for number in range(3):
+        with contextlib.suppress(openai.NotFoundError):
+            client.models.retrieve(f"made-up-{number}")
+    metrics = get(f"{server}/metrics")[1]
+    assert "made-up" not in metrics, "a client's words are not a metrics label"
+    assert 'path="/v1/models/{id}",status="404"' in metrics

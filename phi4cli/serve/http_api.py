@@ -170,7 +170,12 @@ def create_app(
         offered = request.headers.get("authorization", "")
         return hmac.compare_digest(offered.encode(), f"Bearer {api_key}".encode())
 
-    def route(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+    def route(handler: Callable[[Request], Any], path: str | None = None
+              ) -> Callable[[Request], Any]:  # fmt: skip
+        """``handler`` behind the API key, its errors in the API's shape, counted by ``path``
+        (the request's own unless given: a path that holds a client's words is counted under
+        its template, so that no client can grow the metrics without bound)."""
+
         async def endpoint(request: Request) -> Response:
             try:
                 if not authorized(request):
@@ -178,7 +183,7 @@ def create_app(
                 response: Response = await handler(request)
             except ApiError as error:
                 response = error.response()
-            http_requests.labels(request.url.path, str(response.status_code)).inc()
+            http_requests.labels(path or request.url.path, str(response.status_code)).inc()
             return response
 
         return endpoint
@@ -195,9 +200,15 @@ def create_app(
         data = await anyio.to_thread.run_sync(generate_latest, registry)
         return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    entry = {"id": model_name, "object": "model", "created": created, "owned_by": "phi4"}
+
     async def models(_request: Request) -> Response:
-        entry = {"id": model_name, "object": "model", "created": created, "owned_by": "phi4"}
         return JSONResponse({"object": "list", "data": [entry]})
+
+    async def one_model(request: Request) -> Response:
+        # `client.models.retrieve(name)`: the served model under any name a request may use.
+        check_model({"model": request.path_params["model_id"]}, model_name, served)
+        return JSONResponse(entry)
 
     async def chat(request: Request) -> Response:
         # Only JSON: a browser sends text/plain, form and multipart bodies cross-site without
@@ -307,6 +318,8 @@ def create_app(
         Route("/health", route(health), methods=["GET"]),
         Route("/metrics", route(metrics), methods=["GET"]),
         Route("/v1/models", route(models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", route(one_model, "/v1/models/{id}"),
+              methods=["GET"]),
         Route("/v1/chat/completions", route(chat), methods=["POST"]),
     ], exception_handlers={HTTPException: http_error})  # fmt: skip
     return AccessGuard(app, access)
