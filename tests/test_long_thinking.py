@@ -202,7 +202,7 @@ def test_cache_clear_removes_swapped_chats(phi4_home: Path):
     (sessions / "session-0123.state").write_bytes(b"kv")
     cleared = run_phi4("cache", "clear")
     assert cleared.returncode == 0, cleared.stderr
-    assert "1 swapped-out chat sessions" in cleared.stdout
+    assert cleared.stdout.endswith(" and 1 swapped-out chat session\n"), cleared.stdout
     assert not sessions.exists()
 
 
