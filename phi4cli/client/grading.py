@@ -105,8 +105,8 @@ def _missing(row: dict[str, Any], field: str, option: str, is_csv: bool) -> str:
     """Why ``row`` has no usable ``field``: empty, or not there (and what is)."""
     if field in row and row[field] is not None:
         return f"{field!r} is empty"
-    if field in row:
-        return f"{field!r} is null"
+    if field in row:  # (a CSV row shorter than its header; JSON's null)
+        return f"{field!r} is missing from this row" if is_csv else f"{field!r} is null"
     found = ", ".join(repr(str(name)) for name in row if name is not None) or "none"
     return (
         f"no {field!r} ({option} names it; {'the columns are' if is_csv else 'its fields are'}"
