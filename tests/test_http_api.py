@@ -154,9 +154,13 @@ def test_models_health_and_metrics(server: str, tiny_model: Path):
 @pytest.mark.daemon
 def test_bad_requests_get_openai_style_errors(server: str):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="last message must be the user"):
+    with pytest.raises(openai.BadRequestError, match="last message must be the user") as bad:
         client.chat.completions.create(model="tiny-phi3", messages=[{"role": "assistant",
                                                                "content": "hi"}])  # fmt: skip
+    assert bad.value.param == "messages"
+    with pytest.raises(openai.BadRequestError, match="non-empty list") as bad:
+        client.chat.completions.create(model="tiny-phi3", messages=[])
+    assert bad.value.param == "messages"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="tiny-phi3", prompt="hi")
 
@@ -688,11 +692,18 @@ def test_a_prompt_too_long_is_a_400_streamed_or_not_and_a_stream_still_streams(s
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
     huge = [{"role": "user", "content": "word " * 40_000}]
     for stream in (False, True):
-        with pytest.raises(openai.BadRequestError, match="shorten it"):
+        with pytest.raises(openai.BadRequestError, match="shorten it") as refused:
             answer = client.chat.completions.create(model="tiny-phi3", messages=huge,
                                                     stream=stream)  # fmt: skip
             if stream:
                 list(answer)  # type: ignore[arg-type]
+        assert refused.value.param == "messages"  # (the field at fault, as for other 400s)
+    # Too long with the tokens asked for: the field is max_tokens, named as the API names it.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny-phi3", max_tokens=1_000_000,
+                                       messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+    assert refused.value.param == "max_tokens"
+    assert "of max_tokens" in refused.value.message and "--max-tokens" not in refused.value.message
     chunks = list(client.chat.completions.create(
         model="tiny-phi3", messages=[{"role": "user", "content": "Count."}], max_tokens=5,
         temperature=0, stream=True, n=2))  # fmt: skip

@@ -45,7 +45,13 @@ class ApiError(Exception):
     @classmethod
     def of(cls, code: ErrorCode, message: str) -> ApiError:
         status = http_status_for(code)
-        return cls(status, message, "invalid_request_error" if status < 500 else "server_error")
+        param = None
+        if code == ErrorCode.CONTEXT_OVERFLOW:
+            # The daemon says it in the command line's words: here the field is max_tokens.
+            param = "max_tokens" if "--max-tokens" in message else "messages"
+            message = message.replace("--max-tokens", "max_tokens")
+        return cls(status, message, "invalid_request_error" if status < 500 else "server_error",
+                   param=param)  # fmt: skip
 
     def body(self) -> dict[str, Any]:
         error: dict[str, Any] = {"message": self.message, "type": self.kind,
@@ -252,7 +258,7 @@ def chat_params(body: dict[str, Any], model: str, settings: Settings) -> SolvePa
     """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list")
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
     system_parts: list[str] = []
     turns: list[dict[str, str]] = []
     for index, message in enumerate(messages):
@@ -267,7 +273,7 @@ def chat_params(body: dict[str, Any], model: str, settings: Settings) -> SolvePa
             raise ApiError(400, f"unsupported message role {role!r}{tools}",
                            param=f"messages[{index}].role")  # fmt: skip
     if not turns or turns[-1]["role"] != "user":
-        raise ApiError(400, "the last message must be the user's")
+        raise ApiError(400, "the last message must be the user's", param="messages")
     # Read here, not by the daemon: a 1 for true, or n = 2 answered with one choice, would be
     # taken without a word.
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
