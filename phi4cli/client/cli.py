@@ -456,7 +456,7 @@ def config_set(
     ],
 ) -> None:
     """Set one setting in the config file, after checking the value."""
-    from phi4cli.client.config_writing import set_config_value
+    from phi4cli.client.config_writing import set_config_value, setting_key
 
     paths = get_paths()
     path = paths.config_file
@@ -474,7 +474,7 @@ def config_set(
             except (ModelNotFoundError, InvalidModelError) as error:
                 raise ConfigError(f"invalid model: {error}") from None  # a bad value: exit 2
     parsed = set_config_value(path, key, value)
-    key = "backend" if key == "backends" else key
+    key = setting_key(key)
     said = f"{key} = {format_setting(key, parsed)} ({path})"
     from phi4cli.core.config import setting_sources
     from phi4cli.core.options import env_name
@@ -494,13 +494,13 @@ def config_unset(
 ) -> None:
     """Remove one setting from the config file: it takes its default again (or the value of its
     environment variable, where that is set)."""
-    from phi4cli.client.config_writing import unset_config_value
+    from phi4cli.client.config_writing import setting_key, unset_config_value
     from phi4cli.client.render import format_setting
     from phi4cli.core.config import setting_sources
 
     path = get_paths().config_file
     removed = unset_config_value(path, key)
-    key = "backend" if key == "backends" else key
+    key = setting_key(key)
     value, source = setting_sources(path)[key]
     now = clean_text(f"{key} = {format_setting(key, value)} ({source})")
     _print(f"{key} removed from {path}; {now}" if removed else f"{key} is not set in {path}; {now}")

@@ -42,7 +42,7 @@ def _as_toml(value: Any) -> Any:
 def set_config_value(config_file: Path, key: str, value: str) -> Any:
     """Validate ``value`` for ``key`` and write it to the config file (atomically); return the
     parsed value. ``none`` clears an optional setting. Raise ConfigError naming the key."""
-    key = _known(key)
+    key = setting_key(key)
     parsed = parse_setting(key, value, f"config key {key}")
     _write_key(config_file, key, value, parsed)
     return parsed
@@ -52,7 +52,7 @@ def unset_config_value(config_file: Path, key: str) -> bool:
     """Remove ``key`` from the config file (atomically), so that it takes its default again (or
     its environment variable's value); False if the file did not set it. Raise ConfigError for
     an unknown key."""
-    key = _known(key)
+    key = setting_key(key)
     raw = read_config_bytes(config_file)
     if raw is None or key not in config_from_bytes(raw, config_file):
         return False
@@ -60,7 +60,7 @@ def unset_config_value(config_file: Path, key: str) -> bool:
     return True
 
 
-def _known(key: str) -> str:
+def setting_key(key: str) -> str:
     """``key`` as Settings names it (``backends``, the plural a file may use, is ``backend``);
     ConfigError for a key phi4 does not have."""
     key = "backend" if key == "backends" else key
