@@ -41,14 +41,14 @@ def setting_values(key: str | None, incomplete: str) -> list[str]:
 
 def chats(incomplete: str) -> list[str]:
     """The saved conversations (``chat --resume NAME``) whose names start with ``incomplete``."""
+    from phi4cli.client.chats import ChatStore
     from phi4cli.core.paths import get_paths
 
     try:
-        names = os.listdir(get_paths().data_dir / "chats")
-    except OSError:
+        names = ChatStore(get_paths().data_dir / "chats").names()  # (the names --resume takes)
+    except OSError:  # (one removed while they were listed)
         return []
-    return sorted(name.removesuffix(".json") for name in names
-                  if name.endswith(".json") and name.startswith(incomplete))  # fmt: skip
+    return sorted(name for name in names if name.startswith(incomplete))
 
 
 def models(incomplete: str) -> list[tuple[str, str]]:
