@@ -377,15 +377,11 @@ class RequestScheduler:
             job.cancel(ErrorCode.SHUTTING_DOWN)
         while self._engine.active:
             self._step()
-        self._drain()
+        self.drain()
 
-    def abandon(self) -> None:
-        """The worker did not stop (it is inside llama.cpp: a load) and the daemon leaves
-        without it: the queued requests hear so from here, as :meth:`_shut_down` would tell
-        them."""
-        self._drain()
-
-    def _drain(self) -> None:
+    def drain(self) -> None:
+        """Fail every queued request as shutting down: at the worker's end, or from the loop
+        when the daemon leaves without the worker (inside llama.cpp: a load)."""
         for job in self._queue.take_all():
             if job is not None:
                 self._finished_one()

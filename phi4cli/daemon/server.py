@@ -802,7 +802,7 @@ class DaemonServer:
                 None, self.scheduler.stop, STOP_IN_LOAD_S if loading else STOP_WAIT_S
             )
             if not worker_done:
-                self.scheduler.abandon()
+                self.scheduler.drain()  # (the worker is inside llama.cpp)
             await asyncio.sleep(0.05)  # let the last terminal events reach their clients
             # The thin client's commands say how their requests ended, as their own clients
             # would (a little longer: they are threads here, told through the loop).
