@@ -155,9 +155,9 @@ def ram_headroom(machine: Machine) -> int:
 def start_cells(plan: MemoryPlan, shape: ModelShape, machine: Machine) -> int | None:
     """The cells of a smaller context to answer from while the plan's whole context is made in
     the background, or None to make the whole one at once: START_CELLS, shared by the requests
-    (shared layout), or a stream of START_CELLS each (the same streams, smaller): split among
-    the streams (512 each for 4), three answers thinking at once filled theirs 400-odd tokens
-    in and stopped 10 s for the whole context, made beside them in 85 s.
+    (shared layout), or a stream of START_CELLS each (the same streams, smaller; not START_CELLS
+    split among them: with 512 a stream, three answers thinking at once filled theirs 400-odd
+    tokens in and stopped 10 s for the whole context, made beside them in 85 s).
     Only for a cache held on the host (a GPU's memory is too scarce to hold two), when the
     whole cache is large and ``machine`` has room for both caches beside the weights and the
     plan's headroom (never on a plan that took all the free memory, or one over it)."""
