@@ -295,7 +295,7 @@ def chat(
 ) -> int:
     """Chat: a streaming REPL whose conversation stays cached in the daemon."""
     from phi4cli.client.chats import ChatStore, Conversation, default_name
-    from phi4cli.client.render import turns_of
+    from phi4cli.client.render import counted
     from phi4cli.client.repl import ChatRepl, line_reader, prompt_reader
     from phi4cli.client.solving import check_sent_text
     from phi4cli.core.models import resolve_model
@@ -332,7 +332,8 @@ def chat(
     if interactive:
         _print(clean_text(f"phi4 chat · {model_path.name} · /help for commands, Ctrl-D to leave"))
     if conversation.turns:  # (with stdout piped, on stderr: stdout holds the answers)
-        _print(clean_text(f"resumed {conversation.name}: {turns_of(len(conversation.turns))}"),
+        turns = counted(len(conversation.turns), "turn")
+        _print(clean_text(f"resumed {conversation.name}: {turns}"),
                file=None if env.stdout_isatty else env.stderr)  # fmt: skip
     if interactive:
         paths.state_dir.mkdir(parents=True, exist_ok=True)
@@ -743,13 +744,11 @@ def cache_clear() -> None:
     from phi4cli.client.caches import clear_caches
 
     staged, states, sessions = clear_caches(get_paths(), say)
+    from phi4cli.client.render import counted
 
-    def count(number: int, one: str, many: str) -> str:
-        return f"{number} {one if number == 1 else many}"
-
-    copies = count(staged, "staged model copy", "staged model copies")
-    saved = count(states, "saved prompt state", "saved prompt states")
-    chats = count(sessions, "swapped-out chat session", "swapped-out chat sessions")
+    copies = counted(staged, "staged model copy", "staged model copies")
+    saved = counted(states, "saved prompt state")
+    chats = counted(sessions, "swapped-out chat session")
     _print(f"removed {copies}, {saved} and {chats}")
 
 

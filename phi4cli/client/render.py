@@ -588,9 +588,9 @@ def format_rows(rows: list[tuple[str, object]], gap: int = 2) -> str:
     return clean_text("\n".join(f"{label:<{width}}{value}" for label, value in rows))
 
 
-def turns_of(count: int) -> str:
-    """``1 turn``, ``2 turns``."""
-    return f"{count} turn" if count == 1 else f"{count} turns"
+def counted(number: int, one: str, many: str | None = None) -> str:
+    """``1 turn``, ``2 turns``; ``many`` where the plural is not ``one`` and an s."""
+    return f"{number} {one if number == 1 else many or one + 's'}"
 
 
 def format_chat_show(conversation: Any, stats: Stats, model: str, settings: str,
@@ -598,7 +598,7 @@ def format_chat_show(conversation: Any, stats: Stats, model: str, settings: str,
     """The chat's `/show`: the conversation, its model and settings, context use and cache."""
     used = stats.context_used
     return format_rows([
-        ("conversation", f"{conversation.name} ({turns_of(len(conversation.turns))})"),
+        ("conversation", f"{conversation.name} ({counted(len(conversation.turns), 'turn')})"),
         ("model", model),
         ("system", conversation.system or "(the model default)"),
         ("settings", settings),

@@ -26,11 +26,11 @@ from phi4cli.client.exits import Announce, say
 from phi4cli.client.render import (
     PlainPresenter,
     TerminalPresenter,
+    counted,
     format_chat_list,
     format_chat_show,
     format_rows,
     format_stats,
-    turns_of,
 )
 from phi4cli.core._settings import Ask
 from phi4cli.core.atomicfile import RefusedFileError, read_user_file, write_atomic
@@ -533,7 +533,7 @@ class ChatRepl:
             self.env.notice(str(exc))
             return
         self._forget_context()
-        self._done(f"loaded {name}: {turns_of(len(self.conversation.turns))}")
+        self._done(f"loaded {name}: {counted(len(self.conversation.turns), 'turn')}")
 
     def _list(self, _argument: str = "") -> None:
         entries = []

@@ -14,6 +14,7 @@ from phi4cli.client.progress import FileProgress, LoadLine, ProgressNotice, Stde
 from phi4cli.client.render import (
     PlainPresenter,
     TerminalPresenter,
+    counted,
     no_answer_reason,
     no_vote_reason,
 )
@@ -510,10 +511,9 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
             job.run(feed, on_event, restart=True, feed=feed)
     except KeyboardInterrupt:
         # Said once the bar is gone; the exit status is 130 all the same.
-        of = f" of {known}" if known is not None else ""
-        many = "" if (known if known is not None else next_to_print) == 1 else "s"
-        job.announce(f"stopped (Ctrl-C) after {next_to_print}{of} problem{many}; the rest "
-                     "were not answered")  # fmt: skip
+        done = (f"{next_to_print} of {counted(known, 'problem')}" if known is not None
+                else counted(next_to_print, "problem"))  # fmt: skip
+        job.announce(f"stopped (Ctrl-C) after {done}; the rest were not answered")
         raise
     if feed.failure is not None:
         raise UsageError(feed.failure)
