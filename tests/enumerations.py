@@ -187,21 +187,22 @@ def _tf(value: bool) -> str:
 
 
 def truth_table_words(rng: random.Random, words: int) -> str:
-    """Truth tables written in sentences: 'If p is true and q is false, then p and q is false'."""
+    """Truth tables written in sentences: 'If p is true and q is false, then p and q is false';
+    each table checks its own choice of connectives."""
     out = _Text(rng, "Let me write out the truth table in words to be careful.")
     names = "pqrs"
     round_ = 0
     while out.words < words:
         count = 2 + round_ % 3
+        pairs = list(itertools.combinations(range(count), 2))
+        chosen = [rng.choice(_CONNECTIVES) for _ in pairs]
         out.add(f"Now with {count} variables, {', '.join(names[:count])}:")
         for values in itertools.product((True, False), repeat=count):
             given = " and ".join(f"{n} is {_tf(v)}" for n, v in zip(names, values, strict=False))
-            claims = []
-            for (word, op), (i, j) in zip(
-                _CONNECTIVES, itertools.combinations(range(count), 2), strict=False
-            ):
-                a, b = values[i], values[j]
-                claims.append(f"{names[i]} {word} {names[j]} is {_tf(op(a, b))}")
+            claims = [
+                f"{names[i]} {word} {names[j]} is {_tf(op(values[i], values[j]))}"
+                for (word, op), (i, j) in zip(chosen, pairs, strict=True)
+            ]
             out.add(f"If {given}, then {', '.join(claims)}.")
             out.remark(0.05)
         round_ += 1
@@ -209,19 +210,20 @@ def truth_table_words(rng: random.Random, words: int) -> str:
 
 
 def truth_table_symbols(rng: random.Random, words: int) -> str:
-    """Truth tables in symbols: rows of T/F in a table, and rows of 0/1, for many formulas."""
+    """Truth tables in symbols: rows of T/F in a table, and rows of 0/1, for many formulas (each
+    table's value column is a formula of its own: a sum of products of its variables, mod 2)."""
     out = _Text(rng, "Let me just do the full truth table.")
     formulas = ("(p ∧ q) → r", "p ⊕ q ⊕ r", "(p ∨ ¬q) ∧ (q ∨ r)", "¬(p ∧ r) ∨ q", "p → (q → r)")
     round_ = 0
     while out.words < words:
         count = 3 + round_ % 3
         names = "pqrst"[:count]
-        formula = formulas[round_ % len(formulas)]
+        terms = [rng.sample(range(count), rng.randint(1, 2)) for _ in range(3)]
         symbols = ("T", "F") if round_ % 2 == 0 else ("1", "0")
-        out.add(f"Table for {formula} with {count} variables:")
+        out.add(f"Table for {formulas[round_ % len(formulas)]} with {count} variables:")
         out.add("| " + " | ".join(names) + " | value |")
         for values in itertools.product((1, 0), repeat=count):
-            value = (sum(values) * (round_ + 1) + values[0] * values[-1]) % 3 != 1
+            value = sum(all(values[i] for i in term) for term in terms) % 2 == 1
             cells = " | ".join(symbols[1 - v] for v in values)
             out.add(f"| {cells} | {symbols[0 if value else 1]} |")
         out.add(f"So that formula is {'satisfiable' if round_ % 4 else 'not a tautology'}.")
@@ -315,21 +317,24 @@ def residue_pairs_spoken(rng: random.Random, words: int) -> str:
 
 
 def truth_cases_spoken(rng: random.Random, words: int) -> str:
-    """Truth tables as cases: 'Case p = T, q = F, r = T: p → q is F, ... so the whole is F.'"""
+    """Truth tables as cases: 'Case p = T, q = F, r = T: p → q is F, ... so the whole is F.',
+    each formula two implications between variables it picks."""
     out = _Text(rng, "I'll check every case of the truth values.")
     names = "pqrs"
     round_ = 0
     while out.words < words:
         count = 3 + round_ % 2
+        (a, b), (c, d) = rng.sample(range(count), 2), rng.sample(range(count), 2)
+        joined = rng.choice(("and", "or"))
         out.add(f"Formula {round_ + 1}, in {count} variables.")
         for values in itertools.product("TF", repeat=count):
             v = [x == "T" for x in values]
-            left = (not v[0]) or v[1]
-            right = (not v[1]) or v[2]
-            whole = (left and right) != (round_ % 2 == 1 and v[-1])
+            left, right = (not v[a]) or v[b], (not v[c]) or v[d]
+            whole = (left and right) if joined == "and" else (left or right)
             assign = ", ".join(f"{n} = {x}" for n, x in zip(names, values, strict=False))
             out.add(
-                f"Case {assign}: p → q is {'T' if left else 'F'}, q → r is {'T' if right else 'F'}, "
+                f"Case {assign}: {names[a]} → {names[b]} is {'T' if left else 'F'}, "
+                f"{names[c]} → {names[d]} is {'T' if right else 'F'}, "
                 f"so the whole thing is {'T' if whole else 'F'}."
             )
             out.remark(0.04, ASIDES)
