@@ -223,6 +223,7 @@ class _Command:
         # An answer was written: the full client can no longer take over (after notices on
         # stderr alone it can, saying them again).
         self.written = False
+        self.line_open = False  # stdout's last text did not end its line
         self.interrupted = False
         self.last: Any = None  # the stream written last (flushed before the other is written)
 
@@ -232,6 +233,9 @@ class _Command:
         if not self.written:
             raise Declined
         self.flush()
+        if self.line_open:  # the answer's line ends, as the full client's, then the error
+            _write(sys.stdout, "\n")
+            sys.stdout.flush()
         _write(sys.stderr, f"phi4: error: {why}\n")
         return UNAVAILABLE
 
@@ -249,7 +253,10 @@ class _Command:
             stream = sys.stdout if out else sys.stderr
             if self.last is not None and self.last is not stream:
                 self.last.flush()
-            _write(stream, str(event.get("text", "")))
+            text = str(event.get("text", ""))
+            _write(stream, text)
+            if out and text:
+                self.line_open = not text.endswith("\n")
             self.last = stream
         elif kind == "accepted":
             self.accepted = True
@@ -289,7 +296,8 @@ def _follow(sock: Any, request_id: int) -> int:
         except OSError:
             chunk = b""
         if not chunk:
-            return command.gone("the daemon went away while running the command; run it again")
+            return command.gone("the daemon went away mid-answer; the answer above is "
+                                "unfinished (run the command again)")  # fmt: skip
         pending += chunk
         *lines, pending = pending.split(b"\n")
         for line in lines:

@@ -139,11 +139,12 @@ def test_what_a_daemon_says_decides_who_runs_the_command(capsys):
     command.see({"event": "output", "stream": "err", "text": "phi4: a notice\n"})
     with pytest.raises(thin.Declined):
         command.gone("the daemon went away while running the command; run it again")
-    # Once an answer is out, the command is lost with its daemon: said, exit 3.
+    # Once an answer is out, the command is lost with its daemon: said, exit 3, below the
+    # answer's line, ended.
     command.see({"event": "output", "stream": "out", "text": "The answer"})
     assert command.see({"event": "error", "code": "internal", "message": "boom"}) == 3
     out, err = capsys.readouterr()
-    assert out == "The answer"
+    assert out == "The answer\n"
     assert err == ("phi4: a notice\nphi4: error: the daemon could not run the command: boom; "
                    "run it again\n")  # fmt: skip
     assert thin._Command().see({"event": "done", "result": {"status": 130}}) == 130
@@ -441,6 +442,19 @@ def test_a_daemon_stopped_mid_answer_ends_its_command_as_the_full_clients(
                                  "short\n"), err  # fmt: skip
     assert out.endswith(b"\n") if not quiet else out == b""
     assert run_phi4("status").returncode == 3, "a daemon was started again"
+
+
+@pytest.mark.daemon
+def test_a_daemon_killed_mid_answer_ends_the_answers_line_and_says_it_is_cut(warm: Path):
+    # Before: the error line came straight after the answer's last character, on its line
+    # where stdout and stderr meet (2>&1), and did not say the answer was cut.
+    process = _streaming(warm)  # (its message below is the thin client's own)
+    os.kill(_status()["pid"], signal.SIGKILL)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == ExitStatus.DAEMON_UNAVAILABLE, err
+    assert out.endswith(b"\n")
+    assert err.decode() == ("phi4: error: the daemon went away mid-answer; the answer above is "
+                            "unfinished (run the command again)\n")  # fmt: skip
 
 
 @pytest.mark.daemon
