@@ -25,6 +25,7 @@ import itertools
 import random
 from collections.abc import Callable
 from math import comb, gcd
+from typing import Any
 
 Shape = Callable[[random.Random, int], str]
 
@@ -58,7 +59,16 @@ class _Text:
         return sep.join(self.parts)
 
 
-# --- dev -------------------------------------------------------------------------------------------
+def _fresh(rng: random.Random, used: set[object], draw: Callable[[], Any]) -> Any:
+    """A draw not drawn before (a model that writes the same table twice repeats itself)."""
+    for _ in range(10_000):
+        if (choice := draw()) not in used:
+            used.add(choice)
+            return choice
+    raise ValueError("no new table left to draw")
+
+
+# --- dev ------------------------------------------------------------------------------------------
 
 
 def residue_table(rng: random.Random, words: int) -> str:
@@ -77,9 +87,11 @@ def residue_table(rng: random.Random, words: int) -> str:
             r = (u + v) % m
             if reduced:
                 verdict = "this pair works" if r == 0 else "this pair does not work"
-                out.add(f"For x = {x} and y = {y}, the first term is {u % m} mod {m} and the second "
-                        f"is {v % m} mod {m}, so when we add them up the sum is {r} mod {m}, "
-                        f"which means {verdict}.")
+                out.add(
+                    f"For x = {x} and y = {y}, the first term is {u % m} mod {m} and the second "
+                    f"is {v % m} mod {m}, so when we add them up the sum is {r} mod {m}, "
+                    f"which means {verdict}."
+                )
             else:
                 out.add(f"x = {x}, y = {y}: {u} + {v} = {u + v} ≡ {r} (mod {m}).")
             if r == 0:
@@ -191,11 +203,14 @@ def truth_table_words(rng: random.Random, words: int) -> str:
     each table checks its own choice of connectives."""
     out = _Text(rng, "Let me write out the truth table in words to be careful.")
     names = "pqrs"
+    used: set[object] = set()
     round_ = 0
     while out.words < words:
-        count = 2 + round_ % 3
+        count = 3 + round_ % 2
         pairs = list(itertools.combinations(range(count), 2))
-        chosen = [rng.choice(_CONNECTIVES) for _ in pairs]
+        chosen = _fresh(
+            rng, used, lambda pairs=pairs: tuple(rng.choice(_CONNECTIVES) for _ in pairs)
+        )
         out.add(f"Now with {count} variables, {', '.join(names[:count])}:")
         for values in itertools.product((True, False), repeat=count):
             given = " and ".join(f"{n} is {_tf(v)}" for n, v in zip(names, values, strict=False))
@@ -213,17 +228,29 @@ def truth_table_symbols(rng: random.Random, words: int) -> str:
     """Truth tables in symbols: rows of T/F in a table, and rows of 0/1, for many formulas (each
     table's value column is a formula of its own: a sum of products of its variables, mod 2)."""
     out = _Text(rng, "Let me just do the full truth table.")
-    formulas = ("(p ∧ q) → r", "p ⊕ q ⊕ r", "(p ∨ ¬q) ∧ (q ∨ r)", "¬(p ∧ r) ∨ q", "p → (q → r)")
+    formulas = tuple(  # ("v" is LOGICAL OR)
+        f.replace("v", "\N{LOGICAL OR}")
+        for f in ("(p ∧ q) → r", "p ⊕ q ⊕ r", "(p v ¬q) ∧ (q v r)", "¬(p ∧ r) v q", "p → (q → r)")
+    )
+    used: set[object] = set()
     round_ = 0
     while out.words < words:
         count = 3 + round_ % 3
         names = "pqrst"[:count]
-        terms = [rng.sample(range(count), rng.randint(1, 2)) for _ in range(3)]
+        rows = list(itertools.product((1, 0), repeat=count))
+
+        def column(
+            count: int = count, rows: list[tuple[int, ...]] = rows, parity: int = round_ % 2
+        ) -> tuple[object, ...]:
+            terms = [rng.sample(range(count), rng.randint(1, 2)) for _ in range(3)]
+            values = (sum(all(row[i] for i in term) for term in terms) % 2 for row in rows)
+            return (count, parity, *values)
+
+        value_column = _fresh(rng, used, column)[2:]
         symbols = ("T", "F") if round_ % 2 == 0 else ("1", "0")
         out.add(f"Table for {formulas[round_ % len(formulas)]} with {count} variables:")
         out.add("| " + " | ".join(names) + " | value |")
-        for values in itertools.product((1, 0), repeat=count):
-            value = sum(all(values[i] for i in term) for term in terms) % 2 == 1
+        for values, value in zip(rows, value_column, strict=True):
             cells = " | ".join(symbols[1 - v] for v in values)
             out.add(f"| {cells} | {symbols[0 if value else 1]} |")
         out.add(f"So that formula is {'satisfiable' if round_ % 4 else 'not a tautology'}.")
@@ -262,10 +289,14 @@ def small_search(rng: random.Random, words: int) -> str:
         for x in range(m):
             value = a * x + b
             if value % m == c:
-                out.add(f"Try x = {x}: {a} times {x} plus {b} is {value}, which is {c} mod {m}. Yes!")
+                out.add(
+                    f"Try x = {x}: {a} times {x} plus {b} is {value}, which is {c} mod {m}. Yes!"
+                )
                 break
-            out.add(f"Try x = {x}: {a} times {x} plus {b} is {value}, which is {value % m} mod {m}. "
-                    f"Not {c}.")
+            out.add(
+                f"Try x = {x}: {a} times {x} plus {b} is {value}, which is {value % m} mod {m}. "
+                f"Not {c}."
+            )
             out.remark(0.03)
         if out.words >= words:
             break
@@ -285,7 +316,7 @@ DEV: dict[str, Shape] = {
 }
 
 
-# --- hold-out ----------------------------------------------------------------------------------------
+# --- hold-out -------------------------------------------------------------------------------------
 
 ASIDES = (
     "Alright.",
@@ -321,11 +352,18 @@ def truth_cases_spoken(rng: random.Random, words: int) -> str:
     each formula two implications between variables it picks."""
     out = _Text(rng, "I'll check every case of the truth values.")
     names = "pqrs"
+    used: set[object] = set()
     round_ = 0
     while out.words < words:
         count = 3 + round_ % 2
-        (a, b), (c, d) = rng.sample(range(count), 2), rng.sample(range(count), 2)
-        joined = rng.choice(("and", "or"))
+        (a, b), (c, d), joined = _fresh(
+            rng,
+            used,
+            lambda count=count: (
+                *sorted((tuple(rng.sample(range(count), 2)), tuple(rng.sample(range(count), 2)))),
+                rng.choice(("and", "or")),
+            ),
+        )
         out.add(f"Formula {round_ + 1}, in {count} variables.")
         for values in itertools.product("TF", repeat=count):
             v = [x == "T" for x in values]
@@ -367,8 +405,10 @@ def orders_spoken(rng: random.Random, words: int) -> str:
         out.add(f"Order of {a} mod {p}: start with {a}.")
         power, k = a, 1
         while power != 1:
-            out.add(f"Times {a} is {power * a}, that's {power * a % p} mod {p}, so {a}^{k + 1} is "
-                    f"{power * a % p}.")
+            out.add(
+                f"Times {a} is {power * a}, that's {power * a % p} mod {p}, so {a}^{k + 1} is "
+                f"{power * a % p}."
+            )
             power, k = power * a % p, k + 1
             out.remark(0.03, ASIDES)
         out.add(f"So the order of {a} mod {p} is {k}.")

@@ -11,10 +11,16 @@ verbatim, or nearly so, with nothing new between its copies must not.
 The rule, over words (runs of non-space characters; a run longer than ``MAX_WORD`` characters
 is cut into pieces of that size, so text without spaces is counted too):
 
-- a word is *new* the first time it occurs in the text;
-- a word *recurs* when the ``NGRAM`` words ending with it occurred before; the distance back to
-  that occurrence is its *gap*, and the commonest gap over the last ``LOOKBACK`` words is the
-  text's *period* (a paragraph written again and again recurs at its own length);
+- a word is *new* when the ``SEQUENCE`` words ending with it did not occur, in that order,
+  among the ``LOOKBACK`` words before it (where the period below is shorter than ``SEQUENCE``
+  words, the ``SHORT_SEQUENCE`` words ending with it). Novelty is measured on word sequences,
+  not words: a table whose rows put old words in a new order ("x = 3, y = 5: ... ≡ 6 (mod 7)"
+  for every pair, a truth table in sentences) brings new sequences with each row, while a
+  paragraph written again brings none from its second copy on;
+- a word *recurs* when the ``NGRAM`` words ending with it occurred among the ``LOOKBACK``
+  words before it; the distance back to that occurrence is its *gap*, and the commonest gap
+  over the last ``LOOKBACK`` words is the text's *period* (a paragraph written again and again
+  recurs at its own length);
 - the text *loops* once, over the last ``COPIES`` periods (and at least ``MIN_SPAN`` words),
   ``SHARE`` of the words recur within that span, at most ``NEW_PER_COPY`` new words came per
   period, and each of those periods holds ``max(MIN_DISTINCT, period // 4)`` distinct words
@@ -26,11 +32,21 @@ is cut into pieces of that size, so text without spaces is counted too):
   (each word's and a space after it), in which no new word came at all and ``SHARE`` of the
   words recur (this holds whatever the unit).
 
-The numbers were chosen on the progressing shapes of ``tests/shapes.py`` and the *dev* half of
-the real-trace corpus (``tests/data/real_traces``); ``bench/loops.py`` reports both error kinds
-on its *test* half and on synthetic loops. Constant work per word, and a look back over
-``LOOKBACK`` words every ``CHECK_EVERY`` words while the recent words recur; memory, one entry
-per distinct word and n-gram.
+So a verbatim loop is caught in its 5th to 6th copy (up to ``SEQUENCE`` words later than a
+rule on single words would: the sequences that cross from its first copy into its second are
+new; hence the shorter sequences for a short period, which would otherwise wait a period more).
+What the rule cannot tell from a table is a loop whose copies each swap a few words, at
+independent places, among variants: every copy makes new sequences, as a row does, until the
+combinations of its variants recur within ``LOOKBACK`` words; such a loop is caught late, or
+runs to the token limit (``bench/loops.py`` measures how late).
+
+The numbers were chosen on the progressing shapes of ``tests/shapes.py``, the *dev* set of the
+enumerations of ``tests/enumerations.py`` and the *dev* half of the real-trace corpus
+(``tests/data/real_traces``); ``bench/loops.py`` reports both error kinds on the enumerations'
+*hold-out* set, the corpus's *test* half and on synthetic loops. Constant work per word (a hash
+of the last ``SEQUENCE`` and ``NGRAM`` words), and a look back over ``LOOKBACK`` words every
+``CHECK_EVERY`` words while the recent words recur; memory, a few entries for each of the last
+``LOOKBACK`` words, however long the text.
 """
 
 from __future__ import annotations
@@ -39,6 +55,8 @@ from collections import Counter, deque
 from itertools import islice, takewhile
 
 NGRAM = 5  # words whose recurrence makes the last of them recur
+SEQUENCE = 16  # words whose first occurrence (in LOOKBACK words) makes the last of them new
+SHORT_SEQUENCE = 8  # the same, for a period shorter than SEQUENCE words
 COPIES = 4  # periods with nothing new, in a row
 MIN_SPAN = 48  # words: the least span a loop is judged on
 SHARE = 0.75  # of a span's words recurring within it
@@ -46,7 +64,7 @@ NEW_PER_COPY = 0.5  # new words per period, at most (fewer than one a copy)
 MIN_DISTINCT = 4  # distinct words of one period for it to count as a block of text
 LONG_SPAN = 1500  # words without one new word: a loop, whatever its period
 LONG_CHARS = 6000  # or characters without one (text without spaces: pieces of MAX_WORD)
-LOOKBACK = 1600  # words whose gaps say the period; a longer period is not looked for
+LOOKBACK = 1600  # words looked back over, for a recurrence, a new sequence and the period
 CHECK_EVERY = 8  # words between two looks back
 MAX_WORD = 16  # characters of a word; a longer run of non-space characters is several
 
@@ -63,13 +81,15 @@ class LoopDetector:
     """
 
     def __init__(self) -> None:
-        self._vocabulary: set[str] = set()
-        self._seen_at: dict[int, int] = {}  # an n-gram's hash: the word it last ended at
-        self._last: deque[str] = deque(maxlen=NGRAM)
+        self._runs = _Window()  # of the SEQUENCE-word runs ending at the last LOOKBACK words
+        self._short_runs = _Window()  # of the SHORT_SEQUENCE-word runs
+        self._ngrams = _Window()  # of the NGRAM-word runs
+        self._last: deque[str] = deque(maxlen=SEQUENCE)
         self._gaps: deque[int] = deque(maxlen=LOOKBACK)  # 0: the word did not recur
         self._gap_counts: Counter[int] = Counter()  # of the recurring words' gaps in _gaps
         self._recent: deque[str] = deque(maxlen=LOOKBACK)
         self._new: deque[int] = deque()  # where the new words of the last LOOKBACK words were
+        self._new_short: deque[int] = deque()  # the same, by SHORT_SEQUENCE-word runs
         self._partial = ""  # the end of the text fed, which may be the start of a longer word
         self._chars = 0  # characters of the words fed, a space after each
         self._quiet_since = (0, 0)  # (words, characters) fed when the last new word came
@@ -108,19 +128,22 @@ class LoopDetector:
         at = self.words
         self.words += 1
         self._chars += len(word) + 1
-        if word not in self._vocabulary:
-            self._vocabulary.add(word)
+        self._last.append(word)
+        # (The first SEQUENCE - 1 words end shorter runs, each new.)
+        if self._runs.seen(hash(tuple(self._last)), at) is None:
             self._new.append(at)
             self._quiet_since = (self.words, self._chars)
-        while self._new and self._new[0] <= at - LOOKBACK:
-            self._new.popleft()
+        short = islice(self._last, max(0, len(self._last) - SHORT_SEQUENCE), None)
+        if self._short_runs.seen(hash(tuple(short)), at) is None:
+            self._new_short.append(at)
+        for new in (self._new, self._new_short):
+            while new and new[0] <= at - LOOKBACK:
+                new.popleft()
         self._recent.append(word)
-        self._last.append(word)
         gap = 0
-        if len(self._last) == NGRAM:
-            key = hash(tuple(self._last))
-            before = self._seen_at.get(key)
-            self._seen_at[key] = at
+        if len(self._last) >= NGRAM:
+            key = hash(tuple(islice(self._last, len(self._last) - NGRAM, None)))
+            before = self._ngrams.seen(key, at)
             gap = 0 if before is None else at - before
         if len(self._gaps) == LOOKBACK and self._gaps[0]:
             old = self._gaps[0]
@@ -138,10 +161,13 @@ class LoopDetector:
         self.looped_at, self.period = self.words, period
         return True
 
-    def _quiet(self, span: int) -> int:
-        """New words among the last ``span`` words."""
+    def _quiet(self, span: int, period: int) -> int:
+        """New words among the last ``span`` words, by runs of SEQUENCE words, or of
+        SHORT_SEQUENCE for a ``period`` shorter than SEQUENCE (a loop's runs repeat from
+        ``period`` + their length on: a run longer than the unit only waits longer to)."""
+        new = self._new if period >= SEQUENCE else self._new_short
         start = self.words - span
-        return sum(1 for _ in takewhile(lambda at: at >= start, reversed(self._new)))
+        return sum(1 for _ in takewhile(lambda at: at >= start, reversed(new)))
 
     def _recurring(self, span: int, within: int | None = None) -> float:
         """The share of the last ``span`` words that recur within ``within`` words (by default,
@@ -172,7 +198,7 @@ class LoopDetector:
             span <= len(self._gaps)
             and self._recurring(span) >= SHARE
             and self._rich(period)
-            and self._quiet(span) <= NEW_PER_COPY * span / period
+            and self._quiet(span, period) <= NEW_PER_COPY * span / period
         ):
             return period
         words, chars = self.words - self._quiet_since[0], self._chars - self._quiet_since[1]
@@ -185,3 +211,24 @@ class LoopDetector:
 
 def _has_letter(word: str) -> bool:
     return any(c.isalpha() for c in word)
+
+
+class _Window:
+    """Where each of the hashed runs ending at the last ``LOOKBACK`` words last ended: memory
+    for ``LOOKBACK`` runs, whatever the length of the text."""
+
+    def __init__(self) -> None:
+        self._at: dict[int, int] = {}
+        self._keys: deque[int] = deque()
+
+    def seen(self, key: int, at: int) -> int | None:
+        """Where the run ``key`` last ended within ``LOOKBACK`` words before ``at`` (or None);
+        remember it as ending at ``at``."""
+        if len(self._keys) == LOOKBACK:
+            old = self._keys.popleft()
+            if self._at[old] == at - LOOKBACK:
+                del self._at[old]
+        before = self._at.get(key)
+        self._at[key] = at
+        self._keys.append(key)
+        return before
