@@ -129,21 +129,20 @@ class LoopDetector:
         self.words += 1
         self._chars += len(word) + 1
         self._last.append(word)
+        last = tuple(self._last)
         # (The first SEQUENCE - 1 words end shorter runs, each new.)
-        if self._runs.seen(hash(tuple(self._last)), at) is None:
+        if self._runs.seen(hash(last), at) is None:
             self._new.append(at)
             self._quiet_since = (self.words, self._chars)
-        short = islice(self._last, max(0, len(self._last) - SHORT_SEQUENCE), None)
-        if self._short_runs.seen(hash(tuple(short)), at) is None:
+        if self._short_runs.seen(hash(last[-SHORT_SEQUENCE:]), at) is None:
             self._new_short.append(at)
         for new in (self._new, self._new_short):
             while new and new[0] <= at - LOOKBACK:
                 new.popleft()
         self._recent.append(word)
         gap = 0
-        if len(self._last) >= NGRAM:
-            key = hash(tuple(islice(self._last, len(self._last) - NGRAM, None)))
-            before = self._ngrams.seen(key, at)
+        if len(last) >= NGRAM:
+            before = self._ngrams.seen(hash(last[-NGRAM:]), at)
             gap = 0 if before is None else at - before
         if len(self._gaps) == LOOKBACK and self._gaps[0]:
             old = self._gaps[0]
