@@ -10,9 +10,13 @@ On three sets, each text fed in pieces of 1 to 12 characters as a stream cuts th
   it was caught;
 - the progressing shapes of ``tests/shapes.py`` (matrices, case tables, sums term by term, ...)
   at 2,000 to 9,000 words, and long synthetic traces (``tests/traces.py``): false positives;
-- synthetic loops: a paragraph written again and again, verbatim or with words swapped among
-  variants (``paragraph_loop``), and a span repeated with random characters appended to some
-  of its words each time round (``looping_trace``), which makes up new words each copy.
+- the enumerations of ``tests/enumerations.py`` (residue tables, gcd pairs, coin flips, truth
+  tables in words, ...) at 2,000 to 9,000 words, its *dev* set (tuned on) and its *hold-out*
+  set (never tuned on) apart: false positives;
+- synthetic loops, 6,000 words of each (or 15 copies): a paragraph written again and again,
+  verbatim or with 10% or 30% of its words that have variants swapped for one each time round
+  (``paragraph_loop``), and a span repeated with random characters appended to some of its
+  words each time round (``looping_trace``), which makes up new words each copy.
 
 Writes bench/results/loops.json and .md.
 """
@@ -32,12 +36,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from phi4cli.text import loops  # noqa: E402
+from tests.enumerations import DEV, HOLD_OUT  # noqa: E402
 from tests.shapes import PROGRESSING, paragraph_loop  # noqa: E402
 from tests.traces import looping_trace, normal_trace  # noqa: E402
 
 CORPUS = ROOT / "tests" / "data" / "real_traces" / "traces.jsonl"
-RULE = ("NGRAM", "COPIES", "MIN_SPAN", "SHARE", "NEW_PER_COPY", "MIN_DISTINCT", "LONG_SPAN",
-        "LONG_CHARS", "LOOKBACK")  # fmt: skip
+RULE = ("NGRAM", "SEQUENCE", "SHORT_SEQUENCE", "COPIES", "MIN_SPAN", "SHARE", "NEW_PER_COPY",
+        "MIN_DISTINCT", "LONG_SPAN", "LONG_CHARS", "LOOKBACK")  # fmt: skip
 
 
 def detect(text: str, rng: random.Random) -> tuple[int | None, int | None, int]:
@@ -94,6 +99,25 @@ def shapes(rng: random.Random, traces: int) -> dict[str, Any]:
             "normal_false_positives": normal, "us_per_word": round(per_word_us, 2)}  # fmt: skip
 
 
+def enumerations(rng: random.Random, traces: int) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for split, family in (("dev", DEV), ("hold-out", HOLD_OUT)):
+        flagged: dict[str, list[int]] = {}
+        texts = words = 0
+        for name, shape in family.items():
+            flagged[name] = []
+            for seed in range(traces // 40 + 1):
+                text = shape(random.Random(seed), (2000, 4000, 9000)[seed % 3])
+                at, _, count = detect(text, rng)
+                if at is not None:
+                    flagged[name].append(at)
+                texts += 1
+                words += count
+        result[split] = {"shapes": len(family), "texts": texts, "words": words,
+                         "flagged": {k: v for k, v in flagged.items() if v}}  # fmt: skip
+    return result
+
+
 def synthetic(rng: random.Random, count: int) -> dict[str, Any]:
     rows: dict[str, Any] = {}
 
@@ -109,17 +133,17 @@ def synthetic(rng: random.Random, count: int) -> dict[str, Any]:
                       "max_words_after_start": max(after) if after else None}  # fmt: skip
 
     for period in (5, 30, 60, 120, 400):
-        for varied in (0.0, 0.3):
+        for varied in (0.0, 0.1, 0.3):
             before = rng.randint(0, 3000)
             measure(f"paragraph of {period} words, {varied:.0%} of words swapped for variants",
                     lambda p=period, v=varied, b=before: paragraph_loop(
-                        rng, b, p, b + max(3000, 12 * p), v))  # fmt: skip
+                        rng, b, p, b + max(6000, 15 * p), v))  # fmt: skip
     for period in (20, 60, 150):
         for mutate in (0.02, 0.05):
             before = rng.randint(0, 2000)
             measure(f"span of {period} words, {mutate:.0%} of words made new each time",
                     lambda p=period, m=mutate, b=before: looping_trace(
-                        rng, b, p, b + max(3000, 12 * p), m))  # fmt: skip
+                        rng, b, p, b + max(6000, 15 * p), m))  # fmt: skip
     return rows
 
 
@@ -135,7 +159,13 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{len(caught)}/{len(row['loops'])} | {each} |")  # fmt: skip
     s = result["progress"]
     lines += ["", f"Progressing shapes: {s['shape_texts']} texts ({s['shape_words']:,} words), "
-              f"flagged: {sum(s['shapes'].values())} ({s['shapes']}).",
+              f"flagged: {sum(s['shapes'].values())} ({s['shapes']}).", ""]  # fmt: skip
+    for split, row in result["enumerations"].items():
+        flagged = sum(len(v) for v in row["flagged"].values())
+        lines.append(f"Enumerations, {split}: {row['shapes']} shapes, {row['texts']} texts "
+                     f"({row['words']:,} words), flagged: {flagged}"
+                     + (f" {row['flagged']}" if flagged else "") + ".")  # fmt: skip
+    lines += ["",
               f"Synthetic long traces: {s['normal_traces']} ({s['normal_words']:,} words), "
               f"false positives: {s['normal_false_positives']}; {s['us_per_word']} µs per word.",
               "", "| synthetic loop | caught | median words after its start | most |",
@@ -158,6 +188,7 @@ def main() -> None:
         "rule": {name.lower(): getattr(loops, name) for name in RULE},
         "real": real(rng),
         "progress": shapes(rng, args.traces),
+        "enumerations": enumerations(rng, args.traces),
         "synthetic": synthetic(rng, max(5, args.traces // 10)),
     }
     out = ROOT / "bench" / "results"
