@@ -53,7 +53,9 @@ class Op(StrEnum):
     STATUS = "status"
     STOP = "stop"
     CANCEL = "cancel"
-    ADJUST = "adjust"  # change a running or queued request's confidence_floor
+    # Change a running or queued request: its confidence_floor, or answer_now (close the
+    # thinking so the model answers from what it has).
+    ADJUST = "adjust"
     PING = "ping"
     # Run a command line for the thin client (``phi4cli.thin``, ``client.served``): ``argv``,
     # ``env``, ``cwd``; answered by ``output`` events and ``done`` with ``status``.
@@ -113,6 +115,9 @@ class Stats(Record):
     loop: str | None = None
     loop_at: int | None = None
     waits: int = 0  # early ends of thinking replaced by "Wait" (--min-think)
+    # The thinking was closed because the answer was asked for now (``adjust``'s answer_now:
+    # the user's key); the model answered from what it had.
+    answered_early: bool = False
     # The answer's confidence from its token probabilities (phi4cli.text.confidence), when asked for
     # and known: the mean over its tokens, and the lowest over a window of them.
     confidence: float | None = None
@@ -283,6 +288,14 @@ def confidence_floor(params: Mapping[str, Any]) -> float | None:
             ErrorCode.BAD_REQUEST, "'confidence_floor' must be a number, or null"
         )
     return float(value)
+
+
+def answer_now(params: Mapping[str, Any]) -> bool:
+    """An ``adjust``'s ``answer_now``: true, false or absent (false)."""
+    value = params.get("answer_now", False)
+    if not isinstance(value, bool):
+        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'answer_now' must be true or false")
+    return value
 
 
 def _number(params: Mapping[str, Any], key: str, low: float, high: float) -> float:

@@ -115,6 +115,9 @@ class Job:
     owner: object = None  # who sent it (the server's connection): the queue's fairness unit
     # Stop once the confidence falls below this (the request's, or an ``adjust``'s since).
     confidence_floor: float | None = None
+    # An ``adjust`` asked for the answer now: the engine's thread, at its next token, has the
+    # thinking policy close the thinking (a request answering already is not changed).
+    answer_now: bool = False
 
     finished: bool = False  # its one terminal event has gone out
     # The event loop (a cancel) and the engine's thread may both end a job at once.

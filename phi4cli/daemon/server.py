@@ -628,17 +628,23 @@ class DaemonServer:
             self.scheduler.cancel(job)
 
     def _op_adjust(self, connection: Connection, request: Request) -> None:
-        """Set a running or queued request's ``confidence_floor`` (``--stop-unsure``: the
-        client learns it from the question's first samples, after the rest were sent)."""
+        """Change a running or queued request: its ``confidence_floor`` (``--stop-unsure``:
+        the client learns it from the question's first samples, after the rest were sent), or
+        ``answer_now`` (the user's key while it thinks: the thinking is closed, the model
+        answers from what it has)."""
         job = _target(connection, request)
         try:
             floor = protocol.confidence_floor(request.params)
+            now = protocol.answer_now(request.params)
         except ProtocolViolation as exc:
             raise ProtocolViolation(exc.code, exc.message, request.id) from None
         # Only a request that works out its confidence can be stopped by it.
         adjusted = False
         if job is not None and job.params.confidence and "confidence_floor" in request.params:
             job.confidence_floor = floor  # read by the engine's thread at its next token
+            adjusted = True
+        if job is not None and now:
+            job.answer_now = True  # read by the engine's thread at its next token
             adjusted = True
         connection.send(_done(request.id, {"adjusted": adjusted}))
 

@@ -54,6 +54,11 @@ class RequestStream(Protocol):
         """Ask the engine to stop; the events go on to the terminal one (partial answer kept)."""
         ...
 
+    def answer_now(self) -> None:
+        """Ask the engine to close the thinking so the model answers from what it has (as a
+        think budget reached does); nothing changes once the thinking is over."""
+        ...
+
     def close(self) -> None:
         """Hang up: the request is cancelled and no more events come."""
         ...
@@ -258,6 +263,12 @@ class DaemonReplica(Replica):
         if self.connection is not None and request_id is not None:
             with contextlib.suppress(DaemonGoneError):
                 self.connection.send(Op.ADJUST, {"target": request_id, "confidence_floor": floor})
+
+    def answer_now(self, serial: int) -> None:
+        request_id = self.id_of.get(serial)
+        if self.connection is not None and request_id is not None:
+            with contextlib.suppress(DaemonGoneError):
+                self.connection.send(Op.ADJUST, {"target": request_id, "answer_now": True})
 
     def may_recover(self, failure: Failure) -> bool:
         return self.recoveries < 1

@@ -155,6 +155,10 @@ class Replica:
         """Set attempt ``serial``'s ``confidence_floor``, as far as the engine can while it
         runs; an engine that cannot does nothing."""
 
+    def answer_now(self, serial: int) -> None:
+        """Have attempt ``serial``'s engine close the thinking so the model answers from what
+        it has (the thinking policy's answer now); an engine that cannot does nothing."""
+
     def flush(self) -> None:
         """The flight has sent what it will this round: send what was held to go together."""
 
@@ -209,6 +213,7 @@ class Flight:
         self.closed = False
         self.cancelled: set[int] = set()  # asked to stop: never sent again
         self.adjusted: dict[int, float] = {}  # index -> confidence floor set since (sent with it)
+        self.hurried: set[int] = set()  # asked to answer now (a later send is asked again)
         self.last_failure: Failure | None = None  # the latest seen, for what cannot be sent
         self.began = time.monotonic()
         self._serials = itertools.count(1)
@@ -319,6 +324,8 @@ class Flight:
                 raise
             self.sends[index] = self.sends.get(index, 0) + 1
             replica.sent += 1
+            if index in self.hurried:
+                replica.answer_now(serial)
 
     def _choose(self, now: float) -> tuple[Replica, int] | None:
         """The replica with the fewest in flight that has room, and the first waiting request
@@ -488,6 +495,7 @@ class Flight:
         self.produced.discard(index)
         self.avoid.pop(index, None)
         self.adjusted.pop(index, None)
+        self.hurried.discard(index)
 
     # --- the caller's controls ---------------------------------------------------------------
 
@@ -520,6 +528,17 @@ class Flight:
         serial = self.serial_of.get(index)
         if serial is not None:
             self.live[serial][1].adjust(serial, floor)
+
+    def answer_now(self, index: int) -> None:
+        """Have request ``index`` answer now (close its thinking, as a budget reached does):
+        where it runs, as far as its engine can; where it is sent later (again, or for the
+        first time), at once. Once its thinking is over, nothing changes."""
+        if index not in self.open or index in self.hurried:
+            return
+        self.hurried.add(index)
+        serial = self.serial_of.get(index)
+        if serial is not None:
+            self.live[serial][1].answer_now(serial)
 
     def close(self) -> None:
         """Hang up: whatever still runs is cancelled, and no more events come."""
@@ -566,6 +585,10 @@ class FlightStream:
     def cancel(self) -> None:
         """Ask the engine to stop; the events go on to the terminal one (partial answer kept)."""
         self._flight.cancel(0)
+
+    def answer_now(self) -> None:
+        """Ask the engine to close the thinking so the model answers from what it has."""
+        self._flight.answer_now(0)
 
     def close(self) -> None:
         """Hang up: the request is cancelled and no more events come."""

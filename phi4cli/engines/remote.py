@@ -110,6 +110,9 @@ class Attempt:
         # --stop-unsure: the stream is cut once its confidence falls below this (the request's
         # confidence_floor, or the flight's adjust since).
         self.floor: float | None = None
+        # The answer is asked for now (the flight's answer_now): read by its stream's thread at
+        # the next chunk, which closes the thinking as a budget reached does.
+        self.answer_now = False
         # What else wakes its reader when it is cancelled: a sample reading its choice of a
         # shared request waits on a queue, not on a socket of its own.
         self.wake: Callable[[], None] | None = None
@@ -481,6 +484,8 @@ class RemoteEngine:
             for chunk in chunks:
                 if state.attempt is not None and state.attempt.cancelled:
                     return  # the flight has ended it already; leaving hangs up
+                if state.attempt is not None and state.attempt.answer_now:
+                    policy.answer_now()  # closed at the next count while it thinks
                 if chunk is None:  # [DONE]
                     return
                 state.usage(chunk)
@@ -582,8 +587,11 @@ class StreamState:
 
     @property
     def answer_asked(self) -> bool:
-        """phi4 closed the thinking (a budget, a loop): the answer is asked for next."""
-        return (self.policy.budget_reached or self.policy.loop == "answered") and not self.cut
+        """phi4 closed the thinking (a budget, a loop, the answer asked for now): the answer is
+        asked for next."""
+        policy = self.policy
+        closed = policy.budget_reached or policy.loop == "answered" or policy.answered_early
+        return closed and not self.cut
 
     def seen(self, kind: EventKind, text: str) -> None:
         if self.first_token_s is None:
@@ -614,7 +622,8 @@ class StreamState:
         completion = count_of(usage.get("completion_tokens")) or self.completion_pieces
         reasoning = count_of(details.get("reasoning_tokens")) or reader.reasoning_pieces
         policy = self.policy
-        if policy.budget_reached or self.cut or policy.loop is not None or policy.waits:
+        if policy.budget_reached or self.cut or policy.loop is not None or policy.waits \
+                or policy.answered_early:  # fmt: skip
             # Cut off before its usage came (two requests, or the limit here): count the stream.
             completion, reasoning = self.completion_pieces, reader.reasoning_pieces
         first = self.first_token_s
@@ -644,8 +653,10 @@ class StreamState:
             loop=policy.loop,
             loop_at=policy.loop_at,
             waits=policy.waits,
+            answered_early=policy.answered_early,
             thinking_unfinished=reader.unfinished
             and not policy.budget_reached
+            and not policy.answered_early
             and policy.loop != "answered",
             decode_s=round(decode_s, 4),
             first_token_s=None if first is None else round(first, 4),

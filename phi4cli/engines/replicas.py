@@ -144,6 +144,11 @@ class RemoteReplica(Replica):
         if attempt is not None:
             attempt.floor = floor  # read by its stream's thread
 
+    def answer_now(self, serial: int) -> None:
+        attempt = self.attempts.get(serial)
+        if attempt is not None:
+            attempt.answer_now = True  # read by its stream's thread at its next chunk
+
     def cancel(self, serial: int) -> Event | None:
         attempt = self.attempts.pop(serial, None)
         if attempt is not None:

@@ -14,6 +14,9 @@ request's Stats (``budget_reached``, ``loop``, ``loop_at``, ``waits``).
 - ``--loop answer|stop|off`` (:mod:`phi4cli.text.loops` says what a loop is): a loop in the
   thinking closes it so the model answers (``answer``, once; the answer is then watched
   afresh), or stops the request (``stop``); a loop in the answer always stops it.
+- Answer now (a key while the model thinks, the protocol's ``adjust`` with ``answer_now``):
+  close the thinking (once) at the engine's next count, as a budget reached does; no "Wait"
+  after it. Asked once the thinking is over, it changes nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ class ThinkingPolicy:
         self.loop: str | None = None  # "answered" (the thinking was closed there) or "stopped"
         self.loop_at: int | None = None  # tokens written when the loop was caught
         self.waits = 0
+        self.answered_early = False  # the thinking was closed because the answer was asked now
+        self._now_asked = False  # answer now was asked (acted on or not)
+        self._now_pending = False  # ... and not acted on yet
         self._closing_for: str | None = None  # why the engine was asked to close the thinking
 
     @classmethod
@@ -68,12 +74,25 @@ class ThinkingPolicy:
         self.loop = "stopped"
         return Act.STOP
 
+    def answer_now(self) -> None:
+        """The answer is asked for now (the user's key): the next count while the model
+        thinks closes the thinking. Asking again changes nothing; so does asking once the
+        thinking is over (the request answers already)."""
+        if not self._now_asked:
+            self._now_asked = self._now_pending = True
+
     def counted(self, reasoning_tokens: int, in_reasoning: bool) -> Act:
-        """After a token: ANSWER once the thinking reaches --think-budget, else GO_ON."""
+        """After a token: ANSWER once the answer is asked for now or the thinking reaches
+        --think-budget, else GO_ON."""
+        if self._now_pending and in_reasoning and self.loop is None and not self.budget_reached:
+            self._now_pending = False
+            self._closing_for = "now"
+            return Act.ANSWER
         if (
             self.think_budget is not None
             and in_reasoning
             and not self.budget_reached
+            and not self.answered_early
             and self.loop is None
             and reasoning_tokens >= self.think_budget
         ):
@@ -89,6 +108,9 @@ class ThinkingPolicy:
         if reason == "budget":
             self.budget_reached = fitted
             return Act.GO_ON
+        if reason == "now":
+            self.answered_early = fitted
+            return Act.GO_ON
         if fitted:
             self.loop, self.detector = "answered", LoopDetector()  # the answer, watched afresh
             return Act.GO_ON
@@ -98,10 +120,12 @@ class ThinkingPolicy:
     def closing(self, reasoning_tokens: int) -> Act:
         """The model ends its thinking after ``reasoning_tokens``: WAIT while under
         --min-think (not for an answer with no thinking at all, 0 tokens; not once phi4 closed
-        the thinking itself; not after MAX_WAITS), else GO_ON."""
+        the thinking itself, nor once the answer was asked for now; not after MAX_WAITS), else
+        GO_ON."""
         if (
             0 < reasoning_tokens < self.min_think
             and not self.budget_reached
+            and not self._now_asked
             and self.loop is None
             and self.waits < MAX_WAITS
         ):
@@ -119,4 +143,5 @@ class ThinkingPolicy:
     def stats(self) -> dict[str, object]:
         """The request's Stats fields this policy decides."""
         return {"budget_reached": self.budget_reached, "loop": self.loop,
-                "loop_at": self.loop_at, "waits": self.waits}  # fmt: skip
+                "loop_at": self.loop_at, "waits": self.waits,
+                "answered_early": self.answered_early}  # fmt: skip

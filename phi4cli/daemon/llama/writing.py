@@ -1,8 +1,8 @@
 """What each token of a running request writes (batch.py's engine calls it once a step per
 answering slot): the token drawn, its confidence and logprobs where asked for, its text split
 into thinking and answer and sent on, and what the thinking policy makes of it — the end of
-thinking closed by the daemon (a budget, a loop), taken back for "Wait" (--min-think), or the
-request stopped (a loop)."""
+thinking closed by the daemon (a budget, a loop, the answer asked for now), taken back for
+"Wait" (--min-think), or the request stopped (a loop)."""
 
 from __future__ import annotations
 
@@ -78,14 +78,16 @@ class RunWriter:
             # (Where the text leaves it: a token that closes the thinking is answer after it.)
             self._act(slot, policy.text(text, run.splitter.in_reasoning, run.generated))
         if run.finish_reason is None:
+            if run.job.answer_now:  # (an adjust: the user asks for the answer now)
+                policy.answer_now()
             self._act(slot, policy.counted(run.reasoning_tokens, run.splitter.in_reasoning))
         if run.generated >= run.budget or len(slot.tokens) + len(slot.pending) >= run.max_len:
             run.finish_reason = run.finish_reason or "length"  # once the pending are evaluated
         return None
 
     def _close_thinking(self, slot: Slot) -> bool:
-        """Insert the end of thinking into the slot's sequence (a think budget, a loop), if it
-        fits; say whether it did."""
+        """Insert the end of thinking into the slot's sequence (a think budget, a loop, the
+        answer asked for now), if it fits; say whether it did."""
         model = self.model
         run = slot.run
         assert run is not None
@@ -100,12 +102,16 @@ class RunWriter:
 
     def _act(self, slot: Slot, act: Act) -> None:
         """Do what the thinking policy decided: close the thinking so the model answers (a
-        think budget, a loop), or stop the request once its pending tokens are in (a loop)."""
+        think budget, a loop, the answer asked for now), or stop the request once its pending
+        tokens are in (a loop)."""
         run = slot.run
         assert run is not None
         if act is Act.ANSWER:
             act = run.policy.closed(self._close_thinking(slot))
-            if run.policy.loop == "answered" and act is Act.GO_ON:
+            if run.policy.answered_early and act is Act.GO_ON and run.policy.loop is None:
+                log.info("the answer was asked for now at %d tokens: ended the thinking",
+                         run.generated)  # fmt: skip
+            elif run.policy.loop == "answered" and act is Act.GO_ON:
                 log.info("the thinking looped at %d tokens: ended it", run.generated)
         if act is Act.STOP:
             run.finish_reason = "loop"
