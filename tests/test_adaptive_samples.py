@@ -1,5 +1,7 @@
 """--samples K is the most phi4 takes: once the vote is settled (Adaptive-Consistency's Beta
-rule), the samples not finished are cancelled; --all takes all K."""
+rule), the samples not finished are cancelled; --all takes all K.
+The question is asked in words, so the answer checker decides none of its answers: the vote's
+own rule is what stops it."""
 
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def _answers(fast: int) -> Any:
 @pytest.mark.daemon
 def test_samples_that_agree_stop_after_the_rules_minimum_and_cancel_the_rest():
     with scripted_server(_answers(fast=3)) as server:
-        base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "8",
+        base = ("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "8",
                 "--seed", "100")  # fmt: skip
         text = run_phi4(*base, timeout=100)
         record = json.loads(run_phi4(*base, "--json", timeout=100).stdout)
@@ -68,18 +70,18 @@ def test_samples_that_agree_stop_after_the_rules_minimum_and_cancel_the_rest():
 @pytest.mark.daemon
 def test_all_takes_every_sample_and_answer_only_says_where_it_stopped():
     with scripted_server(_answers(fast=8)) as server:
-        base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "8",
+        base = ("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "8",
                 "--seed", "100")  # fmt: skip
         every = run_phi4(*base, "--all", timeout=100)
     assert every.returncode == 0, every.stderr
     assert every.stdout.splitlines()[-1] == "Answer: 7 (8/8 samples agree)"
     with scripted_server(_answers(fast=3)) as server:
-        short = run_phi4("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "8",
+        short = run_phi4("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "8",
                          "--seed", "100", "--answer-only", timeout=100)  # fmt: skip
     assert short.returncode == 0, short.stderr
     assert short.stdout == "7\n"
     assert "phi4: 3/3 samples agree, stopped after 3 of 8" in short.stderr
-    alone = run_phi4("solve", "What is 3+4?", "--all", "--backend", "http://127.0.0.1:9/v1")
+    alone = run_phi4("solve", "3 plus 4?", "--all", "--backend", "http://127.0.0.1:9/v1")
     assert alone.returncode == 2 and "--all goes with --samples K" in alone.stderr
 
 
@@ -107,7 +109,7 @@ def test_through_the_daemon_a_settled_vote_cancels_the_samples_still_to_come(
     assert started.returncode == 0, started.stderr
     out, err = io.StringIO(), io.StringIO()
     env = Environment(io.StringIO(), out, err, paths=get_paths())
-    options = SolveOptions(prompt="What is 3+4?", model=str(tiny_model), samples=8,
+    options = SolveOptions(prompt="3 plus 4?", model=str(tiny_model), samples=8,
                            max_tokens=LONG, temperature=0.0, as_json=True)  # fmt: skip
     assert run_solve(options, env) == 0, err.getvalue()
     record = json.loads(out.getvalue())

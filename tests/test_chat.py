@@ -71,7 +71,7 @@ def test_transcript_of_a_conversation_and_its_saved_copy(tiny_model: Path, chats
         f"model        {tiny_model}\n"
         f"system       (the model default)\n"
         f"settings     temperature=0.0, top_p=0.95, max_tokens=8, think_budget=None, seed=None, "
-        "loop=answer\n"
+        "loop=answer, check=auto\n"
         f"context      {stats['context_used']} of {stats['n_ctx']} tokens used\n"
         f"cached       {stats['cached_tokens']} tokens of the last prompt came from cache\n"
         f"dropped      0 oldest turn(s) no longer in the model's context\n"

@@ -91,7 +91,8 @@ def test_the_policy_decides_by_the_table(
                "closing": policy.closing, "waited": policy.waited}[kind](*values)  # fmt: skip
         if expected is not None:
             assert act is expected, (name, kind, values, act)
-    assert policy.stats() == {k: caught if v == CAUGHT else v for k, v in stats.items()}, name
+    expected = {"answered_early": False, **stats}  # (answer now: tests/test_answer_now.py)
+    assert policy.stats() == {k: caught if v == CAUGHT else v for k, v in expected.items()}, name
 
 
 # --- the same scripts through both engines ----------------------------------------------------
@@ -172,3 +173,36 @@ def test_the_daemon_and_a_remote_engine_decide_alike(
     mine = {key: daemon["stats"][key] for key in COMPARED}
     theirs = {key: served["stats"][key] for key in COMPARED}
     assert mine == theirs
+
+
+LOOPING = "Let me check the sum again. The sum of the digits is seven, so nothing changes here. "
+
+
+def _looping_server(body: dict[str, Any]) -> list[str | Step]:
+    """Thinks LOOPING again and again; asked to go on from a closed thinking, answers 7."""
+    end = [chunk({}, "stop"), data("[DONE]")]
+    last = body["messages"][-1]
+    if last["role"] == "assistant" and last["content"].endswith("</think>\n\n"):
+        return [chunk({"content": "So $\\boxed{7}$."}), *end]
+    words = [w + " " for w in LOOPING.split()] * 60
+    return [*(chunk({"reasoning_content": w}) for w in words), chunk({}, "length"), data("[DONE]")]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.daemon
+def test_a_loop_the_rule_cut_is_said_on_stderr_though_an_answer_came(tmp_path: Path):
+    # Only --json's stats said it: a pipe and --answer-only printed the answer from half the
+    # thinking without a word. Through the daemon and a remote engine alike.
+    from tests.tinymodel import write_text_script_model
+
+    head = "Think first. "
+    model = write_text_script_model(tmp_path / "loop.gguf", head + LOOPING, " So $\\boxed{7}$.",
+                                    loop_from=len(head))  # fmt: skip
+    with scripted_server(_looping_server) as server:
+        for engine in (["-m", str(model), "-t", "0"], ["--backend", server.url, "-m", "m"]):
+            for mode in ([], ["-a"]):
+                done = run_phi4("solve", "What is 3+4?", "-n", "3000", *engine, *mode)
+                assert done.returncode == 0, done.stderr
+                assert done.stdout.strip().endswith(("7", "$\\boxed{7}$."))
+                said = [line for line in done.stderr.splitlines() if "repeated itself" in line]
+                assert len(said) == 1 and "was ended after" in said[0], done.stderr

@@ -1,6 +1,7 @@
 """What `solve --samples K` says and exits with when its vote has no answer, what it claims of
 the vote, what a cancelled sample shows in --json; confidence that stays finite whatever a
-server's logprobs, and strict JSON out (--json, --jsonl, eval's results file)."""
+server's logprobs, and strict JSON out (--json, --jsonl, eval's results file). The question is
+asked in words, so the answer checker decides none of its answers."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ NO_ANSWER = ("phi4: no final answer: none of the 3 samples stated one (as \\boxe
 @pytest.mark.daemon
 def test_a_vote_without_any_answer_exits_1_with_one_line_in_every_output_mode():
     with scripted_server(_unstated) as server:
-        base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "3",
+        base = ("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "3",
                 "--seed", "1", "--loop", "off")  # fmt: skip
         plain = run_phi4(*base, timeout=60)
         only = run_phi4(*base, "-a", timeout=60)
@@ -90,7 +91,7 @@ def test_at_a_terminal_a_vote_without_any_answer_says_why_and_exits_1(
     env = Environment(io.StringIO(), out, err, stdout_isatty=True, stderr_isatty=False,
                       colour=False)  # fmt: skip
     with scripted_server(_unstated) as server:
-        options = SolveOptions(prompt="What is 3+4?", model="m", samples=3, backend=[server.url],
+        options = SolveOptions(prompt="3 plus 4?", model="m", samples=3, backend=[server.url],
                                seed=1, loop="off")  # fmt: skip
         assert run_solve(options, env) == 1, err.getvalue()
     shown = " ".join(out.getvalue().split())  # (rich wraps the line to its width)
@@ -102,7 +103,7 @@ def test_at_a_terminal_a_vote_without_any_answer_says_why_and_exits_1(
 @pytest.mark.daemon
 def test_a_vote_says_weighted_by_confidence_only_where_a_confidence_weighed(script: Any):
     with scripted_server(script) as server:
-        base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "3",
+        base = ("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "3",
                 "--seed", "1", "--loop", "off", "--vote", "confidence")  # fmt: skip
         plain = run_phi4(*base, timeout=60)
         record = run_phi4(*base, "--json", timeout=60)
@@ -144,7 +145,7 @@ def test_a_sample_cancelled_by_the_early_stop_shows_no_answer_in_json():
     release = threading.Event()
     try:
         with scripted_server(_partly_cancelled(release)) as server:
-            done = run_phi4("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k",
+            done = run_phi4("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k",
                             "6", "--seed", "1", "--loop", "off", "--json",
                             timeout=90)  # fmt: skip
             release.set()
@@ -214,14 +215,14 @@ def _huge_logprobs(body: dict[str, Any]) -> list[str | Step | Head]:
 @pytest.mark.daemon
 def test_huge_logprobs_give_a_finite_confidence_and_strict_json(tmp_path: Path):
     problems = tmp_path / "set.jsonl"
-    problems.write_text(json.dumps({"problem": "What is 3+4?", "answer": "7"}) + "\n")
+    problems.write_text(json.dumps({"problem": "3 plus 4?", "answer": "7"}) + "\n")
     lines = tmp_path / "lines.txt"
-    lines.write_text("What is 3+4?\n")
+    lines.write_text("3 plus 4?\n")
     results = tmp_path / "out.jsonl"
     with scripted_server(_huge_logprobs) as server:
         base = ("--backend", server.url, "-m", "m", "--seed", "1", "--loop", "off")
-        one = run_phi4("solve", "What is 3+4?", *base, "--json", timeout=60)
-        voted = run_phi4("solve", "What is 3+4?", *base, "-k", "3", "--all", "--vote",
+        one = run_phi4("solve", "3 plus 4?", *base, "--json", timeout=60)
+        voted = run_phi4("solve", "3 plus 4?", *base, "-k", "3", "--all", "--vote",
                          "confidence", "--json", timeout=60)  # fmt: skip
         each = run_phi4("solve", "-f", str(lines), "--jsonl", *base, "--verbose",
                         timeout=60)  # fmt: skip
@@ -261,12 +262,12 @@ def test_a_failed_sample_does_not_vote_with_what_it_wrote_before_it_failed(
     with scripted_server(_two_fail_after_a_wrong_answer) as server:
         common = ("--backend", server.url, "-m", "m", "-k", "3", "--all", "--seed", "100")
         if command == "solve":
-            done = run_phi4("solve", "What is 3+4?", *common, "--json", timeout=100)
+            done = run_phi4("solve", "3 plus 4?", *common, "--json", timeout=100)
             record = _strict(done.stdout)
             assert "2 of 3 samples failed and are not counted" in done.stderr
         else:
             problems = tmp_path / "p.jsonl"
-            problems.write_text(json.dumps({"problem": "What is 3+4?", "answer": "7"}) + "\n")
+            problems.write_text(json.dumps({"problem": "3 plus 4?", "answer": "7"}) + "\n")
             results = tmp_path / "r.jsonl"
             done = run_phi4("eval", str(problems), *common, "-o", str(results), timeout=100)
             record = _strict(results.read_text().splitlines()[0])

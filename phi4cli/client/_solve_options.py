@@ -33,6 +33,7 @@ OPTIONS = {
     '--loop': ('loop', 'str', None),
     '--vote': ('vote', 'str', None),
     '--stop-unsure': ('stop_unsure', 'flag', None),
+    '--check': ('check', 'str', None),
     '--system': ('system', 'str', None),
     '-s': ('system', 'str', None),
     '--temperature': ('temperature', 'float', None),
@@ -74,6 +75,7 @@ DEFAULTS = {
     'loop': None,
     'vote': None,
     'stop_unsure': None,
+    'check': None,
     'system': None,
     'temperature': None,
     'top_p': None,
@@ -119,6 +121,7 @@ class SolveOptions:
         loop: str | None = None,
         vote: str | None = None,
         stop_unsure: bool | None = None,
+        check: str | None = None,
         system: str | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
@@ -155,6 +158,7 @@ class SolveOptions:
         self.loop = loop
         self.vote = vote
         self.stop_unsure = stop_unsure
+        self.check = check
         self.system = system
         self.temperature = temperature
         self.top_p = top_p

@@ -210,6 +210,10 @@ def judge(item: Item, outcomes: list[Outcome], same_answer: AnswerComparer | Non
     confidences = [o.stats.lowest_group_confidence if o.stats else None for o in outcomes]
     if any(c is not None for c in confidences):  # each answer's (phi4cli.text.confidence)
         record["confidence"] = confidences if len(outcomes) > 1 else confidences[0]
+    checked = next((outcomes[i].check for i in vote.members if outcomes[i].check is not None),
+                   None)  # fmt: skip
+    if checked is not None and answer is not None:  # the voted answer's, as checked
+        record["check"] = checked.to_json()
     if len(outcomes) > 1:
         record["agreement"] = vote.agreement
         said = votes(outcomes)
@@ -224,7 +228,8 @@ def judge(item: Item, outcomes: list[Outcome], same_answer: AnswerComparer | Non
 def sample_details(outcome: Outcome, ended_s: float, cancelled: bool) -> dict[str, Any]:
     """What ``eval -k`` keeps of one sample, for replaying votes offline (bench/votes.py): its
     answer, tokens, when it ended (seconds into the run) and took, its lowest group confidence,
-    whether a loop was caught in it, and whether it was cancelled (a settled vote)."""
+    whether a loop was caught in it, whether it was cancelled (a settled vote), and its
+    answer's check verdict."""
     stats = outcome.stats
     return {
         "answer": None if cancelled or outcome.error is not None else outcome.answer,
@@ -237,6 +242,7 @@ def sample_details(outcome: Outcome, ended_s: float, cancelled: bool) -> dict[st
         "finish_reason": stats.finish_reason if stats else None,
         "cancelled": cancelled,
         "error": outcome.error is not None,
+        "check": None if cancelled or outcome.check is None else outcome.check.verdict,
     }
 
 
@@ -588,6 +594,8 @@ def run_eval(
         if samples > 1:
             ended_s[(i, k)] = time.monotonic() - started
         stop = stops.get(i)
+        if stop is None or k not in stop.stopped:
+            job.check_outcome(outcome)
         if stop is None:
             first = i * samples  # its samples' request indices follow
             stop = stops[i] = EarlyStop(
@@ -642,7 +650,7 @@ def _counted(record: dict[str, Any]) -> dict[str, Any]:
     """What :class:`Tally` counts of a record: the rest is in the results file."""
     return {key: record[key] for key in ("line", "status", "reasoning_tokens", "pass_at_k",
                                          "k", "samples_used", "samples_unsure",
-                                         "completion_tokens")
+                                         "completion_tokens", "check")
             if key in record}  # fmt: skip
 
 
@@ -660,9 +668,19 @@ class Tally:
         # One answer per problem: the sums and counts of the confidence of right and of wrong
         # answers, to see whether confidence tells them apart (--vote confidence).
         self.confidence = {"correct": [0.0, 0], "wrong": [0.0, 0]}
+        # Answers checked against their problem, by verdict; and verdicts the references
+        # contradict (verified but judged wrong, refuted but judged right): they must be 0.
+        self.checks = {"verified": 0, "refuted": 0, "unchecked": 0}
+        self.wrong_verdicts = 0
 
     def add(self, record: dict[str, Any]) -> None:
         self.counts[record["status"]] += 1
+        check = record.get("check")
+        verdict = check.get("verdict") if isinstance(check, dict) else None
+        if verdict in self.checks:
+            self.checks[verdict] += 1
+            self.wrong_verdicts += (verdict, record["status"]) in (
+                ("verified", "wrong"), ("refuted", "correct"))  # fmt: skip
         self.reasoning_tokens += record["reasoning_tokens"]
         self.completion_tokens += record.get("completion_tokens", 0)
         self.samples_used += record.get("samples_used", record.get("k", 1))
@@ -687,6 +705,8 @@ class Tally:
             else 0.0,
         }
         result["completion_tokens"] = self.completion_tokens
+        if any(self.checks.values()):
+            result["checks"] = {**self.checks, "wrong_verdicts": self.wrong_verdicts}
         if samples == 1 and any(count for _, count in self.confidence.values()):
             result["mean_confidence"] = {
                 status: round(total / count, 4) if count else None

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import Any, TextIO
 
+    from phi4cli.text.checking import Check
+
 
 def human_bytes(size: float | None) -> str:
     if size is None:
@@ -164,10 +166,30 @@ def markdown_source(solution: str) -> str:
 
 def _markdown(solution: str) -> Any:
     """The solution as rich renders it at a terminal. A link shows its address in full, as text,
-    rather than as an OSC 8 hyperlink: a model cannot hide where a link goes."""
+    rather than as an OSC 8 hyperlink: a model cannot hide where a link goes.
+
+    Its lines are the model's, as in a pipe: Markdown joins the lines of a paragraph
+    (``1\\n2\\n3`` would be ``1 2 3``), so each line break the parser found inside a paragraph
+    (a soft break) is made a hard one. Only the parser knows where a paragraph is, so lists,
+    tables, code, headings and quotes are read as before."""
     from rich.markdown import Markdown
 
-    return Markdown(markdown_source(clean_text(solution)), hyperlinks=False)
+    markdown = Markdown(markdown_source(clean_text(solution)), hyperlinks=False)
+    for block in markdown.parsed:
+        for token in block.children or ():
+            if token.type == "softbreak":
+                token.type = "hardbreak"
+    return markdown
+
+
+def unfinished(outcome: Outcome, message: str) -> str:
+    """The line for an error that ended ``outcome`` after some of its solution was shown (the
+    daemon stopped or crashed, a connection lost, a server that hung up): ``message``, and that
+    the answer above is unfinished, as a Ctrl-C's line says (unless ``message`` says it)."""
+    said = "the answer above is unfinished"
+    if not outcome.solution.strip() or "cut short" in message or said in message:
+        return message
+    return f"{message}; {said}"
 
 
 def no_answer_reason(outcome: Outcome) -> str:
@@ -197,6 +219,17 @@ def no_answer_reason(outcome: Outcome) -> str:
     if outcome.stats is not None and outcome.stats.finish_reason == "length":
         return "no final answer: the answer was cut off at --max-tokens (raise it)"
     return "no final answer stated in the solution"
+
+
+def loop_cut(outcome: Outcome) -> str | None:
+    """The line for thinking the loop rule ended so that the model answered, where that answer
+    stated one (every other loop's line is :func:`no_answer_reason`'s); None otherwise."""
+    stats = outcome.stats
+    if stats is None or stats.loop != "answered" or outcome.answer is None:
+        return None
+    at = f" after {stats.loop_at:,} tokens" if stats.loop_at else ""
+    return (f"the thinking repeated itself and was ended{at}, so the model answered from what "
+            "it had (--loop off lets it run)")  # fmt: skip
 
 
 def no_vote_reason(samples: Sequence[Outcome]) -> str:
@@ -261,7 +294,8 @@ class PlainPresenter:
         self._end_line("out")
 
     def show_partial(self, outcome: Outcome) -> None:
-        """After Ctrl-C: the partial solution has streamed already; end its line."""
+        """After Ctrl-C or an error mid-answer: the partial solution has streamed already; end
+        its line."""
         self.abort()
 
     def finish(self, outcome: Outcome) -> None:
@@ -367,7 +401,8 @@ class TerminalPresenter:
         self.print_outcome(outcome, agreement=None)
 
     def show_partial(self, outcome: Outcome) -> None:
-        """After Ctrl-C: put what was written of the solution on screen, without an answer line."""
+        """After Ctrl-C or an error mid-answer: put what was written of the solution on screen
+        (the live region was erased), without an answer line."""
         self.abort()
         if outcome.solution.strip():
             self.out.print(_markdown(outcome.solution))
@@ -398,6 +433,8 @@ class TerminalPresenter:
             self.out.print(_markdown(outcome.solution))
         final = outcome.answer if answer is None else answer
         suffix = f"  [dim]({agreement})[/dim]" if agreement else ""
+        check = check_markup(outcome.check, self.verbose) if final is not None else ""
+        suffix += f"  {check}" if check else ""
         if final is not None:
             from rich.markup import escape
 
@@ -410,6 +447,32 @@ class TerminalPresenter:
             self.out.print(f"[yellow]{why}[/yellow]{suffix}")
         if self.verbose and outcome.stats is not None:
             self.err.print(format_stats(outcome.stats), style="dim", markup=False)
+
+
+def check_line(check: Check, verbose: bool = False) -> str | None:
+    """A check's verdict in one line (``✓ verified: 12·13 = 156``), or None for ``unchecked``
+    (said only when ``verbose``)."""
+    from phi4cli.text.checking import REFUTED, VERIFIED
+
+    detail = terminal_text(clean_text(check.detail))
+    if check.verdict == VERIFIED:
+        return f"\u2713 verified: {detail}"
+    if check.verdict == REFUTED:
+        return f"\u2717 refuted: {detail}"
+    return f"unchecked: {detail}" if verbose else None
+
+
+def check_markup(check: Check | None, verbose: bool = False) -> str:
+    """:func:`check_line` in rich markup, beside the ``Answer:`` line at a terminal."""
+    from rich.markup import escape
+
+    from phi4cli.text.checking import REFUTED, VERIFIED
+
+    line = check_line(check, verbose) if check is not None else None
+    if check is None or line is None:
+        return ""
+    style = {VERIFIED: "green", REFUTED: "bold red"}.get(check.verdict, "dim")
+    return f"[{style}]{escape(line)}[/{style}]"
 
 
 def plan_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
@@ -657,6 +720,12 @@ def format_eval(summary: dict[str, Any], seconds: float, output: object) -> str:
 
         said = f"{mean('correct')} right, {mean('wrong')} wrong (the answers' mean lowest window)"
         rows.append(("confidence", said))
+    checks = summary.get("checks")
+    if checks:
+        decided = checks["verified"] + checks["refuted"]
+        rows.append(("checked", f"{decided:,} answers decided: {checks['verified']:,} verified, "
+                                f"{checks['refuted']:,} refuted; {checks['wrong_verdicts']:,} "
+                                "against the references"))  # fmt: skip
     rows += [("time", f"{human_seconds(seconds)} this run"), ("results", str(output))]
     return format_rows(rows)
 

@@ -31,6 +31,8 @@ from phi4cli.client.render import (
     format_chat_show,
     format_rows,
     format_stats,
+    loop_cut,
+    unfinished,
 )
 from phi4cli.core._settings import Ask
 from phi4cli.core.atomicfile import RefusedFileError, read_user_file, write_atomic
@@ -41,6 +43,7 @@ from phi4cli.core.options import SETTABLE, SETTING
 from phi4cli.core.protocol import PRIORITY_INTERACTIVE, ErrorCode, Op, SolveParams, Stats
 from phi4cli.core.records import Record
 from phi4cli.engines.backends import Backend, RequestStream
+from phi4cli.engines.checker import Checker
 from phi4cli.engines.outcome import Outcome
 from phi4cli.text.sanitize import clean_text
 
@@ -195,6 +198,7 @@ class ChatRepl:
         self.failed = 0  # messages that ended in an error
         self.interrupts = Interrupts()
         self.keys: AnswerKeys | None = None  # at a terminal: the keyboard during answers
+        self._checker: Checker | None = None  # made on the first answer to check
 
     # --- input loop ---------------------------------------------------------------------------
 
@@ -244,6 +248,8 @@ class ChatRepl:
         finally:
             self.interrupts.uninstall()
             self.backend.close()
+            if self._checker is not None:
+                self._checker.close()
 
     # --- answering ----------------------------------------------------------------------------
 
@@ -261,8 +267,8 @@ class ChatRepl:
         return values
 
     def _request(self, question: str) -> SolveParams:
-        ask = Ask.of(self.settings)._replace(**self.conversation.settings,
-                                             system=self.conversation.system)  # fmt: skip
+        asked = {k: v for k, v in self.conversation.settings.items() if k in Ask._fields}
+        ask = Ask.of(self.settings)._replace(**asked, system=self.conversation.system)
         return SolveParams(question, ask, self.model, priority=PRIORITY_INTERACTIVE,
                            session=self.conversation.session,
                            history=tuple(self.conversation.history()))  # fmt: skip
@@ -282,6 +288,7 @@ class ChatRepl:
     def _ask(self, question: str) -> None:
         outcome = Outcome(index=0, question=question)
         presenter = self._presenter()
+        self._checker_for(question)
         try:
             interrupted = self._stream(self._request(question), outcome, presenter)
         except KeyboardInterrupt:  # before the request was sent (daemon starting up)
@@ -291,9 +298,10 @@ class ChatRepl:
         except DaemonGoneError as exc:
             # Mid-answer (before any output the stream itself starts a fresh daemon): the chat
             # goes on, and the next message starts a fresh daemon with the whole transcript.
-            presenter.abort()
-            self.env.notice(f"error: {chat_hints(str(exc))}; this question is not kept (ask it "
-                            "again)")  # fmt: skip
+            # What streamed stays on the screen, as after Ctrl-C (a live region would be erased).
+            presenter.show_partial(outcome)
+            self.env.notice(f"error: {chat_hints(unfinished(outcome, str(exc)))}; this question "
+                            "is not kept (ask it again)")  # fmt: skip
             self.failed += 1
             return
         except RequestError as exc:  # refused before it was sent (too long): the chat goes on
@@ -302,16 +310,17 @@ class ChatRepl:
             self.failed += 1
             return
         except Phi4Error:
-            presenter.abort()
+            presenter.show_partial(outcome)
             raise
         if outcome.error is not None and not interrupted:
-            presenter.abort()
+            presenter.show_partial(outcome)  # what streamed stays, the error line below it
             kept = ""
             if outcome.error_code in (ErrorCode.SHUTTING_DOWN, ErrorCode.UNREACHABLE):
                 # The engine went away mid-answer: the chat goes on, and the next message
                 # goes to a fresh daemon (or a replica still up) with the whole transcript.
                 kept = "; this question is not kept (ask it again)"
-            self.env.notice(f"error: {chat_hints(str(outcome.exception()))}{kept}")
+            said = unfinished(outcome, str(outcome.exception()))
+            self.env.notice(f"error: {chat_hints(said)}{kept}")
             self.failed += 1
             return
         if interrupted:
@@ -327,12 +336,43 @@ class ChatRepl:
         turn = Turn(question, outcome.solution, outcome.reasoning, outcome.stats_dict, interrupted)
         self._record(turn, outcome.stats)
 
+    def _checker_for(self, question: str) -> Checker | None:
+        """The checker for ``question``'s answer, started now if it may be checked (SymPy loads
+        while the model thinks); None with ``check off``."""
+        if self.sampling().get("check", "auto") == "off":
+            return None
+        if self._checker is None:
+            self._checker = Checker()
+        self._checker.prepare(question)
+        return self._checker
+
+    def _check(self, outcome: Outcome) -> None:
+        """Check the answer against the message (``check``, as /set or the settings say); with
+        ``strict``, a refuted answer counts as a message that failed (exit 1)."""
+        mode = self.sampling().get("check", "auto")
+        checker = self._checker_for(outcome.question)
+        if checker is None:
+            return
+        outcome.check = checker.check(outcome.question, outcome.answer)
+        if mode == "strict" and outcome.refuted:
+            self.failed += 1
+
     def _show_answer(self, outcome: Outcome, presenter: PlainPresenter | TerminalPresenter) -> None:
         """Most chat replies are talk, not a solved problem: one without a boxed answer is shown
         as written, with no "no final answer" line after it. Only thinking that ran out of
         tokens is said, as that reply is not what the model meant to write."""
         if outcome.answer is not None:
+            self._check(outcome)
             presenter.finish(outcome)
+            cut = loop_cut(outcome)
+            if cut is not None:
+                self.env.notice(cut)
+            if not self.env.terminal and outcome.check is not None:
+                from phi4cli.client.render import check_line
+
+                said = check_line(outcome.check)
+                if said is not None:
+                    self.env.notice(said)
             return
         presenter.show_partial(outcome)
         if outcome.thinking_unfinished:

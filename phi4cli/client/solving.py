@@ -15,11 +15,13 @@ from phi4cli.client.render import (
     PlainPresenter,
     TerminalPresenter,
     counted,
+    loop_cut,
     no_answer_reason,
     no_vote_reason,
+    unfinished,
 )
 from phi4cli.core._settings import Ask
-from phi4cli.core.errors import ExitStatus, UsageError
+from phi4cli.core.errors import ExitStatus, Phi4Error, UsageError
 from phi4cli.core.options import sample_seed
 from phi4cli.core.protocol import PRIORITY_BULK, Event, SolveParams
 from phi4cli.core.records import Record
@@ -37,7 +39,9 @@ if TYPE_CHECKING:
         Opened,
         ProblemFeed,
     )
+    from phi4cli.engines.checker import Checker
     from phi4cli.engines.dispatch import EventSink, Feed, Flight, FlightHook
+    from phi4cli.text.checking import Check
 
 
 class SolveJob(Record):
@@ -64,6 +68,26 @@ class SolveJob(Record):
     instruction: str | None = None  # added after each question
     vote: str = "count"  # how samples vote: count | confidence (options' "vote")
     stop_unsure: bool = False  # DeepConf online with --samples (options' "stop_unsure")
+    check: str = "auto"  # answers checked against their problem: auto | off | strict
+    checker: Checker | None = None  # the check's worker (None: check off)
+
+    def prepare_check(self, question: str) -> None:
+        """A request for ``question`` goes out: have its check ready by the time it answers."""
+        if self.checker is not None:
+            self.checker.prepare(question)
+
+    def check_outcome(self, outcome: Outcome) -> None:
+        """Check ``outcome``'s answer against its question (``outcome.check``), if asked to and
+        it has one; a failed request is not checked."""
+        if self.checker is not None and outcome.error is None and outcome.answer is not None:
+            outcome.check = self.checker.check(outcome.question, outcome.answer)
+
+    def check_status(self, outcomes: Sequence[Outcome], status: int) -> int:
+        """The exit status once the checks are in: with ``check strict``, 1 for a refuted
+        answer."""
+        if self.check == "strict" and any(o.refuted for o in outcomes):
+            return max(status, ExitStatus.ERROR)
+        return status
 
     def vote_weights(self, outcomes: Sequence[Outcome]) -> list[float] | None:
         """Each answer's weight in a confidence vote (its lowest group confidence); None: a
@@ -193,6 +217,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
         else:
             presenter.get().on_event(event)
 
+    job.prepare_check(question)
     try:
         job.run([job.params(question)], on_event)
     except KeyboardInterrupt:
@@ -205,15 +230,21 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
         job.announce("stopped (Ctrl-C): the answer above is unfinished" if outcome.solution.strip()
                      else "stopped (Ctrl-C) before the answer began")  # fmt: skip
         raise
+    except Phi4Error as error:  # mid-answer: a daemon that froze, or sent garbage
+        loading.stop()
+        spinner.stop()
+        _keep_partial(presenter.presenter, outcome, error)
+        raise
     finally:
         loading.stop()
         spinner.stop()
         if isinstance(presenter.presenter, TerminalPresenter):
             presenter.presenter.stop()
-    if outcome.error is not None:
-        if presenter.presenter is not None:
-            presenter.presenter.abort()
-        raise outcome.exception()
+    if outcome.error is not None:  # the daemon stopped or crashed, a server hung up, ...
+        failure = outcome.exception()
+        _keep_partial(presenter.presenter, outcome, failure)
+        raise failure
+    job.check_outcome(outcome)
     if mode.as_json:
         _print_json(job, outcome.to_json())
     elif mode.answer_only:
@@ -234,13 +265,57 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
                                 or (mode.answer_only and outcome.answer is None))) \
             or (plain_terminal and outcome.looped and outcome.answer is not None):  # fmt: skip
         job.announce(no_answer_reason(outcome))
-    return exit_status([outcome], answer_required=mode.answer_only)
+    elif loop_cut(outcome) is not None:  # (in every mode: only --json's stats said it)
+        job.announce(str(loop_cut(outcome)))
+    if not plain_terminal and not mode.as_json:
+        say_check(job, outcome.check)
+    return job.check_status([outcome], exit_status([outcome], answer_required=mode.answer_only))
+
+
+def say_check(job: SolveJob, check: Check | None, where: str = "") -> None:
+    """A checked answer's verdict on stderr, for output without an ``Answer:`` line to show it
+    beside (a pipe, ``--answer-only``, a file of problems): one line, for a verdict reached."""
+    if check is None:
+        return
+    from phi4cli.client.render import check_line
+
+    line = check_line(check)
+    if line is not None:
+        job.announce(f"{where}{line}")
+
+
+def _keep_partial(presenter: PlainPresenter | TerminalPresenter | None, outcome: Outcome,
+                  error: Phi4Error) -> None:  # fmt: skip
+    """An error ended the answer: what streamed of it stays on the screen, as after Ctrl-C
+    (a live region would be erased), and ``error``'s line, said last, says it is unfinished."""
+    if presenter is not None:
+        presenter.show_partial(outcome)
+        error.args = (unfinished(outcome, str(error)),)
 
 
 def votes(outcomes: Sequence[Outcome]) -> list[str | None]:
     """Each sample's vote: its answer, none for one that failed (what it wrote before it failed
-    is not an answer, though it may hold a \\boxed{})."""
-    return [o.answer if o.error is None else None for o in outcomes]
+    is not an answer, though it may hold a \\boxed{}).
+
+    Checked answers weigh first: where any answer was verified, only verified answers vote;
+    else a refuted answer does not vote, while another answer does (one refuted is wrong, one
+    unchecked may be right)."""
+    answers = [o.answer if o.error is None else None for o in outcomes]
+    if any(o.check is not None and o.check.verdict == "verified" and a is not None
+           for o, a in zip(outcomes, answers, strict=True)):  # fmt: skip
+        return [a if o.check is not None and o.check.verdict == "verified" else None
+                for o, a in zip(outcomes, answers, strict=True)]  # fmt: skip
+    kept = [None if o.refuted else a for o, a in zip(outcomes, answers, strict=True)]
+    return kept if any(a is not None for a in kept) else answers
+
+
+def checked_agreement(outcomes: Sequence[Outcome], answers: Sequence[str | None]) -> str:
+    """What the checks did to a vote, for its agreement line: ``, 2 refuted set aside``, or
+    nothing (a verified winner says so in its check, beside the answer)."""
+    refuted = sum(o.refuted and o.answer is not None for o in outcomes)
+    if refuted and any(a is not None for a in answers):
+        return f", {refuted} refuted set aside"
+    return ""
 
 
 class EarlyStop:
@@ -277,14 +352,18 @@ class EarlyStop:
         if outcome.unsure:
             self.unsure.add(k)
         else:
-            # A failed sample's partial trace says nothing: it is counted, with no answer.
-            self.answers.append(outcome.answer if outcome.error is None else None)
+            # A failed sample's partial trace says nothing: it is counted, with no answer; a
+            # refuted answer does not vote.
+            refuted = outcome.refuted
+            self.answers.append(outcome.answer if outcome.error is None and not refuted
+                                else None)  # fmt: skip
             if outcome.error is None:  # (a failed one's partial trace says nothing)
                 self._warm(outcome)
         left = self.samples - len(self.ended)
         if self.cancel is None or not left:
             return
-        if vote_settled(majority_vote(self.answers, equal=self.compare), left):
+        verified = outcome.check is not None and outcome.check.verdict == "verified"
+        if verified or vote_settled(majority_vote(self.answers, equal=self.compare), left):
             rest = [i for i in range(self.samples) if i not in self.ended]
             self.stopped.update(rest)
             for i in rest:
@@ -334,9 +413,12 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
         spinner.see(event)
         outcomes[index].apply(event)
         if outcomes[index].done:
+            if index not in stop.stopped:
+                job.check_outcome(outcomes[index])
             stop.end(index, outcomes[index])
             spinner.update(f"sampling… {len(stop.answers)}/{samples} done")
 
+    job.prepare_check(question)
     try:
         job.run(requests, on_event, restart=True, on_flight=flight.append)
     finally:
@@ -352,7 +434,8 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
         job.announce(f"{len(failed)} of {len(used)} samples failed and are not counted: "
                      f"{failed[0].exception()}")  # fmt: skip
     weights = job.vote_weights(used)
-    vote = majority_vote(votes(used), equal=compare, weights=weights)
+    voted = votes(used)
+    vote = majority_vote(voted, equal=compare, weights=weights)
     notice = compare.notice()
     if notice:
         job.announce(notice)
@@ -363,6 +446,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
         agree += f", {len(stop.unsure)} stopped as unsure"
     if weights is not None:  # (None where no confidence weighed: a vote by count)
         agree += ", weighted by confidence"
+    agree += checked_agreement(used, voted)
     # No sample stated an answer: nothing was voted for, and the command has failed (exit 1)
     # in every output mode, with one line saying why and what to do.
     missing = no_vote_reason(used) if vote.answer is None else None
@@ -386,6 +470,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
                  "seed": o.stats.seed if o.stats else None,
                  "error": None if o.index in stop.stopped else o.to_json().get("error"),
                  "cancelled": o.index in stop.stopped, "unsure": o.index in stop.unsure,
+                 "check": None if o.check is None else o.check.to_json(),
                  "stats": o.stats_dict}
                 for o in outcomes
             ],
@@ -397,17 +482,18 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
         job.print(_answer_line(job, vote.answer) if vote.answer is not None else "")
         if missing is None:
             job.announce(agree + (" (tie)" if vote.tie else ""))
+            say_check(job, winner.check)
     elif job.env.terminal:
         presenter = TerminalPresenter(mode.show_reasoning, mode.verbose, job.env)
         presenter.print_outcome(winner, agreement=agree, answer=vote.answer, reason=missing)
-        return status  # (the presenter has said why there is no answer)
+        return job.check_status([winner], status)  # (the presenter has said why there is none)
     else:
         job.print(winner.solution.strip())
         shown = vote.answer if vote.answer is not None else "(none)"
-        job.print(f"Answer: {shown} ({agree})")
+        job.print(f"Answer: {shown} ({agree}){_check_suffix(winner)}")
     if missing is not None:
         job.announce(missing)
-    return status
+    return job.check_status([winner] if missing is None else [], status)
 
 
 ECHO_CHARS = 2000  # of a question, echoed above its solution; a longer one is shortened
@@ -449,12 +535,15 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
     next_to_print = 0
     printed_line = 0  # the input line the output has reached (--answer-only)
     failed = 0
+    refuted = 0  # answers their check found wrong
     progress = FileProgress(known, job.env, budget=job.request.ask.max_tokens)
     loading = ProgressNotice(progress.notice)  # above the bar while it is shown
 
     def emit(index: int) -> None:
-        nonlocal failed, printed_line
+        nonlocal failed, printed_line, refuted
         outcome = pending.pop(index)
+        job.check_outcome(outcome)
+        refuted += outcome.refuted
         # Only what the exit status needs is kept, and only of the problems it looks at: a run
         # of a million holds its problems in flight and a window of text read ahead.
         if outcome.error is not None or outcome.thinking_unfinished or outcome.answer is None \
@@ -464,10 +553,15 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
         line = feed.numbers[index]
         feed.printed(index)
         failed += outcome.error is not None
+        cut = loop_cut(outcome)
+        if cut is not None:
+            progress.notice(f"line {line}: {cut}")
         if jsonl:
             progress.out(json_text({"line": line, **outcome.to_json()}))
             if outcome.looped:
                 progress.notice(f"line {line}: {no_answer_reason(outcome)}")
+            elif outcome.refuted:
+                _say_refuted(progress.notice, outcome, line)
         elif mode.answer_only:
             for _blank in range(printed_line + 1, line):
                 progress.out("")
@@ -477,6 +571,8 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
                 progress.notice(f"line {line}: {outcome.error_message}")
             elif outcome.answer is None or outcome.looped:
                 progress.notice(f"line {line}: {no_answer_reason(outcome)}")
+            elif outcome.refuted:
+                _say_refuted(progress.notice, outcome, line)
         else:
             progress.out(f"[{index + 1}] {echoed(outcome.question)}")
             if outcome.error is not None:
@@ -484,7 +580,7 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
             else:
                 progress.out(outcome.solution.strip())
                 shown = outcome.answer if outcome.answer is not None else "(none)"
-                progress.out(f"Answer: {shown}\n")
+                progress.out(f"Answer: {shown}{_check_suffix(outcome)}\n")
                 if outcome.looped:
                     progress.notice(f"line {line}: {no_answer_reason(outcome)}")
 
@@ -526,7 +622,28 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
             job.print("")  # trailing blank input lines keep their places too
     if failed:
         job.announce(f"{failed} of {count} problems failed")
-    return exit_status(flagged, answer_required=mode.answer_only)
+    if refuted:
+        job.announce(f"{refuted} of {count} answers failed their check")
+    status = exit_status(flagged, answer_required=mode.answer_only)
+    return max(status, ExitStatus.ERROR) if refuted and job.check == "strict" else status
+
+
+def _say_refuted(notice: Callable[[str], None], outcome: Outcome, line: int) -> None:
+    """A refuted answer of a file's problem, said on stderr beside output that has no
+    ``Answer:`` line to show it (``--jsonl`` carries it as data too)."""
+    from phi4cli.client.render import check_line
+
+    said = check_line(outcome.check) if outcome.check is not None else None
+    if said is not None:
+        notice(f"line {line}: {said}")
+
+
+def _check_suffix(outcome: Outcome) -> str:
+    """A verdict reached, beside a plain ``Answer:`` line: ``  (✓ verified: 12·13 = 156)``."""
+    from phi4cli.client.render import check_line
+
+    said = check_line(outcome.check) if outcome.check is not None else None
+    return f"  ({said})" if said is not None else ""
 
 
 class Printed(Record):
@@ -621,8 +738,14 @@ def make_job(
     )
     backend = make_backend(paths, settings, model_path or settings.model, env.notice, env.link)
     instruction = None if no_instruction else settings.instruction
+    checker = None
+    if settings.check != "off":
+        from phi4cli.engines.checker import Checker
+
+        checker = Checker()
     return SolveJob(backend, env, request, instruction=instruction, vote=settings.vote,
-                    stop_unsure=settings.stop_unsure)  # fmt: skip
+                    stop_unsure=settings.stop_unsure, check=settings.check,
+                    checker=checker)  # fmt: skip
 
 
 def check_options(o: SolveOptions) -> None:
@@ -669,3 +792,6 @@ def run_solve(o: SolveOptions, env: Environment | None = None) -> int:
         # the generation. Point stdout at /dev/null so the exit-time flush is quiet.
         env.stdout_gone()
         return ExitStatus.OK
+    finally:
+        if job.checker is not None:
+            job.checker.close()

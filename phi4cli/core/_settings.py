@@ -24,6 +24,9 @@ class Settings(Record):
     # DeepConf online, with --samples K: a sample whose confidence falls below the question's
     # first samples' is stopped, and does not vote.
     stop_unsure: bool = False
+    # Check each final answer against its problem (phi4cli.text.checking): verified, refuted or
+    # unchecked; strict: a refuted answer is an error.
+    check: str = 'auto'
     # None: the chat template's own default system prompt ("Your name is Phi, ...").
     system: str | None = None
     temperature: float = 0.8

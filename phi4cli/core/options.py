@@ -148,6 +148,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "mlock": ("true", "false"),
     "loop": ("answer", "stop", "off"),
     "vote": ("count", "confidence"),
+    "check": ("auto", "off", "strict"),
 }
 
 
@@ -334,6 +335,14 @@ SETTINGS = (
             off=False, help="With --samples: stop a sample whose confidence falls below what "
                             "the first samples set; it does not vote (DeepConf online) "
                             "[default false]."),
+    Setting("check", _one_of(*CHOICES["check"]), "auto (check each answer against the "
+            "problem where phi4 can), off, or strict (a refuted answer exits 1)", "auto", "str",
+            comment="Check each final answer against its problem (phi4cli.text.checking): "
+                    "verified, refuted or unchecked; strict: a refuted answer is an error.",
+            flags="--check", option="str", metavar="auto|off|strict", groups=("answer",),
+            settable=13, off="off",
+            help="Check the answer against the problem where phi4 can (SymPy): auto shows "
+                 "the verdict, strict makes a refuted answer exit 1 [default auto]."),
     Setting("system", _optional_str, "text", None, "str | None", REQUEST,
             "None: the chat template's own default system prompt (\"Your name is Phi, ...\").",
             flags="--system -s", option="str", groups=("answer",),

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import Any, Protocol
 
+    from phi4cli.text.checking import Check
+
     class Answered(Protocol):
         """What the exit status asks of a request's result (an Outcome, or what is kept of it)."""
 
@@ -40,6 +42,7 @@ class Outcome:
         self.error: Event | None = None  # the terminal error event, if the request failed
         self.done = False
         self._answer: tuple[str, str | None] | None = None  # (the solution it is of, answer)
+        self.check: Check | None = None  # the answer checked against the question, if it was
 
     def apply(self, event: Event) -> None:
         """Fold one event into the outcome."""
@@ -61,6 +64,7 @@ class Outcome:
         elif kind == EventKind.RESTART:  # sent again elsewhere: what came so far is void
             self.reasoning = self.solution = ""
             self.stats = None
+            self.check = None
 
     @property
     def error_code(self) -> ErrorCode | None:
@@ -124,9 +128,18 @@ class Outcome:
             "seed": self.stats.seed if self.stats else None,
             "stats": self.stats_dict,
         }
+        if self.check is not None:
+            record["check"] = self.check.to_json()
         if self.error is not None:
             record["error"] = {"code": self.error.code.value, "message": self.error.message}
         return record
+
+    @property
+    def refuted(self) -> bool:
+        """Its answer was checked and found wrong."""
+        from phi4cli.text.checking import REFUTED
+
+        return self.check is not None and self.check.verdict == REFUTED
 
 
 def exit_status(outcomes: Sequence[Answered], answer_required: bool) -> ExitStatus:

@@ -44,6 +44,7 @@ from phi4cli.core.protocol import (
     Op,
 )
 from phi4cli.engines.backends import Backend, RequestStream
+from phi4cli.engines.checker import Checker
 from phi4cli.engines.dispatch import Announce
 from phi4cli.serve.http_access import AccessGuard, AccessPolicy, PeerGate, port_number
 from phi4cli.serve.openai_request import (
@@ -156,6 +157,8 @@ def create_app(
         name.lower()
         for name in (model_name, Path(model).name, Path(model).stem, "default", *aliases)
     )
+    # One checker for the server's answers (checks run one at a time, each a second at most).
+    checker = None if settings.check == "off" else Checker()
     registry = CollectorRegistry()
     registry.register(DaemonCollector(backend))
     http_requests = Counter("phi4_http_requests", "HTTP requests served, by path and status.",
@@ -297,7 +300,8 @@ def create_app(
         asked = chat_request.params[0].logprobs is not None
         choices = [Choice(i, stream, chat_request.stops, asked)
                    for i, stream in enumerate(streams)]  # fmt: skip
-        completion = Completion(model_name, choices, chat_request.include_usage)
+        completion = Completion(model_name, choices, chat_request.include_usage, checker,
+                                chat_request.params[0].prompt)  # fmt: skip
         if chat_request.stream:
             return StreamingResponse(completion.sse(first, pending),
                                      media_type="text/event-stream",
@@ -306,6 +310,7 @@ def create_app(
         if failed is not None:
             assert failed.outcome.error is not None
             raise ApiError.of(failed.outcome.error.code, failed.outcome.error.message)
+        await completion.check_all()
         return JSONResponse(completion.whole())
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -23,8 +23,11 @@ from phi4cli.core.protocol import (
     Stats,
 )
 from phi4cli.engines.backends import RequestStream
+from phi4cli.engines.checker import Checker
 from phi4cli.engines.outcome import Outcome
 from phi4cli.serve.openai_request import ApiError
+from phi4cli.text.checking import Check
+from phi4cli.text.reasoning import extract_final_answer
 
 
 def _finish_reason(outcome: Outcome) -> str:
@@ -94,6 +97,7 @@ class Choice:
         self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
         self._unsent: list[dict[str, Any]] = []
         self._covered = 0
+        self.check: Check | None = None  # its answer checked against the question (phi4_check)
 
     def apply(self, event: Event) -> list[Delta]:
         """Fold one event; return the deltas it makes for the client."""
@@ -156,6 +160,12 @@ class Choice:
         if self.reasoning:
             message["reasoning_content"] = self.reasoning
         return message
+
+
+def _checked(choice: Choice) -> dict[str, Any]:
+    """A choice's extension field ``phi4_check`` (its answer checked against the question),
+    where it was checked: on the choice of a whole answer, on a stream's last chunk of it."""
+    return {} if choice.check is None else {"phi4_check": choice.check.to_json()}
 
 
 def _logprobs_of(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
@@ -243,12 +253,26 @@ async def _events(
 class Completion:
     """One chat completion's answer, whole or as chunks: its choices interleaved."""
 
-    def __init__(self, model_name: str, choices: list[Choice], include_usage: bool) -> None:
+    def __init__(self, model_name: str, choices: list[Choice], include_usage: bool,
+                 checker: Checker | None = None, question: str = "") -> None:  # fmt: skip
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.model_name = model_name
         self.choices = choices
         self.include_usage = include_usage
+        self.checker, self.question = checker, question
+
+    async def check(self, choice: Choice) -> None:
+        """Check the final answer of ``choice`` as sent (up to a stop string) against the
+        question, in a worker thread: its ``phi4_check`` (none with ``check off``)."""
+        answer = extract_final_answer(choice.content)
+        if self.checker is None or answer is None or choice.outcome.error is not None:
+            return
+        choice.check = await anyio.to_thread.run_sync(self.checker.check, self.question, answer)
+
+    async def check_all(self) -> None:
+        for choice in self.choices:
+            await self.check(choice)
 
     async def fold(self, first: list[list[Event]]) -> Choice | None:
         """Read every choice to its end; return the first that failed (None if none did)."""
@@ -265,7 +289,8 @@ class Completion:
             "model": self.model_name,
             "choices": [{"index": c.index, "message": c.message(),
                          "logprobs": _logprobs_of(c.logprobs),
-                         "finish_reason": c.finish_reason} for c in self.choices],
+                         "finish_reason": c.finish_reason, **_checked(c)}
+                        for c in self.choices],
             "usage": _usage(self.choices),
         }  # fmt: skip
 
@@ -278,9 +303,10 @@ class Completion:
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
     def _delta(self, index: int, delta: dict[str, Any], finish: str | None = None,
-               logprobs: list[dict[str, Any]] | None = None) -> bytes:  # fmt: skip
+               logprobs: list[dict[str, Any]] | None = None,
+               extra: dict[str, Any] | None = None) -> bytes:  # fmt: skip
         return self._chunk([{"index": index, "delta": delta, "logprobs": _logprobs_of(logprobs),
-                             "finish_reason": finish}])  # fmt: skip
+                             "finish_reason": finish, **(extra or {})}])  # fmt: skip
 
     async def sse(self, first: list[list[Event]],
                   pending: dict[int, asyncio.Future[list[Event]]] | None = None
@@ -300,7 +326,9 @@ class Completion:
                     failed = choice
                     break
                 if event.terminal:
-                    yield self._delta(choice.index, {}, choice.finish_reason)
+                    await self.check(choice)
+                    yield self._delta(choice.index, {}, choice.finish_reason,
+                                      extra=_checked(choice))  # fmt: skip
         if failed is not None:
             assert failed.outcome.error is not None
             error = ApiError.of(failed.outcome.error.code, failed.outcome.error.message)
