@@ -3,6 +3,7 @@
 order they finished, the samples it cancels paying for the tokens they had written by then.
 
     python bench/votes.py simulate [--problems 2000] [--k 8] [--parallel 4] [--seeds 5]
+                                   [--checkable P]
     python bench/votes.py replay RESULTS.jsonl [--stop-unsure]
 
 ``simulate``: synthetic problems (the answer mixtures of ``bench/test_time.py``; a trace's
@@ -39,9 +40,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.test_time import MEDIAN_TOKENS, MIXTURES, TOKENS_SIGMA, draw_problem  # noqa: E402
-from phi4cli.client.solving import EarlyStop  # noqa: E402
+from phi4cli.client.solving import EarlyStop, votes  # noqa: E402
 from phi4cli.core.protocol import Stats  # noqa: E402
 from phi4cli.engines.outcome import Outcome  # noqa: E402
+from phi4cli.text.checking import Check  # noqa: E402
 from phi4cli.text.reasoning import AnswerComparer, majority_vote  # noqa: E402
 
 RATE = 10.0  # tokens a second a stream decodes, in the simulation (only the order matters)
@@ -54,6 +56,7 @@ class Sample:
     start_s: float
     end_s: float
     confidence: float | None = None
+    verdict: str | None = None  # its answer checked: "verified", "refuted", "unchecked"
 
 
 @dataclass
@@ -72,6 +75,8 @@ def _outcome(index: int, sample: Sample, unsure: bool) -> Outcome:
     outcome.stats = Stats(completion_tokens=sample.tokens, finish_reason="unsure" if unsure
                           else "stop", lowest_group_confidence=sample.confidence)  # fmt: skip
     outcome.done = True
+    if sample.verdict is not None:
+        outcome.check = Check(sample.verdict, "")
     return outcome
 
 
@@ -105,16 +110,22 @@ def replay(samples: list[Sample], compare: Any, stop_unsure: bool = False) -> Re
         took = sample.end_s - sample.start_s
         share = min(1.0, max(0.0, ran / took)) if took > 0 else 0.0
         tokens += round(sample.tokens * share)
-    voting = [samples[i].answer for i in range(k) if i not in stop.stopped
-              and i not in stop.unsure]  # fmt: skip
-    full = majority_vote([s.answer for s in samples], equal=compare)
+    kept = [i for i in range(k) if i not in stop.stopped and i not in stop.unsure]
+    # The vote as the CLI takes it (solving.votes: a verified answer first, a refuted one not).
+    voting = votes([_outcome(i, samples[i], False) for i in kept])
+    full = majority_vote(votes([_outcome(i, s, False) for i, s in enumerate(samples)]),
+                         equal=compare)  # fmt: skip
     return Replayed(majority_vote(voting, equal=compare).answer, full.answer, full.tie, tokens,
                     sum(s.tokens for s in samples), len(voting))  # fmt: skip
 
 
-def simulated(rng: random.Random, k: int, parallel: int, mixture: str) -> list[Sample]:
-    """A synthetic problem's K samples, run ``parallel`` at a time."""
+def simulated(rng: random.Random, k: int, parallel: int, mixture: str,
+              checkable: float = 0.0) -> list[Sample]:  # fmt: skip
+    """A synthetic problem's K samples, run ``parallel`` at a time; with chance ``checkable``
+    the problem is one the checker decides: its right answer verified, the others refuted (the
+    checker's measured wrong verdicts: none)."""
     answers = draw_problem(rng, k, mixture)
+    decided = checkable > 0 and rng.random() < checkable  # (no draw at 0: the same problems)
     free = [0.0] * parallel  # when each slot frees
     samples = []
     for answer in answers:
@@ -122,7 +133,9 @@ def simulated(rng: random.Random, k: int, parallel: int, mixture: str) -> list[S
         tokens = max(50, round(rng.lognormvariate(math.log(MEDIAN_TOKENS), TOKENS_SIGMA)))
         end = start + tokens / RATE
         heapq.heappush(free, end)
-        samples.append(Sample(answer, tokens, start, end, rng.uniform(5.0, 15.0)))
+        verdict = None if not decided or answer is None else (
+            "verified" if answer == "right" else "refuted")  # fmt: skip
+        samples.append(Sample(answer, tokens, start, end, rng.uniform(5.0, 15.0), verdict))
     return samples
 
 
@@ -144,7 +157,8 @@ def summarise(rows: list[Replayed], correct: list[tuple[bool, bool]] | None,
 
 
 def simulate(args: argparse.Namespace) -> dict[str, Any]:
-    result: dict[str, Any] = {"k": args.k, "parallel": args.parallel, "mixtures": {}}
+    result: dict[str, Any] = {"k": args.k, "parallel": args.parallel,
+                              "checkable": args.checkable, "mixtures": {}}  # fmt: skip
     compare = str.__eq__  # the simulation's answers are labels: "right", "d0", ...
     for mixture in MIXTURES:
         seeds = []
@@ -152,8 +166,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             rng = random.Random(seed)
             rows, correct = [], []
             for _ in range(args.problems):
-                row = replay(simulated(rng, args.k, args.parallel, mixture), compare,
-                             args.stop_unsure)  # fmt: skip
+                row = replay(simulated(rng, args.k, args.parallel, mixture, args.checkable),
+                             compare, args.stop_unsure)  # fmt: skip
                 rows.append(row)
                 correct.append((row.answer == "right", row.full == "right"))
             seeds.append({"seed": seed, **summarise(rows, correct, compare)})
@@ -173,7 +187,7 @@ def from_records(path: Path) -> tuple[list[list[Sample]], list[str]]:
             raise SystemExit(f"{path}: samples were cancelled: replay needs all K (--all)")
         problems.append([Sample(d["answer"], d["completion_tokens"],
                                 d["ended_s"] - (d["seconds"] or 0.0), d["ended_s"],
-                                d["confidence"]) for d in details])  # fmt: skip
+                                d["confidence"], d.get("check")) for d in details])  # fmt: skip
         references.append(str(record["reference"]))
     return problems, references
 
@@ -204,7 +218,8 @@ def _pct(value: float | None) -> str:
 def markdown(result: dict[str, Any]) -> str:
     if "mixtures" in result:
         lines = [
-            f"Simulated: K = {result['k']}, {result['parallel']} at a time; each cell: "
+            f"Simulated: K = {result['k']}, {result['parallel']} at a time, "
+            f"{result.get('checkable', 0):.0%} of problems checkable; each cell: "
             "median over the seeds (lowest to highest).",
             "",
             "| mixture | tokens saved | samples that voted | agrees with full-K (no tie) | "
@@ -245,6 +260,8 @@ def main() -> None:
     sim.add_argument("--parallel", type=int, default=4)
     sim.add_argument("--seeds", type=int, default=5)
     sim.add_argument("--stop-unsure", action="store_true")
+    sim.add_argument("--checkable", type=float, default=0.0,
+                     help="share of problems whose answers the checker decides")  # fmt: skip
     rep = sub.add_parser("replay")
     rep.add_argument("results", type=Path)
     rep.add_argument("--stop-unsure", action="store_true")
@@ -255,6 +272,7 @@ def main() -> None:
     result = simulate(args) if args.what == "simulate" else replay_file(args)
     name = args.what if args.what == "simulate" else f"replay-{args.results.stem}"
     name += "-unsure" if args.stop_unsure else ""
+    name += f"-checkable{round(100 * args.checkable)}" if getattr(args, "checkable", 0) else ""
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / f"votes-{name}.json").write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
