@@ -49,6 +49,10 @@ CASES = [
     ("What is 10% of 50?", "5", UNCHECKED),
     ("What is 3 + 4 in base 2?", "111", UNCHECKED),
     (r"What is $1\frac{1}{2} + 1$?", "2.5", UNCHECKED),  # a mixed number reads two ways
+    ("What is 9/5?", r"1\frac{4}{5}", UNCHECKED),  # in an answer too
+    ("What is -3^2?", "9", UNCHECKED),  # -9 by convention; not everyone's
+    ("What is 8/4/2?", "1", UNCHECKED),
+    ("Simplify sqrt(x^2)", "x", UNCHECKED),  # |x|: equal for x > 0 only
     # equations and systems
     ("Solve x^2 - 5x + 6 = 0", r"x = 2 \text{ or } x = 3", VERIFIED),
     ("Solve $x^2-5x+6=0$", r"\{2,3\}", VERIFIED),
