@@ -56,7 +56,8 @@ from phi4cli.text.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model
 from phi4cli.text.thinking import Act, ThinkingPolicy
 
 # What a server that does not continue an assistant's message is asked once phi4 has closed the
-# thinking (a budget, a loop): the thinking so far is its turn, then this one.
+# thinking (a budget, a loop, the answer asked for now): the thinking so far is its turn, then
+# this one.
 FINAL_ANSWER_ASK = ("Stop thinking now. Give your final answer, with the final result in "
                     "\\boxed{}.")  # fmt: skip
 CONNECT_TIMEOUT_S = 10.0  # at most; a shorter backend_timeout shortens it too
