@@ -88,7 +88,7 @@ def endless_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                    loop_from=len(START))  # fmt: skip
 
 
-def _endless_server(body: dict[str, Any]) -> Iterator[str | Step]:
+def endless_server(body: dict[str, Any]) -> Iterator[str | Step]:
     """Thinks LOOPING's words again and again, a word every 5 ms, up to max_tokens; asked to go
     on from a closed thinking, answers."""
     last = body["messages"][-1]
@@ -233,7 +233,7 @@ def test_a_backend_stream_answers_now_through_the_daemon(endless_model: Path):
 def test_a_backend_stream_answers_now_through_a_remote_engine():
     from phi4cli.engines.backends import RemoteBackend
 
-    with scripted_server(_endless_server) as server:
+    with scripted_server(endless_server) as server:
         backend = RemoteBackend(server.url, "m", None, 30.0)
         try:
             outcome = _solve_and_answer_now(backend, "m")
