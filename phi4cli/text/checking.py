@@ -65,10 +65,11 @@ NO_ANSWER = "no answer to check"
 _UNICODE = {
     "\u00d7": "*", "\u22c5": "*", "\u00b7": "*", "\u2219": "*", "\u00f7": "/", "\u2212": "-",
     "\u2013": "-", "\u2264": "<=", "\u2265": ">=", "\u2260": "!=", "\u03c0": "pi",
-    "\u221e": "oo", "\u221a": "sqrt", "\u00b2": "^2", "\u00b3": "^3", "\u00b9": "^1",
+    "\u221e": "oo", "\u00b2": "^2", "\u00b3": "^3", "\u00b9": "^1",
     "\u2070": "^0", "\u2074": "^4", "\u2075": "^5", "\u2076": "^6", "\u2077": "^7",
-    "\u2078": "^8", "\u2079": "^9", "\u00bd": "(1/2)", "\u2153": "(1/3)", "\u00bc": "(1/4)",
-    "\u00be": "(3/4)", "\u222a": " U ", "\u00b1": "+-", "\u2205": "{}", "\u2192": "->",
+    "\u2078": "^8", "\u2079": "^9", "\u00bd": "((1)/(2))", "\u2153": "((1)/(3))",
+    "\u00bc": "((1)/(4))", "\u00be": "((3)/(4))", "\u222a": " U ", "\u00b1": "+-",
+    "\u2205": "{}", "\u2192": "->",
     "\u2032": "'", "\u00a0": " ", "\u2009": " ", "\u202f": " ",
 }  # fmt: skip
 
@@ -84,7 +85,7 @@ _WORDS = {
     "emptyset": "{}", "varnothing": "{}", "to": "->", "rightarrow": "->", "in": " in ",
     "sin": "sin", "cos": "cos", "tan": "tan", "cot": "cot", "sec": "sec", "csc": "csc",
     "arcsin": "asin", "arccos": "acos", "arctan": "atan", "sinh": "sinh", "cosh": "cosh",
-    "tanh": "tanh", "ln": "log", "log": "log", "exp": "exp", "gcd": "gcd", "lcm": "lcm",
+    "tanh": "tanh", "ln": "ln", "log": "log", "exp": "exp", "gcd": "gcd", "lcm": "lcm",
     "bmod": " mod ", "mod": " mod ", "land": " and ", "lor": " or ", "dots": "...",
     "ldots": "...", "cdots": "...", "mathbb": "", "text": "", "textbf": "", "mathbf": "",
     "mbox": "", "textnormal": "", "dfrac": "frac", "tfrac": "frac", "frac": "frac",
@@ -125,6 +126,11 @@ def plain(text: str) -> str:
     """``text`` — LaTeX, Unicode or plain — in one plain syntax: ``frac{a}{b}`` is
     ``((a)/(b))``, ``\\sqrt`` ``sqrt(...)``, ``\\{`` ``{``; ``\\int``, ``\\sum`` and ``\\lim``
     keep their limits as ``int_(a)^(b)``. Raise _Unreadable for a command it does not know."""
+    # \u221a takes a number or a letter, or a parenthesised group: \u221a3 \u00d7 \u221a3 is 3.
+    text = re.sub("\u221a\\s*(\\d+(?:\\.\\d+)?|[A-Za-z])", r"sqrt(\1)", text)
+    text = text.replace("\u221a(", "sqrt(")
+    if "\u221a" in text:
+        raise _Unreadable("a \u221a without its argument")
     for char, replacement in _UNICODE.items():
         text = text.replace(char, replacement)
     text = text.replace("$", " ").replace("\\(", " ").replace("\\)", " ")
@@ -190,10 +196,13 @@ _NAMES = {*_FUNCTIONS, "pi", "oo", "E", "I"}
 _TOKEN = re.compile(r"\s*(?:(\d+\.\d*|\.\d+|\d+)|([A-Za-z]+)|(\*\*|[-+*/^(),!]))")
 
 
-def _parse(expression: str, variables: frozenset[str] = frozenset("xyzabcnkmtuvw")) -> Any:
+def _parse(expression: str, variables: frozenset[str] = frozenset("xyzabcnkmtuvw"),
+           evaluate: bool = True) -> Any:  # fmt: skip
     """An expression of the plain syntax as SymPy's (numbers exact: ``0.1`` is 1/10). Raise
     _Unreadable for anything but numbers, the known functions and constants, single-letter
-    variables among ``variables``, and ``+ - * / ^ ( ) , !``."""
+    variables among ``variables``, and ``+ - * / ^ ( ) , !`` — and for what reads two ways
+    (:func:`_ambiguous`, :func:`_unclear_tokens`, :func:`_unclear_value`). ``evaluate``: False
+    keeps the expression as written (``(x-3)^2/(x-3)`` is not cancelled)."""
     import sympy
     from sympy.parsing.sympy_parser import (
         convert_xor,
@@ -208,8 +217,7 @@ def _parse(expression: str, variables: frozenset[str] = frozenset("xyzabcnkmtuvw
         raise _Unreadable("an empty expression")
     if _ambiguous(text):
         raise _Unreadable("an expression that reads two ways")
-    names: list[str] = []
-    rebuilt: list[str] = []
+    tokens: list[tuple[str, str, bool]] = []  # (kind, its text, a space before it)
     at = 0
     while at < len(text):
         match = _TOKEN.match(text, at)
@@ -219,25 +227,36 @@ def _parse(expression: str, variables: frozenset[str] = frozenset("xyzabcnkmtuvw
             raise _Unreadable(f"{text[at : at + 10]!r}")
         number, name, operator = match.groups()
         at = match.end()
-        if name is not None:
+        kind = "number" if number is not None else "name" if name is not None else "op"
+        tokens.append((kind, number or name or operator, match.group(0)[:1].isspace()))
+    _unclear_tokens(tokens)
+    names: list[str] = []
+    rebuilt: list[str] = []
+    for index, (kind, token, _spaced) in enumerate(tokens):
+        if kind == "name":
+            name = token
+            if name == "log":
+                raise _Unreadable("log (to base 10, or e?)")
             if name not in variables:
                 name = {"ln": "log", "abs": "Abs", "e": "E", "i": "I"}.get(name, name)
             if name not in _NAMES and not (len(name) == 1 and name in variables):
                 # A run of variables written together (xy, xe) is their product.
                 letters = [c if c in variables else {"e": "E", "i": "I"}.get(c, "") for c in name]
-                if all(letters) and len(name) <= 3:
-                    rebuilt.append(" " + "*".join(letters) + " ")  # x·e^x, not (x·e)^x
-                    names.extend(letters)
-                    continue
-                raise _Unreadable(f"the name {name!r}")
+                if not all(letters) or len(name) > 3:
+                    raise _Unreadable(f"the name {name!r}")
+                if index and tokens[index - 1][1] == "/":
+                    raise _Unreadable("a/bc (is it a/(bc)?)")
+                rebuilt.append(" " + "*".join(letters) + " ")  # x·e^x, not (x·e)^x
+                names.extend(letters)
+                continue
             names.append(name)
             rebuilt.append(f" {name} ")
-        elif number is not None:
-            rebuilt.append(f" {number} ")
-        elif operator == "!":
+        elif kind == "number":
+            rebuilt.append(f" {token} ")
+        elif token == "!":
             _factorial(rebuilt)
         else:
-            rebuilt.append(operator)
+            rebuilt.append(token)
     if len(rebuilt) > 400:
         raise _Unreadable("a long expression")
     source = "".join(rebuilt)
@@ -251,12 +270,73 @@ def _parse(expression: str, variables: frozenset[str] = frozenset("xyzabcnkmtuvw
     transformations = (*standard_transformations, implicit_multiplication_application,
                        convert_xor, rationalize)  # fmt: skip
     try:
-        value = parse_expr(source, local_dict=local, transformations=transformations)
+        value = parse_expr(source, local_dict=local, transformations=transformations,
+                           evaluate=evaluate)  # fmt: skip
     except (SyntaxError, TypeError, ValueError, AttributeError, IndexError) as error:
         raise _Unreadable(f"cannot parse {expression!r}") from error
     if not isinstance(value, sympy.Expr):
         raise _Unreadable(f"not an expression: {expression!r}")
+    _unclear_value(value)
     return value
+
+
+_TRIG = ("sin", "cos", "tan", "cot", "sec", "csc")
+
+
+def _unclear_tokens(tokens: list[tuple[str, str, bool]]) -> None:
+    """Raise _Unreadable where the tokens (kind, text, whether a space came before it) read
+    two ways: ``5!!`` (a double factorial?), numbers side by side (``1 000``, ``1 1/2``),
+    ``1.2e5``, ``0.(3)``, a function whose argument has no parentheses and is followed by more
+    than + or - (``sin pi/6``, ``sin x cos x``, ``sin^2 x``), and an exponent of a number with a
+    letter or a bracket written against it (``e^2x``: e^(2x)?)."""
+    ends = {"+", "-", ")", ",", "="}
+    count = len(tokens)
+    for index, (kind, token, _spaced) in enumerate(tokens):
+        after = tokens[index + 1] if index + 1 < count else None
+        then = tokens[index + 2] if index + 2 < count else None
+        if token == "!" and after is not None and after[1] == "!":
+            raise _Unreadable("n!! (a double factorial?)")
+        if kind == "number" and after is not None:
+            if after[0] == "number":
+                raise _Unreadable("numbers side by side")
+            if token.endswith("."):
+                raise _Unreadable(f"{token} followed by more")
+            if after[0] == "name" and after[1][0] in "eE" and not after[2] and (
+                any(c.isdigit() for c in after[1]) or (then is not None and then[0] == "number")
+            ):  # fmt: skip
+                raise _Unreadable("a number in e-notation")
+        if kind == "name" and token in (*_FUNCTIONS, "ln", "log") and (
+            after is None or after[1] != "("
+        ):  # fmt: skip
+            if after is None or after[0] == "op":
+                raise _Unreadable(f"{token} without its argument")
+            if then is not None and then[1] not in ends:
+                raise _Unreadable(f"{token} whose argument has no parentheses")
+        if token == "^" and after is not None and after[0] == "number" and then is not None:
+            written_against = not then[2] and (
+                (then[0] == "name" and then[1] not in _NAMES) or then[1] == "("
+            )
+            if written_against:
+                raise _Unreadable("an exponent of a number and then more (e^2x)")
+
+
+def _unclear_value(value: Any) -> None:
+    """Raise _Unreadable for what SymPy would read another way than a person: an odd root of
+    what may be negative (SymPy's is complex: its cube root of -8 is not -2), and a
+    trigonometric function of a plain number (degrees or radians?)."""
+    import sympy
+
+    for node in sympy.preorder_traversal(value):
+        if isinstance(node, sympy.Pow):
+            exponent = node.exp
+            if exponent.is_Rational and not exponent.is_Integer and exponent.q % 2 == 1:
+                base = node.base
+                if not (base.is_number and base.is_positive):
+                    raise _Unreadable("an odd root of what may be negative")
+        elif isinstance(node, sympy.Function) and node.func.__name__ in _TRIG:
+            argument = node.args[0]
+            if argument.is_number and not argument.has(sympy.pi) and argument != 0:
+                raise _Unreadable("a trigonometric function of a plain number (degrees?)")
 
 
 def _factorial(rebuilt: list[str]) -> None:
@@ -300,15 +380,18 @@ def _unary_function(text: str) -> bool:
     return bool(re.search(r"\b(?:sin|cos|tan|log|ln|exp|sqrt)\s+\d+\s*[A-Za-z(]", text))
 
 
-def expression(text: str, variables: frozenset[str] = frozenset("xyzabcnkmtuvw")) -> Any:
-    """LaTeX, Unicode or plain text as a SymPy expression; raise _Unreadable."""
-    flat = plain(text).rstrip(" .,;")
-    if re.search(r"[<>=]|\bU\b|->|\.\.\.|%", flat):
+def expression(text: str, variables: frozenset[str] = frozenset("xyzabcnkmtuvw"),
+               evaluate: bool = True) -> Any:  # fmt: skip
+    """LaTeX, Unicode or plain text as a SymPy expression (``evaluate``: False, as written);
+    raise _Unreadable."""
+    flat = plain(text)
+    if re.search(r"[<>=]|\bU\b|->|\.\.|%", flat):
         raise _Unreadable("not a single expression")
+    flat = flat.rstrip(" .,;")
     flat = re.sub(r"\blogbase_\(([^()]*)\)\s*\(", r"logb(\1,", flat)
     if "logbase_" in flat or "logb" in flat:
         raise _Unreadable("a logarithm to a base")
-    return _parse(flat, variables)
+    return _parse(flat, variables, evaluate)
 
 
 # --- comparing values ------------------------------------------------------------------------
@@ -362,15 +445,15 @@ def _compare(a: Any, b: Any) -> str | None:
 
 
 def _points(count: int) -> Iterator[Any]:
-    """Fixed pseudo-random rational points in (0.2, 2.8) or (-2.8, -0.2), away from simple
-    singularities: of both signs, so that sqrt(x^2) and x are not taken as equal."""
+    """Fixed pseudo-random rational points in (0.2, 2.8) or (2, 28), of either sign, away from
+    simple singularities: of both signs and sizes, so that |x + 3| and x + 3 differ somewhere."""
     import random
 
     import sympy
 
     rng = random.Random(20261207)
     for _ in range(count):
-        point = sympy.Rational(rng.randint(200_000, 2_800_000), 1_000_000)
+        point = sympy.Rational(rng.randint(200_000, 2_800_000), 1_000_000) * rng.choice((1, 10))
         yield rng.choice((1, -1)) * point + sympy.Rational(1, 7919)
 
 
@@ -382,10 +465,21 @@ def equivalent(a: Any, b: Any, variables: list[Any]) -> str | None:
     if not variables:
         return _compare(a, b)
     try:
-        if sympy.expand(a - b) == 0:
-            return "same"
+        difference = sympy.expand(a - b)
     except (TypeError, ValueError, ArithmeticError, RecursionError):
-        pass
+        difference = None
+    if difference == 0:
+        return "same"
+    if difference is not None and not difference.free_symbols:
+        return _compare(difference, sympy.Integer(0))  # x + 10^-60 and x: apart, exactly
+    # With a root, a logarithm or an absolute value, equal where both are real is not equal
+    # (sqrt(x^2 + 6x + 9) and x + 3; ln(x^2) and 2 ln x): only a proof says "same".
+    branched = any(
+        isinstance(node, (sympy.log, sympy.Abs))
+        or (isinstance(node, sympy.Pow) and not node.exp.is_Integer)
+        for side in (a, b)
+        for node in sympy.preorder_traversal(side)
+    )
     verdicts: list[str] = []
     points = list(_points(ROUNDS * len(variables)))
     for round_ in range(ROUNDS):
@@ -395,8 +489,11 @@ def equivalent(a: Any, b: Any, variables: list[Any]) -> str | None:
             y = _number(b.subs(at))
         except (TypeError, ValueError, ArithmeticError, RecursionError):
             continue
-        if x is None or y is None or not (x.is_real and y.is_real):
+        real = [v is not None and v.is_real for v in (x, y)]
+        if not any(real):
             continue
+        if not all(real):
+            return None  # defined at this point on one side only: another domain
         verdict = _compare(x, y)
         if verdict is None:
             return None
@@ -405,6 +502,11 @@ def equivalent(a: Any, b: Any, variables: list[Any]) -> str | None:
         return None
     # Equal at some points and not at others (|x| and x): it depends on the domain, undecided.
     if all(v == "same" for v in verdicts):
+        if branched:
+            try:
+                return "same" if sympy.simplify(a - b) == 0 else None
+            except (TypeError, ValueError, ArithmeticError, RecursionError):
+                return None
         return "same"
     if all(v == "apart" for v in verdicts):
         return "apart"
@@ -440,8 +542,12 @@ def _answer_text(answer: str) -> str:
     for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if text.startswith(left) and text.endswith(right) and len(text) > len(left + right):
             text = text[len(left) : -len(right)]
-    text = re.sub(r"^\\boxed\{(.*)\}$", r"\1", text.strip(), flags=re.S)
-    return text.strip().rstrip(".").strip()
+    text = re.sub(r"^\\boxed\{(.*)\}$", r"\1", text.strip(), flags=re.S).strip()
+    if re.search(r"(?:\.\.\.|\u2026|\\[lc]?dots|\\overline)", text):
+        raise _Unreadable("a repeating decimal or a list that goes on")
+    if re.search(r"\d(?:,|\\,|\{,\}|\\ )\d{3}(?!\d)", text):
+        raise _Unreadable("digits grouped in thousands, or a list (1,000?)")
+    return text[:-1].strip() if text.endswith(".") else text
 
 
 def _split_values(text: str) -> list[str]:
@@ -497,7 +603,7 @@ def answer_values(answer: str, unknown: str | None) -> list[Any] | None:
 # --- the kinds of problem ----------------------------------------------------------------------
 
 _LEAD = r"(?:what\s+is|what's|compute|calculate|evaluate|find|determine|give)"
-_ARITHMETIC = re.compile(rf"^(?:{_LEAD})(?:\s+the\s+value\s+of)?\s*:?\s*(?P<e>.+?)\s*[?.!]?$", re.I)
+_ARITHMETIC = re.compile(rf"^(?:{_LEAD})(?:\s+the\s+value\s+of)?\s*:?\s*(?P<e>.+?)\s*[?.]?$", re.I)
 _REMAINDER = re.compile(
     r"^(?:what\s+is|find|compute|determine)\s+the\s+remainder\s+when\s+(?P<a>.+?)\s+is\s+"
     r"divided\s+by\s+(?P<b>.+?)\s*[?.]?$", re.I)  # fmt: skip
@@ -594,8 +700,20 @@ def check(problem: str, answer: str | None) -> Check:
         except Exception as error:  # SymPy's failures are many: never a verdict
             return unchecked(f"SymPy could not decide ({type(error).__name__})")
         if found is not None:
-            return found
+            if found.verdict == REFUTED and _has_decimal(answer) and kind not in _EXACT_KINDS:
+                # A decimal answer to an equation, a derivative...: perhaps rounded.
+                return unchecked(f"a decimal answer, which may be rounded ({found.detail})")
+            return _bounded(found)
     return unchecked(NOT_A_KIND)
+
+
+DETAIL_CHARS = 160  # of a detail line: a 5,000-digit number is not worth a screen
+
+
+def _bounded(found: Check) -> Check:
+    if len(found.detail) <= DETAIL_CHARS:
+        return found
+    return Check(found.verdict, found.detail[: DETAIL_CHARS - 1] + "\u2026")
 
 
 # Each kind returns None when the problem is not of it (the next is tried), else a Check.
@@ -608,8 +726,8 @@ def _remainder(text: str, answer: str) -> Check | None:
     import sympy
 
     a, b = expression(match["a"], frozenset()), expression(match["b"], frozenset())
-    if not (a.is_integer and b.is_integer and b != 0):
-        return unchecked("the remainder of numbers that are not whole")
+    if not (a.is_integer and b.is_integer and a >= 0 and b > 0):
+        return unchecked("the remainder of numbers that are not whole and positive")
     return _against(sympy.Mod(a, b), answer,
                     f"{_plain_shown(match['a'])} mod {_plain_shown(match['b'])}")  # fmt: skip
 
@@ -637,26 +755,31 @@ def _against(value: Any, answer: str, what: str) -> Check:
     if verdict == "same":
         return Check(VERIFIED, f"{what} = {shown(value)}")
     if verdict == "apart":
-        if _rounded(answer, value):
-            return unchecked(f"{what} = {shown(value)}: the answer agrees to the places it gives")
-        return Check(REFUTED, f"{what} = {shown(value)}, not {shown(given[0])}")
+        if _rounded(answer, given[0], value):
+            return unchecked(f"{what} = {_short(value)}: the answer may be it rounded")
+        return Check(REFUTED, f"{what} = {_short(value)}, not {_short(given[0])}")
     return unchecked(f"could not compare the answer with {what} = {shown(value)}")
 
 
-def _rounded(answer: str, value: Any) -> bool:
-    """Whether a decimal answer is ``value`` rounded to the places it shows (``0.333`` for 1/3):
+def _rounded(answer: str, given: Any, value: Any) -> bool:
+    """Whether an answer written with a decimal point may be ``value`` rounded (``0.333`` for
+    1/3, ``1.2158 \\times 10^{19}`` for 3^40): within half a unit of its last place, or 1%:
     not a wrong value, so no refutation."""
-    decimal = re.search(r"(-?\d*\.(\d+))", _answer_text(answer))
-    if decimal is None:
+    if not _has_decimal(answer):
         return False
-    places = len(decimal.group(2))
-    number = _number(value)
-    if number is None:
-        return False
+    places = max(len(d) for d in re.findall(r"\.(\d+)", answer))
+    x, y = _number(given), _number(value)
+    if x is None or y is None:
+        return True  # (undecided: say nothing against it)
     try:
-        return abs(float(number) - float(decimal.group(1))) <= 0.5001 * 10.0**-places
+        gap = abs(complex(x - y))
+        return gap <= 0.5001 * 10.0**-places or gap <= 0.01 * abs(complex(y))
     except (TypeError, ValueError, OverflowError):
-        return False
+        return True
+
+
+def _has_decimal(answer: str) -> bool:
+    return re.search(r"\d?\.\d", answer) is not None
 
 
 def _arithmetic(text: str, answer: str) -> Check | None:
@@ -670,10 +793,13 @@ def _arithmetic(text: str, answer: str) -> Check | None:
         if mod is not None:
             import sympy
 
+            # "3 + 5 mod 3": (3 + 5) mod 3, or 3 + (5 mod 3)? Only a single term is read.
+            if _top_level_sum(plain(mod["a"])) or re.search(r"[-+*/^]", mod["p"] or mod["b"]):
+                raise _Unreadable("a mod whose operands read two ways")
             a = expression(mod["a"], frozenset())
             b = expression(mod["p"] or mod["b"], frozenset())
-            if not (a.is_integer and b.is_integer and b != 0):
-                return unchecked("a remainder of numbers that are not whole")
+            if not (a.is_integer and b.is_integer and a >= 0 and b > 0):
+                return unchecked("a remainder of numbers that are not whole and positive")
             return _against(sympy.Mod(a, b), answer, f"{_plain_shown(mod['a'])} mod "
                             f"{_plain_shown(mod['p'] or mod['b'])}")  # fmt: skip
         value = _closed_sum(body) if "\\sum" in body else expression(body, frozenset())
@@ -682,6 +808,16 @@ def _arithmetic(text: str, answer: str) -> Check | None:
     if value is None or value.free_symbols:
         return None
     return _against(value, answer, _plain_shown(body))
+
+
+def _top_level_sum(text: str) -> bool:
+    """Whether ``text`` has a + or - outside parentheses, after its first character."""
+    depth = 0
+    for at, char in enumerate(text):
+        depth += (char == "(") - (char == ")")
+        if depth == 0 and char in "+-" and at and text[:at].strip():
+            return True
+    return False
 
 
 def _plain_shown(body: str) -> str:
@@ -703,6 +839,8 @@ def _closed_sum(body: str) -> Any:
     var, low, high, term = match.groups()
     if "oo" in high:
         return None  # an infinite series: the calculus kind
+    if _top_level_sum(term):
+        raise _Unreadable("a sum whose term reads two ways (the sum of k + 1?)")
     k = sympy.Symbol(var)
     lo, hi = _parse(low, frozenset()), _parse(high, frozenset())
     if not (lo.is_integer and hi.is_integer) or hi - lo > 100_000:
@@ -744,22 +882,53 @@ def _solve(text: str, answer: str) -> Check | None:
     real = bool(match["real"] or match["real2"])
     sides = [(expression(lhs, _LETTERS), op, expression(rhs, _LETTERS))
              for lhs, op, rhs in relations]  # fmt: skip
+    # Where a side is undefined as written: SymPy cancels (x-3)^2/(x-3) as it parses.
+    poles = _poles([text for lhs, _, rhs in relations for text in (lhs, rhs)])
     unknowns = sorted({s for lhs, _, rhs in sides for s in (lhs - rhs).free_symbols}, key=str)
     if named is not None and sympy.Symbol(named) not in unknowns:
         return unchecked(f"the problem names {named}, which its equations do not hold")
+    if any(op == "=" for _, op, _ in sides) and any(op != "=" for _, op, _ in sides):
+        return unchecked("equations and inequalities together (a range of x?)")
     if any(op != "=" for _, op, _ in sides):
         if len(unknowns) != 1 or any(op == "!=" for _, op, _ in sides):
             return unchecked("an inequality in more than one unknown")
-        return _inequality(sides, unknowns[0], answer)
+        return _inequality(sides, unknowns[0], answer, poles)
     if len(unknowns) == 1 and len(sides) == 1:
-        return _equation(sides[0], unknowns[0], answer, real)
+        return _equation(sides[0], unknowns[0], answer, real, poles)
     return _system(sides, unknowns, answer)
+
+
+def _poles(texts: list[str]) -> list[Any]:
+    """The denominators of the sides as written (parsed without evaluating them): where one
+    is 0, the equation is undefined."""
+    import sympy
+
+    bases = []
+    for text in texts:
+        for node in sympy.preorder_traversal(expression(text, _LETTERS, evaluate=False)):
+            if isinstance(node, sympy.Pow) and node.exp.is_number and node.exp.is_negative:
+                bases.append(node.base)
+    return bases
+
+
+def _at_pole(poles: list[Any], x: Any, value: Any) -> str | None:
+    """ "same" where ``value`` makes a denominator 0, "apart" where none, None undecided."""
+    import sympy
+
+    for base in poles:
+        if not base.has(x):
+            continue
+        verdict = _compare(base.subs(x, value), sympy.Integer(0))
+        if verdict != "apart":
+            return verdict
+    return "apart"
 
 
 _LETTERS = frozenset("abcdfghjklmnpqrstuvwxyz")  # (e and i are constants)
 
 
-def _equation(side: tuple[Any, str, Any], x: Any, answer: str, real: bool) -> Check:
+def _equation(side: tuple[Any, str, Any], x: Any, answer: str, real: bool,
+              poles: list[Any]) -> Check:  # fmt: skip
     import sympy
 
     left, _, right = side
@@ -776,7 +945,11 @@ def _equation(side: tuple[Any, str, Any], x: Any, answer: str, real: bool) -> Ch
         except (ArithmeticError, TypeError, ValueError):
             return unchecked("the equation could not be evaluated at the answer")
         at = [side.subs(x, value) for side in (left, right)]
-        if any(v.has(sympy.zoo, sympy.nan) for v in at):
+        pole = _at_pole(poles, x, value)
+        if pole is None:
+            return unchecked(f"could not tell whether the equation is defined at {x} = "
+                             f"{shown(value)}")  # fmt: skip
+        if pole == "same" or any(v.has(sympy.zoo, sympy.nan) for v in at):
             # Undefined there as written (a division by zero): not a solution.
             return Check(REFUTED, f"{x} = {shown(value)} is outside the equation's domain")
         if residual.has(sympy.zoo, sympy.nan) or _number(at[0]) is None:
@@ -804,6 +977,8 @@ def _equation(side: tuple[Any, str, Any], x: Any, answer: str, real: bool) -> Ch
     for root in _poly_roots(poly):
         at_pole = _compare(denominator.subs(x, root), sympy.Integer(0)) if denominator.has(
             x) else "apart"  # fmt: skip
+        if at_pole == "apart":
+            at_pole = _at_pole(poles, x, root)
         if at_pole is None:
             return unchecked(f"each value satisfies {relation}; its roots could not all be told")
         if at_pole == "apart":  # (a root of the numerator where the equation is undefined: none)
@@ -812,9 +987,10 @@ def _equation(side: tuple[Any, str, Any], x: Any, answer: str, real: bool) -> Ch
     every = "both" if len(values) == 2 else ("the" if len(values) == 1 else "all")
     roots_word = "root" if len(values) == 1 else "roots"
     if _same_set(distinct, real_roots) or (not real and _same_set(distinct, roots)):
-        return Check(VERIFIED, f"{every} {roots_word} satisfy {relation}, and it has no others"
-                     if len(values) > 1 else f"{x} = {shown(values[0])} satisfies {relation}, "
-                     "its only root" + ("" if len(roots) == 1 else " that is real"))  # fmt: skip
+        others = "" if _same_set(distinct, roots) else " real"
+        return Check(VERIFIED, f"{every} {roots_word} satisfy {relation}, and it has no other"
+                     f"{others} roots" if len(values) > 1 else f"{x} = {shown(values[0])} "
+                     f"satisfies {relation}, its only{others} root")  # fmt: skip
     missing = [r for r in (real_roots if real or _all_real(distinct) else roots)
                if not any(_compare(r, v) == "same" for v in distinct)]  # fmt: skip
     if missing:
@@ -889,6 +1065,8 @@ def _assignment(answer: str, unknowns: list[Any]) -> dict[Any, Any] | None:
     names = [str(u) for u in unknowns]
     tuple_form = re.fullmatch(r"(?:\(\s*([a-z\s,]+)\)\s*=\s*)?\((.+)\)", flat.strip())
     if tuple_form is not None:
+        if tuple_form[1] is None and names not in (["x", "y"], ["x", "y", "z"]):
+            return None  # a bare (1, 2, 3, 4): in which order are a, b, c, d?
         order = names if tuple_form[1] is None else [n.strip() for n in tuple_form[1].split(",")]
         pieces = _split_values(tuple_form[2])
         if sorted(order) != sorted(names) or len(pieces) != len(order):
@@ -911,11 +1089,21 @@ def _assignment(answer: str, unknowns: list[Any]) -> dict[Any, Any] | None:
         return None
 
 
-def _inequality(sides: list[tuple[Any, str, Any]], x: Any, answer: str) -> Check:
+def _inequality(sides: list[tuple[Any, str, Any]], x: Any, answer: str,
+                poles: list[Any]) -> Check:  # fmt: skip
     import sympy
 
     ops = {"<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge}
+    if not all((left - right).is_algebraic_expr(x) for left, _, right in sides):
+        # SymPy solves a periodic inequality over one period only, and says nothing of it.
+        return unchecked("an inequality with functions in it (sin x > 0 holds on many intervals)")
     solution = sympy.Reals
+    for base in poles:
+        if base.has(x):
+            zeros = sympy.solveset(base, x, sympy.Reals)
+            if not isinstance(zeros, sympy.FiniteSet):
+                return unchecked("an inequality whose undefined points could not be found")
+            solution = sympy.Complement(solution, zeros)
     for left, op, right in sides:
         relation = ops[op](left, right)
         part = sympy.solve_univariate_inequality(relation, x, relational=False,
@@ -1021,17 +1209,23 @@ def _derivative(text: str, answer: str) -> Check | None:
     return unchecked("could not compare the answer with the derivative")
 
 
-def _function_answer(answer: str, prefix: str, allowed: set[Any]) -> Any:
-    """The expression an answer gives (``f'(x) = ...`` and a ``+ C`` taken off), or None."""
-    text = _CONSTANT.sub("", _answer_text(answer))
+def _function_answer(answer: str, prefix: str, allowed: set[Any], constant: bool = False,
+                     evaluate: bool = True) -> Any:  # fmt: skip
+    """The expression an answer gives (``f'(x) = ...`` taken off; with ``constant``, an
+    antiderivative's ``+ C`` too; ``evaluate`` False: as written, 2(x - 2) not made 2x - 4),
+    or None."""
+    text = _answer_text(answer)
+    if constant:
+        text = _CONSTANT.sub("", text)
     try:
         flat = plain(text)
     except _Unreadable:
         return None
     flat = re.sub(rf"^{prefix}\s*=\s*", "", flat).strip()
-    flat = re.sub(r"\+\s*C\s*$", "", flat).strip()
+    if constant:
+        flat = re.sub(r"\+\s*C\s*$", "", flat).strip()
     try:
-        value = _parse(flat, frozenset(str(s) for s in allowed))
+        value = _parse(flat, frozenset(str(s) for s in allowed), evaluate)
     except _Unreadable:
         return None
     return value if value.free_symbols <= allowed else None
@@ -1058,7 +1252,7 @@ def _antiderivative(text: str, answer: str) -> Check | None:
                    else body, frozenset("x"))  # fmt: skip
     if f.free_symbols - {x}:
         return unchecked("an integrand in more than x")
-    given = _function_answer(answer, r"(?:F\s*\(x\))", {x})
+    given = _function_answer(answer, r"(?:F\s*\(x\))", {x}, constant=True)
     if given is None:
         return unchecked("the answer is not an expression in x")
     verdict = equivalent(sympy.diff(given, x), f, [x])
@@ -1189,7 +1383,8 @@ def _limit(body: str, var: str, point: str, side: str, answer: str) -> Check:
     gap_close = max(abs(complex(v - target)) for v in close)
     if not (gap_close < 1e-6 and gap_close <= gap_far):
         return unchecked("SymPy's limit and the numbers near the point disagree")
-    return _against(value, answer, f"the limit of {shown(f)} as {var} -> {shown(a)}")
+    side_shown = {"+": "+", "-": "-"}.get(direction, "") if a not in (sympy.oo, -sympy.oo) else ""
+    return _against(value, answer, f"the limit of {shown(f)} as {var} -> {shown(a)}{side_shown}")
 
 
 def _series(var: str, low: str, body: str, answer: str) -> Check:
@@ -1234,8 +1429,16 @@ def _algebra(text: str, answer: str) -> Check | None:
         return unchecked("could not compare the answer with the expression")
     if verb.startswith("simplify"):
         return Check(VERIFIED, f"the answer equals {shown(problem)}")
+    written_form = _function_answer(answer, r"(?:[a-z]\s*(?:\([a-z]\))?)", set(symbols),
+                                    evaluate=False)  # fmt: skip
+    if written_form is None:
+        return unchecked("the answer equals the expression; its form could not be read")
     if verb.startswith("expand"):
-        if sympy.expand(given) == given:
+        if sympy.expand(written_form) == written_form and not any(
+            (isinstance(node, sympy.Pow) and isinstance(node.base, sympy.Add))
+            or (isinstance(node, sympy.Mul) and any(isinstance(a, sympy.Add) for a in node.args))
+            for node in sympy.preorder_traversal(written_form)
+        ):  # fmt: skip
             return Check(VERIFIED, f"the answer is {shown(problem)} expanded")
         return unchecked("the answer equals the expression but is not expanded")
     # Factor: equal, and in as many irreducible factors (over the rationals) as it has.
@@ -1244,11 +1447,32 @@ def _algebra(text: str, answer: str) -> Check | None:
                          "was not checked")  # fmt: skip
     _, factors = sympy.factor_list(sympy.expand(problem))
     wanted = sum(power for _, power in factors)
-    written = _written_factors(given)
+    written = _written_factors(written_form)
+    if not _primitive_factors(written_form, symbols[0]):
+        return unchecked("the answer equals the expression; a factor of it has a common factor "
+                         "left (2x - 4)")  # fmt: skip
     if written == wanted:
         return Check(VERIFIED, f"the answer is {shown(problem)} in {wanted} irreducible factors")
     return unchecked(f"the answer equals the expression, but {shown(sympy.factor(problem))} "
                      "has more factors")  # fmt: skip
+
+
+def _primitive_factors(value: Any, x: Any) -> bool:
+    """Whether each non-constant factor of a product as written has coefficients with no
+    common factor (``2x - 4`` has 2)."""
+    import sympy
+
+    for factor in sympy.Mul.make_args(value):
+        if not factor.free_symbols:
+            continue
+        base = factor.as_base_exp()[0]
+        try:
+            content = sympy.Poly(base, x).content()
+        except (sympy.PolynomialError, sympy.GeneratorsNeeded):
+            return False
+        if abs(content) != 1:
+            return False
+    return True
 
 
 def _written_factors(value: Any) -> int:
@@ -1263,6 +1487,9 @@ def _written_factors(value: Any) -> int:
         count += int(exponent) if exponent.is_Integer and exponent > 0 else 1
     return count
 
+
+# Kinds that weigh a decimal answer's rounding themselves (_against).
+_EXACT_KINDS: tuple[Callable[[str, str], Check | None], ...] = (_remainder, _gcd, _arithmetic)
 
 _KINDS: tuple[Callable[[str, str], Check | None], ...] = (
     _remainder, _gcd, _solve, _derivative, _antiderivative, _limit_words, _algebra, _calculus,
