@@ -11,19 +11,17 @@ the worker killed (the next check starts another).
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import subprocess
-import sys
 import threading
 import time
 
-from phi4cli.text.checking import UNCHECKED, Check, checkable, unchecked
-
+# SymPy's room (its patterns take milliseconds to compile) and subprocess are imported when a
+# check is first prepared, after the request has gone out: not when a solve starts.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import subprocess
     from typing import IO
+
+    from phi4cli.text.checking import Check
 
 CHECK_S = 1.0  # the longest an answer waits for its check
 START_S = 5.0  # the longest a worker may take to load SymPy, from when it was started
@@ -42,28 +40,32 @@ class Checker:
         self._arrived = threading.Condition()
         self._lock = threading.Lock()
         self.timed_out = 0  # checks cut off (their verdict: unchecked)
+        self.prepared = False  # prepare has been called
 
     def prepare(self, problem: str) -> None:
         """Start the worker now if ``problem`` may be checked, so that SymPy is loaded by the
         time its answer comes."""
+        from phi4cli.text.checking import checkable
+
+        self.prepared = True
         if checkable(problem):
             with self._lock:
                 self._start()
 
     def check(self, problem: str, answer: str | None) -> Check:
         """The verdict on ``answer`` to ``problem``, within ``seconds`` once the worker is up."""
-        if answer is None or not answer.strip():
-            from phi4cli.text.checking import NO_ANSWER
+        from phi4cli.text.checking import NO_ANSWER, NOT_A_KIND, checkable, unchecked
 
+        if answer is None or not answer.strip():
             return unchecked(NO_ANSWER)
         if not checkable(problem):
-            from phi4cli.text.checking import NOT_A_KIND
-
             return unchecked(NOT_A_KIND)
         with self._lock:
             try:
                 return self._ask(problem, answer)
             except OSError:
+                from phi4cli.text.checking import unchecked
+
                 self._stop()
                 return unchecked("the checker could not be started")
 
@@ -80,6 +82,10 @@ class Checker:
     # -- the worker --
 
     def _start(self) -> None:
+        import os
+        import subprocess
+        import sys
+
         if self._worker is not None and self._worker.poll() is None:
             return
         self._lines = []
@@ -119,6 +125,10 @@ class Checker:
             return self._lines.pop(0)
 
     def _ask(self, problem: str, answer: str) -> Check:
+        import json
+
+        from phi4cli.text.checking import UNCHECKED, VERDICTS, Check, unchecked
+
         self._start()
         worker = self._worker
         assert worker is not None and worker.stdin is not None
@@ -145,8 +155,6 @@ class Checker:
             verdict, detail = str(reply["verdict"]), str(reply["detail"])
         except (ValueError, KeyError, TypeError):
             return unchecked("the checker's reply could not be read")
-        from phi4cli.text.checking import VERDICTS
-
         return Check(verdict if verdict in VERDICTS else UNCHECKED, detail)
 
     def _stop(self) -> None:
@@ -154,6 +162,8 @@ class Checker:
         self._ready = False
         if worker is None:
             return
+        import contextlib
+        import subprocess
         with contextlib.suppress(OSError):
             worker.kill()
         if worker.stdin is not None:  # (its stdout ends for the reader: the process is gone)
