@@ -47,6 +47,8 @@ def format_stats(stats: Stats) -> str:
     said = []
     if stats.budget_reached:
         said.append("budget reached")
+    elif stats.answered_early:
+        said.append("answered early")
     elif stats.thinking_unfinished:
         said.append("unfinished")
     if stats.loop is not None:
@@ -328,10 +330,22 @@ class TerminalPresenter:
         self._live: Any = None
         self._last_refresh = 0.0
         self._reasoning_open = False
+        self.key_hint: str | None = None  # a key the live line offers (keys.ANSWER_NOW_HINT)
+        self._answering_now = False  # that key was pressed: the answer is asked for now
 
     def _thinking_line(self) -> str:
         elapsed = time.monotonic() - self._started
-        return f"thinking… {elapsed:.1f} s · {self._reasoning_tokens} tokens"
+        line = f"thinking… {elapsed:.1f} s · {self._reasoning_tokens} tokens"
+        if self._answering_now:
+            return f"{line} · answering now…"
+        return f"{line} · {self.key_hint}" if self.key_hint else line
+
+    def answering_now(self) -> None:
+        """The answer was asked for now (Enter while it thinks): the live line says so, and
+        the line left once the thinking ends says it was answered early."""
+        self._answering_now = True
+        if self._status is not None:
+            self._status.update(self._thinking_line())
 
     def _stop_status(self) -> None:
         if self._status is not None:
@@ -407,12 +421,16 @@ class TerminalPresenter:
         if outcome.solution.strip():
             self.out.print(_markdown(outcome.solution))
 
-    def _thought(self) -> None:
+    def _thought(self, early: bool | None = None) -> None:
         """Once the thinking is over: a dim line on stderr saying how long it took, where the
-        live line was (at a terminal only, once)."""
+        live line was (at a terminal only, once), and whether the answer was asked for before
+        it ended (``early``; None: whether it was asked for here)."""
         if self._reasoning_tokens and self._thought_s is None and self.err.is_terminal:
             self._thought_s = time.monotonic() - self._started
-            self.err.print(f"Thought for {self._thought_s:.1f} s", style="dim", markup=False)
+            early = self._answering_now if early is None else early
+            said = " (answered early)" if early else ""
+            self.err.print(f"Thought for {self._thought_s:.1f} s{said}", style="dim",
+                           markup=False)  # fmt: skip
 
     def print_outcome(
         self,
@@ -428,7 +446,8 @@ class TerminalPresenter:
         self.stop()
         if self._reasoning_open:
             self.err.print(self._reasoning_cleaner.flush(), style="dim", markup=False)
-        self._thought()  # no answer came after the thinking: say it here
+        # No answer came after the thinking: say it here, answered early as its stats say.
+        self._thought(outcome.stats is not None and outcome.stats.answered_early)
         if outcome.solution.strip():
             self.out.print(_markdown(outcome.solution))
         final = outcome.answer if answer is None else answer

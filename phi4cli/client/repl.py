@@ -8,7 +8,6 @@ import contextlib
 import io
 import os
 import re
-import select
 import signal
 import threading
 import time
@@ -23,6 +22,7 @@ from prompt_toolkit.history import FileHistory
 from phi4cli.client.chats import ChatStore, Conversation, Turn, default_name
 from phi4cli.client.environment import Environment
 from phi4cli.client.exits import Announce, say
+from phi4cli.client.keys import ANSWER_NOW_HINT, AnswerKeys, AnswerNow
 from phi4cli.client.render import (
     PlainPresenter,
     TerminalPresenter,
@@ -105,71 +105,6 @@ class Interrupts:
             yield
         finally:
             self._raising = False
-
-
-class AnswerKeys:
-    """The keyboard while an answer streams: nothing typed is echoed into it, Ctrl-C stops it.
-
-    From Enter to the next prompt the terminal is put in non-canonical mode without echo, with
-    signals on, so Ctrl-C is a SIGINT whenever it is pressed. A Ctrl-C typed so soon after
-    Enter that the prompt still read it as a key (prompt-toolkit keeps such keys for the next
-    prompt) or the terminal queued it as a byte counts as well. Every other key typed from
-    Enter to the next prompt is discarded: typed blind, it would otherwise land in the next
-    question unseen.
-    """
-
-    def __init__(self, fd: int, prompt_input: Any = None) -> None:
-        self.fd = fd
-        self.prompt_input = prompt_input  # prompt-toolkit's Input, whose typeahead is checked
-        self._saved: list[Any] | None = None
-
-    def begin(self) -> bool:
-        """Quiet the keyboard; return True if a Ctrl-C was typed already."""
-        import termios
-
-        interrupted = self._typeahead_has_ctrl_c()
-        try:
-            self._saved = termios.tcgetattr(self.fd)
-        except (termios.error, OSError):
-            self._saved = None
-            return interrupted
-        mode = [*self._saved[:6], list(self._saved[6])]
-        mode[3] = (mode[3] & ~(termios.ECHO | termios.ICANON)) | termios.ISIG
-        mode[6][termios.VMIN], mode[6][termios.VTIME] = 0, 0
-        with contextlib.suppress(termios.error, OSError):
-            termios.tcsetattr(self.fd, termios.TCSANOW, mode)
-        return b"\x03" in self._drain() or interrupted
-
-    def end(self) -> None:
-        """Discard what was typed, and give the terminal back as it was."""
-        import termios
-
-        self._typeahead_has_ctrl_c()  # and forget the rest of it
-        if self._saved is None:
-            return
-        self._drain()
-        with contextlib.suppress(termios.error, OSError):
-            termios.tcsetattr(self.fd, termios.TCSANOW, self._saved)
-        self._saved = None
-
-    def _typeahead_has_ctrl_c(self) -> bool:
-        if self.prompt_input is None:
-            return False
-        from prompt_toolkit.input.typeahead import get_typeahead
-        from prompt_toolkit.keys import Keys
-
-        return any(press.key == Keys.ControlC for press in get_typeahead(self.prompt_input))
-
-    def _drain(self) -> bytes:
-        """Read what the terminal holds, without waiting."""
-        data = b""
-        with contextlib.suppress(OSError, ValueError):
-            while select.select([self.fd], [], [], 0)[0]:
-                chunk = os.read(self.fd, 4096)
-                if not chunk:
-                    break
-                data += chunk
-        return data
 
 
 class ChatRepl:
@@ -255,7 +190,10 @@ class ChatRepl:
 
     def _presenter(self) -> PlainPresenter | TerminalPresenter:
         if self.env.terminal:
-            return TerminalPresenter(self.show_reasoning, verbose=False)
+            presenter = TerminalPresenter(self.show_reasoning, verbose=False)
+            if self.keys is not None:  # Enter while it thinks: the answer now
+                presenter.key_hint = ANSWER_NOW_HINT
+            return presenter
         if self._answers_shown:  # piped: a blank line between answers, or they run together
             self.env.stdout.write("\n")
         return PlainPresenter(self.env.stdout, self.env.stderr, self.show_reasoning, verbose=False,
@@ -392,9 +330,13 @@ class ChatRepl:
 
         The first Ctrl-C asks the engine to stop and keeps reading, so the partial answer (and
         its stats) arrive; a second one hangs up. A Ctrl-C breaks only the wait for the next
-        event: one while an event is shown is taken once it is.
+        event: one while an event is shown is taken once it is. Enter while the model thinks
+        asks for the answer now: the thinking is closed, and the model answers from what it has.
         """
         stream: RequestStream = self.backend.stream(Op.CHAT, params)
+        hurry = None  # at a terminal, Enter while it thinks: the answer now
+        if self.keys is not None and isinstance(presenter, TerminalPresenter):
+            hurry = AnswerNow(self.keys, stream.answer_now, presenter.answering_now)
         interrupted = False
         while not outcome.done:
             if self.interrupts.take():
@@ -416,6 +358,8 @@ class ChatRepl:
                 break
             outcome.apply(event)
             presenter.on_event(event)
+            if hurry is not None:
+                hurry.see(event)
         return interrupted
 
     def _record(self, turn: Turn, stats: Stats | None) -> None:

@@ -35,6 +35,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from phi4cli.client.keys import AnswerKeys
     from phi4cli.client.problems import (  # imported where --file reads, not before
         Opened,
         ProblemFeed,
@@ -72,8 +73,10 @@ class SolveJob(Record):
     checker: Checker | None = None  # the check's worker (None: check off)
 
     def prepare_check(self, question: str) -> None:
-        """A request for ``question`` goes out: have its check ready by the time it answers."""
-        if self.checker is not None:
+        """A request for ``question`` has gone out (call it on its first event, not before the
+        request is sent: it compiles the checker's patterns): have its check ready by the time
+        it answers."""
+        if self.checker is not None and not self.checker.prepared:
             self.checker.prepare(question)
 
     def check_outcome(self, outcome: Outcome) -> None:
@@ -180,8 +183,8 @@ class _LazyPresenter:
     """The presenter for the output, made on the first event (rich is imported only then, after
     the request has gone out)."""
 
-    def __init__(self, env: Environment, mode: OutputMode) -> None:
-        self.env, self.mode = env, mode
+    def __init__(self, env: Environment, mode: OutputMode, key_hint: str | None = None) -> None:
+        self.env, self.mode, self.key_hint = env, mode, key_hint
         self.presenter: PlainPresenter | TerminalPresenter | None = None
 
     def get(self) -> PlainPresenter | TerminalPresenter:
@@ -198,28 +201,53 @@ class _LazyPresenter:
                     raw=self.env.raw_stdout,
                 )
             )
+            if isinstance(self.presenter, TerminalPresenter):
+                self.presenter.key_hint = self.key_hint
         return self.presenter
+
+    def answering_now(self) -> None:
+        """The answer was asked for now: the live line says so."""
+        presenter = self.get()
+        if isinstance(presenter, TerminalPresenter):
+            presenter.answering_now()
 
 
 def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     """Stream one question's answer; return the exit status."""
     outcome = Outcome(index=0, question=question)
     quiet = mode.as_json or mode.answer_only
-    presenter = _LazyPresenter(job.env, mode)
+    # At a terminal, Enter while the model thinks asks for the answer now (keys.AnswerNow).
+    keys = _answer_keys(job.env) if job.env.terminal and not quiet else None
+    hint = None
+    if keys is not None:
+        from phi4cli.client.keys import ANSWER_NOW_HINT
+
+        hint = ANSWER_NOW_HINT
+    presenter = _LazyPresenter(job.env, mode, hint)
     spinner = StderrStatus(job.env, "solving…")
     loading = ProgressNotice(job.announce, LoadLine(job.env, spinner if quiet else None))
+    flights: list[Flight] = []
+    hurry = None
+    if keys is not None:
+        from phi4cli.client.keys import AnswerNow
+
+        hurry = AnswerNow(keys, lambda: flights[0].answer_now(0), presenter.answering_now)
 
     def on_event(_index: int, event: Event) -> None:
+        job.prepare_check(question)  # (once: on the first event, the request sent)
         loading.see(event)
         outcome.apply(event)
         if quiet:
             spinner.see(event)
         else:
             presenter.get().on_event(event)
+        if hurry is not None:
+            hurry.see(event)
 
-    job.prepare_check(question)
+    if keys is not None:
+        keys.begin()  # (no echo of what is typed; Ctrl-C stays a SIGINT)
     try:
-        job.run([job.params(question)], on_event)
+        job.run([job.params(question)], on_event, on_flight=flights.append)
     except KeyboardInterrupt:
         # What streamed stays on the screen (a live region would be erased), with a line
         # saying it stopped there; the exit status is 130 all the same.
@@ -240,6 +268,8 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
         spinner.stop()
         if isinstance(presenter.presenter, TerminalPresenter):
             presenter.presenter.stop()
+        if keys is not None:
+            keys.end()  # the terminal as it was
     if outcome.error is not None:  # the daemon stopped or crashed, a server hung up, ...
         failure = outcome.exception()
         _keep_partial(presenter.presenter, outcome, failure)
@@ -270,6 +300,15 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     if not plain_terminal and not mode.as_json:
         say_check(job, outcome.check)
     return job.check_status([outcome], exit_status([outcome], answer_required=mode.answer_only))
+
+
+def _answer_keys(env: Environment) -> AnswerKeys | None:
+    """The keyboard while the answer streams, where stdin is a terminal in our foreground."""
+    if not env.stdin_isatty:
+        return None
+    from phi4cli.client.keys import terminal_keys
+
+    return terminal_keys(env.stdin)
 
 
 def say_check(job: SolveJob, check: Check | None, where: str = "") -> None:
@@ -312,9 +351,10 @@ def votes(outcomes: Sequence[Outcome]) -> list[str | None]:
 def checked_agreement(outcomes: Sequence[Outcome], answers: Sequence[str | None]) -> str:
     """What the checks did to a vote, for its agreement line: ``, 2 refuted set aside``, or
     nothing (a verified winner says so in its check, beside the answer)."""
-    refuted = sum(o.refuted and o.answer is not None for o in outcomes)
-    if refuted and any(a is not None for a in answers):
-        return f", {refuted} refuted set aside"
+    dropped = sum(o.refuted and o.answer is not None and a is None
+                  for o, a in zip(outcomes, answers, strict=True))  # fmt: skip
+    if dropped:
+        return f", {dropped} refuted set aside"
     return ""
 
 
@@ -409,6 +449,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
     loading = ProgressNotice(job.announce, LoadLine(job.env, spinner))
 
     def on_event(index: int, event: Event) -> None:
+        job.prepare_check(question)  # (once: on the first event, the requests sent)
         loading.see(event)
         spinner.see(event)
         outcomes[index].apply(event)
@@ -418,7 +459,6 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
             stop.end(index, outcomes[index])
             spinner.update(f"sampling… {len(stop.answers)}/{samples} done")
 
-    job.prepare_check(question)
     try:
         job.run(requests, on_event, restart=True, on_flight=flight.append)
     finally:

@@ -107,6 +107,12 @@ class Outcome:
         return self.stats is not None and self.stats.thinking_unfinished
 
     @property
+    def answered_early(self) -> bool:
+        """Its thinking was closed because the answer was asked for now (Enter while it
+        thought): the model answered from what it had."""
+        return self.stats is not None and self.stats.answered_early
+
+    @property
     def looped(self) -> bool:
         """A loop left it without an answer to trust: stopped because its output repeated
         itself (a loop in the answer, ``--loop stop``, a loop whose thinking could not be
@@ -124,6 +130,9 @@ class Outcome:
             # The thinking ran out of tokens before any answer: say so at the top, not only in
             # the stats (the exit status is 1 then).
             "thinking_unfinished": self.thinking_unfinished,
+            # The answer was asked for while the model thought (Enter: answer now), and given
+            # from what it had: said at the top too.
+            "answered_early": self.answered_early,
             "model": self.stats.model if self.stats else None,
             "seed": self.stats.seed if self.stats else None,
             "stats": self.stats_dict,
