@@ -133,7 +133,7 @@ def _voting_server(body: dict[str, Any]) -> list[str | Step | Head]:
 @pytest.mark.daemon
 def test_a_servers_logprobs_give_confidence_and_a_confidence_vote():
     with scripted_server(_voting_server) as server:
-        base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "3", "--all",
+        base = ("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "3", "--all",
                 "--seed", "1")  # fmt: skip
         counted = run_phi4(*base, timeout=100)
         assert not any("logprobs" in b for b in server.bodies), "not asked when not used"
@@ -158,7 +158,7 @@ def _no_logprobs_server(body: dict[str, Any]) -> list[str | Step | Head]:
 @pytest.mark.daemon
 def test_a_server_that_refuses_logprobs_is_asked_without_and_the_vote_counts():
     with scripted_server(_no_logprobs_server) as server:
-        done = run_phi4("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "3",
+        done = run_phi4("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "3",
                         "--all", "--seed", "1", "--vote", "confidence", "--json",
                         timeout=100)  # fmt: skip
         asked = [b for b in server.bodies if "logprobs" in b]
@@ -222,7 +222,7 @@ def test_a_refusal_of_logprobs_after_busy_answers_does_not_spend_the_retries():
         return _no_logprobs_server(body)
 
     with scripted_server(busy_then_strict) as server:
-        done = run_phi4("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "--seed",
+        done = run_phi4("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "--seed",
                         "1", "--json", timeout=100)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert ["logprobs" in b for b in asked] == [True, True, True, True, False]
@@ -365,7 +365,7 @@ def test_samples_less_sure_than_the_first_are_stopped_and_do_not_vote(concurrenc
     release = threading.Event()
     with scripted_server(_unsure_server(release)) as server:
         # (--loop off: the long thinking repeats itself, and would be ended as a loop.)
-        base = ("solve", "What is 3+4?", "--backend", server.url, "-m", "m", "-k", "6", "--seed",
+        base = ("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "6", "--seed",
                 "1", "--backend-concurrency", str(concurrency), "--loop", "off")  # fmt: skip
         done = run_phi4(*base, "--stop-unsure", "--json", timeout=150)
         release.set()  # (a sample not stopped answers now, rather than in a minute)
@@ -389,7 +389,7 @@ def test_samples_less_sure_than_the_first_are_stopped_and_do_not_vote(concurrenc
 @pytest.mark.daemon
 def test_eval_counts_the_samples_stopped_as_unsure(tmp_path: Path):
     problems = tmp_path / "set.jsonl"
-    problems.write_text(json.dumps({"problem": "What is 3+4?", "answer": "7"}) + "\n")
+    problems.write_text(json.dumps({"problem": "3 plus 4?", "answer": "7"}) + "\n")
     release = threading.Event()
     with scripted_server(_unsure_server(release)) as server:
         base = ("eval", str(problems), "--backend", server.url, "-m", "m", "-k", "6", "--seed",

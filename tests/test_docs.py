@@ -304,5 +304,8 @@ def test_the_readmes_solve_screen_is_what_phi4_prints(smollm2_model: Path):
     solved = run_phi4("solve", "-m", "smollm2-135m", "-t", "0", "--json", question)
     assert solved.returncode == 0, solved.stderr
     record = json.loads(solved.stdout)
-    assert shown[-1] == f"Answer: {record['answer']}"
+    # The answer line, and beside it the check's verdict (docs/checking.md) where one was reached.
+    said = f"  \u2713 verified: {record['check']['detail']}" if record.get("check", {}).get(
+        "verdict") == "verified" else ""  # fmt: skip
+    assert shown[-1] == f"Answer: {record['answer']}{said}"
     assert "So, the final answer is 4." in shown and "final answer is 4" in record["solution"]

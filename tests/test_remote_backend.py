@@ -232,7 +232,10 @@ def test_samples_count_equal_answers_together():
         result = _solve(server.url, "--samples", "5", "--seed", "10", "--all")  # all five
     assert result.returncode == 0, result.stderr
     # One half, in its most common written form (\\dfrac and \\frac count as one form).
-    assert result.stdout.splitlines()[-1] == "Answer: \\dfrac{1}{2} (3/5 samples agree)"
+    # (Each answer to "What is 12*13?" fails its check: the vote is as it was, and says so.)
+    assert result.stdout.splitlines()[-1] == (
+        "Answer: \\dfrac{1}{2} (3/5 samples agree)  (\u2717 refuted: 12·13 = 156, not 1/2)"
+    )
 
 
 def test_samples_that_failed_are_said_not_silently_dropped():
@@ -253,7 +256,9 @@ def test_samples_that_failed_are_said_not_silently_dropped():
     assert result.returncode == 0, result.stderr
     assert "1 of 3 samples failed and are not counted: " in result.stderr
     assert "replica out of memory" in result.stderr
-    assert result.stdout.splitlines()[-1] == "Answer: 156 (2/3 samples agree)"
+    assert result.stdout.splitlines()[-1] == (
+        "Answer: 156 (2/3 samples agree)  (\u2713 verified: 12·13 = 156)"
+    )
 
 
 def test_answer_only_lines_keep_their_input_lines(tmp_path: Path):

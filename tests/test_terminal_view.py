@@ -276,7 +276,7 @@ def test_a_chat_reply_cut_short_stays_and_the_chat_goes_on():
         child.close()
     assert child.exitstatus == 1, "a message got no answer"
     error = said.rindex("phi4: error:")
-    screen = _on_screen(said[:error]) + plain(said[error:]).split("\n")
+    screen = _on_screen(said[:error]) + plain(said[error:]).rstrip().split("\n")
     shown = [line for line in screen if line.startswith("Line")]
     assert shown == [f"Line {i} of the answer." for i in range(1, 15)], screen
     assert screen[-1] == ("phi4: error: the backend closed the stream before the answer was "

@@ -11,7 +11,7 @@ the worker killed (the next check starts another).
 
 from __future__ import annotations
 
-import threading
+import _thread
 import time
 
 # SymPy's room (its patterns take milliseconds to compile) and subprocess are imported when a
@@ -19,6 +19,7 @@ import time
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import subprocess
+    import threading
     from typing import IO
 
     from phi4cli.text.checking import Check
@@ -37,8 +38,10 @@ class Checker:
         self._started = 0.0
         self._ready = False
         self._lines: list[bytes] = []
-        self._arrived = threading.Condition()
-        self._lock = threading.Lock()
+        # (threading is imported when a worker starts: a warm solve whose question is not
+        # checked imports nothing for it)
+        self._arrived: threading.Condition | None = None
+        self._lock = _thread.allocate_lock()
         self.timed_out = 0  # checks cut off (their verdict: unchecked)
         self.prepared = False  # prepare has been called
 
@@ -85,6 +88,10 @@ class Checker:
         import os
         import subprocess
         import sys
+        import threading
+
+        if self._arrived is None:
+            self._arrived = threading.Condition()
 
         if self._worker is not None and self._worker.poll() is None:
             return
@@ -106,6 +113,7 @@ class Checker:
                          name="phi4-checker").start()  # fmt: skip
 
     def _read(self, worker: subprocess.Popen[bytes], stdout: IO[bytes]) -> None:
+        assert self._arrived is not None
         for line in stdout:
             with self._arrived:
                 if worker is self._worker:
@@ -115,6 +123,7 @@ class Checker:
             self._arrived.notify_all()
 
     def _next_line(self, deadline: float) -> bytes | None:
+        assert self._arrived is not None
         with self._arrived:
             while not self._lines:
                 left = deadline - time.monotonic()
@@ -164,6 +173,7 @@ class Checker:
             return
         import contextlib
         import subprocess
+
         with contextlib.suppress(OSError):
             worker.kill()
         if worker.stdin is not None:  # (its stdout ends for the reader: the process is gone)
