@@ -26,27 +26,39 @@ is cut into pieces of that size, so text without spaces is counted too):
   period, and each of those periods holds ``max(MIN_DISTINCT, period // 4)`` distinct words
   with a letter in them or more: a block of text at least that rich, written ``COPIES`` times
   with (next to) nothing new;
+- or the text *loops near verbatim*: each of the last ``COPIES`` periods is the one before it
+  again — ``ALIGNED`` of its words end an ``NGRAM``-word run that ended a period (or a word
+  either side of a period) before them — and no word of the last period (and a word) changed
+  at every one of ``COPIES`` steps back, each word followed from copy to copy at the lag at
+  which the text around it lines up; each period holds ``max(MIN_DISTINCT, period //
+  NEAR_DISTINCT)`` distinct words with a letter in them. A table whose rows reuse each other's
+  words is as aligned as a paragraph written again with a few words swapped, but it counts:
+  its row number, or a value that changes with every row (``y = 3,`` after ``y = 2,``, the
+  last column of a truth table), differs from the copy before at every step, while the words a
+  loop swaps among variants (So/Thus/Hence, is/equals) change now and then, not at every copy;
 - a repeating unit poorer than that (``1 + 1 + 1``, ``0 & 0 & 1``, ``2, 4, 8, 6,``, digits of
   1/7) is how structured progress looks for a while — a sum of hundreds of ones, a matrix, a
   cycle of residues — so it loops only after ``LONG_SPAN`` words, or ``LONG_CHARS`` characters
   (each word's and a space after it), in which no new word came at all and ``SHARE`` of the
   words recur (this holds whatever the unit).
 
-So a verbatim loop is caught in its 5th to 6th copy (up to ``SEQUENCE`` words later than a
-rule on single words would: the sequences that cross from its first copy into its second are
-new; hence the shorter sequences for a short period, which would otherwise wait a period more).
-What the rule cannot tell from a table is a loop whose copies each swap a few words, at
-independent places, among variants: every copy makes new sequences, as a row does, until the
-combinations of its variants recur within ``LOOKBACK`` words; such a loop is caught late, or
-runs to the token limit (``bench/loops.py`` measures how late).
+So a verbatim loop, or one that swaps a few of its words among variants each time round, is
+caught in its 5th copy or so, from the end of its 4th: the test on sequences waits for the
+sequences that cross from a loop's first copy into its second, the test on alignment for
+``COPIES`` steps back from the last copy. Copies that each swap many words (30% of those that
+have variants) are caught later where some word happened to change at every step, as a counter
+does; and a word followed across a stretch of more than ``CHANGED`` changed words, or where the
+text on its two sides lines up at different lags, cannot be followed: those copies wait for
+the next period (``bench/loops.py`` measures how late).
 
 The numbers were chosen on the progressing shapes of ``tests/shapes.py``, the *dev* set of the
-enumerations of ``tests/enumerations.py`` and the *dev* half of the real-trace corpus
-(``tests/data/real_traces``); ``bench/loops.py`` reports both error kinds on the enumerations'
-*hold-out* set, the corpus's *test* half and on synthetic loops. Constant work per word (a hash
-of the last ``SEQUENCE`` and ``NGRAM`` words), and a look back over ``LOOKBACK`` words every
-``CHECK_EVERY`` words while the recent words recur; memory, a few entries for each of the last
-``LOOKBACK`` words, however long the text.
+enumerations of ``tests/enumerations.py``, the *dev* half of the real-trace corpus
+(``tests/data/real_traces``) and synthetic loops; ``bench/loops.py`` reports both error kinds
+on the enumerations' *hold-out* set, the corpus's *test* half and on synthetic loops. Constant
+work per word (a hash of the last ``SEQUENCE`` and ``NGRAM`` words), and a look back over at
+most ``NEAR_LOOKBACK`` words every ``CHECK_EVERY`` words while the recent words recur; memory,
+a few entries for each of the last ``LOOKBACK`` words and a word and a hash for each of the
+last ``NEAR_LOOKBACK``, however long the text.
 """
 
 from __future__ import annotations
@@ -65,6 +77,10 @@ MIN_DISTINCT = 4  # distinct words of one period for it to count as a block of t
 LONG_SPAN = 1500  # words without one new word: a loop, whatever its period
 LONG_CHARS = 6000  # or characters without one (text without spaces: pieces of MAX_WORD)
 LOOKBACK = 1600  # words looked back over, for a recurrence, a new sequence and the period
+ALIGNED = 0.5  # of a near-verbatim period's words: their NGRAM words ended a period (±1) before
+NEAR_DISTINCT = 8  # a near-verbatim period's distinct lettered words: 1/8 of its words, or more
+CHANGED = 4 * NGRAM  # words: the longest change across which a word is followed a period back
+NEAR_LOOKBACK = 3000  # words kept to follow a word back COPIES periods: periods up to 498 words
 CHECK_EVERY = 8  # words between two looks back
 MAX_WORD = 16  # characters of a word; a longer run of non-space characters is several
 
@@ -87,7 +103,8 @@ class LoopDetector:
         self._last: deque[str] = deque(maxlen=SEQUENCE)
         self._gaps: deque[int] = deque(maxlen=LOOKBACK)  # 0: the word did not recur
         self._gap_counts: Counter[int] = Counter()  # of the recurring words' gaps in _gaps
-        self._recent: deque[str] = deque(maxlen=LOOKBACK)
+        self._recent: deque[str] = deque(maxlen=NEAR_LOOKBACK)
+        self._keys: deque[int] = deque(maxlen=NEAR_LOOKBACK)  # each word's NGRAM-word run's hash
         self._new: deque[int] = deque()  # where the new words of the last LOOKBACK words were
         self._new_short: deque[int] = deque()  # the same, by SHORT_SEQUENCE-word runs
         self._partial = ""  # the end of the text fed, which may be the start of a longer word
@@ -140,9 +157,11 @@ class LoopDetector:
             while new and new[0] <= at - LOOKBACK:
                 new.popleft()
         self._recent.append(word)
+        key = hash(last[-NGRAM:])
+        self._keys.append(key)
         gap = 0
         if len(last) >= NGRAM:
-            before = self._ngrams.seen(hash(last[-NGRAM:]), at)
+            before = self._ngrams.seen(key, at)
             gap = 0 if before is None else at - before
         if len(self._gaps) == LOOKBACK and self._gaps[0]:
             old = self._gaps[0]
@@ -175,16 +194,80 @@ class LoopDetector:
         gaps = islice(reversed(self._gaps), span)
         return sum(1 for gap in gaps if 0 < gap < limit) / span
 
-    def _rich(self, period: int) -> bool:
+    def _rich(self, period: int, share: int = 4) -> bool:
         """Whether each of the last COPIES periods holds MIN_DISTINCT distinct words with a
-        letter in them (and a quarter of its words) or more: a block of text, not a row of a
-        table or a matrix, nor the digits of a fraction."""
+        letter in them (and a ``share``-th of its words) or more: a block of text, not a row of
+        a table or a matrix, nor the digits of a fraction."""
         recent = list(islice(reversed(self._recent), COPIES * period))
-        least = max(MIN_DISTINCT, period // 4)
+        least = max(MIN_DISTINCT, period // share)
         return all(
-            len({w for w in recent[start : start + period] if _has_letter(w)}) >= least
+            sum(1 for w in set(recent[start : start + period]) if _has_letter(w)) >= least
             for start in range(0, len(recent), period)
         )
+
+    def _near_verbatim(self, period: int) -> bool:
+        """Whether each of the last COPIES periods is the period before it again, nearly word
+        for word, and nothing in it counts: ALIGNED of each period's words end an NGRAM-word run
+        that ended a period before (or a word either side: a copy may be a word longer or
+        shorter than the last), and each word of the last period (and a word) is the word a
+        period before it, or was so at one of COPIES steps back, followed from copy to copy at
+        the lag at which the text around it lines up. A table's counter — the row's number, a
+        value that changes with every row — changes at every step; a word a loop swaps for a
+        variant now and then does not. Each period a block of text (NEAR_DISTINCT)."""
+        # The words followed back, and the steps they take (as far back as the text goes).
+        reach = min(COPIES * (period + 1) + period, len(self._keys) - period - 2)
+        if reach < COPIES * period:
+            return False
+        size = reach + period + 2
+        keys = list(islice(reversed(self._keys), size))  # the last word first
+
+        def lag(at: int) -> int | None:
+            """How far back, a period or a word either side of it, the run ending at the word
+            ``at`` ended before; None where it did not (within NGRAM words of a change)."""
+            key, back = keys[at], at + period
+            return (
+                period if keys[back] == key
+                else period - 1 if keys[back - 1] == key
+                else period + 1 if keys[back + 1] == key
+                else None
+            )  # fmt: skip
+
+        lags: list[int | None] = []
+        for start in range(0, COPIES * period, period):
+            lags += map(lag, range(start, start + period))
+            if sum(found is not None for found in lags[start:]) < ALIGNED * period:
+                return False
+        lags += map(lag, range(COPIES * period, reach))
+        if not self._rich(period, NEAR_DISTINCT):
+            return False
+        words = list(islice(reversed(self._recent), size))
+        # Across a change the words are followed back at the lag of the runs on both sides of
+        # it, where they agree and the change is at most CHANGED words long; elsewhere (the text
+        # shifted there, changed for longer, or a run a word off matched by chance, "H T H" in
+        # "H H T H T") a word cannot be followed (0), and the copies are not judged.
+        steps = [found or 0 for found in lags]
+        at = 0
+        while at < reach:
+            end = at
+            while end < reach and lags[end] is None:
+                end += 1
+            if end > at:
+                newer, older = lags[at - 1] if at else None, lags[end] if end < reach else None
+                if end - at <= CHANGED and not (newer and older and newer != older):
+                    steps[at:end] = [newer or older or 0] * (end - at)
+            at = end + 1
+        for offset in range(period + 1):
+            at = offset
+            for _ in range(COPIES):
+                step = steps[at] if at < reach else 0
+                if not step:
+                    return False
+                if words[at + step] == words[at]:
+                    break
+                at += step
+            else:
+                return False  # a counter
+        return True
 
     def _loops(self) -> int | None:
         """The period of the loop the text has fallen into, or None."""
@@ -199,6 +282,8 @@ class LoopDetector:
             and self._rich(period)
             and self._quiet(span, period) <= NEW_PER_COPY * span / period
         ):
+            return period
+        if self._near_verbatim(period):
             return period
         words, chars = self.words - self._quiet_since[0], self._chars - self._quiet_since[1]
         if (words >= LONG_SPAN or chars >= LONG_CHARS) and self._recurring(
