@@ -1,6 +1,6 @@
 """The loop rule's two error kinds: false positives and how soon loops are caught.
 
-    python bench/loops.py [--traces 200] [--seed 1]
+    python bench/loops.py [--traces 200] [--seed 1] [--rule FILE --out DIR]
 
 On three sets, each text fed in pieces of 1 to 12 characters as a stream cuts them:
 
@@ -18,12 +18,15 @@ On three sets, each text fed in pieces of 1 to 12 characters as a stream cuts th
   (``paragraph_loop``), and a span repeated with random characters appended to some of its
   words each time round (``looping_trace``), which makes up new words each copy.
 
-Writes bench/results/loops.json and .md.
+Writes bench/results/loops.json and .md. ``--rule`` measures another version of the rule
+(``git show 5811e55:phi4cli/text/loops.py > /tmp/old.py``) on the same texts, written to
+``--out`` instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import statistics
@@ -42,7 +45,8 @@ from tests.traces import looping_trace, normal_trace  # noqa: E402
 
 CORPUS = ROOT / "tests" / "data" / "real_traces" / "traces.jsonl"
 RULE = ("NGRAM", "SEQUENCE", "SHORT_SEQUENCE", "COPIES", "MIN_SPAN", "SHARE", "NEW_PER_COPY",
-        "MIN_DISTINCT", "LONG_SPAN", "LONG_CHARS", "LOOKBACK")  # fmt: skip
+        "MIN_DISTINCT", "LONG_SPAN", "LONG_CHARS", "LOOKBACK", "ALIGNED", "NEAR_DISTINCT",
+        "CHANGED", "NEAR_LOOKBACK")  # fmt: skip
 
 
 def detect(text: str, rng: random.Random) -> tuple[int | None, int | None, int]:
@@ -58,7 +62,8 @@ def detect(text: str, rng: random.Random) -> tuple[int | None, int | None, int]:
     return detector.looped_at, None, detector.words
 
 
-def real(rng: random.Random) -> dict[str, Any]:
+def real(seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
     rows = [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines()]
     result: dict[str, Any] = {}
     for split in ("dev", "test"):
@@ -77,20 +82,21 @@ def real(rng: random.Random) -> dict[str, Any]:
     return result
 
 
-def shapes(rng: random.Random, traces: int) -> dict[str, Any]:
+def shapes(seed: int, traces: int) -> dict[str, Any]:
+    texts, rng = random.Random(seed), random.Random(seed + 1)  # the same texts, whatever the rule
     flagged: dict[str, int] = {}
     words = 0
     for name, shape in PROGRESSING.items():
         flagged[name] = 0
         for seed in range(traces // 40 + 1):
-            text = shape(random.Random(seed), rng.choice((2000, 4000, 9000)))
+            text = shape(random.Random(seed), texts.choice((2000, 4000, 9000)))
             at, _, count = detect(text, rng)
             flagged[name] += at is not None
             words += count
     normal, normal_words = 0, 0
     started = time.perf_counter()
     for _ in range(traces):
-        at, _, count = detect(normal_trace(rng, rng.randint(2000, 8000)), rng)
+        at, _, count = detect(normal_trace(texts, texts.randint(2000, 8000)), rng)
         normal += at is not None
         normal_words += count
     per_word_us = (time.perf_counter() - started) / max(1, normal_words) * 1e6
@@ -99,7 +105,8 @@ def shapes(rng: random.Random, traces: int) -> dict[str, Any]:
             "normal_false_positives": normal, "us_per_word": round(per_word_us, 2)}  # fmt: skip
 
 
-def enumerations(rng: random.Random, traces: int) -> dict[str, Any]:
+def enumerations(seed: int, traces: int) -> dict[str, Any]:
+    rng = random.Random(seed)
     result: dict[str, Any] = {}
     for split, family in (("dev", DEV), ("hold-out", HOLD_OUT)):
         flagged: dict[str, list[int]] = {}
@@ -118,32 +125,35 @@ def enumerations(rng: random.Random, traces: int) -> dict[str, Any]:
     return result
 
 
-def synthetic(rng: random.Random, count: int) -> dict[str, Any]:
+def synthetic(seed: int, count: int) -> dict[str, Any]:
+    texts, rng = random.Random(seed), random.Random(seed + 1)  # the same texts, whatever the rule
     rows: dict[str, Any] = {}
 
-    def measure(name: str, make: Any) -> None:
+    def measure(name: str, period: int, make: Any) -> None:
         after = []
         for _ in range(count):
             text, head = make()
             at, _, _ = detect(text, rng)
             if at is not None and at > head:
                 after.append(at - head)
+        soon = (loops.COPIES + 2) * period + 40  # as tests/test_loop_rule.py asks of most
         rows[name] = {"traces": count, "caught": len(after),
+                      "caught_within_copies_plus_2": sum(words <= soon for words in after),
                       "median_words_after_start": statistics.median(after) if after else None,
                       "max_words_after_start": max(after) if after else None}  # fmt: skip
 
     for period in (5, 30, 60, 120, 400):
         for varied in (0.0, 0.1, 0.3):
-            before = rng.randint(0, 3000)
+            before = texts.randint(0, 3000)
             measure(f"paragraph of {period} words, {varied:.0%} of words swapped for variants",
-                    lambda p=period, v=varied, b=before: paragraph_loop(
-                        rng, b, p, b + max(6000, 15 * p), v))  # fmt: skip
+                    period, lambda p=period, v=varied, b=before: paragraph_loop(
+                        texts, b, p, b + max(6000, 15 * p), v))  # fmt: skip
     for period in (20, 60, 150):
         for mutate in (0.02, 0.05):
-            before = rng.randint(0, 2000)
+            before = texts.randint(0, 2000)
             measure(f"span of {period} words, {mutate:.0%} of words made new each time",
-                    lambda p=period, m=mutate, b=before: looping_trace(
-                        rng, b, p, b + max(6000, 15 * p), m))  # fmt: skip
+                    period, lambda p=period, m=mutate, b=before: looping_trace(
+                        texts, b, p, b + max(6000, 15 * p), m))  # fmt: skip
     return rows
 
 
@@ -168,11 +178,12 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["",
               f"Synthetic long traces: {s['normal_traces']} ({s['normal_words']:,} words), "
               f"false positives: {s['normal_false_positives']}; {s['us_per_word']} µs per word.",
-              "", "| synthetic loop | caught | median words after its start | most |",
-              "| --- | --- | --- | --- |"]  # fmt: skip
+              "", "| synthetic loop | caught | within COPIES + 2 periods (and 40 words) | "
+              "median words after its start | most |",
+              "| --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, row in result["synthetic"].items():
         lines.append(
-            f"| {name} | {row['caught']}/{row['traces']} | "
+            f"| {name} | {row['caught']}/{row['traces']} | {row['caught_within_copies_plus_2']} | "
             f"{row['median_words_after_start']} | {row['max_words_after_start']} |"
         )
     return "\n".join(lines) + "\n"
@@ -182,16 +193,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--traces", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--rule", type=Path, help="another loops.py to measure")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
-    rng = random.Random(args.seed)
+    if args.rule:
+        global loops
+        spec = importlib.util.spec_from_file_location("rule", args.rule)
+        assert spec and spec.loader
+        loops = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loops)
     result = {
-        "rule": {name.lower(): getattr(loops, name) for name in RULE},
-        "real": real(rng),
-        "progress": shapes(rng, args.traces),
-        "enumerations": enumerations(rng, args.traces),
-        "synthetic": synthetic(rng, max(5, args.traces // 10)),
+        "rule": {name.lower(): getattr(loops, name) for name in RULE if hasattr(loops, name)},
+        "real": real(args.seed),
+        "progress": shapes(args.seed, args.traces),
+        "enumerations": enumerations(args.seed, args.traces),
+        "synthetic": synthetic(args.seed, max(5, args.traces // 10)),
     }
-    out = ROOT / "bench" / "results"
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "loops.json").write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
     text = markdown(result)
