@@ -444,3 +444,18 @@ def test_random_seeds_are_not_needed_the_points_are_fixed():
     first = check("Simplify (x^2-1)/(x-1)", "x+1")
     random.seed(1)
     assert check("Simplify (x^2-1)/(x-1)", "x+1") == first
+
+
+@pytest.mark.daemon
+def test_eval_samples_keep_each_answer_though_the_vote_sets_refuted_ones_aside(tmp_path: Path):
+    problems = tmp_path / "p.jsonl"
+    problems.write_text(json.dumps({"problem": QUESTION, "answer": "156"}) + "\n")
+    results = tmp_path / "out.jsonl"
+    with scripted_server(_answers("146", "156")) as server:
+        done = run_phi4("eval", str(problems), "--backend", server.url, "-m", "m", "-o",
+                        str(results), "-k", "2", "--all", "--backend-concurrency", "1")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    record = json.loads(results.read_text().splitlines()[0])
+    assert sorted(record["samples"]) == ["146", "156"]  # each sample's own answer
+    assert (record["answer"], record["status"], record["pass_at_k"]) == ("156", "correct", True)
+    assert sorted(d["check"] for d in record["sample_details"]) == ["refuted", "verified"]

@@ -216,7 +216,8 @@ def judge(item: Item, outcomes: list[Outcome], same_answer: AnswerComparer | Non
         record["check"] = checked.to_json()
     if len(outcomes) > 1:
         record["agreement"] = vote.agreement
-        said = votes(outcomes)
+        # Each sample's own answer (not the vote's view, which sets refuted ones aside).
+        said = [o.answer if o.error is None else None for o in outcomes]
         record["samples"] = said
         record["pass_at_k"] = any(a is not None and same_answer(a, item.reference) for a in said)
     errors = [o.error_message for o in outcomes if o.error is not None]
