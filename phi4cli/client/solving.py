@@ -298,7 +298,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     elif loop_cut(outcome) is not None:  # (in every mode: only --json's stats said it)
         job.announce(str(loop_cut(outcome)))
     if not plain_terminal and not mode.as_json:
-        say_check(job, outcome.check)
+        say_check(job.announce, outcome.check)
     return job.check_status([outcome], exit_status([outcome], answer_required=mode.answer_only))
 
 
@@ -311,16 +311,19 @@ def _answer_keys(env: Environment) -> AnswerKeys | None:
     return terminal_keys(env.stdin)
 
 
-def say_check(job: SolveJob, check: Check | None, where: str = "") -> None:
+def say_check(notice: Callable[[str], None], check: Check | None, where: str = "") -> None:
     """A checked answer's verdict on stderr, for output without an ``Answer:`` line to show it
-    beside (a pipe, ``--answer-only``, a file of problems): one line, for a verdict reached."""
-    if check is None:
-        return
+    beside (a pipe, ``--answer-only``, a file of problems' line ``where``): one line, for a
+    verdict reached."""
+    said = _verdict_line(check)
+    if said is not None:
+        notice(f"{where}{said}")
+
+
+def _verdict_line(check: Check | None) -> str | None:
     from phi4cli.client.render import check_line
 
-    line = check_line(check)
-    if line is not None:
-        job.announce(f"{where}{line}")
+    return None if check is None else check_line(check)
 
 
 def _keep_partial(presenter: PlainPresenter | TerminalPresenter | None, outcome: Outcome,
@@ -522,7 +525,7 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
         job.print(_answer_line(job, vote.answer) if vote.answer is not None else "")
         if missing is None:
             job.announce(agree + (" (tie)" if vote.tie else ""))
-            say_check(job, winner.check)
+            say_check(job.announce, winner.check)
     elif job.env.terminal:
         presenter = TerminalPresenter(mode.show_reasoning, mode.verbose, job.env)
         presenter.print_outcome(winner, agreement=agree, answer=vote.answer, reason=missing)
@@ -601,7 +604,7 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
             if outcome.looped:
                 progress.notice(f"line {line}: {no_answer_reason(outcome)}")
             elif outcome.refuted:
-                _say_refuted(progress.notice, outcome, line)
+                say_check(progress.notice, outcome.check, f"line {line}: ")
         elif mode.answer_only:
             for _blank in range(printed_line + 1, line):
                 progress.out("")
@@ -612,7 +615,7 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
             elif outcome.answer is None or outcome.looped:
                 progress.notice(f"line {line}: {no_answer_reason(outcome)}")
             elif outcome.refuted:
-                _say_refuted(progress.notice, outcome, line)
+                say_check(progress.notice, outcome.check, f"line {line}: ")
         else:
             progress.out(f"[{index + 1}] {echoed(outcome.question)}")
             if outcome.error is not None:
@@ -668,21 +671,9 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
     return max(status, ExitStatus.ERROR) if refuted and job.check == "strict" else status
 
 
-def _say_refuted(notice: Callable[[str], None], outcome: Outcome, line: int) -> None:
-    """A refuted answer of a file's problem, said on stderr beside output that has no
-    ``Answer:`` line to show it (``--jsonl`` carries it as data too)."""
-    from phi4cli.client.render import check_line
-
-    said = check_line(outcome.check) if outcome.check is not None else None
-    if said is not None:
-        notice(f"line {line}: {said}")
-
-
 def _check_suffix(outcome: Outcome) -> str:
     """A verdict reached, beside a plain ``Answer:`` line: ``  (✓ verified: 12·13 = 156)``."""
-    from phi4cli.client.render import check_line
-
-    said = check_line(outcome.check) if outcome.check is not None else None
+    said = _verdict_line(outcome.check)
     return f"  ({said})" if said is not None else ""
 
 
