@@ -295,8 +295,8 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
                                 or (mode.answer_only and outcome.answer is None))) \
             or (plain_terminal and outcome.looped and outcome.answer is not None):  # fmt: skip
         job.announce(no_answer_reason(outcome))
-    elif loop_cut(outcome) is not None:  # (in every mode: only --json's stats said it)
-        job.announce(str(loop_cut(outcome)))
+    elif (cut := loop_cut(outcome)) is not None:  # (in every mode: only --json's stats said it)
+        job.announce(cut)
     if not plain_terminal and not mode.as_json:
         say_check(job.announce, outcome.check)
     return job.check_status([outcome], exit_status([outcome], answer_required=mode.answer_only))
@@ -343,10 +343,8 @@ def votes(outcomes: Sequence[Outcome]) -> list[str | None]:
     else a refuted answer does not vote, while another answer does (one refuted is wrong, one
     unchecked may be right)."""
     answers = [o.answer if o.error is None else None for o in outcomes]
-    if any(o.check is not None and o.check.verdict == "verified" and a is not None
-           for o, a in zip(outcomes, answers, strict=True)):  # fmt: skip
-        return [a if o.check is not None and o.check.verdict == "verified" else None
-                for o, a in zip(outcomes, answers, strict=True)]  # fmt: skip
+    if any(o.verified and a is not None for o, a in zip(outcomes, answers, strict=True)):
+        return [a if o.verified else None for o, a in zip(outcomes, answers, strict=True)]
     kept = [None if o.refuted else a for o, a in zip(outcomes, answers, strict=True)]
     return kept if any(a is not None for a in kept) else answers
 
@@ -405,8 +403,7 @@ class EarlyStop:
         left = self.samples - len(self.ended)
         if self.cancel is None or not left:
             return
-        verified = outcome.check is not None and outcome.check.verdict == "verified"
-        if verified or vote_settled(majority_vote(self.answers, equal=self.compare), left):
+        if outcome.verified or vote_settled(majority_vote(self.answers, equal=self.compare), left):
             rest = [i for i in range(self.samples) if i not in self.ended]
             self.stopped.update(rest)
             for i in rest:

@@ -150,6 +150,13 @@ class Outcome:
 
         return self.check is not None and self.check.verdict == REFUTED
 
+    @property
+    def verified(self) -> bool:
+        """Its answer was checked and found right."""
+        from phi4cli.text.checking import VERIFIED
+
+        return self.check is not None and self.check.verdict == VERIFIED
+
 
 def exit_status(outcomes: Sequence[Answered], answer_required: bool) -> ExitStatus:
     """The exit status of a command's results, the same for one question and a file of them:
