@@ -72,6 +72,17 @@ def test_enumerations_are_never_cut(shape: str):
         assert _caught_at(text, random.Random(seed)) == (None, None), (shape, seed)
 
 
+def test_a_truth_table_whose_rows_differ_only_across_more_than_16_words_runs_on():
+    # Seed 14's 4-variable table: each 47-word row is new, but every 16-word piece of its last
+    # rows occurred in an earlier row, so 16-word sequences cut it at word 1,856 (SEQUENCE=24).
+    text = ENUMERATIONS["truth table in words"](random.Random(14), 9000)
+    detector = LoopDetector()
+    for word in text.split():
+        assert not detector.feed(word + " "), detector.looped_at
+    assert not detector.finish()
+    assert detector.words >= 9000
+
+
 @pytest.mark.parametrize("period", [30, 60])
 def test_a_paragraph_written_again_and_again_is_caught_within_a_few_copies(period: int):
     # Nothing new from its second copy on, but for the SEQUENCE words that cross into it.

@@ -67,7 +67,7 @@ from collections import Counter, deque
 from itertools import islice, takewhile
 
 NGRAM = 5  # words whose recurrence makes the last of them recur
-SEQUENCE = 16  # words whose first occurrence (in LOOKBACK words) makes the last of them new
+SEQUENCE = 24  # words whose first occurrence (in LOOKBACK words) makes the last of them new
 SHORT_SEQUENCE = 8  # the same, for a period shorter than SEQUENCE words
 COPIES = 4  # periods with nothing new, in a row
 MIN_SPAN = 48  # words: the least span a loop is judged on
