@@ -279,18 +279,25 @@ def unique_pieces(text: str, taken: set[str]) -> list[str]:
 
 
 def write_text_script_model(
-    path: Path, thinking: str, answer: str, *, loop_from: int | None = None
+    path: Path,
+    thinking: str,
+    answer: str,
+    *,
+    loop_from: int | None = None,
+    name: str = "tiny-reasoning-script",
 ) -> Path:
     """A scripted reasoning model for any ``thinking`` text, however often its words recur:
     the text is cut into pieces each made a token of its own (``unique_pieces``), so that each
     has one successor. Greedy, it writes ``thinking``, `` </think>`` and ``answer``, and stops;
     with ``loop_from`` (a character offset), it writes ``thinking[loop_from:]`` again and again
-    after the first time, answering once something ends the thinking for it (a line break)."""
+    after the first time, answering once something ends the thinking for it (a line break).
+    A ``name`` that does not say it reasons (nor the path's) makes a model that closes a
+    thinking it never opened."""
     import llama_cpp
 
     close = " </think>"
     corpus = " ".join(["x"] + [close, answer] * 4)
-    plain = write_tiny_phi3(path, name="tiny-reasoning-script", corpus=corpus)
+    plain = write_tiny_phi3(path, name=name, corpus=corpus)
     vocab = llama_cpp.Llama(str(plain), vocab_only=True, verbose=False)
 
     def tokens(text: str) -> list[int]:
@@ -314,8 +321,8 @@ def write_text_script_model(
     for token, following in pairs:
         if successors.setdefault(token, following) != following:
             raise ValueError(f"token {token} repeats in the script")
-    return write_tiny_phi3(path, name="tiny-reasoning-script", successors=successors,
-                           corpus=corpus, pieces=pieces, embed=128)  # fmt: skip
+    return write_tiny_phi3(path, name=name, successors=successors, corpus=corpus,
+                           pieces=pieces, embed=128)  # fmt: skip
 
 
 if __name__ == "__main__":

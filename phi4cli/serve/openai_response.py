@@ -92,6 +92,12 @@ class Choice:
         self.content = ""  # the answer as sent: up to a stop string
         self.reasoning = ""
         self.stopped = False  # a stop string was reached, and the request cancelled there
+        # The text is known to be the answer once the thinking is known to be closed before it:
+        # a reasoning event came first, or a retract (a </think> never opened). Until then it may
+        # be thinking still, and a stop string found in it only ends what is sent: the request
+        # runs on, and a later </think> makes all of it thinking (the stop was in the thinking).
+        self.answering = False
+        self.held_stop = False  # a stop string found in text that may still be thinking
         # The answer's tokens' logprobs, as sent (None: not asked for), those not sent yet, and
         # how much of the content the sent ones' text covers.
         self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
@@ -107,28 +113,40 @@ class Choice:
             if event.terminal:  # the cancel's end (or any end): the answer ended at its stop
                 self.outcome.error = None
             return []
+        if self.held_stop and event.kind == EventKind.DONE:
+            # It ended with no </think>: the text was the answer, and it ended at its stop.
+            self.stopped = True
+            return []
+        if self.held_stop and event.kind == EventKind.TOKEN:
+            return []  # past a stop string: sent only if a </think> makes it all thinking
         if self.logprobs is not None and event.kind == EventKind.TOKEN:
             self._unsent += event.get("logprobs") or []
         deltas: list[Delta] = []
         if event.kind == EventKind.TOKEN and event.text:
-            text, self.stopped = self.stops.feed(event.text)
+            text, found = self.stops.feed(event.text)
+            self.stopped, self.held_stop = found and self.answering, found and not self.answering
             if text:
                 self.content += text
                 deltas.append(({"content": text}, self._send()))
             if self.stopped:
                 self.stream.cancel()  # the events go on to its end, with its stats
         elif event.kind == EventKind.REASONING and event.text:
+            self.answering = self.answering or not before
             self.reasoning += event.text
             deltas.append(({"reasoning_content": event.text}, None))
-        elif event.kind == EventKind.RETRACT and before:
-            # Text sent as answer was thinking after all (a model that closed a <think> it
-            # never opened): send it again as reasoning, so that is complete.
-            self.stops.flush()
-            self.content = ""
-            self.reasoning += before
-            if self.logprobs is not None:  # they were the thinking's tokens
-                self.logprobs, self._unsent, self._covered = [], [], 0
-            deltas.append(({"reasoning_content": before}, None))
+        elif event.kind == EventKind.RETRACT:
+            self.answering = True
+            if before:
+                # Text sent as answer was thinking after all (a model that closed a <think> it
+                # never opened): send it again as reasoning, so that is complete; a stop string
+                # found in it was in the thinking, and is looked for again in the answer.
+                self.stops.flush()
+                self.held_stop = False
+                self.content = ""
+                self.reasoning += before
+                if self.logprobs is not None:  # they were the thinking's tokens
+                    self.logprobs, self._unsent, self._covered = [], [], 0
+                deltas.append(({"reasoning_content": before}, None))
         elif event.kind == EventKind.DONE:
             rest = self.stops.flush()
             self.content += rest
@@ -143,7 +161,7 @@ class Choice:
             return None
         sent: list[dict[str, Any]] = []
         for entry in self._unsent:
-            if self.stopped and self._covered >= len(self.content):
+            if (self.stopped or self.held_stop) and self._covered >= len(self.content):
                 break
             sent.append(entry)
             self._covered += len(entry.get("token", ""))
