@@ -149,7 +149,7 @@ def test_one_owner_may_fill_only_half_the_queue():
             job.owner = flood
             scheduler.submit(job)
             accepted += 1
-    assert accepted == 4 and "this connection already has 4 requests waiting" in str(caught.value)
+    assert accepted == 4 and "this client already has 4 requests waiting" in str(caught.value)
     for number in range(100, 104):  # another connection still finds room
         job = out.job(number, "ordinary")
         job.owner = other

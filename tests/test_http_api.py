@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -729,3 +730,64 @@ def test_a_model_is_retrieved_by_any_name_it_answers_to_and_counted_once(server:
     metrics = get(f"{server}/metrics")[1]
     assert "made-up" not in metrics, "a client's words are not a metrics label"
     assert 'path="/v1/models/{id}",status="404"' in metrics
+
+
+@pytest.mark.daemon
+def test_many_choices_do_not_starve_a_client_asking_one(tiny_model: Path):
+    # Eight clients stream n=16 at once (128 daemon requests, one connection each) and a ninth
+    # asks one question: the burst of connections is taken (no 503 naming the socket), what
+    # does not fit is a 429 at once with Retry-After, and the ninth is answered next, not
+    # after every choice queued before it.
+    proc, url = start_server(tiny_model, env={"PHI4_PARALLEL": "2"})
+    finished: list[float] = []
+    answers: list[tuple[int, str, str | None]] = []
+    streaming = threading.Event()
+
+    def flood() -> None:
+        asked = {"messages": [{"role": "user", "content": "Count."}], "n": 16, "stream": True,
+                 "max_tokens": 200, "temperature": 1.0}  # fmt: skip
+        body = json.dumps(asked).encode()
+        request = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers=JSON)
+        try:
+            with urllib.request.urlopen(request, timeout=300) as response:
+                streaming.set()
+                for line in response:
+                    if b'"finish_reason":"' in line.replace(b" ", b""):
+                        finished.append(time.monotonic())
+                answers.append((response.status, "", None))
+        except urllib.error.HTTPError as error:
+            answers.append((error.code, error.read().decode(), error.headers.get("Retry-After")))
+
+    try:
+        threads = [threading.Thread(target=flood) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        assert streaming.wait(120), answers
+        time.sleep(0.5)  # the flood's choices are queued or running
+        status, body = fetch(f"{url}/v1/chat/completions", chat_body(max_tokens=4), JSON)
+        done_before = len(finished)
+        for thread in threads:
+            thread.join(300)
+        assert status == 200, body
+        statuses = sorted(code for code, _, _ in answers)
+        assert len(answers) == 8 and set(statuses) <= {200, 429}, answers
+        served = statuses.count(200) * 16
+        assert served >= 16
+        assert done_before < served // 2, (done_before, served)
+        for code, text, retry_after in answers:
+            if code == 429:
+                assert retry_after == "2" and "queue" in json.loads(text)["error"]["message"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+
+
+def test_a_busy_answer_says_when_to_ask_again_and_a_daemon_error_names_no_path():
+    from phi4cli.serve.openai_request import ApiError, without_paths
+
+    assert ApiError(429, "the daemon's queue is full").response().headers["retry-after"] == "2"
+    assert ApiError(503, "down", "server_error").response().headers["retry-after"] == "2"
+    assert "retry-after" not in ApiError(400, "bad").response().headers
+    said = without_paths("cannot connect to /run/user/1000/phi4/daemon.sock: Resource busy")
+    assert said == "cannot connect to (a path of the server's): Resource busy"
+    assert without_paths("n/a and 3/4 stay") == "n/a and 3/4 stay"

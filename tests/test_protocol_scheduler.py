@@ -85,9 +85,14 @@ def test_solve_params_defaults_and_validation():
         {"prompt": "x", "keep_alive": "soon"},
         {"prompt": "x", "priority": "urgent"},
         {"prompt": "x" * (protocol.MAX_PROMPT_CHARS + 1)},
+        {"prompt": "x", "share": ""},
+        {"prompt": "x", "share": 7},
+        {"prompt": "x", "share": "s" * (protocol.MAX_SHARE_CHARS + 1)},
     ):
         with pytest.raises(protocol.ProtocolViolation):
             parse_solve_params(bad, defaults)
+    shared = params._replace(share="http 127.0.0.1:5000")
+    assert parse_solve_params(protocol.to_wire("solve", shared), defaults).share == shared.share
 
 
 class FakeEngine:
@@ -732,3 +737,76 @@ def test_a_stop_during_a_load_leaves_without_waiting_for_the_load(
         server.scheduler._on_state = lambda *args: None  # (the loop is gone: the load ends quietly)
         engine.finish.set()
         server.scheduler._thread.join(10)
+
+
+def test_the_client_with_fewest_requests_running_goes_next_whatever_came_first(monkeypatch):
+    # One client's many requests (one serve request's 16 choices) queued before another
+    # client's one: the other goes next, not after all of them, aged or not.
+    from phi4cli.daemon import scheduler as scheduler_module
+
+    jobs = JobQueue()
+    out = Collector()
+    many = [out.job(i, f"a{i}") for i in range(3)]
+    one = out.job(9, "b")
+    for job in many:
+        job.owner = "A"
+        jobs.put(job)
+    one.owner = "B"
+    jobs.put(one)
+    running = {"A": 2, "B": 0}
+    assert jobs.peek(block=False, running=running.__getitem__) is one
+    monkeypatch.setattr(scheduler_module, "AGING_S", 0.0)
+    assert jobs.peek(block=False, running=running.__getitem__) is one
+    running["B"] = 2
+    assert jobs.peek(block=False, running=running.__getitem__) is many[0], "a tie: oldest"
+    jobs.stop()
+
+
+def test_a_slot_that_frees_goes_to_the_client_with_none_running():
+    engine = FakeEngine(parallel=3)
+    engine.gate.clear()
+    scheduler, _ = make_scheduler(engine, max_queue=16)
+    out = Collector()
+    jobs = [out.job(0, "hold-a0"), *(out.job(i, f"a{i}") for i in range(1, 5))]
+    for job in jobs:
+        job.owner = "A"
+    scheduler.submit(jobs[0])
+    assert engine.started.wait(5)  # a0 runs; the worker is inside a step
+    for job in jobs[1:]:
+        scheduler.submit(job)
+    other = out.job(9, "b")
+    other.owner = "B"
+    scheduler.submit(other)
+    engine.gate.set()
+    out.wait(1, 2, 3, 4, 9)
+    assert engine.served[:3] == ["hold-a0", "b", "a1"], engine.served
+    engine.release.set()
+    out.wait(0)
+    scheduler.stop(5)
+
+
+def test_a_full_queue_still_takes_a_client_with_nothing_waiting_up_to_its_reserve():
+    engine, scheduler, out = busy_scheduler("running", max_queue=4)
+    assert scheduler.max_per_owner == 2 and scheduler.reserve == 2
+    submitted = 0
+
+    def submit(owner: str) -> None:
+        nonlocal submitted
+        submitted += 1
+        job = out.job(submitted, f"{owner}{submitted}")
+        job.owner = owner
+        scheduler.submit(job)
+
+    for owner in "AABB":
+        submit(owner)
+    with pytest.raises(QueueFullError, match="queue is full"):
+        submit("A")
+    submit("C")  # the queue is full, but C has nothing waiting or running
+    with pytest.raises(QueueFullError, match="queue is full"):
+        submit("C")  # now it has
+    submit("D")
+    with pytest.raises(QueueFullError, match="queue is full"):
+        submit("E")  # the reserve is used up
+    engine.gate.set()
+    out.wait(0, 1, 2, 3, 4, 6, 8)
+    scheduler.stop(5)

@@ -780,3 +780,49 @@ def test_a_question_longer_than_the_context_says_shorten_it_even_with_max_tokens
         result = run_phi4("solve", question, "-m", str(tiny_model), *extra)
         assert result.returncode == 1, result.stderr
         assert "shorten it" in result.stderr and "lower --max-tokens" not in result.stderr
+
+
+@pytest.mark.daemon
+def test_a_burst_of_connections_waits_in_the_backlog_and_a_full_one_is_said_without_a_path(
+    tiny_model: Path, phi4_home: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # `phi4 serve` opens a connection for each choice: eight clients asking n=16 make 128 at
+    # once. asyncio's backlog of 100 turned the rest away (EAGAIN), and the 503 named the
+    # daemon's socket. Held still (SIGSTOP), the daemon accepts none: all wait in its backlog.
+    from phi4cli.core.errors import DaemonUnavailableError
+    from phi4cli.engines import daemon_link
+
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    pid = int(status(phi4_home)["pid"])  # type: ignore[call-overload]
+    path = phi4_home / "run" / "daemon.sock"
+    waiting: list[socket.socket] = []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for _ in range(300):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            waiting.append(sock)
+            sock.connect(str(path))  # BlockingIOError (EAGAIN) once the backlog is full
+        # Past a full backlog (here, a socket of backlog 1 that never accepts), a connection is
+        # tried again for a while, then refused in words that name no path.
+        jammed = phi4_home / "jammed.sock"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(jammed))
+        listener.listen(0)
+        for _ in range(4):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            waiting.append(sock)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(str(jammed))
+        monkeypatch.setattr(daemon_link, "BUSY_CONNECT_S", 0.3)
+        with pytest.raises(DaemonUnavailableError) as refused:
+            daemon_link.DaemonConnection.open(jammed)
+        assert "more connections waiting than it can take" in str(refused.value)
+        assert str(phi4_home) not in str(refused.value)
+        listener.close()
+    finally:
+        for sock in waiting:
+            sock.close()
+        os.kill(pid, signal.SIGCONT)
+    assert run_phi4("stop").returncode == 0

@@ -267,8 +267,13 @@ class SolveParams(Record):
     # The client's own: the samples of one question share a group, so that a remote server
     # may be asked them in one request (``n``). The daemon does not read it.
     sample_group: int | None = None
+    # Whose share of the daemon's queue and slots it counts against: ``phi4 serve`` names the
+    # HTTP client, so that a request's ``n`` choices (each a daemon request of its own) count as
+    # one client's. None: its connection's.
+    share: str | None = None
 
 
+MAX_SHARE_CHARS: Final = 200
 MAX_TOP_LOGPROBS: Final = 20  # as OpenAI's top_logprobs
 
 
@@ -415,7 +420,18 @@ def parse_solve_params(params: Mapping[str, Any], defaults: Ask) -> SolveParams:
         confidence_floor=floor,
         logprobs=logprobs,
         sample_group=_optional_int(params, "sample_group", 0),
+        share=_share(params),
     )
+
+
+def _share(params: Mapping[str, Any]) -> str | None:
+    value = params.get("share")
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_SHARE_CHARS):
+        raise ProtocolViolation(
+            ErrorCode.BAD_REQUEST,
+            f"'share' must be a name of 1 to {MAX_SHARE_CHARS} characters, or null",
+        )
+    return value
 
 
 _PRIORITY_NAMES: Final = {number: name for name, number in PRIORITIES.items()}
@@ -438,7 +454,7 @@ def to_wire(op: str, params: SolveParams) -> JSON:
             wire["model"] = params.model
         if params.confidence:
             wire["confidence"] = True
-        for key in ("confidence_floor", "logprobs", "sample_group"):
+        for key in ("confidence_floor", "logprobs", "sample_group", "share"):
             if getattr(params, key) is not None:
                 wire[key] = getattr(params, key)
     if params.keep_alive is not None:

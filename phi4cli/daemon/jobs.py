@@ -112,7 +112,8 @@ class Job:
     load_s: float = 0.0
     waiting: Wait | None = None  # why the engine has not taken it yet (the last answer)
     prepared: Any = None  # the engine's work on it before admission (its tokens), kept
-    owner: object = None  # who sent it (the server's connection): the queue's fairness unit
+    # The client it counts as (its connection, or the share it names): the queue's fairness unit.
+    owner: object = None
     # Stop once the confidence falls below this (the request's, or an ``adjust``'s since).
     confidence_floor: float | None = None
     # An ``adjust`` asked for the answer now: the engine's thread, at its next token, has the

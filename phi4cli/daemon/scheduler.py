@@ -37,11 +37,15 @@ TEND_S = 0.25
 
 
 class JobQueue:
-    """Waiting jobs: most urgent first, in arrival order within a priority — except that a job
-    waiting longer than AGING_S goes next whatever its priority, so no request starves.
+    """Waiting jobs: first those of the owners with the fewest requests running (``peek``'s
+    ``running``), so that one client's many requests, or one request's many choices, do not
+    hold every slot while another client waits; among those, most urgent first, in arrival
+    order within a priority — except that a job waiting longer than AGING_S goes next whatever
+    its priority, so no request starves.
 
-    Counts each owner's (connection's) jobs, and knows the one job the worker has in hand (the
-    last ``peek``): any other can leave the queue at once (``discard``), from any thread.
+    Counts each owner's jobs (an owner is a client: its connection, or the share it names),
+    and knows the one job the worker has in hand (the last ``peek``): any other can leave the
+    queue at once (``discard``), from any thread.
     """
 
     def __init__(self) -> None:
@@ -68,10 +72,11 @@ class JobQueue:
             self._stopping = True
             self._changed.notify()
 
-    def peek(self, block: bool, timeout: float | None = None) -> Job | None:
+    def peek(self, block: bool, timeout: float | None = None,
+             running: Callable[[object], int] = lambda owner: 0) -> Job | None:  # fmt: skip
         """Return the job to offer the engine next, leaving it queued (it may have to wait), or
-        None once stopped. Raise queue.Empty if there is none and not ``block``, or none came
-        within ``timeout``."""
+        None once stopped: one of the owners with the fewest requests ``running``. Raise
+        queue.Empty if there is none and not ``block``, or none came within ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             while not self._jobs and not self._stopping:
@@ -81,11 +86,14 @@ class JobQueue:
                 self._changed.wait(left)
             if self._stopping:
                 return None
-            oldest = self._jobs[0]
+            counts = {owner: running(owner) for owner in self._owned}
+            least = min(counts.values())
+            jobs = [job for job in self._jobs if counts[job.owner] == least]
+            oldest = jobs[0]  # (the list keeps arrival order)
             if time.monotonic() - oldest.submitted_at > AGING_S:
                 self._in_hand = oldest
             else:
-                self._in_hand = min(self._jobs, key=lambda j: (j.params.priority, j.seq))
+                self._in_hand = min(jobs, key=lambda j: (j.params.priority, j.seq))
             return self._in_hand
 
     def remove(self, job: Job) -> None:
@@ -153,6 +161,10 @@ class RequestScheduler:
         # One owner (connection) may fill at most half the queue, so one client's flood leaves
         # room for everyone else's requests.
         self.max_per_owner = max(1, max_queue // 2)
+        # Past a full queue, room for this many more requests of clients with none waiting or
+        # running: a flood that fills the queue does not turn away the next one-question client.
+        self.reserve = max(2, max_queue // 8)
+        self._running: Counter[object] = Counter()  # each owner's jobs in the engine
         self._count_lock = threading.Lock()  # _outstanding changes in both threads
         self._on_state = on_state
         self._queue = JobQueue()
@@ -195,13 +207,17 @@ class RequestScheduler:
 
         Called from the event loop's thread only.
         """
-        ahead = self._queue.qsize() + len(self._admitted)
-        if self._queue.qsize() >= self._max_queue:
+        queued = self._queue.qsize()
+        ahead = queued + len(self._admitted)
+        owned = self._queue.owned(job.owner)
+        idle = not owned and not self.running(job.owner)
+        if queued >= self._max_queue and not (idle and queued < self._max_queue + self.reserve):
             raise QueueFullError("the daemon's queue is full; try again in a moment")
-        if job.owner is not None and self._queue.owned(job.owner) >= self.max_per_owner:
+        if job.owner is not None and owned >= self.max_per_owner:
             raise QueueFullError(
-                f"this connection already has {self.max_per_owner} requests waiting (half the "
-                "daemon's queue); send more as their answers come"
+                f"this client already has {self.max_per_owner} requests waiting (half the "
+                "daemon's queue; each choice of a request counts); send more as their answers "
+                "come"
             )
         with self._count_lock:
             self._outstanding += 1
@@ -217,6 +233,24 @@ class RequestScheduler:
         elif job not in self._admitted:
             # In the worker's hand: answered now, and the worker drops it when it sees it done.
             job.fail(ErrorCode.CANCELLED, "cancelled before it started")
+
+    def running(self, owner: object) -> int:
+        """How many of ``owner``'s requests the engine has now."""
+        with self._count_lock:
+            return self._running[owner]
+
+    def _admit(self, job: Job) -> None:
+        with self._count_lock:
+            self._admitted.add(job)
+            self._running[job.owner] += 1
+
+    def _release(self, job: Job) -> None:
+        with self._count_lock:
+            if job in self._admitted:
+                self._admitted.discard(job)
+                self._running[job.owner] -= 1
+                if not self._running[job.owner]:
+                    del self._running[job.owner]
 
     def _finished_one(self) -> None:
         with self._count_lock:
@@ -245,7 +279,8 @@ class RequestScheduler:
             if held is None and not self._exclusive():
                 try:
                     job = self._queue.peek(block=self._engine.active == 0,
-                                           timeout=TEND_S if tending else None)  # fmt: skip
+                                           timeout=TEND_S if tending else None,
+                                           running=self.running)  # fmt: skip
                 except queue.Empty:
                     pass
                 else:
@@ -322,7 +357,7 @@ class RequestScheduler:
                 self.waiting = job
                 return _WAITING
             job.admitted_at = time.monotonic()
-            self._admitted.add(job)
+            self._admit(job)
         except ContextOverflowError as exc:
             self._settle(job, ErrorCode.CONTEXT_OVERFLOW, str(exc))
             return _SETTLED
@@ -351,14 +386,14 @@ class RequestScheduler:
             log.exception("decoding failed")
             detail = "internal error in the daemon:\n" + traceback.format_exc()
             for job in list(self._admitted):
-                self._admitted.discard(job)
+                self._release(job)
                 self._settle(job, ErrorCode.MODEL_ERROR, detail)
             self._engine.reset()
             return
         finally:
             self.stepping_since = None
         for job, stats in finished:
-            self._admitted.discard(job)
+            self._release(job)
             self._finished_one()
             queue_s = round(job.admitted_at - job.submitted_at, 4)
             stats = stats._replace(load_s=job.load_s, extra={**stats.extra, "queue_s": queue_s})

@@ -37,6 +37,11 @@ from phi4cli.daemon.scheduler import QueueFullError, RequestScheduler
 log = logging.getLogger("phi4.daemon")
 
 IDLE_CHECK_S = 0.2
+# Connections waiting to be accepted (asyncio's default is 100): `phi4 serve` opens one for each
+# choice of each request, so eight clients asking n=16 at once make 128 in a moment. (The kernel
+# caps it at net.core.somaxconn, 4096 on Linux since 5.4.)
+BACKLOG = 4096
+
 # While a client's requests are queued or running, it hears from the daemon at least this often
 # (a `progress` event, stage "alive") — as long as the engine is going round: a client that hears
 # nothing for much longer may take the daemon for frozen (see client.STREAM_IDLE_TIMEOUT).
@@ -674,7 +679,10 @@ class DaemonServer:
         def emit(event: Event) -> None:
             self._outbox.post(connection, request.id, event)
 
-        job = Job(request_id=request.id, params=params, emit=emit, owner=connection)
+        # The client it counts as, for the queue's shares: the connection, or the share it
+        # names (phi4 serve's HTTP client, whose choices come on connections of their own).
+        owner: object = connection if params.share is None else ("share", params.share)
+        job = Job(request_id=request.id, params=params, emit=emit, owner=owner)
         try:
             ahead = self.scheduler.submit(job)
         except QueueFullError as exc:
@@ -785,7 +793,8 @@ class DaemonServer:
             0o177
         )  # the socket is created 0600: no window where others can connect
         try:
-            server = await asyncio.start_unix_server(self._handle, path=os.fspath(sock_path))
+            server = await asyncio.start_unix_server(self._handle, path=os.fspath(sock_path),
+                                                     backlog=BACKLOG)  # fmt: skip
         finally:
             os.umask(old_umask)
         os.chmod(sock_path, 0o600)

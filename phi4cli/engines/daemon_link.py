@@ -58,6 +58,10 @@ class DaemonRestartRequired(Exception):
     """The daemon answered ``unsupported_version``: it must be replaced by one of ours."""
 
 
+# How long a connection is tried again while the daemon's backlog is full.
+BUSY_CONNECT_S = 5.0
+
+
 class DaemonConnection:
     """One connection to the daemon socket; requests on it are answered by event streams."""
 
@@ -77,14 +81,27 @@ class DaemonConnection:
         peer check works both ways, and a question is not sent to a stranger.
         """
         check_socket_path(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(CALL_TIMEOUT)
-        try:
-            sock.connect(os.fspath(path))
-            uid = peer_uid(sock)
-        except OSError:
-            sock.close()
-            raise
+        deadline = time.monotonic() + BUSY_CONNECT_S
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(CALL_TIMEOUT)
+            try:
+                sock.connect(os.fspath(path))
+                uid = peer_uid(sock)
+                break
+            except BlockingIOError:
+                # EAGAIN: the daemon's backlog is full (a burst of connections); it takes them
+                # within moments.
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise DaemonUnavailableError(
+                        "the daemon has more connections waiting than it can take; try again "
+                        "in a moment"
+                    ) from None
+                time.sleep(0.02)
+            except OSError:
+                sock.close()
+                raise
         if uid is not None and uid != os.getuid():
             sock.close()
             raise DaemonUnavailableError(foreign_socket(os.fspath(path), uid))

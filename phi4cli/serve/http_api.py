@@ -52,6 +52,7 @@ from phi4cli.serve.openai_request import (
     check_model,
     read_chat_request,
     unencodable_field,
+    without_paths,
 )
 from phi4cli.serve.openai_response import Choice, Completion, close_when_read, next_event
 
@@ -261,7 +262,12 @@ def create_app(
         check_model(body, model_name, served)
         chat_request = read_chat_request(body, model, settings)
         chat_choices.inc(len(chat_request.params))
-        streams = [backend.stream(Op.CHAT, params) for params in chat_request.params]
+        # The daemon counts a request's choices, each a daemon request of its own, against the
+        # share of the HTTP connection that asked: one client, as a command's connection is.
+        share = "http " + (f"{request.client.host}:{request.client.port}"
+                           if request.client is not None else "?")  # fmt: skip
+        streams = [backend.stream(Op.CHAT, params._replace(share=share))
+                   for params in chat_request.params]  # fmt: skip
         # Up to the daemon's acceptance of each: a refusal (bad request, busy) is an HTTP status.
         firsts = await asyncio.gather(*(_first_events(s) for s in streams), return_exceptions=True)
         refused: BaseException | Event | None = next(
@@ -278,7 +284,7 @@ def create_app(
             if isinstance(refused, RequestError):  # too long to send
                 raise ApiError(413, str(refused)) from None
             if isinstance(refused, Phi4Error):
-                raise ApiError(503, str(refused), "server_error") from None
+                raise ApiError(503, without_paths(str(refused)), "server_error") from None
             raise refused
         first = [f for f in firsts if isinstance(f, list)]
         pending: dict[int, asyncio.Future[list[Event]]] = {}
@@ -371,7 +377,10 @@ async def _past_admission(streams: list[RequestStream], first: list[list[Event]]
             first[index].extend(read.result())
         except Phi4Error as exc:
             first[index].append(
-                Event.error(ErrorCode.INTERNAL, f"the daemon went away mid-answer: {exc}")
+                Event.error(
+                    ErrorCode.INTERNAL,
+                    f"the daemon went away mid-answer: {without_paths(str(exc))}",
+                )
             )
     return pending
 

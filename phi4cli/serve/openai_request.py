@@ -61,7 +61,10 @@ class ApiError(Exception):
         return {"error": error}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # Busy (a full queue, the daemon overwhelmed): when to ask again, as OpenAI's clients
+        # and phi4's remote engine read it.
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def unencodable_field(body: Any) -> str | None:
@@ -99,6 +102,18 @@ def check_model(body: dict[str, Any], model_name: str, served: frozenset[str]) -
             "(ask for that name, or 'default')",
             code="model_not_found", param="model",
         )  # fmt: skip
+
+
+_PATH = re.compile(r"(?<![\w/])/(?:[\w.@+~-]+/)+[\w.@+~-]*")
+
+
+def without_paths(message: str) -> str:
+    """A client's copy of an error of the daemon's connection: the paths of this machine (its
+    socket, its runtime directory) are the server's business, not the client's."""
+    return _PATH.sub("(a path of the server's)", message)
+
+
+RETRY_AFTER_S = 2  # a busy answer's Retry-After: about one answer's first tokens
 
 
 # The most choices (``n``) one request may ask for: each is its own daemon request, and this

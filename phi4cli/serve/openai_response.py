@@ -25,7 +25,7 @@ from phi4cli.core.protocol import (
 from phi4cli.engines.backends import RequestStream
 from phi4cli.engines.checker import Checker
 from phi4cli.engines.outcome import Outcome
-from phi4cli.serve.openai_request import ApiError
+from phi4cli.serve.openai_request import ApiError, without_paths
 from phi4cli.text.checking import Check
 from phi4cli.text.reasoning import extract_final_answer
 
@@ -246,7 +246,8 @@ async def _events(
                     result = future.result()
                 except Phi4Error as exc:
                     result = Event.error(
-                        ErrorCode.INTERNAL, f"the daemon went away mid-answer: {exc}"
+                        ErrorCode.INTERNAL,
+                        f"the daemon went away mid-answer: {without_paths(str(exc))}",
                     )
                 got: list[Event | None] = list(result) if isinstance(result, list) else [result]
                 for read_event in got or [None]:
