@@ -1,4 +1,5 @@
-"""Shared fixtures: a private PHI4_HOME per test, the tiny phi3 model, SmolLM2, the phi4 command."""
+"""Shared fixtures: a private PHI4_HOME and staging directory per test, the tiny phi3 model,
+SmolLM2, the phi4 command."""
 
 from __future__ import annotations
 
@@ -136,9 +137,32 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
 sys.addaudithook(_audit)
 
 
+# PHI4_HOME does not move the staging directory for model copies in RAM: it is the user's
+# (/dev/shm/phi4-<uid>), shared by every install. Each test gets one of its own beside it, on the
+# same tmpfs (so "auto" stages as it does for users); the suite has one too, and a PHI4_HOME,
+# for what a module's fixture starts (it runs before any test's). Each is named for the suite, so
+# that a suite that was killed has its directories removed by the next.
+STAGING_PREFIX, SUITE_HOME_PREFIX = "p4-stage-", "p4-suite-"
+
+
+def _staging_dir() -> Path:
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.environ[SUITE_VARIABLE]}-",
+                                 dir=shm if shm.is_dir() else None))  # fmt: skip
+
+
+def _suites_directories() -> Iterator[tuple[str, Path]]:
+    """Each directory a suite made for itself or its tests, with that suite's pid (as text)."""
+    for parent in {Path("/dev/shm"), Path(tempfile.gettempdir()), Path("/tmp")}:
+        for prefix in (STAGING_PREFIX, SUITE_HOME_PREFIX):
+            for directory in parent.glob(f"{prefix}*-*"):
+                yield directory.name.removeprefix(prefix).split("-")[0], directory
+
+
 @pytest.fixture(autouse=True)
 def phi4_home(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Path]:
-    """Point every phi4 path at a fresh, short directory (Unix socket paths are limited).
+    """Point every phi4 path at a fresh, short directory (Unix socket paths are limited), and
+    the staging directory for model copies in RAM at another (``PHI4_RAMDISK``).
 
     Afterwards, where the test started phi4 or a daemon ran (or the test failed, or timed out),
     whatever it left running under that directory is killed. A test that starts phi4 as a
@@ -149,6 +173,8 @@ def phi4_home(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -
     for name in list(os.environ):
         if name.startswith("PHI4_") and name not in ("PHI4_HOME", SUITE_VARIABLE):
             monkeypatch.delenv(name)
+    staging = _staging_dir()
+    monkeypatch.setenv("PHI4_RAMDISK", str(staging))
     # One llama.cpp thread per daemon: on a shared machine threads that spin at llama.cpp's
     # barriers wait for each other's time slices. With two busy processes on 2 cores, two
     # threads took 179 s for 48 SmolLM2 tokens, one thread 2.8 s. A test that sets threads
@@ -162,6 +188,7 @@ def phi4_home(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -
         if started or launched or request.node.stash.get(_FAILED, True):
             _stop_processes_in(home)
         shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         if (started or launched) and \
                 request.node.get_closest_marker(DAEMON_MARKER) is None:  # fmt: skip
             what = "a daemon" if started else f"`{launched[0]}`"
@@ -179,12 +206,21 @@ def _ignore(_signum: int, _frame: object) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ[SUITE_VARIABLE] = str(os.getpid())
+    os.environ["PHI4_HOME"] = tempfile.mkdtemp(prefix=f"{SUITE_HOME_PREFIX}{os.getpid()}-",
+                                               dir="/tmp")  # fmt: skip
+    os.environ["PHI4_RAMDISK"] = str(_staging_dir())
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, _ignore)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Kill what a suite that was itself killed (so never reached its last step) left."""
+    """Kill what a suite that was itself killed (so never reached its last step) left, and
+    remove its directories."""
+    for suite, directory in _suites_directories():
+        with contextlib.suppress(OSError):
+            if suite.isdigit() and not Path(f"/proc/{suite}").exists() and \
+                    directory.lstat().st_uid == os.getuid():  # fmt: skip
+                shutil.rmtree(directory, ignore_errors=True)
     prefix = f"{SUITE_VARIABLE}=".encode()
     orphans = []
     for pid, entries in _environments():
@@ -201,8 +237,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The suite's last step: no process it started is left running. Any that is, is killed
-    and named, and the run fails."""
+    """The suite's last step: no process it started is left running (any that is, is killed
+    and named, and the run fails), and the directories it made for itself are removed."""
+    try:
+        _kill_what_was_left(session)
+    finally:
+        for suite, directory in _suites_directories():
+            if suite == str(os.getpid()):
+                shutil.rmtree(directory, ignore_errors=True)
+
+
+def _kill_what_was_left(session: pytest.Session) -> None:
     left = _processes_with(f"{SUITE_VARIABLE}={os.getpid()}".encode())
     if not left:
         return
