@@ -81,3 +81,36 @@ def test_eval_records_each_sample_and_the_replay_tool_reads_them(tmp_path: Path)
     assert written["problems"] == 5 and written["accuracy_full"] == 1.0
     assert written["sample_accuracy"] == 0.75 and written["tie_rate"] == 0.0
     assert 0.0 <= written["tokens_saved"] < 1.0 and written["agreement_untied"] is not None
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.daemon
+def test_eval_through_the_daemon_marks_samples_a_settled_vote_cancelled_and_keeps_confidence(
+    tmp_path: Path,
+):
+    # Before: a sample cancelled by a settled vote was also marked "error": true, and every
+    # sample's confidence was null (eval never asked the daemon for it; solve --json does).
+    from tests.tinymodel import write_text_script_model
+
+    thinking = " ".join(f"w{i}" for i in range(400)) + "."  # long: the cancel comes in time
+    model = write_text_script_model(tmp_path / "seven.gguf", thinking, " So $\\boxed{7}$.")
+    # A context that holds one such request at a time: the samples run one after another, so
+    # those after the third are still waiting in the daemon when the vote settles.
+    started = run_phi4("daemon", "start", "-m", str(model), "--n-ctx", "1200")
+    assert started.returncode == 0, started.stderr
+    problems = tmp_path / "set.jsonl"
+    problems.write_text(json.dumps({"problem": "3 plus 4?", "answer": "7"}) + "\n")
+    results = tmp_path / "out.jsonl"
+    done = run_phi4("eval", str(problems), "-m", str(model), "-k", "8", "-t", "0", "-n", "900",
+                    "--loop", "off", "-o", str(results), timeout=500)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+    details = record["sample_details"]
+    cancelled = [d for d in details if d["cancelled"]]
+    voted = [d for d in details if not d["cancelled"]]
+    assert record["samples_used"] == len(voted) < 8 and len(cancelled) >= 4, details
+    assert all(not d["error"] and d["answer"] is None for d in cancelled), cancelled
+    assert all(not d["error"] and d["answer"] == "7" for d in voted), voted
+    confidences = [d["confidence"] for d in voted]
+    assert all(isinstance(c, float) and c > 0 for c in confidences), confidences
+    assert record["confidence"] == [d["confidence"] for d in details if not d["cancelled"]]

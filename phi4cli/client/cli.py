@@ -249,7 +249,9 @@ def eval_(
             # Else each record was appended to the problems, and the next run refused them.
             raise UsageError(f"-o {results} is the problems file itself; give the results "
                              "another file")  # fmt: skip
-    job = make_job(env, model, dict(answer), no_instruction)
+    # With samples, each one's confidence is recorded (sample_details), as solve --json shows
+    # it: what replaying --vote confidence or --stop-unsure offline needs (bench/votes.py).
+    job = make_job(env, model, dict(answer), no_instruction, confidence=samples > 1)
     policy = MismatchPolicy(restart=restart, force=force_resume)
     try:
         tally, seconds = run_eval(job, problems, count, samples, results, jsonl, policy,

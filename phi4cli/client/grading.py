@@ -229,8 +229,8 @@ def judge(item: Item, outcomes: list[Outcome], same_answer: AnswerComparer | Non
 def sample_details(outcome: Outcome, ended_s: float, cancelled: bool) -> dict[str, Any]:
     """What ``eval -k`` keeps of one sample, for replaying votes offline (bench/votes.py): its
     answer, tokens, when it ended (seconds into the run) and took, its lowest group confidence,
-    whether a loop was caught in it, whether it was cancelled (a settled vote), and its
-    answer's check verdict."""
+    whether a loop was caught in it, whether it was cancelled (a settled vote) or else failed,
+    and its answer's check verdict."""
     stats = outcome.stats
     return {
         "answer": None if cancelled or outcome.error is not None else outcome.answer,
@@ -242,7 +242,7 @@ def sample_details(outcome: Outcome, ended_s: float, cancelled: bool) -> dict[st
         "loop": stats.loop if stats else None,
         "finish_reason": stats.finish_reason if stats else None,
         "cancelled": cancelled,
-        "error": outcome.error is not None,
+        "error": outcome.error is not None and not cancelled,  # (the cancel's end is no failure)
         "check": None if cancelled or outcome.check is None else outcome.check.verdict,
     }
 
