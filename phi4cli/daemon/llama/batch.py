@@ -47,6 +47,9 @@ log = logging.getLogger("phi4.engine")
 # The model card samples with transformers' defaults besides temperature/top_p, i.e. top_k=50.
 TOP_K = 50
 REPEAT_LAST_N = 64  # tokens the repeat penalty looks back over (llama-server's default)
+# Prompt tokens another request's cache must hold beyond a reading one's to be shared with it
+# rather than read (_share_prompts).
+SHARE_MIN = 16
 # Prompt tokens read per step while other requests are answering.
 PREFILL_CHUNK = 64
 # Room kept for the tokens that close the thinking when a think budget is reached; they are the
@@ -306,6 +309,8 @@ class LlamaEngine:
         chunks: list[tuple[Slot, list[int], bool]] = []  # slot, tokens to feed, prompt done
         answering = [s for s in self._slots if s.run is not None and s.run.prompt_s is not None]
         reading = [s for s in self._slots if s.run is not None and s.run.prompt_s is None]
+        waiting = self._share_prompts(reading)
+        reading = [s for s in reading if s not in waiting]
         ahead = _ahead_of_streams(reading)
         if ahead:
             # Prompts that came while no answer was streaming (requests sent together, a
@@ -373,6 +378,50 @@ class LlamaEngine:
                 if outcome is not None:
                     finished.append(outcome)
         return finished
+
+    def _share_prompts(self, reading: list[Slot]) -> set[Slot]:
+        """Prompts read once: a reading request whose prompt another slot's cache holds further
+        (the same question, K samples of it, serve's ``n`` choices) takes those cells from it —
+        shared, not copied, in the unified cache — instead of reading them; one that another
+        request admitted before it is still reading further waits for it, rather than read the
+        same tokens beside it. Return the slots that wait this step. (Not with a stream per
+        slot, whose cells cannot be shared; not for a deterministic request, which reads its
+        prompt afresh.)"""
+        cells = self._loaded_cells()
+        if cells.streams or not reading:
+            return set()
+        model, _ = self._loaded()
+        waiting: set[Slot] = set()
+        readers = sorted(reading, key=lambda s: s.run.started if s.run is not None else 0.0)
+        for index, slot in enumerate(readers):
+            run = slot.run
+            assert run is not None
+            if run.job.params.ask.deterministic:
+                continue
+            limit = len(run.prompt) - 1  # (its last token is read: sampling needs its logits)
+            have = len(slot.tokens)
+            source, held = None, have
+            for other in self._slots:
+                if other is slot or (
+                    other.run is not None and other.run.job.params.ask.deterministic
+                ):
+                    continue
+                shared = min(common_prefix(other.tokens, run.prompt), limit)
+                if shared > held:
+                    source, held = other, shared
+            if source is not None and held >= have + SHARE_MIN:
+                model.seq_cp(source.seq, slot.seq, held, start=have)
+                slot.tokens.extend(run.prompt[have:held])
+                del slot.pending[: held - have]
+                run.cached += held - have
+                have = held
+            for other in readers[:index]:
+                assert other.run is not None
+                ahead = min(common_prefix(other.run.prompt, run.prompt), limit)
+                if other.pending and ahead >= have + SHARE_MIN and len(other.tokens) < ahead:
+                    waiting.add(slot)
+                    break
+        return waiting
 
     def _follow_the_cores(self, model: LoadedModel, hold: bool) -> None:
         """Before a decode: the thread count the governor asks for (the configured one with

@@ -385,10 +385,10 @@ class LoadedModel:
         self.seq_rm(seq, 0)
         return False
 
-    def seq_cp(self, source: int, target: int, count: int) -> None:
-        """Share the first ``count`` cells of ``source`` with ``target`` (no copy: the cells of a
-        unified cache belong to both)."""
-        llama_cpp.llama_memory_seq_cp(self.context.memory, source, target, 0, count)
+    def seq_cp(self, source: int, target: int, count: int, start: int = 0) -> None:
+        """Share the cells of ``source`` at positions ``start`` to ``count`` with ``target`` (no
+        copy: the cells of a unified cache belong to both)."""
+        llama_cpp.llama_memory_seq_cp(self.context.memory, source, target, start, count)
 
     def logits(self, index: int) -> Any:
         """The logits of the last decode's batch entry ``index``: a numpy view of llama.cpp's
