@@ -1,7 +1,9 @@
 """A prompt read once (issue 51, item 3): the samples of one question (`--samples K`, `eval -k`,
 serve's ``n``), sent together, each sit in a slot of their own; one reads the question and the
-others take its cells (shared in the unified KV cache) instead of reading it beside it. Through
-the real daemon, on SmolLM2 and on the tiny model behind `phi4 serve`."""
+others take its cells (shared in the unified KV cache) instead of reading it beside it. A
+prompt whose cells were reclaimed is kept in RAM and put back when it is asked again. Through
+the real daemon, on SmolLM2 and on the tiny model behind `phi4 serve`; the RAM cache's bounds
+on their own."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from phi4cli.daemon.llama.prompt_cache import PromptCache
 from tests.conftest import run_phi4
 from tests.test_http_api import JSON, fetch, start_server
 
@@ -76,3 +79,53 @@ def test_serves_n_choices_read_their_prompt_once_and_greedy_ones_agree(tiny_mode
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)
+
+
+def _solve(model: Path, question: str) -> dict[str, Any]:
+    done = run_phi4("solve", question, "-m", str(model), "-n", "4", "--json", timeout=300)
+    assert done.returncode in (0, 1), done.stderr
+    stats: dict[str, Any] = json.loads(done.stdout)["stats"]
+    return stats
+
+
+def test_a_prompt_whose_cells_were_taken_is_put_back_from_ram(
+    smollm2_model: Path, phi4_home: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # One slot: the second question takes the first's cells, and the first, asked again, finds
+    # its prompt in RAM instead of reading it again; `cache clear` empties the cache.
+    monkeypatch.setenv("PHI4_PARALLEL", "1")
+    first, second = "What is 17 times 29, exactly, in base ten?", "Name three primes above fifty."
+    read = _solve(smollm2_model, first)
+    assert read["restored_tokens"] == 0 and read["prompt_eval_tokens"] > 16
+    _solve(smollm2_model, second)
+    again = _solve(smollm2_model, first)
+    assert again["restored_tokens"] == again["prompt_tokens"] - 1, again
+    assert again["prompt_eval_tokens"] == 1
+    shown = run_phi4("status")
+    assert "put back 1 time (" in shown.stdout, shown.stdout
+    status = json.loads(run_phi4("status", "--json").stdout)
+    kept = status["memory"]["prompt_cache"]
+    assert kept["prompts"] == 2 and 0 < kept["bytes"] <= kept["max_bytes"], kept
+    cleared = run_phi4("cache", "clear")
+    assert cleared.returncode == 0, cleared.stderr
+    assert "emptied the daemon's prompt cache: 2 prompts" in cleared.stdout, cleared.stdout
+    status = json.loads(run_phi4("status", "--json").stdout)
+    assert status["memory"]["prompt_cache"]["prompts"] == 0
+
+
+def test_the_ram_cache_keeps_the_most_recent_prompts_within_its_bytes():
+    cache = PromptCache(max_bytes=100)
+    cache.put([1, 2, 3], b"a" * 40)
+    cache.put([4, 5, 6], b"b" * 40)
+    assert cache.best([1, 2, 3, 9], beyond=0) is not None  # (and now the most recent)
+    cache.put([7, 8], b"c" * 40)  # 120 bytes: the least recently used goes
+    assert cache.best([4, 5, 6], beyond=0) is None
+    found = cache.best([1, 2, 3, 9], beyond=0)
+    assert found is not None and found[1] == 3
+    assert cache.best([1, 2, 3, 9], beyond=3) is None, "no better than the slot holds"
+    cache.put([1, 2, 3, 4, 5], b"d" * 40)  # serves [1, 2, 3] too: that one goes
+    assert cache.usage()["prompts"] == 2 and cache.usage()["bytes"] == 80
+    cache.put([9] * 10, b"e" * 101)  # larger than the whole bound: not kept
+    assert cache.usage()["prompts"] == 2
+    assert cache.clear() == {"prompts": 2, "bytes": 80}
+    assert cache.usage()["bytes"] == 0

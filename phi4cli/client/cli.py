@@ -742,16 +742,23 @@ app.add_typer(cache_app, name="cache")
 
 @cache_app.command("clear")
 def cache_clear() -> None:
-    """Remove staged model copies (RAM), saved system-prompt states and swapped-out chats."""
+    """Remove staged model copies (RAM), saved system-prompt states and swapped-out chats, and
+    empty the running daemon's prompt cache."""
     from phi4cli.client.caches import clear_caches
+    from phi4cli.engines.daemon_link import clear_daemon_prompts
 
-    staged, states, sessions = clear_caches(get_paths(), say)
-    from phi4cli.client.render import counted
+    paths = get_paths()
+    staged, states, sessions = clear_caches(paths, say)
+    from phi4cli.client.render import counted, human_bytes
 
     copies = counted(staged, "staged model copy", "staged model copies")
     saved = counted(states, "saved prompt state")
     chats = counted(sessions, "swapped-out chat session")
     _print(f"removed {copies}, {saved} and {chats}")
+    kept = clear_daemon_prompts(paths)
+    if kept is not None:
+        _print(f"emptied the daemon's prompt cache: {counted(kept['prompts'], 'prompt')}, "
+               f"{human_bytes(kept['bytes'])}")  # fmt: skip
 
 
 @app.command()

@@ -603,6 +603,13 @@ def format_status(status: dict[str, Any]) -> str:
         rows.append(("kv now", f"{memory['reserved_tokens']:,} reserved by {memory['running']} "
                                f"running, {memory['free_tokens']:,} free, "
                                f"{memory['idle_cached_tokens']:,} cached for reuse"))  # fmt: skip
+        kept = memory.get("prompt_cache")
+        if kept:
+            rows.append(("prompts", f"{kept['prompts']:,} kept in RAM, "
+                                    f"{human_bytes(kept['bytes'])} of "
+                                    f"{human_bytes(kept['max_bytes'])}; put back "
+                                    f"{counted(kept['hits'], 'time')} "
+                                    f"({kept['hit_tokens']:,} tokens not read again)"))  # fmt: skip
         growing = memory.get("context_growing_s")
         if growing is not None:
             rows.append(("kv growing", f"answering from {memory['context_cells']:,} of its "

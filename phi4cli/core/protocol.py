@@ -57,6 +57,9 @@ class Op(StrEnum):
     # thinking so the model answers from what it has).
     ADJUST = "adjust"
     PING = "ping"
+    # Forget the prompts the engine keeps in RAM (``phi4 cache clear``): ``done`` with
+    # ``{"prompt_cache": {"prompts": N, "bytes": B}}``, what it held.
+    CLEAR = "clear"
     # Run a command line for the thin client (``phi4cli.thin``, ``client.served``): ``argv``,
     # ``env``, ``cwd``; answered by ``output`` events and ``done`` with ``status``.
     RUN = "run"

@@ -81,6 +81,11 @@ class Engine(Protocol):
         """The KV cache now (n_ctx, reserved, free, ...) and the memory plan; {} if unloaded."""
         ...
 
+    def clear_prompts(self) -> dict[str, int]:
+        """Forget the prompts kept in RAM; return how many there were (``prompts``) and their
+        ``bytes``. Called from the event loop's thread."""
+        ...
+
     def tend(self) -> bool:
         """Work of the engine's own between steps (a context made in the background moving
         in); True while there is more of it: the worker then comes back within ``TEND_S``

@@ -522,6 +522,7 @@ class DaemonServer:
                 Op.CANCEL: self._op_cancel,
                 Op.ADJUST: self._op_adjust,
                 Op.PING: self._op_ping,
+                Op.CLEAR: self._op_clear,
                 Op.RUN: self._op_run,
             }[Op(request.op)]
             handler(connection, request)
@@ -549,6 +550,16 @@ class DaemonServer:
             "settings": {key: getattr(self.settings, key) for key in DAEMON_SETTINGS},
         }
         connection.send(_done(request.id, result))
+
+    def _op_clear(self, connection: Connection, request: Request) -> None:
+        cleared = self.engine.clear_prompts()
+        # `status` shows the engine's memory as of the worker's last round: an idle worker
+        # would show the cache full until its next request.
+        memory = self.scheduler.memory
+        if "prompt_cache" in memory:
+            emptied = {**memory["prompt_cache"], "prompts": 0, "bytes": 0}
+            self.scheduler.memory = {**memory, "prompt_cache": emptied}
+        connection.send(_done(request.id, {"prompt_cache": cleared}))
 
     def _op_status(self, connection: Connection, request: Request) -> None:
         connection.send(_done(request.id, self.live_status()))

@@ -397,6 +397,17 @@ def _stop_daemon(paths: Paths, timeout: float, announce: Announce | None) -> int
     return pid
 
 
+def clear_daemon_prompts(paths: Paths) -> dict[str, int] | None:
+    """Have the running daemon forget the prompts it keeps in RAM; return what it held, or None
+    when no daemon runs."""
+    connection = try_connect(paths)
+    if connection is None:
+        return None
+    with connection:
+        cleared: dict[str, int] = connection.call(Op.CLEAR).result["prompt_cache"]
+        return cleared
+
+
 def daemon_status(paths: Paths) -> dict[str, Any]:
     """Return the running daemon's live status; raise DaemonUnavailableError if none answers."""
     connection = try_connect(paths)

@@ -132,6 +132,14 @@ class DaemonCollector:
             "phi4_request_duration_seconds", "Time from a request's start to its end.",
             buckets=buckets, sum_value=metrics.get("latency_sum_s", 0.0),
         )  # fmt: skip
+        kept = (status.get("memory") or {}).get("prompt_cache") or {}
+        yield GaugeMetricFamily("phi4_prompt_cache_bytes", "Bytes of prompts kept in RAM.",
+                                value=kept.get("bytes", 0))  # fmt: skip
+        yield GaugeMetricFamily("phi4_prompt_cache_prompts", "Prompts kept in RAM.",
+                                value=kept.get("prompts", 0))  # fmt: skip
+        yield CounterMetricFamily("phi4_prompt_cache_hits",
+                                  "Prompts put back from RAM rather than read again.",
+                                  value=kept.get("hits", 0))  # fmt: skip
         errors = CounterMetricFamily("phi4_errors", "Requests that ended in an error, by code.",
                                      labels=["code"])  # fmt: skip
         for code, count in (metrics.get("errors") or {}).items():

@@ -31,8 +31,9 @@ from phi4cli.core.config import Settings
 from phi4cli.core.machine import physical_cores
 from phi4cli.core.protocol import ErrorCode, Stats
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
-from phi4cli.daemon.llama.cells import KVCells, common_prefix
+from phi4cli.daemon.llama.cells import KVCells
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
+from phi4cli.daemon.llama.prompt_cache import common_prefix
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
 from phi4cli.daemon.llama.slots import Prepared, Run, Slot
 from phi4cli.daemon.llama.writing import RunWriter
@@ -173,6 +174,12 @@ class LlamaEngine:
         """Drop every request and every slot's cache (after a failed step); keep the model."""
         self._loaded_cells().reset()
 
+    def clear_prompts(self) -> dict[str, int]:
+        """Forget the prompts kept in RAM (``phi4 cache clear``); say how many, and their bytes.
+        (Called from the event loop's thread: the cache has a lock of its own.)"""
+        cells = self._cells
+        return cells.kept.clear() if cells is not None else {"prompts": 0, "bytes": 0}
+
     # --- the system prompt, prefilled once --------------------------------------------------------
 
     # --- admitting requests -------------------------------------------------------------------
@@ -268,9 +275,12 @@ class LlamaEngine:
             slot = cells.clean_start(tokens)
         elif not restored:
             slot = cells.choose_slot(tokens)
+            # A prompt asked before, whose cells were reclaimed since, kept in RAM.
+            restored, restore_s = cells.restore_prompt(slot, tokens, needed)
         # At least one prompt token is always evaluated: sampling needs fresh logits.
         keep = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
         cells.drop(slot, keep)
+        slot.prompt_len = 0
         slot.tokens = tokens[:keep]
         slot.shared = min(slot.shared, keep)
         slot.pending = tokens[keep:]
@@ -503,6 +513,7 @@ class LlamaEngine:
         slot.last_used = time.monotonic()
         prefilled = run.prompt_s is not None
         slot.session = run.job.params.session if run.chat is not None and prefilled else None
+        slot.prompt_len = len(run.prompt) if run.chat is None and prefilled else 0
         chat = (
             prompts.remember_turn(run.job.params, run.chat, list(slot.tokens), run.splitter.answer)
             if run.chat is not None and prefilled

@@ -17,6 +17,7 @@ import llama_cpp
 
 from phi4cli.daemon.jobs import SolveParams
 from phi4cli.daemon.llama.model import LoadedModel
+from phi4cli.daemon.llama.prompt_cache import MIN_TOKENS, PromptCache, common_prefix
 from phi4cli.daemon.llama.prompts import Prompts
 from phi4cli.daemon.llama.slots import Slot
 from phi4cli.daemon.sessions import SwappedSession, SwapStore
@@ -30,6 +31,8 @@ SWAP_MIN_TOKENS = 64
 # With a stream per slot, a new request takes the lowest idle slot (keeping the running ones
 # consecutive) unless another idle slot holds at least this many more tokens of its prompt.
 STREAM_REUSE_MIN = 256
+# Prompts whose cells were reclaimed, kept in RAM (prompt_cache.py): at most this many bytes.
+PROMPT_CACHE_BYTES = 1 << 30
 
 
 class KVCells:
@@ -46,6 +49,7 @@ class KVCells:
         self.system_seq = 0 if self.streams else model.plan.slots
         self.system_tokens: list[int] = []
         self.system_state: Any = None  # the system prompt's KV (a buffer), once warm
+        self.kept = PromptCache(PROMPT_CACHE_BYTES)  # prompts whose cells were reclaimed
 
     @property
     def active(self) -> int:
@@ -73,6 +77,7 @@ class KVCells:
             "running": self.active,
             "slots": len(self.slots),
             "swapped_sessions": len(self.swap),
+            "prompt_cache": self.kept.usage(),
         }
 
     def close(self) -> None:
@@ -203,10 +208,49 @@ class KVCells:
                 self.swap.add(session.id, slot.tokens, size)
                 log.info("swapped session %s out (%d tokens, %.3f s)", session.id,
                          len(slot.tokens), time.monotonic() - started)  # fmt: skip
+        elif session is None:
+            self._keep_prompt(slot, keep)
         slot.session = None
         model.seq_rm(slot.seq, keep)
         del slot.tokens[keep:]
         slot.shared = min(slot.shared, keep)
+
+    def _keep_prompt(self, slot: Slot, keep: int) -> None:
+        """Before an idle slot's cells from ``keep`` on go: the prompt of the request it
+        answered, if they hold MIN_TOKENS of it and more than the system prompt, is kept in RAM
+        (its answer's cells are let go first: a prompt asked again needs only its own)."""
+        length, slot.prompt_len = slot.prompt_len, 0
+        if (
+            slot.run is not None
+            or length - max(keep, len(self.system_tokens)) < MIN_TOKENS
+            or length > len(slot.tokens)
+            or not self.kept.max_bytes
+        ):
+            return
+        if len(slot.tokens) > length:
+            self.model.seq_rm(slot.seq, length)
+            del slot.tokens[length:]
+        self.kept.put(slot.tokens, bytes(self.model.seq_state(slot.seq)))
+
+    def restore_prompt(self, slot: Slot, tokens: list[int], needed: int) -> tuple[int, float]:
+        """Put back into ``slot`` the kept prompt sharing the longest prefix with ``tokens``,
+        where it holds MIN_TOKENS more of them than the slot does and fits the reservation of
+        ``needed`` cells; return the prompt's tokens it holds and the seconds it took (0, 0.0
+        for none). The slot is chosen (``choose_slot``) and idle."""
+        held = common_prefix(slot.tokens, tokens)
+        found = self.kept.best(tokens, held + MIN_TOKENS - 1)
+        if found is None or len(found[0].tokens) > needed:
+            return 0, 0.0
+        entry, shared = found
+        started = time.monotonic()
+        self.drop(slot, 0)
+        self.reclaim(needed, slot)
+        if not self.model.set_seq_state(slot.seq, bytearray(entry.state)):
+            return 0, 0.0  # (the slot is empty: the prompt is read whole)
+        slot.tokens, slot.shared = list(entry.tokens), 0
+        restored = min(shared, len(tokens) - 1)
+        self.kept.counted(restored - held)
+        return restored, time.monotonic() - started
 
     def choose_slot(self, tokens: list[int]) -> Slot:
         """Pick the idle slot sharing the longest prefix with ``tokens`` (least recently used on
@@ -305,15 +349,5 @@ class KVCells:
             if slot.run is not None:
                 slot.run.sampler.close()
             slot.run, slot.pending, slot.tokens, slot.shared = None, [], [], 0
-            slot.session = None
+            slot.session, slot.prompt_len = None, 0
             model.seq_rm(slot.seq, 0)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens ``a`` and ``b`` share from the start."""
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count

@@ -73,6 +73,8 @@ class Slot:
     run: Run | None = None
     last_used: float = 0.0
     session: str | None = None  # the chat session whose tokens it holds, after a chat turn
+    # After a solve: how many of its tokens are the prompt (kept in RAM when its cells go).
+    prompt_len: int = 0
 
     @property
     def own_cells(self) -> int:
