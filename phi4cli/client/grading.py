@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from phi4cli.client.progress import FileProgress, ProgressNotice
 from phi4cli.client.solving import EarlyStop, Requests, SolveJob, json_text, votes
-from phi4cli.core.atomicfile import RefusedFileError, open_user_file, replace_user_file
+from phi4cli.core.atomicfile import (
+    RefusedFileError,
+    UnwritableError,
+    open_user_file,
+    replace_user_file,
+)
 from phi4cli.core.errors import UsageError
 from phi4cli.core.options import REQUEST_KEYS, SETTING, sample_seed
 from phi4cli.core.protocol import PRIORITY_BULK, Event, SolveParams
@@ -516,8 +521,24 @@ def _end_on_a_line(results: BinaryIO) -> int:
         results.seek(last_start)
         return end - last_start
     results.seek(end)
-    results.write(b"\n")
+    _append(results, b"\n")
     return 0
+
+
+def _append(results: BinaryIO, data: bytes) -> None:
+    """Append ``data`` (whole lines) to ``results``, or nothing of it: a write cut short (a full
+    disk) is cut off again, so that the file holds whole records only. Raise OSError."""
+    results.flush()  # (nothing buffered: each write goes through here)
+    fd = results.fileno()
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        left = memoryview(data)
+        while left:
+            left = left[os.write(fd, left) :]
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise
 
 
 def _text_lines(results: BinaryIO, output: Path) -> Iterator[str]:
@@ -546,7 +567,12 @@ def run_eval(
     adaptive = samples > 1 and not every
     run = run_identity(job, samples, adaptive)
     new = not os.path.lexists(output)
-    results, earlier, cut = open_results(output, problems, run, policy or MismatchPolicy())
+    try:
+        results, earlier, cut = open_results(output, problems, run, policy or MismatchPolicy())
+    except UnwritableError as exc:
+        raise exc.instead(ANOTHER_FILE) from None
+    except OSError as exc:  # (ending a last line: a full disk)
+        raise UnwritableError(output, RESULTS_FILE, exc, instead=ANOTHER_FILE) from None
     if cut:
         job.announce(f"{output} ended in a record cut short ({cut:,} bytes, a run stopped while "
                      "writing it): cut off, its problem is solved again")  # fmt: skip
@@ -621,11 +647,13 @@ def run_eval(
             ]
         if record["status"] == "error":  # (said as `solve -f` says it; the record keeps it)
             progress.notice(f"line {todo[i].line}: {record['errors'][-1]}")
+        line = result_line(record)
+        try:  # written as it is judged: an interruption keeps every problem finished so far
+            _append(results, line.encode() + b"\n")
+        except OSError as exc:
+            raise _unwritable(output, exc, todo[i].line, tally) from None
         todo.release(i)
         tally.add(record)
-        line = result_line(record)
-        results.write(line.encode() + b"\n")
-        results.flush()  # an interruption keeps every problem finished so far
         if jsonl:
             progress.out(line)
         progress.advance(i)
@@ -645,6 +673,20 @@ def run_eval(
     if notice:
         job.announce(notice)
     return tally, time.monotonic() - started
+
+
+ANOTHER_FILE = "name another results file with -o"
+
+
+def _unwritable(output: Path, exc: OSError, line: int, tally: Tally) -> UnwritableError:
+    """A record that could not be written: the run stops there, and the line says which
+    problem and what the file keeps (whole records only: see :func:`_append`)."""
+    kept = sum(tally.counts.values())
+    return UnwritableError(
+        output, RESULTS_FILE, exc, instead=ANOTHER_FILE,
+        detail=f"; stopped at line {line}'s record (the {kept:,} judged before it are whole "
+        "lines in the file, and the same command resumes from them)",
+    )  # fmt: skip
 
 
 def _counted(record: dict[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,75 @@ class RefusedFileError(Phi4Error):
     link another user could change (exit 1)."""
 
 
+class UnwritableError(Phi4Error):
+    """A file phi4 writes could not be written: the disk is full or read-only, or the directory
+    is not yours to write in (exit 1). What the file held before is as it was.
+
+    Data until the door that shows it: the file, what it is for, the error; :meth:`instead`
+    adds the command's own way out (another file, a setting)."""
+
+    def __init__(self, path: Path | str, what: str, error: OSError, verb: str = "write",
+                 instead: str | None = None, detail: str = "") -> None:  # fmt: skip
+        self.path, self.what, self.error, self.verb = path, what, error, verb
+        self.detail = detail
+        super().__init__(f"cannot {verb} the {what} {path}: "
+                         f"{write_problem(error, path, instead)}{detail}")  # fmt: skip
+
+    def instead(self, instead: str) -> UnwritableError:
+        """The same error, saying ``instead`` as the way out beside freeing space."""
+        return UnwritableError(self.path, self.what, self.error, self.verb, instead,
+                               self.detail)  # fmt: skip
+
+
+# What a failed write says about the disk or the directory rather than the file's content.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+                         errno.EFBIG})  # fmt: skip
+
+
+def write_problem(exc: OSError, path: Path | str, instead: str | None = None) -> str:
+    """Why writing ``path`` failed with ``exc``, and what to do, as the end of a ``phi4:``
+    line: ``no space left on /mnt: free some space there, or INSTEAD``, ``/mnt is mounted
+    read-only: INSTEAD``."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        mount = mount_point(path)
+        if exc.errno == errno.EDQUOT:
+            problem = f"your disk quota on {mount} is used up: free some space there"
+        elif _no_inodes(mount):
+            problem = f"no inodes left on {mount} (too many files): remove some there"
+        else:
+            problem = f"no space left on {mount}: free some space there"
+        return problem + (f", or {instead}" if instead else "")
+    if exc.errno == errno.EROFS:
+        problem = f"{mount_point(path)} is mounted read-only"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        problem = f"permission denied: you may not write {path} (or in its directory)"
+    elif exc.errno == errno.EFBIG:
+        problem = f"the file would be larger than {mount_point(path)} allows"
+    else:
+        problem = exc.strerror or str(exc)
+    return problem + (f": {instead}" if instead else "")
+
+
+def _no_inodes(mount: str) -> bool:
+    """Whether the filesystem at ``mount`` is out of inodes (files), not of space."""
+    try:
+        disk = os.statvfs(mount)
+    except OSError:
+        return False
+    return disk.f_files > 0 and disk.f_favail == 0 and disk.f_bavail > 0
+
+
+def mount_point(path: Path | str) -> str:
+    """The directory where the filesystem that holds ``path`` (or would hold it: its nearest
+    existing directory) is mounted."""
+    here = os.path.abspath(path)
+    while not os.path.lexists(here) and here != "/":
+        here = os.path.dirname(here)
+    while here != "/" and not os.path.ismount(here):
+        here = os.path.dirname(here)
+    return here
+
+
 def write_atomic(path: Path, data: bytes, mode: int = 0o600, what: str = "file") -> None:
     """Write ``data`` to ``path`` via a temp file in the same directory and an atomic rename.
 
@@ -71,7 +140,7 @@ def read_user_file(path: Path, what: str) -> bytes:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise RefusedFileError(_refusal(path, what, exc, "read")) from None
+        raise _refused(path, what, exc, "read") from None
     finally:
         os.close(directory)
     with os.fdopen(fd, "rb") as handle:
@@ -98,7 +167,9 @@ def open_user_file(path: Path, what: str) -> BinaryIO:
     it is a symbolic link, not a regular file, another user's, a hard link (another user may
     link a file of yours into /tmp), or writable by group or others (anyone else could have
     written into it), when a directory on the way is another user's or writable by others, or
-    when it cannot be opened at all. Nothing is read through a link and opening never blocks.
+    when it cannot be opened at all; UnwritableError when that is because the disk is full or
+    read-only, or the directory not yours to write in. Nothing is read through a link and
+    opening never blocks.
     """
     directory, name = _reach(path, what, "create", create=True, follow_last=False)
     try:
@@ -125,14 +196,14 @@ def _open_or_create(directory: int, name: str, path: Path, what: str) -> int:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            raise RefusedFileError(_refusal(path, what, exc)) from None
+            raise _refused(path, what, exc) from None
         try:
             return os.open(name, _USER_FILE_FLAGS | os.O_CREAT | os.O_EXCL, 0o600,
                            dir_fd=directory)  # fmt: skip
         except FileExistsError:
             continue  # made between the two opens (a dangling link, maybe): look at it again
         except OSError as exc:
-            raise RefusedFileError(_refusal(path, what, exc)) from None
+            raise _refused(path, what, exc, "create") from None
     raise RefusedFileError(f"cannot open the {what} {path}: it keeps changing; use another")
 
 
@@ -140,13 +211,14 @@ def replace_user_file(path: Path, what: str, data: bytes) -> BinaryIO:
     """Put a new 0600 file holding ``data`` at ``path`` in place of whatever is there (a link is
     replaced, never written through), atomically, and return it open to append to. Raise
     RefusedFileError when it cannot (another user's file in a sticky directory such as /tmp,
-    or a directory on the way that another user could change)."""
+    or a directory on the way that another user could change), UnwritableError when the disk
+    is full or read-only or the directory not yours to write in: then nothing has changed."""
     directory, name = _reach(path, what, "create", create=True, follow_last=False)
     try:
         try:
             fd, tmp = _create_temp(directory, name)
         except OSError as exc:
-            raise RefusedFileError(_refusal(path, what, exc, "create")) from None
+            raise _refused(path, what, exc, "create") from None
         handle = os.fdopen(fd, "r+b")
         try:
             handle.write(data)
@@ -154,11 +226,12 @@ def replace_user_file(path: Path, what: str, data: bytes) -> BinaryIO:
             os.fsync(fd)
             os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
         except BaseException as exc:
-            handle.close()
+            with contextlib.suppress(OSError):  # (its flush fails again on a full disk)
+                handle.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=directory)
             if isinstance(exc, OSError):
-                raise RefusedFileError(_refusal(path, what, exc, "replace")) from None
+                raise _refused(path, what, exc, "replace") from None
             raise
         return handle
     finally:
@@ -251,8 +324,9 @@ def _reach(path: Path, what: str, verb: str, *, create: bool,
     are made (mode 777 less the umask) when ``create``.
 
     Raise RefusedFileError naming the directory or link another user could change, or what is
-    not a directory; other OSErrors as RefusedFileError for ``verb`` "create" (a user-given
-    path), else as they are (FileNotFoundError when not ``create``; a full disk)."""
+    not a directory; other OSErrors, for ``verb`` "create" (a user-given path), as
+    UnwritableError (a full or read-only disk) or RefusedFileError, else as they are
+    (FileNotFoundError when not ``create``; a full disk)."""
     try:
         return _walk(os.fspath(path), create, follow_last)
     except _Untrusted as untrusted:
@@ -272,6 +346,8 @@ def _reach(path: Path, what: str, verb: str, *, create: bool,
     except OSError as exc:
         if verb != "create":
             raise
+        if exc.errno in DISK_ERRNOS:
+            raise UnwritableError(path, what, exc, verb) from None
         raise RefusedFileError(
             f"cannot {verb} the {what} {path}: {exc.filename}: {exc.strerror}"
         ) from None
@@ -374,10 +450,14 @@ def _remedy(problem: str) -> str:
     return "remove it"
 
 
-def _refusal(path: Path, what: str, exc: OSError, verb: str = "open") -> str:
+def _refused(path: Path, what: str, exc: OSError, verb: str = "open") -> Phi4Error:
+    """The error for ``exc`` on opening (or creating, replacing: to write) ``path``: an
+    UnwritableError where the disk or the directory is the reason, else a RefusedFileError."""
     if exc.errno == errno.ELOOP:
         through = "read" if verb == "read" else "write"
-        return (
+        return RefusedFileError(
             f"the {what} {path} is a symbolic link; phi4 will not {through} through it: remove it"
         )
-    return f"cannot {verb} the {what} {path}: {exc.strerror}"
+    if verb != "read" and exc.errno in DISK_ERRNOS:
+        return UnwritableError(path, what, exc, verb)
+    return RefusedFileError(f"cannot {verb} the {what} {path}: {exc.strerror}")
