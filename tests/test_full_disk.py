@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 import shutil
@@ -249,3 +250,119 @@ def test_a_replaced_results_file_that_does_not_fit_is_left_as_it_was(
     with pytest.raises(atomicfile.UnwritableError, match="free some space there"):
         atomicfile.replace_user_file(path, "results file", b"new\n")
     assert path.read_bytes() == b"old\n" and os.listdir(tmp_path) == ["out.jsonl"]
+
+
+# --- the config, chats, staging, the cache --------------------------------------------------
+
+
+@pytest.mark.parametrize("disk_state", ["full", "read-only"])
+@pytest.mark.daemon
+def test_config_set_unset_and_edit_on_a_full_or_read_only_disk_change_nothing(
+    tmpfs: Mount, disk_state: str
+):
+    # Before: `config edit` on a full disk was "internal error: OSError".
+    disk = tmpfs()
+    home = {"PHI4_HOME": str(disk / "home")}
+    for key, value in (("temperature", "0.3"), ("top_p", "0.9")):
+        assert run_phi4("config", "set", key, value, env=home).returncode == 0
+    config = disk / "home" / "config" / "config.toml"
+    before = config.read_bytes()
+    if disk_state == "full":
+        _fill(disk)
+        why = f"no space left on {disk}: free some space there"
+    else:
+        remount(disk, "ro")
+        why = f"{disk} is mounted read-only"
+    for args in (("set", "temperature", "0.5"), ("unset", "temperature"), ("edit",)):
+        result = run_phi4("config", *args, env={**home, "EDITOR": "true", "VISUAL": "true"})
+        assert result.returncode == 1, (args, result.stderr)
+        line = one_error_line(result.stderr)
+        assert line.startswith("phi4: error: cannot write the config file") and why in line
+        assert line.endswith(f"; {config} is unchanged"), line
+        assert config.read_bytes() == before
+    assert sorted(os.listdir(config.parent)) == ["config.toml"], "no draft, no temp file"
+
+
+@pytest.mark.daemon
+def test_a_piped_chat_on_a_full_disk_answers_and_says_what_was_not_saved(tmpfs: Mount):
+    disk = tmpfs(full=True)
+    home = disk / "home"
+    with contextlib.suppress(OSError):
+        home.mkdir()
+    with scripted_server(_numbered) as server:
+        chat = run_phi4("chat", "--backend", server.url, "-m", "m", input="p7\np8\n",
+                        env={"PHI4_HOME": str(home)})  # fmt: skip
+    assert chat.returncode == 1, chat.stderr
+    assert "7" in chat.stdout and "8" in chat.stdout, "every answer shown"
+    lines = chat.stderr.splitlines()
+    assert len(lines) == 2 and "Traceback" not in chat.stderr, chat.stderr  # said once, then
+    assert "cannot save the conversation" in lines[0] and "no space left on" in lines[0]
+    assert lines[1].startswith("phi4: error: cannot save the conversation")
+    assert lines[1].endswith("what it holds since it was last saved is in the answers above only")
+
+
+def test_a_chat_that_can_save_again_by_its_end_says_nothing_more(tmp_path: Path):
+    from phi4cli.client.chats import ChatStore, Conversation
+    from phi4cli.client.environment import Environment
+    from phi4cli.client.repl import ChatRepl
+    from phi4cli.core.atomicfile import UnwritableError
+    from phi4cli.core.config import Settings
+
+    class FullUntilFreed(ChatStore):
+        full = True
+
+        def save(self, conversation: Conversation) -> Path:
+            if self.full:
+                raise UnwritableError(self.path(conversation.name), "conversation",
+                                      OSError(errno.ENOSPC, "full"), verb="save")  # fmt: skip
+            return super().save(conversation)
+
+    class NoEngine:
+        def connect(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    err = io.StringIO()
+    store = FullUntilFreed(tmp_path / "chats")
+    repl = ChatRepl(Environment(io.StringIO(), io.StringIO(), err), NoEngine(),  # type: ignore[arg-type]
+                    Settings(), "m", Conversation(name="c", model="m"), store)  # fmt: skip
+    repl._autosave()
+    repl._autosave()
+    assert err.getvalue().count("cannot save the conversation") == 1, "said once"
+    store.full = False
+    assert repl.run(lambda _prompt: None) == 0  # type: ignore[arg-type]
+    assert err.getvalue().count("cannot save") == 1 and store.load("c").name == "c"
+
+
+@pytest.mark.daemon
+def test_cache_clear_on_a_read_only_staging_dir_is_one_line(tmpfs: Mount):
+    disk = tmpfs()
+    staging = disk / "stage"
+    staging.mkdir(mode=0o700)
+    (staging / "model-3-1.gguf").write_bytes(b"abc")
+    remount(disk, "ro")
+    cleared = run_phi4("cache", "clear", env={"PHI4_RAMDISK": str(staging)})
+    assert cleared.returncode == 1
+    assert one_error_line(cleared.stderr) == (
+        f"phi4: error: cannot remove the staged model copy {staging / 'model-3-1.gguf'}: "
+        f"{disk} is mounted read-only (removed 0 staged model copies, 0 saved prompt states "
+        "and 0 swapped-out chat sessions)"
+    )
+
+
+def test_a_model_is_loaded_from_its_file_when_staging_cannot_write(tmpfs: Mount,
+                                                                   tiny_model: Path):  # fmt: skip
+    # Before: the temp file's creation on a read-only staging dir raised, and the model failed
+    # to load; an old copy that could not be removed did too.
+    from phi4cli.daemon.ramdisk import stage
+
+    disk = tmpfs(size="1g")
+    staging = disk / "stage"
+    staging.mkdir(mode=0o700)
+    (staging / f"{tiny_model.stem}-1-2.gguf").write_bytes(b"an older copy")
+    remount(disk, "ro")
+    staged = stage(tiny_model, "on", staging)
+    assert staged.path == tiny_model and not staged.staged
+    assert staged.note is not None and f"{disk} is mounted read-only" in staged.note

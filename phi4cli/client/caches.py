@@ -13,7 +13,10 @@ from phi4cli.core.paths import Paths, not_private
 
 def clear_caches(paths: Paths, say: Announce) -> tuple[int, int, int]:
     """Remove them; return how many staged copies, prompt states and chat sessions went. Each
-    copy kept (in use) or left alone (a directory that is not private) is said."""
+    copy kept (in use) or left alone (a directory that is not private) is said.
+
+    Raise UnwritableError, after the rest is removed, for what could not be (a read-only
+    filesystem), saying how much was."""
     from phi4cli.daemon.ramdisk import mapped_by, ramdisk_dir, remove_staged
 
     directory = ramdisk_dir()
@@ -27,12 +30,31 @@ def clear_caches(paths: Paths, say: Announce) -> tuple[int, int, int]:
             # running daemon has loaded stays, or its RAM would stay taken and the file gone.
             in_use = {path: pid for path, pid in mapped_by(directory).items()
                       if path.suffix == ".gguf"}  # fmt: skip
-    staged = remove_staged(in_use=in_use)
+    failed: list[tuple[Path, OSError]] = []
+    staged = remove_staged(in_use=in_use, failed=failed)
+    problems = [("staged model copy", path, exc) for path, exc in failed]
     for path, pid in sorted(in_use.items()):
         say(f"kept {path}: in use by pid {pid} (a running daemon: stop it to free that RAM)")
     counts = []
     for name in ("states", "sessions"):
         folder = paths.cache_dir / name
-        counts.append(len(list(folder.glob("*.state"))) if folder.is_dir() else 0)
-        shutil.rmtree(folder, ignore_errors=True)
+        before = _states(folder)
+        try:
+            shutil.rmtree(folder)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # a read-only filesystem: rmtree stops at the first file
+            problems.append(("cache directory", folder, exc))
+        counts.append(before - _states(folder))
+    if problems:
+        from phi4cli.core.atomicfile import UnwritableError
+
+        what, path, error = problems[0]
+        raise UnwritableError(path, what, error, verb="remove", detail=(
+            f" (removed {staged} staged model copies, {counts[0]} saved prompt states and "
+            f"{counts[1]} swapped-out chat sessions)"))  # fmt: skip
     return staged, counts[0], counts[1]
+
+
+def _states(folder: Path) -> int:
+    return len(list(folder.glob("*.state"))) if folder.is_dir() else 0

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from phi4cli.core.atomicfile import read_user_file, write_atomic
+from phi4cli.core.atomicfile import UnwritableError, read_user_file, write_atomic
 from phi4cli.core.errors import Phi4Error, UsageError
 from phi4cli.core.options import SETTABLE
 
@@ -174,7 +174,7 @@ class ChatStore:
             data = json.dumps(conversation.to_json(), ensure_ascii=False, indent=1).encode()
             write_atomic(path, data, what="conversation")
         except OSError as exc:
-            raise Phi4Error(f"cannot save the conversation to {path}: {exc.strerror}") from None
+            raise UnwritableError(path, "conversation", exc, verb="save") from None
         return path
 
     def load(self, name: str) -> Conversation:

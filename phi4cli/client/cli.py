@@ -545,7 +545,7 @@ def daemon_install_service(
 ) -> None:
     """Write a systemd user unit that runs the daemon at login, and say how to enable it."""
     from phi4cli.client.service import unit_text
-    from phi4cli.core.atomicfile import write_atomic
+    from phi4cli.core.atomicfile import UnwritableError, write_atomic
     from phi4cli.core.config import variable
     from phi4cli.core.models import resolve_model
 
@@ -555,7 +555,10 @@ def daemon_install_service(
     config_home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     unit = config_home / "systemd" / "user" / "phi4.service"
     text = unit_text(model_path, keep_alive, variable("PHI4_HOME"))
-    write_atomic(unit, text.encode(), mode=0o644, what="systemd unit")
+    try:
+        write_atomic(unit, text.encode(), mode=0o644, what="systemd unit")
+    except OSError as exc:
+        raise UnwritableError(unit, "systemd unit", exc) from None
     _print(f"wrote {unit}")
     _print("enable it with: systemctl --user daemon-reload && systemctl --user enable --now phi4")
 

@@ -5,6 +5,7 @@ from config.py, which every command reads: none of this is on a ``phi4 solve``'s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,8 +73,6 @@ def setting_key(key: str) -> str:
 def _write_key(config_file: Path, key: str, value: str, parsed: Any) -> None:
     """Write ``key`` (its ``value`` as typed, ``parsed``) into the config file, or remove it
     (``parsed`` None), changing only its line where it is one plain line."""
-    from phi4cli.core.atomicfile import write_atomic
-
     raw = read_config_bytes(config_file)  # read once: parsed here, edited below
     data = config_from_bytes(raw, config_file) if raw is not None else {}
     if parsed is None:
@@ -86,12 +85,7 @@ def _write_key(config_file: Path, key: str, value: str, parsed: Any) -> None:
     text = _edited(raw.decode("utf-8") if raw is not None else "", config_file, key, line, data)
     if text is None:  # not one plain line to change: the file written afresh, sorted
         text = "".join(f"{name} = {_toml_value(data[name])}\n" for name in sorted(data))
-    try:
-        write_atomic(config_file, text.encode(), mode=0o644, what="config file")
-    except OSError as exc:  # a full disk, say: not a usage error
-        from phi4cli.core.errors import Phi4Error
-
-        raise Phi4Error(f"cannot write {config_file}: {exc.strerror}; nothing changed") from None
+    _write_config(config_file, text.encode(), 0o644, "config file", config_file)
 
 
 def _edited(text: str, config_file: Path, key: str, line: str | None,
@@ -148,7 +142,7 @@ def edit_config(path: Path, editor: str, say: Callable[[str], None]) -> None:
     import subprocess
     import sys
 
-    from phi4cli.core.atomicfile import RefusedFileError, read_user_file, write_atomic
+    from phi4cli.core.atomicfile import RefusedFileError, read_user_file
 
     try:
         text = read_user_file(path, "config file")
@@ -159,7 +153,7 @@ def edit_config(path: Path, editor: str, say: Callable[[str], None]) -> None:
     # The editor works on a copy beside the file (as visudo and crontab -e do), so an invalid
     # edit never becomes the config that every later command refuses to start with.
     draft = path.with_name(f".{path.name}.edit.toml")
-    write_atomic(draft, text, mode=0o600, what="config file's draft")
+    _write_config(draft, text, 0o600, "config file's draft", path)
     try:
         while True:
             subprocess.run([*shlex.split(editor), str(draft)], check=False)
@@ -173,10 +167,22 @@ def edit_config(path: Path, editor: str, say: Callable[[str], None]) -> None:
                 answer = input("Edit again? [Y/n] ").strip().lower()
                 if answer.startswith("n"):
                     raise ConfigError(f"{path} is unchanged") from None
-        write_atomic(path, read_user_file(draft, "config file's draft"), mode=0o644,
-                     what="config file")  # fmt: skip
+        _write_config(path, read_user_file(draft, "config file's draft"), 0o644, "config file",
+                      path)  # fmt: skip
     finally:
-        draft.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (a read-only disk, where none was made)
+            draft.unlink(missing_ok=True)
+
+
+def _write_config(target: Path, data: bytes, mode: int, what: str, config_file: Path) -> None:
+    """Write ``target`` atomically; raise UnwritableError (a full disk), saying that
+    ``config_file`` is as it was."""
+    from phi4cli.core.atomicfile import UnwritableError, write_atomic
+
+    try:
+        write_atomic(target, data, mode=mode, what=what)
+    except OSError as exc:
+        raise UnwritableError(target, what, exc, detail=f"; {config_file} is unchanged") from None
 
 
 def check_config_file(config_file: Path, shown_as: Path | None = None) -> None:

@@ -35,7 +35,7 @@ from phi4cli.client.render import (
     unfinished,
 )
 from phi4cli.core._settings import Ask
-from phi4cli.core.atomicfile import RefusedFileError, read_user_file, write_atomic
+from phi4cli.core.atomicfile import RefusedFileError, read_user_file, write_atomic, write_problem
 from phi4cli.core.config import Settings, parse_setting
 from phi4cli.core.errors import DaemonGoneError, Phi4Error, RequestError
 from phi4cli.core.inputs import replace_bad
@@ -131,6 +131,7 @@ class ChatRepl:
         self._answers_shown = 0
         self._n_ctx: int | None = None  # the daemon's, as the last answer said, across /reset
         self.failed = 0  # messages that ended in an error
+        self.unsaved = False  # the last autosave failed (a full disk): tried again at the end
         self.interrupts = Interrupts()
         self.keys: AnswerKeys | None = None  # at a terminal: the keyboard during answers
         self._checker: Checker | None = None  # made on the first answer to check
@@ -139,8 +140,16 @@ class ChatRepl:
 
     def run(self, read: Reader) -> int:
         """Read and answer until /exit or end of input; return the exit status: 1 when some
-        message got no answer (an error), as a script piping questions in needs to know."""
+        message got no answer (an error), as a script piping questions in needs to know, or
+        the conversation could not be saved."""
         self._loop(read)
+        if self.unsaved:  # no next answer to save it after: once more, and said if it fails
+            try:
+                self.store.save(self.conversation)
+            except Phi4Error as exc:
+                self.env.notice(f"error: {exc}; what it holds since it was last saved is in "
+                                "the answers above only")  # fmt: skip
+                return 1
         return 1 if self.failed else 0
 
     def _loop(self, read: Reader) -> None:
@@ -392,8 +401,12 @@ class ChatRepl:
         try:
             self.store.save(self.conversation)
         except Phi4Error as exc:
-            self.env.notice(f"{exc}; the conversation is kept in memory and saved again after "
-                            "the next answer")  # fmt: skip
+            if not self.unsaved:  # (said once, not after every answer)
+                self.env.notice(f"{exc}; the conversation is kept in memory and saved again "
+                                "after each answer")  # fmt: skip
+            self.unsaved = True
+        else:
+            self.unsaved = False
 
     # --- slash commands -----------------------------------------------------------------------
 
@@ -738,8 +751,9 @@ class AtomicFileHistory(FileHistory):
         except (OSError, RefusedFileError) as exc:
             if not self.failed:
                 self.failed = True
-                why = exc.strerror if isinstance(exc, OSError) else str(exc)
-                say(f"cannot save the input history to {self.filename!s}: {why}; the chat goes on")
+                path = os.fsdecode(self.filename)
+                why = write_problem(exc, path) if isinstance(exc, OSError) else str(exc)
+                say(f"cannot save the input history to {path}: {why}; the chat goes on")
 
     def _store(self, string: str) -> None:
         path = Path(os.fsdecode(self.filename))

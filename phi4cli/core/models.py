@@ -220,14 +220,22 @@ def pull_model(name: str, paths: Paths) -> Path:
             f"cannot download {alias.name}: {unreachable}; check the network (or HF_ENDPOINT) "
             "and run `phi4 pull` again (it resumes)"
         )
-    paths.models_dir.mkdir(parents=True, exist_ok=True)
     try:
+        paths.models_dir.mkdir(parents=True, exist_ok=True)
         downloaded = Path(
             hf_hub_download(
                 repo_id=alias.repo_id, filename=alias.filename, local_dir=paths.models_dir
             )
         )
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+        from phi4cli.core.atomicfile import DISK_ERRNOS, write_problem
+
+        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:  # (a full disk, not the hub)
+            why = write_problem(exc, paths.models_dir, "set PHI4_HOME to a disk with room")
+            raise DownloadError(
+                f"cannot download {alias.name} into {paths.models_dir}: {why}; `phi4 pull` "
+                "resumes what it has"
+            ) from None
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DownloadError(
             f"cannot download {alias.name} from {alias.repo_id}: {first_line}; "

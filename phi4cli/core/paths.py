@@ -62,12 +62,11 @@ class Paths(Record):
         try:
             self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:  # a full disk, no inodes left, a read-only /tmp
+            from phi4cli.core.atomicfile import write_problem
             from phi4cli.core.errors import DaemonUnavailableError
 
-            raise DaemonUnavailableError(
-                f"cannot create {self.runtime_dir}: {exc.strerror}; free some space, or set "
-                "XDG_RUNTIME_DIR"
-            ) from None
+            why = write_problem(exc, self.runtime_dir, "set XDG_RUNTIME_DIR (or PHI4_HOME)")
+            raise DaemonUnavailableError(f"cannot create {self.runtime_dir}: {why}") from None
         return self.check_runtime_dir()
 
     def check_runtime_dir(self) -> Path:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from phi4cli.core.atomicfile import write_problem
 from phi4cli.core.config import variable
 from phi4cli.core.paths import not_private
 
@@ -126,8 +127,11 @@ def stage(model: Path, mode: str, directory: Path | None = None) -> Staging:
             f"{directory} has {free >> 20} MiB free; the model needs {size >> 20} MiB and "
             f"{HEADROOM_BYTES >> 20} MiB to spare"
         )
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.{os.getpid()}.",
-                               suffix=".part")  # fmt: skip
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.{os.getpid()}.",
+                                   suffix=".part")  # fmt: skip
+    except OSError as exc:  # a read-only or full filesystem
+        return unstaged(f"cannot write in {directory}: {write_problem(exc, directory)}")
     try:
         with os.fdopen(fd, "wb") as out, model.open("rb") as source:
             shutil.copyfileobj(source, out, length=16 << 20)
@@ -135,7 +139,7 @@ def stage(model: Path, mode: str, directory: Path | None = None) -> Staging:
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        return unstaged(f"copying to {directory} failed: {exc.strerror}")
+        return unstaged(f"copying to {directory} failed: {write_problem(exc, directory)}")
     return Staging(target, True, True, time.monotonic() - started)
 
 
@@ -164,9 +168,11 @@ def remove_staged(
     keep: Path | None = None,
     stem: str | None = None,
     in_use: dict[Path, int] | None = None,
+    failed: list[tuple[Path, OSError]] | None = None,
 ) -> int:
     """Delete staged copies (of the model named ``stem``, or all); return how many. Those in
-    ``in_use`` are kept.
+    ``in_use`` are kept; those that cannot be deleted (a read-only filesystem) are left, and
+    put in ``failed`` with why.
 
     Only in a private directory of this user's, and only regular files of theirs: never through
     a link (to, say, the models directory).
@@ -184,13 +190,20 @@ def remove_staged(
             continue
         if not _own_file(path) or (in_use and path.resolve() in in_use):
             continue
-        with contextlib.suppress(FileNotFoundError):
+        try:
             path.unlink()
             removed += 1
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if failed is None:
+                log.warning("cannot remove the staged copy %s: %s", path, exc.strerror)
+            else:
+                failed.append((path, exc))
     for leftover in directory.glob(".*.part"):
         if _copy_under_way(leftover):  # another daemon's, being written now
             continue
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             leftover.unlink()
     return removed
 

@@ -179,10 +179,12 @@ def spawn_daemon(
         rotate_log(paths.log_file)
         log = open(paths.log_file, "ab")  # noqa: SIM115 - handed to the child, closed below
     except OSError as exc:
+        from phi4cli.core.atomicfile import write_problem
         from phi4cli.core.errors import DaemonUnavailableError
 
         raise DaemonUnavailableError(
-            f"cannot start the daemon: cannot write its log {paths.log_file}: {exc.strerror}"
+            f"cannot start the daemon: cannot write its log {paths.log_file}: "
+            f"{write_problem(exc, paths.log_file, 'set PHI4_HOME elsewhere')}"
         ) from None
     with log:
         return subprocess.Popen(
