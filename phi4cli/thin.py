@@ -380,8 +380,15 @@ def main() -> NoReturn:
             _write(sys.stderr, "\n")
             _quit(INTERRUPTED)
         except OSError as exc:  # writing out what the daemon sent (a full disk)
-            _write(sys.stderr, f"phi4: internal error: {type(exc).__name__}: {exc} (PHI4_DEBUG=1 "
-                               "shows the traceback)\n")  # fmt: skip
+            from phi4cli.client.exits import notice_line, output_problem, quiet_stdout
+
+            problem = output_problem(exc, sys.stdout)
+            if problem is not None:
+                _write(sys.stderr, notice_line(f"error: {problem}") + "\n")
+                quiet_stdout(sys.stdout)
+            else:
+                _write(sys.stderr, f"phi4: internal error: {type(exc).__name__}: {exc} "
+                                   "(PHI4_DEBUG=1 shows the traceback)\n")  # fmt: skip
             _quit(1)
         else:
             _quit(status)

@@ -366,3 +366,73 @@ def test_a_model_is_loaded_from_its_file_when_staging_cannot_write(tmpfs: Mount,
     staged = stage(tiny_model, "on", staging)
     assert staged.path == tiny_model and not staged.staged
     assert staged.note is not None and f"{disk} is mounted read-only" in staged.note
+
+
+# --- stdout ---------------------------------------------------------------------------------
+
+
+def _phi4_to(target: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    with target.open("w") as out:
+        return subprocess.run([PHI4, *args], stdout=out, stderr=subprocess.PIPE, text=True,
+                              stdin=subprocess.DEVNULL, timeout=300, check=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "PYTHONUNBUFFERED"])
+@pytest.mark.daemon
+def test_output_to_dev_full_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        buffered: bool):  # fmt: skip
+    # Before: "phi4: internal error: OSError: [Errno 28] No space left on device".
+    if buffered:
+        monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONUNBUFFERED", "1")
+    problems = _problems(tmp_path / "set.jsonl", 2)
+    with scripted_server(_numbered) as server:
+        backend = ("--backend", server.url, "-m", "m")
+        for args in (("solve", "p1", *backend), ("solve", "--file", str(problems), "--jsonl",
+                                                 *backend), ("config", "show")):  # fmt: skip
+            result = _phi4_to(Path("/dev/full"), *args)
+            assert result.returncode == 1, args
+            assert one_error_line(result.stderr) == ("phi4: error: cannot write the output to "
+                                                     "/dev/full: No space left on device: send "
+                                                     "it elsewhere")  # fmt: skip
+
+
+@pytest.mark.daemon
+def test_output_to_a_file_on_a_full_disk_is_one_line(tmpfs: Mount, tiny_model: Path):
+    disk = tmpfs(full=True)
+    out = disk / "answer.txt"
+    with contextlib.suppress(OSError):
+        out.touch()
+    if not out.exists():
+        pytest.skip("not even an empty file fits")
+    # With a daemon running, the answer is written out by the thin client (phi4cli/thin.py);
+    # with a --backend, by the whole one.
+    assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
+    try:
+        with scripted_server(_numbered) as server:
+            for engine in (("-m", str(tiny_model), "-n", "400"),
+                           ("--backend", server.url, "-m", "m")):  # fmt: skip
+                result = _phi4_to(out, "solve", "p4", *engine)
+                assert result.returncode == 1
+                assert one_error_line(result.stderr) == (
+                    f"phi4: error: cannot write the output to {out}: no space left on {disk}: "
+                    "free some space there, or send it elsewhere"
+                )
+    finally:
+        run_phi4("stop")
+
+
+def test_an_error_that_is_not_stdouts_is_not_taken_for_it():
+    from phi4cli.client.exits import output_problem
+
+    with open(os.devnull, "w") as fine:
+        assert output_problem(OSError(errno.ENOSPC, "full"), fine) is None
+    full = open("/dev/full", "w")  # noqa: SIM115 - its close fails: what is left cannot go
+    try:
+        full.write("x")
+        assert output_problem(OSError(errno.ENOSPC, "full", "/some/file"), full) is None
+        assert output_problem(OSError(errno.ENOSPC, "full"), full) is not None
+    finally:
+        with contextlib.suppress(OSError):
+            full.close()

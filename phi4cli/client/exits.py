@@ -112,6 +112,16 @@ def report(run: Callable[[], int | None], stdout: TextIO | None, stderr: TextIO,
         say(f"error: {exc}", file=stderr)
         return exc.exit_status
     except Exception as exc:
+        problem = output_problem(exc, stdout)
+        if problem is not None:  # (stdout on a full disk: an error like any other, said as one)
+            if _debug():
+                import traceback
+
+                traceback.print_exc(file=stderr)
+            say(f"error: {problem}", file=stderr)
+            assert stdout is not None
+            quiet_stdout(stdout)
+            return ExitStatus.ERROR
         if reraise():
             raise
         if _debug():
@@ -121,6 +131,52 @@ def report(run: Callable[[], int | None], stdout: TextIO | None, stderr: TextIO,
         say(f"internal error: {type(exc).__name__}: {exc} (PHI4_DEBUG=1 shows the traceback)",
             file=stderr)  # fmt: skip
         return ExitStatus.ERROR
+
+
+def output_problem(exc: BaseException, stdout: TextIO | None) -> str | None:
+    """What to say when ``exc`` is stdout's write failing for want of space or permission
+    (``phi4 solve ... > out.txt`` on a full disk, ``> /dev/full``), else None."""
+    from phi4cli.core.atomicfile import DISK_ERRNOS, write_problem
+
+    if not isinstance(exc, OSError) or exc.errno not in DISK_ERRNOS or exc.filename is not None \
+            or stdout is None or not _refuses(stdout, exc.errno):  # fmt: skip
+        return None
+    import stat
+
+    try:
+        fd = stdout.fileno()
+        where = os.readlink(f"/proc/self/fd/{fd}")
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except (OSError, ValueError):
+        where, regular = "standard output", False
+    instead = "send it elsewhere"
+    why = write_problem(exc, where, instead) if regular else f"{exc.strerror}: {instead}"
+    return f"cannot write the output to {where}: {why}"
+
+
+def _refuses(stdout: TextIO, code: int) -> bool:
+    """Whether writing to ``stdout`` fails with error ``code``: flushing it fails again so
+    (what could not be written is still in its buffer), or, unbuffered (PYTHONUNBUFFERED),
+    its file is on a full or read-only filesystem, or is /dev/full."""
+    import errno
+
+    try:
+        stdout.flush()
+    except OSError as again:
+        return again.errno == code
+    except ValueError:  # closed
+        return False
+    try:
+        fd = stdout.fileno()
+        info = os.fstat(fd)
+        if info.st_rdev and info.st_rdev == os.makedev(1, 7):  # /dev/full
+            return code == errno.ENOSPC
+        disk = os.fstatvfs(fd)
+    except (OSError, ValueError):
+        return False
+    if code == errno.EROFS:
+        return bool(disk.f_flag & os.ST_RDONLY)
+    return code == errno.ENOSPC and disk.f_bavail == 0
 
 
 def _debug() -> bool:
