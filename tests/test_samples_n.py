@@ -150,3 +150,39 @@ def test_phi4_with_phi4_serve_asks_for_the_samples_in_one_request(tiny_model: Pa
     assert all(0 < s["stats"]["completion_tokens"] <= 8 for s in record["samples"])
     prompts = [s["stats"]["prompt_tokens"] for s in record["samples"]]
     assert len(set(prompts) - {0}) == 1, prompts
+
+
+FLOOD_BYTES = 16 * 2**20  # of choice 0, after its sample has left it
+
+
+def floods_a_left_choice(body: dict[str, Any]) -> Iterator[str | Step]:
+    """Choice 0 writes on long after its sample's -n is spent (16 MiB), then the other choices
+    answer: a reader that kept what choice 0 sends would hold all of it."""
+    count = int(body.get("n", 1))
+    for index in range(count):
+        yield piece(index, {"role": "assistant", "content": ""})
+    batch = "".join(piece(0, {"content": f" word{i}"}) for i in range(1000))  # no loop to catch
+    for _ in range(FLOOD_BYTES // len(batch) + 1):
+        yield batch
+    for index in range(1, count):
+        yield piece(index, {"content": "So it is \\boxed{156}."})
+        yield piece(index, {}, "stop")
+    yield piece(0, {}, "stop")
+    yield data("[DONE]")
+
+
+@pytest.mark.timeout(150)
+def test_a_choice_whose_sample_left_is_dropped_not_buffered():
+    # Issue 50: the sample of choice 0 stops at 50 pieces, but the shared reader queued every
+    # later chunk of its choice for nobody: 16 MiB of flood took the client to 286 MiB.
+    from tests.test_remote_backend import _solve_measured
+
+    with scripted_server(floods_a_left_choice) as server:
+        done, rss_kib = _solve_measured(server.url, "--samples", "2", "--all", "-n", "50",
+                                        "--json", env={})  # fmt: skip
+    assert "Traceback" not in done.stderr and "internal error" not in done.stderr, done.stderr
+    (body,) = server.bodies
+    assert body["n"] == 2
+    record = json.loads(done.stdout)
+    assert [s["answer"] for s in record["samples"]] == [None, "156"], record["samples"]
+    assert rss_kib < 100 * 1024, f"peak RSS {rss_kib // 1024} MiB for a 16 MiB flood"

@@ -74,6 +74,9 @@ class ChunkSource(Protocol):
 
     def chunks(self, state: StreamState) -> Iterator[dict[str, Any] | None]: ...
 
+    def leave(self) -> None:
+        """Its sample reads no more of it (closing ``chunks`` leaves too; leaving twice is once)."""
+
 
 def backend_key() -> str | None:
     """The API key for the remote backend, from PHI4_BACKEND_KEY."""
@@ -308,6 +311,8 @@ class RemoteEngine:
         client = self.http_client()
         try:
             if budget == 0 and self.thinks:
+                if member is not None:
+                    member.leave()  # its choice is not read: nothing of it is kept
                 # No thinking at all: start the answer straight away.
                 if state.policy.counted(0, in_reasoning=True) is Act.ANSWER:
                     state.policy.closed(fitted=True)

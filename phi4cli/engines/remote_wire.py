@@ -118,6 +118,7 @@ class Watch:
         self.asked = time.monotonic()  # when the latest attempt was sent
         self.last_event = self.asked
         self.received = 0
+        self.event_size = 0  # characters of the latest event's data (a shared reader's weight)
         self.answered = False  # the latest attempt got a status line: the server is there
         self.finished = False  # a finish_reason came: the answer is whole, whatever follows
         self.alarm: Exception | None = None  # why the guard hung up, when it did
@@ -433,6 +434,7 @@ def response_chunks(engine: Engine, client: httpx.Client, body: dict[str, Any],
             watched = cast(httpx.Response, WatchedResponse(response, watch))
             for sse in httpx.EventSource(watched, max_event_size=MAX_EVENT_BYTES):
                 watch.last_event = time.monotonic()
+                watch.event_size = len(sse.data)
                 if sse.data.strip() == "[DONE]":
                     done = True
                     yield None

@@ -138,6 +138,8 @@ class RemoteReplica(Replica):
             )
         finally:
             self.attempts.pop(serial, None)
+            if member is not None:
+                member.leave()  # (its stream left its choice already, unless it never read it)
 
     def adjust(self, serial: int, floor: float) -> None:
         attempt = self.attempts.get(serial)
