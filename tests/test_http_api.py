@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -53,6 +54,25 @@ def server(tiny_model: Path) -> Iterator[str]:
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)
+
+
+@contextlib.contextmanager
+def serving_apart(model: Path) -> Iterator[str]:
+    """`phi4 serve` on ``model`` with a PHI4_HOME of its own (short: a socket's path is in it),
+    for a module's fixture (each test's own PHI4_HOME would start a daemon per test); whatever
+    it started is stopped and its home removed after."""
+    from tests.conftest import _stop_processes_in
+
+    home = Path(tempfile.mkdtemp(prefix="p4-", dir="/tmp"))
+    proc, url = start_server(model, env={"PHI4_HOME": str(home), "PHI4_LOOP": "off",
+                                         "PHI4_THREADS": "1"})  # fmt: skip
+    try:
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+        _stop_processes_in(home)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @contextlib.contextmanager

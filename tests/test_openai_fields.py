@@ -6,9 +6,6 @@ the field (docs/openai.md). The client is the official `openai` SDK, the server 
 from __future__ import annotations
 
 import json
-import shutil
-import signal
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from phi4cli.serve.openai_response import StopStrings
-from tests.conftest import _stop_processes_in, run_phi4
-from tests.test_http_api import get, start_server
+from tests.conftest import run_phi4
+from tests.test_http_api import get, serving_apart
 
 # Each test runs phi4 as a process (the command, its daemon or a server).
 pytestmark = pytest.mark.daemon
@@ -30,17 +27,8 @@ QUESTION = [{"role": "user", "content": "What is 12*13?"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path) -> Iterator[str]:
-    # One server for the module (each test's own PHI4_HOME would start a daemon per test).
-    home = Path(tempfile.mkdtemp(prefix="p4-", dir="/tmp"))  # (short: a socket's path is in it)
-    proc, url = start_server(tiny_model, env={"PHI4_HOME": str(home), "PHI4_LOOP": "off",
-                                              "PHI4_THREADS": "1"})  # fmt: skip
-    try:
+    with serving_apart(tiny_model) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=20)
-        _stop_processes_in(home)
-        shutil.rmtree(home, ignore_errors=True)
 
 
 def client_of(server: str) -> openai.OpenAI:

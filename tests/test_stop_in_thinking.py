@@ -5,11 +5,7 @@ serve` on the daemon (a scripted tiny model) and through a remote engine (a scri
 
 from __future__ import annotations
 
-import shutil
-import signal
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -18,9 +14,8 @@ import pytest
 from phi4cli.core._settings import Ask
 from phi4cli.core.protocol import Op, SolveParams
 from phi4cli.serve.openai_response import Choice
-from tests.conftest import _stop_processes_in
 from tests.scripted_server import chunk, data, scripted_server
-from tests.test_http_api import start_server
+from tests.test_http_api import serving_apart
 from tests.tinymodel import write_text_script_model
 
 # The thinking says the stop string, then the answer says it again.
@@ -35,16 +30,8 @@ def plain_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("models")
     model = write_text_script_model(folder / "plain-script.gguf", THINKING, ANSWER,
                                     name="plain-script")  # fmt: skip
-    home = Path(tempfile.mkdtemp(prefix="p4-", dir="/tmp"))  # (short: a socket's path is in it)
-    proc, url = start_server(model, env={"PHI4_HOME": str(home), "PHI4_LOOP": "off",
-                                         "PHI4_THREADS": "1"})  # fmt: skip
-    try:
+    with serving_apart(model) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=20)
-        _stop_processes_in(home)
-        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.mark.daemon
