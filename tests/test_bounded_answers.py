@@ -23,6 +23,7 @@ from phi4cli.text.latex import latex_to_unicode, math_to_unicode
 from phi4cli.text.reasoning import (
     AnswerComparer,
     ComparisonTooCostly,
+    ThinkSplitter,
     _within_budget,
     boxed_answers,
     braced_group,
@@ -32,7 +33,7 @@ from phi4cli.text.reasoning import (
     symbolic_too_costly,
 )
 from tests.conftest import run_phi4
-from tests.scripted_server import Step, scripted_server, separated
+from tests.scripted_server import Step, chunk, data, scripted_server, separated
 
 NOTICE = "answer comparisons were too costly; compared them as text"
 HUGE = ["1000000!", "9^{9^{9^{9}}}", "10^{10^{10}}", "2^{10^{6}}", "99999999!"]
@@ -57,6 +58,28 @@ def test_extraction_of_nested_and_unbalanced_boxes_is_linear(size: int):
     assert braced_group("{a{b}c}", 0) == "a{b}c"
     assert braced_group("{a\\}b}", 0) == "a\\}b"
     assert braced_group("{open", 0) is None
+
+
+@pytest.mark.timeout(30)
+def test_text_streamed_in_small_pieces_is_folded_in_linear_time():
+    # Before: each piece copied all the text before it (a str's += on an attribute), so 16 MiB
+    # in 512-byte pieces took minutes (4 MiB through `solve --backend`: 24 s; 64 MiB, the most
+    # a remote answer may be, about an hour); and so did as many blanks before any text.
+    piece, count = "abcdefgh " * 56 + "\n", 32_768
+    outcome, splitter, blanks = Outcome(0, "q"), ThinkSplitter(), ThinkSplitter()
+    for _ in range(count):
+        outcome.apply(Event(EventKind.REASONING, text=piece))
+        outcome.apply(Event(EventKind.TOKEN, text=piece))
+        splitter.feed(piece)
+        blanks.feed(" " * len(piece))
+    outcome.apply(Event(EventKind.TOKEN, text="\\boxed{4}"))
+    assert len(outcome.reasoning) == count * len(piece) == len(splitter.answer)
+    assert outcome.answer == "4"
+    assert blanks.feed("<think>so</think>4") == [("reasoning", "so"), ("answer", "4")]
+    assert splitter.feed("</think>x") == [("retract", ""), ("answer", "x")]
+    assert (len(splitter.reasoning), splitter.answer) == (count * len(piece), "x")
+    leading = ThinkSplitter()  # blanks before an answer are kept, as before
+    assert [leading.feed(text) for text in ("  ", " \n", "ok")] == [[], [], [("answer", "   \nok")]]
 
 
 def test_outcome_answer_is_extracted_once_per_solution():
@@ -293,6 +316,26 @@ def test_eval_of_a_huge_answer_grades_at_once_with_one_notice(tmp_path: Path):
     assert (summary["problems"], summary["correct"], summary["pass_at_k_count"]) == (2, 1, 2)
     assert len(_notices(result.stderr)) == 1, result.stderr
     assert "Timeout during comparison" not in result.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.daemon
+def test_megabytes_of_blanks_in_small_pieces_are_read_at_once():
+    # Before: 4 MiB of spaces in 256-byte pieces took 24 s (each piece copied and stripped all
+    # those before it), 8 MiB four times that; now about a second.
+    def script(_body: dict[str, Any]) -> Any:
+        yield chunk({"role": "assistant", "content": ""})
+        line = chunk({"content": " " * 256})
+        for _ in range(8 * 4096):
+            yield line
+        yield chunk({"content": "<think>so</think>\\boxed{4}"})
+        yield chunk({}, "stop")
+        yield data("[DONE]")
+
+    with scripted_server(script) as server:
+        result = run_phi4("solve", "q", "--backend", server.url, "-m", "m", "-a",
+                          "--max-tokens", "100000", timeout=40)  # fmt: skip
+    assert (result.returncode, result.stdout) == (0, "4\n"), result.stderr
 
 
 @pytest.mark.timeout(120)

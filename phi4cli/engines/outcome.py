@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from phi4cli.core.errors import ExitStatus, Phi4Error, error_for
 from phi4cli.core.protocol import ErrorCode, Event, EventKind, Stats
-from phi4cli.text.reasoning import extract_final_answer
+from phi4cli.text.reasoning import GrowingText, extract_final_answer
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -36,23 +36,44 @@ class Outcome:
     def __init__(self, index: int, question: str) -> None:
         self.index = index
         self.question = question
-        self.reasoning = ""
-        self.solution = ""
+        self._reasoning = GrowingText()  # (a str's += on an attribute copies it all each time)
+        self._solution = GrowingText()
         self.stats: Stats | None = None
         self.error: Event | None = None  # the terminal error event, if the request failed
         self.done = False
         self._answer: tuple[str, str | None] | None = None  # (the solution it is of, answer)
         self.check: Check | None = None  # the answer checked against the question, if it was
 
+    @property
+    def reasoning(self) -> str:
+        return str(self._reasoning)
+
+    @reasoning.setter
+    def reasoning(self, text: str) -> None:
+        self._reasoning = GrowingText(text)
+
+    @property
+    def solution(self) -> str:
+        return str(self._solution)
+
+    @solution.setter
+    def solution(self, text: str) -> None:
+        self._solution = GrowingText(text)
+
+    @property
+    def has_solution(self) -> bool:
+        """Whether any solution text came (without joining it)."""
+        return bool(self._solution)
+
     def apply(self, event: Event) -> None:
         """Fold one event into the outcome."""
         kind = event.kind
         if kind == EventKind.TOKEN:
-            self.solution += event.text
+            self._solution.add(event.text)
         elif kind == EventKind.REASONING:
-            self.reasoning += event.text
+            self._reasoning.add(event.text)
         elif kind == EventKind.RETRACT:
-            self.reasoning += self.solution
+            self._reasoning.add(self.solution)
             self.solution = ""
         elif kind == EventKind.STATS:
             self.stats = event.stats

@@ -34,6 +34,35 @@ def model_thinks(*names: str) -> bool:
     return any(_THINKING_MODEL.search(name) for name in names if name)
 
 
+class GrowingText:
+    """Text that grows piece by piece, in time linear in its length. ``self.text += piece`` on
+    an attribute copies the whole text at each piece (CPython grows a string in place only where
+    nothing else holds it): a remote engine's 64 MiB answer in 512-byte pieces was an hour of a
+    client's CPU that way. Reading it joins the pieces, once for all the reads until the next."""
+
+    __slots__ = ("_parts", "_size")
+
+    def __init__(self, text: str = "") -> None:
+        self._parts = [text] if text else []
+        self._size = len(text)
+
+    def add(self, text: str) -> None:
+        if text:
+            self._parts.append(text)
+            self._size += len(text)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bool__(self) -> bool:
+        return self._size > 0
+
+    def __str__(self) -> str:
+        if len(self._parts) > 1:
+            self._parts[:] = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+
 def _partial_suffix(text: str, tag: str) -> int:
     """Return the length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -54,11 +83,22 @@ class ThinkSplitter:
         self._presumed_reasoning = starts_in_reasoning
         self._state = "start"  # start -> reasoning | answer
         self._pending = ""
+        # Blanks before the first text, kept apart from ``_pending`` (a stream of nothing but
+        # blanks would otherwise be copied and stripped again at each piece).
+        self._blank = GrowingText()
         self.opened = False  # an explicit <think> was seen
         self.closed = False  # </think> was seen
-        self.reasoning = ""
-        self.answer = ""
+        self._reasoning = GrowingText()
+        self._answer = GrowingText()
         self.retracted = False  # answer text already passed on turned out to be reasoning
+
+    @property
+    def reasoning(self) -> str:
+        return str(self._reasoning)
+
+    @property
+    def answer(self) -> str:
+        return str(self._answer)
 
     @property
     def in_reasoning(self) -> bool:
@@ -72,20 +112,23 @@ class ThinkSplitter:
         return self.in_reasoning and not self.closed
 
     def feed(self, text: str) -> list[tuple[str, str]]:
+        if self._state == "start" and not self._pending:
+            stripped = text.lstrip()
+            self._blank.add(text[: len(text) - len(stripped)])
+            text = stripped
         self._pending += text
         pieces: list[tuple[str, str]] = []
         while self._pending:
             if self._state == "start":
-                stripped = self._pending.lstrip()
-                if not stripped:
-                    return pieces
-                if stripped.startswith(THINK_OPEN):
-                    self._pending = stripped[len(THINK_OPEN) :]
+                if self._pending.startswith(THINK_OPEN):
+                    self._pending = self._pending[len(THINK_OPEN) :]
                     self._state, self.opened = REASONING, True
+                    self._blank = GrowingText()
                     continue
-                if THINK_OPEN.startswith(stripped):
+                if THINK_OPEN.startswith(self._pending):
                     return pieces  # might still become <think>
                 self._state = REASONING if self._presumed_reasoning else ANSWER
+                self._pending = self._take_blank() + self._pending
                 continue
             if self._state == ANSWER and self.closed:
                 self._emit(pieces, ANSWER, self._pending)
@@ -114,21 +157,28 @@ class ThinkSplitter:
         if feeding ``text`` now would end the thinking; else None."""
         if not self.in_reasoning or self.closed:
             return None
-        index = (self._pending + text).find(THINK_CLOSE)
+        index = (self.held + text).find(THINK_CLOSE)
         return index if index >= 0 else None
 
     @property
     def held(self) -> str:
         """The text held back (the start of what may be a tag)."""
-        return self._pending
+        return str(self._blank) + self._pending if self._blank else self._pending
 
     def drop_held(self) -> None:
         """Forget the held-back text: the end of thinking it began is taken back."""
         self._pending = ""
+        self._blank = GrowingText()
+
+    def _take_blank(self) -> str:
+        blank, self._blank = str(self._blank), GrowingText()
+        return blank
 
     def finish(self) -> list[tuple[str, str]]:
         """Flush whatever was held back at the end of the stream."""
         pieces: list[tuple[str, str]] = []
+        if self._state == "start":
+            self._pending = self._take_blank() + self._pending
         if self._pending:
             kind = ANSWER if self._state == "start" and not self._presumed_reasoning else None
             kind = kind or (REASONING if self.in_reasoning else ANSWER)
@@ -137,21 +187,21 @@ class ThinkSplitter:
         return pieces
 
     def _retract_answer(self) -> None:
-        self.reasoning += self.answer
-        self.answer = ""
+        self._reasoning.add(str(self._answer))
+        self._answer = GrowingText()
         self.retracted = True
 
     def _emit(self, pieces: list[tuple[str, str]], kind: str, text: str) -> None:
         if not text:
             return
-        if kind == ANSWER and not self.answer:
+        if kind == ANSWER and not self._answer:
             text = text.lstrip("\n")  # the blank line after </think> is layout, not answer
             if not text:
                 return
         if kind == REASONING:
-            self.reasoning += text
+            self._reasoning.add(text)
         else:
-            self.answer += text
+            self._answer.add(text)
         if pieces and pieces[-1][0] == kind and kind != RETRACT:
             pieces[-1] = (kind, pieces[-1][1] + text)
         else:
