@@ -265,3 +265,78 @@ def test_stop_strings_are_found_across_pieces_and_nothing_after_is_passed(
     if not found:
         out += matcher.flush()
     assert (out, found) == (passed, stopped)
+
+
+class _Tokens:
+    """A request's events as the daemon sends them: ``count`` tokens, each with the logprobs
+    of 20 alternatives, then its stats and end."""
+
+    def __init__(self, count: int) -> None:
+        from phi4cli.core.protocol import Event, EventKind
+
+        alternatives = [{"token": f" t{i}", "logprob": -1.0 - i, "bytes": [32, 116, 48 + i % 10]}
+                        for i in range(20)]  # fmt: skip
+        self.events = iter(
+            [Event(EventKind.TOKEN, text=" word", data={"logprobs": [{
+                "token": " word", "logprob": -0.5, "bytes": list(b" word"),
+                "top_logprobs": [dict(a) for a in alternatives]}]}) for _ in range(count)]
+            + [Event(EventKind.DONE)]
+        )  # fmt: skip
+
+    def __iter__(self) -> _Tokens:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self.events)
+
+    def cancel(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_stream_keeps_no_logprobs_it_has_sent():
+    # Before: a streamed choice kept every entry it sent until its end, some 10 KB a token with
+    # 20 alternatives: one n=16 stream of 2,000 tokens grew the server by 240 MB.
+    import tracemalloc
+
+    from phi4cli.serve.openai_response import Choice
+
+    tokens = 3_000
+    tracemalloc.start()
+    try:
+        streams = [_Tokens(tokens) for _ in range(2)]
+        before = tracemalloc.get_traced_memory()[0]
+        choice = Choice(0, streams[0], (), logprobs=True, streamed=True)  # type: ignore[arg-type]
+        sent = sum(len(logprobs or []) for event in streams[0]
+                   for _delta, logprobs in choice.apply(event))  # fmt: skip
+        held = tracemalloc.get_traced_memory()[0] - before
+        whole = Choice(0, streams[1], (), logprobs=True)  # type: ignore[arg-type]
+        for event in streams[1]:
+            whole.apply(event)
+    finally:
+        tracemalloc.stop()
+    assert sent == tokens and choice.logprobs == []
+    assert held < 2 << 20, f"{held / 2**20:.1f} MiB held after the stream sent its entries"
+    assert whole.logprobs is not None and len(whole.logprobs) == tokens  # its one body needs them
+
+
+def test_a_model_by_no_name_or_a_huge_one_is_a_short_404(server: str):
+    # Before: /v1/models/ (and /v1/models/%0a) answered the served model, as if named; a name
+    # of 70,000 characters came back whole in the 404's message.
+    for path in ("/v1/models/", "/v1/models/%0a"):
+        status, body = get(f"{server}{path}")
+        assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found", body
+    status, body = get(f"{server}/v1/models/{'a' * 70_000}")
+    assert status == 404 and len(body) < 1_000, len(body)
+    with pytest.raises(openai.NotFoundError) as refused:
+        client_of(server).chat.completions.create(model="x" * 100_000, messages=QUESTION)
+    assert len(str(refused.value)) < 1_000
+
+
+def test_include_usage_null_is_not_given(server: str):
+    # Before: a 400, where every other field's null is taken as not given.
+    _texts, finished, usage = streamed(client_of(server), messages=QUESTION, max_tokens=2,
+                                       stream_options={"include_usage": None})  # fmt: skip
+    assert finished == {0: "length"} and usage is None

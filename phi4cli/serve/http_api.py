@@ -219,7 +219,13 @@ def create_app(
 
     async def one_model(request: Request) -> Response:
         # `client.models.retrieve(name)`: the served model under any name a request may use.
-        check_model({"model": request.path_params["model_id"]}, model_name, served)
+        # No name (`/v1/models/`) names no model: a chat request's absent model is the served
+        # one, but this asks for one by its name.
+        model_id = request.path_params["model_id"]
+        if not model_id:
+            raise ApiError(404, "no model named: ask for /v1/models/NAME, or /v1/models for the "
+                           "list", code="model_not_found", param="model")  # fmt: skip
+        check_model({"model": model_id}, model_name, served)
         return JSONResponse(entry)
 
     async def chat(request: Request) -> Response:
@@ -312,7 +318,7 @@ def create_app(
                         close_when_read(read, stream)
                 raise ApiError.of(refused_late.code, refused_late.message)
         asked = chat_request.params[0].logprobs is not None
-        choices = [Choice(i, stream, chat_request.stops, asked)
+        choices = [Choice(i, stream, chat_request.stops, asked, chat_request.stream)
                    for i, stream in enumerate(streams)]  # fmt: skip
         completion = Completion(model_name, choices, chat_request.include_usage, checker,
                                 chat_request.params[0].prompt)  # fmt: skip

@@ -96,12 +96,17 @@ def check_model(body: dict[str, Any], model_name: str, served: frozenset[str]) -
     if not isinstance(requested, str):
         raise ApiError(400, "'model' must be a string", param="model")
     if requested.lower() not in served:
+        # (the name as asked, cut short: a client's megabyte of name is not sent back whole)
+        shown = requested if len(requested) <= MAX_NAME_SHOWN else requested[:MAX_NAME_SHOWN] + "…"
         raise ApiError(
             404,
-            f"the model {requested!r} is not served here: this server serves {model_name!r} "
+            f"the model {shown!r} is not served here: this server serves {model_name!r} "
             "(ask for that name, or 'default')",
             code="model_not_found", param="model",
         )  # fmt: skip
+
+
+MAX_NAME_SHOWN = 100  # characters of a model name not served that its 404 quotes
 
 
 _PATH = re.compile(r"(?<![\w/])/(?:[\w.@+~-]+/)+[\w.@+~-]*")
@@ -236,7 +241,8 @@ def read_chat_request(body: dict[str, Any], model: str, settings: Settings) -> C
     if options is not None and (not isinstance(options, dict) or not stream):
         raise ApiError(400, "'stream_options' must be an object, given only with 'stream': true",
                        param="stream_options")  # fmt: skip
-    include_usage = (options or {}).get("include_usage", False)
+    include_usage = (options or {}).get("include_usage")
+    include_usage = False if include_usage is None else include_usage  # (null: not given)
     if not isinstance(include_usage, bool):
         raise ApiError(400, "'stream_options.include_usage' must be true or false",
                        param="stream_options.include_usage")  # fmt: skip

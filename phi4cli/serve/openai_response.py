@@ -27,7 +27,7 @@ from phi4cli.engines.checker import Checker
 from phi4cli.engines.outcome import Outcome
 from phi4cli.serve.openai_request import ApiError, without_paths
 from phi4cli.text.checking import Check
-from phi4cli.text.reasoning import extract_final_answer
+from phi4cli.text.reasoning import GrowingText, extract_final_answer
 
 
 def _finish_reason(outcome: Outcome) -> str:
@@ -85,12 +85,16 @@ class Choice:
     first stop string, how it ended and, when asked for, its answer tokens' logprobs."""
 
     def __init__(self, index: int, stream: RequestStream, stops: tuple[str, ...],
-                 logprobs: bool = False) -> None:  # fmt: skip
+                 logprobs: bool = False, streamed: bool = False) -> None:  # fmt: skip
         self.index, self.stream = index, stream
         self.outcome = Outcome(index=index, question="")
         self.stops = StopStrings(stops)
-        self.content = ""  # the answer as sent: up to a stop string
-        self.reasoning = ""
+        self._content = GrowingText()  # the answer as sent: up to a stop string
+        self._reasoning = GrowingText()
+        # A stream's chunks carry their logprobs and keep none: a whole answer's are kept for
+        # its one body (each entry with 20 alternatives is some 10 KB of objects: n = 16
+        # streams of thousands of tokens held gigabytes until they ended).
+        self.streamed = streamed
         self.stopped = False  # a stop string was reached, and the request cancelled there
         # The text is known to be the answer once the thinking is known to be closed before it:
         # a reasoning event came first, or a retract (a </think> never opened). Until then it may
@@ -105,9 +109,18 @@ class Choice:
         self._covered = 0
         self.check: Check | None = None  # its answer checked against the question (phi4_check)
 
+    @property
+    def content(self) -> str:
+        return str(self._content)
+
+    @property
+    def reasoning(self) -> str:
+        return str(self._reasoning)
+
     def apply(self, event: Event) -> list[Delta]:
         """Fold one event; return the deltas it makes for the client."""
-        before = self.outcome.solution
+        had_text = self.outcome.has_solution  # (not joined at every event: see GrowingText)
+        before = self.outcome.solution if event.kind == EventKind.RETRACT else ""
         self.outcome.apply(event)
         if self.stopped:
             if event.terminal:  # the cancel's end (or any end): the answer ended at its stop
@@ -126,13 +139,13 @@ class Choice:
             text, found = self.stops.feed(event.text)
             self.stopped, self.held_stop = found and self.answering, found and not self.answering
             if text:
-                self.content += text
+                self._content.add(text)
                 deltas.append(({"content": text}, self._send()))
             if self.stopped:
                 self.stream.cancel()  # the events go on to its end, with its stats
         elif event.kind == EventKind.REASONING and event.text:
-            self.answering = self.answering or not before
-            self.reasoning += event.text
+            self.answering = self.answering or not had_text
+            self._reasoning.add(event.text)
             deltas.append(({"reasoning_content": event.text}, None))
         elif event.kind == EventKind.RETRACT:
             self.answering = True
@@ -142,14 +155,14 @@ class Choice:
                 # found in it was in the thinking, and is looked for again in the answer.
                 self.stops.flush()
                 self.held_stop = False
-                self.content = ""
-                self.reasoning += before
+                self._content = GrowingText()
+                self._reasoning.add(before)
                 if self.logprobs is not None:  # they were the thinking's tokens
                     self.logprobs, self._unsent, self._covered = [], [], 0
                 deltas.append(({"reasoning_content": before}, None))
         elif event.kind == EventKind.DONE:
             rest = self.stops.flush()
-            self.content += rest
+            self._content.add(rest)
             if rest or self._unsent:
                 deltas.append(({"content": rest}, self._send()))
         return deltas
@@ -161,12 +174,13 @@ class Choice:
             return None
         sent: list[dict[str, Any]] = []
         for entry in self._unsent:
-            if (self.stopped or self.held_stop) and self._covered >= len(self.content):
+            if (self.stopped or self.held_stop) and self._covered >= len(self._content):
                 break
             sent.append(entry)
             self._covered += len(entry.get("token", ""))
         self._unsent = []
-        self.logprobs += sent
+        if not self.streamed:
+            self.logprobs += sent
         return sent or None
 
     @property
