@@ -2,22 +2,25 @@
 
     python bench/batching.py --model PATH --server PATH/TO/llama-server [--tokens 64]
                              [--concurrent 1 4 8] [--rounds 2] [--prompt-tokens N]
-                             [--phi4-arg ARG] [--server-arg ARG]
+                             [--spread MS] [--phi4-arg ARG] [--server-arg ARG]
 
 Both serve the same GGUF with the same threads and stream every token to their clients; each round
 sends k greedy questions at once (k = 1, 4, 8) and measures the aggregate completion tokens/s (all
 tokens over the wall time from the first send to the last answer's end) and each request's time to
-its first token, phi4 and llama-server interleaved so that the machine's drift hits both alike
-(each goes first in every other round). ``--prompt-tokens N`` gives every question a different
-N-token problem text to read first (counted with the model's own tokenizer): long prompts read
-together, as pasted problems and follow-ups bring. llama-server runs with as many slots as the
-largest k, each with room for its prompt and answer, and phi4 with ``--parallel`` that many (its
-default plans for 4 long requests); ``--phi4-arg`` and ``--server-arg`` pass more to either
-(``--server-arg=-kvu``: llama-server with one KV cache shared by its slots, as phi4's ``kv_layout =
-shared``). Build llama-server from the llama.cpp sources vendored in the llama-cpp-python sdist
-(cmake target llama-server); without --server this bench has no baseline and says so.
+its first token, phi4 and llama-server interleaved so that the machine's drift hits both alike (each
+goes first in every other round). ``--prompt-tokens N`` gives every question a different N-token
+problem text to read first (counted with the model's own tokenizer): long prompts read together, as
+pasted problems and follow-ups bring. ``--spread MS`` sends a round's requests evenly over MS
+milliseconds instead of at once (each on a connection of its own): a burst that arrives a little
+apart, so that the first is streaming while the others' prompts are read. llama-server runs with as
+many slots as the largest k, each with room for its prompt and answer, and phi4 with ``--parallel``
+that many (its default plans for 4 long requests); ``--phi4-arg`` and ``--server-arg`` pass more to
+either (``--server-arg=-kvu``: llama-server with one KV cache shared by its slots, as phi4's
+``kv_layout = shared``). Build llama-server from the llama.cpp sources vendored in the
+llama-cpp-python sdist (cmake target llama-server); without --server this bench has no baseline
+and says so.
 
-Writes bench/results/batching-<model>[-p<N>].json and .md, and prints the Markdown table.
+Writes bench/results/batching-<model>[-p<N>][-s<MS>].json and .md, and prints the Markdown table.
 """
 
 from __future__ import annotations
@@ -88,14 +91,41 @@ def summary(started: float, produced: list[int], first: list[float | None]) -> d
             "answered": len(ttft), "tokens": sum(produced)}  # fmt: skip
 
 
-def phi4_round(home: Path, prompts: list[str], tokens: int) -> dict[str, Any]:
-    """len(prompts) greedy solves sent at once over one connection."""
+def offsets(k: int, spread: float) -> list[float]:
+    """When each of k requests is sent, seconds from the first: evenly over ``spread``."""
+    return [spread * i / (k - 1) if k > 1 else 0.0 for i in range(k)]
+
+
+def phi4_round(home: Path, prompts: list[str], tokens: int, spread: float = 0.0) -> dict[str, Any]:
+    """len(prompts) greedy solves sent at once over one connection, or, with ``spread``, each
+    on its own, evenly over that many seconds."""
     from phi4cli.core.protocol import EventKind
     from phi4cli.engines.daemon_link import DaemonConnection
 
     k = len(prompts)
     produced: list[int] = [0] * k
     first: list[float | None] = [None] * k
+    if spread:
+
+        def ask(i: int, at: float) -> None:
+            time.sleep(max(0.0, at - time.monotonic()))
+            with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
+                for event in connection.request("solve", {"prompt": prompts[i],
+                                                          "temperature": 0, "max_tokens": tokens},
+                                                 timeout=3600):  # fmt: skip
+                    if event.kind in (EventKind.REASONING, EventKind.TOKEN, EventKind.STATS):
+                        first[i] = first[i] or time.monotonic()
+                    if event.kind == EventKind.STATS:
+                        produced[i] = event.stats.completion_tokens
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=ask, args=(i, started + at))
+                   for i, at in enumerate(offsets(k, spread))]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return summary(started, produced, first)
     with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
         started = time.monotonic()
         index = {connection.send("solve", {"prompt": prompt, "temperature": 0,
@@ -114,13 +144,14 @@ def phi4_round(home: Path, prompts: list[str], tokens: int) -> dict[str, Any]:
     return summary(started, produced, first)
 
 
-def server_round(port: int, prompts: list[str], tokens: int) -> dict[str, Any]:
-    """The same chat completions sent at once to llama-server."""
+def server_round(port: int, prompts: list[str], tokens: int, spread: float = 0.0) -> dict[str, Any]:
+    """The same chat completions sent to llama-server at once, or evenly over ``spread``."""
     k = len(prompts)
     produced: list[int] = [0] * k
     first: list[float | None] = [None] * k
 
-    def ask(i: int) -> None:
+    def ask(i: int, at: float) -> None:
+        time.sleep(max(0.0, at - time.monotonic()))
         # Streamed, as phi4 streams every token to its client: both pay for sending them.
         body = json.dumps({
             "messages": [{"role": "user", "content": prompts[i]}],
@@ -142,8 +173,9 @@ def server_round(port: int, prompts: list[str], tokens: int) -> dict[str, Any]:
                 if chunk.get("usage"):
                     produced[i] = chunk["usage"]["completion_tokens"]
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(k)]
     started = time.monotonic()
+    threads = [threading.Thread(target=ask, args=(i, started + at))
+               for i, at in enumerate(offsets(k, spread))]  # fmt: skip
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -197,8 +229,12 @@ def main() -> None:
     parser.add_argument("--server-arg", action="append", default=[],
                         help="pass this to llama-server too (e.g. --server-arg=-kvu for one KV "
                              "cache shared by all slots, as phi4 has)")  # fmt: skip
+    parser.add_argument("--spread", type=float, default=0.0,
+                        help="send a round's requests evenly over this many milliseconds, not "
+                             "at once (a burst that arrives a little apart)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
+    spread = args.spread / 1000
 
     from phi4cli.core.machine import physical_cores
 
@@ -248,10 +284,10 @@ def main() -> None:
                 # (A round's prompts are new to both: each round numbers its questions anew.)
                 prompts = [f"(round {round_}) {prompt}" for prompt in base]
                 if server is not None and round_ % 2:
-                    theirs.append(server_round(port, prompts, args.tokens))
-                ours.append(phi4_round(home, prompts, args.tokens))
+                    theirs.append(server_round(port, prompts, args.tokens, spread))
+                ours.append(phi4_round(home, prompts, args.tokens, spread))
                 if server is not None and not round_ % 2:
-                    theirs.append(server_round(port, prompts, args.tokens))
+                    theirs.append(server_round(port, prompts, args.tokens, spread))
             results["rounds"][k] = {"phi4": ours, "llama_server": theirs}
             results["phi4"][k] = medians(ours)
             if theirs:
@@ -276,6 +312,7 @@ def main() -> None:
         f"; llama-server {' '.join(args.server_arg)}" if args.server and args.server_arg else ""
     )
     prompt = f"{args.prompt_tokens}-token prompts, " if args.prompt_tokens else ""
+    prompt += f"sent over {args.spread:g} ms, " if args.spread else ""
     lines = [f"Batching on {args.model.name} ({results['machine']}, {prompt}{args.tokens}-token "
              f"greedy answers, median of {args.rounds} interleaved rounds{extra})", "",
              "| concurrent | phi4 aggregate | phi4 slowest first token | llama-server aggregate "
@@ -284,6 +321,7 @@ def main() -> None:
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"batching-{args.model.stem}" + (f"-p{args.prompt_tokens}" if args.prompt_tokens else "")
+    name += f"-s{args.spread:g}" if args.spread else ""
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=2))
     (args.out / f"{name}.md").write_text(table + "\n")
     print(table)

@@ -127,3 +127,23 @@ def test_a_prompt_that_came_behind_a_stream_stays_behind_when_that_stream_ends(
         engine.step()
         assert state(second)[1] == before_two[1] + 1
         assert state(third)[0] == max(0, before_three[0] - PREFILL_CHUNK)
+
+
+def test_a_burst_that_comes_while_an_answer_streams_is_read_a_chunk_for_each_prompt(
+    engine: LlamaEngine,
+) -> None:
+    # Two prompts that came a little after the first (its answer streaming): a chunk's room for
+    # each, the first come first, so the burst is read in the steps one prompt would take.
+    first = admit(engine, 1)
+    while state(first)[1] < 3:
+        engine.step()
+    second, third = admit(engine, 2), admit(engine, 3)
+    assert len(second.pending) > 2 * PREFILL_CHUNK
+    before = [state(s) for s in (first, second, third)]
+    engine.step()
+    assert state(first)[1] == before[0][1] + 1, "the stream goes on, a token a step"
+    assert state(second)[0] == before[1][0] - 2 * PREFILL_CHUNK, "the first come takes the room"
+    assert state(third)[0] == before[2][0]
+    while state(second)[0]:
+        engine.step()
+    assert state(third)[0] < before[2][0], "then the next"

@@ -332,8 +332,13 @@ class LlamaEngine:
             answering, reading, prompt_room = [], ahead, self.n_batch
         else:
             # A prompt that came while an answer was streaming is read in small chunks beside
-            # it, so that no stream a user is watching stalls for long.
-            prompt_room = PREFILL_CHUNK if answering else self.n_batch
+            # it, so that no stream a user is watching stalls for long. A burst that came so
+            # (requests a little apart) gets a chunk's room for each of its prompts, first come
+            # first: read together, in as few steps as one prompt alone would take, rather than
+            # one chunk a step among them all (the streams then wait longer a step while it is
+            # read, at most a whole batch).
+            reading = sorted(reading, key=lambda s: s.run.started if s.run is not None else 0.0)
+            prompt_room = PREFILL_CHUNK * len(reading) if answering else self.n_batch
         used = 0
         for slot in answering + reading:
             room = self.n_batch - used
