@@ -129,3 +129,28 @@ def test_the_ram_cache_keeps_the_most_recent_prompts_within_its_bytes():
     assert cache.usage()["prompts"] == 2
     assert cache.clear() == {"prompts": 2, "bytes": 80}
     assert cache.usage()["bytes"] == 0
+
+
+def test_common_prefix_agrees_with_a_token_by_token_count():
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from phi4cli.daemon.llama.prompt_cache import common_prefix
+
+    def counted(a: list[int], b: list[int]) -> int:
+        count = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            count += 1
+        return count
+
+    tokens = st.lists(st.integers(0, 3), max_size=40)
+
+    @given(tokens, tokens)
+    def agree(a: list[int], b: list[int]) -> None:
+        assert common_prefix(a, b) == counted(a, b)
+        assert common_prefix(tuple(a), b) == counted(a, b)
+        assert common_prefix(a, a + b) == len(a)
+
+    agree()

@@ -30,13 +30,22 @@ class CachedPrompt:
 
 
 def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
-    """How many tokens ``a`` and ``b`` share from the start."""
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count
+    """How many tokens ``a`` and ``b`` share from the start. (Compared a slice at a time, a
+    bisection of slices, each compared in C: the engine asks this of every slot at each step
+    that reads a prompt, and of every kept prompt at each admission.)"""
+    if type(a) is not type(b):
+        a, b = list(a), list(b)
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low]; a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 class PromptCache:
