@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -91,54 +91,59 @@ def summary(started: float, produced: list[int], first: list[float | None]) -> d
             "answered": len(ttft), "tokens": sum(produced)}  # fmt: skip
 
 
-def offsets(k: int, spread: float) -> list[float]:
-    """When each of k requests is sent, seconds from the first: evenly over ``spread``."""
-    return [spread * i / (k - 1) if k > 1 else 0.0 for i in range(k)]
+def spread_out(ask: Callable[[int], None], k: int, spread: float) -> float:
+    """Call ``ask(i)`` for each of k requests, each on a thread of its own, evenly over
+    ``spread`` seconds (all at once for 0); return when the first was sent, once all are
+    answered."""
+    started = time.monotonic()
+
+    def at(i: int) -> None:
+        time.sleep(max(0.0, started + (spread * i / (k - 1) if k > 1 else 0.0) - time.monotonic()))
+        ask(i)
+
+    threads = [threading.Thread(target=at, args=(i,)) for i in range(k)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return started
 
 
 def phi4_round(home: Path, prompts: list[str], tokens: int, spread: float = 0.0) -> dict[str, Any]:
     """len(prompts) greedy solves sent at once over one connection, or, with ``spread``, each
     on its own, evenly over that many seconds."""
-    from phi4cli.core.protocol import EventKind
+    from phi4cli.core.protocol import Event, EventKind
     from phi4cli.engines.daemon_link import DaemonConnection
 
     k = len(prompts)
     produced: list[int] = [0] * k
     first: list[float | None] = [None] * k
+    socket_path = home / "run" / "daemon.sock"
+
+    def record(i: int, event: Event) -> None:
+        if event.kind in (EventKind.REASONING, EventKind.TOKEN, EventKind.STATS):
+            first[i] = first[i] or time.monotonic()
+        if event.kind == EventKind.STATS:
+            produced[i] = event.stats.completion_tokens
+
+    def params(i: int) -> dict[str, Any]:
+        return {"prompt": prompts[i], "temperature": 0, "max_tokens": tokens}
+
     if spread:
 
-        def ask(i: int, at: float) -> None:
-            time.sleep(max(0.0, at - time.monotonic()))
-            with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
-                for event in connection.request("solve", {"prompt": prompts[i],
-                                                          "temperature": 0, "max_tokens": tokens},
-                                                 timeout=3600):  # fmt: skip
-                    if event.kind in (EventKind.REASONING, EventKind.TOKEN, EventKind.STATS):
-                        first[i] = first[i] or time.monotonic()
-                    if event.kind == EventKind.STATS:
-                        produced[i] = event.stats.completion_tokens
+        def ask(i: int) -> None:
+            with DaemonConnection.open(socket_path) as connection:
+                for event in connection.request("solve", params(i), timeout=3600):
+                    record(i, event)
 
+        return summary(spread_out(ask, k, spread), produced, first)
+    with DaemonConnection.open(socket_path) as connection:
         started = time.monotonic()
-        threads = [threading.Thread(target=ask, args=(i, started + at))
-                   for i, at in enumerate(offsets(k, spread))]  # fmt: skip
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return summary(started, produced, first)
-    with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
-        started = time.monotonic()
-        index = {connection.send("solve", {"prompt": prompt, "temperature": 0,
-                                           "max_tokens": tokens}): i
-                 for i, prompt in enumerate(prompts)}  # fmt: skip
+        index = {connection.send("solve", params(i)): i for i in range(k)}
         waiting = set(index)
         while waiting:
             event = connection.next_event(timeout=3600)
-            i = index[event.id]
-            if event.kind in (EventKind.REASONING, EventKind.TOKEN, EventKind.STATS):
-                first[i] = first[i] or time.monotonic()
-            if event.kind == EventKind.STATS:
-                produced[i] = event.stats.completion_tokens
+            record(index[event.id], event)
             if event.terminal:
                 waiting.discard(event.id)
     return summary(started, produced, first)
@@ -150,8 +155,7 @@ def server_round(port: int, prompts: list[str], tokens: int, spread: float = 0.0
     produced: list[int] = [0] * k
     first: list[float | None] = [None] * k
 
-    def ask(i: int, at: float) -> None:
-        time.sleep(max(0.0, at - time.monotonic()))
+    def ask(i: int) -> None:
         # Streamed, as phi4 streams every token to its client: both pay for sending them.
         body = json.dumps({
             "messages": [{"role": "user", "content": prompts[i]}],
@@ -173,14 +177,7 @@ def server_round(port: int, prompts: list[str], tokens: int, spread: float = 0.0
                 if chunk.get("usage"):
                     produced[i] = chunk["usage"]["completion_tokens"]
 
-    started = time.monotonic()
-    threads = [threading.Thread(target=ask, args=(i, started + at))
-               for i, at in enumerate(offsets(k, spread))]  # fmt: skip
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return summary(started, produced, first)
+    return summary(spread_out(ask, k, spread), produced, first)
 
 
 @contextmanager
