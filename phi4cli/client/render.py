@@ -76,6 +76,11 @@ def format_stats(stats: Stats) -> str:
         ),
         ("answer tokens", f"{stats.answer_tokens}"),
         ("eval rate", f"{completion / decode_s:.1f} tokens/s" if decode_s > 0 else "-"),
+        *(
+            [("drafted", f"{stats.draft_tokens} tokens verified, {stats.draft_accepted} kept")]
+            if stats.draft_tokens
+            else []
+        ),
         ("confidence", _confidence(stats)),
         ("first token", human_seconds(stats.first_token_s)),
         ("total", human_seconds(stats.total_s)),
@@ -550,6 +555,22 @@ def format_warm(timings: dict[str, Any]) -> str:
     return clean_text("\n".join(f"{key:<16}{value}" for key, value in rows))
 
 
+def _speculation_row(speculation: dict[str, Any]) -> str:
+    """Exact self-speculation now: the mode, the gate's length, drafts kept, and what each
+    source's drafts would have had right."""
+    mode, length = speculation.get("mode"), speculation.get("draft_length", 0)
+    if mode == "off":
+        return "off"
+    drafted, kept = speculation.get("draft_tokens", 0), speculation.get("draft_accepted", 0)
+    row = f"{mode}: drafting {length} a step" if length else f"{mode}: not drafting now"
+    row += f"; {kept:,} of {drafted:,} drafted tokens kept"
+    sources = speculation.get("acceptance") or {}
+    if sources:
+        row += " (right: " + ", ".join(f"{name} {share:.0%}" for name, share in sources.items())
+        row += ")"
+    return row
+
+
 def _threads_row(memory: dict[str, Any]) -> str:
     """How many threads decode now, and why."""
     now, most = memory["threads"], memory.get("threads_max", memory["threads"])
@@ -610,6 +631,9 @@ def format_status(status: dict[str, Any]) -> str:
                                     f"{human_bytes(kept['max_bytes'])}; put back "
                                     f"{counted(kept['hits'], 'time')} "
                                     f"({kept['hit_tokens']:,} tokens not read again)"))  # fmt: skip
+        speculation = memory.get("speculation")
+        if speculation:
+            rows.append(("speculation", _speculation_row(speculation)))
         growing = memory.get("context_growing_s")
         if growing is not None:
             rows.append(("kv growing", f"answering from {memory['context_cells']:,} of its "

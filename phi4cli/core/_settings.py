@@ -68,6 +68,8 @@ class Settings(Record):
     kv_cache_type: str = 'f16'
     # auto | shared | streams: one KV cache for all, or one per request
     kv_layout: str = 'auto'
+    # auto | on | off: exact self-speculation (drafts from text seen, verified)
+    speculate: str = 'auto'
     # auto | all | a number of layers
     gpu_layers: str | int = 'auto'
     # OpenAI-compatible servers to use instead of the daemon: one URL, or several (replicas of

@@ -144,6 +144,7 @@ def _one_of(*choices: str) -> Callable[[object], str]:
 CHOICES: dict[str, tuple[str, ...]] = {
     "kv_cache_type": ("f16", "q8_0", "q4_0"),
     "kv_layout": ("auto", "shared", "streams"),
+    "speculate": ("auto", "on", "off"),
     "ramdisk": ("auto", "on", "off"),
     "mlock": ("true", "false"),
     "loop": ("answer", "stop", "off"),
@@ -461,6 +462,13 @@ SETTINGS = (
             help="KV cache layout: shared (one cache; short requests pack in) or streams (one "
                  "per request; faster with several deep answers) [default auto: streams for a "
                  "reasoning model]."),
+    Setting("speculate", _one_of(*CHOICES["speculate"]), "auto (draft where it measures "
+            "faster), on (draft always, for measuring) or off", "auto", "str", DAEMON,
+            "auto | on | off: exact self-speculation (drafts from text seen, verified)",
+            flags="--speculate", option="str", metavar="auto|on|off", groups=("daemon",),
+            help="Exact self-speculation: drafts read from the answer's own text, its sibling "
+                 "samples and recent answers, verified in the batch [default auto: only where "
+                 "this machine measures it faster]."),
     Setting("gpu_layers", _gpu_layers, "auto (as many as fit), all, or a number of layers (0: "
             "CPU)", "auto", "str | int", DAEMON, "auto | all | a number of layers",
             flags="--gpu-layers", option="str", metavar="auto|all|N", groups=("daemon",),

@@ -127,6 +127,10 @@ class Stats(Record):
     lowest_group_confidence: float | None = None
     thinking_unfinished: bool = False
     decode_s: float = 0.0
+    # Exact self-speculation (the daemon's speculate setting): tokens drafted and verified, and
+    # of them those kept (each also counted in completion_tokens).
+    draft_tokens: int = 0
+    draft_accepted: int = 0
     first_token_s: float | None = None
     total_s: float | None = None
     load_s: float = 0.0

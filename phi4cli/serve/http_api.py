@@ -140,6 +140,11 @@ class DaemonCollector:
         yield CounterMetricFamily("phi4_prompt_cache_hits",
                                   "Prompts put back from RAM rather than read again.",
                                   value=kept.get("hits", 0))  # fmt: skip
+        speculation = (status.get("memory") or {}).get("speculation") or {}
+        yield CounterMetricFamily("phi4_draft_tokens", "Drafted tokens verified (speculation).",
+                                  value=speculation.get("draft_tokens", 0))  # fmt: skip
+        yield CounterMetricFamily("phi4_draft_accepted", "Drafted tokens kept (speculation).",
+                                  value=speculation.get("draft_accepted", 0))  # fmt: skip
         errors = CounterMetricFamily("phi4_errors", "Requests that ended in an error, by code.",
                                      labels=["code"])  # fmt: skip
         for code, count in (metrics.get("errors") or {}).items():

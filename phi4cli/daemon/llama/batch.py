@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,16 @@ from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedMode
 from phi4cli.daemon.llama.prompt_cache import common_prefix
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
 from phi4cli.daemon.llama.slots import Prepared, Run, Slot
+from phi4cli.daemon.llama.speculation import (
+    DRAFT_MAX,
+    NGRAM_MAX,
+    POOL_RUNS,
+    POOL_TOKENS,
+    Drafter,
+    Gate,
+    NgramIndex,
+    speculation_now,
+)
 from phi4cli.daemon.llama.writing import RunWriter
 from phi4cli.daemon.sessions import SwapStore
 from phi4cli.daemon.threads import ThreadGovernor
@@ -81,6 +92,10 @@ class LlamaEngine:
         self._writer: RunWriter | None = None  # what each token of a run writes (writing.py)
         self._governor: ThreadGovernor | None = None  # threads from the cores others leave free
         self._whole: set[tuple[int, ...]] = set()  # files loaded whole (_file_identity)
+        # Exact self-speculation: whether and how far to draft, and answers lately finished
+        # to draft from (speculation.py).
+        self._gate = Gate(settings.speculate)
+        self._pool: deque[NgramIndex] = deque(maxlen=POOL_RUNS)
 
     @property
     def model_path(self) -> Path | None:
@@ -101,6 +116,7 @@ class LlamaEngine:
         return {
             **self._cells.usage(),
             "plan": self._model.info["memory"],
+            "speculation": self._gate.describe(),
             **(self._governor.describe() if self._governor is not None else {}),
         }
 
@@ -141,6 +157,8 @@ class LlamaEngine:
         self._writer = RunWriter(model, self._prompts)
         self._loads += 1
         self._swap.clear()  # another model's (or an earlier daemon's) states are of no use
+        self._gate = Gate(self.settings.speculate)  # (its costs and answers were another's)
+        self._pool.clear()
         self._cells = KVCells(model, self._prompts, self._swap, self.state_dir)
         self._governor = ThreadGovernor(
             model.info["threads"], adapt=self.settings.threads is None, cores=physical_cores()
@@ -305,8 +323,20 @@ class LlamaEngine:
             restored=restored,
             restore_s=restore_s,
             behind_stream=streaming,
+            drafter=None if deterministic or not self._gate.watching else self._drafter(tokens),
         )
         return None
+
+    def _drafter(self, prompt: list[int]) -> Drafter:
+        """A new request's drafting, linked with its siblings' (running requests with the same
+        prompt: K samples of one question) and the pool of recent answers."""
+        drafter = Drafter(pool=self._pool)
+        for slot in self._slots:
+            other = slot.run.drafter if slot.run is not None else None
+            if other is not None and slot.run is not None and slot.run.prompt == prompt:
+                drafter.siblings.append(other.own)
+                other.siblings.append(drafter.own)
+        return drafter
 
     # --- the step loop ------------------------------------------------------------------------
 
@@ -351,6 +381,7 @@ class LlamaEngine:
             if chunk:
                 chunks.append((slot, chunk, len(chunk) == len(slot.pending)))
                 used += len(chunk)
+        drafts = self._drafts(chunks, self.n_batch - used) if self._gate.watching else {}
         # In sequence order: with a stream per slot, llama.cpp splits a batch into runs of
         # consecutive sequences, one pass over the weights each.
         chunks.sort(key=lambda item: item[0].seq)
@@ -358,13 +389,17 @@ class LlamaEngine:
         fed: list[tuple[Slot, int, int]] = []  # slot, tokens fed, batch index of the last
         for slot, chunk, done in chunks:
             start = len(slot.tokens)
+            draft = drafts[slot][0] if slot in drafts else []
             for i, token in enumerate(chunk):
                 entries.append((slot.seq, token, start + i, done and i == len(chunk) - 1))
-            fed.append((slot, len(chunk), len(entries) - 1 if done else -1))
+            for i, token in enumerate(draft):  # (each drafted token's logits are sampled)
+                entries.append((slot.seq, token, start + len(chunk) + i, True))
+            fed.append((slot, len(chunk), len(entries) - 1 - len(draft) if done else -1))
         if not entries:
             return finished
         if model.growing is not None:  # the whole context once made, or now if these need it
-            adding = {slot.seq: count for slot, count, _ in fed}
+            adding = {slot.seq: count + len(drafts[slot][0] if slot in drafts else ())
+                      for slot, count, _ in fed}  # fmt: skip
             model.grow(wait=not self._loaded_cells().holds(model.cells_now, adding))
         if model.shrunk:  # it could not be made: nothing is decoded that the small one cannot hold
             model.shrunk = False
@@ -373,13 +408,18 @@ class LlamaEngine:
         # (After any wait above: the governor times this step from here.)
         hold = any(slot.run.job.params.ask.deterministic for slot, _, _ in chunks if slot.run)
         self._follow_the_cores(model, hold)
+        started = speculation_now()
         code = model.decode(entries)
         if code == DECODE_NO_KV_SPACE and model.growing is not None:
             model.grow(wait=True)
+            started = speculation_now()
             code = model.decode(entries)
+        if code == DECODE_OK and self._gate.watching:
+            self._gate.decoded(len(entries), speculation_now() - started)
         if self._governor is not None:  # (a step of answers alone is one it may measure)
-            answers_only = all(slot.run is not None and slot.run.prompt_s is not None
-                               for slot, _, _ in chunks)  # fmt: skip
+            answers_only = not drafts and all(
+                slot.run is not None and slot.run.prompt_s is not None for slot, _, _ in chunks
+            )
             self._governor.decoded(time.monotonic(), len(chunks), answers_only)
         if code == DECODE_NO_KV_SPACE:
             return finished + self._out_of_kv()
@@ -389,10 +429,78 @@ class LlamaEngine:
             slot.tokens.extend(slot.pending[:count])
             del slot.pending[:count]
             if logits_index >= 0:
-                outcome = self._advance(slot, logits_index)
+                if slot in drafts:
+                    outcome = self._verify(slot, logits_index, *drafts[slot])
+                else:
+                    outcome = self._advance(slot, logits_index)
                 if outcome is not None:
                     finished.append(outcome)
         return finished
+
+    def _drafts(
+        self, chunks: list[tuple[Slot, list[int], bool]], room: int
+    ) -> dict[Slot, tuple[list[int], str]]:
+        """Each answering request's draft this step, verified in this batch (with the source of
+        its first token), as long as the gate says (none where drafting does not pay); for one
+        that drafts none, a shadow draft, judged by the tokens it then emits."""
+        gate = self._gate
+        answering = [slot for slot, _, _ in chunks
+                     if slot.run is not None and slot.run.prompt_s is not None]  # fmt: skip
+        length = gate.length(len(answering))
+        drafts: dict[Slot, tuple[list[int], str]] = {}
+        for slot in answering:
+            run = slot.run
+            assert run is not None
+            drafter = run.drafter
+            if drafter is None or run.finish_reason is not None or len(slot.pending) != 1:
+                continue
+            drafter.follow(slot.tokens)
+            judged = drafter.shadow_judged(drafter.own.tokens)
+            if judged is not None:
+                gate.judge(*judged)
+            context = [*slot.tokens[-NGRAM_MAX:], *slot.pending]
+            # Within the request's reservation and budget, and the batch.
+            limit = min(length, room, run.max_len - len(slot.tokens) - 2,
+                        run.budget - run.generated - 1)  # fmt: skip
+            if limit > 0:
+                draft, source = drafter.draft(context, limit)
+                if draft:
+                    drafts[slot] = (draft, source)
+                    room -= len(draft)
+                    drafter.shadow = []  # (this one is judged as it is verified)
+                    continue
+            if not drafter.shadow:
+                drafter.shadow, drafter.shadow_source = drafter.draft(context, DRAFT_MAX)
+                drafter.shadow_at = len(slot.tokens) + 1
+                if not drafter.shadow:
+                    gate.judge("", 0, 0)  # (a step with nothing to draft counts too)
+        return drafts
+
+    def _verify(self, slot: Slot, index: int, draft: list[int], source: str) -> Any:
+        """Sample the slot's next token at ``index`` and each drafted one's after it with the
+        request's own sampler, in order, keeping the drafted tokens only while each is the token
+        drawn (each emitted token is drawn as it would be without a draft); remove the cells of
+        the rest. Return the finished request, if it finished."""
+        model, _ = self._loaded()
+        run = slot.run
+        assert run is not None and run.drafter is not None
+        drafter = run.drafter
+        drafter.drafted += len(draft)
+        kept = 0
+        outcome = None
+        for i in range(len(draft) + 1):
+            outcome = self._advance(slot, index + i)
+            if outcome is not None or i == len(draft):
+                break
+            assert slot.run is not None
+            if slot.run.finish_reason is not None or slot.pending != [draft[i]]:
+                break  # (a token not the draft's, or the daemon's own after it)
+            slot.tokens.append(slot.pending.pop())  # its cell holds it already
+            kept += 1
+            drafter.accepted += 1
+        model.seq_rm(slot.seq, len(slot.tokens))
+        self._gate.verified(source, len(draft), kept)
+        return outcome
 
     def _share_prompts(self, reading: list[Slot]) -> set[Slot]:
         """Prompts read once: a reading request whose prompt another slot's cache holds further
@@ -513,6 +621,9 @@ class LlamaEngine:
         assert self._writer is not None
         self._writer.flush(run)
         run.sampler.close()
+        if run.drafter is not None and run.generated and len(slot.tokens) <= POOL_TOKENS:
+            run.drafter.follow(slot.tokens)
+            self._pool.append(run.drafter.own)  # (an answer to draft later ones from)
         slot.pending = []
         slot.run = None
         slot.last_used = time.monotonic()
@@ -539,6 +650,8 @@ class LlamaEngine:
             **(run.trace.stats() if run.trace is not None else {}),
             "thinking_unfinished": run.splitter.unfinished,
             "decode_s": round(now - run.decode_started, 4) if prefilled else 0.0,
+            "draft_tokens": run.drafter.drafted if run.drafter is not None else 0,
+            "draft_accepted": run.drafter.accepted if run.drafter is not None else 0,
             "first_token_s": None if run.first_token_s is None else round(run.first_token_s, 4),
             "total_s": round(now - run.started, 4),
             "finish_reason": reason,

@@ -11,6 +11,7 @@ from typing import Any
 
 from phi4cli.daemon.jobs import Job
 from phi4cli.daemon.llama.prompts import ChatPlan
+from phi4cli.daemon.llama.speculation import Drafter
 from phi4cli.text.confidence import TraceConfidence
 from phi4cli.text.reasoning import THINK_CLOSE, ThinkSplitter
 from phi4cli.text.thinking import ThinkingPolicy
@@ -62,6 +63,8 @@ class Run:
     # OpenAI's logprobs of the answer's tokens not yet sent (a request that asks for them):
     # each goes out on the token event that carries its text, or the next one.
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    # Its drafts (speculation.py), unless the daemon's speculate is off or it is deterministic.
+    drafter: Drafter | None = None
 
 
 @dataclass(eq=False)
