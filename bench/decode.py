@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -47,18 +48,24 @@ print(best)
 """
 
 
-def daemon_rate(home: Path, tokens: int) -> float:
+def daemon_stats(home: Path, question: str, tokens: int) -> Any:
+    """The stats of the daemon's greedy answer of ``tokens`` tokens to ``question``."""
     from phi4cli.core.protocol import EventKind
     from phi4cli.engines.daemon_link import DaemonConnection
 
     with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
         stats = None
-        for event in connection.request("solve", {"prompt": QUESTION, "temperature": 0,
+        for event in connection.request("solve", {"prompt": question, "temperature": 0,
                                                   "max_tokens": tokens}, timeout=3600):  # fmt: skip
             if event.kind == EventKind.STATS:
                 stats = event.stats
     assert stats is not None and stats.decode_s
-    return (stats.completion_tokens - 1) / stats.decode_s
+    return stats
+
+
+def daemon_rate(home: Path, tokens: int) -> float:
+    stats = daemon_stats(home, QUESTION, tokens)
+    return float((stats.completion_tokens - 1) / stats.decode_s)
 
 
 def main() -> None:

@@ -80,8 +80,8 @@ def test_a_prompt_that_comes_while_an_answer_streams_is_read_in_small_chunks_bes
     while state(second)[0]:
         before_one, before_two = state(first), state(second)
         engine.step()
-        # The stream a user is watching goes on, a token a step; the prompt takes a chunk.
-        assert state(first)[1] == before_one[1] + 1
+        # The stream a user is watching goes on, a token a step at least; the prompt a chunk.
+        assert state(first)[1] >= before_one[1] + 1  # (more, where a draft was kept)
         assert state(second)[0] == max(0, before_two[0] - PREFILL_CHUNK)
 
 
@@ -125,7 +125,7 @@ def test_a_prompt_that_came_behind_a_stream_stays_behind_when_that_stream_ends(
     while state(third)[0]:
         before_two, before_three = state(second), state(third)
         engine.step()
-        assert state(second)[1] == before_two[1] + 1
+        assert state(second)[1] >= before_two[1] + 1  # (more, where a draft was kept)
         assert state(third)[0] == max(0, before_three[0] - PREFILL_CHUNK)
 
 

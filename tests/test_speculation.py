@@ -13,10 +13,15 @@ from typing import Any
 
 import pytest
 
-from phi4cli.core.protocol import Stats
+from phi4cli.core._settings import Ask, Settings
+from phi4cli.core.protocol import SolveParams, Stats
+from phi4cli.daemon.jobs import Job
+from phi4cli.daemon.llama.batch import LlamaEngine
 from phi4cli.daemon.llama.speculation import (
     DRAFT_MAX,
     ON_DRAFT,
+    OWN_MIN,
+    Acceptance,
     DecodeCost,
     Drafter,
     Gate,
@@ -25,6 +30,9 @@ from phi4cli.daemon.llama.speculation import (
     right_count,
 )
 from tests.conftest import run_phi4
+from tests.test_prompt_scheduling import PROBLEM
+from tests.test_thinking_control import ANSWER, THINKING
+from tests.tinymodel import write_script_model
 
 # --- the drafter --------------------------------------------------------------------------------
 
@@ -92,7 +100,7 @@ def test_decode_costs_are_interpolated_between_sizes_measured():
     assert cost.estimate(5) == pytest.approx(3.0)
     assert cost.estimate(18) == pytest.approx(10.0)  # past the largest: no cheaper per token
     cost.add(5, 2.0)  # measured: the line gives way
-    assert cost.estimate(5) == 2.0 and cost.measured(5) == 1
+    assert cost.estimate(5) == 2.0 and cost.sizes == [1, 5, 9]
 
 
 def _gate(mode: str, seconds: dict[int, float], judged: list[tuple[int, int]]) -> Gate:
@@ -100,33 +108,109 @@ def _gate(mode: str, seconds: dict[int, float], judged: list[tuple[int, int]]) -
     for tokens, took in seconds.items():
         gate.decoded(tokens, took)
     for drafted, right in judged:
-        gate.judge("own", drafted, right)
+        gate.judge(Drafter(), "own", drafted, right)  # (the daemon's record)
     return gate
 
 
+# Drafts of 8 whose tokens are each right half the time, after a right one (as the real-trace
+# replay's): 16 steps keep none, 8 one, 4 two...
+FAIR = [(8, 0)] * 16 + [(8, 1)] * 8 + [(8, 2)] * 4 + [(8, 3)] * 2 + [(8, 8)] * 2
+GPU = {1: 0.010, 2: 0.010, 9: 0.011, 17: 0.013}  # eight more tokens cost about one
+CPU = {1: 0.080, 2: 0.136, 5: 0.230, 9: 0.490}  # a token more, most of a step (here)
+
+
 def test_the_gate_drafts_where_verifying_is_cheap_and_not_where_it_costs_a_step_a_token():
-    # Drafts of 8 whose tokens are each right half the time, after a right one (as the
-    # real-trace replay's): 16 steps keep none, 8 one, 4 two...
-    good_drafts = [(8, 0)] * 16 + [(8, 1)] * 8 + [(8, 2)] * 4 + [(8, 3)] * 2 + [(8, 8)] * 2
-    # A GPU: eight more tokens of one sequence cost about one.
-    gpu = _gate("auto", {1: 0.010, 9: 0.011, 17: 0.013}, good_drafts)
-    assert gpu.length(1) > 0
-    # A 2-core CPU (here): a token more costs most of a step (1.7x for 2, 5.9x for 8).
-    cpu = _gate("auto", {1: 0.080, 2: 0.136, 5: 0.230, 9: 0.490}, good_drafts)
-    assert cpu.length(1) == 0
-    # Where every draft is right, even that pays.
-    assert _gate("auto", {1: 0.080, 2: 0.136, 5: 0.230, 9: 0.490}, [(8, 8)] * 8).length(1) > 0
+    one = [Drafter()]
+    assert _gate("auto", GPU, FAIR).lengths(one) != [0]
+    assert _gate("auto", CPU, FAIR).lengths(one) == [0]
+    # Where every draft is right, even a CPU's cost is worth it.
+    assert _gate("auto", CPU, [(8, 8)] * 8).lengths(one) != [0]
     # Drafts that are seldom right do not pay even where verifying is cheap.
-    poor = _gate("auto", {1: 0.010, 9: 0.012}, [(8, 0)] * 40)
-    assert poor.length(1) == 0
-    # Nothing measured yet: no draft.
-    assert Gate("auto").length(1) == 0
-    assert _gate("on", {}, []).length(3) == ON_DRAFT
-    assert _gate("off", {1: 0.01, 9: 0.01}, good_drafts).length(1) == 0
-    described = gpu.describe()
+    assert _gate("auto", GPU, [(8, 0)] * 40).lengths(one) == [0]
+    assert Gate("auto").lengths(one) == [0]  # nothing measured yet: no draft
+    assert _gate("on", {}, []).lengths([Drafter(), None]) == [ON_DRAFT, 0]
+    assert _gate("off", GPU, FAIR).lengths(one) == [0]
+    described = _gate("auto", GPU, FAIR).describe()
     assert described["mode"] == "auto"
     assert described["acceptance"]["own"] == pytest.approx(38 / 256, abs=0.001)
     assert described["decode_cost"][9] == 1.1
+
+
+def test_each_request_drafts_by_its_own_record_once_it_has_one():
+    gate = _gate("auto", CPU, FAIR)  # the daemon's drafts: not worth it here
+    looping, fresh = Drafter(), Drafter()
+    for _ in range(OWN_MIN):
+        gate.judge(looping, "own", 8, 8)  # an answer that repeats itself: every draft right
+    # The looping answer drafts (its record); the fresh one goes by the daemon's, and does not.
+    lengths = gate.lengths([fresh, looping, None])
+    assert lengths[0] == 0 and lengths[1] > 0 and lengths[2] == 0
+    assert gate.describe()["draft_lengths"] == lengths
+    # Two that loop share the batch's cost: the second is weighed beside the first's draft,
+    # which here leaves no draft worth its cost; where verifying is cheap, both draft.
+    other = Drafter()
+    for _ in range(OWN_MIN):
+        gate.judge(other, "own", 8, 8)
+    first, second = gate.lengths([looping, other])
+    assert first > 0 and second < first
+    cheap = _gate("auto", GPU, FAIR)
+    assert all(cheap.lengths([looping, other]))
+
+
+def test_a_draft_verified_whole_is_judged_with_its_unverified_rest():
+    drafter = Drafter(shadow=[7, 8], shadow_at=5, shadow_prior=(2, 2), shadow_source="own")
+    assert drafter.shadow_judged([0, 1, 2, 3, 4, 7, 9]) == ("own", 4, 3)
+    assert drafter.shadow_prior == (0, 0)
+
+
+def test_acceptance_counts_a_window_of_drafts():
+    record = Acceptance(3)
+    for drafted, right in [(8, 8), (4, 1), (0, 0), (8, 2)]:  # (the first falls out)
+        record.add(drafted, right)
+    assert record.expected(2) == (pytest.approx(4 / 3), pytest.approx(3 / 3))
+    assert record.expected(8) == (pytest.approx(12 / 3), pytest.approx(3 / 3))
+
+
+# --- the engine, in process -----------------------------------------------------------------------
+
+
+def _answers(model: Path, mode: str) -> list[tuple[str, Stats]]:
+    """Two requests at once, sampled with seeds, on a model that thinks in a loop."""
+    engine = LlamaEngine(Settings(n_ctx=4096, threads=1, ramdisk="off", parallel=2,
+                                  speculate=mode))  # fmt: skip
+    engine.load(model)
+    try:
+        texts: dict[int, list[str]] = {1: [], 2: []}
+        jobs = []
+        for index in (1, 2):
+            ask = Ask(temperature=0.7, seed=index, max_tokens=160, loop="off")
+
+            def keep(event: Any, index: int = index) -> None:
+                texts[index].append(event.text)
+
+            job = Job(index, SolveParams(PROBLEM.format(i=index, m=7), ask), keep)
+            assert engine.admit(job) is None
+            jobs.append(job)
+        finished: dict[int, Stats] = {}
+        while len(finished) < 2:
+            for job, stats in engine.step():
+                finished[job.request_id] = stats
+        described = engine.memory()["speculation"]
+        assert described["mode"] == mode
+        return [("".join(texts[i]), finished[i]) for i in (1, 2)]
+    finally:
+        engine.close()
+
+
+def test_a_looping_answer_drafts_and_draws_the_same_text(tmp_path: Path):
+    model = write_script_model(tmp_path / "loops.gguf", THINKING, ANSWER, loops=True)
+    plain = _answers(model, "off")
+    drafted = _answers(model, "on")
+    assert [text for text, _ in drafted] == [text for text, _ in plain]
+    assert all(len(text) > 100 for text, _ in plain)
+    assert all(stats.draft_accepted > 0 for _, stats in drafted), drafted
+    assert all(s.completion_tokens == p.completion_tokens
+               for (_, s), (_, p) in zip(drafted, plain, strict=True))  # fmt: skip
+    assert all(stats.draft_tokens == 0 for _, stats in plain)
 
 
 # --- through the real daemon --------------------------------------------------------------------

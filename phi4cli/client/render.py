@@ -558,11 +558,14 @@ def format_warm(timings: dict[str, Any]) -> str:
 def _speculation_row(speculation: dict[str, Any]) -> str:
     """Exact self-speculation now: the mode, the gate's length, drafts kept, and what each
     source's drafts would have had right."""
-    mode, length = speculation.get("mode"), speculation.get("draft_length", 0)
+    mode, lengths = speculation.get("mode"), speculation.get("draft_lengths") or []
     if mode == "off":
         return "off"
     drafted, kept = speculation.get("draft_tokens", 0), speculation.get("draft_accepted", 0)
-    row = f"{mode}: drafting {length} a step" if length else f"{mode}: not drafting now"
+    if any(lengths):
+        row = f"{mode}: drafting {'/'.join(str(n) for n in lengths)} a step"
+    else:
+        row = f"{mode}: not drafting now"
     row += f"; {kept:,} of {drafted:,} drafted tokens kept"
     sources = speculation.get("acceptance") or {}
     if sources:

@@ -414,8 +414,6 @@ class LlamaEngine:
             model.grow(wait=True)
             started = speculation_now()
             code = model.decode(entries)
-        if code == DECODE_OK and self._gate.watching:
-            self._gate.decoded(len(entries), speculation_now() - started)
         if self._governor is not None:  # (a step of answers alone is one it may measure)
             answers_only = not drafts and all(
                 slot.run is not None and slot.run.prompt_s is not None for slot, _, _ in chunks
@@ -435,45 +433,54 @@ class LlamaEngine:
                     outcome = self._advance(slot, logits_index)
                 if outcome is not None:
                     finished.append(outcome)
+        if self._gate.watching:  # (the step's cost: its decode, and each position's draw)
+            self._gate.decoded(len(entries), speculation_now() - started)
         return finished
 
     def _drafts(
         self, chunks: list[tuple[Slot, list[int], bool]], room: int
     ) -> dict[Slot, tuple[list[int], str]]:
-        """Each answering request's draft this step, verified in this batch (with the source of
-        its first token), as long as the gate says (none where drafting does not pay); for one
-        that drafts none, a shadow draft, judged by the tokens it then emits."""
+        """Each answering request's draft this step, verified in this batch (with where it came
+        from), as long as the gate says (none where drafting does not pay); for one that drafts
+        none, a shadow draft, judged by the tokens it then emits."""
         gate = self._gate
         answering = [slot for slot, _, _ in chunks
                      if slot.run is not None and slot.run.prompt_s is not None]  # fmt: skip
-        length = gate.length(len(answering))
-        drafts: dict[Slot, tuple[list[int], str]] = {}
+        drafters: list[Drafter | None] = []
         for slot in answering:
             run = slot.run
             assert run is not None
             drafter = run.drafter
             if drafter is None or run.finish_reason is not None or len(slot.pending) != 1:
+                drafters.append(None)
                 continue
             drafter.follow(slot.tokens)
             judged = drafter.shadow_judged(drafter.own.tokens)
             if judged is not None:
-                gate.judge(*judged)
+                gate.judge(drafter, *judged)
+            drafters.append(drafter)
+        drafts: dict[Slot, tuple[list[int], str]] = {}
+        for slot, drafter, length in zip(answering, drafters, gate.lengths(drafters), strict=True):
+            run = slot.run
+            if drafter is None or run is None:
+                continue
             context = [*slot.tokens[-NGRAM_MAX:], *slot.pending]
             # Within the request's reservation and budget, and the batch.
             limit = min(length, room, run.max_len - len(slot.tokens) - 2,
                         run.budget - run.generated - 1)  # fmt: skip
             if limit > 0:
-                draft, source = drafter.draft(context, limit)
-                if draft:
-                    drafts[slot] = (draft, source)
-                    room -= len(draft)
-                    drafter.shadow = []  # (this one is judged as it is verified)
+                whole, source = drafter.draft(context, DRAFT_MAX)
+                if whole:
+                    drafts[slot] = (whole[:limit], source)
+                    room -= len(drafts[slot][0])
+                    # The rest is judged in the shadow if all of this is kept (_verify).
+                    drafter.shadow, drafter.shadow_source = whole[limit:], source
                     continue
             if not drafter.shadow:
                 drafter.shadow, drafter.shadow_source = drafter.draft(context, DRAFT_MAX)
-                drafter.shadow_at = len(slot.tokens) + 1
+                drafter.shadow_at, drafter.shadow_prior = len(slot.tokens) + 1, (0, 0)
                 if not drafter.shadow:
-                    gate.judge("", 0, 0)  # (a step with nothing to draft counts too)
+                    gate.judge(drafter, "", 0, 0)  # (a step with nothing to draft counts too)
         return drafts
 
     def _verify(self, slot: Slot, index: int, draft: list[int], source: str) -> Any:
@@ -499,7 +506,15 @@ class LlamaEngine:
             kept += 1
             drafter.accepted += 1
         model.seq_rm(slot.seq, len(slot.tokens))
-        self._gate.verified(source, len(draft), kept)
+        self._gate.verified(len(draft), kept)
+        rest = drafter.shadow
+        if kept == len(draft) and rest and outcome is None:
+            # All kept: the draft's unverified rest is judged by the tokens that follow (the
+            # first of them is the token drawn after the draft, pending now).
+            drafter.shadow_at, drafter.shadow_prior = len(slot.tokens), (len(draft), kept)
+        else:
+            drafter.shadow = []
+            self._gate.judge(drafter, source, len(draft) + len(rest), kept)
         return outcome
 
     def _share_prompts(self, reading: list[Slot]) -> set[Slot]:

@@ -22,6 +22,7 @@ length beats plain decoding.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import deque
@@ -39,10 +40,13 @@ DRAFT_MAX = 8  # the longest draft the gate weighs
 ON_DRAFT = 4  # draft length with speculate = on (drafting always, for measuring)
 SOURCES = ("own", "siblings", "pool")
 POOL_RUNS = 4  # finished answers kept for drafting from (the most recent)
-POOL_TOKENS = 8192  # of each, the first this many tokens
+POOL_TOKENS = 8192  # (a longer one is not kept)
 GAIN_MIN = 1.05  # drafting must promise this many more tokens/s than plain decoding
-# Shadow drafts weighed: the most recent this many (acceptance drifts along an answer).
-HISTORY = 512
+# Drafts weighed: a request's own last this many (acceptance drifts along an answer: a loop
+# begins, a table is written), and the daemon's, for a request with fewer than OWN_MIN judged.
+HISTORY = 32
+DAEMON_HISTORY = 512
+OWN_MIN = 8
 
 
 class NgramIndex:
@@ -75,6 +79,38 @@ class NgramIndex:
         return None
 
 
+class Acceptance:
+    """Shadow and real drafts: (drafted, right) for the most recent ``size``, counted so that
+    the expectation for any length is a few additions (the gate asks each step)."""
+
+    def __init__(self, size: int = DAEMON_HISTORY) -> None:
+        self.judged: deque[tuple[int, int]] = deque(maxlen=size)
+        # [j]: how many of them drafted (right) at least j tokens, j = 1..DRAFT_MAX
+        self._drafted = [0] * (DRAFT_MAX + 1)
+        self._right = [0] * (DRAFT_MAX + 1)
+
+    def add(self, drafted: int, right: int) -> None:
+        if len(self.judged) == self.judged.maxlen:
+            self._count(*self.judged[0], -1)
+        self.judged.append((drafted, right))
+        self._count(drafted, right, 1)
+
+    def _count(self, drafted: int, right: int, by: int) -> None:
+        for j in range(1, min(drafted, DRAFT_MAX) + 1):
+            self._drafted[j] += by
+        for j in range(1, min(right, DRAFT_MAX) + 1):
+            self._right[j] += by
+
+    def expected(self, k: int) -> tuple[float, float]:
+        """Per answering step with drafts of at most k: tokens drafted, tokens kept."""
+        if not self.judged:
+            return 0.0, 0.0
+        k = min(k, DRAFT_MAX)
+        return sum(self._drafted[1 : k + 1]) / len(self.judged), sum(self._right[1 : k + 1]) / len(
+            self.judged
+        )
+
+
 @dataclass(eq=False)
 class Drafter:
     """One request's drafting: its own index, and its siblings' and the pool's to fall back on.
@@ -89,8 +125,13 @@ class Drafter:
     shadow: list[int] = field(default_factory=list)  # the shadow draft not yet judged
     shadow_at: int = 0  # the sequence's length when it was drafted
     shadow_source: str = ""
+    # A draft verified right as far as it was verified: its length and those tokens, added to
+    # the judgement of its unverified rest (the shadow), so that a length's worth is not capped
+    # by the length drafted.
+    shadow_prior: tuple[int, int] = (0, 0)
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of them, kept
+    record: Acceptance = field(default_factory=lambda: Acceptance(HISTORY))
 
     def follow(self, sequence: Sequence[int]) -> None:
         """Index what the sequence gained since last time (after tokens taken back, from where
@@ -131,68 +172,51 @@ class Drafter:
         right = right_count(self.shadow, emitted)
         if right == len(emitted) and len(emitted) < len(self.shadow):
             return None  # right so far: the next tokens tell
-        outcome = (self.shadow_source, len(self.shadow), right)
-        self.shadow = []
+        drafted, kept = self.shadow_prior
+        outcome = (self.shadow_source, drafted + len(self.shadow), kept + right)
+        self.shadow, self.shadow_prior = [], (0, 0)
         return outcome
 
 
 class DecodeCost:
-    """Seconds one decode takes by the tokens in its batch, as measured here (a moving mean per
+    """Seconds one step takes by the tokens in its batch, as measured here (a moving mean per
     size); sizes not measured are interpolated between measured ones."""
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
-        self.counts: dict[int, int] = {}
+        self.sizes: list[int] = []  # measured, in order
 
     def add(self, tokens: int, seconds: float) -> None:
         before = self.seconds.get(tokens)
+        if before is None:
+            bisect.insort(self.sizes, tokens)
         self.seconds[tokens] = seconds if before is None else 0.7 * before + 0.3 * seconds
-        self.counts[tokens] = self.counts.get(tokens, 0) + 1
-
-    def measured(self, tokens: int) -> int:
-        return self.counts.get(tokens, 0)
 
     def estimate(self, tokens: float) -> float | None:
         """Seconds for a batch of ``tokens``: measured, or the line between the nearest sizes
         measured below and above (None: nothing measured at or below it)."""
-        if tokens == int(tokens) and int(tokens) in self.seconds:
-            return self.seconds[int(tokens)]
-        below = [n for n in self.seconds if n < tokens]
-        above = [n for n in self.seconds if n > tokens]
-        if not below:
+        at = bisect.bisect_left(self.sizes, tokens)
+        if at < len(self.sizes) and self.sizes[at] == tokens:
+            return self.seconds[self.sizes[at]]
+        if at == 0:
             return None
-        low = max(below)
-        if not above:  # past the largest size measured: no cheaper than per token
+        low = self.sizes[at - 1]
+        if at == len(self.sizes):  # past the largest size measured: no cheaper than per token
             return self.seconds[low] * tokens / low
-        high = min(above)
+        high = self.sizes[at]
         share = (tokens - low) / (high - low)
         return self.seconds[low] + share * (self.seconds[high] - self.seconds[low])
 
 
-@dataclass
-class Acceptance:
-    """Shadow and real drafts of one source: (drafted, right) for the most recent."""
-
-    judged: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=HISTORY))
-
-    def expected(self, k: int) -> tuple[float, float]:
-        """Per answering step with drafts of at most k: tokens drafted, tokens kept."""
-        if not self.judged:
-            return 0.0, 0.0
-        drafted = sum(min(d, k) for d, _ in self.judged) / len(self.judged)
-        kept = sum(min(r, k) for _, r in self.judged) / len(self.judged)
-        return drafted, kept
-
-
 class Gate:
-    """Whether, and how far, to draft: ``mode`` "auto" (the measured best length, none where
+    """Whether, and how far, to draft: ``mode`` "auto" (the measured best lengths, none where
     drafting does not pay), "on" (ON_DRAFT always) or "off".
 
-    Each decision weighs, for every length k up to DRAFT_MAX, the tokens a step would emit
-    (one, and the drafts' expected right ones) against what a decode of the batch grown by the
-    expected drafts costs, measured, or interpolated between the sizes measured. A length that
-    looks worth it on an interpolation is drafted at: those steps measure its size, and the next
-    decision goes by that."""
+    Each step's decision weighs, for every length k up to DRAFT_MAX, the tokens the step would
+    emit (one a request, and the drafts' expected right ones) against what a decode of the batch
+    grown by the expected drafts costs, measured, or interpolated between the sizes measured. A
+    length that looks worth it on an interpolation is drafted at: those steps measure its size,
+    and the next decision goes by that."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -202,7 +226,7 @@ class Gate:
         self.by_source = {name: Acceptance() for name in SOURCES}
         self.drafted = 0  # draft tokens verified (in a decode)
         self.accepted = 0  # of them, kept
-        self.choice = 0  # the draft length of the last decision
+        self.chosen: list[int] = []  # the draft lengths of the last decision
 
     @property
     def watching(self) -> bool:
@@ -214,44 +238,62 @@ class Gate:
         if seconds > 0.0:
             self.cost.add(tokens, seconds)
 
-    def judge(self, source: str, drafted: int, right: int) -> None:
-        """A draft of ``drafted`` tokens (shadow or real) of which the first ``right`` were
-        the tokens emitted."""
-        self.acceptance.judged.append((drafted, right))
+    def judge(self, drafter: Drafter, source: str, drafted: int, right: int) -> None:
+        """A draft of ``drafter``'s, of ``drafted`` tokens (shadow or real), of which the first
+        ``right`` were the tokens emitted."""
+        drafter.record.add(drafted, right)
+        self.acceptance.add(drafted, right)
         if source:
-            self.by_source[source].judged.append((drafted, right))
+            self.by_source[source].add(drafted, right)
 
-    def verified(self, source: str, drafted: int, kept: int) -> None:
+    def verified(self, drafted: int, kept: int) -> None:
         """A real draft verified: ``kept`` of its ``drafted`` tokens were kept."""
         self.drafted += drafted
         self.accepted += kept
-        self.judge(source, drafted, kept)
 
-    def length(self, streams: int) -> int:
-        """The draft length for each of ``streams`` answering requests this step."""
-        if self.mode == "off" or streams == 0:
-            self.choice = 0
+    def lengths(self, drafters: Sequence[Drafter | None]) -> list[int]:
+        """The draft length of each answering request of a step (None: one that does not
+        draft). The batch's tokens per second are maximised: each request in turn takes the
+        length that raises them most beside the lengths before it, by its own drafts' record
+        (the daemon's, until it has OWN_MIN), and none where none raises them by GAIN_MIN."""
+        if self.mode == "off" or not drafters:
+            self.chosen = [0] * len(drafters)
         elif self.mode == "on":
-            self.choice = ON_DRAFT
+            self.chosen = [ON_DRAFT if drafter is not None else 0 for drafter in drafters]
         else:
-            self.choice = self._best(streams)
-        return self.choice
+            self.chosen = self._best(drafters)
+        return self.chosen
 
-    def _best(self, streams: int) -> int:
+    def _best(self, drafters: Sequence[Drafter | None]) -> list[int]:
+        streams = len(drafters)
         plain = self.cost.estimate(streams)
         if plain is None:
-            return 0
-        best, best_gain = 0, GAIN_MIN
-        for k in range(1, DRAFT_MAX + 1):
-            drafted, kept = self.acceptance.expected(k)
-            size = streams * (1.0 + drafted)  # (a mean: the line between sizes prices it)
-            seconds = self.cost.estimate(size) if size > streams else None
-            if seconds is None:
-                continue
-            gain = (1.0 + kept) * plain / seconds
-            if gain > best_gain:
-                best, best_gain = k, gain
-        return best
+            return [0] * streams
+        drafted_all, kept_all = 0.0, 0.0
+        rate = streams / plain  # the batch's tokens per second, with the lengths chosen so far
+        chosen = []
+        for drafter in drafters:
+            best = 0
+            if drafter is not None:
+                record = drafter.record
+                if len(record.judged) < OWN_MIN:
+                    record = self.acceptance
+                best_rate, counts = rate * GAIN_MIN, (0.0, 0.0)
+                for k in range(1, DRAFT_MAX + 1):
+                    drafted, kept = record.expected(k)
+                    size = streams + drafted_all + drafted  # (a mean: the line prices it)
+                    seconds = self.cost.estimate(size) if drafted > 0 else None
+                    if seconds is None:
+                        continue
+                    tried = (streams + kept_all + kept) / seconds
+                    if tried > best_rate:
+                        best, best_rate, counts = k, tried, (drafted, kept)
+                if best:
+                    rate = best_rate
+                    drafted_all += counts[0]
+                    kept_all += counts[1]
+            chosen.append(best)
+        return chosen
 
     def describe(self) -> dict[str, Any]:
         """For status and /metrics."""
@@ -267,7 +309,7 @@ class Gate:
         }
         return {
             "mode": self.mode,
-            "draft_length": self.choice,
+            "draft_lengths": self.chosen,
             "draft_tokens": self.drafted,
             "draft_accepted": self.accepted,
             "acceptance": by_source,  # shadow and real drafts' tokens right, by source
