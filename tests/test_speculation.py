@@ -162,12 +162,24 @@ def test_a_draft_verified_whole_is_judged_with_its_unverified_rest():
     assert drafter.shadow_prior == (0, 0)
 
 
+def test_a_shadow_draft_is_judged_by_the_tokens_not_yet_in_the_kv_and_cut_when_replaced():
+    # Drafted from position 4, whose token is still pending (drawn, not yet decoded).
+    drafter = Drafter(shadow=[7, 8, 9], shadow_at=4, shadow_source="own")
+    assert drafter.shadow_judged([0, 1, 2, 3], [7]) is None  # right so far
+    assert drafter.shadow_judged([0, 1, 2, 3, 7], [5]) == ("own", 3, 1)
+    # A draft still open when a real one replaces it counts as far as it is known.
+    drafter = Drafter(shadow=[7, 8, 9], shadow_at=4, shadow_prior=(4, 4), shadow_source="pool")
+    assert drafter.shadow_judged([0, 1, 2, 3, 7], [8], cut=True) == ("pool", 6, 6)
+    assert drafter.shadow == []
+
+
 def test_acceptance_counts_a_window_of_drafts():
     record = Acceptance(3)
     for drafted, right in [(8, 8), (4, 1), (0, 0), (8, 2)]:  # (the first falls out)
         record.add(drafted, right)
     assert record.expected(2) == (pytest.approx(4 / 3), pytest.approx(3 / 3))
     assert record.expected(8) == (pytest.approx(12 / 3), pytest.approx(3 / 3))
+    assert record.totals() == (12, 3)
 
 
 # --- the engine, in process -----------------------------------------------------------------------

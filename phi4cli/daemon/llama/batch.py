@@ -451,13 +451,14 @@ class LlamaEngine:
             run = slot.run
             assert run is not None
             drafter = run.drafter
+            if drafter is not None:  # (every step: tokens taken back show here)
+                drafter.follow(slot.tokens)
+                judged = drafter.shadow_judged(drafter.own.tokens, slot.pending)
+                if judged is not None:
+                    gate.judge(drafter, *judged)
             if drafter is None or run.finish_reason is not None or len(slot.pending) != 1:
                 drafters.append(None)
                 continue
-            drafter.follow(slot.tokens)
-            judged = drafter.shadow_judged(drafter.own.tokens)
-            if judged is not None:
-                gate.judge(drafter, *judged)
             drafters.append(drafter)
         drafts: dict[Slot, tuple[list[int], str]] = {}
         for slot, drafter, length in zip(answering, drafters, gate.lengths(drafters), strict=True):
@@ -471,6 +472,9 @@ class LlamaEngine:
             if limit > 0:
                 whole, source = drafter.draft(context, DRAFT_MAX)
                 if whole:
+                    cut = drafter.shadow_judged(drafter.own.tokens, slot.pending, cut=True)
+                    if cut is not None:  # (a shadow still open: judged as far as known)
+                        gate.judge(drafter, *cut)
                     drafts[slot] = (whole[:limit], source)
                     room -= len(drafts[slot][0])
                     # The rest is judged in the shadow if all of this is kept (_verify).
@@ -496,12 +500,15 @@ class LlamaEngine:
         kept = 0
         outcome = None
         for i in range(len(draft) + 1):
+            length, generated = len(slot.tokens), run.generated
             outcome = self._advance(slot, index + i)
             if outcome is not None or i == len(draft):
                 break
-            assert slot.run is not None
-            if slot.run.finish_reason is not None or slot.pending != [draft[i]]:
-                break  # (a token not the draft's, or the daemon's own after it)
+            if (run.finish_reason is not None or slot.pending != [draft[i]]
+                    or len(slot.tokens) != length or run.generated != generated + 1):  # fmt: skip
+                # A token not the draft's, the daemon's own after it, or tokens taken back
+                # (a Wait): its cells are no longer the draft's.
+                break
             slot.tokens.append(slot.pending.pop())  # its cell holds it already
             kept += 1
             drafter.accepted += 1

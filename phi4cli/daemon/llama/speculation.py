@@ -8,7 +8,8 @@ and a small pool of answers that finished lately. The engine (batch.py) feeds th
 token with the draft behind it in the step's one batch, then samples each position with the
 request's own sampler, in order, keeping the drafted tokens only while each matches the token
 drawn: every emitted token is drawn from the same distribution, with the same draws of the
-seed's generator, as without a draft. The cells of rejected draft tokens are removed.
+seed's generator, as without a draft (the logits of a larger batch may round differently, so
+the same text is the rule, not a bitwise promise). The cells of rejected draft tokens are removed.
 
 Verifying costs: one ``llama_decode`` of k more tokens of a sequence costs, on a CPU, about as
 much as k more steps (a 2-core Zen 4: 1.7x for 2 tokens, 5.9-6.5x for 8), while a GPU verifies 8
@@ -101,6 +102,10 @@ class Acceptance:
         for j in range(1, min(right, DRAFT_MAX) + 1):
             self._right[j] += by
 
+    def totals(self) -> tuple[int, int]:
+        """Tokens drafted and right, over the window (drafts are at most DRAFT_MAX long)."""
+        return sum(self._drafted), sum(self._right)
+
     def expected(self, k: int) -> tuple[float, float]:
         """Per answering step with drafts of at most k: tokens drafted, tokens kept."""
         if not self.judged:
@@ -159,21 +164,29 @@ class Drafter:
             return [], ""
         return chosen.tokens[best[0] : best[0] + limit], source
 
-    def shadow_judged(self, sequence: Sequence[int]) -> tuple[str, int, int] | None:
-        """The shadow draft's outcome once the sequence tells it: (source, drafted, right);
-        None while it does not yet (the draft is dropped, unjudged, where tokens were taken
-        back before it)."""
+    def shadow_judged(
+        self, sequence: Sequence[int], tail: Sequence[int] = (), cut: bool = False
+    ) -> tuple[str, int, int] | None:
+        """The shadow draft's outcome once the sequence (and ``tail``, its tokens not yet in
+        the KV) tells it: (source, drafted, right); None while it does not yet (the draft is
+        dropped, unjudged, where tokens were taken back before it). With ``cut``, what is
+        known now: a draft right so far counts as drafted and right as far as it is known."""
         if not self.shadow:
             return None
-        if len(sequence) < self.shadow_at:
+        start, length = self.shadow_at, len(self.shadow)
+        if len(sequence) + len(tail) < start:
             self.shadow = []
             return None
-        emitted = sequence[self.shadow_at : self.shadow_at + len(self.shadow)]
+        head = sequence[start : start + length] if start < len(sequence) else []
+        offset = max(0, start - len(sequence))
+        emitted = [*head, *tail[offset : offset + length - len(head)]]
         right = right_count(self.shadow, emitted)
-        if right == len(emitted) and len(emitted) < len(self.shadow):
-            return None  # right so far: the next tokens tell
         drafted, kept = self.shadow_prior
-        outcome = (self.shadow_source, drafted + len(self.shadow), kept + right)
+        if right == len(emitted) and len(emitted) < length:
+            if not cut:
+                return None  # right so far: the next tokens tell
+            drafted -= length - len(emitted)  # (only what is known)
+        outcome = (self.shadow_source, drafted + length, kept + right)
         self.shadow, self.shadow_prior = [], (0, 0)
         return outcome
 
@@ -299,10 +312,9 @@ class Gate:
         """For status and /metrics."""
         by_source = {}
         for name, acceptance in self.by_source.items():
-            judged = acceptance.judged
-            drafted = sum(d for d, _ in judged)
+            drafted, right = acceptance.totals()
             if drafted:
-                by_source[name] = round(sum(r for _, r in judged) / drafted, 3)
+                by_source[name] = round(right / drafted, 3)
         base = self.cost.seconds.get(1)
         costs = {
             n: round(s / base, 2) for n, s in sorted(self.cost.seconds.items()) if base and n <= 16
