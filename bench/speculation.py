@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from phi4cli.daemon.llama import speculation as spec  # noqa: E402
+from phi4cli.daemon.llama.prompt_cache import common_prefix  # noqa: E402
 
 CORPUS = ROOT / "tests" / "data" / "real_traces" / "traces.jsonl"
 PHI4 = [sys.executable, "-m", "phi4cli"]
@@ -81,7 +82,7 @@ def simple_replay(tokens: list[int], start: int, k: int) -> tuple[int, int, int,
             if at is not None:
                 draft = tokens[at : min(at + limit, position)]
                 break
-        right = spec.right_count(draft, tokens[position:])
+        right = common_prefix(draft, tokens[position : position + len(draft)])
         for end in range(position, position + right + 1):
             index(end)
         position += right + 1

@@ -17,6 +17,7 @@ from phi4cli.core._settings import Ask, Settings
 from phi4cli.core.protocol import SolveParams, Stats
 from phi4cli.daemon.jobs import Job
 from phi4cli.daemon.llama.batch import LlamaEngine
+from phi4cli.daemon.llama.prompt_cache import common_prefix
 from phi4cli.daemon.llama.speculation import (
     DRAFT_MAX,
     ON_DRAFT,
@@ -27,7 +28,6 @@ from phi4cli.daemon.llama.speculation import (
     Gate,
     NgramIndex,
     replay,
-    right_count,
 )
 from tests.conftest import run_phi4
 from tests.test_prompt_scheduling import PROBLEM
@@ -77,7 +77,7 @@ def test_a_shadow_draft_is_judged_once_the_tokens_tell():
     assert drafter.shadow == []
     drafter = Drafter(shadow=[5], shadow_at=4, shadow_source="pool")
     assert drafter.shadow_judged([1, 2]) is None and drafter.shadow == []  # taken back
-    assert right_count([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2  # (how many of a draft were right)
 
 
 def test_a_replay_of_text_that_repeats_takes_fewer_steps_than_tokens():

@@ -45,7 +45,6 @@ from phi4cli.daemon.llama.speculation import (
     Drafter,
     Gate,
     NgramIndex,
-    speculation_now,
 )
 from phi4cli.daemon.llama.writing import RunWriter
 from phi4cli.daemon.sessions import SwapStore
@@ -408,11 +407,11 @@ class LlamaEngine:
         # (After any wait above: the governor times this step from here.)
         hold = any(slot.run.job.params.ask.deterministic for slot, _, _ in chunks if slot.run)
         self._follow_the_cores(model, hold)
-        started = speculation_now()
+        started = time.perf_counter()
         code = model.decode(entries)
         if code == DECODE_NO_KV_SPACE and model.growing is not None:
             model.grow(wait=True)
-            started = speculation_now()
+            started = time.perf_counter()
             code = model.decode(entries)
         if self._governor is not None:  # (a step of answers alone is one it may measure)
             answers_only = not drafts and all(
@@ -434,7 +433,7 @@ class LlamaEngine:
                 if outcome is not None:
                     finished.append(outcome)
         if self._gate.watching:  # (the step's cost: its decode, and each position's draw)
-            self._gate.decoded(len(entries), speculation_now() - started)
+            self._gate.decoded(len(entries), time.perf_counter() - started)
         return finished
 
     def _drafts(

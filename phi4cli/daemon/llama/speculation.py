@@ -24,12 +24,12 @@ length beats plain decoding.
 from __future__ import annotations
 
 import bisect
-import math
-import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from phi4cli.daemon.llama.prompt_cache import common_prefix
 
 # A draft copies what followed the most recent earlier occurrence of the longest ending of the
 # sequence it finds, the last NGRAM_MAX tokens down to NGRAM_MIN. (Chosen on the dev half of the
@@ -180,7 +180,7 @@ class Drafter:
         head = sequence[start : start + length] if start < len(sequence) else []
         offset = max(0, start - len(sequence))
         emitted = [*head, *tail[offset : offset + length - len(head)]]
-        right = right_count(self.shadow, emitted)
+        right = common_prefix(self.shadow, emitted)
         drafted, kept = self.shadow_prior
         if right == len(emitted) and len(emitted) < length:
             if not cut:
@@ -329,21 +329,6 @@ class Gate:
         }
 
 
-def speculation_now() -> float:
-    """The clock the engine times decodes by (split out so tests can see it is monotonic)."""
-    return time.perf_counter()
-
-
-def right_count(draft: Sequence[int], emitted: Sequence[int]) -> int:
-    """How many of a draft's leading tokens are the ones emitted."""
-    count = 0
-    for drafted, actual in zip(draft, emitted, strict=False):
-        if drafted != actual:
-            break
-        count += 1
-    return count
-
-
 def replay(
     tokens: Sequence[int],
     start: int,
@@ -360,7 +345,7 @@ def replay(
     while position < len(tokens):
         limit = min(k, len(tokens) - position - 1)
         draft, _ = drafter.draft(own.tokens, limit) if limit > 0 else ([], "")
-        right = right_count(draft, tokens[position:])
+        right = common_prefix(draft, list(tokens[position : position + len(draft)]))
         advance = right + 1
         own.extend(tokens[position : position + advance])
         for other, sibling in zip(others, siblings, strict=True):
@@ -370,7 +355,3 @@ def replay(
         drafted += len(draft)
         accepted += right
     return len(tokens) - start, steps, drafted, accepted
-
-
-def tokens_per_step(emitted: int, steps: int) -> float:
-    return emitted / steps if steps else math.nan
