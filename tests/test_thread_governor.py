@@ -183,7 +183,8 @@ def test_the_engine_hands_the_count_to_llama_cpp(
         params = SolveParams("Go.", Ask(temperature=0.0, max_tokens=400, loop="off"))
         assert engine.admit(Job(1, params, lambda event: None)) is None
         # The engine's clock, advanced by the test.
-        monkeypatch.setattr(batch, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+        clocks = SimpleNamespace(monotonic=lambda: clock[0], perf_counter=time.perf_counter)
+        monkeypatch.setattr(batch, "time", clocks)
 
         def steps(count: int, others: float) -> int:
             for _ in range(count):
