@@ -45,6 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.harness import start_daemon  # noqa: E402
 from bench.speed import QUESTION  # noqa: E402
 
 PHI4 = [sys.executable, "-m", "phi4cli"]
@@ -244,9 +245,8 @@ def main() -> None:
     # As many requests at once as llama-server has slots (phi4's default plans for 4 long ones).
     # phi4 on its own threads (as many as the cores others leave free: all on a quiet machine),
     # llama-server on the physical cores.
-    subprocess.run([*PHI4, "daemon", "start", "-m", str(args.model), "--parallel", str(slots),
-                    *args.phi4_arg],
-                   env=env, check=True, capture_output=True)  # fmt: skip
+    # (Once its whole context is made, as llama-server's health check below waits for its own.)
+    start_daemon(args.model, env, ["--parallel", str(slots), *args.phi4_arg])
     status = subprocess.run([*PHI4, "status", "--json"], env=env, capture_output=True, text=True,
                             check=True)  # fmt: skip
     plan = json.loads(status.stdout)["memory"]["plan"]

@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--daemon-env", action="append", default=[])
     args = parser.parse_args()
 
+    from bench.harness import start_daemon
     from phi4cli.core.machine import physical_cores
     from phi4cli.core.models import resolve_model
     from phi4cli.core.paths import get_paths
@@ -86,8 +87,8 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="p4dec-", dir="/tmp"))
     env = {**os.environ, "PHI4_HOME": str(home),
            **dict(item.split("=", 1) for item in args.daemon_env)}  # fmt: skip
-    subprocess.run([*PHI4, "daemon", "start", "-m", str(model), *args.daemon_arg], env=env,
-                   capture_output=True, check=True)  # fmt: skip
+    # (Once its whole context is made: in-process llama-cpp-python makes its own before it answers.)
+    start_daemon(model, env, args.daemon_arg)
     ratios = []
     try:
         daemon_rate(home, 8)  # (its first request allocates buffers)

@@ -195,12 +195,13 @@ def daemon_answer(home: Path, question: str, tokens: int) -> dict[str, Any]:
 
 
 def daemon_speeds(model: Path, tokens: int, rounds: int) -> list[dict[str, Any]]:
+    from bench.harness import start_daemon
+
     homes = {}
     for mode in ("off", "auto", "on"):
         home = Path(tempfile.mkdtemp(prefix=f"p4spec-{mode}-", dir="/tmp"))
         env = {**os.environ, "PHI4_HOME": str(home), "PHI4_SPECULATE": mode}
-        subprocess.run([*PHI4, "daemon", "start", "-m", str(model), "--parallel", "1"],
-                       env=env, capture_output=True, check=True)  # fmt: skip
+        start_daemon(model, env, ["--parallel", "1"])
         daemon_answer(home, "Hello.", 8)  # (its first request allocates buffers)
         homes[mode] = (home, env)
     rows = []

@@ -1,0 +1,42 @@
+"""What the timing benches share: starting phi4's daemon the way a peer's server is started.
+
+A fresh daemon answers at once from a small context while it makes the whole one on a thread
+beside the first answers (``phi4cli/daemon/llama/model.py``, ``GrowingContext``). Making it clears
+the whole KV cache, gigabytes, which on a 2-core machine takes 16-33 s and slows the answers
+decoded meanwhile. llama-server answers its health check only once its whole context is made, and
+in-process llama-cpp-python makes its context before it returns; so a bench that compares decode
+or batching speeds waits for phi4's whole context too, or its first rounds pay for the making.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+PHI4 = [sys.executable, "-m", "phi4cli"]
+
+
+def start_daemon(model: Path | str, env: Mapping[str, str], args: Sequence[str] = ()) -> None:
+    """``phi4 daemon start -m MODEL ARGS`` under ``env``, returning once the whole context is
+    made (``status --json`` has no ``context_growing_s`` any more)."""
+    subprocess.run([*PHI4, "daemon", "start", "-m", str(model), *args], env=dict(env),
+                   capture_output=True, check=True)  # fmt: skip
+    wait_whole_context(env)
+
+
+def wait_whole_context(env: Mapping[str, str], timeout: float = 600.0) -> float:
+    """Wait until the daemon answers from its whole context; return the seconds waited."""
+    started = time.monotonic()
+    while True:
+        status = subprocess.run([*PHI4, "status", "--json"], env=dict(env), capture_output=True,
+                                text=True, check=True)  # fmt: skip
+        memory = json.loads(status.stdout).get("memory") or {}
+        if "context_growing_s" not in memory:
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout:
+            raise TimeoutError(f"the daemon's whole context was not made in {timeout:.0f} s")
+        time.sleep(0.5)
