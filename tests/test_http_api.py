@@ -713,7 +713,7 @@ def test_a_prompt_too_long_is_a_400_streamed_or_not_and_a_stream_still_streams(s
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
     huge = [{"role": "user", "content": "word " * 40_000}]
     for stream in (False, True):
-        with pytest.raises(openai.BadRequestError, match="shorten it") as refused:
+        with pytest.raises(openai.BadRequestError, match="shorten them") as refused:
             answer = client.chat.completions.create(model="tiny-phi3", messages=huge,
                                                     stream=stream)  # fmt: skip
             if stream:

@@ -15,6 +15,7 @@ import pytest
 
 from phi4cli.core import protocol
 from phi4cli.core._settings import Ask
+from phi4cli.core.errors import Fault
 from phi4cli.core.protocol import (
     PRIORITY_BULK,
     PRIORITY_INTERACTIVE,
@@ -142,11 +143,11 @@ class FakeEngine:
 
     def admit(self, job: Job) -> Wait | None:
         if job.params.prompt == "too long":
-            raise ContextOverflowError("the question is too long")
+            raise ContextOverflowError(Fault("prompt", 9, 8, prompt=9))
         need = int(job.params.prompt.rsplit(":", 1)[1]) if self.capacity else 0
         free = (self.capacity or 0) - sum(self.reserved.values())
         if self.capacity is not None and need > self.capacity:
-            raise ContextOverflowError(f"needs {need}, the context holds {self.capacity}")
+            raise ContextOverflowError(Fault("max_tokens", need, self.capacity, prompt=1))
         if self.capacity is not None and need > free:
             return Wait("memory", need, free)
         if len(self._runs) >= self.parallel:
@@ -283,8 +284,12 @@ def test_a_job_that_could_never_fit_is_refused_without_waiting():
     out = Collector()
     scheduler.submit(out.job(0, "huge:11"))
     out.wait(0)
-    assert out.terminal(0)[0]["code"] == protocol.ErrorCode.CONTEXT_OVERFLOW
-    assert "needs 11, the context holds 10" in out.terminal(0)[0]["message"]
+    refused = out.terminal(0)[0]
+    assert refused["code"] == protocol.ErrorCode.CONTEXT_OVERFLOW
+    # The facts, as data, beside the daemon log's words for them.
+    assert refused["fault"] == {"param": "max_tokens", "needed": 11, "limit": 10, "prompt": 1,
+                                "n_ctx": 0, "streams": 0, "system": 0}  # fmt: skip
+    assert "needs 11 tokens of context" in refused["message"]
     scheduler.stop(5)
 
 

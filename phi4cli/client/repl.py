@@ -37,7 +37,7 @@ from phi4cli.client.render import (
 from phi4cli.core._settings import Ask
 from phi4cli.core.atomicfile import RefusedFileError, read_user_file, write_atomic, write_problem
 from phi4cli.core.config import Settings, parse_setting
-from phi4cli.core.errors import DaemonGoneError, Phi4Error, RequestError
+from phi4cli.core.errors import DaemonGoneError, Phi4Error, RequestError, cli_words
 from phi4cli.core.inputs import replace_bad
 from phi4cli.core.options import SETTABLE, SETTING
 from phi4cli.core.protocol import PRIORITY_INTERACTIVE, ErrorCode, Op, SolveParams, Stats
@@ -253,7 +253,7 @@ class ChatRepl:
             return
         except RequestError as exc:  # refused before it was sent (too long): the chat goes on
             presenter.abort()
-            self.env.notice(f"error: {chat_hints(str(exc))}")
+            self.env.notice(f"error: {chat_words(exc)}")
             self.failed += 1
             return
         except Phi4Error:
@@ -266,8 +266,8 @@ class ChatRepl:
                 # The engine went away mid-answer: the chat goes on, and the next message
                 # goes to a fresh daemon (or a replica still up) with the whole transcript.
                 kept = "; this question is not kept (ask it again)"
-            said = unfinished(outcome, str(outcome.exception()))
-            self.env.notice(f"error: {chat_hints(said)}{kept}")
+            said = unfinished(outcome, chat_words(outcome.exception()))
+            self.env.notice(f"error: {said}{kept}")
             self.failed += 1
             return
         if interrupted:
@@ -573,6 +573,15 @@ COMMANDS = (
                  ("/bye", "/quit")),
 )  # fmt: skip
 COMMAND_NAMES = {name: c for c in COMMANDS for name in (c.name, *c.aliases)}
+
+
+def chat_words(error: Phi4Error) -> str:
+    """A request's error as a chat says it: worded from the daemon's facts where it sent them
+    (the answer's tokens named as /set names them), else from the command line's words."""
+    if error.fault is None:
+        return chat_hints(str(error))
+    said = cli_words(error.fault, max_tokens="max_tokens")
+    return f"{said} (in this chat: /set max_tokens N)" if "max_tokens" in said else said
 
 
 def chat_hints(message: str) -> str:

@@ -50,9 +50,11 @@ class ExitStatus(IntEnum):
 
 
 class Phi4Error(Exception):
-    """An expected failure: printed as one line on stderr, mapped to an exit code."""
+    """An expected failure: printed as one line on stderr, mapped to an exit code. A request's
+    error keeps its ``fault`` (the facts the daemon sent), where it has one."""
 
     exit_status: ExitStatus = ExitStatus.ERROR
+    fault: Fault | None = None
 
 
 class UsageError(Phi4Error):
@@ -144,15 +146,100 @@ ERRORS: dict[ErrorCode, ErrorKind] = {
 }
 
 
-def error_for(code: ErrorCode, message: str) -> Phi4Error:
-    """The exception (and so the exit status) the CLI reports for a request's error."""
+class Fault(Record):
+    """An error's facts, as data: the request field at fault and the numbers. The daemon sends
+    them beside its message (the error event's ``fault``); each door words them its own way:
+    the CLI names its flags and what to run, ``phi4 serve`` OpenAI's fields (and ``param``), the
+    daemon log both. No door reads another's prose.
+
+    Context faults count tokens: the request ``needed`` so many, and one request may hold
+    ``limit`` (a stream's cells with ``streams``, else the context less the system prompt's
+    ``system`` cells), or ``available`` were free with nothing running."""
+
+    param: str  # "max_tokens" (lower it) or "prompt" (too long on its own): the wire's names
+    needed: int = 0
+    limit: int = 0
+    available: int | None = None
+    prompt: int = 0  # of ``needed``, the prompt's tokens (the rest: max_tokens)
+    n_ctx: int = 0
+    streams: int = 0  # the context split into this many streams (0: one shared cache)
+    system: int = 0
+
+    def to_wire(self) -> dict[str, object]:
+        return {key: value for key, value in self._asdict().items() if value is not None}
+
+    @classmethod
+    def from_wire(cls, data: object) -> Fault | None:
+        """The fault an error event carries, or None (an older daemon's, or a malformed one)."""
+        if not isinstance(data, dict) or not isinstance(data.get("param"), str):
+            return None
+        known = {k: v for k, v in data.items() if k in cls._fields}
+        if any(not isinstance(v, int) for k, v in known.items() if k != "param" and v is not None):
+            return None
+        return cls(**known)
+
+
+RESTART = "phi4 stop; phi4 daemon start --n-ctx N"
+
+
+def cli_words(fault: Fault, max_tokens: str = "--max-tokens") -> str:
+    """A context fault as the command line says it: its flags (``max_tokens`` names the one
+    for the answer's tokens: a chat says ``max_tokens``, set with /set), and what to run."""
+    lower = f"lower {max_tokens}, or restart the daemon with a larger one ({RESTART})"
+    if fault.available is not None:
+        return (f"the request needs {fault.needed:,} tokens of context and only "
+                f"{fault.available:,} are free with nothing running; {lower}")  # fmt: skip
+    if fault.streams:
+        holds = (f"a request's stream of the daemon's context holds {fault.limit:,} (--n-ctx "
+                 f"{fault.n_ctx:,} over {fault.streams} streams)")  # fmt: skip
+    elif fault.system:
+        holds = (f"the daemon's context holds {fault.n_ctx:,} ({fault.system:,} of them the "
+                 "system prompt's)")  # fmt: skip
+    else:
+        holds = f"the daemon's context holds {fault.limit:,} for one request"
+    if fault.param == "max_tokens":
+        return (f"this request needs {fault.needed:,} tokens of context ({fault.prompt:,} of "
+                f"prompt + {fault.needed - fault.prompt:,} of {max_tokens}) but {holds}; "
+                f"{lower}")  # fmt: skip
+    return (f"the question is {fault.prompt:,} tokens but {holds}; shorten it, or restart the "
+            f"daemon with a larger context ({RESTART})")  # fmt: skip
+
+
+def api_words(fault: Fault) -> tuple[str, str]:
+    """A context fault as an OpenAI-shaped API says it: the message, and the ``param`` (the
+    request field at fault)."""
+    if fault.available is not None:
+        return (f"the request needs {fault.needed:,} tokens of context and only "
+                f"{fault.available:,} are free; lower max_tokens", "max_tokens")  # fmt: skip
+    if fault.param == "max_tokens":
+        return (f"this request needs {fault.needed:,} tokens of context ({fault.prompt:,} of "
+                f"messages + {fault.needed - fault.prompt:,} of max_tokens) but the model's "
+                f"context holds {fault.limit:,} for one request; lower max_tokens",
+                "max_tokens")  # fmt: skip
+    return (f"the messages are {fault.prompt:,} tokens but the model's context holds "
+            f"{fault.limit:,} for one request; shorten them", "messages")  # fmt: skip
+
+
+def log_words(fault: Fault) -> str:
+    """A context fault as the daemon's log (and its error event's message, for a client that
+    does not read the fault) says it: both doors' names."""
+    return cli_words(fault, max_tokens="max_tokens (--max-tokens)")
+
+
+def error_for(code: ErrorCode, message: str, fault: Fault | None = None) -> Phi4Error:
+    """The exception (and so the exit status) the CLI reports for a request's error: worded
+    from its ``fault`` where it has one."""
+    if fault is not None:
+        message = cli_words(fault)
     first, _, rest = message.partition("\n")
     kind = ERRORS[code]
     if rest and kind.exception is EngineError:
         error = kind.exception(first + " (details in the daemon log)")
         error.__notes__ = [rest]
         return error
-    return kind.exception(message)
+    refused = kind.exception(message)
+    refused.fault = fault  # (for a door that words it its own way: a chat)
+    return refused
 
 
 def http_status_for(code: ErrorCode) -> int:

@@ -21,6 +21,7 @@ from enum import StrEnum
 
 from phi4cli.core._settings import Ask
 from phi4cli.core.errors import ErrorCode as ErrorCode  # the wire's error codes
+from phi4cli.core.errors import Fault, Phi4Error, error_for
 from phi4cli.core.options import MAX_COUNT
 from phi4cli.core.records import Record
 
@@ -184,9 +185,13 @@ class Event(Record):
         return cls(kind, message.get("id"), str(message.get("text") or ""), data)
 
     @classmethod
-    def error(cls, code: ErrorCode, message: str, request_id: Any = None) -> Event:
-        return cls(EventKind.ERROR, request_id, data={"code": code, "message": message,
-                                                      "retryable": code.retryable})  # fmt: skip
+    def error(
+        cls, code: ErrorCode, message: str, request_id: Any = None, fault: Fault | None = None
+    ) -> Event:
+        data: dict[str, Any] = {"code": code, "message": message, "retryable": code.retryable}
+        if fault is not None:
+            data["fault"] = fault.to_wire()
+        return cls(EventKind.ERROR, request_id, data=data)
 
     @classmethod
     def of_stats(cls, stats: Stats, request_id: Any = None) -> Event:
@@ -213,6 +218,15 @@ class Event(Record):
     def message(self) -> str:
         """An error event's message."""
         return str(self.data.get("message") or self.data.get("code") or "")
+
+    @property
+    def fault(self) -> Fault | None:
+        """An error event's facts (the field at fault, the numbers), where it gives them."""
+        return Fault.from_wire(self.data.get("fault"))
+
+    def exception(self) -> Phi4Error:
+        """An error event as the exception the CLI reports (worded from its fault)."""
+        return error_for(self.code, self.message, self.fault)
 
     @property
     def stats(self) -> Stats:

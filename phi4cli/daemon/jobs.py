@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from phi4cli.core.errors import Fault, log_words
 from phi4cli.core.protocol import PRIORITIES, ErrorCode, Event, EventKind, SolveParams, Stats
 
 __all__ = ["PRIORITIES", "SolveParams"]  # re-exported for the engine and the tests
@@ -26,7 +27,12 @@ class ModelLoadError(Exception):
 
 
 class ContextOverflowError(Exception):
-    """The request can never fit in the context window, even alone."""
+    """The request can never fit in the context window, even alone: ``fault`` says what does
+    not fit (worded for the daemon log here; each client words it its own way)."""
+
+    def __init__(self, fault: Fault) -> None:
+        super().__init__(log_words(fault))
+        self.fault = fault
 
 
 @dataclass(frozen=True)
@@ -151,8 +157,8 @@ class Job:
             self.finished = True
         self.emit(event)
 
-    def fail(self, code: ErrorCode, message: str) -> None:
-        self.finish(Event.error(code, message, self.request_id))
+    def fail(self, code: ErrorCode, message: str, fault: Fault | None = None) -> None:
+        self.finish(Event.error(code, message, self.request_id, fault))
 
     def done(self, **fields: Any) -> None:
         self.finish(Event(EventKind.DONE, self.request_id, data=fields))

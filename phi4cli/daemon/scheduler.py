@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from phi4cli.core.errors import Fault
 from phi4cli.core.protocol import ErrorCode, Event, EventKind
 from phi4cli.daemon.jobs import ContextOverflowError, Engine, Job, ModelLoadError
 
@@ -344,8 +345,7 @@ class RequestScheduler:
                 if not self._engine.active:
                     # Nothing running will free room: the engine misjudged what fits.
                     raise ContextOverflowError(
-                        f"the request needs {wait.needed} tokens of context and only "
-                        f"{wait.free} are free with nothing running"
+                        Fault("max_tokens", wait.needed, available=wait.free)
                     )
                 if wait.reason == "memory" and job.waiting != wait:
                     # A slot wait is ordinary queueing (`accepted` said how many are ahead);
@@ -359,7 +359,7 @@ class RequestScheduler:
             job.admitted_at = time.monotonic()
             self._admit(job)
         except ContextOverflowError as exc:
-            self._settle(job, ErrorCode.CONTEXT_OVERFLOW, str(exc))
+            self._settle(job, ErrorCode.CONTEXT_OVERFLOW, str(exc), exc.fault)
             return _SETTLED
         except Exception:
             log.exception("request %r failed", job.request_id)
@@ -373,8 +373,8 @@ class RequestScheduler:
         (its batches must hold its tokens alone for its arithmetic to be a fresh daemon's)."""
         return any(job.params.ask.deterministic for job in self._admitted)
 
-    def _settle(self, job: Job, code: ErrorCode, message: str) -> None:
-        job.fail(code, message)
+    def _settle(self, job: Job, code: ErrorCode, message: str, fault: Fault | None = None) -> None:
+        job.fail(code, message, fault)
         self._finished_one()
 
     def _step(self) -> None:

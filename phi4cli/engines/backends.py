@@ -410,8 +410,6 @@ def load_model(
 ) -> tuple[dict[str, Any], bool]:
     """Have the daemon (started if need be) load and warm ``model_path``; return its load
     timings and whether this call started the daemon."""
-    from phi4cli.core.errors import error_for
-
     params = SolveParams("", model=str(model_path), load_only=True,
                          keep_alive=settings.keep_alive if set_keep_alive else None)  # fmt: skip
     # Through the backend, so a daemon on its way out is replaced as for any request.
@@ -422,5 +420,5 @@ def load_model(
     finally:
         backend.close()
     if terminal.kind == EventKind.ERROR:
-        raise error_for(terminal.code, terminal.message)
+        raise terminal.exception()
     return terminal.result, stream.spawned

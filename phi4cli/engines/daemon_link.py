@@ -24,7 +24,6 @@ from phi4cli.core.errors import (
     Phi4Error,
     ProtocolMismatchError,
     RequestError,
-    error_for,
 )
 from phi4cli.core.paths import Paths, check_socket_path, install_id, is_our_daemon, peer_uid
 from phi4cli.core.protocol import ErrorCode, Event, EventKind, Op
@@ -180,7 +179,7 @@ class DaemonConnection:
         timeout = STREAM_IDLE_TIMEOUT if op == Op.LOAD else CALL_TIMEOUT
         *_, terminal = self.request(op, params, timeout)
         if terminal.kind == EventKind.ERROR:
-            raise error_for(terminal.code, terminal.message)
+            raise terminal.exception()
         return terminal
 
 

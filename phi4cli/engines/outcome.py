@@ -5,7 +5,7 @@ The one place events become an answer: ``solve``, ``chat`` and ``serve`` all fol
 
 from __future__ import annotations
 
-from phi4cli.core.errors import ExitStatus, Phi4Error, error_for
+from phi4cli.core.errors import ExitStatus, Phi4Error
 from phi4cli.core.protocol import ErrorCode, Event, EventKind, Stats
 from phi4cli.text.reasoning import GrowingText, extract_final_answer
 
@@ -101,7 +101,7 @@ class Outcome:
     def exception(self) -> Phi4Error:
         """The error this request ended with, as the exception the CLI reports."""
         assert self.error is not None, "the request did not fail"
-        return error_for(self.error.code, self.error.message)
+        return self.error.exception()
 
     @property
     def unsure(self) -> bool:

@@ -299,7 +299,7 @@ def create_app(
             for stream in streams:
                 stream.close()
             if isinstance(refused, Event):
-                raise ApiError.of(refused.code, refused.message)
+                raise ApiError.of(refused)
             if isinstance(refused, RequestError):  # too long to send
                 raise ApiError(413, str(refused)) from None
             if isinstance(refused, Phi4Error):
@@ -321,7 +321,7 @@ def create_app(
                     else:
                         stream.cancel()
                         close_when_read(read, stream)
-                raise ApiError.of(refused_late.code, refused_late.message)
+                raise ApiError.of(refused_late)
         asked = chat_request.params[0].logprobs is not None
         choices = [Choice(i, stream, chat_request.stops, asked, chat_request.stream)
                    for i, stream in enumerate(streams)]  # fmt: skip
@@ -334,7 +334,7 @@ def create_app(
         failed = await _unless_disconnected(request, streams, completion.fold(first))
         if failed is not None:
             assert failed.outcome.error is not None
-            raise ApiError.of(failed.outcome.error.code, failed.outcome.error.message)
+            raise ApiError.of(failed.outcome.error)
         await completion.check_all()
         return JSONResponse(completion.whole())
 

@@ -14,11 +14,11 @@ from starlette.responses import JSONResponse
 
 from phi4cli.core._settings import Ask
 from phi4cli.core.config import Settings
-from phi4cli.core.errors import http_status_for
+from phi4cli.core.errors import api_words, http_status_for
 from phi4cli.core.options import SETTINGS, sample_seed
 from phi4cli.core.protocol import (
     MAX_TOP_LOGPROBS,
-    ErrorCode,
+    Event,
     ProtocolViolation,
     SolveParams,
     parse_chat_params,
@@ -43,13 +43,14 @@ class ApiError(Exception):
         self.code, self.param = code, param
 
     @classmethod
-    def of(cls, code: ErrorCode, message: str) -> ApiError:
-        status = http_status_for(code)
-        param = None
-        if code == ErrorCode.CONTEXT_OVERFLOW:
-            # The daemon says it in the command line's words: here the field is max_tokens.
-            param = "max_tokens" if "--max-tokens" in message else "messages"
-            message = message.replace("--max-tokens", "max_tokens")
+    def of(cls, error: Event) -> ApiError:
+        """A request's error event in OpenAI's shape: worded from its fault where it has one
+        (the field at fault as OpenAI names it, in ``param``)."""
+        status = http_status_for(error.code)
+        message, param = error.message, None
+        fault = error.fault
+        if fault is not None:
+            message, param = api_words(fault)
         return cls(status, message, "invalid_request_error" if status < 500 else "server_error",
                    param=param)  # fmt: skip
 

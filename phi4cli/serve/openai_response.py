@@ -364,7 +364,7 @@ class Completion:
                                       extra=_checked(choice))  # fmt: skip
         if failed is not None:
             assert failed.outcome.error is not None
-            error = ApiError.of(failed.outcome.error.code, failed.outcome.error.message)
+            error = ApiError.of(failed.outcome.error)
             yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
             return
         if self.include_usage:

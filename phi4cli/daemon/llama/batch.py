@@ -29,6 +29,7 @@ from llama_cpp import _internals as llama_internals
 
 from phi4cli.core._settings import Sampling
 from phi4cli.core.config import Settings
+from phi4cli.core.errors import Fault
 from phi4cli.core.machine import physical_cores
 from phi4cli.core.protocol import ErrorCode, Stats
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
@@ -223,33 +224,22 @@ class LlamaEngine:
         else:
             tokens = prompts.question(params)
         room = capacity - len(tokens)
-        if cells.streams:
-            holds = (f"a request's stream of the daemon's context holds {capacity:,} (--n-ctx "
-                     f"{model.n_ctx:,} over {len(self._slots)} streams)")  # fmt: skip
-        else:
-            holds = (f"the daemon's context holds {model.n_ctx:,} ({len(cells.system_tokens)} "
-                     "of them the system prompt's)")  # fmt: skip
+        # What does not fit, as data: each door words it (the CLI its flags, serve OpenAI's).
+        fault = Fault("prompt", len(tokens), capacity, prompt=len(tokens), n_ctx=model.n_ctx,
+                      streams=len(self._slots) if cells.streams else 0,
+                      system=0 if cells.streams else len(cells.system_tokens))  # fmt: skip
         if room < 1:  # the prompt alone: no --max-tokens would make it fit
-            raise ContextOverflowError(
-                f"the question is {len(tokens):,} tokens but {holds}; shorten it, or restart "
-                "the daemon with a larger context (phi4 stop; phi4 daemon start --n-ctx N)"
-            )
+            raise ContextOverflowError(fault)
         if max_tokens is not None:
             if max_tokens > room:
                 raise ContextOverflowError(
-                    f"this request needs {len(tokens) + max_tokens:,} tokens of context "
-                    f"({len(tokens):,} of prompt + {max_tokens:,} of --max-tokens) but "
-                    f"{holds}; lower --max-tokens, or restart the daemon with a larger one "
-                    "(phi4 stop; phi4 daemon start --n-ctx N)"
+                    fault._replace(param="max_tokens", needed=len(tokens) + max_tokens)
                 )
             budget = max_tokens
         else:
             budget = min(room, max(default - len(tokens), default // 4))
         if budget < 1:
-            raise ContextOverflowError(
-                f"the question is {len(tokens):,} tokens but {holds}; shorten it, or restart "
-                "the daemon with a larger context (phi4 stop; phi4 daemon start --n-ctx N)"
-            )
+            raise ContextOverflowError(fault)
         extra = min(THINK_CLOSE_ROOM, room - budget) if params.ask.think_budget is not None else 0
         return Prepared(self._loads, tokens, budget, extra, chat)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+from phi4cli.core.errors import Fault
 from phi4cli.daemon.jobs import ContextOverflowError, SolveParams
 from phi4cli.daemon.llama.model import LoadedModel
 from phi4cli.daemon.sessions import ChatSession, Message, SessionStore
@@ -186,8 +187,7 @@ class Prompts:
                 session = None  # what is left was rendered afresh: its turn ends are not known
         if len(tokens) >= n_ctx:
             raise ContextOverflowError(
-                f"the message is {len(tokens)} tokens with the system prompt but the context "
-                f"holds {n_ctx}; shorten it or raise n_ctx"
+                Fault("prompt", len(tokens), n_ctx, prompt=len(tokens), n_ctx=n_ctx)
             )
         return tokens, ChatPlan(history, dropped, rebuilt, session)
 
