@@ -6,7 +6,7 @@ Two installs are timed, each with its own floor, because the floor differs betwe
 
 - **installed**: phi4 as ``pip install phi4cli`` leaves it, in a venv made for the run (the
   package linked into its site-packages, the dependencies reached through a ``.pth``, and the
-  ``phi4`` script, ``bin/phi4``, given this venv's python as pip does). This is what users run.
+  ``phi4`` script pip writes for the ``[project.scripts]`` entry point). This is what users run.
 - **this environment**: the ``phi4`` of the environment running the bench (an editable checkout
   here: its import hook makes every interpreter start import pathlib and re, so ``python -c
   pass`` is slower and phi4's own imports look cheaper).
@@ -126,10 +126,12 @@ def installed(root: Path) -> tuple[str, list[str]]:
     # .pth files inside it (this checkout's editable hook) are not run.
     ours = [p for p in site.getsitepackages() if p != sysconfig.get_path("stdlib")]
     (Path(purelib) / "deps.pth").write_text("\n".join(ours) + "\n")
-    # bin/phi4 as pip installs a script file: its `#!python` line made this venv's python.
+    # The `phi4` script pip writes for pyproject's [project.scripts] entry point.
     script = venv / "bin" / "phi4"
-    text = (ROOT / "bin" / "phi4").read_text()
-    script.write_text(text.replace("#!python\n", f"#!{python}\n", 1))
+    script.write_text(f"#!{python}\n# -*- coding: utf-8 -*-\nimport re\nimport sys\n"
+                      "from phi4cli.entry import main\nif __name__ == '__main__':\n"
+                      "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+                      "    sys.exit(main())\n")  # fmt: skip
     script.chmod(0o755)
     return str(python), [str(script)]
 

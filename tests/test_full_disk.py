@@ -406,8 +406,7 @@ def test_output_to_a_file_on_a_full_disk_is_one_line(tmpfs: Mount, tiny_model: P
         out.touch()
     if not out.exists():
         pytest.skip("not even an empty file fits")
-    # With a daemon running, the answer is written out by the thin client (phi4cli/thin.py);
-    # with a --backend, by the whole one.
+    # With a daemon running, and with a --backend.
     assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
     try:
         with scripted_server(_numbered) as server:

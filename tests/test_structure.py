@@ -112,7 +112,7 @@ def test_no_import_cycle_between_the_rooms():
 # only where no cycle comes of it (the engines start the daemon through daemon.spawn).
 LAYERS = (("phi4cli.core",), ("phi4cli.text",), ("phi4cli.daemon", "phi4cli.engines"),
           ("phi4cli.serve",), ("phi4cli.client",),
-          ("phi4cli.entry", "phi4cli.docs", "phi4cli.thin", "phi4cli.__main__"))  # fmt: skip
+          ("phi4cli.entry", "phi4cli.docs", "phi4cli.__main__"))  # fmt: skip
 
 
 def test_no_room_imports_one_above_it():
@@ -173,8 +173,7 @@ def test_the_protocol_stands_on_leaves_only():
 
 def test_only_config_reads_phi4_variables():
     # os.environ.get("PHI4_X"), os.environ["PHI4_X"], "PHI4_X" in os.environ: config.py's alone
-    # (the rest ask config.variable, whose table the docs list), and PHI4_HOME in rendezvous.py,
-    # which finds the socket for the thin client before it could import config.
+    # (the rest ask config.variable, whose table the docs list).
     def phi4_name(node: ast.AST) -> bool:
         return isinstance(node, ast.Constant) and str(node.value).startswith("PHI4_")
 
@@ -194,9 +193,7 @@ def test_only_config_reads_phi4_variables():
                 or (isinstance(node, ast.Compare) and phi4_name(node.left)
                     and any(environ(c) for c in node.comparators))
             )  # fmt: skip
-            home = read and module == "phi4cli.core.rendezvous" and isinstance(node, ast.Call) \
-                and node.args[0].value == "PHI4_HOME"  # type: ignore[attr-defined]  # fmt: skip
-            if read and not home:
+            if read:
                 readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")  # type: ignore[attr-defined]
     assert readers == []
 

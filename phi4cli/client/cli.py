@@ -701,9 +701,7 @@ def daemon_run(
         from phi4cli.client.config_writing import started_with
 
         settings = started_with(given, settings)
-    from phi4cli.client.served import serve
-
-    run_daemon(paths, settings, model_path, serve)
+    run_daemon(paths, settings, model_path)
 
 
 @app.command()

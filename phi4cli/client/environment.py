@@ -13,10 +13,7 @@ from phi4cli.text.sanitize import guard_terminal
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from typing import TextIO
-
-    from phi4cli.engines.daemon_link import DaemonConnection
 
 
 def _isatty(stream: TextIO) -> bool:
@@ -43,7 +40,6 @@ class Environment:
         colour: bool | None = None,  # None: unless NO_COLOR is set or TERM=dumb
         paths: Paths | None = None,
         raw_output: bool = False,
-        link: Callable[[], DaemonConnection] | None = None,
     ) -> None:
         # A stream closed when the command started (`>&-`) is None in sys: read nothing from it,
         # and write to nowhere, as to a reader that went away.
@@ -63,9 +59,6 @@ class Environment:
             colour = not os.environ.get("NO_COLOR") and os.environ.get("TERM", "") != "dumb"
         self.colour = colour
         self.raw_output = raw_output
-        # How the command reaches the daemon: None, over its socket (started if need be); for a
-        # command the daemon runs itself (``served``), a connection to it from within.
-        self.link = link
         self._paths = paths  # None: found on first use, where a bad PHI4_HOME is reported
         self._told: set[str] = set()  # what notice_once has said
         # Set while a live display (a progress bar) holds stderr's last line: it prints notices

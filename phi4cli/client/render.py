@@ -587,14 +587,6 @@ def _threads_row(memory: dict[str, Any]) -> str:
     return f"{now} (fewer while other processes keep cores busy or one fewer decodes faster{said})"
 
 
-def _commands_row(commands: Any) -> list[tuple[str, str]]:
-    """The `phi4 solve` commands the daemon ran itself for the thin client, and declined."""
-    if not isinstance(commands, dict):
-        return []  # a daemon from before the thin client
-    served, declined = commands.get("served", 0), commands.get("declined", 0)
-    return [("commands", f"{served:,} phi4 solve run here; {declined:,} left to the client")]
-
-
 def format_status(status: dict[str, Any]) -> str:
     served = status.get("requests_served", 0)
     active = status.get("requests_active", 0)
@@ -619,7 +611,6 @@ def format_status(status: dict[str, Any]) -> str:
         ("uptime", human_seconds(status.get("uptime_s"))),
         ("memory", human_bytes(status.get("rss_bytes"))),
         ("requests", f"{served:,} served; now {running:,} running, {queued:,} queued"),
-        *_commands_row(status.get("commands")),
         ("idle", idle),
         ("context", f"{status['n_ctx']:,} tokens" if status.get("n_ctx") else "planned at load"),
     ]

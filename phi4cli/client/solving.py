@@ -764,7 +764,7 @@ def make_job(
         keep_alive=settings.keep_alive if keep_alive else None,
         confidence=confidence or settings.vote == "confidence" or settings.stop_unsure,
     )
-    backend = make_backend(paths, settings, model_path or settings.model, env.notice, env.link)
+    backend = make_backend(paths, settings, model_path or settings.model, env.notice)
     instruction = None if no_instruction else settings.instruction
     checker = None
     if settings.check != "off":

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from phi4cli.core.records import Record
-from phi4cli.core.rendezvous import APP_NAME, SOCKET_NAME, home_root, runtime_dir
-from phi4cli.core.rendezvous import install_id as install_id  # asked by the client and the daemon
 
+APP_NAME = "phi4"
+SOCKET_NAME = "daemon.sock"
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL on Linux.
 MAX_SOCKET_PATH = 107
 
@@ -148,19 +148,33 @@ def check_socket_path(path: Path) -> None:
         )
 
 
+def install_id() -> str:
+    """Where this phi4 lives (the ``phi4cli`` package's directory): two installs of one version
+    are still two daemons' worth. The client and the daemon both ask."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def home_root(value: str) -> str:
+    """``PHI4_HOME`` as a directory: ``~`` expanded, made absolute as ``Path.absolute`` does
+    (against the working directory, ``..`` kept)."""
+    path = os.path.expanduser(value)
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
 def _default_runtime_dir() -> Path:
-    runtime = runtime_dir(os.environ, _tempdir)
-    if runtime is None:  # macOS
+    """The socket's directory without ``PHI4_HOME``: ``$XDG_RUNTIME_DIR/phi4`` where that is a
+    writable directory, platformdirs' on macOS, else ``phi4-<uid>`` in the temporary directory
+    (containers, cron jobs and ssh sessions without a session manager)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
+        return Path(xdg) / APP_NAME
+    if sys.platform == "darwin":
         from platformdirs import user_runtime_dir
 
         return Path(user_runtime_dir(APP_NAME))
-    return Path(runtime)
-
-
-def _tempdir() -> str:
     import tempfile
 
-    return tempfile.gettempdir()
+    return Path(tempfile.gettempdir()) / f"{APP_NAME}-{os.getuid()}"
 
 
 # What platformdirs' answers depend on; with these unchanged, its answers are reused from a small

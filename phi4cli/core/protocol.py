@@ -61,9 +61,6 @@ class Op(StrEnum):
     # Forget the prompts the engine keeps in RAM (``phi4 cache clear``): ``done`` with
     # ``{"prompt_cache": {"prompts": N, "bytes": B}}``, what it held.
     CLEAR = "clear"
-    # Run a command line for the thin client (``phi4cli.thin``, ``client.served``): ``argv``,
-    # ``env``, ``cwd``; answered by ``output`` events and ``done`` with ``status``.
-    RUN = "run"
 
 
 class EventKind(StrEnum):
@@ -73,7 +70,6 @@ class EventKind(StrEnum):
     TOKEN = "token"  # a piece of the answer
     RETRACT = "retract"  # all answer text so far was thinking after all
     STATS = "stats"  # the request's Stats, just before its terminal event
-    OUTPUT = "output"  # what a command run for the thin client writes: ``stream``, ``text``
     # Client side only (never on the wire): the request was sent again, to a fresh daemon or
     # another replica, after its engine failed mid-answer; what it produced so far is void.
     RESTART = "restart"
@@ -240,7 +236,7 @@ class Event(Record):
         return dict(result) if isinstance(result, Mapping) else {}
 
 
-_TEXT_KINDS = frozenset({EventKind.TOKEN, EventKind.REASONING, EventKind.OUTPUT})
+_TEXT_KINDS = frozenset({EventKind.TOKEN, EventKind.REASONING})
 
 
 # --- requests -----------------------------------------------------------------------------------

@@ -11,14 +11,13 @@ import fcntl
 import json
 import logging
 import os
-import queue
 import signal
 import socket
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,7 +119,6 @@ class Connection:
     jobs: dict[Any, Job] = field(default_factory=dict)
     closed: bool = False
     held: list[bytes] = field(default_factory=list)  # lines to write in one go (see flush)
-    commands: dict[Any, ServedCommand] = field(default_factory=dict)  # `run` requests
 
     def send(self, event: Event) -> None:
         self.hold(event)
@@ -138,138 +136,6 @@ class Connection:
             self.writer.write(data)
         except (ConnectionError, RuntimeError):
             self.closed = True
-
-
-# A command run for the thin client (``op: run``, ``client.served``): the client's command line,
-# run in a thread of the daemon, whose requests reach the daemon through channels, not sockets.
-# ``Runner`` is ``served.serve``, handed in by ``phi4 daemon run`` (the daemon imports no client).
-Runner = Callable[
-    [Mapping[str, Any], "ServedCommand", str, Callable[[str, bool], None]], "int | None"
-]
-MAX_COMMANDS = 64  # run at once; past that the thin client's command runs in its own process
-COMMANDS_END_S = 2.0  # how long a daemon on its way out waits for its commands to say so
-_INTERRUPT, _GONE = object(), object()  # what a channel's queue holds besides events
-
-
-@dataclass(eq=False)
-class LocalConnection(Connection):
-    """The daemon's side of a channel: events go, as they would arrive over a socket (through
-    the wire form and back), onto the channel's queue."""
-
-    events: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
-
-    def hold(self, event: Event) -> None:
-        if not self.closed:
-            self.events.put(Event.from_wire(protocol.decode(protocol.encode(event.to_wire()))))
-
-    def flush(self) -> None:
-        pass
-
-
-class Channel:
-    """A connection to this daemon from a command it runs (``daemon_link.ChannelConnection``
-    wraps it): request lines go to the dispatcher as a socket's would, events come back on a
-    queue. An interrupted command gets a KeyboardInterrupt from it, as a client at a terminal
-    does from Ctrl-C while it waits."""
-
-    def __init__(self, server: DaemonServer, command: ServedCommand) -> None:
-        self.server, self.command = server, command
-        self.connection = LocalConnection(writer=None)  # type: ignore[arg-type]
-
-    def send(self, line: bytes) -> None:
-        """Raise ConnectionError once the daemon is on its way out."""
-        self.command.check()
-        loop = self.server._loop  # (a daemon on its way out answers shutting_down, as on a socket)
-        if loop is None or self.command.gone:
-            raise ConnectionError("the daemon is shutting down, or the client has gone")
-        try:
-            loop.call_soon_threadsafe(self.server._dispatch_guarded, self.connection, line)
-        except RuntimeError:  # the loop has closed
-            raise ConnectionError("the daemon is shutting down") from None
-
-    def get(self, timeout: float) -> Event | None:
-        """The next event; None after ``timeout`` seconds without one."""
-        while True:
-            self.command.check()
-            try:
-                item = self.connection.events.get(timeout=timeout)
-            except queue.Empty:
-                return None
-            if item is _GONE:
-                raise ConnectionError("the daemon is shutting down")
-            if item is not _INTERRUPT:
-                return item  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        loop = self.server._loop
-        if loop is not None:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self.server._close_local, self.connection)
-
-
-class ServedCommand:
-    """A ``run`` request: the command's ``CommandIO`` (``client.served``)."""
-
-    def __init__(self, server: DaemonServer, connection: Connection, request_id: Any) -> None:
-        self.server, self.connection, self.request_id = server, connection, request_id
-        self.channels: list[Channel] = []
-        self.gone = False  # the client hung up
-        self.outcome: str | None = "served"  # or "declined", or None: counted as neither
-        self._interrupt = False
-        self._lock = threading.Lock()
-
-    def _post(self, event: Event) -> None:
-        self.server._outbox.post(self.connection, self.request_id, event)
-
-    def accept(self) -> None:
-        self._post(Event(EventKind.ACCEPTED, self.request_id))
-
-    def write(self, stream: str, text: str) -> None:
-        if self.gone or self.connection.closed:
-            raise BrokenPipeError("the client has gone")
-        self._post(Event(EventKind.OUTPUT, self.request_id, text, {"stream": stream}))
-
-    def channel(self) -> Channel:
-        channel = Channel(self.server, self)
-        with self._lock:
-            self.channels.append(channel)
-        return channel
-
-    def interrupt(self) -> None:
-        """Ctrl-C at the client: the command's next wait for the daemon raises
-        KeyboardInterrupt (once)."""
-        with self._lock:
-            self._interrupt = True
-            channels = list(self.channels)
-        for channel in channels:
-            channel.connection.events.put(_INTERRUPT)
-
-    def check(self) -> None:
-        with self._lock:
-            interrupted, self._interrupt = self._interrupt, False
-        if interrupted:
-            raise KeyboardInterrupt
-
-    def hang_up(self) -> None:
-        """The client went away (in the event loop): stop what the command asked for."""
-        self.gone = True
-        self.interrupt()
-        for channel in self.channels:
-            self.server._close_local(channel.connection)
-
-    def shutting_down(self) -> None:
-        """The daemon is on its way out (in the event loop): the command's requests end with
-        ``shutting_down``, as a socket client's do, and it says so as that client would."""
-        for channel in self.channels:
-            for job in channel.connection.jobs.values():
-                job.cancel(ErrorCode.SHUTTING_DOWN)
-
-    def shut_down(self) -> None:
-        """The daemon leaves now (in the event loop): the command's waits end, and nothing
-        more of it goes out."""
-        self.gone = True
-        for channel in self.channels:
-            channel.connection.events.put(_GONE)
 
 
 class _Outbox:
@@ -327,11 +193,8 @@ class DaemonServer:
         settings: Settings,
         engine: Engine,
         model_path: Path | None,
-        commands: Runner | None = None,
     ) -> None:
         self.paths = paths
-        self.commands = commands  # runs the thin client's commands (None: it is declined)
-        self._served: set[ServedCommand] = set()
         self.settings = settings
         self.asked = Ask.of(settings)  # what a request takes where it does not say
         self.keep_alive = settings.keep_alive
@@ -341,7 +204,6 @@ class DaemonServer:
         self.error: str | None = None
         self.started_at = time.time()
         self.requests_served = 0
-        self.commands_served = self.commands_declined = 0
         self.metrics = RequestMetrics()
         self.last_activity = time.monotonic()
         self._connections: set[Connection] = set()
@@ -381,18 +243,7 @@ class DaemonServer:
             "uptime_s": round(time.time() - self.started_at, 3),
             "rss_bytes": _rss_bytes(),
             "requests_served": self.requests_served,
-            "requests_active": sum(len(c.jobs) for c in self._connections)
-            + sum(
-                len(channel.connection.jobs)
-                for command in self._served
-                for channel in list(command.channels)
-            ),
-            # The thin client's commands (``op: run``) run here, and those declined.
-            "commands": {
-                "served": self.commands_served,
-                "declined": self.commands_declined,
-                "active": len(self._served),
-            },
+            "requests_active": sum(len(c.jobs) for c in self._connections),
             "queued": self.scheduler.queued,
             "idle_s": None if idle_s is None else round(idle_s, 3),
             "keep_alive_s": self.keep_alive,
@@ -482,8 +333,6 @@ class DaemonServer:
             # A client that hangs up (Ctrl-C, `| head -1`) stops its generations.
             for job in list(connection.jobs.values()):
                 self.scheduler.cancel(job)
-            for command in list(connection.commands.values()):
-                command.hang_up()
             self._connections.discard(connection)
             await self._close(connection)
 
@@ -498,7 +347,7 @@ class DaemonServer:
     def _dispatch_guarded(self, connection: Connection, line: bytes) -> None:
         """Dispatch a line; whatever fails, even answering the failure, costs this line's answer
         (logged), never the connection's other requests or the event loop."""
-        if connection.closed:  # a channel whose command's client went (its line was on its way)
+        if connection.closed:  # (a line on its way when the client went)
             return
         try:
             self._dispatch(connection, line)
@@ -523,7 +372,6 @@ class DaemonServer:
                 Op.ADJUST: self._op_adjust,
                 Op.PING: self._op_ping,
                 Op.CLEAR: self._op_clear,
-                Op.RUN: self._op_run,
             }[Op(request.op)]
             handler(connection, request)
         except ProtocolViolation as exc:
@@ -576,72 +424,7 @@ class DaemonServer:
         job = _target(connection, request)
         if job is not None:
             self.scheduler.cancel(job)
-        command = None if job is not None else connection.commands.get(request.params["target"])
-        if command is not None:
-            command.interrupt()
-        connection.send(_done(request.id, {"cancelled": job is not None or command is not None}))
-
-    def _op_run(self, connection: Connection, request: Request) -> None:
-        """Run the thin client's command line in a thread (``client.served``); what it writes
-        goes out as ``output`` events, then ``done`` with its ``status``, or with ``declined``
-        (and nothing written) for the client to run it itself."""
-        if request.id in connection.commands or request.id in connection.jobs:
-            raise ProtocolViolation(
-                ErrorCode.BAD_REQUEST, f"request id {request.id!r} is already in use", request.id
-            )
-        runner = self.commands
-        command = ServedCommand(self, connection, request.id)
-
-        def decline(why: str, stdin: bool = False) -> None:
-            # (Asked again with its stdin, a command counts once, as what comes of that.)
-            command.outcome = None if stdin else "declined"
-            if not stdin:  # (why, not the command line: it holds the question)
-                log.info("declined to run a command: %s", why)
-            command._post(_done(request.id, {"declined": why, "stdin": stdin}))
-
-        if runner is None or self._stopping or len(self._served) >= MAX_COMMANDS:
-            self.commands_declined += 1
-            decline("not now" if runner is not None else "this daemon runs no commands")
-            return
-        connection.commands[request.id] = command
-        self._served.add(command)
-        self.last_activity = time.monotonic()
-        params, socket_path = dict(request.params), str(self.paths.socket)
-
-        def run() -> None:
-            status = None
-            try:
-                status = runner(params, command, socket_path, decline)
-            except BaseException:
-                log.exception("a command run for the thin client failed")
-                status = 1
-            finally:
-                if status is not None and not command.gone:
-                    command._post(_done(request.id, {"status": int(status)}))
-                for channel in command.channels:
-                    channel.close()
-                loop = self._loop
-                if loop is not None:
-                    with contextlib.suppress(RuntimeError):
-                        loop.call_soon_threadsafe(self._command_ended, command)
-
-        threading.Thread(target=run, name=f"command {request.id}", daemon=True).start()
-
-    def _command_ended(self, command: ServedCommand) -> None:
-        if command.outcome == "declined":
-            self.commands_declined += 1
-        elif command.outcome == "served":
-            self.commands_served += 1
-        command.connection.commands.pop(command.request_id, None)
-        self._served.discard(command)
-        self.last_activity = time.monotonic()
-
-    def _close_local(self, connection: Connection) -> None:
-        """A channel's connection is closed (or its command's client went): as for a socket
-        that hangs up, its requests stop."""
-        connection.closed = True
-        for job in list(connection.jobs.values()):
-            self.scheduler.cancel(job)
+        connection.send(_done(request.id, {"cancelled": job is not None}))
 
     def _op_adjust(self, connection: Connection, request: Request) -> None:
         """Change a running or queued request: its ``confidence_floor`` (``--stop-unsure``:
@@ -740,8 +523,6 @@ class DaemonServer:
         for connection in self._connections:
             for job in connection.jobs.values():
                 job.cancel(ErrorCode.SHUTTING_DOWN)
-        for command in list(self._served):
-            command.shutting_down()
         if self._stopped is not None:
             self._stopped.set()
 
@@ -749,22 +530,13 @@ class DaemonServer:
         """Tell clients with requests in the daemon that it is alive, if the engine has gone
         round since the last beat, or is in one long call: a model's load, or a step that began
         less than STEP_ALIVE_S ago (a slow device's prompt batch)."""
-        # The thin client's commands: a daemon whose loop runs is alive for them, whatever the
-        # engine does (a wedged engine is for the command to find, as its own client would).
-        for connection in list(self._connections):
-            if connection.commands and not connection.closed:
-                for request_id in list(connection.commands):
-                    connection.hold(Event(EventKind.PROGRESS, request_id, data={"stage": "alive"}))
-                connection.flush()
         beats = self.scheduler.beats
         stepping = self.scheduler.stepping_since
         in_step = stepping is not None and time.monotonic() - stepping < STEP_ALIVE_S
         if beats == self._last_beats and self.state not in _LOADING and not in_step:
             return  # a wedged engine: let the clients' deadlines speak
         self._last_beats = beats
-        # And the commands' own requests, on the channels they wait on.
-        channels = [channel.connection for command in self._served for channel in command.channels]
-        for connection in [*self._connections, *channels]:
+        for connection in list(self._connections):
             try:
                 for request_id in list(connection.jobs):
                     connection.hold(Event(EventKind.PROGRESS, request_id, data={"stage": "alive"}))
@@ -785,10 +557,8 @@ class DaemonServer:
 
     def _idle_expired(self) -> bool:
         """Whether the daemon has been idle for its keep_alive: no request running or queued,
-        no model loading, and no command run for the thin client still writing what its
-        requests answered."""
-        if self.keep_alive == FOREVER or self.scheduler.busy or self.state in _LOADING \
-                or self._served:  # fmt: skip
+        and no model loading."""
+        if self.keep_alive == FOREVER or self.scheduler.busy or self.state in _LOADING:
             return False
         return time.monotonic() - self.last_activity >= self.keep_alive
 
@@ -830,14 +600,6 @@ class DaemonServer:
             if not worker_done:
                 self.scheduler.drain()  # (the worker is inside llama.cpp)
             await asyncio.sleep(0.05)  # let the last terminal events reach their clients
-            # The thin client's commands say how their requests ended, as their own clients
-            # would (a little longer: they are threads here, told through the loop).
-            deadline = time.monotonic() + COMMANDS_END_S
-            while self._served and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            for command in list(self._served):
-                command.shut_down()
-            await asyncio.sleep(0.05)
             for connection in list(self._connections):
                 await self._close(connection)
             with contextlib.suppress(FileNotFoundError):
@@ -893,10 +655,8 @@ def _take_daemon_lock(paths: Paths) -> int:
     return fd
 
 
-def run_daemon(paths: Paths, settings: Settings, model_path: Path | None,
-               commands: Runner | None = None) -> None:  # fmt: skip
-    """Run the daemon in the foreground until it is stopped (``phi4 daemon run``); it runs the
-    thin client's commands with ``commands``."""
+def run_daemon(paths: Paths, settings: Settings, model_path: Path | None) -> None:
+    """Run the daemon in the foreground until it is stopped (``phi4 daemon run``)."""
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
@@ -912,7 +672,7 @@ def run_daemon(paths: Paths, settings: Settings, model_path: Path | None,
         engine = LlamaEngine(
             settings, state_dir=paths.cache_dir / "states", swap_dir=paths.cache_dir / "sessions"
         )
-        server = DaemonServer(paths, settings, engine, model_path, commands)
+        server = DaemonServer(paths, settings, engine, model_path)
         asyncio.run(server.serve())
     finally:
         os.close(lock_fd)

@@ -35,10 +35,8 @@ from phi4cli.engines.dispatch import (
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from typing import Any, Protocol
 
-    from phi4cli.engines.daemon_link import DaemonConnection
 else:
     Protocol = object  # the interfaces below are for the type checker; plain classes at run time
 
@@ -106,12 +104,8 @@ class DaemonBackend:
         model_path: Path,
         announce: Announce,
         window: int = 32,  # the daemon's per-connection share of its default queue (64 // 2)
-        link: Callable[[], DaemonConnection] | None = None,
     ) -> None:
         self.paths, self.settings, self.model_path = paths, settings, model_path
-        # A connection to the daemon from within it (a command it runs, ``served``), instead of
-        # its socket: checked as any connection is, but never spawned or replaced.
-        self.link = link
         self.announce = announce
         self.window = window  # requests one `run` keeps in the daemon's queue at once
         self._idle: list[Any] = []  # connections between requests, reused
@@ -123,7 +117,7 @@ class DaemonBackend:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        return connect_checked(self.paths, self.settings, self.model_path, self.announce, self.link)
+        return connect_checked(self.paths, self.settings, self.model_path, self.announce)
 
     def _give_back(self, connection: Any) -> None:
         with self._lock:
@@ -392,17 +386,15 @@ def make_backend(
     settings: Settings,
     model: Path | str,
     announce: Announce,
-    link: Callable[[], DaemonConnection] | None = None,
 ) -> Backend:
-    """The backend the settings ask for: ``settings.backend`` (a URL) or the local daemon
-    (reached through ``link``, when given: see ``DaemonBackend``)."""
+    """The backend the settings ask for: ``settings.backend`` (a URL) or the local daemon."""
     if settings.backend:
         from phi4cli.engines.remote import backend_key
 
         return RemoteBackend(list(settings.backend), str(model), backend_key(),
                              settings.backend_timeout, settings.backend_deadline, announce,
                              settings.backend_concurrency)  # fmt: skip
-    return DaemonBackend(paths, settings, Path(model), announce, link=link)
+    return DaemonBackend(paths, settings, Path(model), announce)
 
 
 def load_model(

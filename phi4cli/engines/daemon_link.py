@@ -27,13 +27,11 @@ from phi4cli.core.errors import (
 )
 from phi4cli.core.paths import Paths, check_socket_path, install_id, is_our_daemon, peer_uid
 from phi4cli.core.protocol import ErrorCode, Event, EventKind, Op
-from phi4cli.core.rendezvous import foreign_socket
 from phi4cli.daemon import spawn
 from phi4cli.engines.dispatch import Announce
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from typing import Any, Protocol
 else:
     Protocol = object
@@ -202,41 +200,11 @@ def _request_line(op: str, params: dict[str, Any] | None) -> tuple[int, bytes]:
     return request_id, line
 
 
-class Channel(Protocol):
-    """How a command the daemon runs itself reaches it (``server.Channel``)."""
-
-    def send(self, line: bytes) -> None:
-        """Hand the daemon a request line; ConnectionError once it is on its way out."""
-
-    def get(self, timeout: float) -> Event | None:
-        """The next event, None after ``timeout`` seconds without one; ConnectionError once
-        the daemon is on its way out, KeyboardInterrupt when the command was interrupted."""
-
-    def close(self) -> None: ...
-
-
-class ChannelConnection(DaemonConnection):
-    """A connection to the daemon from a command it runs itself (``client.served``): the same
-    requests and events as over its socket, with no socket between."""
-
-    def __init__(self, channel: Channel) -> None:
-        self._channel = channel
-        self.spawned = False
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def _write(self, line: bytes) -> None:
-        self._channel.send(line)
-
-    def next_event(self, timeout: float = STREAM_IDLE_TIMEOUT) -> Event:
-        try:
-            event = self._channel.get(timeout)
-        except ConnectionError as exc:
-            raise DaemonGoneError(f"lost the connection to the daemon: {exc}") from None
-        if event is None:
-            raise _frozen(timeout)
-        return event
+def foreign_socket(path: str, uid: int) -> str:
+    """What is said of a socket another user's process serves (a runtime dir of ours, with a
+    socket planted in it): no question is sent to it."""
+    return (f"the socket {path} is served by another user's process (uid {uid}); phi4 will not "
+            f"talk to it: remove {os.path.dirname(path)}, or set XDG_RUNTIME_DIR")  # fmt: skip
 
 
 def try_connect(paths: Paths) -> DaemonConnection | None:
@@ -451,10 +419,8 @@ def connect_checked(
     settings: Settings,
     model_path: Path | None,
     announce: Announce,
-    link: Callable[[], DaemonConnection] | None = None,
 ) -> DaemonConnection:
-    """Return a connection to a daemon that answers and speaks our protocol version (through
-    ``link``, when given: a command the daemon runs itself, never spawned or replaced).
+    """Return a connection to a daemon that answers and speaks our protocol version.
 
     A daemon of another protocol version, or from another install of phi4 (like dmypy, it
     compares the version and where the package lives), is stopped and replaced once
@@ -463,9 +429,7 @@ def connect_checked(
     """
     restarted = False
     for attempt in range(CONNECT_ATTEMPTS):
-        connection = (
-            link() if link is not None else ensure_daemon(paths, settings, model_path, announce)
-        )
+        connection = ensure_daemon(paths, settings, model_path, announce)
         try:
             ping = connection.call(Op.PING).result
             other = _other_install(ping)
@@ -494,7 +458,7 @@ def connect_checked(
                 _warn_settings(ping.get("settings"), settings, announce)
             return connection
         connection.close()
-        if restarted or link is not None:
+        if restarted:
             raise ProtocolMismatchError(
                 f"the daemon still {other} after a restart; is another phi4 installed "
                 "elsewhere? stop it with `phi4 stop`"
