@@ -6,7 +6,7 @@ order they finished, the samples it cancels paying for the tokens they had writt
                                    [--checkable P]
     python bench/votes.py replay RESULTS.jsonl [--stop-unsure]
 
-``simulate``: synthetic problems (the answer mixtures of ``bench/test_time.py``; a trace's
+``simulate``: synthetic problems (the answer mixtures of ``bench/adaptive_samples.py``; a trace's
 length lognormal around 3,000 tokens), their K samples run ``--parallel`` at a time as the
 daemon's memory plan runs them (each starts when a slot frees; all decode at one rate), over
 ``--seeds`` seeds. ``replay``: the samples an ``eval -k K --all`` run recorded (its results
@@ -39,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.test_time import MEDIAN_TOKENS, MIXTURES, TOKENS_SIGMA, draw_problem  # noqa: E402
+from bench.adaptive_samples import MEDIAN_TOKENS, MIXTURES, TOKENS_SIGMA, draw_problem  # noqa: E402
 from phi4cli.client.solving import EarlyStop, votes  # noqa: E402
 from phi4cli.core.protocol import Stats  # noqa: E402
 from phi4cli.engines.outcome import Outcome  # noqa: E402

@@ -1,7 +1,9 @@
-"""Documentation generated from the Typer app: shell completion scripts and the man page.
+"""Files generated from the Typer app and the settings table.
 
-``python -m phi4cli.docs`` rewrites ``completions/`` and ``man/phi4.1``; a test fails when the
-committed files are stale.
+``python -m phi4cli.docs`` rewrites the shell completion scripts (``completions/``), the man page
+(``man/phi4.1``), the settings' typed record (``phi4cli/core/_settings.py``), the fast entry's
+table of ``phi4 solve``'s options (``phi4cli/client/_solve_options.py``) and Tab completion's
+table (``phi4cli/client/_completion_table.py``); a test fails when a committed one is stale.
 """
 
 from __future__ import annotations

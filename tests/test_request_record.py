@@ -79,8 +79,10 @@ def test_the_wire_form_reads_back_as_the_request_whatever_the_daemon_defaults(
     sent: tuple[str, SolveParams], defaults: Ask
 ) -> None:
     op, params = sent
-    # All of its ask travels: the client's settings are what count, not the daemon's.
-    assert parse_params(op, to_wire(op, params), defaults) == params
+    # All of its ask travels: the client's settings are what count, not the daemon's. The
+    # client's own hint (its samples' group, for a remote server's n) stays off the wire.
+    assert "sample_group" not in to_wire(op, params)
+    assert parse_params(op, to_wire(op, params), defaults) == params._replace(sample_group=None)
 
 
 def test_a_load_reads_back_as_a_load():

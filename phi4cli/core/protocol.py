@@ -282,7 +282,7 @@ class SolveParams(Record):
     # log-probability and its step's N likeliest (0 to MAX_TOP_LOGPROBS), on its token event.
     logprobs: int | None = None
     # The client's own: the samples of one question share a group, so that a remote server
-    # may be asked them in one request (``n``). The daemon does not read it.
+    # may be asked them in one request (``n``). Never on the daemon's wire.
     sample_group: int | None = None
     # Whose share of the daemon's queue and slots it counts against: ``phi4 serve`` names the
     # HTTP client, so that a request's ``n`` choices (each a daemon request of its own) count as
@@ -436,7 +436,6 @@ def parse_solve_params(params: Mapping[str, Any], defaults: Ask) -> SolveParams:
         confidence=confidence or floor is not None,
         confidence_floor=floor,
         logprobs=logprobs,
-        sample_group=_optional_int(params, "sample_group", 0),
         share=_share(params),
     )
 
@@ -471,7 +470,7 @@ def to_wire(op: str, params: SolveParams) -> JSON:
             wire["model"] = params.model
         if params.confidence:
             wire["confidence"] = True
-        for key in ("confidence_floor", "logprobs", "sample_group", "share"):
+        for key in ("confidence_floor", "logprobs", "share"):
             if getattr(params, key) is not None:
                 wire[key] = getattr(params, key)
     if params.keep_alive is not None:

@@ -635,7 +635,7 @@ def majority_vote(answers: Sequence[str | None], equal: Equal = same_answer,
 
 
 # Stop once the leader leads with 93%: 3 of 3 agreeing. Adaptive-Consistency's paper uses 95%
-# (4 of 4); in bench/test_time.py's simulation 93% took 1.8x fewer samples than K = 8 at 99.9%
+# (4 of 4); in bench/adaptive_samples.py's simulation 93% took 1.8x fewer samples than K = 8 at 99.9%
 # agreement with the full-K majority, 95% 1.5x at 100%.
 STOP_CONFIDENCE = 0.93
 

@@ -1,6 +1,6 @@
 """Adaptive samples, simulated: how many samples each stopping rule takes, against fixed K.
 
-    python bench/test_time.py [--problems 2000] [--k 8] [--parallel 4] [--seed 1]
+    python bench/adaptive_samples.py [--problems 2000] [--k 8] [--parallel 4] [--seed 1]
 
 A simulation, not a measurement of Phi-4-mini-reasoning (whose weights cannot be downloaded
 here). Each synthetic problem has a chance p that a sample is right, drawn from a stated
@@ -15,7 +15,7 @@ ones running), and whether the voted answer is the full-K majority's. The rules:
   change the leader (``reasoning.vote_settled``; phi4's default is 0.93, the paper's 0.95);
 - esc-W: Early-stopping self-consistency, in windows of W: stop when a window agrees.
 
-Writes bench/results/test_time.json and .md.
+Writes bench/results/adaptive_samples.json and .md.
 """
 
 from __future__ import annotations
@@ -302,8 +302,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "test_time.md").write_text(text)
-    (args.out / "test_time.json").write_text(json.dumps(
+    (args.out / "adaptive_samples.md").write_text(text)
+    (args.out / "adaptive_samples.json").write_text(json.dumps(
         {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rules": results,
          "confidence_votes": votes, "online": online},
         indent=2) + "\n")  # fmt: skip
