@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NoReturn
 
 from phi4cli.client.exits import exit_now, run_reporting
 from phi4cli.client.solve_line import parse_solve
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import NoReturn
 
 
 def main(argv: list[str] | None = None) -> NoReturn:

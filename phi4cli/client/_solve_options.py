@@ -4,9 +4,7 @@ test fails when it is stale."""
 
 from __future__ import annotations
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
+from typing import Any
 
 # option -> (parameter, kind: flag|int|float|str|list, (min, max) or None)
 OPTIONS = {

@@ -11,11 +11,10 @@ config's tables and one directory listing: no model is opened, no daemon asked.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
-    from typing import Any
 
 Item = tuple[str, str | None]  # a value and its help (None: none)
 

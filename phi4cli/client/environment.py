@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TextIO
 
 from phi4cli.client.exits import Announce, notice_line, say
 from phi4cli.core.paths import Paths, get_paths
 from phi4cli.text.sanitize import guard_terminal
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import TextIO
 
 
 def _isatty(stream: TextIO) -> bool:

@@ -9,12 +9,9 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn, TextIO
 
 from phi4cli.engines.dispatch import Announce as Announce  # what says a line to the user
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import NoReturn, TextIO
 
 
 def notice_line(message: str) -> str:

@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Container, Generator, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from phi4cli.client.progress import FileProgress, ProgressNotice
 from phi4cli.client.solving import EarlyStop, Requests, SolveJob, json_text, votes
@@ -30,7 +30,6 @@ from phi4cli.core.atomicfile import (
 from phi4cli.core.errors import UsageError
 from phi4cli.core.options import REQUEST_KEYS, SETTING, sample_seed
 from phi4cli.core.protocol import PRIORITY_BULK, Event, SolveParams
-from phi4cli.core.records import Record
 from phi4cli.engines.outcome import Outcome
 from phi4cli.text.confidence import WARMUP
 from phi4cli.text.reasoning import AnswerComparer, majority_vote
@@ -41,7 +40,7 @@ if TYPE_CHECKING:
 STATUSES = ("correct", "wrong", "no_answer", "truncated", "error")
 
 
-class Item(Record):
+class Item(NamedTuple):
     line: int  # in the input file (a CSV's header is line 1)
     problem: str
     reference: str
@@ -265,7 +264,7 @@ RUN_KEYS = ("model", "model_file", "backend", "system", "instruction",
 _HEAD_BYTES = 1 << 20
 
 
-class MismatchPolicy(Record):
+class MismatchPolicy(NamedTuple):
     """What a rerun does with records of another run: refuse (the default), ``restart`` (replace
     the file with an empty one) or ``force`` (count them as this run's)."""
 
@@ -331,7 +330,7 @@ def model_file_identity(path: Path) -> dict[str, Any] | None:
     return {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "head_sha256": head}
 
 
-class EarlierResults(Record):
+class EarlierResults(NamedTuple):
     """What a results file holds, against the problems and the run of now."""
 
     done: dict[int, dict[str, Any]]  # this run's records of these problems, by line

@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 from phi4cli.client.environment import Environment
 from phi4cli.core.errors import UsageError
 from phi4cli.core.protocol import ErrorCode, Event, SolveParams
-from phi4cli.core.records import Record
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
-
 
 AHEAD = 4096  # problems read ahead of the last one printed, at most (more than any window)
 
@@ -150,7 +145,7 @@ def raw_lines(stream: Any) -> Any:
     return pieces()
 
 
-class Opened(Record):
+class Opened(NamedTuple):
     """The input of ``--file``: lines to read, what to call it in messages, how many problems
     it holds if that is known before the run, and whether it is ours to close."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from phi4cli.client.environment import Environment
 from phi4cli.client.exits import Announce
@@ -14,10 +15,7 @@ from phi4cli.client.render import human_seconds
 from phi4cli.core.protocol import Event, EventKind
 from phi4cli.text.sanitize import clean_text
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
-
     from phi4cli.client.problems import ProblemFeed
 
 

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import re
 import time
+from typing import TYPE_CHECKING, Any, TextIO
 
 from phi4cli.client.environment import Environment
 from phi4cli.core.protocol import Event, EventKind, Stats
 from phi4cli.engines.outcome import Outcome
 from phi4cli.text.sanitize import TextCleaner, clean_text, terminal_text
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
-    from typing import Any, TextIO
 
     from phi4cli.text.checking import Check
 

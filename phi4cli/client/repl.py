@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from prompt_toolkit.completion import CompleteEvent, Completer, Completion
 from prompt_toolkit.document import Document
@@ -41,7 +41,6 @@ from phi4cli.core.errors import DaemonGoneError, Phi4Error, RequestError, cli_wo
 from phi4cli.core.inputs import replace_bad
 from phi4cli.core.options import SETTABLE, SETTING
 from phi4cli.core.protocol import PRIORITY_INTERACTIVE, ErrorCode, Op, SolveParams, Stats
-from phi4cli.core.records import Record
 from phi4cli.engines.backends import Backend, RequestStream
 from phi4cli.engines.checker import Checker
 from phi4cli.engines.outcome import Outcome
@@ -543,7 +542,7 @@ class ChatRepl:
         print(format_chat_list(entries), file=self.env.stdout)
 
 
-class SlashCommand(Record):
+class SlashCommand(NamedTuple):
     """One of the chat's slash commands: what ``/help`` says of it, what Tab completes, and the
     method that runs it (given the rest of the line; False leaves the chat)."""
 

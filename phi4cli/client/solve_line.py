@@ -6,9 +6,7 @@ refuse) it leaves to Typer, which then says exactly what it always says."""
 
 from __future__ import annotations
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
+from typing import Any
 
 
 def parse_solve(args: list[str]) -> dict[str, Any] | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from phi4cli.client._solve_options import SolveOptions as SolveOptions  # generated from the command
 from phi4cli.client.environment import Environment
@@ -24,17 +25,13 @@ from phi4cli.core._settings import Ask
 from phi4cli.core.errors import ExitStatus, Phi4Error, UsageError
 from phi4cli.core.options import sample_seed
 from phi4cli.core.protocol import PRIORITY_BULK, Event, SolveParams
-from phi4cli.core.records import Record
 from phi4cli.engines.backends import Backend
 from phi4cli.engines.outcome import Outcome, exit_status
 from phi4cli.text.confidence import WARMUP
 from phi4cli.text.reasoning import AnswerComparer, majority_vote, vote_settled
 from phi4cli.text.sanitize import clean_text, json_safe
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
-
     from phi4cli.client.keys import AnswerKeys
     from phi4cli.client.problems import (  # imported where --file reads, not before
         Opened,
@@ -45,7 +42,7 @@ if TYPE_CHECKING:
     from phi4cli.text.checking import Check
 
 
-class SolveJob(Record):
+class SolveJob(NamedTuple):
     """What answers (the daemon or a remote server) and what every request of this command
     shares."""
 
@@ -160,7 +157,7 @@ def _finite(value: Any) -> Any:
     return value
 
 
-class OutputMode(Record):
+class OutputMode(NamedTuple):
     show_reasoning: bool = False
     answer_only: bool = False
     as_json: bool = False
@@ -674,7 +671,7 @@ def _check_suffix(outcome: Outcome) -> str:
     return f"  ({said})" if said is not None else ""
 
 
-class Printed(Record):
+class Printed(NamedTuple):
     """What ``solve_file`` keeps of a printed problem that the exit status looks at (one that
     failed or has no answer): what the exit status asks of it."""
 

@@ -4,11 +4,12 @@ it is stale. Edit the table, not this file."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from phi4cli.core.options import DEFAULT_INSTRUCTION, DEFAULT_KEEP_ALIVE, DEFAULT_MODEL
-from phi4cli.core.records import Record
 
 
-class Settings(Record):
+class Settings(NamedTuple):
     model: str = DEFAULT_MODEL
     # After this many reasoning tokens the daemon closes the thinking; None: no budget.
     think_budget: int | None = None
@@ -86,7 +87,7 @@ class Settings(Record):
     instruction: str | None = DEFAULT_INSTRUCTION
 
 
-class Sampling(Record):
+class Sampling(NamedTuple):
     """The sampler's settings of one request (a part of its ``Ask``)."""
 
     temperature: float = 0.8
@@ -99,7 +100,7 @@ class Sampling(Record):
     seed: int | None = None
 
 
-class Ask(Record):
+class Ask(NamedTuple):
     """What one request asks of the engine that answers it (the table's request rows):
     filled by the client, checked on the wire by ``protocol.parse_ask``, read by the
     daemon and the remote engine alike."""

@@ -19,13 +19,12 @@ import errno
 import fcntl
 import os
 import stat
+from typing import TYPE_CHECKING, BinaryIO
 
 from phi4cli.core.errors import Phi4Error
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from pathlib import Path
-    from typing import BinaryIO
 
 
 class RefusedFileError(Phi4Error):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from phi4cli.core._settings import Settings as Settings
 from phi4cli.core.durations import FOREVER as FOREVER
@@ -27,11 +28,6 @@ from phi4cli.core.options import DAEMON_SETTINGS as DAEMON_SETTINGS
 from phi4cli.core.options import DEFAULT_INSTRUCTION as DEFAULT_INSTRUCTION
 from phi4cli.core.options import DEFAULT_MODEL as DEFAULT_MODEL
 from phi4cli.core.options import SETTING, SETTINGS, env_name
-from phi4cli.core.records import Record
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
 
 _FIELDS = SETTING  # key -> its row: parser, allowed values, ...
 
@@ -42,7 +38,7 @@ def setting_help() -> list[tuple[str, str, str]]:
     return [(s.key, env_name(s.key), s.doc_allowed or s.allowed) for s in SETTINGS]
 
 
-class Variable(Record):
+class Variable(NamedTuple):
     """Environment variables phi4 reads that are no setting, and what they mean (the docs')."""
 
     names: tuple[str, ...]

@@ -5,8 +5,7 @@ table from a code to the exception the CLI raises (so its exit status) and the H
 from __future__ import annotations
 
 from enum import IntEnum, StrEnum
-
-from phi4cli.core.records import Record
+from typing import NamedTuple
 
 
 class ErrorCode(StrEnum):
@@ -121,7 +120,7 @@ class CancelledError(Phi4Error):
     exit_status = ExitStatus.INTERRUPTED
 
 
-class ErrorKind(Record):
+class ErrorKind(NamedTuple):
     """What one protocol error code means on each side: the exception the CLI raises (and so
     its exit status) and the HTTP status ``phi4 serve`` answers with."""
 
@@ -146,7 +145,7 @@ ERRORS: dict[ErrorCode, ErrorKind] = {
 }
 
 
-class Fault(Record):
+class Fault(NamedTuple):
     """An error's facts, as data: the request field at fault and the numbers. The daemon sends
     them beside its message (the error event's ``fault``); each door words them its own way:
     the CLI names its flags and what to run, ``phi4 serve`` OpenAI's fields (and ``param``), the

@@ -10,12 +10,9 @@ here, and named in one line that says where (the argument, stdin line N, FILE li
 from __future__ import annotations
 
 import re
+from typing import TextIO
 
 from phi4cli.core.errors import UsageError
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import TextIO
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 REPLACEMENT = "\ufffd"  # what a bad byte is shown as, where input is read with replacement

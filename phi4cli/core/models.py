@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from phi4cli.core.errors import DownloadError, InvalidModelError, ModelNotFoundError
 from phi4cli.core.paths import Paths
-from phi4cli.core.records import Record
 
 GGUF_MAGIC = b"GGUF"
 
 
-class ModelAlias(Record):
+class ModelAlias(NamedTuple):
     name: str
     description: str
     filename: str
@@ -149,7 +149,7 @@ def validate_gguf(path: Path) -> None:
         ) from None
 
 
-class ModelListing(Record):
+class ModelListing(NamedTuple):
     name: str
     description: str
     path: Path | None

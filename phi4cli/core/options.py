@@ -23,13 +23,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from phi4cli.core.durations import parse_duration
-from phi4cli.core.records import Record
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
 
 DEFAULT_MODEL = "phi4-mini-reasoning"
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -253,7 +249,7 @@ def _model(value: object) -> str:
 NEVER_OFF = "(never off)"  # a row's ``off`` when no value of it does nothing
 
 
-class Setting(Record):
+class Setting(NamedTuple):
     """One setting, and everything phi4 does with it."""
 
     key: str
@@ -537,11 +533,12 @@ def generated_records() -> str:
         "",
         "from __future__ import annotations",
         "",
+        "from typing import NamedTuple",
+        "",
         "from phi4cli.core.options import DEFAULT_INSTRUCTION, DEFAULT_KEEP_ALIVE, DEFAULT_MODEL",
-        "from phi4cli.core.records import Record",
         "",
         "",
-        "class Settings(Record):",
+        "class Settings(NamedTuple):",
     ]
     named = {DEFAULT_MODEL: "DEFAULT_MODEL", DEFAULT_INSTRUCTION: "DEFAULT_INSTRUCTION",
              DEFAULT_KEEP_ALIVE: "DEFAULT_KEEP_ALIVE"}  # fmt: skip
@@ -552,14 +549,14 @@ def generated_records() -> str:
         default = named.get(setting.default, repr(setting.default))
         lines.append(f"    {setting.key}: {setting.type} = {default}")
     said = "The sampler's settings of one request (a part of its ``Ask``)."
-    lines += ["", "", "class Sampling(Record):", f'    """{said}"""', ""]
+    lines += ["", "", "class Sampling(NamedTuple):", f'    """{said}"""', ""]
     for setting in SETTINGS:
         if setting.sampling:
             lines.append(f"    {setting.key}: {setting.type} = {setting.default!r}")
     said = ("What one request asks of the engine that answers it (the table's request rows):\n"
             "    filled by the client, checked on the wire by ``protocol.parse_ask``, read by the\n"
             '    daemon and the remote engine alike."""')  # fmt: skip
-    lines += ["", "", "class Ask(Record):", f'    """{said}', ""]
+    lines += ["", "", "class Ask(NamedTuple):", f'    """{said}', ""]
     for key in REQUEST_KEYS:
         setting = SETTING[key]
         assert setting.wire is not None or setting.type not in ("int", "int | None", "float"), \

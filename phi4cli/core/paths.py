@@ -8,8 +8,7 @@ import socket
 import stat
 import sys
 from pathlib import Path
-
-from phi4cli.core.records import Record
+from typing import NamedTuple
 
 APP_NAME = "phi4"
 SOCKET_NAME = "daemon.sock"
@@ -17,7 +16,7 @@ SOCKET_NAME = "daemon.sock"
 MAX_SOCKET_PATH = 107
 
 
-class Paths(Record):
+class Paths(NamedTuple):
     config_dir: Path
     data_dir: Path
     state_dir: Path

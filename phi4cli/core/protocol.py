@@ -18,16 +18,12 @@ import re
 import sys
 from collections.abc import Mapping
 from enum import StrEnum
+from typing import Any, Final, NamedTuple
 
 from phi4cli.core._settings import Ask
 from phi4cli.core.errors import ErrorCode as ErrorCode  # the wire's error codes
 from phi4cli.core.errors import Fault, Phi4Error, error_for
 from phi4cli.core.options import MAX_COUNT
-from phi4cli.core.records import Record
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any, Final
 
 PROTOCOL_VERSION: Final = 1
 # A request line longer than this is refused: questions are short, and an unbounded line would let
@@ -98,7 +94,7 @@ class ProtocolViolation(Exception):
 # would cost every `phi4 solve` more than the daemon takes to answer a short question.
 
 
-class Stats(Record):
+class Stats(NamedTuple):
     """What one answer cost: tokens by kind, timings, how it ended. The daemon measures all of it;
     a remote engine fills what its server reports (``measured`` says which were counted here)."""
 
@@ -160,7 +156,7 @@ class Stats(Record):
 # --- events -------------------------------------------------------------------------------------
 
 
-class Event(Record):
+class Event(NamedTuple):
     """One event of a request's stream, as the client side sees it."""
 
     kind: EventKind
@@ -242,7 +238,7 @@ _TEXT_KINDS = frozenset({EventKind.TOKEN, EventKind.REASONING})
 # --- requests -----------------------------------------------------------------------------------
 
 
-class Request(Record):
+class Request(NamedTuple):
     id: Any
     op: str
     params: JSON
@@ -256,7 +252,7 @@ PRIORITIES: Final = {"interactive": PRIORITY_INTERACTIVE, "solve": PRIORITY_SOLV
                      "bulk": PRIORITY_BULK}  # fmt: skip
 
 
-class SolveParams(Record):
+class SolveParams(NamedTuple):
     """A solve, chat or load request, typed: what the client fills, the daemon and the remote
     engine read. Its wire form (a dict) is made by :func:`to_wire` and read back, checked, by
     :func:`parse_params`, and by nothing else."""

@@ -15,18 +15,16 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from phi4cli.core.config import Settings
 from phi4cli.core.paths import Paths
-from phi4cli.core.records import Record
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     import subprocess
-    from typing import Any
 
 
-class DaemonStatus(Record):
+class DaemonStatus(NamedTuple):
     """What the daemon's status file says (pid, socket, protocol, model, state)."""
 
     pid: int

@@ -9,11 +9,12 @@ which one it is. A backend streams one request's events (``stream``), answers ma
 
 from __future__ import annotations
 
-import _thread
 import contextlib
+import threading
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 from phi4cli.core.config import Settings
 from phi4cli.core.errors import DaemonGoneError, RequestError
@@ -32,13 +33,6 @@ from phi4cli.engines.dispatch import (
     Replica,
     Slow,
 )
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any, Protocol
-
-else:
-    Protocol = object  # the interfaces below are for the type checker; plain classes at run time
 
 
 class RequestStream(Protocol):
@@ -109,7 +103,7 @@ class DaemonBackend:
         self.announce = announce
         self.window = window  # requests one `run` keeps in the daemon's queue at once
         self._idle: list[Any] = []  # connections between requests, reused
-        self._lock = _thread.allocate_lock()  # threading's, without importing threading
+        self._lock = threading.Lock()
 
     def _take(self) -> Any:
         from phi4cli.engines.daemon_link import connect_checked

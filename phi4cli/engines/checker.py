@@ -11,16 +11,14 @@ the worker killed (the next check starts another).
 
 from __future__ import annotations
 
-import _thread
+import threading
 import time
+from typing import IO, TYPE_CHECKING
 
 # SymPy's room (its patterns take milliseconds to compile) and subprocess are imported when a
 # check is first prepared, after the request has gone out: not when a solve starts.
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     import subprocess
-    import threading
-    from typing import IO
 
     from phi4cli.text.checking import Check
 
@@ -38,10 +36,8 @@ class Checker:
         self._started = 0.0
         self._ready = False
         self._lines: list[bytes] = []
-        # (threading is imported when a worker starts: a warm solve whose question is not
-        # checked imports nothing for it)
         self._arrived: threading.Condition | None = None
-        self._lock = _thread.allocate_lock()
+        self._lock = threading.Lock()
         self.timed_out = 0  # checks cut off (their verdict: unchecked)
         self.prepared = False  # prepare has been called
 
@@ -88,7 +84,6 @@ class Checker:
         import os
         import subprocess
         import sys
-        import threading
 
         if self._arrived is None:
             self._arrived = threading.Condition()

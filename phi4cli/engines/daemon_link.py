@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from phi4cli import __version__
 from phi4cli.core import protocol
@@ -29,12 +30,6 @@ from phi4cli.core.paths import Paths, check_socket_path, install_id, is_our_daem
 from phi4cli.core.protocol import ErrorCode, Event, EventKind, Op
 from phi4cli.daemon import spawn
 from phi4cli.engines.dispatch import Announce
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any, Protocol
-else:
-    Protocol = object
 
 START_TIMEOUT = 60.0
 STOP_SPAWN_WAIT_S = 10.0  # how long `phi4 stop` waits for a client starting a daemon

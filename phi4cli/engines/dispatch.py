@@ -32,15 +32,10 @@ import time
 from bisect import insort
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from phi4cli.core.errors import error_for
 from phi4cli.core.protocol import JSON, ErrorCode, Event, EventKind, SolveParams
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Protocol
-else:
-    Protocol = object  # the interfaces below are for the type checker; plain classes at run time
 
 EventSink = Callable[[int, Event], None]  # (index of the request, event)
 # What says one line to the user (without its ``phi4:``), handed to an engine by the client:

@@ -5,14 +5,14 @@ The one place events become an answer: ``solve``, ``chat`` and ``serve`` all fol
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Protocol
+
 from phi4cli.core.errors import ExitStatus, Phi4Error
 from phi4cli.core.protocol import ErrorCode, Event, EventKind, Stats
 from phi4cli.text.reasoning import GrowingText, extract_final_answer
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
-    from typing import Any, Protocol
 
     from phi4cli.text.checking import Check
 
@@ -21,13 +21,10 @@ if TYPE_CHECKING:
 
         @property
         def error(self) -> Event | None: ...
-
         @property
         def thinking_unfinished(self) -> bool: ...
-
         @property
         def answer(self) -> str | None: ...
-
         @property
         def looped(self) -> bool: ...
 

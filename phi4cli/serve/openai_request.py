@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from starlette.responses import JSONResponse
 
@@ -23,7 +23,6 @@ from phi4cli.core.protocol import (
     SolveParams,
     parse_chat_params,
 )
-from phi4cli.core.records import Record
 
 
 class ApiError(Exception):
@@ -221,7 +220,7 @@ def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stops))
 
 
-class ChatRequest(Record):
+class ChatRequest(NamedTuple):
     """An OpenAI chat request as serve answers it: one daemon request per choice."""
 
     params: tuple[SolveParams, ...]  # each choice's daemon request

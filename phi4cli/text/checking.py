@@ -30,19 +30,16 @@ whether a problem is of a kind this room knows (so a worker is started only for 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from phi4cli.core.records import Record
-
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
-    from typing import Any
 
 VERIFIED, REFUTED, UNCHECKED = "verified", "refuted", "unchecked"
 VERDICTS = (VERIFIED, REFUTED, UNCHECKED)
 
 
-class Check(Record):
+class Check(NamedTuple):
     """A verdict on an answer, and one line saying how it was reached."""
 
     verdict: str  # VERIFIED, REFUTED or UNCHECKED

@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     import numpy as np
 

@@ -11,12 +11,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
-
-from phi4cli.core.records import Record
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
+from typing import Any, NamedTuple
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -320,7 +315,7 @@ def normalize_answer(answer: str) -> str:
     return text
 
 
-class Vote(Record):
+class Vote(NamedTuple):
     """The outcome of self-consistency voting."""
 
     answer: str | None  # the winning answer in its most common written form; None: no answers
@@ -635,8 +630,8 @@ def majority_vote(answers: Sequence[str | None], equal: Equal = same_answer,
 
 
 # Stop once the leader leads with 93%: 3 of 3 agreeing. Adaptive-Consistency's paper uses 95%
-# (4 of 4); in bench/adaptive_samples.py's simulation 93% took 1.8x fewer samples than K = 8 at 99.9%
-# agreement with the full-K majority, 95% 1.5x at 100%.
+# (4 of 4); in bench/adaptive_samples.py's simulation 93% took 1.8x fewer samples than K = 8 at
+# 99.9% agreement with the full-K majority, 95% 1.5x at 100%.
 STOP_CONFIDENCE = 0.93
 
 

@@ -30,10 +30,7 @@ from __future__ import annotations
 
 import re
 from functools import cache
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any, TextIO
+from typing import Any, TextIO
 
 REPLACEMENT = "\ufffd"
 
