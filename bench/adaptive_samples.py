@@ -76,8 +76,9 @@ def equal(a: str, b: str) -> bool:
     return a == b
 
 
-def beta_rule(answers: list[str | None], parallel: int,
-              confidence: float = STOP_CONFIDENCE) -> tuple[int, int]:  # fmt: skip
+def beta_rule(
+    answers: list[str | None], parallel: int, confidence: float = STOP_CONFIDENCE
+) -> tuple[int, int]:
     """(finished, started) under the Beta rule, ``parallel`` samples running at once and
     finishing in the order drawn."""
     k = len(answers)
@@ -107,8 +108,9 @@ def esc_rule(answers: list[str | None], window: int) -> tuple[int, int]:
 RULES = ("fixed", "beta-0.95", "beta-0.93", "esc-2", "esc-4")
 
 
-def simulate(problems: int, k: int, parallel: int, seed: int,
-             mixture: str = "stated") -> dict[str, Any]:  # fmt: skip
+def simulate(
+    problems: int, k: int, parallel: int, seed: int, mixture: str = "stated"
+) -> dict[str, Any]:
     rng = random.Random(seed)
     rules: dict[str, dict[str, list[float]]] = {
         name: {"finished": [], "started": [], "agrees": [], "right": []} for name in RULES
@@ -157,25 +159,39 @@ def confidence_votes(problems: int, k: int, seed: int) -> dict[str, dict[str, fl
     for separation in SEPARATIONS:
         right = {"count": 0, "confidence": 0, "confidence, top half": 0}
         for answers in drawn:
-            conf = [max(0.1, rng.gauss(CONF_WRONG + (separation * CONF_SPREAD
-                                                     if a == "right" else 0.0), CONF_SPREAD))
-                    for a in answers]  # fmt: skip
+            conf = [
+                max(
+                    0.1,
+                    rng.gauss(
+                        CONF_WRONG + (separation * CONF_SPREAD if a == "right" else 0.0),
+                        CONF_SPREAD,
+                    ),
+                )
+                for a in answers
+            ]
             keep = sorted(range(k), key=lambda i: -conf[i])[: k // 2]
             votes = {
                 "count": majority_vote(answers, equal=equal).answer,
                 "confidence": majority_vote(answers, equal=equal, weights=conf).answer,
-                "confidence, top half": majority_vote([answers[i] for i in keep], equal=equal,
-                                                      weights=[conf[i] for i in keep]).answer,
-            }  # fmt: skip
+                "confidence, top half": majority_vote(
+                    [answers[i] for i in keep], equal=equal, weights=[conf[i] for i in keep]
+                ).answer,
+            }
             for name, answer in votes.items():
                 right[name] += answer == "right"
         table[f"d = {separation:g}"] = {name: count / problems for name, count in right.items()}
     return table
 
 
-def online_rule(answers: list[str | None], conf: list[float], lengths: list[float],
-                stops: list[float], parallel: int, online: bool,
-                weighted: bool) -> tuple[str | None, float, int]:  # fmt: skip
+def online_rule(
+    answers: list[str | None],
+    conf: list[float],
+    lengths: list[float],
+    stops: list[float],
+    parallel: int,
+    online: bool,
+    weighted: bool,
+) -> tuple[str | None, float, int]:
     """One problem under the Beta rule (phi4's default), with DeepConf online or without:
     (the voted answer, tokens written, traces stopped as unsure).
 
@@ -222,17 +238,26 @@ def online_table(problems: int, k: int, parallel: int, seed: int) -> dict[str, d
         fixed_tokens = 0.0
         for _ in range(problems):
             answers = draw_problem(rng, k)
-            conf = [rng.gauss(CONF_WRONG + (separation * CONF_SPREAD if a == "right" else 0.0),
-                              CONF_SPREAD) for a in answers]  # fmt: skip
-            lengths = [rng.lognormvariate(math.log(MEDIAN_TOKENS), TOKENS_SIGMA)
-                       for _ in answers]  # fmt: skip
+            conf = [
+                rng.gauss(
+                    CONF_WRONG + (separation * CONF_SPREAD if a == "right" else 0.0), CONF_SPREAD
+                )
+                for a in answers
+            ]
+            lengths = [rng.lognormvariate(math.log(MEDIAN_TOKENS), TOKENS_SIGMA) for _ in answers]
             stops = [rng.random() for _ in answers]
             fixed_tokens += sum(lengths)
             full = majority_vote(answers, equal=equal).answer
             for name, row in rows.items():
                 answer, tokens, unsure = online_rule(
-                    answers, conf, lengths, stops, parallel,
-                    online=name != "beta", weighted=name.endswith("weighted"))  # fmt: skip
+                    answers,
+                    conf,
+                    lengths,
+                    stops,
+                    parallel,
+                    online=name != "beta",
+                    weighted=name.endswith("weighted"),
+                )
                 row["tokens"] += tokens
                 row["right"] += answer == "right"
                 row["agrees"] += answer == full
@@ -255,8 +280,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
-    results = {name: simulate(args.problems, args.k, args.parallel, args.seed, name)
-               for name in MIXTURES}  # fmt: skip
+    results = {
+        name: simulate(args.problems, args.k, args.parallel, args.seed, name) for name in MIXTURES
+    }
     lines = [
         f"# Adaptive samples, simulated ({args.problems:,} problems, K = {args.k}, "
         f"{args.parallel} at once, seed {args.seed})",
@@ -270,7 +296,8 @@ def main() -> None:
             lines.append(
                 f"| {mixture} | {name} | {row['mean_samples']:.2f} | {row['mean_started']:.2f} "
                 f"| {row['fewer_than_fixed']:.2f}x | {row['agreement_with_full_k']:.1%} | "
-                f"{row['accuracy']:.1%} |")  # fmt: skip
+                f"{row['accuracy']:.1%} |"
+            )
     votes = confidence_votes(args.problems, args.k, args.seed)
     lines += [
         "",
@@ -282,8 +309,10 @@ def main() -> None:
         "| --- | --- | --- | --- |",
     ]
     for name, row in votes.items():
-        lines.append(f"| {name} | {row['count']:.1%} | {row['confidence']:.1%} | "
-                     f"{row['confidence, top half']:.1%} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {row['count']:.1%} | {row['confidence']:.1%} | "
+            f"{row['confidence, top half']:.1%} |"
+        )
     online = online_table(args.problems, args.k, args.parallel, args.seed)
     lines += [
         "",
@@ -296,17 +325,27 @@ def main() -> None:
         "| --- | --- | --- | --- | --- |",
     ]
     for name, row in online.items():
-        lines.append(f"| {name} | {row['fewer_tokens_than_fixed']:.2f}x | {row['accuracy']:.1%} "
-                     f"| {row['agreement_with_full_k']:.1%} | "
-                     f"{row['stopped_unsure_per_problem']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {row['fewer_tokens_than_fixed']:.2f}x | {row['accuracy']:.1%} "
+            f"| {row['agreement_with_full_k']:.1%} | "
+            f"{row['stopped_unsure_per_problem']:.2f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "adaptive_samples.md").write_text(text)
-    (args.out / "adaptive_samples.json").write_text(json.dumps(
-        {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rules": results,
-         "confidence_votes": votes, "online": online},
-        indent=2) + "\n")  # fmt: skip
+    (args.out / "adaptive_samples.json").write_text(
+        json.dumps(
+            {
+                "args": {k: v for k, v in vars(args).items() if k != "out"},
+                "rules": results,
+                "confidence_votes": votes,
+                "online": online,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -75,8 +75,15 @@ def questions(model: Path, k: int, prompt_tokens: int) -> list[str]:
         text, n = "", 0
         while len(vocab.tokenize(text.encode(), add_bos=False)) < prompt_tokens:
             n += 1
-            text += SENTENCE.format(n=n, i=i, m=n - 1, a=3 + (i * 7 + n) % 11, b=(i + 5 * n) % 13,
-                                    c=97 + i, d=1000 * n + i)  # fmt: skip
+            text += SENTENCE.format(
+                n=n,
+                i=i,
+                m=n - 1,
+                a=3 + (i * 7 + n) % 11,
+                b=(i + 5 * n) % 13,
+                c=97 + i,
+                d=1000 * n + i,
+            )
         tokens = vocab.tokenize(text.encode(), add_bos=False)[:prompt_tokens]
         head = vocab.detokenize(tokens).decode("utf-8", errors="ignore")
         texts.append(f"{head}\n{QUESTION} (variant {i})")
@@ -88,8 +95,13 @@ def summary(started: float, produced: list[int], first: list[float | None]) -> d
     """A round's aggregate tokens/s and each request's seconds to its first token."""
     wall = time.monotonic() - started
     ttft = sorted(round(t - started, 3) for t in first if t is not None)
-    return {"tps": sum(produced) / wall, "wall_s": round(wall, 3), "ttft_s": ttft,
-            "answered": len(ttft), "tokens": sum(produced)}  # fmt: skip
+    return {
+        "tps": sum(produced) / wall,
+        "wall_s": round(wall, 3),
+        "ttft_s": ttft,
+        "answered": len(ttft),
+        "tokens": sum(produced),
+    }
 
 
 def spread_out(ask: Callable[[int], None], k: int, spread: float) -> float:
@@ -158,15 +170,21 @@ def server_round(port: int, prompts: list[str], tokens: int, spread: float = 0.0
 
     def ask(i: int) -> None:
         # Streamed, as phi4 streams every token to its client: both pay for sending them.
-        body = json.dumps({
-            "messages": [{"role": "user", "content": prompts[i]}],
-            "max_tokens": tokens, "temperature": 0, "cache_prompt": True, "stream": True,
-            "stream_options": {"include_usage": True},
-        }).encode()  # fmt: skip
+        body = json.dumps(
+            {
+                "messages": [{"role": "user", "content": prompts[i]}],
+                "max_tokens": tokens,
+                "temperature": 0,
+                "cache_prompt": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
         request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            data=body,
             headers={"Content-Type": "application/json"},
-        )  # fmt: skip
+        )
         with urllib.request.urlopen(request, timeout=3600) as response:
             for line in response:
                 if not line.startswith(b"data: {"):
@@ -188,8 +206,10 @@ def llama_server_running(server: Path, model: Path, args: list[str]) -> Iterator
     port = free_port()
     proc = subprocess.Popen(
         [str(server), "-m", str(model), *args, "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_healthy(port)
         yield port
@@ -218,18 +238,33 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrent", type=int, nargs="*", default=[1, 4, 8])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=0,
-                        help="give each question a different problem text of this many tokens "
-                             "to read first (default: the short question alone)")  # fmt: skip
-    parser.add_argument("--phi4-arg", action="append", default=[],
-                        help="pass this to `phi4 daemon start` too (e.g. --phi4-arg=--kv-layout="
-                             "--phi4-arg=shared)")  # fmt: skip
-    parser.add_argument("--server-arg", action="append", default=[],
-                        help="pass this to llama-server too (e.g. --server-arg=-kvu for one KV "
-                             "cache shared by all slots, as phi4 has)")  # fmt: skip
-    parser.add_argument("--spread", type=float, default=0.0,
-                        help="send a round's requests evenly over this many milliseconds, not "
-                             "at once (a burst that arrives a little apart)")  # fmt: skip
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="give each question a different problem text of this many tokens "
+        "to read first (default: the short question alone)",
+    )
+    parser.add_argument(
+        "--phi4-arg",
+        action="append",
+        default=[],
+        help="pass this to `phi4 daemon start` too (e.g. --phi4-arg=--kv-layout=--phi4-arg=shared)",
+    )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="pass this to llama-server too (e.g. --server-arg=-kvu for one KV "
+        "cache shared by all slots, as phi4 has)",
+    )
+    parser.add_argument(
+        "--spread",
+        type=float,
+        default=0.0,
+        help="send a round's requests evenly over this many milliseconds, not "
+        "at once (a burst that arrives a little apart)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     spread = args.spread / 1000
@@ -247,26 +282,49 @@ def main() -> None:
     # llama-server on the physical cores.
     # (Once its whole context is made, as llama-server's health check below waits for its own.)
     start_daemon(args.model, env, ["--parallel", str(slots), *args.phi4_arg])
-    status = subprocess.run([*PHI4, "status", "--json"], env=env, capture_output=True, text=True,
-                            check=True)  # fmt: skip
+    status = subprocess.run(
+        [*PHI4, "status", "--json"], env=env, capture_output=True, text=True, check=True
+    )
     plan = json.loads(status.stdout)["memory"]["plan"]
     server: subprocess.Popen[bytes] | None = None
     port = free_port()
     if args.server is not None:
         server = subprocess.Popen(
-            [str(args.server), "-m", str(args.model), "-t", str(threads), "-tb", str(threads),
-             "-np", str(slots), "-c", str(slots * per_slot), "--host", "127.0.0.1",
-             "--port", str(port), *args.server_arg],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                str(args.server),
+                "-m",
+                str(args.model),
+                "-t",
+                str(threads),
+                "-tb",
+                str(threads),
+                "-np",
+                str(slots),
+                "-c",
+                str(slots * per_slot),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *args.server_arg,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_healthy(port)
     results: dict[str, Any] = {
-        "model": str(args.model), "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
+        "model": str(args.model),
+        "tokens": args.tokens,
+        "prompt_tokens": args.prompt_tokens,
         "server": str(args.server),
-        "server_args": args.server_arg, "phi4_args": args.phi4_arg, "phi4_plan": plan,
+        "server_args": args.server_arg,
+        "phi4_args": args.phi4_arg,
+        "phi4_plan": plan,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} threads",
-        "phi4": {}, "llama_server": {}, "rounds": {},
-    }  # fmt: skip
+        "phi4": {},
+        "llama_server": {},
+        "rounds": {},
+    }
     try:
         warm = questions(args.model, 1, 0)
         phi4_round(home, warm, 8)  # warm both: first requests allocate buffers
@@ -299,8 +357,10 @@ def main() -> None:
         mine, peer = results["phi4"][k], results["llama_server"].get(k)
         row = f"| {k} | {mine['tps']:.2f} tok/s | {mine['slowest_ttft_s']:.2f} s | "
         if peer:
-            row += (f"{peer['tps']:.2f} tok/s | {peer['slowest_ttft_s']:.2f} s | "
-                    f"**{mine['tps'] / peer['tps']:.2f}x** |")  # fmt: skip
+            row += (
+                f"{peer['tps']:.2f} tok/s | {peer['slowest_ttft_s']:.2f} s | "
+                f"**{mine['tps'] / peer['tps']:.2f}x** |"
+            )
         else:
             row += "- | - | - |"
         rows.append(row)
@@ -310,11 +370,15 @@ def main() -> None:
     )
     prompt = f"{args.prompt_tokens}-token prompts, " if args.prompt_tokens else ""
     prompt += f"sent over {args.spread:g} ms, " if args.spread else ""
-    lines = [f"Batching on {args.model.name} ({results['machine']}, {prompt}{args.tokens}-token "
-             f"greedy answers, median of {args.rounds} interleaved rounds{extra})", "",
-             "| concurrent | phi4 aggregate | phi4 slowest first token | llama-server aggregate "
-             "| llama-server slowest first token | phi4 / llama-server |",
-             "| --- | --- | --- | --- | --- | --- |", *rows]  # fmt: skip
+    lines = [
+        f"Batching on {args.model.name} ({results['machine']}, {prompt}{args.tokens}-token "
+        f"greedy answers, median of {args.rounds} interleaved rounds{extra})",
+        "",
+        "| concurrent | phi4 aggregate | phi4 slowest first token | llama-server aggregate "
+        "| llama-server slowest first token | phi4 / llama-server |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ]
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"batching-{args.model.stem}" + (f"-p{args.prompt_tokens}" if args.prompt_tokens else "")
@@ -328,9 +392,11 @@ def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """The median round's aggregate and slowest first token (each its own median), and the
     median of each request's first-token time by rank."""
     ranks = zip(*(r["ttft_s"] for r in rounds), strict=False)
-    return {"tps": statistics.median(r["tps"] for r in rounds),
-            "slowest_ttft_s": statistics.median(max(r["ttft_s"], default=0.0) for r in rounds),
-            "ttft_s": [statistics.median(rank) for rank in ranks]}  # fmt: skip
+    return {
+        "tps": statistics.median(r["tps"] for r in rounds),
+        "slowest_ttft_s": statistics.median(max(r["ttft_s"], default=0.0) for r in rounds),
+        "ttft_s": [statistics.median(rank) for rank in ranks],
+    }
 
 
 if __name__ == "__main__":

@@ -55,8 +55,13 @@ def phi4_turns(
     with connection:
         for index in range(turns):
             question = QUESTIONS[index % len(QUESTIONS)]
-            params = {"session": "bench", "message": question, "history": history,
-                      "temperature": 0, "max_tokens": max_tokens}  # fmt: skip
+            params = {
+                "session": "bench",
+                "message": question,
+                "history": history,
+                "temperature": 0,
+                "max_tokens": max_tokens,
+            }
             sent = time.monotonic()
             first = None
             answer = ""
@@ -70,12 +75,20 @@ def phi4_turns(
                     stats = event.stats.to_dict()
                 if event.kind == "error":
                     raise SystemExit(f"phi4 failed: {event}")
-            rows.append({"turn": index + 1, "question": question, "ttft_s": first,
-                         "prompt_tokens": stats["prompt_tokens"],
-                         "evaluated_tokens": stats["prompt_eval_tokens"],
-                         "cached_tokens": stats["cached_tokens"]})  # fmt: skip
-            history += [{"role": "user", "content": question},
-                        {"role": "assistant", "content": answer}]  # fmt: skip
+            rows.append(
+                {
+                    "turn": index + 1,
+                    "question": question,
+                    "ttft_s": first,
+                    "prompt_tokens": stats["prompt_tokens"],
+                    "evaluated_tokens": stats["prompt_eval_tokens"],
+                    "cached_tokens": stats["cached_tokens"],
+                }
+            )
+            history += [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": answer},
+            ]
     return rows, history
 
 
@@ -86,8 +99,9 @@ def in_process_turns(
     answer, so llama-cpp-python's own prefix cache holds what it wrote, as phi4's does."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(model), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                          verbose=False)  # fmt: skip
+    llm = llama_cpp.Llama(
+        str(model), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
     times = []
     for turn in range(len(history) // 2):
         messages = [*history[: 2 * turn], history[2 * turn]]
@@ -105,17 +119,27 @@ def in_process_turns(
     return times
 
 
-def fresh_process_turns(model: Path, history: list[dict[str, str]], threads: int, n_ctx: int,
-                        turns: list[int]) -> dict[int, float]:  # fmt: skip
+def fresh_process_turns(
+    model: Path, history: list[dict[str, str]], threads: int, n_ctx: int, turns: list[int]
+) -> dict[int, float]:
     results = {}
     for turn in turns:
         messages = [*history[: 2 * (turn - 1)], history[2 * (turn - 1)]]
         started = time.monotonic()
         out = subprocess.run(
-            [sys.executable, "-c", FRESH_PROCESS, str(model), json.dumps(messages), str(threads),
-             str(n_ctx)],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                FRESH_PROCESS,
+                str(model),
+                json.dumps(messages),
+                str(threads),
+                str(n_ctx),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         json.loads(out.stdout)  # the script's own view; the wall time includes interpreter start
         results[turn] = time.monotonic() - started
     return results
@@ -139,8 +163,21 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="p4b-", dir="/tmp"))
     env = {**os.environ, "PHI4_HOME": str(home)}
     phi4 = [sys.executable, "-m", "phi4cli"]
-    subprocess.run([*phi4, "daemon", "start", "-m", str(model), "--n-ctx", str(args.n_ctx),
-                    "--keep-alive", "10m"], env=env, check=True)  # fmt: skip
+    subprocess.run(
+        [
+            *phi4,
+            "daemon",
+            "start",
+            "-m",
+            str(model),
+            "--n-ctx",
+            str(args.n_ctx),
+            "--keep-alive",
+            "10m",
+        ],
+        env=env,
+        check=True,
+    )
     os.environ["PHI4_HOME"] = str(home)
     try:
         rows, history = phi4_turns(home, model, args.turns, args.max_tokens)

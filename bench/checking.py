@@ -62,8 +62,10 @@ def negated(answer: str) -> str | None:
 
 
 PERTURBATIONS: dict[str, Callable[[str], str | None]] = {
-    "plus_one": plus_one, "doubled": doubled, "negated": negated,
-}  # fmt: skip
+    "plus_one": plus_one,
+    "doubled": doubled,
+    "negated": negated,
+}
 
 
 def rows(split: str) -> list[dict[str, Any]]:
@@ -90,9 +92,15 @@ def measure(split: str) -> dict[str, Any]:
             right = checker.check(row["problem"], row["answer"])
             counts[f"right_{right.verdict}"] += 1
             if right.verdict == "refuted":
-                wrong.append({"row": row["index"], "subject": row["subject"],
-                              "answer": row["answer"], "verdict": "refuted",
-                              "detail": right.detail})  # fmt: skip
+                wrong.append(
+                    {
+                        "row": row["index"],
+                        "subject": row["subject"],
+                        "answer": row["answer"],
+                        "verdict": "refuted",
+                        "detail": right.detail,
+                    }
+                )
             for kind, perturb in PERTURBATIONS.items():
                 answer = perturb(row["answer"])
                 if answer is None:
@@ -101,13 +109,24 @@ def measure(split: str) -> dict[str, Any]:
                 counts["wrong_answers"] += 1
                 counts[f"wrong_{found.verdict}"] += 1
                 if found.verdict == "verified":
-                    wrong.append({"row": row["index"], "subject": row["subject"],
-                                  "answer": answer, "perturbation": kind,
-                                  "verdict": "verified", "detail": found.detail})  # fmt: skip
+                    wrong.append(
+                        {
+                            "row": row["index"],
+                            "subject": row["subject"],
+                            "answer": answer,
+                            "perturbation": kind,
+                            "verdict": "verified",
+                            "detail": found.detail,
+                        }
+                    )
         timed_out = checker.timed_out
-    return {"split": split, "table": {k: dict(v) for k, v in sorted(table.items())},
-            "wrong_verdicts": wrong, "timed_out": timed_out,
-            "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
+    return {
+        "split": split,
+        "table": {k: dict(v) for k, v in sorted(table.items())},
+        "wrong_verdicts": wrong,
+        "timed_out": timed_out,
+        "seconds": round(time.monotonic() - started, 1),
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -125,14 +144,20 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {name} | {problems} | {verified} ({verified / problems:.1%}) "
             f"| {c.get('right_refuted', 0)} | {wrongs} "
             f"| {refuted} ({refuted / wrongs:.1%}) | {c.get('wrong_verified', 0)} |"
-            if problems and wrongs else f"| {name} | {problems} | {verified} | "
+            if problems and wrongs
+            else f"| {name} | {problems} | {verified} | "
             f"{c.get('right_refuted', 0)} | {wrongs} | {refuted} | {c.get('wrong_verified', 0)} |"
-        )  # fmt: skip
-    lines += ["", f"Wrong verdicts: {len(result['wrong_verdicts'])}. Checks cut off at 1 s: "
-              f"{result['timed_out']}. {result['seconds']} s in all."]  # fmt: skip
+        )
+    lines += [
+        "",
+        f"Wrong verdicts: {len(result['wrong_verdicts'])}. Checks cut off at 1 s: "
+        f"{result['timed_out']}. {result['seconds']} s in all.",
+    ]
     for verdict in result["wrong_verdicts"]:
-        lines.append(f"- row {verdict['row']} ({verdict['subject']}): {verdict['answer']!r} "
-                     f"{verdict['verdict']}: {verdict['detail']}")  # fmt: skip
+        lines.append(
+            f"- row {verdict['row']} ({verdict['subject']}): {verdict['answer']!r} "
+            f"{verdict['verdict']}: {verdict['detail']}"
+        )
     return "\n".join(lines) + "\n"
 
 

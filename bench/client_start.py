@@ -54,8 +54,14 @@ def timed(command: list[str], env: dict[str, str], runs: int) -> list[float]:
     times = []
     for _ in range(runs):
         started = time.perf_counter()
-        subprocess.run(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                       stderr=subprocess.DEVNULL, check=True)  # fmt: skip
+        subprocess.run(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            check=True,
+        )
         times.append(time.perf_counter() - started)
     return times
 
@@ -88,21 +94,35 @@ def free_port() -> int:
 
 def curl_llama_server(binary: str, model: Path, runs: int) -> list[float]:
     port = free_port()
-    server = subprocess.Popen([binary, "-m", str(model), "--port", str(port), "-c", "2048",
-                               "--log-disable"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)  # fmt: skip
+    server = subprocess.Popen(
+        [binary, "-m", str(model), "--port", str(port), "-c", "2048", "--log-disable"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
-        while subprocess.run(["curl", "-sf", f"{url}/health"], stdout=subprocess.DEVNULL,
-                             check=False).returncode != 0:  # fmt: skip
+        while (
+            subprocess.run(
+                ["curl", "-sf", f"{url}/health"], stdout=subprocess.DEVNULL, check=False
+            ).returncode
+            != 0
+        ):
             if time.monotonic() > deadline or server.poll() is not None:
                 raise SystemExit("llama-server did not start")
             time.sleep(0.2)
-        body = json.dumps({"messages": [{"role": "user", "content": QUESTION}],
-                           "max_tokens": 1, "temperature": 0})  # fmt: skip
-        command = ["curl", "-s", f"{url}/v1/chat/completions", "-H",
-                   "Content-Type: application/json", "-d", body]  # fmt: skip
+        body = json.dumps(
+            {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 1, "temperature": 0}
+        )
+        command = [
+            "curl",
+            "-s",
+            f"{url}/v1/chat/completions",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            body,
+        ]
         timed(command, dict(os.environ), 3)  # warm its cache like ours
         return timed(command, dict(os.environ), runs)
     finally:
@@ -118,9 +138,12 @@ def installed(root: Path) -> tuple[str, list[str]]:
     venv = root / "installed"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path("
-                              "'purelib'))"], capture_output=True, text=True,
-                             check=True).stdout.strip()  # fmt: skip
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     (Path(purelib) / "phi4cli").symlink_to(ROOT / "phi4cli")
     # The dependencies, from this environment: a .pth adds the directory to sys.path, and the
     # .pth files inside it (this checkout's editable hook) are not run.
@@ -128,10 +151,12 @@ def installed(root: Path) -> tuple[str, list[str]]:
     (Path(purelib) / "deps.pth").write_text("\n".join(ours) + "\n")
     # The `phi4` script pip writes for pyproject's [project.scripts] entry point.
     script = venv / "bin" / "phi4"
-    script.write_text(f"#!{python}\n# -*- coding: utf-8 -*-\nimport re\nimport sys\n"
-                      "from phi4cli.entry import main\nif __name__ == '__main__':\n"
-                      "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
-                      "    sys.exit(main())\n")  # fmt: skip
+    script.write_text(
+        f"#!{python}\n# -*- coding: utf-8 -*-\nimport re\nimport sys\n"
+        "from phi4cli.entry import main\nif __name__ == '__main__':\n"
+        "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+        "    sys.exit(main())\n"
+    )
     script.chmod(0o755)
     return str(python), [str(script)]
 
@@ -139,8 +164,9 @@ def installed(root: Path) -> tuple[str, list[str]]:
 def measure(
     python: str, phi4: list[str], model: Path, env: dict[str, str], home: Path, runs: int
 ) -> dict[str, list[float]]:
-    subprocess.run([*phi4, "daemon", "start", "-m", str(model)], env=env, check=True,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [*phi4, "daemon", "start", "-m", str(model)], env=env, check=True, stdout=subprocess.DEVNULL
+    )
     try:
         solve = [*phi4, "solve", QUESTION, "-m", str(model), "-n", "1", "-t", "0"]
         timed(solve, env, 3)  # the daemon's prompt cache and the page cache, as a user has them
@@ -163,8 +189,10 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="phi4-bench-"))
     # A private home through the XDG variables, not PHI4_HOME: the paths are found as for a user,
     # through platformdirs, which is part of what a solve costs.
-    xdg = {f"XDG_{kind}_HOME": str(home / kind.lower()) for kind in ("CONFIG", "DATA", "STATE",
-                                                                       "CACHE")}  # fmt: skip
+    xdg = {
+        f"XDG_{kind}_HOME": str(home / kind.lower())
+        for kind in ("CONFIG", "DATA", "STATE", "CACHE")
+    }
     xdg["XDG_RUNTIME_DIR"] = str(home / "run")
     (home / "run").mkdir(mode=0o700)
     env = {**os.environ, **xdg}
@@ -183,8 +211,10 @@ def main() -> None:
     else:
         setups = {"installed": installed(home), "this environment": (sys.executable, [PHI4])}
     try:
-        results = {name: measure(python, phi4, model, env, home, args.runs)
-                   for name, (python, phi4) in setups.items()}  # fmt: skip
+        results = {
+            name: measure(python, phi4, model, env, home, args.runs)
+            for name, (python, phi4) in setups.items()
+        }
         curl = curl_llama_server(args.llama_server, model, args.runs) if args.llama_server else None
     finally:
         shutil.rmtree(home, ignore_errors=True)
@@ -202,13 +232,14 @@ def main() -> None:
         medians = {what: statistics.median(times) for what, times in rows.items()}
         floor = medians["python -c pass"] + medians["daemon's own time"]
         ratio = medians["phi4 solve (piped)"] / floor
-        summary[name] = {"medians_s": medians, "floor_s": floor, "ratio": ratio,
-                         "samples_s": rows}  # fmt: skip
+        summary[name] = {"medians_s": medians, "floor_s": floor, "ratio": ratio, "samples_s": rows}
         for what, value in medians.items():
             note = ""
             if what == "phi4 solve (piped)":
-                note = (f"{ratio:.2f}x the floor (python -c pass + daemon's own time, "
-                        f"{floor * 1000:.1f} ms)")  # fmt: skip
+                note = (
+                    f"{ratio:.2f}x the floor (python -c pass + daemon's own time, "
+                    f"{floor * 1000:.1f} ms)"
+                )
             lines.append(f"| {name} | {what} | {value * 1000:.1f} ms | {note} |")
     if curl is not None:
         lines.append(
@@ -218,9 +249,18 @@ def main() -> None:
     print(report)
     out = ROOT / "bench" / "results" / f"client_start-{model.stem}"
     out.with_suffix(".md").write_text(report)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"model": model.name, "runs": args.runs, "installs": summary,
-         "curl_llama_server_s": curl}, indent=2) + "\n")  # fmt: skip
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "model": model.name,
+                "runs": args.runs,
+                "installs": summary,
+                "curl_llama_server_s": curl,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -36,11 +36,17 @@ QUESTIONS = ("What is 12*13?", "Solve 3x^2+4x+5=1.", "What is 2+2?", "Sum 1 to 1
 def run_step_times(engine: LlamaEngine, at_once: int, tokens: int, confidence: bool) -> float:
     """Seconds per decode step of ``at_once`` requests (their decode time over their tokens)."""
     jobs = [
-        Job(i, SolveParams(f"{QUESTIONS[i % 4]} (round {time.monotonic()})",
-                           Ask(temperature=0.0, max_tokens=tokens, loop="off"),
-                           confidence=confidence), lambda _event: None)
+        Job(
+            i,
+            SolveParams(
+                f"{QUESTIONS[i % 4]} (round {time.monotonic()})",
+                Ask(temperature=0.0, max_tokens=tokens, loop="off"),
+                confidence=confidence,
+            ),
+            lambda _event: None,
+        )
         for i in range(at_once)
-    ]  # fmt: skip
+    ]
     for job in jobs:
         assert engine.admit(job) is None, "the context holds them all"
     done: list[Any] = []
@@ -57,8 +63,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    engine = LlamaEngine(Settings(n_ctx=4096, threads=args.threads, parallel=4, ramdisk="off",
-                                  kv_layout="shared"))  # fmt: skip
+    engine = LlamaEngine(
+        Settings(n_ctx=4096, threads=args.threads, parallel=4, ramdisk="off", kv_layout="shared")
+    )
     engine.load(args.model)
     engine.warm()
     model = engine._model
@@ -81,15 +88,18 @@ def main() -> None:
     per_token = (time.perf_counter() - started) / 1000
     rows = {key: statistics.median(values) for key, values in steps.items()}
     result: dict[str, Any] = {
-        "model": str(args.model), "n_vocab": n_vocab, "threads": args.threads,
-        "tokens": args.tokens, "rounds": args.rounds,
+        "model": str(args.model),
+        "n_vocab": n_vocab,
+        "threads": args.threads,
+        "tokens": args.tokens,
+        "rounds": args.rounds,
         "confidence_ms_per_token": round(per_token * 1000, 3),
         "step_s_median": {key: round(value, 4) for key, value in rows.items()},
         "cost_of_a_step": {
             f"{n} at once": round(n * per_token / rows[f"{n} at once, confidence off"], 4)
             for n in (1, 4)
         },
-    }  # fmt: skip
+    }
     lines = [
         f"# Confidence's cost per decode step: {args.model.name} (vocabulary {n_vocab:,}), "
         f"{args.threads} threads, {args.tokens} tokens, median of {args.rounds} rounds",
@@ -102,8 +112,10 @@ def main() -> None:
     ]
     for n in (1, 4):
         off, on = rows[f"{n} at once, confidence off"], rows[f"{n} at once, confidence on"]
-        lines.append(f"| {n} | {off * 1000:.1f} ms | {on * 1000:.1f} ms | "
-                     f"{result['cost_of_a_step'][f'{n} at once']:.2%} |")  # fmt: skip
+        lines.append(
+            f"| {n} | {off * 1000:.1f} ms | {on * 1000:.1f} ms | "
+            f"{result['cost_of_a_step'][f'{n} at once']:.2%} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     out = ROOT / "bench" / "results"

@@ -71,8 +71,9 @@ def busy(count: int, duty: float = 1.0) -> Iterator[None]:
     """``count`` processes spinning on the CPUs while the block runs (each ``duty`` of the
     time)."""
     code = SPIN if duty >= 1.0 else SOME.format(duty=duty)
-    procs = [subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
-             for _ in range(count)]  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], start_new_session=True) for _ in range(count)
+    ]
     try:
         time.sleep(1.0)  # let them take their share of the CPUs
         yield
@@ -88,8 +89,12 @@ def phi4_running(model: Path, args: list[str], env: dict[str, str]) -> Iterator[
     context and ``env``; yields its environment, for the commands that talk to it."""
     home = Path(tempfile.mkdtemp(prefix="p4c-", dir="/tmp"))
     env = {**env, "PHI4_HOME": str(home)}
-    subprocess.run([*PHI4, "daemon", "start", "-m", str(model), *args, "--n-ctx", "4096"],
-                   env=env, check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [*PHI4, "daemon", "start", "-m", str(model), *args, "--n-ctx", "4096"],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     try:
         yield env
     finally:
@@ -98,9 +103,24 @@ def phi4_running(model: Path, args: list[str], env: dict[str, str]) -> Iterator[
 
 def solve_stats(env: dict[str, str], model: Path, question: str, tokens: int) -> dict[str, Any]:
     """The stats of a greedy ``phi4 solve --json`` of ``tokens`` tokens (no instruction)."""
-    done = subprocess.run([*PHI4, "solve", question, "-m", str(model), "-t", "0", "--json",
-                           "--no-instruction", "-n", str(tokens)], env=env, capture_output=True,
-                          text=True)  # fmt: skip
+    done = subprocess.run(
+        [
+            *PHI4,
+            "solve",
+            question,
+            "-m",
+            str(model),
+            "-t",
+            "0",
+            "--json",
+            "--no-instruction",
+            "-n",
+            str(tokens),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     # (Exit 1 is fine: a reasoning model's thinking cut short has no final answer.)
     if done.returncode not in (0, 1):
         raise RuntimeError(f"phi4 solve failed ({done.returncode}): {done.stderr.strip()}")
@@ -129,12 +149,19 @@ def llama_server(server: Path, model: Path, threads: int, extra: list[str]) -> I
     with llama_server_running(server, model, args) as port:
 
         def ask(tokens: int) -> float:
-            body = json.dumps({"messages": [{"role": "user", "content": QUESTION}],
-                               "max_tokens": tokens, "temperature": 0,
-                               "cache_prompt": False}).encode()  # fmt: skip
+            body = json.dumps(
+                {
+                    "messages": [{"role": "user", "content": QUESTION}],
+                    "max_tokens": tokens,
+                    "temperature": 0,
+                    "cache_prompt": False,
+                }
+            ).encode()
             request = urllib.request.Request(
-                f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-                headers={"Content-Type": "application/json"})  # fmt: skip
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(request, timeout=900) as reply:
                 return float(json.loads(reply.read())["timings"]["predicted_per_second"])
 
@@ -158,13 +185,19 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--server", type=Path)
     parser.add_argument("--busy", type=int, default=2, help="busy processes beside it")
-    parser.add_argument("--duty", type=float, default=1.0,
-                        help="the share of the time each busy process spins")  # fmt: skip
+    parser.add_argument(
+        "--duty", type=float, default=1.0, help="the share of the time each busy process spins"
+    )
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--spin", type=int, action="append", default=[],
-                        help="also phi4 with GOMP_SPINCOUNT=N, on threads from the free cores "
-                             "and on all (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--spin",
+        type=int,
+        action="append",
+        default=[],
+        help="also phi4 with GOMP_SPINCOUNT=N, on threads from the free cores "
+        "and on all (repeatable)",
+    )
     parser.add_argument(
         "--only",
         action="append",
@@ -182,15 +215,18 @@ def main() -> None:
     base = {k: v for k, v in base.items() if k != "PHI4_THREADS"}
     n, tokens = threads, args.tokens
     variants: dict[str, Callable[[], AbstractContextManager[Ask]]] = {
-        f"phi4 (its default: a spin of {int(SPIN_COUNT):,} turns, threads from the free cores)":
-            lambda: phi4_daemon(args.model, None, base),
-        f"phi4, passive wait, {n} threads":
-            lambda: phi4_daemon(args.model, n, {**base, "OMP_WAIT_POLICY": "PASSIVE"}),
-        f"phi4, OpenMP's default spinning, {n} threads":
-            lambda: phi4_daemon(args.model, n, {**base, "GOMP_SPINCOUNT": "300000"}),
+        f"phi4 (its default: a spin of {int(SPIN_COUNT):,} turns, threads from the free cores)": lambda: (  # noqa: E501
+            phi4_daemon(args.model, None, base)
+        ),
+        f"phi4, passive wait, {n} threads": lambda: phi4_daemon(
+            args.model, n, {**base, "OMP_WAIT_POLICY": "PASSIVE"}
+        ),
+        f"phi4, OpenMP's default spinning, {n} threads": lambda: phi4_daemon(
+            args.model, n, {**base, "GOMP_SPINCOUNT": "300000"}
+        ),
         f"phi4, its spin, {n} threads": lambda: phi4_daemon(args.model, n, base),
         "phi4, 1 thread": lambda: phi4_daemon(args.model, 1, base),
-    }  # fmt: skip
+    }
 
     def spinning(
         threads: int | None, env: dict[str, str]
@@ -214,11 +250,16 @@ def main() -> None:
         if not variants:
             parser.error(f"no variant's name holds any of {args.only}")
     results: dict[str, Any] = {
-        "model": str(args.model), "tokens": args.tokens, "rounds": args.rounds,
-        "busy": args.busy, "duty": args.duty, "threads": threads,
+        "model": str(args.model),
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "busy": args.busy,
+        "duty": args.duty,
+        "threads": threads,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {autogroup()}",
-        "quiet": {}, "busy_rates": {},
-    }  # fmt: skip
+        "quiet": {},
+        "busy_rates": {},
+    }
     # Interleaved: each pass starts each variant in turn and times one answer on the quiet
     # machine and one beside the busy processes, so that the machine's drift (these are
     # shared machines) falls on all alike, and each pair is a minute apart at most.
@@ -231,8 +272,10 @@ def main() -> None:
                     loaded = ask(tokens)
             results["quiet"].setdefault(name, []).append(quiet)
             results["busy_rates"].setdefault(name, []).append(loaded)
-            print(f"pass {done + 1}, {name}: quiet {quiet:.2f}, {args.busy} busy {loaded:.2f} "
-                  "tok/s", flush=True)  # fmt: skip
+            print(
+                f"pass {done + 1}, {name}: quiet {quiet:.2f}, {args.busy} busy {loaded:.2f} tok/s",
+                flush=True,
+            )
     rows = []
     for name in variants:
         quiet = statistics.median(results["quiet"][name])
@@ -244,11 +287,15 @@ def main() -> None:
     load = f"{args.busy} busy processes" + (
         f" ({args.duty:.0%} of the time)" if args.duty < 1 else ""
     )
-    lines = [f"Decoding beside {load} on {args.model.name} "
-             f"({results['machine']}, {threads} threads unless said, {args.tokens}-token greedy "
-             f"answers, median of {args.rounds} interleaved passes)", "",
-             f"| variant | quiet | {load} | busy / quiet |",
-             "| --- | --- | --- | --- |", *rows]  # fmt: skip
+    lines = [
+        f"Decoding beside {load} on {args.model.name} "
+        f"({results['machine']}, {threads} threads unless said, {args.tokens}-token greedy "
+        f"answers, median of {args.rounds} interleaved passes)",
+        "",
+        f"| variant | quiet | {load} | busy / quiet |",
+        "| --- | --- | --- | --- |",
+        *rows,
+    ]
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
     # A run of other loads or of chosen variants does not overwrite the default run's table.

@@ -55,8 +55,9 @@ def daemon_stats(home: Path, question: str, tokens: int) -> Any:
 
     with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
         stats = None
-        for event in connection.request("solve", {"prompt": question, "temperature": 0,
-                                                  "max_tokens": tokens}, timeout=3600):  # fmt: skip
+        for event in connection.request(
+            "solve", {"prompt": question, "temperature": 0, "max_tokens": tokens}, timeout=3600
+        ):
             if event.kind == EventKind.STATS:
                 stats = event.stats
     assert stats is not None and stats.decode_s
@@ -85,8 +86,11 @@ def main() -> None:
     model = resolve_model(args.model, get_paths())
     threads = physical_cores()
     home = Path(tempfile.mkdtemp(prefix="p4dec-", dir="/tmp"))
-    env = {**os.environ, "PHI4_HOME": str(home),
-           **dict(item.split("=", 1) for item in args.daemon_env)}  # fmt: skip
+    env = {
+        **os.environ,
+        "PHI4_HOME": str(home),
+        **dict(item.split("=", 1) for item in args.daemon_env),
+    }
     # (Once its whole context is made: in-process llama-cpp-python makes its own before it answers.)
     start_daemon(model, env, args.daemon_arg)
     ratios = []
@@ -94,17 +98,34 @@ def main() -> None:
         daemon_rate(home, 8)  # (its first request allocates buffers)
         for round_ in range(args.rounds):
             ours = max(daemon_rate(home, args.tokens) for _ in range(2))
-            theirs = float(subprocess.run(
-                [sys.executable, "-c", IN_PROCESS, str(model), QUESTION, str(threads),
-                 str(args.tokens)], capture_output=True, text=True, check=True,
-            ).stdout)  # fmt: skip
+            theirs = float(
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-c",
+                        IN_PROCESS,
+                        str(model),
+                        QUESTION,
+                        str(threads),
+                        str(args.tokens),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+            )
             ratios.append(ours / theirs)
-            print(f"round {round_}: daemon {ours:.2f} tok/s, in-process {theirs:.2f} tok/s, "
-                  f"{ratios[-1]:.3f}x", flush=True)  # fmt: skip
+            print(
+                f"round {round_}: daemon {ours:.2f} tok/s, in-process {theirs:.2f} tok/s, "
+                f"{ratios[-1]:.3f}x",
+                flush=True,
+            )
     finally:
         subprocess.run([*PHI4, "stop"], env=env, capture_output=True, check=False)
-    print(f"median {statistics.median(ratios):.3f}x over {args.rounds} rounds "
-          f"({model.name}, {os.cpu_count()} CPUs, {threads} threads)")  # fmt: skip
+    print(
+        f"median {statistics.median(ratios):.3f}x over {args.rounds} rounds "
+        f"({model.name}, {os.cpu_count()} CPUs, {threads} threads)"
+    )
 
 
 if __name__ == "__main__":

@@ -43,10 +43,15 @@ def job(prompt: str, tokens: int, deterministic: bool, **extra: Any) -> tuple[Jo
             pieces.append(event.text)
 
     params = parse_solve_params(
-        {"prompt": prompt, "temperature": 0, "max_tokens": tokens,
-         "deterministic": deterministic, **extra},
+        {
+            "prompt": prompt,
+            "temperature": 0,
+            "max_tokens": tokens,
+            "deterministic": deterministic,
+            **extra,
+        },
         Ask.of(Settings()),
-    )  # fmt: skip
+    )
     return Job(request_id=0, params=params, emit=emit), pieces
 
 
@@ -83,8 +88,9 @@ def answer(engine: LlamaEngine, tokens: int, deterministic: bool, beside: str = 
 def first_difference(a: str, b: str) -> str:
     if a == b:
         return "same"
-    index = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                 min(len(a), len(b)))  # fmt: skip
+    index = next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
     return f"DIFFERENT from character {index}"
 
 
@@ -104,9 +110,13 @@ def main() -> None:
     histories: list[tuple[str, Any]] = [
         ("the same question again (prompt cache)", lambda: None),
         ("four other questions", lambda: run(engine, [job(q, n, False)[0] for q in OTHERS])),
-        ("-k 3 at t=0.8", lambda: run(engine, [
-            job(QUESTION, n, False, temperature=0.8, seed=s)[0] for s in (1, 2, 3)])),
-    ]  # fmt: skip
+        (
+            "-k 3 at t=0.8",
+            lambda: run(
+                engine, [job(QUESTION, n, False, temperature=0.8, seed=s)[0] for s in (1, 2, 3)]
+            ),
+        ),
+    ]
     for deterministic in (False, True):
         engine.load(args.model)  # fresh
         engine.warm()
@@ -130,12 +140,17 @@ def main() -> None:
             cost = costs.setdefault(name, {"alone": [], "rate": []})
             cost["alone"].append(alone)
             cost["rate"].append(tokens / seconds)
-            print(f"  round {round_} {name}: alone {alone:.2f} s, four {tokens} tokens in "
-                  f"{seconds:.2f} s", flush=True)  # fmt: skip
+            print(
+                f"  round {round_} {name}: alone {alone:.2f} s, four {tokens} tokens in "
+                f"{seconds:.2f} s",
+                flush=True,
+            )
     for name, cost in costs.items():
-        print(f"{name}: one request {statistics.median(cost['alone']):.2f} CPU s; four sent "
-              f"together {statistics.median(cost['rate']):.1f} tokens per CPU s "
-              f"(medians of {args.rounds} rounds)")  # fmt: skip
+        print(
+            f"{name}: one request {statistics.median(cost['alone']):.2f} CPU s; four sent "
+            f"together {statistics.median(cost['rate']):.1f} tokens per CPU s "
+            f"(medians of {args.rounds} rounds)"
+        )
     engine.close()
 
 

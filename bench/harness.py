@@ -23,8 +23,12 @@ PHI4 = [sys.executable, "-m", "phi4cli"]
 def start_daemon(model: Path | str, env: Mapping[str, str], args: Sequence[str] = ()) -> None:
     """``phi4 daemon start -m MODEL ARGS`` under ``env``, returning once the whole context is
     made (``status --json`` has no ``context_growing_s`` any more)."""
-    subprocess.run([*PHI4, "daemon", "start", "-m", str(model), *args], env=dict(env),
-                   capture_output=True, check=True)  # fmt: skip
+    subprocess.run(
+        [*PHI4, "daemon", "start", "-m", str(model), *args],
+        env=dict(env),
+        capture_output=True,
+        check=True,
+    )
     wait_whole_context(env)
 
 
@@ -32,8 +36,9 @@ def wait_whole_context(env: Mapping[str, str], timeout: float = 600.0) -> float:
     """Wait until the daemon answers from its whole context; return the seconds waited."""
     started = time.monotonic()
     while True:
-        status = subprocess.run([*PHI4, "status", "--json"], env=dict(env), capture_output=True,
-                                text=True, check=True)  # fmt: skip
+        status = subprocess.run(
+            [*PHI4, "status", "--json"], env=dict(env), capture_output=True, text=True, check=True
+        )
         memory = json.loads(status.stdout).get("memory") or {}
         if "context_growing_s" not in memory:
             return time.monotonic() - started

@@ -114,27 +114,39 @@ def main() -> None:
         for sequences in args.sequences:
             shared = step_ms(model, tokens[:depth], sequences, True, threads, args.reps)
             streams = step_ms(model, tokens[:depth], sequences, False, threads, args.reps)
-            rows.append({"depth": depth, "sequences": sequences, "shared_ms": shared,
-                         "streams_ms": streams})  # fmt: skip
-            print(f"depth {depth} x {sequences}: shared {shared:.1f} ms, streams "
-                  f"{streams:.1f} ms", flush=True)  # fmt: skip
+            rows.append(
+                {"depth": depth, "sequences": sequences, "shared_ms": shared, "streams_ms": streams}
+            )
+            print(
+                f"depth {depth} x {sequences}: shared {shared:.1f} ms, streams {streams:.1f} ms",
+                flush=True,
+            )
     model.close()
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} threads"
-    lines = [f"KV layout on {args.model.name} ({machine}; one step decodes a token for each "
-             f"sequence; median of {args.reps})", "",
-             "| depth | sequences | one shared cache (kv_layout shared) | a stream each "
-             "(streams, as llama-server) | shared / streams |",
-             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"KV layout on {args.model.name} ({machine}; one step decodes a token for each "
+        f"sequence; median of {args.reps})",
+        "",
+        "| depth | sequences | one shared cache (kv_layout shared) | a stream each "
+        "(streams, as llama-server) | shared / streams |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
-        lines.append(f"| {row['depth']:,} | {row['sequences']} | {row['shared_ms']:.0f} ms | "
-                     f"{row['streams_ms']:.0f} ms | **{row['shared_ms'] / row['streams_ms']:.2f}x"
-                     "** |")  # fmt: skip
+        lines.append(
+            f"| {row['depth']:,} | {row['sequences']} | {row['shared_ms']:.0f} ms | "
+            f"{row['streams_ms']:.0f} ms | **{row['shared_ms'] / row['streams_ms']:.2f}x"
+            "** |"
+        )
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"kv_layout-{args.model.stem}"
-    (args.out / f"{name}.json").write_text(json.dumps(
-        {"model": str(args.model), "machine": machine, "reps": args.reps, "rows": rows},
-        indent=2) + "\n")  # fmt: skip
+    (args.out / f"{name}.json").write_text(
+        json.dumps(
+            {"model": str(args.model), "machine": machine, "reps": args.reps, "rows": rows},
+            indent=2,
+        )
+        + "\n"
+    )
     (args.out / f"{name}.md").write_text(table + "\n")
     print(table)
 

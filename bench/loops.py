@@ -44,9 +44,23 @@ from tests.shapes import PROGRESSING, paragraph_loop  # noqa: E402
 from tests.traces import looping_trace, normal_trace  # noqa: E402
 
 CORPUS = ROOT / "tests" / "data" / "real_traces" / "traces.jsonl"
-RULE = ("NGRAM", "SEQUENCE", "SHORT_SEQUENCE", "COPIES", "MIN_SPAN", "SHARE", "NEW_PER_COPY",
-        "MIN_DISTINCT", "LONG_SPAN", "LONG_CHARS", "LOOKBACK", "ALIGNED", "NEAR_DISTINCT",
-        "CHANGED", "NEAR_LOOKBACK")  # fmt: skip
+RULE = (
+    "NGRAM",
+    "SEQUENCE",
+    "SHORT_SEQUENCE",
+    "COPIES",
+    "MIN_SPAN",
+    "SHARE",
+    "NEW_PER_COPY",
+    "MIN_DISTINCT",
+    "LONG_SPAN",
+    "LONG_CHARS",
+    "LOOKBACK",
+    "ALIGNED",
+    "NEAR_DISTINCT",
+    "CHANGED",
+    "NEAR_LOOKBACK",
+)
 
 
 def detect(text: str, rng: random.Random) -> tuple[int | None, int | None, int]:
@@ -73,11 +87,15 @@ def real(seed: int) -> dict[str, Any]:
         caught = []
         for row in (r for r in mine if r["loop"]):
             _, char, _ = detect(row["thinking"], rng)
-            caught.append({
-                "id": row["id"], "model": row["model"], "kind": row["loop_kind"],
-                "period_chars": row["period_chars"],
-                "chars_after_start": None if char is None else char - row["loop_start_char"],
-            })  # fmt: skip
+            caught.append(
+                {
+                    "id": row["id"],
+                    "model": row["model"],
+                    "kind": row["loop_kind"],
+                    "period_chars": row["period_chars"],
+                    "chars_after_start": None if char is None else char - row["loop_start_char"],
+                }
+            )
         result[split] = {"no_loop": len(clean), "false_positives": flagged, "loops": caught}
     return result
 
@@ -100,9 +118,15 @@ def shapes(seed: int, traces: int) -> dict[str, Any]:
         normal += at is not None
         normal_words += count
     per_word_us = (time.perf_counter() - started) / max(1, normal_words) * 1e6
-    return {"shapes": flagged, "shape_texts": len(PROGRESSING) * (traces // 40 + 1),
-            "shape_words": words, "normal_traces": traces, "normal_words": normal_words,
-            "normal_false_positives": normal, "us_per_word": round(per_word_us, 2)}  # fmt: skip
+    return {
+        "shapes": flagged,
+        "shape_texts": len(PROGRESSING) * (traces // 40 + 1),
+        "shape_words": words,
+        "normal_traces": traces,
+        "normal_words": normal_words,
+        "normal_false_positives": normal,
+        "us_per_word": round(per_word_us, 2),
+    }
 
 
 def enumerations(seed: int, traces: int) -> dict[str, Any]:
@@ -120,8 +144,12 @@ def enumerations(seed: int, traces: int) -> dict[str, Any]:
                     flagged[name].append(at)
                 texts += 1
                 words += count
-        result[split] = {"shapes": len(family), "texts": texts, "words": words,
-                         "flagged": {k: v for k, v in flagged.items() if v}}  # fmt: skip
+        result[split] = {
+            "shapes": len(family),
+            "texts": texts,
+            "words": words,
+            "flagged": {k: v for k, v in flagged.items() if v},
+        }
     return result
 
 
@@ -137,50 +165,83 @@ def synthetic(seed: int, count: int) -> dict[str, Any]:
             if at is not None and at > head:
                 after.append(at - head)
         soon = (loops.COPIES + 2) * period + 40  # as tests/test_loop_rule.py asks of most
-        rows[name] = {"traces": count, "caught": len(after),
-                      "caught_within_copies_plus_2": sum(words <= soon for words in after),
-                      "median_words_after_start": statistics.median(after) if after else None,
-                      "max_words_after_start": max(after) if after else None}  # fmt: skip
+        rows[name] = {
+            "traces": count,
+            "caught": len(after),
+            "caught_within_copies_plus_2": sum(words <= soon for words in after),
+            "median_words_after_start": statistics.median(after) if after else None,
+            "max_words_after_start": max(after) if after else None,
+        }
 
     for period in (5, 30, 60, 120, 400):
         for varied in (0.0, 0.1, 0.3):
             before = texts.randint(0, 3000)
-            measure(f"paragraph of {period} words, {varied:.0%} of words swapped for variants",
-                    period, lambda p=period, v=varied, b=before: paragraph_loop(
-                        texts, b, p, b + max(6000, 15 * p), v))  # fmt: skip
+            measure(
+                f"paragraph of {period} words, {varied:.0%} of words swapped for variants",
+                period,
+                lambda p=period, v=varied, b=before: paragraph_loop(
+                    texts, b, p, b + max(6000, 15 * p), v
+                ),
+            )
     for period in (20, 60, 150):
         for mutate in (0.02, 0.05):
             before = texts.randint(0, 2000)
-            measure(f"span of {period} words, {mutate:.0%} of words made new each time",
-                    period, lambda p=period, m=mutate, b=before: looping_trace(
-                        texts, b, p, b + max(6000, 15 * p), m))  # fmt: skip
+            measure(
+                f"span of {period} words, {mutate:.0%} of words made new each time",
+                period,
+                lambda p=period, m=mutate, b=before: looping_trace(
+                    texts, b, p, b + max(6000, 15 * p), m
+                ),
+            )
     return rows
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"Rule: {result['rule']}", "", "Real traces (tests/data/real_traces):", "",
-             "| split | no-loop traces | false positives | loops caught | characters from "
-             "its start to the catch, each |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"Rule: {result['rule']}",
+        "",
+        "Real traces (tests/data/real_traces):",
+        "",
+        "| split | no-loop traces | false positives | loops caught | characters from "
+        "its start to the catch, each |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for split, row in result["real"].items():
         caught = [x for x in row["loops"] if x["chars_after_start"] is not None]
-        each = ", ".join(f"{x['id']} {x['chars_after_start']:,}" if x["chars_after_start"]
-                         is not None else f"{x['id']} missed" for x in row["loops"])  # fmt: skip
-        lines.append(f"| {split} | {row['no_loop']} | {len(row['false_positives'])} | "
-                     f"{len(caught)}/{len(row['loops'])} | {each} |")  # fmt: skip
+        each = ", ".join(
+            f"{x['id']} {x['chars_after_start']:,}"
+            if x["chars_after_start"] is not None
+            else f"{x['id']} missed"
+            for x in row["loops"]
+        )
+        lines.append(
+            f"| {split} | {row['no_loop']} | {len(row['false_positives'])} | "
+            f"{len(caught)}/{len(row['loops'])} | {each} |"
+        )
     s = result["progress"]
-    lines += ["", f"Progressing shapes: {s['shape_texts']} texts ({s['shape_words']:,} words), "
-              f"flagged: {sum(s['shapes'].values())} ({s['shapes']}).", ""]  # fmt: skip
+    lines += [
+        "",
+        f"Progressing shapes: {s['shape_texts']} texts ({s['shape_words']:,} words), "
+        f"flagged: {sum(s['shapes'].values())} ({s['shapes']}).",
+        "",
+    ]
     for split, row in result["enumerations"].items():
         flagged = sum(len(v) for v in row["flagged"].values())
-        lines.append(f"Enumerations, {split}: {row['shapes']} shapes, {row['texts']} texts "
-                     f"({row['words']:,} words), flagged: {flagged}"
-                     + (f" {row['flagged']}" if flagged else "") + ".")  # fmt: skip
-    lines += ["",
-              f"Synthetic long traces: {s['normal_traces']} ({s['normal_words']:,} words), "
-              f"false positives: {s['normal_false_positives']}; {s['us_per_word']} µs per word.",
-              "", "| synthetic loop | caught | within COPIES + 2 periods (and 40 words) | "
-              "median words after its start | most |",
-              "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines.append(
+            f"Enumerations, {split}: {row['shapes']} shapes, {row['texts']} texts "
+            f"({row['words']:,} words), flagged: {flagged}"
+            + (f" {row['flagged']}" if flagged else "")
+            + "."
+        )
+    lines += [
+        "",
+        f"Synthetic long traces: {s['normal_traces']} ({s['normal_words']:,} words), "
+        f"false positives: {s['normal_false_positives']}; {s['us_per_word']} µs per word.",
+        "",
+        "| synthetic loop | caught | within COPIES + 2 periods (and 40 words) | "
+        "median words after its start | most |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name, row in result["synthetic"].items():
         lines.append(
             f"| {name} | {row['caught']}/{row['traces']} | {row['caught_within_copies_plus_2']} | "

@@ -38,8 +38,14 @@ FILLER = "The quick brown fox jumps over the lazy dog while counting prime numbe
 
 
 def phi4(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*PHI4, *args], env=env, capture_output=True, text=True, check=check,
-                          stdin=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.run(
+        [*PHI4, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=check,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def fresh_home() -> dict[str, str]:
@@ -112,19 +118,46 @@ def depth_rates(model: Path, depths: list[int], tokens: int, threads: int) -> di
     results: dict[str, Any] = {}
     for kv in ("f16", "q8_0"):
         env = fresh_home()
-        phi4(env, "daemon", "start", "-m", str(model), "--n-ctx", str(max(depths) + 512),
-             "--kv-cache-type", kv, "--parallel", "1")  # fmt: skip
+        phi4(
+            env,
+            "daemon",
+            "start",
+            "-m",
+            str(model),
+            "--n-ctx",
+            str(max(depths) + 512),
+            "--kv-cache-type",
+            kv,
+            "--parallel",
+            "1",
+        )
         for depth in depths:
             # Aim the question at `depth` tokens: the daemon's stats say what it really was.
             question = filler(model, depth) + " Summarise."
-            stats = json.loads(phi4(env, "solve", "-m", str(model), "-t", "0", "-n", str(tokens),
-                                    "--json", question).stdout)["stats"]  # fmt: skip
+            stats = json.loads(
+                phi4(
+                    env, "solve", "-m", str(model), "-t", "0", "-n", str(tokens), "--json", question
+                ).stdout
+            )["stats"]
             phi4_tps = (stats["completion_tokens"] - 1) / max(stats["decode_s"], 1e-9)
-            direct = json.loads(subprocess.run(
-                [sys.executable, "-c", DIRECT, str(model), str(stats["prompt_tokens"]), kv,
-                 str(threads), str(tokens)],
-                input=filler(model, depth * 2), capture_output=True, text=True, check=True,
-            ).stdout)  # fmt: skip
+            direct = json.loads(
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-c",
+                        DIRECT,
+                        str(model),
+                        str(stats["prompt_tokens"]),
+                        kv,
+                        str(threads),
+                        str(tokens),
+                    ],
+                    input=filler(model, depth * 2),
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+            )
             results[f"{kv}@{depth}"] = {
                 "depth": stats["prompt_tokens"],
                 "phi4_tps": phi4_tps,
@@ -159,9 +192,18 @@ def chat_restore(model: Path, chat_tokens: int) -> dict[str, Any]:
     message = filler(model, chat_tokens) + " What is the last word?"
 
     def turn(connection: Any, session: str, text: str, history: list[dict[str, str]]) -> Any:
-        events = list(connection.request("chat", {
-            "session": session, "message": text, "history": history, "temperature": 0,
-            "max_tokens": 8}))  # fmt: skip
+        events = list(
+            connection.request(
+                "chat",
+                {
+                    "session": session,
+                    "message": text,
+                    "history": history,
+                    "temperature": 0,
+                    "max_tokens": 8,
+                },
+            )
+        )
         # What the daemon keeps as the assistant turn: the answer, not the thinking.
         answer = "".join(e.text for e in events if e.kind == "token")
         if events[-1].kind != "done":
@@ -220,8 +262,9 @@ def main() -> None:
     if model is None:
         from tests.tinymodel import write_tiny_phi3
 
-        model = write_tiny_phi3(Path(tempfile.mkdtemp()) / "tiny-reasoning.gguf",
-                                name="tiny-reasoning-test")  # fmt: skip
+        model = write_tiny_phi3(
+            Path(tempfile.mkdtemp()) / "tiny-reasoning.gguf", name="tiny-reasoning-test"
+        )
     results: dict[str, Any] = {
         "model": str(model),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} threads",
@@ -231,32 +274,40 @@ def main() -> None:
         r = results["long_thinking"] = long_thinking(model, args.problems, args.tokens, args.n_ctx)
         lines += [
             f"Long thinking on {model.name} ({results['machine']}): {r['problems']} problems x "
-            f"{r['tokens']} tokens through n_ctx {r['n_ctx']}", "",
-            "| run | wall time | completed | cancelled |", "| --- | --- | --- | --- |",
+            f"{r['tokens']} tokens through n_ctx {r['n_ctx']}",
+            "",
+            "| run | wall time | completed | cancelled |",
+            "| --- | --- | --- | --- |",
             f"| together (`--file`) | {r['together_s']:.1f} s "
             f"| {r['completed']} | {r['cancelled']} |",
-            f"| one after another | {r['one_by_one_s']:.1f} s | {r['problems']} | 0 |", "",
+            f"| one after another | {r['one_by_one_s']:.1f} s | {r['problems']} | 0 |",
+            "",
             f"together / one after another: **{r['together_s'] / r['one_by_one_s']:.2f}x** "
-            "the time", "",
-        ]  # fmt: skip
+            "the time",
+            "",
+        ]
     if "depth" not in args.skip:
         rates = results["depth"] = depth_rates(
             model, [100, args.depth], args.decode_tokens, threads
         )
         lines += [
             f"Decode rate by depth on {model.name} ({results['machine']}, "
-            f"{args.decode_tokens}-token greedy decode)", "",
+            f"{args.decode_tokens}-token greedy decode)",
+            "",
             "| KV cache | depth | phi4 | llama.cpp direct | ratio |",
             "| --- | --- | --- | --- | --- |",
-            *[f"| {key.split('@')[0]} | {v['depth']} | {v['phi4_tps']:.2f} tok/s | "
-              f"{v['direct_tps']:.2f} tok/s | **{v['phi4_tps'] / v['direct_tps']:.2f}x** |"
-              for key, v in rates.items()],
+            *[
+                f"| {key.split('@')[0]} | {v['depth']} | {v['phi4_tps']:.2f} tok/s | "
+                f"{v['direct_tps']:.2f} tok/s | **{v['phi4_tps'] / v['direct_tps']:.2f}x** |"
+                for key, v in rates.items()
+            ],
             "",
-        ]  # fmt: skip
+        ]
     if "chat" not in args.skip:
         c = results["chat"] = chat_restore(model, args.chat_tokens)
         lines += [
-            f"An evicted chat of {c['chat_tokens']} tokens, next turn, on {model.name}", "",
+            f"An evicted chat of {c['chat_tokens']} tokens, next turn, on {model.name}",
+            "",
             "| how | prompt tokens read | time to first token | ratio |",
             "| --- | --- | --- | --- |",
             f"| restored from disk ({c['restore_s'] * 1000:.0f} ms to load the state) | "
@@ -264,8 +315,9 @@ def main() -> None:
             f"{c['restored_first_token_s'] * 1000:.0f} ms | **"
             f"{c['reread_first_token_s'] / c['restored_first_token_s']:.1f}x** faster |",
             f"| re-read | {c['reread_eval_tokens']} | {c['reread_first_token_s'] * 1000:.0f} ms"
-            " | |", "",
-        ]  # fmt: skip
+            " | |",
+            "",
+        ]
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
     parts = [part for part in ("long", "depth", "chat") if part not in args.skip]

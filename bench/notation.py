@@ -19,8 +19,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SAMPLES = [r"-\frac{2}{3} \pm \frac{\sqrt{2}}{3}i", r"\sum_{n=1}^{\infty} \frac{1}{n^s}",
-           r"30^\circ", r"x = \frac{-b \pm \sqrt{b^2 - 4ac}}{2a}"]  # fmt: skip
+SAMPLES = [
+    r"-\frac{2}{3} \pm \frac{\sqrt{2}}{3}i",
+    r"\sum_{n=1}^{\infty} \frac{1}{n^s}",
+    r"30^\circ",
+    r"x = \frac{-b \pm \sqrt{b^2 - 4ac}}{2a}",
+]
 
 
 def flawed(text: str) -> bool:
@@ -49,8 +53,10 @@ def main() -> None:
         converters["unicodeit"] = unicodeit.replace
     except ImportError:
         print("unicodeit is not installed: skipped")
-    rows = [line.split("\t")[0] for line in
-            (ROOT / "tests" / "data" / "notation.tsv").read_text().splitlines()[1:]]  # fmt: skip
+    rows = [
+        line.split("\t")[0]
+        for line in (ROOT / "tests" / "data" / "notation.tsv").read_text().splitlines()[1:]
+    ]
     print(f"| converter | unreadable lines of {len(rows)} |\n| --- | --- |")
     for name, convert in converters.items():
         bad = 0

@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def measure(model: Any, chunk: int, riders: int, depth: int, prompt: int, streams: bool,
-            threads: int) -> float:  # fmt: skip
+def measure(
+    model: Any, chunk: int, riders: int, depth: int, prompt: int, streams: bool, threads: int
+) -> float:
     """Seconds per step of reading `prompt` tokens in `chunk`s beside `riders` decode tokens."""
     import llama_cpp
     from llama_cpp import _internals as internals
@@ -95,22 +96,33 @@ def main() -> None:
             for riders in args.riders:
                 if chunk + riders > 512:
                     continue
-                seconds = measure(model, chunk, riders, args.depth, args.prompt, streams,
-                                  threads)  # fmt: skip
-                rows.append({"layout": "streams" if streams else "shared", "chunk": chunk,
-                             "riders": riders, "step_s": round(seconds, 3),
-                             "prompt_tps": round(chunk / seconds, 1)})  # fmt: skip
+                seconds = measure(model, chunk, riders, args.depth, args.prompt, streams, threads)
+                rows.append(
+                    {
+                        "layout": "streams" if streams else "shared",
+                        "chunk": chunk,
+                        "riders": riders,
+                        "step_s": round(seconds, 3),
+                        "prompt_tps": round(chunk / seconds, 1),
+                    }
+                )
     model.close()
     alone = {(r["layout"], r["chunk"]): r["step_s"] for r in rows if r["riders"] == 0}
-    lines = [f"A prompt's chunk beside decode tokens {args.depth} deep on {args.model.name} "
-             f"({platform.machine()}, {os.cpu_count()} CPUs, {threads} threads)", "",
-             "| layout | chunk | decode tokens beside it | seconds a step | prompt tok/s | "
-             "step / alone |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"A prompt's chunk beside decode tokens {args.depth} deep on {args.model.name} "
+        f"({platform.machine()}, {os.cpu_count()} CPUs, {threads} threads)",
+        "",
+        "| layout | chunk | decode tokens beside it | seconds a step | prompt tok/s | "
+        "step / alone |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         base = alone.get((r["layout"], r["chunk"]))
         ratio = f"**{r['step_s'] / base:.2f}x**" if base else "-"
-        lines.append(f"| {r['layout']} | {r['chunk']} | {r['riders']} | {r['step_s']:.3f} | "
-                     f"{r['prompt_tps']:.1f} | {ratio} |")  # fmt: skip
+        lines.append(
+            f"| {r['layout']} | {r['chunk']} | {r['riders']} | {r['step_s']:.3f} | "
+            f"{r['prompt_tps']:.1f} | {ratio} |"
+        )
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"prompt-chunks-{args.model.stem}"

@@ -48,13 +48,20 @@ QUESTION = re.compile(r"What is (\d+)\+(\d+)\?")
 
 
 def data(payload: Any) -> bytes:
-    return ("data: " + (payload if isinstance(payload, str) else json.dumps(payload))
-            + "\n\n").encode()  # fmt: skip
+    return (
+        "data: " + (payload if isinstance(payload, str) else json.dumps(payload)) + "\n\n"
+    ).encode()
 
 
 def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-    return data({"id": "b1", "object": "chat.completion.chunk", "model": MODEL,
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})  # fmt: skip
+    return data(
+        {
+            "id": "b1",
+            "object": "chat.completion.chunk",
+            "model": MODEL,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+    )
 
 
 class Server:
@@ -120,11 +127,16 @@ class Server:
         pieces += [chunk({"reasoning_content": piece}) for piece in THINKING]
         pieces += [chunk({"content": f"So $\\boxed{{{answer}}}$."}), chunk({}, "stop")]
         pause = self.latency / (len(THINKING) + 1)  # the latency spread over the pieces
-        usage = {"prompt_tokens": 20, "completion_tokens": len(THINKING) + 1,
-                 "total_tokens": 21 + len(THINKING),
-                 "completion_tokens_details": {"reasoning_tokens": len(THINKING)}}  # fmt: skip
-        tail = [data({"id": "b1", "object": "chat.completion.chunk", "choices": [],
-                      "usage": usage}), data("[DONE]")]  # fmt: skip
+        usage = {
+            "prompt_tokens": 20,
+            "completion_tokens": len(THINKING) + 1,
+            "total_tokens": 21 + len(THINKING),
+            "completion_tokens_details": {"reasoning_tokens": len(THINKING)},
+        }
+        tail = [
+            data({"id": "b1", "object": "chat.completion.chunk", "choices": [], "usage": usage}),
+            data("[DONE]"),
+        ]
         try:
             for index, piece in enumerate(pieces):
                 if 0 < index <= len(THINKING) + 1 and pause:
@@ -169,8 +181,15 @@ def run_variant(
     command += ["-m", MODEL, "--answer-only"]
     command += ["--file", str(file)] if problems > 1 else ["What is 1+1?"]
     started = time.monotonic()
-    result = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                            text=True, timeout=600, check=False)  # fmt: skip
+    result = subprocess.run(
+        command,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     wall = time.monotonic() - started
     expected = [str(2 * i) for i in range(1, problems + 1)]
     if result.returncode != 0 or result.stdout.splitlines() != expected:
@@ -184,31 +203,64 @@ def run_variant(
     return {"wall_s": wall, "peaks": [server.peak for server in backends], "served": served}
 
 
-def peak_rss(server: Server, problems: int, home: Path, env: dict[str, str],
-             kind: str = "file") -> dict[str, Any]:  # fmt: skip
+def peak_rss(
+    server: Server, problems: int, home: Path, env: dict[str, str], kind: str = "file"
+) -> dict[str, Any]:
     """The most memory one `phi4 solve --file` (or, with ``kind`` "eval", one `phi4 eval`) of
     ``problems`` lines held (its maximum resident set, from a fresh parent's RUSAGE_CHILDREN,
     so no earlier run counts), answers checked."""
     out = home / f"rss-{kind}-{problems}.out"
     if kind == "eval":
         file = home / f"rss-{problems}.jsonl"
-        file.write_text("".join(json.dumps({"problem": f"What is {i}+{i}?", "answer": 2 * i})
-                                + "\n" for i in range(1, problems + 1)))  # fmt: skip
-        command = [PHI4, "eval", str(file), "--backend", server.url, "-m", MODEL, "--json",
-                   "--restart", "-o", str(home / f"rss-{problems}.results.jsonl")]  # fmt: skip
+        file.write_text(
+            "".join(
+                json.dumps({"problem": f"What is {i}+{i}?", "answer": 2 * i}) + "\n"
+                for i in range(1, problems + 1)
+            )
+        )
+        command = [
+            PHI4,
+            "eval",
+            str(file),
+            "--backend",
+            server.url,
+            "-m",
+            MODEL,
+            "--json",
+            "--restart",
+            "-o",
+            str(home / f"rss-{problems}.results.jsonl"),
+        ]
     else:
         file = home / f"rss-{problems}.txt"
         file.write_text("".join(f"What is {i}+{i}?\n" for i in range(1, problems + 1)))
-        command = [PHI4, "solve", "--backend", server.url, "-m", MODEL, "--answer-only",
-                   "--file", str(file)]  # fmt: skip
-    probe = ("import resource, subprocess, sys\n"
-             "with open(sys.argv[1], 'w') as out:\n"
-             "    code = subprocess.run(sys.argv[2:], stdout=out, stdin=subprocess.DEVNULL)"
-             ".returncode\n"
-             "print(code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")  # fmt: skip
+        command = [
+            PHI4,
+            "solve",
+            "--backend",
+            server.url,
+            "-m",
+            MODEL,
+            "--answer-only",
+            "--file",
+            str(file),
+        ]
+    probe = (
+        "import resource, subprocess, sys\n"
+        "with open(sys.argv[1], 'w') as out:\n"
+        "    code = subprocess.run(sys.argv[2:], stdout=out, stdin=subprocess.DEVNULL)"
+        ".returncode\n"
+        "print(code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", probe, str(out), *command], env=env,
-                            capture_output=True, text=True, timeout=1200, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(out), *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
     wall = time.monotonic() - started
     code, rss_kib = (int(word) for word in result.stdout.split())
     if kind == "eval":
@@ -219,8 +271,12 @@ def peak_rss(server: Server, problems: int, home: Path, env: dict[str, str],
         ]
     if not right:
         raise SystemExit(f"phi4 {kind} failed on {problems} problems: exit {code}\n{result.stderr}")
-    return {"kind": kind, "problems": problems, "max_rss_mib": round(rss_kib / 1024, 1),
-            "wall_s": wall}  # fmt: skip
+    return {
+        "kind": kind,
+        "problems": problems,
+        "max_rss_mib": round(rss_kib / 1024, 1),
+        "wall_s": wall,
+    }
 
 
 def main() -> None:
@@ -255,11 +311,15 @@ def main() -> None:
         f"{n} problems, 1 server, concurrency 1 (before)": (1, n, 1, args.latency),
         f"{n} problems, 1 server, default concurrency (after)": (1, n, None, args.latency),
         f"{n} problems, 1 server, concurrency {per_replica}": (1, n, per_replica, args.latency),
-        f"{n} problems, 2 servers, concurrency {per_replica} each": (2, n, per_replica,
-                                                                     args.latency),
+        f"{n} problems, 2 servers, concurrency {per_replica} each": (
+            2,
+            n,
+            per_replica,
+            args.latency,
+        ),
         "1 problem, 1 server, latency 0": (1, 1, None, 0.0),
         f"{n} problems, 1 server, default concurrency, latency 0": (1, n, None, 0.0),
-    }  # fmt: skip
+    }
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     try:
         with servers(2, args.latency) as (first, second), servers(1, 0.0) as (instant,):
@@ -272,10 +332,16 @@ def main() -> None:
                     backends = [instant] if latency == 0 else [first, second][:count]
                     sample = run_variant(backends, problems, concurrency, file, env)
                     samples[name].append(sample)
-                    print(f"round {round_ + 1}: {name}: {sample['wall_s']:.2f} s, "
-                          f"peak {sample['peaks']}", file=sys.stderr)  # fmt: skip
-            memory = [peak_rss(instant, size, home, env, kind)
-                      for kind in ("file", "eval") for size in args.rss]  # fmt: skip
+                    print(
+                        f"round {round_ + 1}: {name}: {sample['wall_s']:.2f} s, "
+                        f"peak {sample['peaks']}",
+                        file=sys.stderr,
+                    )
+            memory = [
+                peak_rss(instant, size, home, env, kind)
+                for kind in ("file", "eval")
+                for size in args.rss
+            ]
     finally:
         shutil.rmtree(home, ignore_errors=True)
     wall = {name: statistics.median(s["wall_s"] for s in rows) for name, rows in samples.items()}
@@ -307,22 +373,33 @@ def main() -> None:
         f"{zero_one:.3f} s) / {n - 1} = {overhead_ms:.1f} ms",
     ]
     if memory:
-        lines += ["", "Memory of one run (latency 0, default concurrency):", "",
-                  "| command | problems | peak RSS (MiB) | wall seconds |",
-                  "| --- | --- | --- | --- |",
-                  *(f"| {'phi4 eval' if m['kind'] == 'eval' else 'phi4 solve --file'} "
-                    f"| {m['problems']:,} | {m['max_rss_mib']:.1f} | {m['wall_s']:.1f} |"
-                    for m in memory)]  # fmt: skip
+        lines += [
+            "",
+            "Memory of one run (latency 0, default concurrency):",
+            "",
+            "| command | problems | peak RSS (MiB) | wall seconds |",
+            "| --- | --- | --- | --- |",
+            *(
+                f"| {'phi4 eval' if m['kind'] == 'eval' else 'phi4 solve --file'} "
+                f"| {m['problems']:,} | {m['max_rss_mib']:.1f} | {m['wall_s']:.1f} |"
+                for m in memory
+            ),
+        ]
     table = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "remote-scripted.md").write_text(table)
     results = {
-        "problems": n, "latency_s": args.latency, "rounds": args.rounds,
+        "problems": n,
+        "latency_s": args.latency,
+        "rounds": args.rounds,
         "replica_concurrency": per_replica,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "median_wall_s": wall, "ratio_to_one_problem": ratio,
-        "client_overhead_ms_per_request": overhead_ms, "samples": samples, "memory": memory,
-    }  # fmt: skip
+        "median_wall_s": wall,
+        "ratio_to_one_problem": ratio,
+        "client_overhead_ms_per_request": overhead_ms,
+        "samples": samples,
+        "memory": memory,
+    }
     (args.out / "remote-scripted.json").write_text(json.dumps(results, indent=2) + "\n")
     print(table)
 

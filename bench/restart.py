@@ -76,15 +76,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=1,
-                        help="tokens to ask for (-n): with 1 the command ends at its first "
-                             "token, so its first byte is the first token's time whether the "
-                             "model answers at once or thinks first (then nothing reaches "
-                             "stdout before the end)")  # fmt: skip
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=1,
+        help="tokens to ask for (-n): with 1 the command ends at its first "
+        "token, so its first byte is the first token's time whether the "
+        "model answers at once or thinks first (then nothing reaches "
+        "stdout before the end)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    parser.add_argument("--checkout", type=Path,
-                        help="run phi4 from this checkout instead (a git worktree of another "
-                             "commit, for a before/after comparison)")  # fmt: skip
+    parser.add_argument(
+        "--checkout",
+        type=Path,
+        help="run phi4 from this checkout instead (a git worktree of another "
+        "commit, for a before/after comparison)",
+    )
     args = parser.parse_args()
     model = args.model.absolute()  # (not resolved: a link's name can say the model reasons)
     home = Path(tempfile.mkdtemp(prefix="p4r-", dir="/tmp"))
@@ -115,8 +122,12 @@ def main() -> None:
             unstage(model)
             drop_from_page_cache(model)
             started = time.monotonic()
-            subprocess.run([*PHI4, "warm", "-m", str(model), "--ramdisk"], env=env,
-                           capture_output=True, check=True)  # fmt: skip
+            subprocess.run(
+                [*PHI4, "warm", "-m", str(model), "--ramdisk"],
+                env=env,
+                capture_output=True,
+                check=True,
+            )
             keep("warm", time.monotonic() - started)
             keep("after_warm", first_byte_s(solve, env)[0])
 
@@ -124,29 +135,40 @@ def main() -> None:
             restart = first_byte_s(solve, {**env, "PHI4_RAMDISK_MODE": "on"})[0]
             keep("restart", restart)
             keep("restart_load", load_s(home))
-            print(f"pass {done + 1}: plain start {plain:.2f} s, warm {runs['warm'][-1]:.2f} s "
-                  f"then {runs['after_warm'][-1]:.2f} s, restart {restart:.2f} s "
-                  f"(loads {runs['plain_load'][-1]:.2f} / {runs['restart_load'][-1]:.2f} s)",
-                  flush=True)  # fmt: skip
+            print(
+                f"pass {done + 1}: plain start {plain:.2f} s, warm {runs['warm'][-1]:.2f} s "
+                f"then {runs['after_warm'][-1]:.2f} s, restart {restart:.2f} s "
+                f"(loads {runs['plain_load'][-1]:.2f} / {runs['restart_load'][-1]:.2f} s)",
+                flush=True,
+            )
     finally:
         subprocess.run([*PHI4, "stop"], env=env, capture_output=True, check=False)
 
     median = {name: statistics.median(values) for name, values in runs.items()}
     ratio = statistics.median(p / r for p, r in zip(runs["plain"], runs["restart"], strict=True))
     results: dict[str, Any] = {
-        "model": str(model), "tokens": args.tokens, "rounds": args.rounds,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "runs": runs,
-        "median": median, "plain_over_restart": ratio,
-    }  # fmt: skip
+        "model": str(model),
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "runs": runs,
+        "median": median,
+        "plain_over_restart": ratio,
+    }
     rows = [
-        ("1. plain start after a reboot (first byte of `phi4 solve`)", median["plain"],
-         f"llama.cpp's load {median['plain_load']:.2f} s"),
+        (
+            "1. plain start after a reboot (first byte of `phi4 solve`)",
+            median["plain"],
+            f"llama.cpp's load {median['plain_load']:.2f} s",
+        ),
         ("2. `phi4 warm` after a reboot", median["warm"], "stages the model, starts the daemon"),
         ("2. then `phi4 solve`, first byte", median["after_warm"], ""),
-        ("3. daemon restart, staged and restored (first byte of `phi4 solve`)",
-         median["restart"],
-         f"llama.cpp's load {median['restart_load']:.2f} s; **{ratio:.1f}x** faster than 1"),
-    ]  # fmt: skip
+        (
+            "3. daemon restart, staged and restored (first byte of `phi4 solve`)",
+            median["restart"],
+            f"llama.cpp's load {median['restart_load']:.2f} s; **{ratio:.1f}x** faster than 1",
+        ),
+    ]
     lines = [
         f"First answer after a reboot and a restart on {model.name} ({results['machine']}, "
         f"median of {args.rounds} passes)",

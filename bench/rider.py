@@ -62,9 +62,24 @@ def phi4_engine(model: Path, threads: int) -> Iterator[Ask]:
 
     home = Path(tempfile.mkdtemp(prefix="p4rider-", dir="/tmp"))
     env = {**os.environ, "PHI4_HOME": str(home)}
-    subprocess.run([*PHI4, "daemon", "start", "-m", str(model), "--threads", str(threads),
-                    "--n-ctx", "4096", "--parallel", "2"], env=env, check=True,
-                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            *PHI4,
+            "daemon",
+            "start",
+            "-m",
+            str(model),
+            "--threads",
+            str(threads),
+            "--n-ctx",
+            "4096",
+            "--parallel",
+            "2",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
 
     def ask(prompt: str, tokens: int, on_token: Callable[[float], None]) -> None:
         with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
@@ -88,12 +103,20 @@ def server_engine(server: Path, model: Path, threads: int) -> Iterator[Ask]:
     with llama_server_running(server, model, args) as port:
 
         def ask(prompt: str, tokens: int, on_token: Callable[[float], None]) -> None:
-            body = json.dumps({"messages": [{"role": "user", "content": prompt}],
-                               "max_tokens": tokens, "temperature": 0, "stream": True,
-                               "cache_prompt": False}).encode()  # fmt: skip
+            body = json.dumps(
+                {
+                    "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "cache_prompt": False,
+                }
+            ).encode()
             request = urllib.request.Request(
-                f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-                headers={"Content-Type": "application/json"})  # fmt: skip
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(request, timeout=3600) as response:
                 for line in response:
                     if line.startswith(b"data: {"):
@@ -137,8 +160,11 @@ def behind(ask: Ask, stream_prompt: str, prompt: str) -> dict[str, float]:
     rate_during = len(during) / (rider[0] - sent)
     if stream[-1] <= rider[0]:  # the stream ended first: it did not outlast the prompt
         rate_during = float("nan")
-    return {"ttft_s": rider[0] - sent, "stream_before_tps": rate_before,
-            "stream_during_tps": rate_during}  # fmt: skip
+    return {
+        "ttft_s": rider[0] - sent,
+        "stream_before_tps": rate_before,
+        "stream_during_tps": rate_during,
+    }
 
 
 def main() -> None:
@@ -165,24 +191,35 @@ def main() -> None:
         for name, start in engines.items():
             with start() as ask:
                 ask(f"{QUESTION} (warm-up)", 4, lambda _at: None)
-                measured = {"alone_ttft_s": alone(ask, next(texts)),
-                            **behind(ask, f"{QUESTION} (round {done})", next(texts))}  # fmt: skip
+                measured = {
+                    "alone_ttft_s": alone(ask, next(texts)),
+                    **behind(ask, f"{QUESTION} (round {done})", next(texts)),
+                }
             for key, value in measured.items():
                 runs[name].setdefault(key, []).append(value)
-            print(f"pass {done + 1}, {name}: alone {measured['alone_ttft_s']:.2f} s, behind a "
-                  f"stream {measured['ttft_s']:.2f} s; the stream "
-                  f"{measured['stream_before_tps']:.2f} tok/s before, "
-                  f"{measured['stream_during_tps']:.2f} while the prompt was read",
-                  flush=True)  # fmt: skip
+            print(
+                f"pass {done + 1}, {name}: alone {measured['alone_ttft_s']:.2f} s, behind a "
+                f"stream {measured['ttft_s']:.2f} s; the stream "
+                f"{measured['stream_before_tps']:.2f} tok/s before, "
+                f"{measured['stream_during_tps']:.2f} while the prompt was read",
+                flush=True,
+            )
     # (A pass whose stream ended before the rider's first token has no rate "while": left out.)
-    median = {name: {key: statistics.median([v for v in values if v == v] or [float("nan")])
-                     for key, values in keys.items()}
-              for name, keys in runs.items()}  # fmt: skip
+    median = {
+        name: {
+            key: statistics.median([v for v in values if v == v] or [float("nan")])
+            for key, values in keys.items()
+        }
+        for name, keys in runs.items()
+    }
     results: dict[str, Any] = {
-        "model": str(args.model), "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
+        "model": str(args.model),
+        "prompt_tokens": args.prompt_tokens,
+        "rounds": args.rounds,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} threads",
-        "runs": runs, "median": median,
-    }  # fmt: skip
+        "runs": runs,
+        "median": median,
+    }
     lines = [
         f"A {args.prompt_tokens}-token prompt alone and behind a streaming answer on "
         f"{args.model.name} ({results['machine']}, median of {args.rounds} interleaved passes)",
@@ -190,10 +227,12 @@ def main() -> None:
         "| engine | first token, alone | first token, behind a stream | the stream before | "
         "the stream while the prompt is read |",
         "| --- | --- | --- | --- | --- |",
-        *(f"| {name} | {m['alone_ttft_s']:.2f} s | {m['ttft_s']:.2f} s | "
-          f"{m['stream_before_tps']:.2f} tok/s | {m['stream_during_tps']:.2f} tok/s |"
-          for name, m in median.items()),
-    ]  # fmt: skip
+        *(
+            f"| {name} | {m['alone_ttft_s']:.2f} s | {m['ttft_s']:.2f} s | "
+            f"{m['stream_before_tps']:.2f} tok/s | {m['stream_during_tps']:.2f} tok/s |"
+            for name, m in median.items()
+        ),
+    ]
     report.write(args.out, f"rider-{args.model.stem}", results, "\n".join(lines))
 
 

@@ -63,10 +63,19 @@ def write_f16(path: Path) -> None:
     tokens, types, merges = _vocab()
     writer = gguf.GGUFWriter(str(path), "phi3")
     add_phi3_metadata(
-        writer, name="phi4-mini-shaped-bench", embed=EMBED, layers=LAYERS, heads=HEADS,
-        kv_heads=KV_HEADS, ffn=FFN, n_rot=N_ROT, file_type=gguf.LlamaFileType.MOSTLY_F16,
-        tokens=tokens, types=types, merges=merges,
-    )  # fmt: skip
+        writer,
+        name="phi4-mini-shaped-bench",
+        embed=EMBED,
+        layers=LAYERS,
+        heads=HEADS,
+        kv_heads=KV_HEADS,
+        ffn=FFN,
+        n_rot=N_ROT,
+        file_type=gguf.LlamaFileType.MOSTLY_F16,
+        tokens=tokens,
+        types=types,
+        merges=merges,
+    )
     ones = np.ones(EMBED, dtype=np.float32)
     writer.add_tensor("token_embd.weight", tensor(embed_pool, (VOCAB, EMBED)))
     writer.add_tensor("output_norm.weight", ones)

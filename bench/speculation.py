@@ -98,15 +98,17 @@ def replay_corpus() -> list[dict[str, Any]]:
     from phi4cli.core.models import resolve_model
     from phi4cli.core.paths import get_paths
 
-    vocab = llama_cpp.Llama(str(resolve_model("smollm2-135m", get_paths())), vocab_only=True,
-                            verbose=False)  # fmt: skip
+    vocab = llama_cpp.Llama(
+        str(resolve_model("smollm2-135m", get_paths())), vocab_only=True, verbose=False
+    )
 
     def tokens(text: str) -> list[int]:
         return list(vocab.tokenize(text.encode(), add_bos=False, special=False))
 
     rows = [json.loads(line) for line in CORPUS.read_text().splitlines() if line.strip()]
-    traces = [(row, tokens(row["problem"]), tokens(row["thinking"]))
-              for row in rows if not row["loop"]]  # fmt: skip
+    traces = [
+        (row, tokens(row["problem"]), tokens(row["thinking"])) for row in rows if not row["loop"]
+    ]
     results = []
     for split in ("dev", "test"):
         chosen = [t for t in traces if t[0]["split"] == split]
@@ -122,20 +124,27 @@ def replay_corpus() -> list[dict[str, Any]]:
                             counts = simple_replay(sequence, len(problem), k)
                         else:
                             others = [
-                                p + t for r, p, t in traces
+                                p + t
+                                for r, p, t in traces
                                 if siblings and r is not row and r["dataset"] == row["dataset"]
-                            ]  # fmt: skip
+                            ]
                             counts = spec.replay(sequence, len(problem), k, others)
                         emitted += counts[0]
                         steps += counts[1]
                         drafted += counts[2]
                         accepted += counts[3]
-                    results.append({
-                        "split": split, "drafter": drafter, "siblings": siblings, "k": k,
-                        "traces": len(chosen), "tokens": emitted,
-                        "tokens_per_step": round(emitted / steps, 3),
-                        "kept": round(accepted / drafted, 3) if drafted else 0.0,
-                    })  # fmt: skip
+                    results.append(
+                        {
+                            "split": split,
+                            "drafter": drafter,
+                            "siblings": siblings,
+                            "k": k,
+                            "traces": len(chosen),
+                            "tokens": emitted,
+                            "tokens_per_step": round(emitted / steps, 3),
+                            "kept": round(accepted / drafted, 3) if drafted else 0.0,
+                        }
+                    )
                     print(results[-1], flush=True)
     return results
 
@@ -175,8 +184,12 @@ print(json.dumps(out))
 def decode_cost(model: Path) -> dict[str, float]:
     from phi4cli.core.machine import physical_cores
 
-    done = subprocess.run([sys.executable, "-c", COST, str(model), str(physical_cores())],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", COST, str(model), str(physical_cores())],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     seconds = {int(n): s for n, s in json.loads(done.stdout.strip().splitlines()[-1]).items()}
     return {str(n): round(s / seconds[1], 2) for n, s in seconds.items()} | {
         "one_token_ms": round(seconds[1] * 1000, 1)
@@ -190,8 +203,11 @@ def daemon_answer(home: Path, question: str, tokens: int) -> dict[str, Any]:
     from bench.decode import daemon_stats
 
     stats = daemon_stats(home, question, tokens)
-    return {"tok_s": (stats.completion_tokens - 1) / stats.decode_s,
-            "drafted": stats.draft_tokens, "kept": stats.draft_accepted}  # fmt: skip
+    return {
+        "tok_s": (stats.completion_tokens - 1) / stats.decode_s,
+        "drafted": stats.draft_tokens,
+        "kept": stats.draft_accepted,
+    }
 
 
 def daemon_speeds(model: Path, tokens: int, rounds: int) -> list[dict[str, Any]]:
@@ -215,10 +231,16 @@ def daemon_speeds(model: Path, tokens: int, rounds: int) -> list[dict[str, Any]]
             off = statistics.median(r["tok_s"] for r in runs["off"])
             for mode, measured in runs.items():
                 rate = statistics.median(r["tok_s"] for r in measured)
-                rows.append({"question": name, "engine": f"phi4 speculate {mode}",
-                             "tok_s": round(rate, 2), "vs_off": round(rate / off, 3),
-                             "drafted": measured[-1]["drafted"],
-                             "kept": measured[-1]["kept"]})  # fmt: skip
+                rows.append(
+                    {
+                        "question": name,
+                        "engine": f"phi4 speculate {mode}",
+                        "tok_s": round(rate, 2),
+                        "vs_off": round(rate / off, 3),
+                        "drafted": measured[-1]["drafted"],
+                        "kept": measured[-1]["kept"],
+                    }
+                )
                 print(rows[-1], flush=True)
     finally:
         for _home, env in homes.values():
@@ -240,21 +262,31 @@ def server_speeds(server: Path, model: Path, tokens: int, rounds: int) -> list[d
             for name, question in QUESTIONS.items():
                 rates, drafted, kept = [], 0, 0
                 for _ in range(rounds):
-                    body = {"messages": [{"role": "user", "content": question}],
-                            "max_tokens": tokens, "temperature": 0,
-                            "cache_prompt": False}  # fmt: skip
+                    body = {
+                        "messages": [{"role": "user", "content": question}],
+                        "max_tokens": tokens,
+                        "temperature": 0,
+                        "cache_prompt": False,
+                    }
                     request = urllib.request.Request(
                         f"http://127.0.0.1:{port}/v1/chat/completions",
-                        json.dumps(body).encode(), {"Content-Type": "application/json"},
-                    )  # fmt: skip
+                        json.dumps(body).encode(),
+                        {"Content-Type": "application/json"},
+                    )
                     with urllib.request.urlopen(request, timeout=3600) as reply:
                         timings = json.loads(reply.read())["timings"]
                     rates.append(timings["predicted_per_second"])
                     drafted = timings.get("draft_n", 0)
                     kept = timings.get("draft_n_accepted", 0)
-                rows.append({"question": name, "engine": f"llama-server {spec_type}",
-                             "tok_s": round(statistics.median(rates), 2), "drafted": drafted,
-                             "kept": kept})  # fmt: skip
+                rows.append(
+                    {
+                        "question": name,
+                        "engine": f"llama-server {spec_type}",
+                        "tok_s": round(statistics.median(rates), 2),
+                        "drafted": drafted,
+                        "kept": kept,
+                    }
+                )
                 print(rows[-1], flush=True)
     return rows
 
@@ -265,31 +297,46 @@ def server_speeds(server: Path, model: Path, tokens: int, rounds: int) -> list[d
 def report(results: dict[str, Any]) -> str:
     lines = [f"# Speculation ({results['date']}, {results['machine']})", ""]
     if results.get("replay"):
-        lines += ["## Replay on the real-trace corpus (tokens per verification step; drafted "
-                  "tokens kept)", "",
-                  "| split | drafter | siblings | k | traces | tokens | tokens/step | kept |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += [
+            "## Replay on the real-trace corpus (tokens per verification step; drafted "
+            "tokens kept)",
+            "",
+            "| split | drafter | siblings | k | traces | tokens | tokens/step | kept |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for r in results["replay"]:
-            lines.append(f"| {r['split']} | {r['drafter']} | {'yes' if r['siblings'] else 'no'} "
-                         f"| {r['k']} | {r['traces']} | {r['tokens']:,} | "
-                         f"{r['tokens_per_step']:.3f} | {r['kept']:.0%} |")  # fmt: skip
+            lines.append(
+                f"| {r['split']} | {r['drafter']} | {'yes' if r['siblings'] else 'no'} "
+                f"| {r['k']} | {r['traces']} | {r['tokens']:,} | "
+                f"{r['tokens_per_step']:.3f} | {r['kept']:.0%} |"
+            )
         lines.append("")
     for model, cost in (results.get("cost") or {}).items():
-        lines += [f"## One decode of n tokens of one sequence against 1 ({model}; 1 token "
-                  f"{cost['one_token_ms']} ms)", "",
-                  "| n | " + " | ".join(k for k in cost if k != "one_token_ms") + " |",
-                  "| --- |" + " --- |" * (len(cost) - 1),
-                  "| cost | " + " | ".join(f"{v}x" for k, v in cost.items()
-                                           if k != "one_token_ms") + " |", ""]  # fmt: skip
+        lines += [
+            f"## One decode of n tokens of one sequence against 1 ({model}; 1 token "
+            f"{cost['one_token_ms']} ms)",
+            "",
+            "| n | " + " | ".join(k for k in cost if k != "one_token_ms") + " |",
+            "| --- |" + " --- |" * (len(cost) - 1),
+            "| cost | "
+            + " | ".join(f"{v}x" for k, v in cost.items() if k != "one_token_ms")
+            + " |",
+            "",
+        ]
     if results.get("speed"):
-        lines += [f"## Greedy answers of {results['tokens']} tokens ({results['speed_model']}, "
-                  f"median of {results['rounds']} interleaved rounds)", "",
-                  "| question | engine | tokens/s | against off | drafted | kept |",
-                  "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += [
+            f"## Greedy answers of {results['tokens']} tokens ({results['speed_model']}, "
+            f"median of {results['rounds']} interleaved rounds)",
+            "",
+            "| question | engine | tokens/s | against off | drafted | kept |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for r in results["speed"]:
             against = f"{r['vs_off']:.3f}x" if "vs_off" in r else "-"
-            lines.append(f"| {r['question']} | {r['engine']} | {r['tok_s']} | {against} | "
-                         f"{r['drafted']} | {r['kept']} |")  # fmt: skip
+            lines.append(
+                f"| {r['question']} | {r['engine']} | {r['tok_s']} | {against} | "
+                f"{r['drafted']} | {r['kept']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -306,8 +353,9 @@ def main() -> None:
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()}-core {platform.machine()}",
-        "tokens": args.tokens, "rounds": args.rounds,
-    }  # fmt: skip
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+    }
     if args.replay:
         results["replay"] = replay_corpus()
     if args.cost:

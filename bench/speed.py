@@ -51,8 +51,13 @@ for chunk in stream:
 def first_byte_s(command: list[str], env: dict[str, str]) -> tuple[float, float]:
     """Run a command; return (seconds to its first stdout byte, seconds to its exit)."""
     started = time.monotonic()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     assert proc.stdout is not None
     proc.stdout.read(1)
     first = time.monotonic() - started
@@ -64,17 +69,20 @@ def first_byte_s(command: list[str], env: dict[str, str]) -> tuple[float, float]
 def in_process(model: Path, threads: int, tokens: int) -> dict[str, float]:
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(model), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
-                          verbose=False)  # fmt: skip
+    llm = llama_cpp.Llama(
+        str(model), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
     runs = []
     for _ in range(3):
         started = time.monotonic()
         first = None
         count = 0
         stream: Any = llm.create_chat_completion(  # (typed as an answer or a stream of chunks)
-            [{"role": "user", "content": QUESTION}], max_tokens=tokens, temperature=0,
+            [{"role": "user", "content": QUESTION}],
+            max_tokens=tokens,
+            temperature=0,
             stream=True,
-        )  # fmt: skip
+        )
         for chunk in stream:
             if chunk["choices"][0]["delta"].get("content"):
                 count += 1
@@ -93,8 +101,13 @@ def concurrent(home: Path, k: int, tokens: int) -> float:
 
     with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
         started = time.monotonic()
-        ids = {connection.send("solve", {"prompt": f"{QUESTION} (variant {i})", "temperature": 0,
-                                          "max_tokens": tokens}) for i in range(k)}  # fmt: skip
+        ids = {
+            connection.send(
+                "solve",
+                {"prompt": f"{QUESTION} (variant {i})", "temperature": 0, "max_tokens": tokens},
+            )
+            for i in range(k)
+        }
         produced = 0
         while ids:
             event = connection.next_event()
@@ -136,8 +149,14 @@ def weight_bytes_per_token(model: Path) -> int:
 
 
 def max_rss_kib(command: list[str], env: dict[str, str]) -> int:
-    out = subprocess.run(["/usr/bin/time", "-f", "%M", *command], capture_output=True, text=True,
-                         env=env, stdin=subprocess.DEVNULL, check=True)  # fmt: skip
+    out = subprocess.run(
+        ["/usr/bin/time", "-f", "%M", *command],
+        capture_output=True,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        check=True,
+    )
     return int(out.stderr.strip().splitlines()[-1])
 
 
@@ -157,17 +176,20 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="p4s-", dir="/tmp"))
     env = {**os.environ, "PHI4_HOME": str(home)}
     solve = [*PHI4, "solve", QUESTION, "-m", str(model), "-t", "0", "-n", str(args.tokens)]
-    results: dict[str, Any] = {"model": str(model), "tokens": args.tokens,
-                               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
-                                          f"{threads} threads"}  # fmt: skip
+    results: dict[str, Any] = {
+        "model": str(model),
+        "tokens": args.tokens,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} threads",
+    }
 
     # 6 (cold, without): nothing staged, no saved state.
     subprocess.run([*PHI4, "cache", "clear"], env=env, capture_output=True, check=True)
     cold_env = {**env, "PHI4_RAMDISK_MODE": "off"}
     results["restart_first_token_s_plain"] = first_byte_s(solve, cold_env)[0]
     subprocess.run([*PHI4, "stop"], env=env, capture_output=True, check=True)
-    subprocess.run([*PHI4, "warm", "-m", str(model), "--ramdisk"], env=env, capture_output=True,
-                   check=True)  # stages the model and saves the prompt state  # fmt: skip
+    subprocess.run(
+        [*PHI4, "warm", "-m", str(model), "--ramdisk"], env=env, capture_output=True, check=True
+    )  # stages the model and saves the prompt state
     subprocess.run([*PHI4, "stop"], env=env, capture_output=True, check=True)
     staged_env = {**env, "PHI4_RAMDISK_MODE": "on"}
     results["restart_first_token_s_staged_restored"] = first_byte_s(solve, staged_env)[0]
@@ -177,13 +199,20 @@ def main() -> None:
     warm = [first_byte_s(solve, env) for _ in range(5)]
     results["phi4_first_token_s"] = statistics.median(w[0] for w in warm)
     results["phi4_total_s"] = statistics.median(w[1] for w in warm)
-    fresh = [first_byte_s([sys.executable, "-c", FRESH_PROCESS, str(model), QUESTION,
-                           str(threads)], env)[0] for _ in range(3)]  # fmt: skip
+    fresh = [
+        first_byte_s(
+            [sys.executable, "-c", FRESH_PROCESS, str(model), QUESTION, str(threads)], env
+        )[0]
+        for _ in range(3)
+    ]
     results["fresh_process_first_token_s"] = statistics.median(fresh)
     rates = []
     for _ in range(3):  # the median of three, as for the in-process baseline
-        stats = json.loads(subprocess.run([*solve, "--json"], env=env, capture_output=True,
-                                          text=True, check=True).stdout)["stats"]  # fmt: skip
+        stats = json.loads(
+            subprocess.run(
+                [*solve, "--json"], env=env, capture_output=True, text=True, check=True
+            ).stdout
+        )["stats"]
         rates.append((stats["completion_tokens"] - 1) / max(stats["decode_s"], 1e-9))
     results["phi4_decode_tps"] = statistics.median(rates)
     base = in_process(model, threads, args.tokens)
@@ -194,8 +223,11 @@ def main() -> None:
     results["aggregate_tps"] = {k: concurrent(home, k, args.tokens) for k in (1, 2, 4, 8)}
 
     # 7
-    status = json.loads(subprocess.run([*PHI4, "status", "--json"], env=env, capture_output=True,
-                                       text=True, check=True).stdout)  # fmt: skip
+    status = json.loads(
+        subprocess.run(
+            [*PHI4, "status", "--json"], env=env, capture_output=True, text=True, check=True
+        ).stdout
+    )
     results["daemon_rss_bytes"] = status["rss_bytes"]
     results["client_rss_bytes"] = max_rss_kib(solve, env) * 1024
     results["model_bytes"] = model.stat().st_size
@@ -210,29 +242,54 @@ def main() -> None:
     r = results
     agg = r["aggregate_tps"]
     rows = [
-        ("1. time to first token, warm phi4 solve (client start included)",
-         f"{r['phi4_first_token_s'] * 1000:.0f} ms",
-         f"fresh process {r['fresh_process_first_token_s'] * 1000:.0f} ms",
-         f"**{r['fresh_process_first_token_s'] / r['phi4_first_token_s']:.1f}x** faster"),
-        ("2. total time, warm phi4 solve", f"{r['phi4_total_s'] * 1000:.0f} ms",
-         f"in-process {r['in_process_total_s'] * 1000:.0f} ms",
-         f"overhead **{(r['phi4_total_s'] / r['in_process_total_s'] - 1) * 100:+.0f}%**"),
-        ("3. decode rate", f"{r['phi4_decode_tps']:.1f} tok/s",
-         f"in-process {r['in_process_decode_tps']:.1f} tok/s",
-         f"**{r['phi4_decode_tps'] / r['in_process_decode_tps']:.2f}x** "
-         f"(bandwidth bound {r['bandwidth_bound_tps']:.0f} tok/s)"),
-        *[(f"5. {k} concurrent solves, aggregate", f"{agg[k]:.1f} tok/s", "1 solve",
-           f"**{agg[k] / agg[1]:.2f}x**") for k in (2, 4, 8)],
-        ("6. daemon restart to first token",
-         f"{r['restart_first_token_s_staged_restored'] * 1000:.0f} ms staged + restored",
-         f"{r['restart_first_token_s_plain'] * 1000:.0f} ms plain", ""),
-        ("7. memory", f"client {r['client_rss_bytes'] / 2**20:.0f} MiB",
-         f"daemon {r['daemon_rss_bytes'] / 2**20:.0f} MiB",
-         f"model file {r['model_bytes'] / 2**20:.0f} MiB"),
-    ]  # fmt: skip
-    lines = [f"Speed on {model.name} ({r['machine']}, {args.tokens}-token greedy answers)", "",
-             "| measure | phi4 | baseline | ratio |", "| --- | --- | --- | --- |",
-             *[f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]]  # fmt: skip
+        (
+            "1. time to first token, warm phi4 solve (client start included)",
+            f"{r['phi4_first_token_s'] * 1000:.0f} ms",
+            f"fresh process {r['fresh_process_first_token_s'] * 1000:.0f} ms",
+            f"**{r['fresh_process_first_token_s'] / r['phi4_first_token_s']:.1f}x** faster",
+        ),
+        (
+            "2. total time, warm phi4 solve",
+            f"{r['phi4_total_s'] * 1000:.0f} ms",
+            f"in-process {r['in_process_total_s'] * 1000:.0f} ms",
+            f"overhead **{(r['phi4_total_s'] / r['in_process_total_s'] - 1) * 100:+.0f}%**",
+        ),
+        (
+            "3. decode rate",
+            f"{r['phi4_decode_tps']:.1f} tok/s",
+            f"in-process {r['in_process_decode_tps']:.1f} tok/s",
+            f"**{r['phi4_decode_tps'] / r['in_process_decode_tps']:.2f}x** "
+            f"(bandwidth bound {r['bandwidth_bound_tps']:.0f} tok/s)",
+        ),
+        *[
+            (
+                f"5. {k} concurrent solves, aggregate",
+                f"{agg[k]:.1f} tok/s",
+                "1 solve",
+                f"**{agg[k] / agg[1]:.2f}x**",
+            )
+            for k in (2, 4, 8)
+        ],
+        (
+            "6. daemon restart to first token",
+            f"{r['restart_first_token_s_staged_restored'] * 1000:.0f} ms staged + restored",
+            f"{r['restart_first_token_s_plain'] * 1000:.0f} ms plain",
+            "",
+        ),
+        (
+            "7. memory",
+            f"client {r['client_rss_bytes'] / 2**20:.0f} MiB",
+            f"daemon {r['daemon_rss_bytes'] / 2**20:.0f} MiB",
+            f"model file {r['model_bytes'] / 2**20:.0f} MiB",
+        ),
+    ]
+    lines = [
+        f"Speed on {model.name} ({r['machine']}, {args.tokens}-token greedy answers)",
+        "",
+        "| measure | phi4 | baseline | ratio |",
+        "| --- | --- | --- | --- |",
+        *[f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows],
+    ]
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"speed-{model.stem}"

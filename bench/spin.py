@@ -37,8 +37,28 @@ sys.path.insert(0, str(ROOT))
 from bench.contention import busy, phi4_running, solve_stats  # noqa: E402
 from bench.speed import QUESTION  # noqa: E402
 
-WORDS = ("the", "number", "of", "ways", "to", "choose", "two", "points", "from", "a", "grid",
-         "is", "given", "by", "sum", "over", "all", "pairs", "and", "then")  # fmt: skip
+WORDS = (
+    "the",
+    "number",
+    "of",
+    "ways",
+    "to",
+    "choose",
+    "two",
+    "points",
+    "from",
+    "a",
+    "grid",
+    "is",
+    "given",
+    "by",
+    "sum",
+    "over",
+    "all",
+    "pairs",
+    "and",
+    "then",
+)
 
 
 def prompt_text(tokens: int, seed: int) -> str:
@@ -70,8 +90,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=1000, help="words of the prompt read")
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--duty", type=float, default=0.5,
-                        help="the busy process's share of the time (0: no busy pass)")  # fmt: skip
+    parser.add_argument(
+        "--duty",
+        type=float,
+        default=0.5,
+        help="the busy process's share of the time (0: no busy pass)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     longest = max(args.spins)
@@ -100,13 +124,18 @@ def main() -> None:
                 if args.duty > 0:
                     with busy(1, args.duty):
                         loaded = solve(env, args.model, QUESTION, args.tokens)
-            passed[spin] = {"prompt": read["prompt_tokens_per_s"],
-                            "prompt_tokens": read["prompt_tokens"],
-                            "quiet": quiet["decode_tokens_per_s"],
-                            "busy": loaded["decode_tokens_per_s"] if loaded else 0.0}  # fmt: skip
-            print(f"pass {round_ + 1}, spin {spin:,}: prompt {read['prompt_tokens']} tokens at "
-                  f"{passed[spin]['prompt']:.1f} tok/s; decode {passed[spin]['quiet']:.2f} tok/s "
-                  f"quiet, {passed[spin]['busy']:.2f} busy", file=sys.stderr)  # fmt: skip
+            passed[spin] = {
+                "prompt": read["prompt_tokens_per_s"],
+                "prompt_tokens": read["prompt_tokens"],
+                "quiet": quiet["decode_tokens_per_s"],
+                "busy": loaded["decode_tokens_per_s"] if loaded else 0.0,
+            }
+            print(
+                f"pass {round_ + 1}, spin {spin:,}: prompt {read['prompt_tokens']} tokens at "
+                f"{passed[spin]['prompt']:.1f} tok/s; decode {passed[spin]['quiet']:.2f} tok/s "
+                f"quiet, {passed[spin]['busy']:.2f} busy",
+                file=sys.stderr,
+            )
         for spin, rates in passed.items():
             for key, value in rates.items():
                 runs[spin][key].append(value)
@@ -130,17 +159,30 @@ def main() -> None:
         med = {key: statistics.median(values) for key, values in r.items() if values}
         ratio = statistics.median(b / q for b, q in zip(r["busy"], r["quiet"], strict=True))
         summary[spin] = {**med, "busy_over_quiet": ratio, "passes": r}
-        lines.append(f"| {spin:,} | {med['prompt']:.1f} tok/s | {med['prompt_vs']:.2f}x | "
-                     f"{med['quiet']:.2f} tok/s | {med['decode_vs']:.2f}x | "
-                     f"{med['busy']:.2f} tok/s | {ratio:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| {spin:,} | {med['prompt']:.1f} tok/s | {med['prompt_vs']:.2f}x | "
+            f"{med['quiet']:.2f} tok/s | {med['decode_vs']:.2f}x | "
+            f"{med['busy']:.2f} tok/s | {ratio:.2f}x |"
+        )
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"spin-{args.model.stem}"
-    (args.out / f"{stem}.json").write_text(json.dumps(
-        {"model": str(args.model), "machine": machine, "rounds": args.rounds,
-         "prompt": args.prompt, "tokens": args.tokens, "duty": args.duty,
-         "spins": summary}, indent=2) + "\n")  # fmt: skip
+    (args.out / f"{stem}.json").write_text(
+        json.dumps(
+            {
+                "model": str(args.model),
+                "machine": machine,
+                "rounds": args.rounds,
+                "prompt": args.prompt,
+                "tokens": args.tokens,
+                "duty": args.duty,
+                "spins": summary,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     (args.out / f"{stem}.md").write_text(table + "\n")
 
 

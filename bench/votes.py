@@ -72,8 +72,11 @@ class Replayed:
 def _outcome(index: int, sample: Sample, unsure: bool) -> Outcome:
     outcome = Outcome(index=index, question="")
     outcome.solution = f"\\boxed{{{sample.answer}}}" if sample.answer is not None else ""
-    outcome.stats = Stats(completion_tokens=sample.tokens, finish_reason="unsure" if unsure
-                          else "stop", lowest_group_confidence=sample.confidence)  # fmt: skip
+    outcome.stats = Stats(
+        completion_tokens=sample.tokens,
+        finish_reason="unsure" if unsure else "stop",
+        lowest_group_confidence=sample.confidence,
+    )
     outcome.done = True
     if sample.verdict is not None:
         outcome.check = Check(sample.verdict, "")
@@ -113,14 +116,22 @@ def replay(samples: list[Sample], compare: Any, stop_unsure: bool = False) -> Re
     kept = [i for i in range(k) if i not in stop.stopped and i not in stop.unsure]
     # The vote as the CLI takes it (solving.votes: a verified answer first, a refuted one not).
     voting = votes([_outcome(i, samples[i], False) for i in kept])
-    full = majority_vote(votes([_outcome(i, s, False) for i, s in enumerate(samples)]),
-                         equal=compare)  # fmt: skip
-    return Replayed(majority_vote(voting, equal=compare).answer, full.answer, full.tie, tokens,
-                    sum(s.tokens for s in samples), len(voting))  # fmt: skip
+    full = majority_vote(
+        votes([_outcome(i, s, False) for i, s in enumerate(samples)]), equal=compare
+    )
+    return Replayed(
+        majority_vote(voting, equal=compare).answer,
+        full.answer,
+        full.tie,
+        tokens,
+        sum(s.tokens for s in samples),
+        len(voting),
+    )
 
 
-def simulated(rng: random.Random, k: int, parallel: int, mixture: str,
-              checkable: float = 0.0) -> list[Sample]:  # fmt: skip
+def simulated(
+    rng: random.Random, k: int, parallel: int, mixture: str, checkable: float = 0.0
+) -> list[Sample]:
     """A synthetic problem's K samples, run ``parallel`` at a time; with chance ``checkable``
     the problem is one the checker decides: its right answer verified, the others refuted (the
     checker's measured wrong verdicts: none)."""
@@ -133,14 +144,18 @@ def simulated(rng: random.Random, k: int, parallel: int, mixture: str,
         tokens = max(50, round(rng.lognormvariate(math.log(MEDIAN_TOKENS), TOKENS_SIGMA)))
         end = start + tokens / RATE
         heapq.heappush(free, end)
-        verdict = None if not decided or answer is None else (
-            "verified" if answer == "right" else "refuted")  # fmt: skip
+        verdict = (
+            None
+            if not decided or answer is None
+            else ("verified" if answer == "right" else "refuted")
+        )
         samples.append(Sample(answer, tokens, start, end, rng.uniform(5.0, 15.0), verdict))
     return samples
 
 
-def summarise(rows: list[Replayed], correct: list[tuple[bool, bool]] | None,
-              compare: Any) -> dict[str, Any]:  # fmt: skip
+def summarise(
+    rows: list[Replayed], correct: list[tuple[bool, bool]] | None, compare: Any
+) -> dict[str, Any]:
     untied = [r for r in rows if not r.tie and r.full is not None]
     agree = sum(r.answer is not None and compare(r.answer, r.full or "") for r in untied)
     summary: dict[str, Any] = {
@@ -157,8 +172,12 @@ def summarise(rows: list[Replayed], correct: list[tuple[bool, bool]] | None,
 
 
 def simulate(args: argparse.Namespace) -> dict[str, Any]:
-    result: dict[str, Any] = {"k": args.k, "parallel": args.parallel,
-                              "checkable": args.checkable, "mixtures": {}}  # fmt: skip
+    result: dict[str, Any] = {
+        "k": args.k,
+        "parallel": args.parallel,
+        "checkable": args.checkable,
+        "mixtures": {},
+    }
     compare = str.__eq__  # the simulation's answers are labels: "right", "d0", ...
     for mixture in MIXTURES:
         seeds = []
@@ -166,8 +185,11 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             rng = random.Random(seed)
             rows, correct = [], []
             for _ in range(args.problems):
-                row = replay(simulated(rng, args.k, args.parallel, mixture, args.checkable),
-                             compare, args.stop_unsure)  # fmt: skip
+                row = replay(
+                    simulated(rng, args.k, args.parallel, mixture, args.checkable),
+                    compare,
+                    args.stop_unsure,
+                )
                 rows.append(row)
                 correct.append((row.answer == "right", row.full == "right"))
             seeds.append({"seed": seed, **summarise(rows, correct, compare)})
@@ -185,9 +207,19 @@ def from_records(path: Path) -> tuple[list[list[Sample]], list[str]]:
             raise SystemExit(f"{path}: a record without sample_details (run eval -k K --all)")
         if any(d["cancelled"] for d in details):
             raise SystemExit(f"{path}: samples were cancelled: replay needs all K (--all)")
-        problems.append([Sample(d["answer"], d["completion_tokens"],
-                                d["ended_s"] - (d["seconds"] or 0.0), d["ended_s"],
-                                d["confidence"], d.get("check")) for d in details])  # fmt: skip
+        problems.append(
+            [
+                Sample(
+                    d["answer"],
+                    d["completion_tokens"],
+                    d["ended_s"] - (d["seconds"] or 0.0),
+                    d["ended_s"],
+                    d["confidence"],
+                    d.get("check"),
+                )
+                for d in details
+            ]
+        )
         references.append(str(record["reference"]))
     return problems, references
 
@@ -199,16 +231,23 @@ def replay_file(args: argparse.Namespace) -> dict[str, Any]:
     for samples, reference in zip(problems, references, strict=True):
         row = replay(samples, compare, args.stop_unsure)
         rows.append(row)
-        correct.append((row.answer is not None and compare(row.answer, reference),
-                        row.full is not None and compare(row.full, reference)))  # fmt: skip
+        correct.append(
+            (
+                row.answer is not None and compare(row.answer, reference),
+                row.full is not None and compare(row.full, reference),
+            )
+        )
     single = [
         s.answer is not None and compare(s.answer, ref)
         for samples, ref in zip(problems, references, strict=True)
         for s in samples
     ]
-    return {"results": str(args.results), "k": len(problems[0]) if problems else 0,
-            "sample_accuracy": statistics.fmean(single) if single else None,
-            **summarise(rows, correct, compare)}  # fmt: skip
+    return {
+        "results": str(args.results),
+        "k": len(problems[0]) if problems else 0,
+        "sample_accuracy": statistics.fmean(single) if single else None,
+        **summarise(rows, correct, compare),
+    }
 
 
 def _pct(value: float | None) -> str:
@@ -260,14 +299,22 @@ def main() -> None:
     sim.add_argument("--parallel", type=int, default=4)
     sim.add_argument("--seeds", type=int, default=5)
     sim.add_argument("--stop-unsure", action="store_true")
-    sim.add_argument("--checkable", type=float, default=0.0,
-                     help="share of problems whose answers the checker decides")  # fmt: skip
+    sim.add_argument(
+        "--checkable",
+        type=float,
+        default=0.0,
+        help="share of problems whose answers the checker decides",
+    )
     rep = sub.add_parser("replay")
     rep.add_argument("results", type=Path)
     rep.add_argument("--stop-unsure", action="store_true")
     for each in (sim, rep):
-        each.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
-                          help="folder of the results files")  # fmt: skip
+        each.add_argument(
+            "--out",
+            type=Path,
+            default=ROOT / "bench" / "results",
+            help="folder of the results files",
+        )
     args = parser.parse_args()
     result = simulate(args) if args.what == "simulate" else replay_file(args)
     name = args.what if args.what == "simulate" else f"replay-{args.results.stem}"

@@ -127,8 +127,9 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
     if event == "subprocess.Popen":
         argv = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
         words = [str(word) for word in argv]
-        if any(word == PHI4 or word in ("phi4cli", "llama_cpp.server") for word in words) or \
-                (LLAMA_SERVER and LLAMA_SERVER in words):  # fmt: skip
+        if any(word == PHI4 or word in ("phi4cli", "llama_cpp.server") for word in words) or (
+            LLAMA_SERVER and LLAMA_SERVER in words
+        ):
             _launched.append(" ".join(words)[:120])
     elif event == "os.forkpty":
         _launched.append("a terminal (pty)")
@@ -147,8 +148,12 @@ STAGING_PREFIX, SUITE_HOME_PREFIX = "p4-stage-", "p4-suite-"
 
 def _staging_dir() -> Path:
     shm = Path("/dev/shm")
-    return Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.environ[SUITE_VARIABLE]}-",
-                                 dir=shm if shm.is_dir() else None))  # fmt: skip
+    return Path(
+        tempfile.mkdtemp(
+            prefix=f"{STAGING_PREFIX}{os.environ[SUITE_VARIABLE]}-",
+            dir=shm if shm.is_dir() else None,
+        )
+    )
 
 
 def _suites_directories() -> Iterator[tuple[str, Path]]:
@@ -189,13 +194,14 @@ def phi4_home(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -
             _stop_processes_in(home)
         shutil.rmtree(home, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
-        if (started or launched) and \
-                request.node.get_closest_marker(DAEMON_MARKER) is None:  # fmt: skip
+        if (started or launched) and request.node.get_closest_marker(DAEMON_MARKER) is None:
             what = "a daemon" if started else f"`{launched[0]}`"
-            pytest.fail(f"{request.node.nodeid} started {what} but is not marked "
-                        f"{DAEMON_MARKER} (@pytest.mark.{DAEMON_MARKER}, or pytestmark in its "
-                        "module), so `pytest -m 'not daemon'` would run it",
-                        pytrace=False)  # fmt: skip
+            pytest.fail(
+                f"{request.node.nodeid} started {what} but is not marked "
+                f"{DAEMON_MARKER} (@pytest.mark.{DAEMON_MARKER}, or pytestmark in its "
+                "module), so `pytest -m 'not daemon'` would run it",
+                pytrace=False,
+            )
 
 
 def _ignore(_signum: int, _frame: object) -> None:
@@ -206,8 +212,9 @@ def _ignore(_signum: int, _frame: object) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ[SUITE_VARIABLE] = str(os.getpid())
-    os.environ["PHI4_HOME"] = tempfile.mkdtemp(prefix=f"{SUITE_HOME_PREFIX}{os.getpid()}-",
-                                               dir="/tmp")  # fmt: skip
+    os.environ["PHI4_HOME"] = tempfile.mkdtemp(
+        prefix=f"{SUITE_HOME_PREFIX}{os.getpid()}-", dir="/tmp"
+    )
     os.environ["PHI4_RAMDISK"] = str(_staging_dir())
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, _ignore)
@@ -218,8 +225,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     remove its directories."""
     for suite, directory in _suites_directories():
         with contextlib.suppress(OSError):
-            if suite.isdigit() and not Path(f"/proc/{suite}").exists() and \
-                    directory.lstat().st_uid == os.getuid():  # fmt: skip
+            if (
+                suite.isdigit()
+                and not Path(f"/proc/{suite}").exists()
+                and directory.lstat().st_uid == os.getuid()
+            ):
                 shutil.rmtree(directory, ignore_errors=True)
     prefix = f"{SUITE_VARIABLE}=".encode()
     orphans = []
@@ -228,8 +238,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             if not entry.startswith(prefix):
                 continue
             suite = entry[len(prefix) :]  # a pid, unless someone set it to something else
-            if suite.isdigit() and 0 < int(suite) != os.getpid() \
-                    and not Path(f"/proc/{int(suite)}").exists():  # fmt: skip
+            if (
+                suite.isdigit()
+                and 0 < int(suite) != os.getpid()
+                and not Path(f"/proc/{int(suite)}").exists()
+            ):
                 orphans.append(pid)
     if orphans:
         _kill_all(orphans)
@@ -258,8 +271,9 @@ def _kill_what_was_left(session: pytest.Session) -> None:
             named.append(f"{pid}: {argv.strip()[:200]}")
     _kill_all(left)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    message = f"the suite left {len(left)} process(es) running (killed now):\n  " + \
-        "\n  ".join(named)  # fmt: skip
+    message = f"the suite left {len(left)} process(es) running (killed now):\n  " + "\n  ".join(
+        named
+    )
     if reporter is not None:
         reporter.write_line(message, red=True)
     else:
@@ -292,10 +306,16 @@ def holding_daemon_lock(run_dir: Path) -> Iterator[None]:
     socket that answers, maybe no status file."""
     run_dir.mkdir(mode=0o700, exist_ok=True)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
-         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
-         str(run_dir / "daemon.lock")], stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+            str(run_dir / "daemon.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         yield
@@ -348,17 +368,47 @@ def start_llama_cpp_server(model: Path, *extra: str) -> tuple[subprocess.Popen[b
     """llama-cpp-python's own OpenAI-compatible server on ``model``, once it answers; return
     the process and its /v1 URL."""
     port = free_port()
-    return _started([sys.executable, "-m", "llama_cpp.server", "--model", str(model),
-                     "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", *extra],
-                    port, "llama_cpp.server")  # fmt: skip
+    return _started(
+        [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            "2048",
+            *extra,
+        ],
+        port,
+        "llama_cpp.server",
+    )
 
 
 def start_llama_server(model: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     """llama.cpp's llama-server (``PHI4_TEST_LLAMA_SERVER``) on ``model``, with ``/metrics``."""
     assert LLAMA_SERVER, "PHI4_TEST_LLAMA_SERVER names no llama-server"
     port = free_port()
-    return _started([LLAMA_SERVER, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                     "-c", "4096", "--metrics", *extra], port, "llama-server")  # fmt: skip
+    return _started(
+        [
+            LLAMA_SERVER,
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-c",
+            "4096",
+            "--metrics",
+            *extra,
+        ],
+        port,
+        "llama-server",
+    )
 
 
 def _started(command: list[str], port: int, name: str) -> tuple[subprocess.Popen[bytes], str]:

@@ -14,12 +14,19 @@ def plain(screen: str) -> str:
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen).replace("\r", "")
 
 
-def in_pty(command: str, args: list[str], env: dict[str, str] | None = None,
-           width: int = 120) -> str:  # fmt: skip
+def in_pty(
+    command: str, args: list[str], env: dict[str, str] | None = None, width: int = 120
+) -> str:
     """``command args`` run with stdout and stderr a terminal (exit 0 asserted): what it
     showed there."""
-    child = pexpect.spawn(command, args, encoding="utf-8", dimensions=(40, width), timeout=90,
-                          env={**os.environ, **(env or {})})  # fmt: skip
+    child = pexpect.spawn(
+        command,
+        args,
+        encoding="utf-8",
+        dimensions=(40, width),
+        timeout=90,
+        env={**os.environ, **(env or {})},
+    )
     child.expect(pexpect.EOF)
     child.close()
     screen = str(child.before)
@@ -27,8 +34,9 @@ def in_pty(command: str, args: list[str], env: dict[str, str] | None = None,
     return screen
 
 
-def chat_in_pty(command: str, args: list[str], steps: list[tuple[str, str]],
-                width: int = 120) -> str:  # fmt: skip
+def chat_in_pty(
+    command: str, args: list[str], steps: list[tuple[str, str]], width: int = 120
+) -> str:
     """``command args`` (a chat) run at a terminal: wait for its greeting, then for each
     (line, text) of ``steps`` send the line and wait for the text; leave with /exit (exit 0
     asserted). Return all it showed."""

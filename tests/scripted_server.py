@@ -58,15 +58,19 @@ def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str
 
 def usage(prompt: int, completion: int, reasoning: int | None = None) -> str:
     details = {"reasoning_tokens": reasoning} if reasoning is not None else None
-    body: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                            "total_tokens": prompt + completion}  # fmt: skip
+    body: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
     if details:
         body["completion_tokens_details"] = details
     return data({"id": "c1", "object": "chat.completion.chunk", "choices": [], "usage": body})
 
 
-def separated(field_name: str, thinking: list[str], answer: list[str],
-              with_usage: bool = True) -> list[str | Step]:  # fmt: skip
+def separated(
+    field_name: str, thinking: list[str], answer: list[str], with_usage: bool = True
+) -> list[str | Step]:
     """llama-server (reasoning_content) or vLLM/Ollama (reasoning): thinking in its own field."""
     lines: list[str | Step] = [chunk({"role": "assistant", "content": ""})]
     lines += [chunk({field_name: piece}) for piece in thinking]
@@ -106,9 +110,15 @@ def scripted_server(
         def do_GET(self) -> None:
             page = state.metrics() if state.metrics and self.path == "/metrics" else None
             if state.models is not None and self.path == "/v1/models":
-                page = json.dumps({"object": "list", "data": [
-                    {"id": name, "object": "model", "owned_by": "test"} for name in state.models
-                ]})  # fmt: skip
+                page = json.dumps(
+                    {
+                        "object": "list",
+                        "data": [
+                            {"id": name, "object": "model", "owned_by": "test"}
+                            for name in state.models
+                        ],
+                    }
+                )
             payload = (page or "not here").encode()
             self.send_response(200 if page is not None else 404)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -120,8 +130,9 @@ def scripted_server(
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             state.bodies.append(body)
             if state.status != 200:
-                payload = json.dumps({"error": {"message": "scripted refusal",
-                                                "code": state.status}}).encode()  # fmt: skip
+                payload = json.dumps(
+                    {"error": {"message": "scripted refusal", "code": state.status}}
+                ).encode()
                 self.send_response(state.status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))

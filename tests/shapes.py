@@ -219,8 +219,9 @@ VARIANTS = {
 }
 
 
-def paragraph_loop(rng: random.Random, before: int, period: int, words: int,
-                   varied: float = 0.0) -> tuple[str, int]:  # fmt: skip
+def paragraph_loop(
+    rng: random.Random, before: int, period: int, words: int, varied: float = 0.0
+) -> tuple[str, int]:
     """A normal trace of ``before`` words, then a paragraph of about ``period`` words repeated
     until ``words`` words in all; with ``varied``, each word that has variants (VARIANTS) is
     swapped for one of them with that chance, each time round. Return the text and the word at

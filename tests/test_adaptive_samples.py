@@ -53,8 +53,18 @@ def _answers(fast: int) -> Any:
 @pytest.mark.daemon
 def test_samples_that_agree_stop_after_the_rules_minimum_and_cancel_the_rest():
     with scripted_server(_answers(fast=3)) as server:
-        base = ("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "8",
-                "--seed", "100")  # fmt: skip
+        base = (
+            "solve",
+            "3 plus 4?",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-k",
+            "8",
+            "--seed",
+            "100",
+        )
         text = run_phi4(*base, timeout=100)
         record = json.loads(run_phi4(*base, "--json", timeout=100).stdout)
     assert text.returncode == 0, text.stderr
@@ -70,14 +80,36 @@ def test_samples_that_agree_stop_after_the_rules_minimum_and_cancel_the_rest():
 @pytest.mark.daemon
 def test_all_takes_every_sample_and_answer_only_says_where_it_stopped():
     with scripted_server(_answers(fast=8)) as server:
-        base = ("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "8",
-                "--seed", "100")  # fmt: skip
+        base = (
+            "solve",
+            "3 plus 4?",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-k",
+            "8",
+            "--seed",
+            "100",
+        )
         every = run_phi4(*base, "--all", timeout=100)
     assert every.returncode == 0, every.stderr
     assert every.stdout.splitlines()[-1] == "Answer: 7 (8/8 samples agree)"
     with scripted_server(_answers(fast=3)) as server:
-        short = run_phi4("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "8",
-                         "--seed", "100", "--answer-only", timeout=100)  # fmt: skip
+        short = run_phi4(
+            "solve",
+            "3 plus 4?",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-k",
+            "8",
+            "--seed",
+            "100",
+            "--answer-only",
+            timeout=100,
+        )
     assert short.returncode == 0, short.stderr
     assert short.stdout == "7\n"
     assert "phi4: 3/3 samples agree, stopped after 3 of 8" in short.stderr
@@ -109,8 +141,14 @@ def test_through_the_daemon_a_settled_vote_cancels_the_samples_still_to_come(
     assert started.returncode == 0, started.stderr
     out, err = io.StringIO(), io.StringIO()
     env = Environment(io.StringIO(), out, err, paths=get_paths())
-    options = SolveOptions(prompt="3 plus 4?", model=str(tiny_model), samples=8,
-                           max_tokens=LONG, temperature=0.0, as_json=True)  # fmt: skip
+    options = SolveOptions(
+        prompt="3 plus 4?",
+        model=str(tiny_model),
+        samples=8,
+        max_tokens=LONG,
+        temperature=0.0,
+        as_json=True,
+    )
     assert run_solve(options, env) == 0, err.getvalue()
     record = json.loads(out.getvalue())
     # Three settle it; the fourth had begun by then, and votes too if it ended before the
@@ -119,8 +157,7 @@ def test_through_the_daemon_a_settled_vote_cancels_the_samples_still_to_come(
     assert used in (3, 4) and record["agreement"] == f"{used}/{used}", record["agreement"]
     assert record["samples_asked"] == 8
     assert sum(s["cancelled"] for s in record["samples"]) == 8 - used
-    assert all(s["stats"]["completion_tokens"] > 0 for s in record["samples"]
-               if not s["cancelled"])  # fmt: skip
+    assert all(s["stats"]["completion_tokens"] > 0 for s in record["samples"] if not s["cancelled"])
     status = json.loads(run_phi4("status", "--json").stdout)
     assert status["memory"]["running"] == 0, "nothing of the cancelled samples still runs"
     # Tokens really saved: one sample at most was begun beyond those that voted.
@@ -138,17 +175,29 @@ def test_eval_stops_each_problems_samples_once_settled_and_says_how_many_it_used
         return lines if body["seed"] < 103 else [Step(sleep=60.0), *lines]
 
     problems = tmp_path / "set.jsonl"
-    problems.write_text("".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n"
-                                for i in range(4)))  # fmt: skip
+    problems.write_text(
+        "".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n" for i in range(4))
+    )
     results = tmp_path / "out.jsonl"
     with scripted_server(script) as server:
-        base = ("eval", str(problems), "--backend", server.url, "-m", "m", "-k", "8",
-                "--seed", "100", "-o", str(results))  # fmt: skip
+        base = (
+            "eval",
+            str(problems),
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-k",
+            "8",
+            "--seed",
+            "100",
+            "-o",
+            str(results),
+        )
         first = run_phi4(*base, "--json", timeout=200)
         assert first.returncode == 0, first.stderr
         summary = json.loads(first.stdout)
-        assert (summary["correct"], summary["samples"], summary["mean_samples_used"]) == (
-            4, 8, 3.0)  # fmt: skip
+        assert (summary["correct"], summary["samples"], summary["mean_samples_used"]) == (4, 8, 3.0)
         assert summary["completion_tokens"] == 4 * 3 * 2, "three samples of two pieces each"
         records = [json.loads(line) for line in results.read_text().splitlines()]
         assert {(r["k"], r["samples_used"], r["agreement"]) for r in records} == {(8, 3, "3/3")}

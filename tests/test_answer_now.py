@@ -84,8 +84,9 @@ def endless_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A reasoning model whose thinking never ends (LOOPING again and again, to max_tokens),
     and which answers ANSWER once something closes its thinking for it."""
     folder = tmp_path_factory.mktemp("answer-now")
-    return write_text_script_model(folder / "endless.gguf", START + LOOPING, ANSWER,
-                                   loop_from=len(START))  # fmt: skip
+    return write_text_script_model(
+        folder / "endless.gguf", START + LOOPING, ANSWER, loop_from=len(START)
+    )
 
 
 def endless_server(body: dict[str, Any]) -> Iterator[str | Step]:
@@ -181,8 +182,7 @@ def test_the_daemon_closes_the_thinking_when_asked_to_answer_now(
 def _solve_and_answer_now(backend: Any, model: str) -> Outcome:
     """One request through ``backend``'s stream; the answer asked for now after HEARD pieces
     of thinking."""
-    params = SolveParams("What is 3+4?", Ask(temperature=0.0, max_tokens=4000, loop="off"),
-                         model)  # fmt: skip
+    params = SolveParams("What is 3+4?", Ask(temperature=0.0, max_tokens=4000, loop="off"), model)
     outcome = Outcome(0, params.prompt)
     stream = backend.stream(Op.SOLVE, params)
     heard = 0

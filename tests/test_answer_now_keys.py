@@ -30,8 +30,9 @@ THINKING = ["-t", "0", "-n", "8000", "--loop", "off"]
 @pytest.fixture(scope="module")
 def endless_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("answer-now-keys")
-    return write_text_script_model(folder / "endless.gguf", START + LOOPING, ANSWER,
-                                   loop_from=len(START))  # fmt: skip
+    return write_text_script_model(
+        folder / "endless.gguf", START + LOOPING, ANSWER, loop_from=len(START)
+    )
 
 
 @pytest.mark.timeout(300)
@@ -40,8 +41,13 @@ def test_enter_while_solve_thinks_answers_now(endless_model: Path):
     assert run_phi4("daemon", "start", "-m", str(endless_model)).returncode == 0
     solve = shlex.join([PHI4, "solve", "What is 3+4?", "-m", str(endless_model), *THINKING])
     # The terminal's modes after phi4 is done: as before (echo, line editing).
-    child = pexpect.spawn("/bin/sh", ["-c", f"stty -a; {solve}; echo status=$?; stty -a"],
-                          encoding="utf-8", dimensions=(40, 120), timeout=90)  # fmt: skip
+    child = pexpect.spawn(
+        "/bin/sh",
+        ["-c", f"stty -a; {solve}; echo status=$?; stty -a"],
+        encoding="utf-8",
+        dimensions=(40, 120),
+        timeout=90,
+    )
     child.logfile_read = transcript = io.StringIO()
     child.expect_exact(ANSWER_NOW_HINT)
     child.send("\r")
@@ -52,8 +58,10 @@ def test_enter_while_solve_thinks_answers_now(endless_model: Path):
     assert "status=0" in screen, screen
     assert "Answer: 7" in screen, screen
     assert re.search(r"Thought for \d+\.\d s \(answered early\)", screen), screen
-    before, after = (re.findall(r"(?<![\w-])-?(?:echo|icanon)(?![\w-])", part)
-                     for part in screen.split("status=0"))  # fmt: skip
+    before, after = (
+        re.findall(r"(?<![\w-])-?(?:echo|icanon)(?![\w-])", part)
+        for part in screen.split("status=0")
+    )
     assert set(after) == set(before[:2]) == {"echo", "icanon"}, (before, after)
 
 
@@ -61,9 +69,13 @@ def test_enter_while_solve_thinks_answers_now(endless_model: Path):
 @pytest.mark.daemon
 def test_enter_while_solve_thinks_answers_now_through_a_remote_engine():
     with scripted_server(endless_server) as server:
-        child = pexpect.spawn(PHI4, ["solve", "What is 3+4?", "--backend", server.url, "-m", "m",
-                                     *THINKING], encoding="utf-8", dimensions=(40, 120),
-                              timeout=90)  # fmt: skip
+        child = pexpect.spawn(
+            PHI4,
+            ["solve", "What is 3+4?", "--backend", server.url, "-m", "m", *THINKING],
+            encoding="utf-8",
+            dimensions=(40, 120),
+            timeout=90,
+        )
         child.logfile_read = transcript = io.StringIO()
         child.expect_exact(ANSWER_NOW_HINT)
         child.send("\r")
@@ -81,8 +93,13 @@ def test_enter_while_solve_thinks_answers_now_through_a_remote_engine():
 @pytest.mark.daemon
 def test_ctrl_c_while_solve_thinks_still_stops_it(endless_model: Path):
     assert run_phi4("daemon", "start", "-m", str(endless_model)).returncode == 0
-    child = pexpect.spawn(PHI4, ["solve", "What is 3+4?", "-m", str(endless_model), *THINKING],
-                          encoding="utf-8", dimensions=(40, 120), timeout=90)  # fmt: skip
+    child = pexpect.spawn(
+        PHI4,
+        ["solve", "What is 3+4?", "-m", str(endless_model), *THINKING],
+        encoding="utf-8",
+        dimensions=(40, 120),
+        timeout=90,
+    )
     child.logfile_read = transcript = io.StringIO()
     child.expect_exact(ANSWER_NOW_HINT)
     child.sendintr()
@@ -97,8 +114,13 @@ def test_ctrl_c_while_solve_thinks_still_stops_it(endless_model: Path):
 @pytest.mark.timeout(300)
 @pytest.mark.daemon
 def test_enter_while_chat_thinks_answers_now_and_the_chat_goes_on(endless_model: Path):
-    child = pexpect.spawn(PHI4, ["chat", "-m", str(endless_model), *THINKING], encoding="utf-8",
-                          dimensions=(40, 120), timeout=90)  # fmt: skip
+    child = pexpect.spawn(
+        PHI4,
+        ["chat", "-m", str(endless_model), *THINKING],
+        encoding="utf-8",
+        dimensions=(40, 120),
+        timeout=90,
+    )
     child.logfile_read = transcript = io.StringIO()
     child.expect_exact("phi4>")
     child.sendline("What is 3+4?")
@@ -142,8 +164,11 @@ def test_enter_counts_only_while_the_model_thinks_and_once():
     assert asked == told == [1]
     keys2, asked2 = _Keys(), []
     late = AnswerNow(keys2, lambda: asked2.append(1), lambda: None)  # type: ignore[arg-type]
-    for kind, pressed in ((EventKind.REASONING, False), (EventKind.TOKEN, True),
-                          (EventKind.TOKEN, True)):  # fmt: skip
+    for kind, pressed in (
+        (EventKind.REASONING, False),
+        (EventKind.TOKEN, True),
+        (EventKind.TOKEN, True),
+    ):
         keys2.typed.append(pressed)
         late.see(Event(kind, text="x"))
     assert asked2 == []  # the thinking was over

@@ -95,9 +95,15 @@ def test_outcome_answer_is_extracted_once_per_solution():
 
 @pytest.mark.parametrize(
     "solution",
-    ["\\boxed{}", "So $\\boxed{ }$.", "\\boxed{\\,}", "\\boxed{\\boxed{}}", "\\boxed{$$}",
-     "The final answer is $\\boxed{}$."],
-)  # fmt: skip
+    [
+        "\\boxed{}",
+        "So $\\boxed{ }$.",
+        "\\boxed{\\,}",
+        "\\boxed{\\boxed{}}",
+        "\\boxed{$$}",
+        "The final answer is $\\boxed{}$.",
+    ],
+)
 def test_an_empty_box_is_no_answer(solution: str):
     assert extract_final_answer(solution) is None
     outcome = Outcome(0, "q")
@@ -118,20 +124,47 @@ def test_the_last_box_that_holds_something_wins():
 
 @pytest.mark.parametrize(
     "answer",
-    [*HUGE, "9^9^9", "9**9**9", "(10^6)!", "2^{99999 \\times 99999}", "10^{100000}",
-     "\\binom{10000000}{5000000}", "x" * 300, "(" * 20 + "1" + ")" * 20, "(2^{9999})^{9999}",
-     "1000!^{1000}", "((2^{9999})^{10})^{10}"],
-)  # fmt: skip
+    [
+        *HUGE,
+        "9^9^9",
+        "9**9**9",
+        "(10^6)!",
+        "2^{99999 \\times 99999}",
+        "10^{100000}",
+        "\\binom{10000000}{5000000}",
+        "x" * 300,
+        "(" * 20 + "1" + ")" * 20,
+        "(2^{9999})^{9999}",
+        "1000!^{1000}",
+        "((2^{9999})^{10})^{10}",
+    ],
+)
 def test_answers_sympy_would_compute_forever_are_compared_as_text(answer: str):
     assert symbolic_too_costly(answer)
 
 
 @pytest.mark.parametrize(
     "answer",
-    ["2^{2023}", "5!", "n!", "(2n)!", "e^{x^2}", "x^{y^{z}}", "2^{-1/2}", "3^{\\frac{1}{2}}",
-     "\\frac{\\sqrt{3}}{2}", "2^3 \\cdot 3^2", "e^{i\\pi}", "x = 2 \\text{ or } x = 3", "10^{6}",
-     "(2^3)^2", "5!^2", "(x^2)^{3}", "n!^2"],
-)  # fmt: skip
+    [
+        "2^{2023}",
+        "5!",
+        "n!",
+        "(2n)!",
+        "e^{x^2}",
+        "x^{y^{z}}",
+        "2^{-1/2}",
+        "3^{\\frac{1}{2}}",
+        "\\frac{\\sqrt{3}}{2}",
+        "2^3 \\cdot 3^2",
+        "e^{i\\pi}",
+        "x = 2 \\text{ or } x = 3",
+        "10^{6}",
+        "(2^3)^2",
+        "5!^2",
+        "(x^2)^{3}",
+        "n!^2",
+    ],
+)
 def test_ordinary_answers_are_still_compared_as_mathematics(answer: str):
     assert not symbolic_too_costly(answer)
 
@@ -277,8 +310,18 @@ def _notices(stderr: str) -> list[str]:
 def test_samples_of_huge_answers_vote_at_once_with_one_notice(samples: int):
     boxed = [f"\\boxed{{{answer}}}" for answer in HUGE]
     with scripted_server(_answers(*boxed)) as server:
-        result = run_phi4("solve", "What is big?", "--backend", server.url, "-m", "m",
-                          "-k", str(samples), "--json", timeout=60)  # fmt: skip
+        result = run_phi4(
+            "solve",
+            "What is big?",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-k",
+            str(samples),
+            "--json",
+            timeout=60,
+        )
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
     # The samples may reach the engine in any order: which sample got which answer may vary.
@@ -292,13 +335,17 @@ def test_samples_of_huge_answers_vote_at_once_with_one_notice(samples: int):
 @pytest.mark.daemon
 def test_eval_of_a_huge_answer_grades_at_once_with_one_notice(tmp_path: Path):
     problems = tmp_path / "huge.jsonl"
-    rows = [{"problem": "big?", "answer": "9^{9^{9^{9}}}"},
-            {"problem": "bigger?", "answer": "1000000!"}]  # fmt: skip
+    rows = [
+        {"problem": "big?", "answer": "9^{9^{9^{9}}}"},
+        {"problem": "bigger?", "answer": "1000000!"},
+    ]
     problems.write_text("".join(json.dumps(row) + "\n" for row in rows))
     # Each problem's samples: two of one answer, one of another, in whatever order they come, so
     # the majority is the same whatever the order: right for "big?", wrong for "bigger?".
-    said = {"big?": ["9^{9^{9^{9}}}", "9^{9^{9^{9}}}", "1000000!"],
-            "bigger?": ["10^{10^{10}}", "1000000!", "10^{10^{10}}"]}  # fmt: skip
+    said = {
+        "big?": ["9^{9^{9^{9}}}", "9^{9^{9^{9}}}", "1000000!"],
+        "bigger?": ["10^{10^{10}}", "1000000!", "10^{10^{10}}"],
+    }
     lock = threading.Lock()
 
     def script(body: dict[str, Any]) -> list[str | Step]:
@@ -309,8 +356,19 @@ def test_eval_of_a_huge_answer_grades_at_once_with_one_notice(tmp_path: Path):
 
     with scripted_server(script) as server:
         # --all: pass@3 is over all three samples (two agreeing would settle the vote)
-        result = run_phi4("eval", str(problems), "-k", "3", "--all", "--backend", server.url,
-                          "-m", "m", "--json", timeout=60)  # fmt: skip
+        result = run_phi4(
+            "eval",
+            str(problems),
+            "-k",
+            "3",
+            "--all",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "--json",
+            timeout=60,
+        )
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert (summary["problems"], summary["correct"], summary["pass_at_k_count"]) == (2, 1, 2)
@@ -333,8 +391,18 @@ def test_megabytes_of_blanks_in_small_pieces_are_read_at_once():
         yield data("[DONE]")
 
     with scripted_server(script) as server:
-        result = run_phi4("solve", "q", "--backend", server.url, "-m", "m", "-a",
-                          "--max-tokens", "100000", timeout=40)  # fmt: skip
+        result = run_phi4(
+            "solve",
+            "q",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-a",
+            "--max-tokens",
+            "100000",
+            timeout=40,
+        )
     assert (result.returncode, result.stdout) == (0, "4\n"), result.stderr
 
 
@@ -344,8 +412,9 @@ def test_answer_only_of_56_kb_of_nested_boxes_is_quick():
     # Before: 28 KB took 41 s, and 56 KB four times that (quadratic); now about a second.
     # (--loop off: such an answer is a loop, which would stop it before the extraction.)
     with scripted_server(_answers("\\boxed{" * 8_000)) as server:
-        result = run_phi4("solve", "q", "--backend", server.url, "-m", "m", "-a", "--loop",
-                          "off", timeout=30)  # fmt: skip
+        result = run_phi4(
+            "solve", "q", "--backend", server.url, "-m", "m", "-a", "--loop", "off", timeout=30
+        )
     assert (result.returncode, result.stdout) == (1, "\n")
     assert "no final answer stated in the solution" in result.stderr
 
@@ -357,15 +426,15 @@ def test_an_empty_box_is_no_answer_in_every_mode(tmp_path: Path):
     # others null.
     with scripted_server(_answers("\\boxed{}")) as server:
         only = run_phi4("solve", "q", "--backend", server.url, "-m", "m", "-a")
-        record = json.loads(run_phi4("solve", "q", "--backend", server.url, "-m", "m",
-                                     "--json").stdout)  # fmt: skip
+        record = json.loads(
+            run_phi4("solve", "q", "--backend", server.url, "-m", "m", "--json").stdout
+        )
     assert (only.returncode, only.stdout) == (1, "\n")
     assert "phi4: no final answer stated in the solution" in only.stderr
     assert record["answer"] is None
     with scripted_server(_answers("\\boxed{}", "no box", "nothing")) as server:
         voted = run_phi4("solve", "q", "--backend", server.url, "-m", "m", "-k", "3", "--json")
-        server_answers = run_phi4("solve", "q", "--backend", server.url, "-m", "m", "-k", "3",
-                                  "-a")  # fmt: skip
+        server_answers = run_phi4("solve", "q", "--backend", server.url, "-m", "m", "-k", "3", "-a")
     samples = json.loads(voted.stdout)
     assert samples["answer"] is None
     assert [s["answer"] for s in samples["samples"]] == [None, None, None]

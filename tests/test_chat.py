@@ -173,9 +173,15 @@ def test_daemon_killed_mid_chat_is_restarted_and_the_conversation_restored(tiny_
 @pytest.mark.daemon
 def test_chat_from_a_pipe(tiny_model: Path, chats: ChatStore):
     result = run_phi4(
-        "chat", "-m", str(tiny_model), "-t", "0", "-n", "5",
-        input="What is 2+2?\n\"\"\"\nA question\non two lines\n\"\"\"\n/save piped\n/bye\n",
-    )  # fmt: skip
+        "chat",
+        "-m",
+        str(tiny_model),
+        "-t",
+        "0",
+        "-n",
+        "5",
+        input='What is 2+2?\n"""\nA question\non two lines\n"""\n/save piped\n/bye\n',
+    )
     assert result.returncode == 0, result.stderr
     saved = chats.load("piped")
     assert [t.question for t in saved.turns] == ["What is 2+2?", "A question\non two lines"]
@@ -198,8 +204,15 @@ def test_continue_and_resume_reopen_saved_conversations(tiny_model: Path, chats:
 
 def test_slash_command_errors_keep_the_repl_going(tiny_model: Path):
     repl, out, err = make_repl(tiny_model)
-    for line in ("/set temperature hot", "/set colour 3", "/frobnicate", "/reasoning maybe",
-                 "/load ../etc/passwd", "/retry", "/stats"):  # fmt: skip
+    for line in (
+        "/set temperature hot",
+        "/set colour 3",
+        "/frobnicate",
+        "/reasoning maybe",
+        "/load ../etc/passwd",
+        "/retry",
+        "/stats",
+    ):
         assert repl.command(line) is True
     text = err.getvalue()
     assert "invalid temperature 'hot'" in text
@@ -238,9 +251,12 @@ def test_help_completion_and_dispatch_come_from_one_table(tiny_model: Path):
 @pytest.mark.daemon
 def test_pty_ctrl_c_during_answer_then_save_exit_and_resume(tiny_model: Path):
     child = pexpect.spawn(
-        PHI4, ["chat", "-m", str(tiny_model), "-n", "50000", "--n-ctx", "100000", "--verbose"],
-        encoding="utf-8", dimensions=(24, 100), timeout=60,
-    )  # fmt: skip
+        PHI4,
+        ["chat", "-m", str(tiny_model), "-n", "50000", "--n-ctx", "100000", "--verbose"],
+        encoding="utf-8",
+        dimensions=(24, 100),
+        timeout=60,
+    )
     child.expect_exact("phi4>")
     child.sendline("Count forever")
     time.sleep(1.5)  # let the answer stream for a while
@@ -295,10 +311,13 @@ def test_chat_store_round_trip_and_atomic_writes(tmp_path: Path):
 
 def test_session_continues_only_its_own_history():
     session = ChatSession(
-        id="s", model=Path("m"), system=None,
+        id="s",
+        model=Path("m"),
+        system=None,
         messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-        tokens=[1, 2, 3, 4], turn_ends={0: 4},
-    )  # fmt: skip
+        tokens=[1, 2, 3, 4],
+        turn_ends={0: 4},
+    )
     history = list(session.messages)
     assert session.continues(Path("m"), None, history) == 4
     assert session.continues(Path("other"), None, history) is None
@@ -337,9 +356,13 @@ def test_bad_chat_requests_are_rejected(tiny_model: Path, phi4_home: Path):
 @pytest.mark.daemon
 def test_chat_never_leaves_a_daemon_of_its_own_after_stop(tiny_model: Path):
     proc = subprocess.run(
-        [PHI4, "chat", "-m", str(tiny_model), "-n", "2"], input="hi\n", text=True,
-        capture_output=True, timeout=60, check=False,
-    )  # fmt: skip
+        [PHI4, "chat", "-m", str(tiny_model), "-n", "2"],
+        input="hi\n",
+        text=True,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0
     assert run_phi4("stop").returncode == 0
     assert run_phi4("status").returncode == 3
@@ -357,8 +380,12 @@ def test_tab_completes_slash_commands_and_set_keys():
 
     assert complete("/sh") == ["/show"]
     assert complete("/s") == ["/system", "/set", "/show", "/save", "/stats"]
-    assert complete("/set t") == ["/set temperature", "/set top_p", "/set think_budget",
-                                  "/set top_k"]  # fmt: skip
+    assert complete("/set t") == [
+        "/set temperature",
+        "/set top_p",
+        "/set think_budget",
+        "/set top_k",
+    ]
     assert complete("what is /sh") == []
 
 
@@ -393,9 +420,12 @@ def test_a_daemon_killed_mid_answer_costs_one_message_not_the_chat(tiny_model: P
 
 def _chat_in_a_pty(model: Path, *args: str) -> pexpect.spawn:
     child = pexpect.spawn(
-        PHI4, ["chat", "-m", str(model), *args], encoding="utf-8", dimensions=(24, 100),
+        PHI4,
+        ["chat", "-m", str(model), *args],
+        encoding="utf-8",
+        dimensions=(24, 100),
         timeout=120,
-    )  # fmt: skip
+    )
     child.logfile_read = io.StringIO()
     child.expect_exact("phi4>")
     return child
@@ -428,8 +458,9 @@ def test_pty_ctrl_c_right_after_enter_cancels_the_answer(tiny_model: Path):
     assert child.exitstatus == 0
     transcript = child.logfile_read.getvalue()
     assert "press Ctrl-C again" not in transcript
-    saved = ChatStore(get_paths().data_dir / "chats").load(ChatStore(
-        get_paths().data_dir / "chats").names()[0])  # fmt: skip
+    saved = ChatStore(get_paths().data_dir / "chats").load(
+        ChatStore(get_paths().data_dir / "chats").names()[0]
+    )
     assert [t.question for t in saved.turns][-1] == "Say hi"
 
 

@@ -147,8 +147,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("problem", "answer", "verdict"), CASES,
-                         ids=[f"{p[:30]}->{a[:15]}" for p, a, _ in CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("problem", "answer", "verdict"), CASES, ids=[f"{p[:30]}->{a[:15]}" for p, a, _ in CASES]
+)
 def test_each_kind_of_problem_gets_its_verdict_and_a_line_saying_how(
     problem: str, answer: str, verdict: str
 ):
@@ -227,8 +228,11 @@ def test_random_polynomials_roots_all_verified_and_one_missing_refuted(roots: li
     poly = sympy.expand(sympy.prod([x - r for r in roots]))
     problem = f"Solve {str(poly).replace('**', '^')} = 0"
     given_ = [f"x = {r}" for r in roots]
-    answer = {0: " \\text{ or } ".join(given_), 1: ", ".join(map(str, roots)),
-              2: "\\{" + ", ".join(map(str, roots)) + "\\}"}[form]  # fmt: skip
+    answer = {
+        0: " \\text{ or } ".join(given_),
+        1: ", ".join(map(str, roots)),
+        2: "\\{" + ", ".join(map(str, roots)) + "\\}",
+    }[form]
     assert check(problem, answer).verdict == VERIFIED, (problem, answer)
     if len(roots) > 1:
         assert check(problem, ", ".join(map(str, roots[1:]))).verdict == REFUTED
@@ -332,8 +336,9 @@ def test_solve_shows_the_verdict_in_every_mode_and_strict_exits_1(
     assert strict.returncode == 1 and strict.stdout == "146\n"
     off = json.loads(run_phi4(*base, "--json", "--check", "off").stdout)
     assert "check" not in off
-    assert json.loads(run_phi4(*base, "--json", env={"PHI4_CHECK": "off"}).stdout).get(
-        "check") is None  # fmt: skip
+    assert (
+        json.loads(run_phi4(*base, "--json", env={"PHI4_CHECK": "off"}).stdout).get("check") is None
+    )
     right = run_phi4("solve", QUESTION, "-m", str(right_model), "-t", "0", "--check", "strict")
     assert right.returncode == 0
     assert "\u2713 verified: 12·13 = 156" in right.stderr
@@ -348,8 +353,9 @@ def test_a_file_of_problems_carries_each_verdict(wrong_model: Path, tmp_path: Pa
     assert [r["check"]["verdict"] for r in records] == ["refuted", "unchecked"]
     assert "line 1: \u2717 refuted: 12·13 = 156, not 146" in done.stderr
     assert "1 of 2 answers failed their check" in done.stderr
-    plain = run_phi4("solve", "--file", str(problems), "-m", str(wrong_model), "-t", "0",
-                     "--check", "strict")  # fmt: skip
+    plain = run_phi4(
+        "solve", "--file", str(problems), "-m", str(wrong_model), "-t", "0", "--check", "strict"
+    )
     assert "Answer: 146  (\u2717 refuted: 12·13 = 156, not 146)" in plain.stdout
     assert plain.returncode == 1
 
@@ -368,24 +374,43 @@ def _answers(*answers: str) -> Any:
 @pytest.mark.daemon
 def test_a_remote_engine_s_answer_is_checked_and_a_verified_one_wins_the_vote():
     with scripted_server(_answers("146")) as server:
-        record = json.loads(run_phi4("solve", QUESTION, "--backend", server.url, "-m", "m",
-                                     "--json").stdout)  # fmt: skip
+        record = json.loads(
+            run_phi4("solve", QUESTION, "--backend", server.url, "-m", "m", "--json").stdout
+        )
     assert record["check"]["verdict"] == "refuted"
     # Three samples say 146 and one 156: the verified answer wins over the refuted majority.
     with scripted_server(_answers("146", "146", "156", "146")) as server:
-        record = json.loads(run_phi4("solve", QUESTION, "--backend", server.url, "-m", "m",
-                                     "-k", "4", "--all", "--json").stdout)  # fmt: skip
+        record = json.loads(
+            run_phi4(
+                "solve", QUESTION, "--backend", server.url, "-m", "m", "-k", "4", "--all", "--json"
+            ).stdout
+        )
     assert record["answer"] == "156"
     assert record["check"]["verdict"] == "verified"
     assert sorted(s["check"]["verdict"] for s in record["samples"]) == [
-        "refuted", "refuted", "refuted", "verified"]  # fmt: skip
+        "refuted",
+        "refuted",
+        "refuted",
+        "verified",
+    ]
 
 
 @pytest.mark.daemon
 def test_a_verified_sample_settles_the_vote_early():
     with scripted_server(_answers("156")) as server:
-        done = run_phi4("solve", QUESTION, "--backend", server.url, "-m", "m", "-k", "8",
-                        "--backend-concurrency", "1", "--json")  # fmt: skip
+        done = run_phi4(
+            "solve",
+            QUESTION,
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-k",
+            "8",
+            "--backend-concurrency",
+            "1",
+            "--json",
+        )
     record = json.loads(done.stdout)
     assert record["answer"] == "156" and record["samples_used"] < 8
     assert "verified" in done.stderr or record["check"]["verdict"] == "verified"
@@ -402,22 +427,34 @@ def test_eval_records_the_verdicts_and_counts_those_the_references_contradict(tm
     )
     results = tmp_path / "out.jsonl"
     with scripted_server(_answers("146", "5")) as server:
-        done = run_phi4("eval", str(problems), "--backend", server.url, "-m", "m", "-o",
-                        str(results), "--json", "--backend-concurrency", "1")  # fmt: skip
+        done = run_phi4(
+            "eval",
+            str(problems),
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-o",
+            str(results),
+            "--json",
+            "--backend-concurrency",
+            "1",
+        )
     summary = json.loads(done.stdout)
-    assert summary["checks"] == {"verified": 1, "refuted": 1, "unchecked": 0,
-                                 "wrong_verdicts": 0}  # fmt: skip
+    assert summary["checks"] == {"verified": 1, "refuted": 1, "unchecked": 0, "wrong_verdicts": 0}
     records = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["check"]["verdict"] for r in records] == ["refuted", "verified"]
 
 
 @pytest.mark.daemon
 def test_a_piped_chat_says_each_verdict(wrong_model: Path):
-    done = run_phi4("chat", "-m", str(wrong_model), "-t", "0",
-                    input=f"{QUESTION}\n/set check off\n{QUESTION}\n")  # fmt: skip
+    done = run_phi4(
+        "chat", "-m", str(wrong_model), "-t", "0", input=f"{QUESTION}\n/set check off\n{QUESTION}\n"
+    )
     assert done.stderr.count("\u2717 refuted: 12·13 = 156, not 146") == 1, done.stderr
-    strict = run_phi4("chat", "-m", str(wrong_model), "-t", "0", "--check", "strict",
-                      input=f"{QUESTION}\n")  # fmt: skip
+    strict = run_phi4(
+        "chat", "-m", str(wrong_model), "-t", "0", "--check", "strict", input=f"{QUESTION}\n"
+    )
     assert strict.returncode == 1
 
 
@@ -425,16 +462,18 @@ def test_a_piped_chat_says_each_verdict(wrong_model: Path):
 def test_serve_gives_each_choice_its_check_in_an_extension_field(wrong_model: Path):
     from tests.test_http_api import JSON, chat_body, fetch, serving
 
-    asked = {"messages": [{"role": "user", "content": QUESTION}], "temperature": 0,
-             "max_tokens": 200}  # fmt: skip
+    asked = {
+        "messages": [{"role": "user", "content": QUESTION}],
+        "temperature": 0,
+        "max_tokens": 200,
+    }
     with serving(wrong_model) as url:
         status, body = fetch(url + "/v1/chat/completions", chat_body(**asked), JSON)
         assert status == 200, body
         choice = json.loads(body)["choices"][0]
         assert choice["phi4_check"] == {"verdict": "refuted", "detail": "12·13 = 156, not 146"}
         status, body = fetch(url + "/v1/chat/completions", chat_body(**asked, stream=True), JSON)
-        chunks = [json.loads(line[6:]) for line in body.splitlines()
-                  if line.startswith("data: {")]  # fmt: skip
+        chunks = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
         last = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]][-1]
         assert last["choices"][0]["phi4_check"]["verdict"] == "refuted"
 
@@ -452,8 +491,21 @@ def test_eval_samples_keep_each_answer_though_the_vote_sets_refuted_ones_aside(t
     problems.write_text(json.dumps({"problem": QUESTION, "answer": "156"}) + "\n")
     results = tmp_path / "out.jsonl"
     with scripted_server(_answers("146", "156")) as server:
-        done = run_phi4("eval", str(problems), "--backend", server.url, "-m", "m", "-o",
-                        str(results), "-k", "2", "--all", "--backend-concurrency", "1")  # fmt: skip
+        done = run_phi4(
+            "eval",
+            str(problems),
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-o",
+            str(results),
+            "-k",
+            "2",
+            "--all",
+            "--backend-concurrency",
+            "1",
+        )
     assert done.returncode == 0, done.stderr
     record = json.loads(results.read_text().splitlines()[0])
     assert sorted(record["samples"]) == ["146", "156"]  # each sample's own answer

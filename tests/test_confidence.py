@@ -52,8 +52,11 @@ def test_the_lowest_group_is_the_least_sure_stretch_and_the_mean_for_a_short_tra
     short.add(4.0)
     short.add(6.0)
     assert short.lowest_group == short.mean == 5.0
-    assert TraceConfidence().stats() == {"confidence": None, "lowest_group_confidence": None,
-                                         "confidence_tokens": 0}  # fmt: skip
+    assert TraceConfidence().stats() == {
+        "confidence": None,
+        "lowest_group_confidence": None,
+        "confidence_tokens": 0,
+    }
 
 
 def test_tokens_without_a_finite_confidence_are_passed_over():
@@ -87,24 +90,35 @@ def test_a_confidence_vote_lets_the_surer_samples_win():
 @pytest.mark.daemon
 def test_the_daemon_reports_confidence_when_it_is_shown(tmp_path: Path, tiny_reasoning_model):
     scripted = write_script_model(tmp_path / "short.gguf", THINKING, ANSWER)
-    sure = run_phi4("solve", "What is 2+2?", "-m", str(scripted), "-t", "0", "--json",
-                    timeout=120)  # fmt: skip
+    sure = run_phi4("solve", "What is 2+2?", "-m", str(scripted), "-t", "0", "--json", timeout=120)
     stats = json.loads(sure.stdout)["stats"]
     # One confidence per step sampled: each token, and the end of the text.
     assert stats["confidence_tokens"] == stats["completion_tokens"] + 1
     assert stats["confidence"] is not None and stats["lowest_group_confidence"] is not None
-    unsure = run_phi4("solve", "What is 2+2?", "-m", str(tiny_reasoning_model), "-n", "64",
-                      "--seed", "1", "--json", timeout=120)  # fmt: skip
+    unsure = run_phi4(
+        "solve",
+        "What is 2+2?",
+        "-m",
+        str(tiny_reasoning_model),
+        "-n",
+        "64",
+        "--seed",
+        "1",
+        "--json",
+        timeout=120,
+    )
     random_stats = json.loads(unsure.stdout)["stats"]
     # The scripted model is sure of each next token; the random one's are all alike.
     assert stats["confidence"] > random_stats["confidence"] + 2, (stats, random_stats)
-    verbose = run_phi4("solve", "What is 2+2?", "-m", str(scripted), "-t", "0", "--verbose",
-                       timeout=120)  # fmt: skip
+    verbose = run_phi4(
+        "solve", "What is 2+2?", "-m", str(scripted), "-t", "0", "--verbose", timeout=120
+    )
     assert f"confidence:       {stats['confidence']:.2f} mean" in verbose.stderr
 
 
-def _with_logprobs(text: str, tops: list[float], field: str = "content",
-                   finish: str | None = None) -> str:  # fmt: skip
+def _with_logprobs(
+    text: str, tops: list[float], field: str = "content", finish: str | None = None
+) -> str:
     return data({"id": "c1", "object": "chat.completion.chunk", "model": "m",
                  "choices": [{"index": 0, "delta": {field: text}, "finish_reason": finish,
                               "logprobs": {"content": [{"token": text, "logprob": tops[0],
@@ -119,13 +133,29 @@ def _voting_server(body: dict[str, Any]) -> list[str | Step | Head]:
     pieces = [(" Think.", "reasoning_content"), (f" $\\boxed{{{answer}}}$", "content")]
     lines: list[str | Step | Head] = []
     for text, field in pieces:
-        lines.append(_with_logprobs(text, tops, field) if asked else
-                     data({"id": "c1", "object": "chat.completion.chunk", "model": "m",
-                           "choices": [{"index": 0, "delta": {field: text},
-                                        "finish_reason": None}]}))  # fmt: skip
-    lines += [data({"id": "c1", "object": "chat.completion.chunk", "model": "m",
-                    "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
-              data("[DONE]")]  # fmt: skip
+        lines.append(
+            _with_logprobs(text, tops, field)
+            if asked
+            else data(
+                {
+                    "id": "c1",
+                    "object": "chat.completion.chunk",
+                    "model": "m",
+                    "choices": [{"index": 0, "delta": {field: text}, "finish_reason": None}],
+                }
+            )
+        )
+    lines += [
+        data(
+            {
+                "id": "c1",
+                "object": "chat.completion.chunk",
+                "model": "m",
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            }
+        ),
+        data("[DONE]"),
+    ]
     return lines
 
 
@@ -133,8 +163,19 @@ def _voting_server(body: dict[str, Any]) -> list[str | Step | Head]:
 @pytest.mark.daemon
 def test_a_servers_logprobs_give_confidence_and_a_confidence_vote():
     with scripted_server(_voting_server) as server:
-        base = ("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "3", "--all",
-                "--seed", "1")  # fmt: skip
+        base = (
+            "solve",
+            "3 plus 4?",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-k",
+            "3",
+            "--all",
+            "--seed",
+            "1",
+        )
         counted = run_phi4(*base, timeout=100)
         assert not any("logprobs" in b for b in server.bodies), "not asked when not used"
         weighted = run_phi4(*base, "--vote", "confidence", "--json", timeout=100)
@@ -149,8 +190,10 @@ def test_a_servers_logprobs_give_confidence_and_a_confidence_vote():
 def _no_logprobs_server(body: dict[str, Any]) -> list[str | Step | Head]:
     if "logprobs" in body:
         payload = json.dumps({"error": {"message": "logprobs is not supported with this model"}})
-        return [Head(400, {"Content-Type": "application/json",
-                           "Content-Length": str(len(payload))}), payload]  # fmt: skip
+        return [
+            Head(400, {"Content-Type": "application/json", "Content-Length": str(len(payload))}),
+            payload,
+        ]
     return _voting_server(body)
 
 
@@ -158,9 +201,23 @@ def _no_logprobs_server(body: dict[str, Any]) -> list[str | Step | Head]:
 @pytest.mark.daemon
 def test_a_server_that_refuses_logprobs_is_asked_without_and_the_vote_counts():
     with scripted_server(_no_logprobs_server) as server:
-        done = run_phi4("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "3",
-                        "--all", "--seed", "1", "--vote", "confidence", "--json",
-                        timeout=100)  # fmt: skip
+        done = run_phi4(
+            "solve",
+            "3 plus 4?",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-k",
+            "3",
+            "--all",
+            "--seed",
+            "1",
+            "--vote",
+            "confidence",
+            "--json",
+            timeout=100,
+        )
         asked = [b for b in server.bodies if "logprobs" in b]
     assert done.returncode == 0, done.stderr
     assert len(asked) >= 1 and len(server.bodies) - len(asked) == 3  # each answered without
@@ -177,35 +234,71 @@ def _graded_server(body: dict[str, Any]) -> list[str | Step | Head]:
     number = int(body["messages"][-1]["content"].split("\n\n")[0].removeprefix("p"))
     tops = [-0.01, -6.0, -9.0] if number < 2 else [-0.5, -0.9, -1.3]
     answer = number if number < 2 else 5
-    return [_with_logprobs(" Think.", tops, "reasoning_content"),
-            _with_logprobs(f" $\\boxed{{{answer}}}$", tops),
-            _with_logprobs("", tops, finish="stop"), data("[DONE]")]  # fmt: skip
+    return [
+        _with_logprobs(" Think.", tops, "reasoning_content"),
+        _with_logprobs(f" $\\boxed{{{answer}}}$", tops),
+        _with_logprobs("", tops, finish="stop"),
+        data("[DONE]"),
+    ]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.daemon
 def test_eval_records_each_answers_confidence_and_compares_right_with_wrong(tmp_path: Path):
     problems = tmp_path / "set.jsonl"
-    problems.write_text("".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n"
-                                for i in range(3)))  # fmt: skip
+    problems.write_text(
+        "".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n" for i in range(3))
+    )
     results = tmp_path / "out.jsonl"
     with scripted_server(_graded_server) as server:
         # --vote confidence asks for it (with one sample, nothing is voted on).
-        done = run_phi4("eval", str(problems), "--backend", server.url, "-m", "m", "-o",
-                        str(results), "--json", "--vote", "confidence", timeout=100)  # fmt: skip
-        table = run_phi4("eval", str(problems), "--backend", server.url, "-m", "m", "-o",
-                         str(tmp_path / "again.jsonl"), "--vote", "confidence",
-                         timeout=100)  # fmt: skip
-        plain = run_phi4("eval", str(problems), "--backend", server.url, "-m", "m", "-o",
-                         str(tmp_path / "plain.jsonl"), "--json", timeout=100)  # fmt: skip
+        done = run_phi4(
+            "eval",
+            str(problems),
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-o",
+            str(results),
+            "--json",
+            "--vote",
+            "confidence",
+            timeout=100,
+        )
+        table = run_phi4(
+            "eval",
+            str(problems),
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-o",
+            str(tmp_path / "again.jsonl"),
+            "--vote",
+            "confidence",
+            timeout=100,
+        )
+        plain = run_phi4(
+            "eval",
+            str(problems),
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-o",
+            str(tmp_path / "plain.jsonl"),
+            "--json",
+            timeout=100,
+        )
         assert not any("logprobs" in body for body in server.bodies[-3:])
     assert "mean_confidence" not in json.loads(plain.stdout)
     summary = json.loads(done.stdout)
     assert (summary["correct"], summary["wrong"]) == (2, 1), done.stderr
-    assert summary["mean_confidence"] == pytest.approx({"correct": 5.0033, "wrong": 0.9},
-                                                       abs=1e-3)  # fmt: skip
-    records = sorted((json.loads(line) for line in results.read_text().splitlines()),
-                     key=lambda r: r["line"])  # (written as each is judged)  # fmt: skip
+    assert summary["mean_confidence"] == pytest.approx({"correct": 5.0033, "wrong": 0.9}, abs=1e-3)
+    records = sorted(
+        (json.loads(line) for line in results.read_text().splitlines()), key=lambda r: r["line"]
+    )  # (written as each is judged)
     assert [round(r["confidence"], 2) for r in records] == [5.0, 5.0, 0.9]
     assert "confidence  5.00 right, 0.90 wrong" in table.stdout
 
@@ -222,8 +315,18 @@ def test_a_refusal_of_logprobs_after_busy_answers_does_not_spend_the_retries():
         return _no_logprobs_server(body)
 
     with scripted_server(busy_then_strict) as server:
-        done = run_phi4("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "--seed",
-                        "1", "--json", timeout=100)  # fmt: skip
+        done = run_phi4(
+            "solve",
+            "3 plus 4?",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "--seed",
+            "1",
+            "--json",
+            timeout=100,
+        )
     assert done.returncode == 0, done.stderr
     assert ["logprobs" in b for b in asked] == [True, True, True, True, False]
     assert json.loads(done.stdout)["answer"] == "7"
@@ -257,8 +360,7 @@ def _sample(answer: str | None, confidence: float | None, finish: str = "stop") 
     outcome = Outcome(index=0, question="q")
     if answer is not None:
         outcome.apply(Event(EventKind.TOKEN, text=f"\\boxed{{{answer}}}"))
-    outcome.apply(Event.of_stats(Stats(lowest_group_confidence=confidence,
-                                       finish_reason=finish)))  # fmt: skip
+    outcome.apply(Event.of_stats(Stats(lowest_group_confidence=confidence, finish_reason=finish)))
     outcome.apply(Event(EventKind.DONE))
     return outcome
 
@@ -266,8 +368,9 @@ def _sample(answer: str | None, confidence: float | None, finish: str = "stop") 
 def test_the_first_samples_set_the_floor_and_an_unsure_one_does_not_vote():
     adjusted: list[tuple[int, float]] = []
     cancelled: list[int] = []
-    stop = EarlyStop(6, AnswerComparer(), cancelled.append,
-                     lambda k, params: adjusted.append((k, params)))  # fmt: skip
+    stop = EarlyStop(
+        6, AnswerComparer(), cancelled.append, lambda k, params: adjusted.append((k, params))
+    )
     stop.end(0, _sample("7", 12.0))
     stop.end(1, _sample("8", 10.0))
     assert adjusted == [] and stop.floor is None
@@ -297,8 +400,7 @@ def test_the_daemon_stops_a_request_whose_confidence_falls_below_its_floor(
         request = {"v": 1, "id": request_id, "op": op, "params": params}
         sock.sendall(json.dumps(request).encode() + b"\n")
 
-    solve = {"prompt": "What is 2+2?", "temperature": 0, "max_tokens": GROUP + 600,
-             "loop": "off"}  # fmt: skip
+    solve = {"prompt": "What is 2+2?", "temperature": 0, "max_tokens": GROUP + 600, "loop": "off"}
     ends: dict[int, dict[str, Any]] = {}
     stats: dict[int, dict[str, Any]] = {}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -365,8 +467,22 @@ def test_samples_less_sure_than_the_first_are_stopped_and_do_not_vote(concurrenc
     release = threading.Event()
     with scripted_server(_unsure_server(release)) as server:
         # (--loop off: the long thinking repeats itself, and would be ended as a loop.)
-        base = ("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "6", "--seed",
-                "1", "--backend-concurrency", str(concurrency), "--loop", "off")  # fmt: skip
+        base = (
+            "solve",
+            "3 plus 4?",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-k",
+            "6",
+            "--seed",
+            "1",
+            "--backend-concurrency",
+            str(concurrency),
+            "--loop",
+            "off",
+        )
         done = run_phi4(*base, "--stop-unsure", "--json", timeout=150)
         release.set()  # (a sample not stopped answers now, rather than in a minute)
         bodies = list(server.bodies)
@@ -392,8 +508,23 @@ def test_eval_counts_the_samples_stopped_as_unsure(tmp_path: Path):
     problems.write_text(json.dumps({"problem": "3 plus 4?", "answer": "7"}) + "\n")
     release = threading.Event()
     with scripted_server(_unsure_server(release)) as server:
-        base = ("eval", str(problems), "--backend", server.url, "-m", "m", "-k", "6", "--seed",
-                "1", "--backend-concurrency", "1", "--loop", "off", "--stop-unsure")  # fmt: skip
+        base = (
+            "eval",
+            str(problems),
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-k",
+            "6",
+            "--seed",
+            "1",
+            "--backend-concurrency",
+            "1",
+            "--loop",
+            "off",
+            "--stop-unsure",
+        )
         done = run_phi4(*base, "-o", str(tmp_path / "a.jsonl"), "--json", timeout=150)
         table = run_phi4(*base, "-o", str(tmp_path / "b.jsonl"), timeout=150)
         release.set()

@@ -48,15 +48,21 @@ def test_config_set_keeps_the_files_comments_and_order(phi4_home: Path, tmp_path
     # Before: `config set` wrote the file afresh, sorted, its comments gone.
     path = Path(run_phi4("config", "path").stdout.strip())
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# my settings\ntemperature = 0.6   # a little less random\n\n"
-                    "# the daemon\nkeep_alive = \"1h\"\n")  # fmt: skip
+    path.write_text(
+        "# my settings\ntemperature = 0.6   # a little less random\n\n"
+        '# the daemon\nkeep_alive = "1h"\n'
+    )
     assert run_phi4("config", "set", "temperature", "0.3").returncode == 0
     assert run_phi4("config", "set", "seed", "5").returncode == 0
-    assert path.read_text() == ("# my settings\ntemperature = 0.3   # a little less random\n\n"
-                                '# the daemon\nkeep_alive = "1h"\nseed = 5\n')  # fmt: skip
+    assert path.read_text() == (
+        "# my settings\ntemperature = 0.3   # a little less random\n\n"
+        '# the daemon\nkeep_alive = "1h"\nseed = 5\n'
+    )
     assert run_phi4("config", "set", "seed", "random").returncode == 0
-    kept = ('# my settings\ntemperature = 0.3   # a little less random\n\n# the daemon\n'
-            'keep_alive = "1h"\n')  # fmt: skip
+    kept = (
+        "# my settings\ntemperature = 0.3   # a little less random\n\n# the daemon\n"
+        'keep_alive = "1h"\n'
+    )
     assert path.read_text() == kept
     # A value over several lines is not one line to change: the file is written afresh.
     path.write_text('# replicas\nbackends = [\n  "http://a:1/v1",\n  "http://b:2/v1",\n]\n')
@@ -76,11 +82,15 @@ def test_config_unset_removes_one_key_and_says_what_it_is_now(phi4_home: Path):
     path.write_text("# mine\ntemperature = 0.3  # calmer\ntop_p = 0.9\n")
     removed = run_phi4("config", "unset", "temperature")
     assert (removed.returncode, removed.stdout) == (
-        0, f"temperature removed from {path}; temperature = 0.8 (default)\n")  # fmt: skip
+        0,
+        f"temperature removed from {path}; temperature = 0.8 (default)\n",
+    )
     assert path.read_text() == "# mine\ntop_p = 0.9\n", "the rest of the file as it was"
     again = run_phi4("config", "unset", "temperature")
     assert (again.returncode, again.stdout) == (
-        0, f"temperature is not set in {path}; temperature = 0.8 (default)\n")  # fmt: skip
+        0,
+        f"temperature is not set in {path}; temperature = 0.8 (default)\n",
+    )
     from_env = run_phi4("config", "unset", "top_p", env={"PHI4_TOP_P": "0.5"})
     assert from_env.stdout.endswith("; top_p = 0.5 (PHI4_TOP_P)\n"), from_env.stdout
     unknown = run_phi4("config", "unset", "colour")
@@ -92,8 +102,9 @@ def test_config_unset_removes_one_key_and_says_what_it_is_now(phi4_home: Path):
     assert path.read_text() == "# mine\n"
     # A value the environment overrides is written, and said not to be the one in effect.
     overridden = run_phi4("config", "set", "temperature", "0.2", env={"PHI4_TEMPERATURE": "0.5"})
-    assert overridden.stdout == (f"temperature = 0.2 ({path}); PHI4_TEMPERATURE=0.5 overrides "
-                                 "it here\n")  # fmt: skip
+    assert overridden.stdout == (
+        f"temperature = 0.2 ({path}); PHI4_TEMPERATURE=0.5 overrides it here\n"
+    )
 
 
 @pytest.mark.daemon
@@ -161,8 +172,9 @@ def test_log_rotation_keeps_three(tmp_path: Path):
 
 @pytest.mark.daemon
 def test_install_service_writes_a_user_unit(tiny_model: Path, tmp_path: Path, phi4_home: Path):
-    result = run_phi4("daemon", "install-service", "-m", str(tiny_model),
-                      env={"XDG_CONFIG_HOME": str(tmp_path)})  # fmt: skip
+    result = run_phi4(
+        "daemon", "install-service", "-m", str(tiny_model), env={"XDG_CONFIG_HOME": str(tmp_path)}
+    )
     assert result.returncode == 0, result.stderr
     unit = (tmp_path / "systemd" / "user" / "phi4.service").read_text()
     assert "-m phi4cli daemon run --model " + str(tiny_model) + " --keep-alive -1" in unit
@@ -180,8 +192,9 @@ def test_the_unit_keeps_a_model_path_with_spaces_and_percent_signs_whole(
     odd = tmp_path / "my models" / "100% tiny.gguf"
     odd.parent.mkdir()
     odd.symlink_to(tiny_model)
-    result = run_phi4("daemon", "install-service", "-m", str(odd),
-                      env={"XDG_CONFIG_HOME": str(tmp_path)})  # fmt: skip
+    result = run_phi4(
+        "daemon", "install-service", "-m", str(odd), env={"XDG_CONFIG_HOME": str(tmp_path)}
+    )
     assert result.returncode == 0, result.stderr
     unit = (tmp_path / "systemd" / "user" / "phi4.service").read_text()
     escaped = str(odd).replace("%", "%%")
@@ -192,10 +205,16 @@ def test_the_unit_keeps_a_model_path_with_spaces_and_percent_signs_whole(
 @pytest.mark.daemon
 @pytest.mark.parametrize(
     "args",
-    [["config", "path"], ["config", "show", "--json"], ["models"], ["--help"],
-     ["solve", "--help"], ["logs", "-n", "200"]],
+    [
+        ["config", "path"],
+        ["config", "show", "--json"],
+        ["models"],
+        ["--help"],
+        ["solve", "--help"],
+        ["logs", "-n", "200"],
+    ],
     ids=" ".join,
-)  # fmt: skip
+)
 def test_every_command_exits_0_when_the_reader_of_stdout_went_away(
     args: list[str], phi4_home: Path
 ):
@@ -207,9 +226,15 @@ def test_every_command_exits_0_when_the_reader_of_stdout_went_away(
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first write: `| true`
     try:
-        result = subprocess.run([PHI4, *args], stdout=write, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, text=True, timeout=60,
-                                check=False)  # fmt: skip
+        result = subprocess.run(
+            [PHI4, *args],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     finally:
         os.close(write)
     assert (result.returncode, result.stderr) == (0, "")
@@ -219,8 +244,9 @@ def test_every_command_exits_0_when_the_reader_of_stdout_went_away(
 def test_a_mistyped_command_gets_its_suggestion_as_a_clause_and_help_names_a_variable_once():
     mistyped = run_phi4("bogus")
     assert (mistyped.returncode, mistyped.stderr) == (
-        2, "phi4: error: no such command 'bogus' (did you mean 'logs'?); `phi4 -h` lists the "
-           "commands\n",
-    )  # fmt: skip
+        2,
+        "phi4: error: no such command 'bogus' (did you mean 'logs'?); `phi4 -h` lists the "
+        "commands\n",
+    )
     help_text = " ".join(run_phi4("serve", "--help").stdout.split())
     assert help_text.count("PHI4_API_KEY") == 1, "Typer's [env var: ...] beside the help's own"

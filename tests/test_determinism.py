@@ -31,8 +31,18 @@ SEEDED = ("-t", "0.8", "--seed", "7")
 
 def answer(model: Path, *args: str) -> str:
     """The whole text of one deterministic answer (thinking and solution)."""
-    result = run_phi4("solve", QUESTION, "-m", str(model), "-n", "32", "--deterministic",
-                      "--json", *args, timeout=600)  # fmt: skip
+    result = run_phi4(
+        "solve",
+        QUESTION,
+        "-m",
+        str(model),
+        "-n",
+        "32",
+        "--deterministic",
+        "--json",
+        *args,
+        timeout=600,
+    )
     assert result.returncode in (0, 1), result.stderr
     record = json.loads(result.stdout)
     assert record["stats"]["completion_tokens"] > 0, record
@@ -52,11 +62,14 @@ def running(home: Path) -> int:
 def test_deterministic_answers_repeat_whatever_ran_before(
     smollm2_model: Path, phi4_home: Path, tmp_path: Path, kv_layout: str
 ):
-    started = run_phi4("daemon", "start", "-m", str(smollm2_model), "--kv-layout", kv_layout,
-                       timeout=600)  # fmt: skip
+    started = run_phi4(
+        "daemon", "start", "-m", str(smollm2_model), "--kv-layout", kv_layout, timeout=600
+    )
     assert started.returncode == 0, started.stderr
-    fresh = {name: answer(smollm2_model, *args) for name, args in
-             (("greedy", GREEDY), ("seeded", SEEDED))}  # fmt: skip
+    fresh = {
+        name: answer(smollm2_model, *args)
+        for name, args in (("greedy", GREEDY), ("seeded", SEEDED))
+    }
 
     def same_as_fresh(after: str, *names: str) -> None:
         for name in names or ("greedy",):
@@ -79,8 +92,11 @@ def test_deterministic_answers_repeat_whatever_ran_before(
     # Beside a long request that is running: the deterministic one waits for it, then runs alone.
     other = subprocess.Popen(
         [PHI4, "solve", "Write a long story about numbers.", *model, "-t", "0", "-n", "200"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while running(phi4_home) == 0:

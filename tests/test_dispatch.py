@@ -39,8 +39,9 @@ class FakeInbox:
 
 
 class FakeReplica(Replica):
-    def __init__(self, name: str, window: int, inbox: FakeInbox, script: Script,
-                 probe_up: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, window: int, inbox: FakeInbox, script: Script, probe_up: bool = True
+    ) -> None:
         super().__init__(window)
         self.name, self.inbox, self.script, self.probe_up = name, inbox, script, probe_up
         self.attempts: list[int] = []  # the request index of each attempt sent here
@@ -63,8 +64,9 @@ class FakeReplica(Replica):
         self.inbox.queue.append((self, None, Probe(self.probe_up, self.last_failure)))
 
 
-def fly(n: int, replicas: list[FakeReplica], inbox: FakeInbox,
-        restart: bool = False) -> dict[int, list[Event]]:  # fmt: skip
+def fly(
+    n: int, replicas: list[FakeReplica], inbox: FakeInbox, restart: bool = False
+) -> dict[int, list[Event]]:
     events: dict[int, list[Event]] = {i: [] for i in range(n)}
     Flight([{"i": i} for i in range(n)], list(replicas), inbox, restart=restart).run(
         lambda index, event: events[index].append(event)
@@ -88,8 +90,9 @@ def text(events: list[Event]) -> str:
 
 def test_requests_spread_over_replicas_within_each_window():
     inbox = FakeInbox()
-    replicas = [FakeReplica(name, 3, inbox, lambda r, s, p: answer(f"{r.name}{p['i']}"))
-                for name in "ab"]  # fmt: skip
+    replicas = [
+        FakeReplica(name, 3, inbox, lambda r, s, p: answer(f"{r.name}{p['i']}")) for name in "ab"
+    ]
     events = fly(12, replicas, inbox)
     assert all(len(t) == 1 and t[0].kind == EventKind.DONE for t in terminals(events).values())
     assert sorted(replicas[0].attempts + replicas[1].attempts) == list(range(12))
@@ -128,8 +131,10 @@ def test_work_a_replica_failed_before_any_output_goes_to_another():
 
 def test_a_request_cut_mid_answer_restarts_elsewhere_only_when_the_caller_folds():
     def cut(r: FakeReplica, s: int, p: dict[str, Any]) -> list[Any]:
-        return [Event(EventKind.TOKEN, text="half"),
-                Failure(ErrorCode.BACKEND_ERROR, "the stream was cut", down=True)]  # fmt: skip
+        return [
+            Event(EventKind.TOKEN, text="half"),
+            Failure(ErrorCode.BACKEND_ERROR, "the stream was cut", down=True),
+        ]
 
     inbox = FakeInbox()
     a = FakeReplica("a", 1, inbox, cut, probe_up=False)
@@ -288,8 +293,7 @@ def test_the_failure_of_an_attempt_already_cancelled_says_nothing_of_its_replica
     flight = Flight([{"i": i} for i in range(3)], [a], inbox)
     assert next(flight)[1].kind == EventKind.TOKEN
     flight.cancel(0)
-    inbox.queue.append((a, 1, Failure(ErrorCode.BACKEND_ERROR, "the connection broke",
-                                      down=True)))  # fmt: skip
+    inbox.queue.append((a, 1, Failure(ErrorCode.BACKEND_ERROR, "the connection broke", down=True)))
     ends = {}
     for index, event in flight:
         if event.terminal:
@@ -374,7 +378,12 @@ def test_a_finished_flight_keeps_nothing_per_request():
     flight = Flight([{"i": i} for i in range(50)], [a], inbox, restart=True)
     flight.run(lambda index, event: None)
     assert (flight.open, flight.sends, flight.produced, flight.avoid, flight.live) == (
-        set(), {}, set(), {}, {})  # fmt: skip
+        set(),
+        {},
+        set(),
+        {},
+        {},
+    )
 
 
 def test_requests_that_come_as_the_feed_ends_are_sent_not_given_up_on():
@@ -430,8 +439,9 @@ def test_a_cancelled_request_whose_engine_fails_before_confirming_is_not_sent_ag
     flight = Flight([{"i": i} for i in range(3)], [a], inbox, restart=True)
     assert next(flight) == (0, Event(EventKind.TOKEN, text="x"))
     flight.cancel(0)
-    inbox.queue.appendleft((a, 1, Failure(ErrorCode.BACKEND_ERROR, "the daemon went away",
-                                          down=True)))  # fmt: skip
+    inbox.queue.appendleft(
+        (a, 1, Failure(ErrorCode.BACKEND_ERROR, "the daemon went away", down=True))
+    )
     ends: dict[int, Event] = {}
     kinds: list[EventKind] = []
     for index, event in flight:

@@ -16,22 +16,36 @@ from tests.conftest import run_phi4
 
 
 def test_completions_and_man_page_are_up_to_date():
-    stale = [str(path) for path, text in expected_files().items()
-             if not path.is_file() or path.read_text() != text]  # fmt: skip
+    stale = [
+        str(path)
+        for path, text in expected_files().items()
+        if not path.is_file() or path.read_text() != text
+    ]
     assert not stale, f"regenerate with `python -m phi4cli.docs`: {stale}"
 
 
 @pytest.mark.skipif(shutil.which("groff") is None, reason="groff is not installed")
 def test_man_page_renders_without_warnings():
     page = next(p for p in expected_files() if p.name == "phi4.1")
-    checked = subprocess.run(["groff", "-man", "-ww", "-z", str(page)], capture_output=True,
-                             text=True, check=False)  # fmt: skip
+    checked = subprocess.run(
+        ["groff", "-man", "-ww", "-z", str(page)], capture_output=True, text=True, check=False
+    )
     assert checked.returncode == 0 and checked.stderr == "", checked.stderr
-    rendered = subprocess.run(["groff", "-man", "-Tutf8", str(page)], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
+    rendered = subprocess.run(
+        ["groff", "-man", "-Tutf8", str(page)], capture_output=True, text=True, check=True
+    ).stdout
     rendered = re.sub(".\x08", "", rendered)  # drop the overstrike that makes text bold
-    for section in ("NAME", "SYNOPSIS", "DESCRIPTION", "COMMANDS", "OPTIONS", "ENVIRONMENT",
-                    "FILES", "EXIT STATUS", "EXAMPLES"):  # fmt: skip
+    for section in (
+        "NAME",
+        "SYNOPSIS",
+        "DESCRIPTION",
+        "COMMANDS",
+        "OPTIONS",
+        "ENVIRONMENT",
+        "FILES",
+        "EXIT STATUS",
+        "EXAMPLES",
+    ):
         assert section in rendered
     assert "phi4 solve [OPTIONS] [PROMPT]" in rendered
     assert "--think-budget" in rendered
@@ -39,13 +53,17 @@ def test_man_page_renders_without_warnings():
 
 @pytest.mark.parametrize(
     ("words", "cword", "expected"),
-    [("phi4 so", "1", "solve"), ("phi4 daemon st", "2", "start"), ("phi4 solve --answ", "2",
-      "--answer-only")],
-)  # fmt: skip
+    [
+        ("phi4 so", "1", "solve"),
+        ("phi4 daemon st", "2", "start"),
+        ("phi4 solve --answ", "2", "--answer-only"),
+    ],
+)
 @pytest.mark.daemon
 def test_bash_completion_answers(words: str, cword: str, expected: str):
-    result = run_phi4(env={"_PHI4_COMPLETE": "complete_bash", "COMP_WORDS": words,
-                           "COMP_CWORD": cword})  # fmt: skip
+    result = run_phi4(
+        env={"_PHI4_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": cword}
+    )
     assert expected in result.stdout.split()
 
 
@@ -57,8 +75,9 @@ def test_help_offers_completion_install():
 @pytest.mark.skipif(shutil.which("groff") is None, reason="groff is not installed")
 def test_man_page_examples_can_be_typed_as_shown_and_every_variable_is_listed():
     page = next(p for p in expected_files() if p.name == "phi4.1")
-    rendered = subprocess.run(["groff", "-man", "-Tutf8", str(page)], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
+    rendered = subprocess.run(
+        ["groff", "-man", "-Tutf8", str(page)], capture_output=True, text=True, check=True
+    ).stdout
     rendered = re.sub(".\x08", "", rendered)
     assert 'phi4 solve "Solve 3x^2+4x+5=1"' in rendered, "the quotes survive roff"
     environment = rendered[rendered.index("ENVIRONMENT") : rendered.index("\nFILES")]
@@ -71,8 +90,14 @@ def test_man_page_examples_can_be_typed_as_shown_and_every_variable_is_listed():
     named -= {"PHI4_COMPLETE"}  # Typer's completion protocol (_PHI4_COMPLETE), not a setting
     missing = sorted(name for name in named if name not in environment)
     assert not missing, missing
-    for name in ("PHI4_KV_CACHE_TYPE", "PHI4_KV_LAYOUT", "PHI4_GPU_LAYERS", "PHI4_INSTRUCTION",
-                 "PHI4_MLOCK", "PHI4_BACKEND_TIMEOUT"):  # fmt: skip
+    for name in (
+        "PHI4_KV_CACHE_TYPE",
+        "PHI4_KV_LAYOUT",
+        "PHI4_GPU_LAYERS",
+        "PHI4_INSTRUCTION",
+        "PHI4_MLOCK",
+        "PHI4_BACKEND_TIMEOUT",
+    ):
         assert name in environment
 
 
@@ -113,8 +138,10 @@ def test_the_readme_is_a_front_door_of_at_most_400_lines():
     readme = (DOC_ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 400
     # .ci/run reads the install and test commands from these markers.
-    for marker in ("<!-- ci:install -->\n```sh\npython3 -m venv .venv", "<!-- ci:test -->\n```sh\n"
-                   ".venv/bin/python -m pytest\n```"):  # fmt: skip
+    for marker in (
+        "<!-- ci:install -->\n```sh\npython3 -m venv .venv",
+        "<!-- ci:test -->\n```sh\n.venv/bin/python -m pytest\n```",
+    ):
         assert marker in readme
 
 
@@ -198,8 +225,9 @@ def test_every_phi4_command_shown_in_the_docs_names_a_real_command_and_real_opti
                 if not re.fullmatch(r"--?[a-zA-Z][-a-zA-Z0-9]*", name):
                     continue  # an argument, a value, a placeholder, a negative number
                 if name not in options:
-                    wrong.append(f"{_relative(page)}: phi4 {command}: {name} is no option of "
-                                 f"'phi4 {path}'")  # fmt: skip
+                    wrong.append(
+                        f"{_relative(page)}: phi4 {command}: {name} is no option of 'phi4 {path}'"
+                    )
                     continue
                 skip = options[name][1] and "=" not in word
     assert not wrong, wrong
@@ -221,9 +249,12 @@ def test_every_phi4_variable_named_in_the_docs_exists():
             return any(other.startswith(name) for other in named_in_code)
         return name in named_in_code
 
-    unknown = {f"{_relative(page)}: {name}" for page in PAGES
-               for name in re.findall(r"PHI4_[A-Z][A-Z0-9_]*", page.read_text())
-               if not known(name)}  # fmt: skip
+    unknown = {
+        f"{_relative(page)}: {name}"
+        for page in PAGES
+        for name in re.findall(r"PHI4_[A-Z][A-Z0-9_]*", page.read_text())
+        if not known(name)
+    }
     assert not unknown, sorted(unknown)
 
 
@@ -238,8 +269,12 @@ def test_every_setting_is_in_the_configuration_table_with_its_variable():
 def test_every_toml_example_is_a_config_phi4_accepts(tmp_path: Path):
     from phi4cli.core.config import load_settings
 
-    examples = [(page, body) for page in PAGES for lang, body in FENCE.findall(page.read_text())
-                if lang == "toml"]  # fmt: skip
+    examples = [
+        (page, body)
+        for page in PAGES
+        for lang, body in FENCE.findall(page.read_text())
+        if lang == "toml"
+    ]
     assert examples
     for number, (_page, body) in enumerate(examples):
         config = tmp_path / f"config-{number}.toml"
@@ -284,13 +319,24 @@ def test_each_benchmark_is_dated_names_its_machine_and_the_command_that_reproduc
         assert re.search(r"`(python |bash )?bench/\w+\.(py|sh)", section), f"{title}: no command"
 
 
-LAB_NOTEBOOK = ("the next one's", "the one after", "this session", "the next session",
-                "a later session", "previous session", "in every session")  # fmt: skip
+LAB_NOTEBOOK = (
+    "the next one's",
+    "the one after",
+    "this session",
+    "the next session",
+    "a later session",
+    "previous session",
+    "in every session",
+)
 
 
 def test_nothing_reads_like_a_lab_notebook():
-    found = [f"{_relative(page)}: {phrase!r}" for page in PAGES for phrase in LAB_NOTEBOOK
-             if phrase in page.read_text().lower()]  # fmt: skip
+    found = [
+        f"{_relative(page)}: {phrase!r}"
+        for page in PAGES
+        for phrase in LAB_NOTEBOOK
+        if phrase in page.read_text().lower()
+    ]
     assert not found, found
 
 
@@ -305,7 +351,10 @@ def test_the_readmes_solve_screen_is_what_phi4_prints(smollm2_model: Path):
     assert solved.returncode == 0, solved.stderr
     record = json.loads(solved.stdout)
     # The answer line, and beside it the check's verdict (docs/checking.md) where one was reached.
-    said = f"  \u2713 verified: {record['check']['detail']}" if record.get("check", {}).get(
-        "verdict") == "verified" else ""  # fmt: skip
+    said = (
+        f"  \u2713 verified: {record['check']['detail']}"
+        if record.get("check", {}).get("verdict") == "verified"
+        else ""
+    )
     assert shown[-1] == f"Answer: {record['answer']}{said}"
     assert "So, the final answer is 4." in shown and "final answer is 4" in record["solution"]

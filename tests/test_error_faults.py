@@ -31,8 +31,16 @@ def test_a_fault_travels_with_its_error_event_and_back():
     # An older daemon's error, or one with a malformed fault, has none: its message is used.
     assert over_the_wire(Event.error(ErrorCode.BUSY, "busy")).fault is None
     malformed = {"param": "max_tokens", "needed": "many"}
-    odd = Event.from_wire({"v": 1, "id": 1, "event": "error", "code": "context_overflow",
-                           "message": "m", "fault": malformed})  # fmt: skip
+    odd = Event.from_wire(
+        {
+            "v": 1,
+            "id": 1,
+            "event": "error",
+            "code": "context_overflow",
+            "message": "m",
+            "fault": malformed,
+        }
+    )
     assert odd.fault is None and str(odd.exception()) == "m"
 
 

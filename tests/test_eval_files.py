@@ -57,8 +57,11 @@ def _correct(line: int, row: dict[str, str]) -> str:
 
 
 def _as_nobody(*command: str) -> None:
-    subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                    *command], check=True, timeout=30)  # fmt: skip
+    subprocess.run(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *command],
+        check=True,
+        timeout=30,
+    )
 
 
 @pytest.fixture
@@ -120,15 +123,21 @@ def test_a_results_file_planted_by_another_user_is_refused(
     assert result.returncode == 1, result.stderr
     assert result.stdout == "" and "accuracy" not in result.stdout
     assert "resuming" not in result.stderr
-    expected = {"symlink": "is a symbolic link", "fifo": "is not a regular file",
-                "their file": "belongs to uid 65534", "our file they can write":
-                "is writable by other users (mode 666)"}[plant]  # fmt: skip
+    expected = {
+        "symlink": "is a symbolic link",
+        "fifo": "is not a regular file",
+        "their file": "belongs to uid 65534",
+        "our file they can write": "is writable by other users (mode 666)",
+    }[plant]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"results file {results} {expected}" in lines[0], result.stderr
     assert victim.read_text() == "my own notes\n", "written through the link"
     after = os.lstat(results)
-    assert (after.st_ino, after.st_size, after.st_uid) == (before.st_ino, before.st_size,
-                                                          before.st_uid)  # fmt: skip
+    assert (after.st_ino, after.st_size, after.st_uid) == (
+        before.st_ino,
+        before.st_size,
+        before.st_uid,
+    )
     # --restart puts a new file of ours in its place (in a sticky directory, only root may
     # replace another user's file; anyone else is told they cannot).
     fresh = _eval(problems, tiny_model, "--restart")
@@ -153,8 +162,10 @@ def test_a_rerun_with_another_model_does_not_resume_and_the_flags_do_what_they_s
     other = _eval(problems, tiny_reasoning_model)
     assert other.returncode == 1
     assert "resuming" not in other.stderr
-    assert (f"the results file {results} holds 2 results of another run (model tiny-phi3.gguf, "
-            "not tiny-reasoning.gguf): --restart starts it over") in other.stderr  # fmt: skip
+    assert (
+        f"the results file {results} holds 2 results of another run (model tiny-phi3.gguf, "
+        "not tiny-reasoning.gguf): --restart starts it over"
+    ) in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1, other.stderr
     assert results.read_bytes() == made_by_tiny, "refused, and nothing changed"
 
@@ -301,7 +312,11 @@ def test_a_backend_url_is_recorded_without_its_password():
     assert run["backend"] == "http://127.0.0.1:8080/v1"
     assert "s3cret" not in json.dumps(run) and "sk-key" not in json.dumps(run)
     assert (run["model"], run["model_file"], run["instruction"], run["samples"]) == (
-        "m", None, "Box it.", 2)  # fmt: skip
+        "m",
+        None,
+        "Box it.",
+        2,
+    )
 
 
 def test_a_rewritten_results_file_escapes_what_the_appended_lines_escape():
@@ -360,20 +375,30 @@ def test_eval_numbers_lines_as_before_and_names_a_line_that_is_not_utf8(tmp_path
 
     # Lines are numbered as str.splitlines numbers them: "\r" and a blank line count.
     path = tmp_path / "set.jsonl"
-    path.write_bytes(b'{"problem": "a", "answer": "1"}\r\n\n{"problem": "b", "answer": "2"}\r'
-                     b'{"problem": "c", "answer": "3"}')  # fmt: skip
+    path.write_bytes(
+        b'{"problem": "a", "answer": "1"}\r\n\n{"problem": "b", "answer": "2"}\r'
+        b'{"problem": "c", "answer": "3"}'
+    )
     assert [(i.line, i.problem) for i in Problems(path, "problem", "answer")] == [
-        (1, "a"), (3, "b"), (4, "c")]  # fmt: skip
+        (1, "a"),
+        (3, "b"),
+        (4, "c"),
+    ]
     csv_file = tmp_path / "set.csv"
     csv_file.write_text('problem,answer\n"two\nlines",1\nnext,2\n')
     assert [(i.line, i.problem) for i in Problems(csv_file, "problem", "answer")] == [
-        (3, "two\nlines"), (4, "next")]  # fmt: skip
+        (3, "two\nlines"),
+        (4, "next"),
+    ]
     # A CSV is read as read_text() and csv.DictReader over it read it: line ends translated.
     import csv
     import io
 
-    for text in (b"problem,answer\r1+1,2\r", b'problem,answer\r\n"a\r\nb",3\r\n',
-                 b'problem,answer\n"a\rb",2\n3+3,6\n'):  # fmt: skip
+    for text in (
+        b"problem,answer\r1+1,2\r",
+        b'problem,answer\r\n"a\r\nb",3\r\n',
+        b'problem,answer\n"a\rb",2\n3+3,6\n',
+    ):
         csv_file.write_bytes(text)
         reader = csv.DictReader(io.StringIO(csv_file.read_text()))
         before = [(reader.line_num, row["problem"]) for row in reader]
@@ -394,8 +419,9 @@ def test_a_problem_changed_and_changed_back_resumes_its_record():
 
     def record(problem: str, status: str) -> str:
         fields = {"problem": problem, "reference": "1", "status": status, "k": 1}
-        return json.dumps({"line": 1, **fields, "reasoning_tokens": 0, "completion_tokens": 1,
-                           "run": run})  # fmt: skip
+        return json.dumps(
+            {"line": 1, **fields, "reasoning_tokens": 0, "completion_tokens": 1, "run": run}
+        )
 
     lines = [record("A", "correct"), record("B", "wrong"), "{cut sho"]
     for problem, status in (("A", "correct"), ("B", "wrong"), ("C", None)):
@@ -422,13 +448,16 @@ def test_eval_of_problems_added_to_a_finished_file_solves_only_the_new_ones(tmp_
         first = run_phi4(*args)
         assert first.returncode == 0, first.stderr
         assert (json.loads(first.stdout)["problems"], json.loads(first.stdout)["correct"]) == (
-            60, 40)  # fmt: skip
+            60,
+            40,
+        )
         _write_problems(path, rows)
         second = run_phi4(*args)
         assert second.returncode == 0, second.stderr
         assert "resuming: 60 of 120 problems are already in" in second.stderr
-        asked = sorted(int(body["messages"][-1]["content"].split("\n\n")[0][1:])
-                       for body in server.bodies)  # fmt: skip
+        asked = sorted(
+            int(body["messages"][-1]["content"].split("\n\n")[0][1:]) for body in server.bodies
+        )
     assert asked == list(range(1, 121)), "each problem asked once: the first 60 in the first run"
     result = json.loads(second.stdout)
     assert (result["problems"], result["correct"], result["wrong"]) == (120, 80, 40)
@@ -450,8 +479,9 @@ def test_eval_of_an_input_read_once_and_of_a_csv_ends_cleanly(tmp_path: Path):
     table.write_text("problem,answer\r\n" + "".join(f"p{i},{i}\r\n" for i in range(5)))
     with scripted_server(script) as server:
         common = ("--backend", server.url, "-m", "m", "--json")
-        piped = run_phi4("eval", "/dev/stdin", "-o", str(tmp_path / "piped.jsonl"), *common,
-                         input=rows)  # fmt: skip
+        piped = run_phi4(
+            "eval", "/dev/stdin", "-o", str(tmp_path / "piped.jsonl"), *common, input=rows
+        )
         from_csv = run_phi4("eval", str(table), *common)
     for result in (piped, from_csv):
         assert result.returncode == 0, result.stderr
@@ -471,8 +501,16 @@ def test_results_are_never_written_into_the_problems_file(tmp_path: Path):
     path = _write_problems(tmp_path / "set.jsonl", [{"problem": "p1", "answer": "1"}])
     before = path.read_bytes()
     with scripted_server(_numbered) as server:
-        refused = run_phi4("eval", str(path), "--backend", server.url, "-m", "m", "-o",
-                           str(tmp_path / "." / "set.jsonl"))  # fmt: skip
+        refused = run_phi4(
+            "eval",
+            str(path),
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-o",
+            str(tmp_path / "." / "set.jsonl"),
+        )
         assert not server.bodies, "nothing was asked"
     assert refused.returncode == 2
     assert "is the problems file itself; give the results another file" in refused.stderr
@@ -487,8 +525,7 @@ def test_a_last_record_cut_short_is_cut_off_and_its_problem_solved_again(tmp_pat
     path = _write_problems(tmp_path / "set.jsonl", rows)
     results = tmp_path / "out.jsonl"
     with scripted_server(_numbered) as server:
-        args = ["eval", str(path), "--backend", server.url, "-m", "m", "-o", str(results),
-                "--json"]  # fmt: skip
+        args = ["eval", str(path), "--backend", server.url, "-m", "m", "-o", str(results), "--json"]
         assert run_phi4(*args).returncode == 0
         whole = results.read_bytes()
         last = whole.rstrip(b"\n").rsplit(b"\n", 1)[1]
@@ -511,8 +548,10 @@ def test_a_last_record_cut_short_is_cut_off_and_its_problem_solved_again(tmp_pat
 
 def _failing_second(body: dict[str, Any]) -> list[str | Step | Head]:
     if body["messages"][-1]["content"].startswith("p2"):
-        return [Head(400, {"Content-Type": "application/json"}),
-                '{"error": {"message": "the question is too long"}}']  # fmt: skip
+        return [
+            Head(400, {"Content-Type": "application/json"}),
+            '{"error": {"message": "the question is too long"}}',
+        ]
     return list(_numbered(body))
 
 
@@ -520,8 +559,9 @@ def _failing_second(body: dict[str, Any]) -> list[str | Step | Head]:
 def test_a_failed_problem_is_said_on_stderr_and_a_record_says_how_the_answer_ended(
     tmp_path: Path,
 ):
-    path = _write_problems(tmp_path / "set.jsonl", [{"problem": f"p{i}", "answer": str(i)}
-                                                    for i in (1, 2)])  # fmt: skip
+    path = _write_problems(
+        tmp_path / "set.jsonl", [{"problem": f"p{i}", "answer": str(i)} for i in (1, 2)]
+    )
     with scripted_server(_failing_second) as server:
         result = run_phi4("eval", str(path), "--backend", server.url, "-m", "m", "--json")
     assert result.returncode == 1
@@ -546,8 +586,10 @@ def test_a_csv_from_a_spreadsheet_and_a_missing_column_name_what_the_file_has(tm
             assert read.returncode == 0 and json.loads(read.stdout)["correct"] == 1, read.stderr
         semi = run_phi4("eval", str(semicolons), *common)
         assert semi.returncode == 2
-        assert ("no 'problem' (--problem-field names it; the columns are 'problem;answer')"
-                in semi.stderr), semi.stderr  # fmt: skip
+        assert (
+            "no 'problem' (--problem-field names it; the columns are 'problem;answer')"
+            in semi.stderr
+        ), semi.stderr
         blank = run_phi4("eval", str(empty), *common)
         assert blank.returncode == 2 and f"{empty}:1: 'answer' is empty" in blank.stderr
 

@@ -73,8 +73,9 @@ def test_common_commands_take_the_fast_path(args: list[str]):
     assert parsed is not None and parsed == typer_parse(args)
 
 
-def _imports(argv: list[str], env: dict[str, str] | None = None,
-             stdin: str = "") -> tuple[int, list[str], list[str]]:  # fmt: skip
+def _imports(
+    argv: list[str], env: dict[str, str] | None = None, stdin: str = ""
+) -> tuple[int, list[str], list[str]]:
     """Run phi4 with ``argv``: its exit status, the heavy top-level modules it imported, and
     all of phi4cli's modules it imported."""
     script = (
@@ -88,9 +89,14 @@ def _imports(argv: list[str], env: dict[str, str] | None = None,
         "from phi4cli.entry import main\n"
         f"main({argv!r})\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            input=stdin, env={**os.environ, **(env or {})},
-                            check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
     heavy, ours = json.loads(result.stderr.strip().splitlines()[-1])
     return result.returncode, heavy, ours
 
@@ -163,10 +169,12 @@ def test_solve_runs_in_process_on_an_environment_of_its_own(tiny_model: Path):
     from phi4cli.core.paths import get_paths
 
     out, err = io.StringIO(), io.StringIO()
-    env = Environment(io.StringIO("not read: the question is the argument"), out, err,
-                      paths=get_paths())  # fmt: skip
-    options = SolveOptions(prompt="What is 2+2?", model=str(tiny_model), max_tokens=3,
-                           temperature=0.0, as_json=True)  # fmt: skip
+    env = Environment(
+        io.StringIO("not read: the question is the argument"), out, err, paths=get_paths()
+    )
+    options = SolveOptions(
+        prompt="What is 2+2?", model=str(tiny_model), max_tokens=3, temperature=0.0, as_json=True
+    )
     assert run_solve(options, env) == 0
     record = json.loads(out.getvalue())
     assert record["question"] == "What is 2+2?"
@@ -198,10 +206,18 @@ def test_a_question_of_unquoted_words_is_joined_and_stdin_left_alone(tiny_model:
     assert fast.returncode == 0, fast.stderr
     assert json.loads(fast.stdout)["question"] == "what is 2+2"
     typer_path = subprocess.run(
-        [sys.executable, "-c",
-         "import sys; from phi4cli.client.cli import main; main(sys.argv[1:])",
-         *args], input="from stdin\n", capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys; from phi4cli.client.cli import main; main(sys.argv[1:])",
+            *args,
+        ],
+        input="from stdin\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert typer_path.returncode == 0, typer_path.stderr
     assert json.loads(typer_path.stdout)["question"] == "what is 2+2"
     # A lone '-' still reads the question from stdin.

@@ -39,16 +39,25 @@ def test_a_backend_that_is_not_a_url_is_named_as_given():
 
 
 def _cut(_body: dict[str, Any]) -> list[str | Step]:
-    return [chunk({"content": "Let me add them: 12 + 13 is"}), chunk({}, "length"),
-            data("[DONE]")]  # fmt: skip
+    return [chunk({"content": "Let me add them: 12 + 13 is"}), chunk({}, "length"), data("[DONE]")]
 
 
 @pytest.mark.daemon
 def test_an_answer_cut_at_max_tokens_says_it_was_cut():
     # Before: "no final answer stated in the solution", as if the model had chosen not to.
     with scripted_server(_cut) as server:
-        done = run_phi4("solve", "What is 12+13?", "--backend", server.url, "-m", "m", "-a",
-                        "-n", "8", timeout=100)  # fmt: skip
+        done = run_phi4(
+            "solve",
+            "What is 12+13?",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-a",
+            "-n",
+            "8",
+            timeout=100,
+        )
     assert done.returncode == 1
     assert "the answer was cut off at --max-tokens (raise it)" in done.stderr
 
@@ -72,8 +81,11 @@ def test_a_file_on_an_idle_default_daemon_runs_as_many_at_once_as_the_plan_says(
     assert plan["kv_layout"] == "shared" and plan["parallel"] == 4, plan
     problems = tmp_path / "four.txt"
     problems.write_text("".join(f"Count to {i}\n" for i in range(4)))
-    run = subprocess.Popen([PHI4, "solve", "-f", str(problems), "-m", str(tiny_model)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    run = subprocess.Popen(
+        [PHI4, "solve", "-f", str(problems), "-m", str(tiny_model)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     most = 0
     try:
         while run.poll() is None and most < 4:
@@ -98,8 +110,9 @@ def test_a_megabyte_line_in_a_file_is_not_echoed_whole(tmp_path: Path):
     long_line = "What is " + "1+" * 500_000 + "1?"
     problems.write_text(f"What is 3+4?\n{long_line}\n")
     with scripted_server(_boxed) as server:
-        done = run_phi4("solve", "-f", str(problems), "--backend", server.url, "-m", "m",
-                        timeout=100)  # fmt: skip
+        done = run_phi4(
+            "solve", "-f", str(problems), "--backend", server.url, "-m", "m", timeout=100
+        )
     assert "[1] What is 3+4?" in done.stdout
     assert "[2] What is 1+1+1+" in done.stdout
     assert f"… ({len(long_line):,} characters)" in done.stdout
@@ -121,8 +134,9 @@ def _rendered(solution: str) -> list[str]:
 
 def test_a_math_environment_outside_dollars_is_shown_as_display_math_row_by_row():
     # Before: "\begin{align*} x &= 1 + 2 \ y &= 3/4 \end{align*}" on one line, a \\ lost.
-    shown = _rendered("We get\n\\begin{align*}\nx &= 1 + 2 \\\\\ny &= \\frac{3}{4}\n"
-                      "\\end{align*}\nso done.")  # fmt: skip
+    shown = _rendered(
+        "We get\n\\begin{align*}\nx &= 1 + 2 \\\\\ny &= \\frac{3}{4}\n\\end{align*}\nso done."
+    )
     assert shown == ["We get", "", "x = 1 + 2", "y = 3/4", "", "so done."]
 
 
@@ -143,8 +157,9 @@ def _two_lines(_body: dict[str, Any]) -> list[str | Step]:
 def test_piped_chat_separates_one_answer_from_the_next():
     # Before: "...Second line.First line..." — no way to tell where one answer ended.
     with scripted_server(_two_lines) as server:
-        done = run_phi4("chat", "--backend", server.url, "-m", "m", input="one\ntwo\nthree\n",
-                        timeout=100)  # fmt: skip
+        done = run_phi4(
+            "chat", "--backend", server.url, "-m", "m", input="one\ntwo\nthree\n", timeout=100
+        )
     assert done.returncode == 0, done.stderr
     answer = "First line.\nSecond line.\n"
     assert done.stdout == f"{answer}\n{answer}\n{answer}"
@@ -161,8 +176,14 @@ def test_the_docs_completion_and_man_page_lines_work_on_a_fresh_home(tmp_path: P
     home = tmp_path / "home"
     home.mkdir()
     for line in lines:
-        done = subprocess.run(line, shell=True, cwd=ROOT, capture_output=True, text=True,
-                              env={"HOME": str(home), "PATH": "/usr/bin:/bin"})  # fmt: skip
+        done = subprocess.run(
+            line,
+            shell=True,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
+        )
         assert done.returncode == 0, (line, done.stderr)
     assert (home / ".local/share/bash-completion/completions/phi4").is_file()
     assert (home / ".local/share/man/man1/phi4.1").is_file()

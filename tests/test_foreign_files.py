@@ -50,9 +50,21 @@ def swapping(shared_dir: Path, tmp_path: Path) -> Iterator[tuple[Path, Path]]:  
     own directory and back all the time, and that victim directory."""
     victim = tmp_path / "victim"
     victim.mkdir()
-    racer = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                              "--clear-groups", sys.executable, "-c", _SWAPPER, str(shared_dir),
-                              str(victim)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    racer = subprocess.Popen(
+        [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            _SWAPPER,
+            str(shared_dir),
+            str(victim),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert racer.stdout is not None and racer.stdout.readline() == "ready\n"
         yield shared_dir / "box", victim
@@ -83,8 +95,10 @@ def test_a_results_directory_another_user_swaps_for_a_link_gets_no_results_file_
         assert result.returncode == 1, (run, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1, result.stderr
-        said = (f"phi4: error: {box} belongs to uid {NOBODY}, not you",
-                f"phi4: error: {box} is a symbolic link of uid {NOBODY}'s")  # fmt: skip
+        said = (
+            f"phi4: error: {box} belongs to uid {NOBODY}, not you",
+            f"phi4: error: {box} is a symbolic link of uid {NOBODY}'s",
+        )
         assert lines[0].startswith(said), lines[0]
         assert f"could change what the results file {box}/out-{run}.jsonl is" in lines[0]
         assert lines[0].endswith("phi4 will not create it there: use a directory of yours")
@@ -166,8 +180,10 @@ def test_a_chat_or_input_history_others_can_write_is_refused_in_one_line(
     history_file = paths.state_dir / "chat_history"
     write_atomic(history_file, b"\n# phi4\n+What is 1+1?\n")
     assert list(AtomicFileHistory(history_file).load_history_strings()) == ["What is 1+1?"]
-    for path, open_it in ((chat, lambda: store.load("mine")),
-                          (history_file, lambda: AtomicFileHistory(history_file))):  # fmt: skip
+    for path, open_it in (
+        (chat, lambda: store.load("mine")),
+        (history_file, lambda: AtomicFileHistory(history_file)),
+    ):
         said = _others_can_write(path, how)
         with pytest.raises(RefusedFileError) as refused:
             open_it()

@@ -31,8 +31,11 @@ def _numbered(body: dict[str, Any]) -> list[str | Step]:
 
 
 def _problems(path: Path, count: int) -> Path:
-    path.write_text("".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n"
-                            for i in range(1, count + 1)))  # fmt: skip
+    path.write_text(
+        "".join(
+            json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n" for i in range(1, count + 1)
+        )
+    )
     return path
 
 
@@ -61,12 +64,16 @@ def tmpfs(tmp_path: Path) -> Iterator[Mount]:
     unmounted after the test. Skipped where no tmpfs can be mounted (not root)."""
     mounts: list[Path] = []
 
-    def mount(name: str = "disk", size: str = "64k", full: bool = False,
-              read_only: bool = False) -> Path:  # fmt: skip
+    def mount(
+        name: str = "disk", size: str = "64k", full: bool = False, read_only: bool = False
+    ) -> Path:
         where = tmp_path / name
         where.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=755", "tmpfs",
-                               str(where)], capture_output=True, check=False)  # fmt: skip
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=755", "tmpfs", str(where)],
+            capture_output=True,
+            check=False,
+        )
         if done.returncode != 0:
             pytest.skip("cannot mount a tmpfs here (needs root)")
         mounts.append(where)
@@ -106,14 +113,25 @@ def test_eval_on_a_full_disk_stops_with_one_line_keeps_whole_records_and_resumes
     problems = _problems(tmp_path / "set.jsonl", 60)
     results = disk / "out.jsonl"
     with scripted_server(_numbered) as server:
-        args = ["eval", str(problems), "--backend", server.url, "-m", "m", "-o", str(results),
-                "--json"]  # fmt: skip
+        args = [
+            "eval",
+            str(problems),
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-o",
+            str(results),
+            "--json",
+        ]
         stopped = run_phi4(*args)
         assert stopped.returncode == 1
         line = one_error_line(stopped.stderr)
-        assert line.startswith(f"phi4: error: cannot write the results file {results}: no "
-                               f"space left on {disk}: free some space there, or name another "
-                               "results file with -o; stopped at line ")  # fmt: skip
+        assert line.startswith(
+            f"phi4: error: cannot write the results file {results}: no "
+            f"space left on {disk}: free some space there, or name another "
+            "results file with -o; stopped at line "
+        )
         kept = _records(results)  # every line whole JSON
         assert 0 < len(kept) < 60
         assert f"(the {len(kept)} judged before it are whole lines in the file" in line
@@ -126,14 +144,21 @@ def test_eval_on_a_full_disk_stops_with_one_line_keeps_whole_records_and_resumes
 
 
 @pytest.mark.daemon
-def test_eval_whose_first_record_does_not_fit_leaves_no_results_file(tmpfs: Mount,
-                                                                     tmp_path: Path):  # fmt: skip
+def test_eval_whose_first_record_does_not_fit_leaves_no_results_file(tmpfs: Mount, tmp_path: Path):
     # Before: an empty results file was left behind.
     disk = tmpfs(full=True)
     results = disk / "out.jsonl"
     with scripted_server(_numbered) as server:
-        failed = run_phi4("eval", str(_problems(tmp_path / "set.jsonl", 2)), "--backend",
-                          server.url, "-m", "m", "-o", str(results))  # fmt: skip
+        failed = run_phi4(
+            "eval",
+            str(_problems(tmp_path / "set.jsonl", 2)),
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-o",
+            str(results),
+        )
     assert failed.returncode == 1
     assert f"no space left on {disk}: free some space there" in one_error_line(failed.stderr)
     assert not results.exists()
@@ -154,8 +179,10 @@ def test_eval_on_a_read_only_disk_is_one_line_and_changes_nothing(tmpfs: Mount, 
             refused = run_phi4(*common, str(results), *extra)
             assert refused.returncode == 1
             line = one_error_line(refused.stderr)
-            assert f"the results file {results}: {disk} is mounted read-only: name another " \
-                "results file with -o" in line  # fmt: skip
+            assert (
+                f"the results file {results}: {disk} is mounted read-only: name another "
+                "results file with -o" in line
+            )
             assert results.read_bytes() == before
         fresh = run_phi4(*common, str(disk / "new.jsonl"))
         assert fresh.returncode == 1 and "mounted read-only" in one_error_line(fresh.stderr)
@@ -184,10 +211,15 @@ def _as_the_locked_dirs_owner(*args: str) -> subprocess.CompletedProcess[str]:
     home = Path(tempfile.mkdtemp(prefix="p4-nobody-", dir="/tmp"))
     os.chown(home, NOBODY, NOBODY)
     try:
-        return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                               "--clear-groups", PHI4, *args], capture_output=True, text=True,
-                              env={**os.environ, "PHI4_HOME": str(home)}, timeout=300,
-                              stdin=subprocess.DEVNULL, check=False)  # fmt: skip
+        return subprocess.run(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", PHI4, *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PHI4_HOME": str(home)},
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
     finally:
         run_phi4("stop", env={"PHI4_HOME": str(home)})
         shutil.rmtree(home, ignore_errors=True)
@@ -199,8 +231,9 @@ def test_eval_into_a_directory_you_may_not_write_in_is_one_line(locked_dir: Path
     problems.chmod(0o644)
     results = locked_dir / "out.jsonl"
     with scripted_server(_numbered) as server:
-        refused = _as_the_locked_dirs_owner("eval", str(problems), "--backend", server.url,
-                                            "-m", "m", "-o", str(results))  # fmt: skip
+        refused = _as_the_locked_dirs_owner(
+            "eval", str(problems), "--backend", server.url, "-m", "m", "-o", str(results)
+        )
         assert not server.bodies, "refused before anything was asked"
     assert refused.returncode == 1
     assert one_error_line(refused.stderr) == (
@@ -290,8 +323,15 @@ def test_a_piped_chat_on_a_full_disk_answers_and_says_what_was_not_saved(tmpfs: 
     with contextlib.suppress(OSError):
         home.mkdir()
     with scripted_server(_numbered) as server:
-        chat = run_phi4("chat", "--backend", server.url, "-m", "m", input="p7\np8\n",
-                        env={"PHI4_HOME": str(home)})  # fmt: skip
+        chat = run_phi4(
+            "chat",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            input="p7\np8\n",
+            env={"PHI4_HOME": str(home)},
+        )
     assert chat.returncode == 1, chat.stderr
     assert "7" in chat.stdout and "8" in chat.stdout, "every answer shown"
     lines = chat.stderr.splitlines()
@@ -313,8 +353,12 @@ def test_a_chat_that_can_save_again_by_its_end_says_nothing_more(tmp_path: Path)
 
         def save(self, conversation: Conversation) -> Path:
             if self.full:
-                raise UnwritableError(self.path(conversation.name), "conversation",
-                                      OSError(errno.ENOSPC, "full"), verb="save")  # fmt: skip
+                raise UnwritableError(
+                    self.path(conversation.name),
+                    "conversation",
+                    OSError(errno.ENOSPC, "full"),
+                    verb="save",
+                )
             return super().save(conversation)
 
     class NoEngine:
@@ -326,8 +370,14 @@ def test_a_chat_that_can_save_again_by_its_end_says_nothing_more(tmp_path: Path)
 
     err = io.StringIO()
     store = FullUntilFreed(tmp_path / "chats")
-    repl = ChatRepl(Environment(io.StringIO(), io.StringIO(), err), NoEngine(),  # type: ignore[arg-type]
-                    Settings(), "m", Conversation(name="c", model="m"), store)  # fmt: skip
+    repl = ChatRepl(
+        Environment(io.StringIO(), io.StringIO(), err),
+        NoEngine(),  # type: ignore[arg-type]
+        Settings(),
+        "m",
+        Conversation(name="c", model="m"),
+        store,
+    )
     repl._autosave()
     repl._autosave()
     assert err.getvalue().count("cannot save the conversation") == 1, "said once"
@@ -352,8 +402,7 @@ def test_cache_clear_on_a_read_only_staging_dir_is_one_line(tmpfs: Mount):
     )
 
 
-def test_a_model_is_loaded_from_its_file_when_staging_cannot_write(tmpfs: Mount,
-                                                                   tiny_model: Path):  # fmt: skip
+def test_a_model_is_loaded_from_its_file_when_staging_cannot_write(tmpfs: Mount, tiny_model: Path):
     # Before: the temp file's creation on a read-only staging dir raised, and the model failed
     # to load; an old copy that could not be removed did too.
     from phi4cli.daemon.ramdisk import stage
@@ -373,14 +422,22 @@ def test_a_model_is_loaded_from_its_file_when_staging_cannot_write(tmpfs: Mount,
 
 def _phi4_to(target: Path, *args: str) -> subprocess.CompletedProcess[str]:
     with target.open("w") as out:
-        return subprocess.run([PHI4, *args], stdout=out, stderr=subprocess.PIPE, text=True,
-                              stdin=subprocess.DEVNULL, timeout=300, check=False)  # fmt: skip
+        return subprocess.run(
+            [PHI4, *args],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=300,
+            check=False,
+        )
 
 
 @pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "PYTHONUNBUFFERED"])
 @pytest.mark.daemon
-def test_output_to_dev_full_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                        buffered: bool):  # fmt: skip
+def test_output_to_dev_full_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, buffered: bool
+):
     # Before: "phi4: internal error: OSError: [Errno 28] No space left on device".
     if buffered:
         monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
@@ -389,13 +446,18 @@ def test_output_to_dev_full_is_one_line(tmp_path: Path, monkeypatch: pytest.Monk
     problems = _problems(tmp_path / "set.jsonl", 2)
     with scripted_server(_numbered) as server:
         backend = ("--backend", server.url, "-m", "m")
-        for args in (("solve", "p1", *backend), ("solve", "--file", str(problems), "--jsonl",
-                                                 *backend), ("config", "show")):  # fmt: skip
+        for args in (
+            ("solve", "p1", *backend),
+            ("solve", "--file", str(problems), "--jsonl", *backend),
+            ("config", "show"),
+        ):
             result = _phi4_to(Path("/dev/full"), *args)
             assert result.returncode == 1, args
-            assert one_error_line(result.stderr) == ("phi4: error: cannot write the output to "
-                                                     "/dev/full: No space left on device: send "
-                                                     "it elsewhere")  # fmt: skip
+            assert one_error_line(result.stderr) == (
+                "phi4: error: cannot write the output to "
+                "/dev/full: No space left on device: send "
+                "it elsewhere"
+            )
 
 
 @pytest.mark.daemon
@@ -410,8 +472,10 @@ def test_output_to_a_file_on_a_full_disk_is_one_line(tmpfs: Mount, tiny_model: P
     assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
     try:
         with scripted_server(_numbered) as server:
-            for engine in (("-m", str(tiny_model), "-n", "400"),
-                           ("--backend", server.url, "-m", "m")):  # fmt: skip
+            for engine in (
+                ("-m", str(tiny_model), "-n", "400"),
+                ("--backend", server.url, "-m", "m"),
+            ):
                 result = _phi4_to(out, "solve", "p4", *engine)
                 assert result.returncode == 1
                 assert one_error_line(result.stderr) == (

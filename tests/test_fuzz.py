@@ -28,19 +28,38 @@ pytestmark = pytest.mark.daemon
 # Text as a hostile client sends it: lone surrogates among ordinary characters (JSON's "\ud800"
 # escapes decode to them, and UTF-8 cannot encode them).
 # (st.characters never yields surrogates, so they are made from their code points.)
-SURROGATES = st.lists(st.integers(0xD800, 0xDFFF).map(chr) | st.characters(), min_size=1,
-                      max_size=10).map("".join)  # fmt: skip
+SURROGATES = st.lists(
+    st.integers(0xD800, 0xDFFF).map(chr) | st.characters(), min_size=1, max_size=10
+).map("".join)
 TEXT = st.text(max_size=30) | SURROGATES
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False)
-    | TEXT,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8) | SURROGATES,
-                                                                  inner, max_size=3),
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | TEXT,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(max_size=8) | SURROGATES, inner, max_size=3)
+    ),
     max_leaves=8,
-)  # fmt: skip
-KEYS = st.sampled_from(["prompt", "message", "session", "history", "system", "model",
-                        "temperature", "top_p", "seed", "max_tokens", "think_budget",
-                        "keep_alive", "priority", "target", "confidence_floor", "x"])  # fmt: skip
+)
+KEYS = st.sampled_from(
+    [
+        "prompt",
+        "message",
+        "session",
+        "history",
+        "system",
+        "model",
+        "temperature",
+        "top_p",
+        "seed",
+        "max_tokens",
+        "think_budget",
+        "keep_alive",
+        "priority",
+        "target",
+        "confidence_floor",
+        "x",
+    ]
+)
 PARAMS = st.dictionaries(KEYS, JSON_VALUES | st.sampled_from(["2+2?", "s1", 0.5, 3]), max_size=6)
 # Every op but "stop", which would end the campaign.
 OPS = st.sampled_from(
@@ -79,11 +98,19 @@ def _exchange(path: Path, lines: list[bytes]) -> list[dict[str, Any]]:
     return [e for e in exchange(path, lines) if e.get("event") in ("done", "error")]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-          HealthCheck.function_scoped_fixture])  # fmt: skip
-@given(st.lists(st.tuples(OPS, PARAMS, st.sampled_from(["number", "list", "surrogate"])),
-                min_size=1, max_size=4),
-       st.sampled_from([1, 2]))  # fmt: skip
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    st.lists(
+        st.tuples(OPS, PARAMS, st.sampled_from(["number", "list", "surrogate"])),
+        min_size=1,
+        max_size=4,
+    ),
+    st.sampled_from([1, 2]),
+)
 def test_the_socket_answers_every_request_once_and_lives(
     daemon: Path, requests: list[tuple[Any, dict[str, Any], str]], version: int
 ):
@@ -116,48 +143,106 @@ def test_raw_bytes_never_break_the_daemon(daemon: Path, garbage: bytes):
     assert answer.get("code") != "internal", answer
 
 
-MESSAGES = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", 3]),
-                           "content": st.text(max_size=20) | JSON_VALUES}),
-    max_size=4,
-) | JSON_VALUES  # fmt: skip
-BODIES = st.fixed_dictionaries(
-    {"messages": MESSAGES},
-    optional={"model": JSON_VALUES, "temperature": JSON_VALUES, "top_p": JSON_VALUES,
-              "seed": JSON_VALUES, "max_tokens": st.integers(-5, 3) | JSON_VALUES,
-              "stream": st.booleans()},
-) | JSON_VALUES  # fmt: skip
+MESSAGES = (
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "assistant", "system", "tool", 3]),
+                "content": st.text(max_size=20) | JSON_VALUES,
+            }
+        ),
+        max_size=4,
+    )
+    | JSON_VALUES
+)
+BODIES = (
+    st.fixed_dictionaries(
+        {"messages": MESSAGES},
+        optional={
+            "model": JSON_VALUES,
+            "temperature": JSON_VALUES,
+            "top_p": JSON_VALUES,
+            "seed": JSON_VALUES,
+            "max_tokens": st.integers(-5, 3) | JSON_VALUES,
+            "stream": st.booleans(),
+        },
+    )
+    | JSON_VALUES
+)
 
 
 ASCII = st.characters(min_codepoint=0x21, max_codepoint=0x7E)  # what a header line carries
-HOSTS = st.sampled_from(["127.0.0.1", "127.0.0.1:8080", "localhost", "LOCALHOST.:1",
-                         "evil.example", "127.0.0.1.evil.example", "[::1]", "[::1", "", "a:b:c",
-                         "127.0.0.2"]) | st.text(ASCII, max_size=12)  # fmt: skip
+HOSTS = st.sampled_from(
+    [
+        "127.0.0.1",
+        "127.0.0.1:8080",
+        "localhost",
+        "LOCALHOST.:1",
+        "evil.example",
+        "127.0.0.1.evil.example",
+        "[::1]",
+        "[::1",
+        "",
+        "a:b:c",
+        "127.0.0.2",
+    ]
+) | st.text(ASCII, max_size=12)
 ALLOWED_HOSTS = {"127.0.0.1", "127.0.0.1:8080", "localhost", "LOCALHOST.:1"}
-ORIGINS = st.none() | st.text(ASCII, max_size=12) | st.sampled_from(
-    ["http://127.0.0.1", "https://evil.example", "null", "http://localhost:3000"])  # fmt: skip
-CONTENT_TYPES = st.sampled_from(["application/json", "application/json; charset=utf-8",
-                                 "text/plain", "application/x-www-form-urlencoded",
-                                 "multipart/form-data; boundary=x", ""])  # fmt: skip
+ORIGINS = (
+    st.none()
+    | st.text(ASCII, max_size=12)
+    | st.sampled_from(["http://127.0.0.1", "https://evil.example", "null", "http://localhost:3000"])
+)
+CONTENT_TYPES = st.sampled_from(
+    [
+        "application/json",
+        "application/json; charset=utf-8",
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "",
+    ]
+)
 # Text with lone surrogates, which JSON can carry but UTF-8 cannot.
-SURROGATE_TEXT = st.text(alphabet=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
-                         | st.sampled_from("ab 2+"), min_size=1, max_size=6)  # fmt: skip
-MESSAGES = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", 3]),
-                           "content": st.text(max_size=20) | SURROGATE_TEXT | JSON_VALUES}),
-    max_size=4,
-) | JSON_VALUES  # fmt: skip
-BODIES = st.fixed_dictionaries(
-    {"messages": MESSAGES},
-    optional={"model": JSON_VALUES | SURROGATE_TEXT | st.sampled_from(["tiny", "default", "gpt"]),
-              "temperature": JSON_VALUES, "top_p": JSON_VALUES,
-              "seed": JSON_VALUES, "max_tokens": st.integers(-5, 3) | JSON_VALUES,
-              "stop": st.lists(SURROGATE_TEXT, max_size=2), "stream": st.booleans()},
-) | JSON_VALUES  # fmt: skip
+SURROGATE_TEXT = st.text(
+    alphabet=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF) | st.sampled_from("ab 2+"),
+    min_size=1,
+    max_size=6,
+)
+MESSAGES = (
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "assistant", "system", "tool", 3]),
+                "content": st.text(max_size=20) | SURROGATE_TEXT | JSON_VALUES,
+            }
+        ),
+        max_size=4,
+    )
+    | JSON_VALUES
+)
+BODIES = (
+    st.fixed_dictionaries(
+        {"messages": MESSAGES},
+        optional={
+            "model": JSON_VALUES | SURROGATE_TEXT | st.sampled_from(["tiny", "default", "gpt"]),
+            "temperature": JSON_VALUES,
+            "top_p": JSON_VALUES,
+            "seed": JSON_VALUES,
+            "max_tokens": st.integers(-5, 3) | JSON_VALUES,
+            "stop": st.lists(SURROGATE_TEXT, max_size=2),
+            "stream": st.booleans(),
+        },
+    )
+    | JSON_VALUES
+)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-          HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(BODIES, HOSTS, ORIGINS, CONTENT_TYPES)
 def test_the_http_api_answers_any_body_without_a_500(
     daemon: Path, tiny_model: Path, body: Any, host: str, origin: str | None, content_type: str
@@ -202,8 +287,11 @@ def test_the_http_api_answers_any_body_without_a_500(
     backend.close()
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-          HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(st.integers(1, 20_000), st.sampled_from(["[", '{"k":']), st.sampled_from(["x", "prompt"]))
 def test_nesting_is_bounded_before_parsing(daemon: Path, depth: int, opener: str, key: str):
     from phi4cli.core.protocol import MAX_NESTING
@@ -219,8 +307,11 @@ def test_nesting_is_bounded_before_parsing(daemon: Path, depth: int, opener: str
     assert _exchange(daemon, [b'{"v":1,"id":"p","op":"ping"}\n'])[0]["event"] == "done"
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-          HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(st.integers(1, 300), st.integers(0, 3))
 def test_a_flood_then_a_hang_up_leaves_room_for_the_next_client(
     daemon: Path, flood: int, read_first: int
@@ -228,28 +319,46 @@ def test_a_flood_then_a_hang_up_leaves_room_for_the_next_client(
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(30)
         sock.connect(str(daemon))
-        sock.sendall(b"".join(
-            json.dumps({"v": 1, "id": n, "op": "solve",
-                        "params": {"prompt": f"{n}+1?", "max_tokens": 3}}).encode() + b"\n"
-            for n in range(flood)
-        ))  # fmt: skip
+        sock.sendall(
+            b"".join(
+                json.dumps(
+                    {
+                        "v": 1,
+                        "id": n,
+                        "op": "solve",
+                        "params": {"prompt": f"{n}+1?", "max_tokens": 3},
+                    }
+                ).encode()
+                + b"\n"
+                for n in range(flood)
+            )
+        )
         reader = sock.makefile("rb")
         for _ in range(read_first):  # hang up at once, or after a few events
             reader.readline()
     # Whatever the flood left queued, another client is answered, not refused busy.
-    (answer,) = _exchange(daemon, [json.dumps({"v": 1, "id": "next", "op": "solve", "params": {
-        "prompt": "2+2?", "max_tokens": 2}}).encode() + b"\n"])  # fmt: skip
+    (answer,) = _exchange(
+        daemon,
+        [
+            json.dumps(
+                {"v": 1, "id": "next", "op": "solve", "params": {"prompt": "2+2?", "max_tokens": 2}}
+            ).encode()
+            + b"\n"
+        ],
+    )
     assert answer["event"] == "done", answer
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-          HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(st.sampled_from([2, 40, 400, 1_998, 2_000, 2_002, 6_000]), st.text(max_size=3))
 def test_a_huge_chat_history_is_refused_or_trimmed(daemon: Path, messages: int, content: str):
     from phi4cli.core.protocol import MAX_HISTORY_MESSAGES
 
-    history = [{"role": ("user", "assistant")[n % 2], "content": content}
-               for n in range(messages)]  # fmt: skip
+    history = [{"role": ("user", "assistant")[n % 2], "content": content} for n in range(messages)]
     line = json.dumps(
         {
             "v": 1,
@@ -258,7 +367,7 @@ def test_a_huge_chat_history_is_refused_or_trimmed(daemon: Path, messages: int, 
             "params": {"session": "fuzz", "message": "hi", "history": history, "max_tokens": 2},
         }
     ).encode()
-    (answer,) = _exchange(daemon, [line + b"\n"])  # fmt: skip
+    (answer,) = _exchange(daemon, [line + b"\n"])
     if messages > MAX_HISTORY_MESSAGES:
         assert answer["code"] == "bad_request" and "the limit is 2,000" in answer["message"]
     else:

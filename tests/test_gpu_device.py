@@ -30,8 +30,13 @@ SCRIPT = ROOT / "bench" / "gpu_device.sh"
 def run_script(
     *args: str, env: dict[str, str], timeout: float = 600
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(SCRIPT), *args], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -71,14 +76,23 @@ def test_pack_carries_the_sources_a_build_needs_and_not_the_models_docs_or_tests
     tmp_path: Path,
 ) -> None:
     carry = tmp_path / "carry"
-    result = run_script("pack", "--sdist", str(fake_sdist(tmp_path)), "--no-wheels",
-                        env={"PHI4_GPU_CARRY": str(carry)})  # fmt: skip
+    result = run_script(
+        "pack",
+        "--sdist",
+        str(fake_sdist(tmp_path)),
+        "--no-wheels",
+        env={"PHI4_GPU_CARRY": str(carry)},
+    )
     assert result.returncode == 0, result.stderr
     assert "the device takes at most 64 MiB" in result.stderr
     with tarfile.open(carry / "llama.cpp.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"llama.cpp/CMakeLists.txt", "llama.cpp/ggml/src/ggml.c", "llama.cpp/src/llama.cpp",
-            "llama.cpp/tools/server/server.cpp"} <= names  # fmt: skip
+    assert {
+        "llama.cpp/CMakeLists.txt",
+        "llama.cpp/ggml/src/ggml.c",
+        "llama.cpp/src/llama.cpp",
+        "llama.cpp/tools/server/server.cpp",
+    } <= names
     for dropped in ("models", "docs", "tests", "examples"):
         assert not any(name.startswith(f"llama.cpp/{dropped}") for name in names), dropped
     # The Python package travels without the libraries built elsewhere: build supplies its own.
@@ -92,8 +106,9 @@ def test_pack_refuses_an_archive_that_is_not_the_sdist(tmp_path: Path) -> None:
     with tarfile.open(bogus, "w:gz") as tar:
         tar.addfile(tarfile.TarInfo("llama_cpp_python-0.3.36/README.md"), io.BytesIO())
     carry = tmp_path / "carry"
-    result = run_script("pack", "--sdist", str(bogus), "--no-wheels",
-                        env={"PHI4_GPU_CARRY": str(carry)})  # fmt: skip
+    result = run_script(
+        "pack", "--sdist", str(bogus), "--no-wheels", env={"PHI4_GPU_CARRY": str(carry)}
+    )
     assert result.returncode == 1
     assert "holds no vendor/llama.cpp" in result.stderr
     assert not carry.exists()
@@ -103,8 +118,18 @@ def test_the_wheels_are_phi4s_requirements_at_the_versions_installed_here() -> N
     result = run_script("wheels", env={"PYTHON": sys.executable})
     assert result.returncode == 0, result.stderr
     specs = dict(spec.split("==") for spec in result.stdout.split())
-    for name in ("typer", "gguf", "prompt-toolkit", "platformdirs", "pylatexenc", "httpx2",
-                 "httpcore2", "starlette", "uvicorn", "math-verify"):  # fmt: skip
+    for name in (
+        "typer",
+        "gguf",
+        "prompt-toolkit",
+        "platformdirs",
+        "pylatexenc",
+        "httpx2",
+        "httpcore2",
+        "starlette",
+        "uvicorn",
+        "math-verify",
+    ):
         assert specs[name] == importlib.metadata.version(name), name
     # Built for the device or already there: not carried.
     for name in ("llama-cpp-python", "numpy", "pyyaml", "sympy", "phi4cli"):
@@ -125,10 +150,18 @@ def test_bench_runs_every_step_on_the_cpu_and_returns_the_tables(work: Path) -> 
     # Heads of 64 (q8_0 KV needs a multiple of 32), small enough to decode in milliseconds.
     model = write_tiny_phi3(work / "tiny.gguf", embed=128, heads=2, kv_heads=2)
     out = work / "out"
-    result = run_script("bench", "--quick", "--model", str(model), env={
-        "PHI4_GPU_WORK": str(work), "PHI4_GPU_CARRY": str(work / "carry"), "OUT": str(out),
-        "PYTHON": sys.executable,
-    })  # fmt: skip
+    result = run_script(
+        "bench",
+        "--quick",
+        "--model",
+        str(model),
+        env={
+            "PHI4_GPU_WORK": str(work),
+            "PHI4_GPU_CARRY": str(work / "carry"),
+            "OUT": str(out),
+            "PYTHON": sys.executable,
+        },
+    )
     assert result.returncode == 0, result.stderr
     # At most 8 files come back from the device: the two bundles.
     assert sorted(p.name for p in out.iterdir()) == ["results.tar.gz", "summary.md"]
@@ -159,10 +192,20 @@ def test_bench_skips_what_the_budget_leaves_no_time_for(work: Path) -> None:
     built_site(work)
     model = write_tiny_phi3(work / "tiny.gguf")
     out = work / "out"
-    result = run_script("bench", "--quick", "--budget", "0", "--model", str(model), env={
-        "PHI4_GPU_WORK": str(work), "PHI4_GPU_CARRY": str(work / "carry"), "OUT": str(out),
-        "PYTHON": sys.executable,
-    })  # fmt: skip
+    result = run_script(
+        "bench",
+        "--quick",
+        "--budget",
+        "0",
+        "--model",
+        str(model),
+        env={
+            "PHI4_GPU_WORK": str(work),
+            "PHI4_GPU_CARRY": str(work / "carry"),
+            "OUT": str(out),
+            "PYTHON": sys.executable,
+        },
+    )
     assert result.returncode == 0, result.stderr
     steps = (out / "summary.md").read_text().split("## steps")[1]
     assert steps.count(": skipped") == 5, steps

@@ -82,18 +82,19 @@ def test_ggml_lists_lavapipe_as_a_gpu_with_its_memory():
         "[[d.name, d.free_bytes, d.total_bytes] for d in gpu_devices()]]))"
     )
     shown = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
         env={**os.environ, **on_device()},
-    )  # fmt: skip
+    )
     where, offload, devices = json.loads(shown.stdout.splitlines()[-1])
     assert where.startswith(str(SITE)) and offload
     [(name, free, total)] = devices
     print(f"\n{name}: {total / MiB:,.0f} MiB, {free / MiB:,.0f} MiB free")
     assert "llvmpipe" in name and 0 < free <= total and total >= 1024 * MiB, devices
     # The venv's CPU build, for contrast: no device, no offload.
-    cpu = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
-    )  # fmt: skip
+    cpu = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert json.loads(cpu.stdout.splitlines()[-1])[1:] == [False, []]
 
 

@@ -72,8 +72,9 @@ def layout(request: pytest.FixtureRequest) -> str:
 
 
 def make_engine(tiny_model: Path, layout: str) -> LlamaEngine:
-    engine = LlamaEngine(Settings(n_ctx=WHOLE, threads=1, ramdisk="off", parallel=2,
-                                  kv_layout=layout))  # fmt: skip
+    engine = LlamaEngine(
+        Settings(n_ctx=WHOLE, threads=1, ramdisk="off", parallel=2, kv_layout=layout)
+    )
     engine.load(tiny_model)
     engine.warm()
     assert engine._model is not None and engine._model.plan.kv_layout == layout
@@ -117,8 +118,9 @@ def admit(
         if event.kind in (EventKind.TOKEN, EventKind.REASONING):
             said.append(event.text)
 
-    params = SolveParams(problem.format(i=index, m=97 + index),
-                         Ask(temperature=0.0, max_tokens=tokens, loop="off"))  # fmt: skip
+    params = SolveParams(
+        problem.format(i=index, m=97 + index), Ask(temperature=0.0, max_tokens=tokens, loop="off")
+    )
     job = Job(index, params, emit)
     assert engine.admit(job) is None
     return job, said
@@ -135,9 +137,12 @@ def run(engine: LlamaEngine, between: Callable[[int], None] = lambda step: None)
 
 
 def answers(
-    engine: LlamaEngine, count: int, problem: str = PROBLEM,
-    between: Callable[[int], None] = lambda step: None, tokens: int = 48,
-) -> list[str]:  # fmt: skip
+    engine: LlamaEngine,
+    count: int,
+    problem: str = PROBLEM,
+    between: Callable[[int], None] = lambda step: None,
+    tokens: int = 48,
+) -> list[str]:
     said = [admit(engine, i, tokens, problem)[1] for i in range(count)]
     run(engine, between)
     return ["".join(words) for words in said]
@@ -214,9 +219,11 @@ def test_closing_while_the_whole_context_is_made_waits_for_it(
 
 
 def test_a_whole_context_that_cannot_be_made_leaves_the_small_one_serving(
-    whole: LlamaEngine, start_small: Callable[..., tuple[LlamaEngine, Gate]], layout: str,
+    whole: LlamaEngine,
+    start_small: Callable[..., tuple[LlamaEngine, Gate]],
+    layout: str,
     caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+) -> None:
     expected = answers(whole, 1)
     engine, gate = start_small(fail=True)
     loaded = engine._model
@@ -258,9 +265,16 @@ def test_requests_the_small_context_cannot_hold_end_when_the_whole_one_cannot_be
 
 # --- the plan's part -----------------------------------------------------------------------
 
-PHI4_MINI = ModelShape(n_layer=32, n_head_kv=8, head_dim_k=128, head_dim_v=128,
-                       n_ctx_train=131072, file_bytes=int(2.3 * GiB),
-                       layer_bytes=int(2.3 * GiB) // 36, thinks=True)  # fmt: skip
+PHI4_MINI = ModelShape(
+    n_layer=32,
+    n_head_kv=8,
+    head_dim_k=128,
+    head_dim_v=128,
+    n_ctx_train=131072,
+    file_bytes=int(2.3 * GiB),
+    layer_bytes=int(2.3 * GiB) // 36,
+    thinks=True,
+)
 
 
 def plan(machine: Machine, **request: Any) -> memory.MemoryPlan:
@@ -285,8 +299,15 @@ def test_a_large_cache_on_a_roomy_machine_starts_small() -> None:
 def test_the_whole_context_is_made_at_once_where_starting_small_does_not_pay_or_fit() -> None:
     roomy = Machine(ram_available=24 * GiB, ram_total=32 * GiB)
     # A cache that clears in a blink (SmolLM2-135M's, 22.5 KiB a token).
-    smol = ModelShape(n_layer=30, n_head_kv=3, head_dim_k=64, head_dim_v=64, n_ctx_train=8192,
-                      file_bytes=100 * MiB, layer_bytes=3 * MiB)  # fmt: skip
+    smol = ModelShape(
+        n_layer=30,
+        n_head_kv=3,
+        head_dim_k=64,
+        head_dim_v=64,
+        n_ctx_train=8192,
+        file_bytes=100 * MiB,
+        layer_bytes=3 * MiB,
+    )
     small = plan_memory(smol, roomy, MemoryRequest(n_ctx=4096))
     assert small.kv_bytes < memory.GROW_MIN_BYTES
     assert start_cells(small, smol, roomy) is None
@@ -305,8 +326,13 @@ def test_starting_small_needs_room_for_both_caches_beside_the_weights() -> None:
     total = 32 * GiB
     headroom = memory.ram_headroom(Machine(ram_available=0, ram_total=total))
     whole = plan(Machine(ram_available=24 * GiB, ram_total=total))
-    need = (PHI4_MINI.file_bytes + whole.kv_bytes + headroom
-            + 2 * 4 * START_CELLS * whole.kv_bytes_per_token + memory.START_SPARE)  # fmt: skip
+    need = (
+        PHI4_MINI.file_bytes
+        + whole.kv_bytes
+        + headroom
+        + 2 * 4 * START_CELLS * whole.kv_bytes_per_token
+        + memory.START_SPARE
+    )
     just = Machine(ram_available=need, ram_total=total)
     short = Machine(ram_available=need - MiB, ram_total=total)
     assert start_cells(whole, PHI4_MINI, just) == 4 * START_CELLS
@@ -317,9 +343,15 @@ def test_starting_small_needs_room_for_both_caches_beside_the_weights() -> None:
 
 
 def test_status_says_while_the_context_grows() -> None:
-    memory: dict[str, Any] = {"n_ctx": 16384, "context_cells": 2048, "context_growing_s": 12.0,
-                              "reserved_tokens": 0, "running": 0, "free_tokens": 16368,
-                              "idle_cached_tokens": 0}  # fmt: skip
+    memory: dict[str, Any] = {
+        "n_ctx": 16384,
+        "context_cells": 2048,
+        "context_growing_s": 12.0,
+        "reserved_tokens": 0,
+        "running": 0,
+        "free_tokens": 16368,
+        "idle_cached_tokens": 0,
+    }
     status = {"state": "ready", "n_ctx": 16384, "memory": memory}
     shown = format_status(status)
     assert "answering from 2,048 of its 16,384 cells while the whole context is made" in shown

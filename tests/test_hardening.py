@@ -65,8 +65,11 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
     """A 64 KiB tmpfs, filled up."""
     mount = tmp_path / "full"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-                          capture_output=True, check=False)  # fmt: skip
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
     if done.returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
@@ -103,8 +106,14 @@ def test_a_chat_that_cannot_autosave_goes_on_and_saves_later(tiny_model: Path, f
     config = Settings(model=str(tiny_model), temperature=0.0, max_tokens=4)
     store = ChatStore(full_disk / "chats")
     conversation = Conversation(name="kept", model=str(tiny_model))
-    repl = ChatRepl(env, DaemonBackend(paths, config, tiny_model, env.notice), config,
-                    str(tiny_model), conversation, store)  # fmt: skip
+    repl = ChatRepl(
+        env,
+        DaemonBackend(paths, config, tiny_model, env.notice),
+        config,
+        str(tiny_model),
+        conversation,
+        store,
+    )
     repl.ask("What is 2+2?")
     assert "cannot save the conversation" in err.getvalue()
     assert "kept in memory" in err.getvalue()
@@ -119,12 +128,14 @@ def test_a_chat_that_cannot_autosave_goes_on_and_saves_later(tiny_model: Path, f
     [
         ("[1, 2]", "not a JSON object"),
         ('{"name": "x", "model": "m", "turns": "many"}', "'turns' has the wrong type (str)"),
-        ('{"name": "x", "model": "m", "turns": [{"question": 1, "answer": ""}]}',
-         "turn 1: 'question' has the wrong type (int)"),
+        (
+            '{"name": "x", "model": "m", "turns": [{"question": 1, "answer": ""}]}',
+            "turn 1: 'question' has the wrong type (int)",
+        ),
         ("\x00\xff", "is not a phi4 conversation"),
     ],
     ids=["json-list", "turns-not-a-list", "question-not-a-string", "binary"],
-)  # fmt: skip
+)
 @pytest.mark.daemon
 def test_a_damaged_saved_chat_is_named_and_explained(content: str, phrase: str):
     chats = get_paths().data_dir / "chats"
@@ -140,8 +151,9 @@ def test_a_damaged_saved_chat_is_named_and_explained(content: str, phrase: str):
 def test_chat_exits_1_when_a_message_got_no_answer(tiny_model: Path):
     # Before: `phi4 chat` exited 0 although every message failed.
     too_long = "word " * 400
-    result = run_phi4("chat", "-m", str(tiny_model), "--n-ctx", "128", "-n", "4",
-                      input=f"{too_long}\n")  # fmt: skip
+    result = run_phi4(
+        "chat", "-m", str(tiny_model), "--n-ctx", "128", "-n", "4", input=f"{too_long}\n"
+    )
     assert result.returncode == 1, result.stderr
     assert "error:" in result.stderr
     fine = run_phi4("chat", "-m", str(tiny_model), "-n", "2", input="hello\n")
@@ -164,8 +176,9 @@ def _ask(phi4_home: Path, params: dict[str, object]) -> dict[str, object]:
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(60)
         sock.connect(str(phi4_home / "run" / "daemon.sock"))
-        sock.sendall(json.dumps({"v": 1, "id": 1, "op": "solve", "params": params}).encode()
-                     + b"\n")  # fmt: skip
+        sock.sendall(
+            json.dumps({"v": 1, "id": 1, "op": "solve", "params": params}).encode() + b"\n"
+        )
         reader = sock.makefile("rb")
         while True:
             event: dict[str, object] = json.loads(reader.readline())
@@ -182,8 +195,10 @@ def test_a_bad_model_in_one_request_leaves_the_loaded_one_serving(
     assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(tiny_model.read_bytes()[: tiny_model.stat().st_size // 2])
-    for bad, phrase in ((tmp_path / "missing.gguf", "does not exist"),
-                        (truncated, "truncated or corrupt")):  # fmt: skip
+    for bad, phrase in (
+        (tmp_path / "missing.gguf", "does not exist"),
+        (truncated, "truncated or corrupt"),
+    ):
         event = _ask(phi4_home, {"prompt": "hi", "model": str(bad), "max_tokens": 2})
         assert event["event"] == "error" and event["code"] == "model_error"
         assert phrase in str(event["message"])
@@ -284,12 +299,16 @@ def test_the_daemon_log_keeps_llama_cpp_warnings_not_its_chatter(
 
     log_filter = _LogFilter()
     with caplog.at_level("DEBUG", logger="phi4.llama"):
-        for level, text in ((2, b"info line\n"), (3, b"warn: "), (5, b"continued\n"),
-                            (1, b"debug\n"), (4, b"error line\n"),
-                            (2, b"load_tensors: offloaded 6/33 layers to GPU\n"),
-                            (2, b"llama_kv_cache:    Vulkan0 KV buffer size = "),
-                            (5, b"768.00 MiB\n"),
-                            ):  # fmt: skip
+        for level, text in (
+            (2, b"info line\n"),
+            (3, b"warn: "),
+            (5, b"continued\n"),
+            (1, b"debug\n"),
+            (4, b"error line\n"),
+            (2, b"load_tensors: offloaded 6/33 layers to GPU\n"),
+            (2, b"llama_kv_cache:    Vulkan0 KV buffer size = "),
+            (5, b"768.00 MiB\n"),
+        ):
             log_filter(level, text, None)  # type: ignore[arg-type]
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("WARNING", "warn: continued"),
@@ -322,8 +341,11 @@ def test_no_inodes_left_is_one_line_and_exit_3(tiny_model: Path, tmp_path: Path)
     # Before: "internal error: OSError: [Errno 28] No space left on device: '.../run'".
     mount = tmp_path / "noinodes"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=8", "tmpfs",
-                           str(mount)], capture_output=True, check=False)  # fmt: skip
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=8", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
     if done.returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
@@ -331,8 +353,9 @@ def test_no_inodes_left_is_one_line_and_exit_3(tiny_model: Path, tmp_path: Path)
         with contextlib.suppress(OSError):
             for number in range(100):
                 (mount / f"f{number}").touch()
-        result = run_phi4("solve", "hi", "-m", str(tiny_model), "-n", "2",
-                          env={"PHI4_HOME": str(mount / "home")})  # fmt: skip
+        result = run_phi4(
+            "solve", "hi", "-m", str(tiny_model), "-n", "2", env={"PHI4_HOME": str(mount / "home")}
+        )
         assert result.returncode == 3
         line = one_error_line(result.stderr)
         assert f"no inodes left on {mount} (too many files)" in line, line
@@ -358,9 +381,14 @@ def test_a_request_too_long_for_the_daemon_is_refused_once_not_retried(tiny_mode
     out, err = io.StringIO(), io.StringIO()
     env = Environment(io.StringIO(), out, err, paths=paths)
     config = Settings(model=str(tiny_model), temperature=0.0, max_tokens=2)
-    repl = ChatRepl(env, DaemonBackend(paths, config, tiny_model, env.notice), config,
-                    str(tiny_model), Conversation(name="long", model=str(tiny_model)),
-                    ChatStore(paths.data_dir / "chats"))  # fmt: skip
+    repl = ChatRepl(
+        env,
+        DaemonBackend(paths, config, tiny_model, env.notice),
+        config,
+        str(tiny_model),
+        Conversation(name="long", model=str(tiny_model)),
+        ChatStore(paths.data_dir / "chats"),
+    )
     repl.ask(huge)
     assert "the daemon takes at most" in err.getvalue() and "restarting" not in err.getvalue()
     repl.ask("hi")  # the chat goes on
@@ -388,12 +416,20 @@ def test_a_daemon_that_has_not_listened_yet_is_stopped_by_the_pid_in_its_lock(
     run_dir = phi4_home / "run"
     run_dir.mkdir(mode=0o700, exist_ok=True)
     starting = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[4], "
-         "os.O_RDWR | os.O_CREAT, 0o600); fcntl.flock(fd, fcntl.LOCK_EX); "
-         "os.write(fd, b'%d\\n' % os.getpid()); print('locked', flush=True); time.sleep(60)",
-         "phi4", "daemon", "run", str(run_dir / "daemon.lock")],  # (a daemon's command line)
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; fd = os.open(sys.argv[4], "
+            "os.O_RDWR | os.O_CREAT, 0o600); fcntl.flock(fd, fcntl.LOCK_EX); "
+            "os.write(fd, b'%d\\n' % os.getpid()); print('locked', flush=True); time.sleep(60)",
+            "phi4",
+            "daemon",
+            "run",
+            str(run_dir / "daemon.lock"),
+        ],  # (a daemon's command line)
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert starting.stdout is not None and starting.stdout.readline().strip() == "locked"
         status = run_phi4("status")
@@ -402,10 +438,10 @@ def test_a_daemon_that_has_not_listened_yet_is_stopped_by_the_pid_in_its_lock(
             status.stderr
         )
         stopped = run_phi4("stop")
-        assert (stopped.returncode, stopped.stdout.strip()) == (0, f"daemon stopped (pid "
-                                                                   f"{starting.pid})"), (
-            stopped.stderr
-        )  # fmt: skip
+        assert (stopped.returncode, stopped.stdout.strip()) == (
+            0,
+            f"daemon stopped (pid {starting.pid})",
+        ), stopped.stderr
         assert starting.wait(10) == -15, "it was sent SIGTERM"
     finally:
         starting.kill()
@@ -439,6 +475,13 @@ def test_a_solve_with_a_closed_stream_answers_and_exits_0(tiny_model: Path, clos
     from tests.conftest import PHI4
 
     command = f"{PHI4} solve 'What is 2+2?' -m {tiny_model} -n 4 {closed}"
-    result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120,
-                            stdin=subprocess.DEVNULL, check=False)  # fmt: skip
+    result = subprocess.run(
+        command,
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr

@@ -30,14 +30,20 @@ BIDI = re.compile("[\u202a-\u202e\u2066-\u2069]")
 
 # Entity-encoded and raw, in the thinking and in the answer, split across deltas.
 THINKING = ["Let me see &#x202e;evil", f" and{ZWSP} hidden{LRI} text", " &#8238;x."]
-ANSWER = ["First 12*13 = 156 &#x202e;txet&#x2066;.", f" Zero{ZWSP}width{WJ} and raw{RLO}RLO,",
-          f" a tag{TAG_A} &zwj;&#x200F;&#X202E;, so $\\boxed{{156{ZWSP}}}$."]  # fmt: skip
+ANSWER = [
+    "First 12*13 = 156 &#x202e;txet&#x2066;.",
+    f" Zero{ZWSP}width{WJ} and raw{RLO}RLO,",
+    f" a tag{TAG_A} &zwj;&#x200F;&#X202E;, so $\\boxed{{156{ZWSP}}}$.",
+]
 
 
 def hidden(text: str) -> list[str]:
     """The characters of ``text`` that a terminal shows reordered or not at all."""
-    return [f"U+{ord(char):04X}" for char in text
-            if BIDI.match(char) or unicodedata.category(char) in ("Cf", "Zl", "Zp")]  # fmt: skip
+    return [
+        f"U+{ord(char):04X}"
+        for char in text
+        if BIDI.match(char) or unicodedata.category(char) in ("Cf", "Zl", "Zp")
+    ]
 
 
 def assert_shown_as_is(screen: str, where: str) -> None:
@@ -183,8 +189,9 @@ def test_other_output_at_a_terminal_is_guarded_too(backend: str, tmp_path):
 
 @pytest.mark.daemon
 def test_chat_at_a_terminal_shows_no_hidden_or_reordered_text(backend: str):
-    screen = chat_in_pty(PHI4, ["chat", "--backend", backend, "-r"],
-                         [("What is 12*13?", "Answer:")], width=200)  # fmt: skip
+    screen = chat_in_pty(
+        PHI4, ["chat", "--backend", backend, "-r"], [("What is 12*13?", "Answer:")], width=200
+    )
     assert_shown_as_is(screen, "the chat's terminal")
     plain = _plain(screen)
     assert "First 12*13 = 156 &#x202e;txet&#x2066;." in plain

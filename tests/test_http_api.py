@@ -35,9 +35,12 @@ def start_server(
         address, extra = extra[0].removeprefix("--http="), extra[1:]
     proc = subprocess.Popen(
         [PHI4, "serve", "--http", address, "-m", str(model), *extra],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
     assert proc.stderr is not None
     for line in proc.stderr:
         found = re.search(r"(http://(?:127\.0\.0\.1|\[::1\]):\d+)/v1", line)
@@ -64,8 +67,9 @@ def serving_apart(model: Path) -> Iterator[str]:
     from tests.conftest import _stop_processes_in
 
     home = Path(tempfile.mkdtemp(prefix="p4-", dir="/tmp"))
-    proc, url = start_server(model, env={"PHI4_HOME": str(home), "PHI4_LOOP": "off",
-                                         "PHI4_THREADS": "1"})  # fmt: skip
+    proc, url = start_server(
+        model, env={"PHI4_HOME": str(home), "PHI4_LOOP": "off", "PHI4_THREADS": "1"}
+    )
     try:
         yield url
     finally:
@@ -114,8 +118,9 @@ def fetch_headers(url: str, headers: dict[str, str], method: str = "GET") -> tup
 
 
 def chat_body(**fields: Any) -> bytes:
-    return json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                       **fields}).encode()  # fmt: skip
+    return json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+    ).encode()
 
 
 JSON = {"Content-Type": "application/json"}
@@ -132,22 +137,31 @@ def refusal(status_body: tuple[int, str]) -> tuple[int, str]:
 @pytest.mark.daemon
 def test_chat_completions_streaming_and_not_agree(server: str):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "What is 12*13?"}]  # fmt: skip
-    whole = client.chat.completions.create(model="tiny-phi3", messages=messages, temperature=0,
-                                           max_tokens=12)  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 12*13?"},
+    ]
+    whole = client.chat.completions.create(
+        model="tiny-phi3", messages=messages, temperature=0, max_tokens=12
+    )
     text = whole.choices[0].message.content
     assert text and whole.choices[0].finish_reason == "length"
     assert whole.usage is not None and whole.usage.completion_tokens == 12
-    streamed = client.chat.completions.create(model="tiny-phi3", messages=messages, temperature=0,
-                                              max_tokens=12, stream=True)  # fmt: skip
+    streamed = client.chat.completions.create(
+        model="tiny-phi3", messages=messages, temperature=0, max_tokens=12, stream=True
+    )
     chunks = [c.choices[0].delta.content or "" for c in streamed if c.choices]
     assert "".join(chunks) == text
     follow_up = client.chat.completions.create(
-        model="tiny-phi3", temperature=0, max_tokens=4,
-        messages=[*messages, {"role": "assistant", "content": text},
-                  {"role": "user", "content": "And twice that?"}],
-    )  # fmt: skip
+        model="tiny-phi3",
+        temperature=0,
+        max_tokens=4,
+        messages=[
+            *messages,
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": "And twice that?"},
+        ],
+    )
     assert follow_up.usage is not None
     assert follow_up.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
 
@@ -156,8 +170,9 @@ def test_chat_completions_streaming_and_not_agree(server: str):
 def test_models_health_and_metrics(server: str, tiny_model: Path):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     assert [m.id for m in client.models.list()] == [tiny_model.stem]
-    client.chat.completions.create(model="tiny-phi3", messages=[{"role": "user", "content": "hi"}],
-                                   max_tokens=2)  # fmt: skip
+    client.chat.completions.create(
+        model="tiny-phi3", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     status, body = get(f"{server}/health")
     assert (status, json.loads(body)) == (200, {"status": "ok"})
     status, text = get(f"{server}/metrics")
@@ -176,8 +191,9 @@ def test_models_health_and_metrics(server: str, tiny_model: Path):
 def test_bad_requests_get_openai_style_errors(server: str):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="last message must be the user") as bad:
-        client.chat.completions.create(model="tiny-phi3", messages=[{"role": "assistant",
-                                                               "content": "hi"}])  # fmt: skip
+        client.chat.completions.create(
+            model="tiny-phi3", messages=[{"role": "assistant", "content": "hi"}]
+        )
     assert bad.value.param == "messages"
     with pytest.raises(openai.BadRequestError, match="non-empty list") as bad:
         client.chat.completions.create(model="tiny-phi3", messages=[])
@@ -207,9 +223,12 @@ def _stream_then(server: str, action: Any) -> tuple[str, Exception | None]:
     """Stream a long answer; once it has begun, run ``action``; return (text, error raised)."""
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
     streamed = client.chat.completions.create(
-        model="tiny-phi3", messages=[{"role": "user", "content": "Count."}], temperature=0,
-        max_tokens=3000, stream=True,
-    )  # fmt: skip
+        model="tiny-phi3",
+        messages=[{"role": "user", "content": "Count."}],
+        temperature=0,
+        max_tokens=3000,
+        stream=True,
+    )
     text = ""
     try:
         for number, chunk in enumerate(streamed):
@@ -263,17 +282,26 @@ def test_phi4_stop_mid_stream_is_reported_as_an_error(tiny_model: Path):
 
 @pytest.mark.daemon
 def test_a_stuck_client_does_not_hold_up_others(server: str):
-    body = json.dumps({"model": "tiny-phi3", "stream": True, "max_tokens": 3000, "temperature": 0,
-                       "messages": [{"role": "user", "content": "Count."}]}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "tiny-phi3",
+            "stream": True,
+            "max_tokens": 3000,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "Count."}],
+        }
+    ).encode()
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as stuck:
         stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                      b"Content-Type: application/json\r\n"
-                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+        stuck.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         assert stuck.recv(64).startswith(b"HTTP/1.1 200")  # streaming, and never read again
-        client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0,
-                               timeout=60)  # fmt: skip
+        client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
         for _ in range(3):
             reply = client.chat.completions.create(
                 model="tiny-phi3", messages=[{"role": "user", "content": "hi"}], max_tokens=4
@@ -305,8 +333,9 @@ BODY = b'{"model":"tiny-phi3","messages":[{"role":"user","content":"hi"}],"max_t
 def test_malformed_http_requests_get_an_answer_and_the_server_goes_on(tiny_model: Path):
     # Before (http.server): a malformed Content-Length, a short body, a chunked body or invalid
     # UTF-8 got no reply, hung a handler or desynchronised the connection.
-    proc, url = start_server(tiny_model, env={"PHI4_HTTP_HEADER_TIMEOUT": "2",
-                                              "PHI4_HTTP_BODY_TIMEOUT": "2"})  # fmt: skip
+    proc, url = start_server(
+        tiny_model, env={"PHI4_HTTP_HEADER_TIMEOUT": "2", "PHI4_HTTP_BODY_TIMEOUT": "2"}
+    )
     try:
         head = (
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -315,8 +344,14 @@ def test_malformed_http_requests_get_an_answer_and_the_server_goes_on(tiny_model
         assert _raw(url, head + b"Content-Length: abc\r\n\r\n" + BODY).startswith(b"HTTP/1.1 400")
         short = _raw(url, head + b"Content-Length: 500\r\n\r\n" + BODY)
         assert short.startswith(b"HTTP/1.1 408") and b"did not arrive within 2 s" in short
-        chunked = _raw(url, head + b"Transfer-Encoding: chunked\r\n\r\n"
-                       + f"{len(BODY):x}\r\n".encode() + BODY + b"\r\n0\r\n\r\n")  # fmt: skip
+        chunked = _raw(
+            url,
+            head
+            + b"Transfer-Encoding: chunked\r\n\r\n"
+            + f"{len(BODY):x}\r\n".encode()
+            + BODY
+            + b"\r\n0\r\n\r\n",
+        )
         assert chunked.startswith(b"HTTP/1.1 200") and b'"chat.completion"' in chunked
         bad = b'{"messages":[{"role":"user","content":"\xff\xfe"}]}'
         answer = _raw(url, head + f"Content-Length: {len(bad)}\r\n\r\n".encode() + bad)
@@ -347,8 +382,14 @@ def test_a_foreign_host_is_refused_so_dns_rebinding_fails(tiny_model: Path):
     # could read answers (DNS rebinding).
     with serving(tiny_model, "--allow-host", "my-box.lan") as url:
         port = url.rsplit(":", 1)[1]
-        for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example",
-                     "127.0.0.2", "[::1]", f"localhost.evil:{port}"):  # fmt: skip
+        for host in (
+            "evil.example",
+            f"evil.example:{port}",
+            "127.0.0.1.evil.example",
+            "127.0.0.2",
+            "[::1]",
+            f"localhost.evil:{port}",
+        ):
             status, message = refusal(fetch(f"{url}/v1/models", headers={"Host": host}))
             assert status == 403, host
             assert "is not this server" in message and "--allow-host" in message
@@ -388,13 +429,15 @@ def test_cross_site_requests_and_simple_content_types_are_refused(server: str):
     url = f"{server}/v1/chat/completions"
     body = chat_body()
     for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x"):
-        status, message = refusal(fetch(url, body, {"Content-Type": kind,
-                                                    "Origin": "https://evil.example"}))  # fmt: skip
+        status, message = refusal(
+            fetch(url, body, {"Content-Type": kind, "Origin": "https://evil.example"})
+        )
         assert status == 403 and "cross-origin" in message and "--allow-origin" in message
         status, message = refusal(fetch(url, body, {"Content-Type": kind}))
         assert status == 415 and "application/json" in message, kind
-    assert refusal(fetch(url, body, {"Content-Type": "application/json; charset=latin-1"}))[0] \
-        == 415  # fmt: skip
+    assert (
+        refusal(fetch(url, body, {"Content-Type": "application/json; charset=latin-1"}))[0] == 415
+    )
     for origin in ("null", "http://localhost:1", "http://127.0.0.1.evil.example"):
         assert fetch(url, body, JSON | {"Origin": origin})[0] == 403, origin
     # A preflight from a foreign origin is refused, and nothing is CORS-enabled by default.
@@ -406,8 +449,9 @@ def test_cross_site_requests_and_simple_content_types_are_refused(server: str):
     assert status == 200 and "access-control-allow-origin" not in headers
     # JSON with a charset parameter, and a same-origin request, are fine.
     own = server.removeprefix("http://")
-    status, text = fetch(url, body, {"Content-Type": "Application/JSON; charset=UTF-8",
-                                     "Origin": f"http://{own}"})  # fmt: skip
+    status, text = fetch(
+        url, body, {"Content-Type": "Application/JSON; charset=UTF-8", "Origin": f"http://{own}"}
+    )
     assert status == 200, text
 
 
@@ -415,9 +459,15 @@ def test_cross_site_requests_and_simple_content_types_are_refused(server: str):
 def test_an_allowed_origin_gets_cors(tiny_model: Path):
     with serving(tiny_model, "--allow-origin", "http://localhost:3000") as url:
         origin = {"Origin": "http://localhost:3000"}
-        status, headers = fetch_headers(f"{url}/v1/chat/completions", origin | {
-            "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "content-type"}, "OPTIONS")  # fmt: skip
+        status, headers = fetch_headers(
+            f"{url}/v1/chat/completions",
+            origin
+            | {
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "content-type",
+            },
+            "OPTIONS",
+        )
         assert status == 204
         assert headers["access-control-allow-origin"] == "http://localhost:3000"
         assert "POST" in headers["access-control-allow-methods"]
@@ -432,9 +482,13 @@ def test_an_allowed_origin_gets_cors(tiny_model: Path):
 
 
 def _as_nobody(*command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-                           *command], capture_output=True, text=True, timeout=120,
-                          check=False)  # fmt: skip
+    return subprocess.run(
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def _curl(url: str, *extra: str) -> list[str]:
@@ -453,24 +507,38 @@ def test_without_a_key_another_local_user_is_refused(tiny_model: Path):
     # Before: user nobody got 200 from the owner's keyless server on loopback.
     with serving(tiny_model) as url:
         post = ["-H", "Content-Type: application/json", "-d", chat_body().decode()]
-        for path, extra in (("/v1/chat/completions", post), ("/v1/models", []),
-                            ("/health", []), ("/metrics", [])):  # fmt: skip
+        for path, extra in (
+            ("/v1/chat/completions", post),
+            ("/v1/models", []),
+            ("/health", []),
+            ("/metrics", []),
+        ):
             done = _as_nobody(*_curl(f"{url}{path}", *extra))
             body, _, status = done.stdout.rpartition("\n")
             assert status == "403", (path, done.stdout, done.stderr)
             message = json.loads(body)["error"]["message"]
             assert f"only its owner (uid {os.getuid()})" in message and "--api-key" in message
             assert f"uid {pwd.getpwnam('nobody').pw_uid}" in message
-        owner = subprocess.run(_curl(f"{url}/v1/chat/completions", *post), capture_output=True,
-                               text=True, timeout=120, check=False)  # fmt: skip
+        owner = subprocess.run(
+            _curl(f"{url}/v1/chat/completions", *post),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert owner.stdout.rpartition("\n")[2] == "200", owner.stdout
         # An IPv6 socket reaching the IPv4 server (::ffff:127.0.0.1) is found in tcp6.
         mapped = url.replace("127.0.0.1", "[::ffff:127.0.0.1]")
         done = _as_nobody(*_curl(f"{mapped}/v1/models", "-g"))
         if "Could not connect" not in done.stderr and done.stdout.strip() != "000":
             assert done.stdout.rpartition("\n")[2] == "403", (done.stdout, done.stderr)
-            owner = subprocess.run(_curl(f"{mapped}/v1/models", "-g"), capture_output=True,
-                                   text=True, timeout=120, check=False)  # fmt: skip
+            owner = subprocess.run(
+                _curl(f"{mapped}/v1/models", "-g"),
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
             assert owner.stdout.rpartition("\n")[2] == "200", owner.stdout
     # With a key, the key is enough; --any-local-user opens a keyless server to everyone.
     with serving(tiny_model, "--api-key", "s3cret") as url:
@@ -523,8 +591,9 @@ def test_a_peer_whose_uid_cannot_be_told_is_refused_fail_closed(tiny_model: Path
 
         async def ask() -> httpx2.Response:
             transport = httpx2.ASGITransport(app=app)
-            async with httpx2.AsyncClient(transport=transport,
-                                          base_url="http://127.0.0.1") as client:  # fmt: skip
+            async with httpx2.AsyncClient(
+                transport=transport, base_url="http://127.0.0.1"
+            ) as client:
                 return await client.get("/metrics")
 
         response = anyio.run(ask)
@@ -546,12 +615,11 @@ def test_lone_surrogates_and_deep_nesting_are_400s_naming_the_field(server: str)
     url = f"{server}/v1/chat/completions"
     cases = {
         '{"messages":[{"role":"user","content":"\\ud800"}]}': "messages[0].content",
-        '{"messages":[{"role":"system","content":"ok"},{"role":"user","content":"a\\udfff"}]}':
-            "messages[1].content",
+        '{"messages":[{"role":"system","content":"ok"},{"role":"user","content":"a\\udfff"}]}': "messages[1].content",  # noqa: E501
         '{"model":"\\ud800","messages":[{"role":"user","content":"hi"}]}': "model",
         '{"stop":["x","\\udc00"],"messages":[{"role":"user","content":"hi"}]}': "stop[1]",
         '{"messages":[{"role":"us\\ud800er","content":"hi"}]}': "messages[0].role",
-    }  # fmt: skip
+    }
     for raw, field in cases.items():
         status, message = refusal(fetch(url, raw.encode(), JSON))
         assert status == 400 and message.startswith(f"{field} holds a lone surrogate"), raw
@@ -571,8 +639,9 @@ def test_a_request_for_another_model_is_a_404_naming_the_served_one(server: str)
     # Before: a request for phi4-mini-reasoning was answered by whatever model was loaded.
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError) as caught:
-        client.chat.completions.create(model="phi4-mini-reasoning", max_tokens=2,
-                                       messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+        client.chat.completions.create(
+            model="phi4-mini-reasoning", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
     error = caught.value.body
     assert isinstance(error, dict)
     assert error["code"] == "model_not_found" and error["param"] == "model"
@@ -628,8 +697,7 @@ print(opened)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("key", [None, "s3cret"])
 @pytest.mark.daemon
-def test_another_users_slow_connections_do_not_starve_the_owner(tiny_model: Path,
-                                                                key: str | None):  # fmt: skip
+def test_another_users_slow_connections_do_not_starve_the_owner(tiny_model: Path, key: str | None):
     # Before: 600 slow connections from uid nobody left the owner's /health 503, 8 of 8 tries.
     extra = ("--api-key", key) if key else ()
     auth = {"Authorization": f"Bearer {key}"} if key else {}
@@ -648,14 +716,16 @@ def test_another_users_slow_connections_do_not_starve_the_owner(tiny_model: Path
             "600",
             "25",
         ]
-        slow = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)  # fmt: skip
+        slow = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             time.sleep(5)  # its connections are open (and refused, and opened again)
             for _ in range(4):
                 assert get(f"{url}/health", auth)[0] == 200
-                status, body = fetch(f"{url}/v1/chat/completions", chat_body(),
-                                     {"Content-Type": "application/json", **auth})  # fmt: skip
+                status, body = fetch(
+                    f"{url}/v1/chat/completions",
+                    chat_body(),
+                    {"Content-Type": "application/json", **auth},
+                )
                 assert status == 200, body
         finally:
             out, err = slow.communicate(timeout=60)
@@ -698,8 +768,15 @@ def test_a_port_in_use_is_one_line_that_says_how_to_choose_another(tmp_path: Pat
         taken.listen()
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         with pytest.raises(UsageError) as refused:  # (before any daemon is asked for)
-            http_api.serve(None, Settings(), tmp_path / "m.gguf", "m", address, None,  # type: ignore[arg-type]
-                           print)  # fmt: skip
+            http_api.serve(
+                None,
+                Settings(),
+                tmp_path / "m.gguf",
+                "m",
+                address,
+                None,  # type: ignore[arg-type]
+                print,
+            )
     assert str(refused.value) == (
         f"cannot listen on {address}: Address already in use (another server listens there: "
         "give another port, --http HOST:PORT)"
@@ -714,20 +791,27 @@ def test_a_prompt_too_long_is_a_400_streamed_or_not_and_a_stream_still_streams(s
     huge = [{"role": "user", "content": "word " * 40_000}]
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError, match="shorten them") as refused:
-            answer = client.chat.completions.create(model="tiny-phi3", messages=huge,
-                                                    stream=stream)  # fmt: skip
+            answer = client.chat.completions.create(model="tiny-phi3", messages=huge, stream=stream)
             if stream:
                 list(answer)  # type: ignore[arg-type]
         assert refused.value.param == "messages"  # (the field at fault, as for other 400s)
     # Too long with the tokens asked for: the field is max_tokens, named as the API names it.
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model="tiny-phi3", max_tokens=1_000_000,
-                                       messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+        client.chat.completions.create(
+            model="tiny-phi3", max_tokens=1_000_000, messages=[{"role": "user", "content": "hi"}]
+        )
     assert refused.value.param == "max_tokens"
     assert "of max_tokens" in refused.value.message and "--max-tokens" not in refused.value.message
-    chunks = list(client.chat.completions.create(
-        model="tiny-phi3", messages=[{"role": "user", "content": "Count."}], max_tokens=5,
-        temperature=0, stream=True, n=2))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-phi3",
+            messages=[{"role": "user", "content": "Count."}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            n=2,
+        )
+    )
     assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
     ended = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert ended == ["length", "length"]
@@ -764,8 +848,13 @@ def test_many_choices_do_not_starve_a_client_asking_one(tiny_model: Path):
     streaming = threading.Event()
 
     def flood() -> None:
-        asked = {"messages": [{"role": "user", "content": "Count."}], "n": 16, "stream": True,
-                 "max_tokens": 200, "temperature": 1.0}  # fmt: skip
+        asked = {
+            "messages": [{"role": "user", "content": "Count."}],
+            "n": 16,
+            "stream": True,
+            "max_tokens": 200,
+            "temperature": 1.0,
+        }
         body = json.dumps(asked).encode()
         request = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers=JSON)
         try:

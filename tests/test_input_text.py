@@ -22,13 +22,18 @@ from tests.test_hardening import one_error_line
 def run_bytes(*args: str | bytes, input: bytes | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``phi4`` with arguments or stdin that need not be UTF-8."""
     result = subprocess.run(
-        [PHI4, *args], input=input, stdin=None if input is not None else subprocess.DEVNULL,
-        capture_output=True, timeout=120,
-    )  # fmt: skip
+        [PHI4, *args],
+        input=input,
+        stdin=None if input is not None else subprocess.DEVNULL,
+        capture_output=True,
+        timeout=120,
+    )
     return subprocess.CompletedProcess(
-        result.args, result.returncode, result.stdout.decode("utf-8", "replace"),
+        result.args,
+        result.returncode,
+        result.stdout.decode("utf-8", "replace"),
         result.stderr.decode("utf-8", "replace"),
-    )  # fmt: skip
+    )
 
 
 def assert_refused_before_any_daemon(result: subprocess.CompletedProcess[str], phrase: str) -> None:
@@ -42,14 +47,17 @@ def assert_refused_before_any_daemon(result: subprocess.CompletedProcess[str], p
     ("args", "phrase"),
     [
         ((b"What is \xff?",), "the question (argument) is not valid UTF-8 (byte 0xff)"),
-        ((b"-s", b"Be terse \xe9", "What is 2+2?"),
-         "the system prompt (-s/--system or PHI4_SYSTEM) is not valid UTF-8 (byte 0xe9)"),
+        (
+            (b"-s", b"Be terse \xe9", "What is 2+2?"),
+            "the system prompt (-s/--system or PHI4_SYSTEM) is not valid UTF-8 (byte 0xe9)",
+        ),
     ],
     ids=["question", "system"],
-)  # fmt: skip
+)
 @pytest.mark.daemon
-def test_an_argument_that_is_not_utf8_is_refused(tiny_model: Path, args: tuple[bytes, ...],
-                                                  phrase: str):  # fmt: skip
+def test_an_argument_that_is_not_utf8_is_refused(
+    tiny_model: Path, args: tuple[bytes, ...], phrase: str
+):
     # Before: "internal error: UnicodeEncodeError" after a daemon was started.
     assert_refused_before_any_daemon(run_bytes("solve", "-m", str(tiny_model), *args), phrase)
 
@@ -81,8 +89,9 @@ def test_chat_with_a_system_prompt_that_is_not_utf8_is_refused(tiny_model: Path)
 @pytest.mark.daemon
 def test_a_piped_chat_line_that_is_not_utf8_is_read_with_replacement(tiny_model: Path):
     # Before: the whole chat ended with "internal error" at the bad line.
-    result = run_bytes("chat", "-m", str(tiny_model), "-n", "3",
-                       input=b"hello\ncaf\xe9 au lait\n/save piped\n")  # fmt: skip
+    result = run_bytes(
+        "chat", "-m", str(tiny_model), "-n", "3", input=b"hello\ncaf\xe9 au lait\n/save piped\n"
+    )
     assert result.returncode == 0, result.stderr
     assert "stdin line 2 is not valid UTF-8" in result.stderr
     assert "internal error" not in result.stderr
@@ -92,9 +101,14 @@ def test_a_piped_chat_line_that_is_not_utf8_is_read_with_replacement(tiny_model:
 
 @pytest.mark.daemon
 def test_a_typed_chat_line_that_is_not_utf8_is_read_with_replacement(tiny_model: Path):
-    child = pexpect.spawn(PHI4, ["chat", "-m", str(tiny_model), "-n", "3", "--verbose"],
-                          encoding="utf-8", codec_errors="replace", dimensions=(24, 100),
-                          timeout=120)  # fmt: skip
+    child = pexpect.spawn(
+        PHI4,
+        ["chat", "-m", str(tiny_model), "-n", "3", "--verbose"],
+        encoding="utf-8",
+        codec_errors="replace",
+        dimensions=(24, 100),
+        timeout=120,
+    )
     child.logfile_read = io.StringIO()
     child.expect_exact("phi4>")
     os.write(child.child_fd, b"caf\xe9?\r")  # a Latin-1 terminal's bytes
@@ -114,9 +128,14 @@ def test_a_typed_chat_line_that_is_not_utf8_is_read_with_replacement(tiny_model:
 
 def _saved_chat(**changes: object) -> dict[str, object]:
     chat: dict[str, object] = {
-        "format": 1, "name": "saved", "model": "m", "system": None, "settings": {},
-        "turns": [{"question": "What is 2+2?", "answer": "4"}], "dropped": 0,
-    }  # fmt: skip
+        "format": 1,
+        "name": "saved",
+        "model": "m",
+        "system": None,
+        "settings": {},
+        "turns": [{"question": "What is 2+2?", "answer": "4"}],
+        "dropped": 0,
+    }
     chat.update(changes)
     return chat
 
@@ -124,20 +143,32 @@ def _saved_chat(**changes: object) -> dict[str, object]:
 @pytest.mark.parametrize(
     ("changes", "phrase"),
     [
-        ({"turns": [{"question": "a\ud800", "answer": ""}]},
-         "turn 1: 'question' is not valid text (a lone surrogate)"),
+        (
+            {"turns": [{"question": "a\ud800", "answer": ""}]},
+            "turn 1: 'question' is not valid text (a lone surrogate)",
+        ),
         ({"system": "\udcff"}, "'system' is not valid text"),
-        ({"settings": {"temperature": "hot"}},
-         "setting temperature: invalid temperature 'hot': expected a number from 0 to 5"),
+        (
+            {"settings": {"temperature": "hot"}},
+            "setting temperature: invalid temperature 'hot': expected a number from 0 to 5",
+        ),
         ({"settings": {"max_tokens": -3}}, "setting max_tokens: invalid max_tokens -3"),
         ({"settings": {"colour": 3}}, "unknown setting 'colour'"),
         ({"dropped": 7}, "'dropped' is 7, not from 0 to the 1 turns"),
         ({"name": "../../etc"}, "'name' '../../etc' is not a conversation name"),
         ({"session": ""}, "'session' must be 1 to 200 characters"),
     ],
-    ids=["surrogate-in-a-turn", "surrogate-in-system", "temperature-hot", "max-tokens-negative",
-         "unknown-setting", "dropped-too-many", "bad-name", "empty-session"],
-)  # fmt: skip
+    ids=[
+        "surrogate-in-a-turn",
+        "surrogate-in-system",
+        "temperature-hot",
+        "max-tokens-negative",
+        "unknown-setting",
+        "dropped-too-many",
+        "bad-name",
+        "empty-session",
+    ],
+)
 @pytest.mark.daemon
 def test_a_saved_chat_is_checked_field_by_field(changes: dict[str, object], phrase: str):
     # Before: a surrogate ended the chat with "internal error"; bad settings were sent as is.
@@ -158,5 +189,7 @@ def test_a_saved_chat_with_good_settings_loads_them_parsed():
     good = _saved_chat(settings={"max_tokens": "12", "seed": None, "temperature": 0})
     (chats / "saved.json").write_text(json.dumps(good), encoding="utf-8")
     assert ChatStore(chats).load("saved").settings == {
-        "max_tokens": 12, "seed": None, "temperature": 0.0,
-    }  # fmt: skip
+        "max_tokens": 12,
+        "seed": None,
+        "temperature": 0.0,
+    }

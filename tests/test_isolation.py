@@ -22,8 +22,13 @@ def test_every_path_phi4_writes_is_inside_the_tests_own_directories(phi4_home: P
     from phi4cli.daemon.ramdisk import ramdisk_dir
 
     paths = get_paths()
-    for directory in (paths.config_dir, paths.data_dir, paths.state_dir, paths.cache_dir,
-                      paths.runtime_dir):  # fmt: skip
+    for directory in (
+        paths.config_dir,
+        paths.data_dir,
+        paths.state_dir,
+        paths.cache_dir,
+        paths.runtime_dir,
+    ):
         assert directory.is_relative_to(phi4_home), directory
     staging = ramdisk_dir()
     assert staging is not None and staging != USERS_STAGING

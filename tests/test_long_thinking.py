@@ -46,9 +46,18 @@ def test_eight_long_thinkers_through_a_small_context_all_finish(
     watcher.start()
     try:
         result = run_phi4(
-            "solve", "-m", str(tiny_reasoning_model), "-t", "0.8", "-n", "1000",
-            "--file", str(problems), "--jsonl", timeout=600,
-        )  # fmt: skip
+            "solve",
+            "-m",
+            str(tiny_reasoning_model),
+            "-t",
+            "0.8",
+            "-n",
+            "1000",
+            "--file",
+            str(problems),
+            "--jsonl",
+            timeout=600,
+        )
     finally:
         done.set()
         watcher.join()
@@ -151,11 +160,17 @@ def test_many_short_problems_pack_in_beyond_parallel(tiny_model: Path, tmp_path:
     assert _status()["memory"]["plan"]["slots"] == 8
 
 
-def _turn(connection: Any, session: str, message: str, history: list[dict[str, str]],
-          max_tokens: int) -> tuple[str, dict[str, Any]]:  # fmt: skip
+def _turn(
+    connection: Any, session: str, message: str, history: list[dict[str, str]], max_tokens: int
+) -> tuple[str, dict[str, Any]]:
     """One chat turn over the protocol: return (answer text, stats)."""
-    request = {"session": session, "message": message, "history": history, "temperature": 0,
-               "max_tokens": max_tokens}  # fmt: skip
+    request = {
+        "session": session,
+        "message": message,
+        "history": history,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
     events = list(connection.request("chat", request))
     assert events[-1].kind == "done", events[-1]
     text = "".join(e.text for e in events if e.kind == "token")  # the answer, kept
@@ -173,16 +188,19 @@ def test_an_evicted_chat_is_restored_from_disk_not_re_read(
     sessions = phi4_home / "cache" / "sessions"
     with DaemonConnection.open(phi4_home / "run" / "daemon.sock") as connection:
         first, first_stats = _turn(connection, "c", "Count to ten.", [], 200)
-        history = [{"role": "user", "content": "Count to ten."},
-                   {"role": "assistant", "content": first}]  # fmt: skip
+        history = [
+            {"role": "user", "content": "Count to ten."},
+            {"role": "assistant", "content": first},
+        ]
         # Turn 2 from the conversation's cells, as the reference.
         second, second_stats = _turn(connection, "c", "And back?", history, 40)
         assert second_stats["restored_tokens"] == 0
         assert second_stats["cached_tokens"] == first_stats["context_used"]
         # A long solve needs nearly every cell: the idle chat's are reclaimed, and the chat is
         # saved to disk on the way out.
-        solve = list(connection.request("solve", {"prompt": "Go on.", "temperature": 0,
-                                                  "max_tokens": 900}))  # fmt: skip
+        solve = list(
+            connection.request("solve", {"prompt": "Go on.", "temperature": 0, "max_tokens": 900})
+        )
         assert solve[-1].kind == "done", solve[-1]
         assert len(list(sessions.glob("session-*.state"))) == 1
         assert connection.call("status").result["memory"]["swapped_sessions"] == 1
@@ -211,17 +229,34 @@ def test_streams_give_each_long_thinker_a_stream_of_its_own(
 ):
     # --kv-layout streams: 4,096 cells make 4 streams of 1,024, one per request, as
     # llama-server's slots (attention over a request's own cells only).
-    started = run_phi4("daemon", "start", "-m", str(tiny_reasoning_model), "--n-ctx", "4096",
-                       "--kv-layout", "streams")  # fmt: skip
+    started = run_phi4(
+        "daemon",
+        "start",
+        "-m",
+        str(tiny_reasoning_model),
+        "--n-ctx",
+        "4096",
+        "--kv-layout",
+        "streams",
+    )
     assert started.returncode == 0, started.stderr
     plan = _status()["memory"]["plan"]
     assert plan["kv_layout"] == "streams" and plan["slots"] == 4 and plan["n_ctx"] == 4096
     problems = tmp_path / "six.txt"
     problems.write_text("".join(f"What is {n} times 7?\n" for n in range(1, 7)))
     result = run_phi4(
-        "solve", "-m", str(tiny_reasoning_model), "-t", "0.8", "-n", "600",
-        "--file", str(problems), "--jsonl", timeout=600,
-    )  # fmt: skip
+        "solve",
+        "-m",
+        str(tiny_reasoning_model),
+        "-t",
+        "0.8",
+        "-n",
+        "600",
+        "--file",
+        str(problems),
+        "--jsonl",
+        timeout=600,
+    )
     assert result.returncode == 1, result.stderr  # the thinking ran out, as the model does
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["line"] for r in records] == list(range(1, 7))
@@ -240,8 +275,19 @@ def test_streams_give_each_long_thinker_a_stream_of_its_own(
     question = ["solve", "-m", str(tiny_reasoning_model), "-t", "0", "-n", "40", "--json", "2+3?"]
     in_stream = json.loads(run_phi4(*question).stdout)["solution"]
     assert run_phi4("stop").returncode == 0
-    assert run_phi4("daemon", "start", "-m", str(tiny_reasoning_model), "--n-ctx", "4096",
-                    "--kv-layout", "shared").returncode == 0  # fmt: skip
+    assert (
+        run_phi4(
+            "daemon",
+            "start",
+            "-m",
+            str(tiny_reasoning_model),
+            "--n-ctx",
+            "4096",
+            "--kv-layout",
+            "shared",
+        ).returncode
+        == 0
+    )
     assert _status()["memory"]["plan"]["kv_layout"] == "shared"
     assert json.loads(run_phi4(*question).stdout)["solution"] == in_stream
 
@@ -251,16 +297,28 @@ def test_a_chat_longer_than_its_stream_drops_its_oldest_turns(tiny_model: Path, 
     # without its oldest turns rather than failing.
     from phi4cli.engines.daemon_link import DaemonConnection
 
-    started = run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "1024",
-                       "--kv-layout", "streams", "--parallel", "2")  # fmt: skip
+    started = run_phi4(
+        "daemon",
+        "start",
+        "-m",
+        str(tiny_model),
+        "--n-ctx",
+        "1024",
+        "--kv-layout",
+        "streams",
+        "--parallel",
+        "2",
+    )
     assert started.returncode == 0, started.stderr
     history: list[dict[str, str]] = []
     with DaemonConnection.open(phi4_home / "run" / "daemon.sock") as connection:
         for turn in range(4):
             question = f"Turn {turn}: " + "count the primes below one hundred, " * 8
             answer, stats = _turn(connection, "long", question, history, 60)
-            history += [{"role": "user", "content": question},
-                        {"role": "assistant", "content": answer}]  # fmt: skip
+            history += [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": answer},
+            ]
             assert stats["n_ctx"] == 512 and stats["context_used"] <= 512
     assert stats["dropped_turns"] > 0, "the oldest turns made room"
 
@@ -269,15 +327,33 @@ def test_streams_keep_the_running_slots_consecutive(tiny_reasoning_model: Path, 
     # llama.cpp decodes consecutive sequences in one pass over the weights: running slots 0 and 2
     # cost two passes a step. A new request takes the lowest idle slot, not the one sharing a
     # few more tokens of its prompt.
-    started = run_phi4("daemon", "start", "-m", str(tiny_reasoning_model), "--n-ctx", "4096",
-                       "--kv-layout", "streams")  # fmt: skip
+    started = run_phi4(
+        "daemon",
+        "start",
+        "-m",
+        str(tiny_reasoning_model),
+        "--n-ctx",
+        "4096",
+        "--kv-layout",
+        "streams",
+    )
     assert started.returncode == 0, started.stderr
 
     def slots(*questions: str) -> list[int]:
         listing = tmp_path / "problems.txt"
         listing.write_text("".join(f"{q}\n" for q in questions))
-        result = run_phi4("solve", "-m", str(tiny_reasoning_model), "-t", "0", "-n", "400",
-                          "--file", str(listing), "--jsonl")  # fmt: skip
+        result = run_phi4(
+            "solve",
+            "-m",
+            str(tiny_reasoning_model),
+            "-t",
+            "0",
+            "-n",
+            "400",
+            "--file",
+            str(listing),
+            "--jsonl",
+        )
         return sorted(json.loads(line)["stats"]["slot"] for line in result.stdout.splitlines())
 
     assert slots("What is 1 times 7?", "What is 2 times 7?", "What is 3 times 7?") == [0, 1, 2]

@@ -31,8 +31,12 @@ CORPUS = Path(__file__).parent / "data" / "real_traces" / "traces.jsonl"
 
 # Streamed through both engines: the progressing shapes, and four enumerations (three dev, one
 # hold-out) that the rule on single words cut, at word 1,016, 176, 2,968 and 184 of these texts.
-ENUMERATIONS_CUT_BEFORE = ("residue table", "truth table in words", "coin sequences",
-                           "truth cases (spoken)")  # fmt: skip
+ENUMERATIONS_CUT_BEFORE = (
+    "residue table",
+    "truth table in words",
+    "coin sequences",
+    "truth cases (spoken)",
+)
 STREAMED = {**PROGRESSING, **{name: ENUMERATIONS[name] for name in ENUMERATIONS_CUT_BEFORE}}
 
 
@@ -118,8 +122,10 @@ def test_a_row_written_again_runs_on_while_its_number_counts_and_loops_once_it_s
     # The same words row after row, but for the case's number: a table (progress), though each
     # row lines up with the one before it. The same row with its number frozen, one word of it
     # swapped for a variant every third copy: a loop, caught within a few copies.
-    row = ("Case {n}: we substitute the value into the expression, and the left side {verb} "
-           "the right side, so the identity holds and we move on to the next case.")  # fmt: skip
+    row = (
+        "Case {n}: we substitute the value into the expression, and the left side {verb} "
+        "the right side, so the identity holds and we move on to the next case."
+    )
     table = " ".join(row.format(n=n, verb="equals") for n in range(1, 400))
     assert _caught_at(table, random.Random(1)) == (None, None)
     copies = [row.format(n=7, verb="is" if n % 3 == 0 else "equals") for n in range(1, 400)]
@@ -276,8 +282,9 @@ def test_the_daemon_cuts_a_paragraph_loop_within_a_few_hundred_tokens_and_answer
     # The head, then one copy of the paragraph, which the model writes again and again.
     text = " ".join(words[: begins + 60]) + " "
     start = len(" ".join(words[:begins])) + 1
-    model = write_text_script_model(tmp_path / "loop.gguf", text, " So $\\boxed{7}$.",
-                                    loop_from=start)  # fmt: skip
+    model = write_text_script_model(
+        tmp_path / "loop.gguf", text, " So $\\boxed{7}$.", loop_from=start
+    )
     record = _solve("-m", str(model), "-t", "0", "-n", "6000")
     assert (record["answer"], record["stats"]["loop"]) == ("7", "answered")
     written = len(record["reasoning"].split())

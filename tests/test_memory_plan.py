@@ -25,13 +25,25 @@ GiB = 1 << 30
 
 # Phi-4-mini-reasoning Q4_K_M: phi3, 32 layers, 8 KV heads of 128, 128K trained context.
 PHI4_MINI = ModelShape(
-    n_layer=32, n_head_kv=8, head_dim_k=128, head_dim_v=128, n_ctx_train=131072,
-    file_bytes=2_491_874_688, layer_bytes=62_000_000, name="Phi 4 Mini Reasoning", thinks=True,
-)  # fmt: skip
+    n_layer=32,
+    n_head_kv=8,
+    head_dim_k=128,
+    head_dim_v=128,
+    n_ctx_train=131072,
+    file_bytes=2_491_874_688,
+    layer_bytes=62_000_000,
+    name="Phi 4 Mini Reasoning",
+    thinks=True,
+)
 SMOLLM2 = ModelShape(
-    n_layer=30, n_head_kv=3, head_dim_k=64, head_dim_v=64, n_ctx_train=8192,
-    file_bytes=98_362_432, layer_bytes=2_216_448,
-)  # fmt: skip
+    n_layer=30,
+    n_head_kv=3,
+    head_dim_k=64,
+    head_dim_v=64,
+    n_ctx_train=8192,
+    file_bytes=98_362_432,
+    layer_bytes=2_216_448,
+)
 
 
 def machine(total_gib: float, available_gib: float, **kw: object) -> Machine:
@@ -85,8 +97,9 @@ def test_streams_split_the_context_evenly_and_each_holds_a_request():
     assert small.slots == small.parallel == 4 and small.request_capacity == 1024
     assert small.request_tokens == 1024
     # Too small for --parallel streams of the smallest size: fewer, and a note says so.
-    tiny = plan_memory(PHI4_MINI, machine(23.4, 22.0),
-                       MemoryRequest(n_ctx=600, kv_layout="streams"))  # fmt: skip
+    tiny = plan_memory(
+        PHI4_MINI, machine(23.4, 22.0), MemoryRequest(n_ctx=600, kv_layout="streams")
+    )
     assert tiny.slots == 2 and tiny.request_capacity == CTX_ALIGN
     assert any("2 streams of 256 tokens, fewer than --parallel 4" in n for n in tiny.notes)
     with pytest.raises(ValueError, match="unknown KV layout"):
@@ -178,8 +191,9 @@ def test_over_many_machines_the_plan_fits_or_says_so(total_gib, kv_type):
 
 
 def test_more_memory_never_plans_less():
-    sizes = [plan_memory(PHI4_MINI, machine(t, t * 0.8), MemoryRequest()).n_ctx
-             for t in range(2, 40)]  # fmt: skip
+    sizes = [
+        plan_memory(PHI4_MINI, machine(t, t * 0.8), MemoryRequest()).n_ctx for t in range(2, 40)
+    ]
     assert sizes == sorted(sizes)
 
 
@@ -213,8 +227,10 @@ def test_auto_offloads_as_many_layers_as_fit_after_the_kv_plan():
     assert plan.n_ctx == 32768 and 0 < blocks < 32
     # Counted as llama.cpp's n_gpu_layers counts: the output layer first, then the blocks.
     assert plan.gpu_layers == blocks + 1
-    assert any(f"{blocks + 1} of 33 layers fit" in note and f"the output layer and {blocks} of 32"
-               in note for note in plan.notes)  # fmt: skip
+    assert any(
+        f"{blocks + 1} of 33 layers fit" in note and f"the output layer and {blocks} of 32" in note
+        for note in plan.notes
+    )
 
 
 def _host_bytes(plan: MemoryPlan, shape: ModelShape) -> float:
@@ -237,8 +253,10 @@ def test_a_model_split_between_device_and_host_leaves_the_host_room_for_its_part
     assert 0 < plan.gpu_layers < 33
     assert _host_bytes(plan, PHI4_MINI) <= 3.5 * GiB
     assert plan.n_ctx >= MIN_CTX and plan.n_ctx % CTX_ALIGN == 0
-    assert any("left on the CPU and their share of the KV cache fit the free RAM" in note
-               for note in plan.notes)  # fmt: skip
+    assert any(
+        "left on the CPU and their share of the KV cache fit the free RAM" in note
+        for note in plan.notes
+    )
     assert not any(note.startswith("free memory holds") for note in plan.notes)
 
 
@@ -246,8 +264,9 @@ def test_a_model_split_between_device_and_host_leaves_the_host_room_for_its_part
 @pytest.mark.parametrize("total_gib", [4, 6, 8, 12, 16])
 def test_over_many_machines_a_split_model_fits_the_host_or_says_so(device_gib, total_gib):
     available = total_gib * 0.75
-    host = replace(gpu_machine(device_gib), ram_total=int(total_gib * GiB),
-                   ram_available=int(available * GiB))  # fmt: skip
+    host = replace(
+        gpu_machine(device_gib), ram_total=int(total_gib * GiB), ram_available=int(available * GiB)
+    )
     plan = plan_memory(PHI4_MINI, host, MemoryRequest())
     ram_free = available * GiB - max(GiB, 0.1 * total_gib * GiB)
     if plan.gpu_layers >= 0:  # part on each, or all on the CPU (-1: all on the device)
@@ -261,10 +280,14 @@ def test_over_many_machines_a_split_model_fits_the_host_or_says_so(device_gib, t
 def test_beside_a_device_more_ram_never_plans_a_smaller_context(device_gib):
     # Before (a first version of the split plan): a 3.3 GiB GPU beside 1.55 GiB of free RAM
     # planned 4,352 tokens, beside 1.6 GiB 2,048, beside 1.7 GiB 4,608.
-    sizes = [plan_memory(PHI4_MINI, replace(gpu_machine(device_gib), ram_total=16 * GiB,
-                                            ram_available=int(gib / 20 * GiB)),
-                         MemoryRequest()).n_ctx
-             for gib in range(20, 300)]  # fmt: skip
+    sizes = [
+        plan_memory(
+            PHI4_MINI,
+            replace(gpu_machine(device_gib), ram_total=16 * GiB, ram_available=int(gib / 20 * GiB)),
+            MemoryRequest(),
+        ).n_ctx
+        for gib in range(20, 300)
+    ]
     assert sizes == sorted(sizes)
 
 

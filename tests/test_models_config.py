@@ -329,8 +329,16 @@ def test_a_daemon_is_started_with_the_clients_settings_in_one_argument(tmp_path:
     from phi4cli.core.options import DAEMON_START
     from phi4cli.daemon.spawn import daemon_command
 
-    client = Settings(keep_alive=FOREVER, n_ctx=None, threads=2, ramdisk="off", mlock=True,
-                      gpu_layers=3, kv_cache_type="q8_0", parallel=8)  # fmt: skip
+    client = Settings(
+        keep_alive=FOREVER,
+        n_ctx=None,
+        threads=2,
+        ramdisk="off",
+        mlock=True,
+        gpu_layers=3,
+        kv_cache_type="q8_0",
+        parallel=8,
+    )
     command = daemon_command(client, tmp_path / "m.gguf")
     assert command[command.index("run") + 1] == "--settings"
     assert command[-2:] == ["--model", str(tmp_path / "m.gguf")]
@@ -340,7 +348,8 @@ def test_a_daemon_is_started_with_the_clients_settings_in_one_argument(tmp_path:
     daemon = Settings(n_ctx=4096, threads=None, kv_cache_type="f16", temperature=0.1)
     started = _started_with(given, daemon)
     assert {key: getattr(started, key) for key in DAEMON_START} == {
-        key: getattr(client, key) for key in DAEMON_START}  # fmt: skip
+        key: getattr(client, key) for key in DAEMON_START
+    }
     assert started.temperature == 0.1, "a request setting is not the start's"
     for parallel in (0, 65):  # as --parallel's own bounds (1 to 64)
         with pytest.raises(ConfigError, match=f"invalid parallel {parallel}"):

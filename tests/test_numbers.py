@@ -26,8 +26,19 @@ from tests.test_http_api import JSON, chat_body, fetch, refusal, serving
 
 HUGE = "1" + "0" * 400  # valid JSON and TOML: an int no float holds
 # What a hostile config, variable, flag or --settings may hold where a number belongs.
-HOSTILE = [int(HUGE), -int(HUGE), HUGE, "1" * 5000, math.inf, -math.inf, math.nan, "inf", "nan",
-           "1e400", "-1e400"]  # fmt: skip
+HOSTILE = [
+    int(HUGE),
+    -int(HUGE),
+    HUGE,
+    "1" * 5000,
+    math.inf,
+    -math.inf,
+    math.nan,
+    "inf",
+    "nan",
+    "1e400",
+    "-1e400",
+]
 
 
 def one_error_line(stderr: str) -> str:
@@ -40,8 +51,21 @@ def one_error_line(stderr: str) -> str:
 # --- the parsers ---------------------------------------------------------------------------------
 
 
-NOT_DURATIONS = [-7, "-7", -0.5, "-2m", "-1.5", math.inf, math.nan, int(HUGE), HUGE, "1" * 5000,
-                 "1e400", True, 1.7e308 * 10]  # fmt: skip
+NOT_DURATIONS = [
+    -7,
+    "-7",
+    -0.5,
+    "-2m",
+    "-1.5",
+    math.inf,
+    math.nan,
+    int(HUGE),
+    HUGE,
+    "1" * 5000,
+    "1e400",
+    True,
+    1.7e308 * 10,
+]
 
 
 @pytest.mark.parametrize("value", NOT_DURATIONS)
@@ -74,9 +98,14 @@ def test_every_setting_refuses_hostile_numbers_with_a_line_naming_it(setting: An
 
 @pytest.mark.parametrize(
     ("key", "good", "bad"),
-    [("seed", 4294967294, 4294967295), ("max_tokens", 2**31 - 1, 2**31),
-     ("think_budget", 0, -1), ("n_ctx", 64, 2**31), ("gpu_layers", 0, -1)],
-)  # fmt: skip
+    [
+        ("seed", 4294967294, 4294967295),
+        ("max_tokens", 2**31 - 1, 2**31),
+        ("think_budget", 0, -1),
+        ("n_ctx", 64, 2**31),
+        ("gpu_layers", 0, -1),
+    ],
+)
 def test_whole_numbers_have_bounds_at_both_ends(key: str, good: int, bad: int):
     assert parse_setting(key, str(good), "x") == good
     with pytest.raises(ConfigError, match=f"invalid {key}"):
@@ -135,18 +164,25 @@ def test_the_daemon_answers_hostile_numbers_with_bad_requests_and_goes_on(tiny_m
     assert started.returncode == 0, started.stderr
     sock = get_paths().socket
     running = '{"prompt":"Count to fifty.","temperature":0,"max_tokens":40,"confidence":true}'
-    events = exchange(sock, [
-        _raw("running", "solve", running),
-        _raw("adjust", "adjust", f'{{"target":"running","confidence_floor":{HUGE}}}'),
-        _raw("floor", "solve", f'{{"prompt":"x","max_tokens":1,"confidence_floor":{HUGE}}}'),
-        _raw("keep", "solve", '{"prompt":"x","max_tokens":1,"keep_alive":-7}'),
-        _raw("seed", "solve", '{"prompt":"x","max_tokens":1,"seed":4294967296}'),
-        _raw("tokens", "solve", f'{{"prompt":"x","max_tokens":{HUGE}}}'),
-    ])  # fmt: skip
+    events = exchange(
+        sock,
+        [
+            _raw("running", "solve", running),
+            _raw("adjust", "adjust", f'{{"target":"running","confidence_floor":{HUGE}}}'),
+            _raw("floor", "solve", f'{{"prompt":"x","max_tokens":1,"confidence_floor":{HUGE}}}'),
+            _raw("keep", "solve", '{"prompt":"x","max_tokens":1,"keep_alive":-7}'),
+            _raw("seed", "solve", '{"prompt":"x","max_tokens":1,"seed":4294967296}'),
+            _raw("tokens", "solve", f'{{"prompt":"x","max_tokens":{HUGE}}}'),
+        ],
+    )
     ends = {e["id"]: e for e in events if e["event"] in ("done", "error")}
-    for request_id, field in (("adjust", "'confidence_floor'"), ("floor", "'confidence_floor'"),
-                              ("keep", "'keep_alive'"), ("seed", "'seed'"),
-                              ("tokens", "'max_tokens'")):  # fmt: skip
+    for request_id, field in (
+        ("adjust", "'confidence_floor'"),
+        ("floor", "'confidence_floor'"),
+        ("keep", "'keep_alive'"),
+        ("seed", "'seed'"),
+        ("tokens", "'max_tokens'"),
+    ):
         end = ends[request_id]
         assert (end["event"], end["code"]) == ("error", "bad_request"), end
         assert end["message"].startswith(field), end
@@ -165,9 +201,11 @@ def test_a_five_thousand_digit_number_in_the_daemons_settings_is_one_line_naming
     tiny_model: Path,
 ):
     # Before: "phi4: internal error: ValueError" (json's int() digit limit), exit 3.
-    for blob, key in ((f'{{"n_ctx": 1{"0" * 5000}}}', "n_ctx"),
-                      ('{"keep_alive": -7}', "keep_alive"),
-                      ('{"threads": NaN}', "threads")):  # fmt: skip
+    for blob, key in (
+        (f'{{"n_ctx": 1{"0" * 5000}}}', "n_ctx"),
+        ('{"keep_alive": -7}', "keep_alive"),
+        ('{"threads": NaN}', "threads"),
+    ):
         result = run_phi4("daemon", "run", "-m", str(tiny_model), "--settings", blob, timeout=60)
         assert result.returncode == 2, result.stderr
         assert one_error_line(result.stderr).startswith(f"phi4: error: --settings: invalid {key} ")
@@ -205,8 +243,12 @@ def test_a_config_file_with_huge_or_infinite_numbers_is_one_line_naming_the_key(
     # taken as a keep_alive.
     config = phi4_home / "config" / "config.toml"
     config.parent.mkdir(parents=True)
-    cases = [(f"n_ctx = 1{'0' * 5000}\n", "n_ctx"), ("keep_alive = inf\n", "keep_alive"),
-             (f"max_queue = {HUGE}\n", "max_queue"), ("top_p = nan\n", "top_p")]  # fmt: skip
+    cases = [
+        (f"n_ctx = 1{'0' * 5000}\n", "n_ctx"),
+        ("keep_alive = inf\n", "keep_alive"),
+        (f"max_queue = {HUGE}\n", "max_queue"),
+        ("top_p = nan\n", "top_p"),
+    ]
     for text, key in cases:
         config.write_text(text)
         result = run_phi4("config", "show")
@@ -225,31 +267,43 @@ def test_load_settings_refuses_hostile_numbers_from_every_source(tmp_path: Path)
 
 @pytest.mark.parametrize(
     ("env", "args"),
-    [({}, ["--api-key", ""]), ({}, ["--api-key", "  "]), ({}, ["--api-key", "key\x1b"]),
-     ({"PHI4_API_KEY": ""}, [])],
+    [
+        ({}, ["--api-key", ""]),
+        ({}, ["--api-key", "  "]),
+        ({}, ["--api-key", "key\x1b"]),
+        ({"PHI4_API_KEY": ""}, []),
+    ],
     ids=["empty", "spaces", "control", "empty-variable"],
-)  # fmt: skip
+)
 @pytest.mark.daemon
 def test_serve_refuses_an_api_key_no_client_can_send(
     env: dict[str, str], args: list[str], tiny_model: Path
 ):
     # Before: `--api-key ''` started a server that answered everyone, its owner included, 401.
-    result = run_phi4("serve", "--http", "127.0.0.1:0", "-m", str(tiny_model), *args, env=env,
-                      timeout=60)  # fmt: skip
+    result = run_phi4(
+        "serve", "--http", "127.0.0.1:0", "-m", str(tiny_model), *args, env=env, timeout=60
+    )
     assert result.returncode == 2, result.stderr
     assert "--api-key (or PHI4_API_KEY) is empty" in one_error_line(result.stderr)
 
 
 @pytest.mark.parametrize(
     ("env", "args", "phrase"),
-    [({"PHI4_HTTP_HEADER_TIMEOUT": "nan"}, [], "PHI4_HTTP_HEADER_TIMEOUT: invalid 'nan'"),
-     ({"PHI4_HTTP_BODY_TIMEOUT": "-5"}, [], "PHI4_HTTP_BODY_TIMEOUT: invalid '-5'"),
-     ({"PHI4_HTTP_HEADER_TIMEOUT": "soon"}, [], "PHI4_HTTP_HEADER_TIMEOUT: invalid 'soon'"),
-     ({}, ["--http", "127.0.0.1:" + "9" * 5000], "bad address"),
-     ({}, ["--http", "127.0.0.1:\u00b2"], "bad address")],
-    ids=["header-timeout-nan", "body-timeout-negative", "header-timeout-word", "port-5000-digits",
-         "port-superscript"],
-)  # fmt: skip
+    [
+        ({"PHI4_HTTP_HEADER_TIMEOUT": "nan"}, [], "PHI4_HTTP_HEADER_TIMEOUT: invalid 'nan'"),
+        ({"PHI4_HTTP_BODY_TIMEOUT": "-5"}, [], "PHI4_HTTP_BODY_TIMEOUT: invalid '-5'"),
+        ({"PHI4_HTTP_HEADER_TIMEOUT": "soon"}, [], "PHI4_HTTP_HEADER_TIMEOUT: invalid 'soon'"),
+        ({}, ["--http", "127.0.0.1:" + "9" * 5000], "bad address"),
+        ({}, ["--http", "127.0.0.1:\u00b2"], "bad address"),
+    ],
+    ids=[
+        "header-timeout-nan",
+        "body-timeout-negative",
+        "header-timeout-word",
+        "port-5000-digits",
+        "port-superscript",
+    ],
+)
 @pytest.mark.daemon
 def test_serve_refuses_bad_timeouts_and_ports_with_one_line(
     env: dict[str, str], args: list[str], phrase: str, tiny_model: Path
@@ -301,13 +355,19 @@ def test_openai_requests_with_numbers_out_of_range_are_400s_naming_the_field(tin
             status, message = refusal(fetch(f"{url}/v1/chat/completions", body, JSON))
             assert status == 400 and message.startswith(named), (field, message)
         port = url.rsplit(":", 1)[1]
-        for host in ("127.0.0.1%evil.example", f"127.0.0.1%evil.example:{port}",
-                     "127.0.0.1%25lo", "[::ffff:127.0.0.1%lo]", f"127.0.0.1:{'9' * 5000}",
-                     "127.0.0.1:65536"):  # fmt: skip
+        for host in (
+            "127.0.0.1%evil.example",
+            f"127.0.0.1%evil.example:{port}",
+            "127.0.0.1%25lo",
+            "[::ffff:127.0.0.1%lo]",
+            f"127.0.0.1:{'9' * 5000}",
+            "127.0.0.1:65536",
+        ):
             status, _message = refusal(fetch(f"{url}/v1/models", headers={"Host": host}))
             assert status == 403, host
-        ok = fetch(f"{url}/v1/chat/completions", chat_body(n=1, seed=4294967294, stream=False),
-                   JSON)  # fmt: skip
+        ok = fetch(
+            f"{url}/v1/chat/completions", chat_body(n=1, seed=4294967294, stream=False), JSON
+        )
         assert ok[0] == 200, ok
 
 
@@ -341,8 +401,20 @@ def test_a_host_port_is_checked_before_it_is_converted():
 @pytest.mark.daemon
 def test_samples_seeded_at_the_top_seed_wrap_to_seeds_the_daemon_takes(tiny_model: Path):
     # Sample k is seeded seed + k: past the top seed it must wrap, not be refused.
-    result = run_phi4("solve", "What is 1+1?", "-m", str(tiny_model), "-n", "2", "-k", "3",
-                      "--all", "--seed", "4294967294", "--json")  # fmt: skip
+    result = run_phi4(
+        "solve",
+        "What is 1+1?",
+        "-m",
+        str(tiny_model),
+        "-n",
+        "2",
+        "-k",
+        "3",
+        "--all",
+        "--seed",
+        "4294967294",
+        "--json",
+    )
     samples = json.loads(result.stdout)["samples"]
     assert [s["seed"] for s in samples] == [4294967294, 0, 1], result.stderr
     assert [s["error"] for s in samples] == [None, None, None]

@@ -32,8 +32,12 @@ def made(question: str) -> dict[str, str]:
 def test_lines_are_numbered_as_splitlines_numbers_them():
     data = b"one\n\n  two  \r\nthree\rfour\n\n"
     feed = ProblemFeed(io.BytesIO(data), "stdin", made)
-    assert read_all(feed) == [(1, {"prompt": "one"}), (3, {"prompt": "two"}),
-                              (4, {"prompt": "three"}), (5, {"prompt": "four"})]  # fmt: skip
+    assert read_all(feed) == [
+        (1, {"prompt": "one"}),
+        (3, {"prompt": "two"}),
+        (4, {"prompt": "three"}),
+        (5, {"prompt": "four"}),
+    ]
     assert feed.total == len(data.decode().splitlines())
 
 
@@ -111,8 +115,11 @@ def test_a_pipes_first_problems_are_answered_before_it_ends(tiny_model: Path):
 
     proc = subprocess.Popen(
         [PHI4, "solve", "-m", str(tiny_model), "-t", "0", "-n", "8", "--file", "-", "--jsonl"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdin is not None and proc.stdout is not None
     lines: queue.Queue[str | None] = queue.Queue()  # stdout's lines, then None at its end
 
@@ -138,7 +145,10 @@ def test_a_pipes_first_problems_are_answered_before_it_ends(tiny_model: Path):
     assert proc.returncode == 0, err
     records = [json.loads(line or "null") for line in [*first, *rest]]
     assert [(r["line"], r["question"]) for r in records] == [
-        (1, "What is 1+1?"), (3, "What is 2+2?"), (4, "What is 3+3?")]  # fmt: skip
+        (1, "What is 1+1?"),
+        (3, "What is 2+2?"),
+        (4, "What is 3+3?"),
+    ]
 
 
 @pytest.mark.daemon
@@ -148,10 +158,23 @@ def test_a_bad_line_in_a_pipe_is_its_problems_error_and_the_rest_are_answered(ti
     from tests.conftest import PHI4
 
     result = subprocess.run(
-        [PHI4, "solve", "-m", str(tiny_model), "-t", "0", "-n", "4", "-", "--each-line",
-         "--answer-only"],
-        input=b"What is 1+1?\nWhat is \xc3(?\nWhat is 3+3?\n", capture_output=True, timeout=300,
-    )  # fmt: skip
+        [
+            PHI4,
+            "solve",
+            "-m",
+            str(tiny_model),
+            "-t",
+            "0",
+            "-n",
+            "4",
+            "-",
+            "--each-line",
+            "--answer-only",
+        ],
+        input=b"What is 1+1?\nWhat is \xc3(?\nWhat is 3+3?\n",
+        capture_output=True,
+        timeout=300,
+    )
     assert result.returncode == 1
     stderr = result.stderr.decode()
     assert "line 2: stdin line 2 is not valid UTF-8 (byte 0xc3): convert it to UTF-8" in stderr
@@ -170,9 +193,20 @@ def test_a_run_that_fails_ends_while_its_fifo_is_still_open(tmp_path: Path):
     fifo = tmp_path / "problems"
     os.mkfifo(fifo)
     proc = subprocess.Popen(
-        [PHI4, "solve", "--file", str(fifo), "-a", "--backend", f"http://127.0.0.1:{free_port()}/v1"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            PHI4,
+            "solve",
+            "--file",
+            str(fifo),
+            "-a",
+            "--backend",
+            f"http://127.0.0.1:{free_port()}/v1",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     with open(fifo, "w") as writer:  # meets phi4's open of the other end
         writer.write("What is 1+1?\n")
         writer.flush()

@@ -26,8 +26,9 @@ def screen_lines(raw: str) -> list[str]:
 
 def terminal_env(stdout_isatty: bool = True) -> tuple[Environment, io.StringIO, io.StringIO]:
     out, err = io.StringIO(), io.StringIO()
-    env = Environment(io.StringIO(), out, err, stdout_isatty=stdout_isatty, stderr_isatty=True,
-                      colour=True)  # fmt: skip
+    env = Environment(
+        io.StringIO(), out, err, stdout_isatty=stdout_isatty, stderr_isatty=True, colour=True
+    )
     return env, out, err
 
 
@@ -115,9 +116,12 @@ def test_file_progress_through_a_terminal(tiny_model: Path, tmp_path: Path):
     problems = tmp_path / "problems.txt"
     problems.write_text("What is 1+1?\nWhat is 2+2?\nWhat is 3+3?\n")
     child = pexpect.spawn(
-        PHI4, ["solve", "--file", str(problems), "-m", str(tiny_model), "-n", "3", "-t", "0"],
-        encoding="utf-8", dimensions=(24, 120), timeout=120,
-    )  # fmt: skip
+        PHI4,
+        ["solve", "--file", str(problems), "-m", str(tiny_model), "-n", "3", "-t", "0"],
+        encoding="utf-8",
+        dimensions=(24, 120),
+        timeout=120,
+    )
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0, child.before
@@ -137,9 +141,12 @@ def test_a_model_load_is_one_live_line_with_seconds_at_a_terminal_and_a_notice_i
     # before it starts loading, however fast the machine.
     assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
     child = pexpect.spawn(
-        PHI4, ["solve", "What is 2+2?", "-m", str(tiny_reasoning_model), "-n", "3", "-t", "0"],
-        encoding="utf-8", dimensions=(24, 120), timeout=120,
-    )  # fmt: skip
+        PHI4,
+        ["solve", "What is 2+2?", "-m", str(tiny_reasoning_model), "-n", "3", "-t", "0"],
+        encoding="utf-8",
+        dimensions=(24, 120),
+        timeout=120,
+    )
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus in (0, 1), child.before  # 1: -n 3 ends the thinking unfinished
@@ -150,8 +157,9 @@ def test_a_model_load_is_one_live_line_with_seconds_at_a_terminal_and_a_notice_i
     states = rf"(loading {model}|warming up {model}|{model} is loaded, reading the question)"
     live = [line for line in lines if re.search(states + r"… \d+ s$", line)]
     assert live, lines
-    assert not any(line.startswith("phi4: loading") or "waiting for the daemon" in line
-                   for line in lines), lines  # fmt: skip
+    assert not any(
+        line.startswith("phi4: loading") or "waiting for the daemon" in line for line in lines
+    ), lines
     # In a pipe: the one notice, no live line.
     piped = run_phi4("solve", "What is 2+2?", "-m", str(tiny_model), "-n", "3", "-t", "0")
     assert piped.returncode == 0, piped.stderr
@@ -162,12 +170,16 @@ def test_a_model_load_is_one_live_line_with_seconds_at_a_terminal_and_a_notice_i
 @pytest.mark.daemon
 def test_eval_progress_through_a_terminal(tiny_model: Path, tmp_path: Path):
     problems = tmp_path / "quiz.jsonl"
-    problems.write_text('{"problem": "What is 1+1?", "answer": "2"}\n'
-                        '{"problem": "What is 2+2?", "answer": "4"}\n')  # fmt: skip
+    problems.write_text(
+        '{"problem": "What is 1+1?", "answer": "2"}\n{"problem": "What is 2+2?", "answer": "4"}\n'
+    )
     child = pexpect.spawn(
-        PHI4, ["eval", str(problems), "-m", str(tiny_model), "-n", "3", "-t", "0"],
-        encoding="utf-8", dimensions=(24, 120), timeout=120,
-    )  # fmt: skip
+        PHI4,
+        ["eval", str(problems), "-m", str(tiny_model), "-n", "3", "-t", "0"],
+        encoding="utf-8",
+        dimensions=(24, 120),
+        timeout=120,
+    )
     child.expect(pexpect.EOF)
     child.close()
     lines = screen_lines(child.before)
@@ -191,7 +203,10 @@ def test_a_notice_during_the_load_line_or_the_spinner_has_a_line_of_its_own():
     env.notice("after: plain")
     lines = screen_lines(err.getvalue())
     assert any(re.search(r"loading tiny\.gguf… \d+ s$", text) for text in lines), lines
-    for notice in ("phi4: waiting for memory: a request reserves 4,096 tokens of context",
-                   "phi4: line 2: no final answer", "phi4: after: plain"):  # fmt: skip
+    for notice in (
+        "phi4: waiting for memory: a request reserves 4,096 tokens of context",
+        "phi4: line 2: no final answer",
+        "phi4: after: plain",
+    ):
         assert notice in lines, lines
     assert env.print_above_live is None

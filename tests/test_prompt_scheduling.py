@@ -34,8 +34,9 @@ def engine(tmp_path: Path) -> Iterator[LlamaEngine]:
 
 
 def admit(engine: LlamaEngine, index: int) -> Slot:
-    params = SolveParams(PROBLEM.format(i=index, m=97 + index),
-                         Ask(temperature=0.0, max_tokens=400, loop="off"))  # fmt: skip
+    params = SolveParams(
+        PROBLEM.format(i=index, m=97 + index), Ask(temperature=0.0, max_tokens=400, loop="off")
+    )
     job = Job(index, params, lambda event: None)
     assert engine.admit(job) is None
     return next(s for s in engine._slots if s.run is not None and s.run.job is job)

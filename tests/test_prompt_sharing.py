@@ -22,8 +22,20 @@ pytestmark = pytest.mark.daemon
 
 
 def _samples(model: Path, *extra: str) -> list[dict[str, Any]]:
-    done = run_phi4("solve", "What is 19 times 29?", "-m", str(model), "--samples", "4",
-                    "--all", "-n", "12", "--json", *extra, timeout=300)  # fmt: skip
+    done = run_phi4(
+        "solve",
+        "What is 19 times 29?",
+        "-m",
+        str(model),
+        "--samples",
+        "4",
+        "--all",
+        "-n",
+        "12",
+        "--json",
+        *extra,
+        timeout=300,
+    )
     assert done.returncode in (0, 1), done.stderr  # (SmolLM2 may state no boxed answer)
     return [sample["stats"] for sample in json.loads(done.stdout)["samples"]]
 
@@ -40,8 +52,17 @@ def test_the_samples_of_a_question_read_it_once(smollm2_model: Path, phi4_home: 
     again = _samples(smollm2_model)
     assert [s["prompt_eval_tokens"] for s in again] == [1, 1, 1, 1], again
     # A deterministic request reads its own prompt afresh, as before.
-    alone = run_phi4("solve", "What is 19 times 29?", "-m", str(smollm2_model), "-n", "4",
-                     "--deterministic", "--json", timeout=300)  # fmt: skip
+    alone = run_phi4(
+        "solve",
+        "What is 19 times 29?",
+        "-m",
+        str(smollm2_model),
+        "-n",
+        "4",
+        "--deterministic",
+        "--json",
+        timeout=300,
+    )
     assert json.loads(alone.stdout)["stats"]["cached_tokens"] < prompt - 1
 
 
@@ -51,16 +72,24 @@ def _tokens(url: str) -> dict[str, float]:
 
     status, text = fetch(f"{url}/metrics")
     assert status == 200, text
-    return {sample.labels["kind"]: sample.value
-            for family in text_string_to_metric_families(text) if family.name == "phi4_tokens"
-            for sample in family.samples if sample.name.endswith("_total")}  # fmt: skip
+    return {
+        sample.labels["kind"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "phi4_tokens"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
 
 
 def test_serves_n_choices_read_their_prompt_once_and_greedy_ones_agree(tiny_model: Path):
     proc, url = start_server(tiny_model)
     try:
-        body = {"messages": [{"role": "user", "content": "Tell me about the number seven."}],
-                "n": 4, "max_tokens": 24, "temperature": 0}  # fmt: skip
+        body = {
+            "messages": [{"role": "user", "content": "Tell me about the number seven."}],
+            "n": 4,
+            "max_tokens": 24,
+            "temperature": 0,
+        }
         before = _tokens(url)
         status, text = fetch(f"{url}/v1/chat/completions", json.dumps(body).encode(), JSON)
         assert status == 200, text
@@ -73,8 +102,9 @@ def test_serves_n_choices_read_their_prompt_once_and_greedy_ones_agree(tiny_mode
         # Three of the four choices read only their prompt's last token (whose logits each
         # needs); the daemon's counters add up every choice's cached tokens.
         assert after["cached"] - before["cached"] >= 3 * (prompt - 1), (before, after, prompt)
-        status, text = fetch(f"{url}/v1/chat/completions",
-                             json.dumps({**body, "n": 1}).encode(), JSON)  # fmt: skip
+        status, text = fetch(
+            f"{url}/v1/chat/completions", json.dumps({**body, "n": 1}).encode(), JSON
+        )
         assert json.loads(text)["choices"][0]["message"]["content"] == contents[0]
     finally:
         proc.send_signal(signal.SIGINT)

@@ -196,8 +196,9 @@ class Collector:
                 self.events[request_id].append(event.to_wire())  # as the server writes it
                 self.done.notify_all()
 
-        params = SolveParams(prompt, Ask(temperature=0.0, top_p=1.0), model=kw.get("model"),
-                             priority=priority)  # fmt: skip
+        params = SolveParams(
+            prompt, Ask(temperature=0.0, top_p=1.0), model=kw.get("model"), priority=priority
+        )
         return Job(request_id=request_id, params=params, emit=emit)
 
     def terminal(self, request_id: Any) -> list[dict[str, Any]]:
@@ -261,9 +262,16 @@ def test_a_job_waiting_for_memory_keeps_its_place_and_nothing_running_is_cut():
     while not out.events[1] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert out.events[1] == [
-        {"v": 1, "id": 1, "event": "progress", "stage": "waiting", "reason": "memory",
-         "needed": 6, "free": 4}
-    ]  # fmt: skip
+        {
+            "v": 1,
+            "id": 1,
+            "event": "progress",
+            "stage": "waiting",
+            "reason": "memory",
+            "needed": 6,
+            "free": 4,
+        }
+    ]
     assert scheduler.waiting is not None and scheduler.waiting.request_id == 1
     time.sleep(0.1)
     assert engine.served == ["hold-long-1:6"], "the later, smaller job did not overtake"
@@ -287,8 +295,15 @@ def test_a_job_that_could_never_fit_is_refused_without_waiting():
     refused = out.terminal(0)[0]
     assert refused["code"] == protocol.ErrorCode.CONTEXT_OVERFLOW
     # The facts, as data, beside the daemon log's words for them.
-    assert refused["fault"] == {"param": "max_tokens", "needed": 11, "limit": 10, "prompt": 1,
-                                "n_ctx": 0, "streams": 0, "system": 0}  # fmt: skip
+    assert refused["fault"] == {
+        "param": "max_tokens",
+        "needed": 11,
+        "limit": 10,
+        "prompt": 1,
+        "n_ctx": 0,
+        "streams": 0,
+        "system": 0,
+    }
     assert "needs 11 tokens of context" in refused["message"]
     scheduler.stop(5)
 
@@ -382,10 +397,16 @@ def test_status_json_shape_is_stable():
     paths.ensure_runtime_dir()
     paths.status_file.write_text(
         json.dumps(
-            {"pid": 1, "socket": "s", "protocol": 1, "state": "ready", "model": None,
-             "started_at": 0}
+            {
+                "pid": 1,
+                "socket": "s",
+                "protocol": 1,
+                "state": "ready",
+                "model": None,
+                "started_at": 0,
+            }
         )
-    )  # fmt: skip
+    )
     status = read_status(paths)
     assert isinstance(status, DaemonStatus) and status.state == "ready"
     paths.status_file.write_text("{torn")
@@ -436,8 +457,10 @@ def test_a_phi4_home_that_is_a_file_is_one_line_and_exit_3(tmp_path: Path):
     home.write_text("not a directory")
     result = run_phi4("status", env={"PHI4_HOME": str(home)})
     assert result.returncode == 3, result.stderr
-    assert result.stderr == f"phi4: error: cannot use {home}/run: Not a directory; check " \
-        "PHI4_HOME or XDG_RUNTIME_DIR\n"  # fmt: skip
+    assert (
+        result.stderr == f"phi4: error: cannot use {home}/run: Not a directory; check "
+        "PHI4_HOME or XDG_RUNTIME_DIR\n"
+    )
 
 
 def test_default_runtime_dir_prefers_xdg_and_falls_back_to_tmp(monkeypatch, tmp_path: Path):
@@ -573,8 +596,9 @@ def test_heartbeats_go_out_only_while_the_engine_goes_round():
     connection = Connection(writer)  # type: ignore[arg-type]
     connection.jobs["r1"] = object()  # type: ignore[assignment]
     scheduler = SimpleNamespace(beats=5, stepping_since=None)
-    server: Any = SimpleNamespace(scheduler=scheduler, _last_beats=-1, state="ready",
-                                  _connections={connection})  # fmt: skip
+    server: Any = SimpleNamespace(
+        scheduler=scheduler, _last_beats=-1, state="ready", _connections={connection}
+    )
     DaemonServer._heartbeat(server)
     beat = json.loads(writer.data)
     assert (beat["id"], beat["event"], beat["stage"]) == ("r1", "progress", "alive")
@@ -613,10 +637,13 @@ def test_platformdirs_answers_are_remembered_per_environment(monkeypatch, tmp_pa
     assert not (runtime / "phi4" / "dirs.json").exists(), "no runtime dir yet: nothing written"
     first.ensure_runtime_dir()
     assert get_paths() == first and (runtime / "phi4" / "dirs.json").exists()
-    probe = ("import sys; from phi4cli.core.paths import get_paths; p = get_paths(); "
-             "print(p.config_dir, 'platformdirs' in sys.modules)")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         check=True).stdout.split()  # fmt: skip
+    probe = (
+        "import sys; from phi4cli.core.paths import get_paths; p = get_paths(); "
+        "print(p.config_dir, 'platformdirs' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert out == [str(tmp_path / "conf-a" / "phi4"), "False"], "remembered, not imported"
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "conf-b"))
     assert get_paths().config_dir == tmp_path / "conf-b" / "phi4", "another environment"
@@ -626,9 +653,17 @@ def test_platformdirs_answers_are_remembered_per_environment(monkeypatch, tmp_pa
     from phi4cli.core.paths import _DIR_INPUTS
 
     inputs = [sys.platform, *(os.environ.get(name) for name in _DIR_INPUTS)]
-    (runtime / "phi4" / "dirs.json").write_text(json.dumps(
-        {"inputs": inputs, "config_dir": "/evil", "data_dir": "/evil", "state_dir": "/evil",
-         "cache_dir": "/evil"}))  # fmt: skip
+    (runtime / "phi4" / "dirs.json").write_text(
+        json.dumps(
+            {
+                "inputs": inputs,
+                "config_dir": "/evil",
+                "data_dir": "/evil",
+                "state_dir": "/evil",
+                "cache_dir": "/evil",
+            }
+        )
+    )
     assert get_paths().config_dir == Path("/evil"), "a matching record is used"
     (runtime / "phi4").chmod(0o755)
     assert get_paths().config_dir == tmp_path / "conf-b" / "phi4", "but not from an open dir"
@@ -649,8 +684,11 @@ def test_requests_waiting_for_a_model_hear_each_stage_of_its_load():
     engine.gate.set()
     out.wait(1, 2)
     stages = [(e["stage"], e["model"]) for e in out.events[1] if e["event"] == "progress"]
-    assert stages == [("loading", "/m/other.gguf"), ("warming", "/m/other.gguf"),
-                      ("ready", "/m/other.gguf")]  # fmt: skip
+    assert stages == [
+        ("loading", "/m/other.gguf"),
+        ("warming", "/m/other.gguf"),
+        ("ready", "/m/other.gguf"),
+    ]
     assert not [e for e in out.events[2] if e["event"] == "progress"]
     assert states[-3:] == ["loading", "warming", "ready"]
     scheduler.stop(5)

@@ -126,8 +126,9 @@ def test_majority_vote_picks_most_common_and_reports_agreement():
 
 def test_equal_answers_count_together_however_they_are_written():
     # Before: \frac12 and \frac{1}{2} were different answers, so one third won 2-2 on a tie.
-    vote = majority_vote(["\\frac{1}{3}", "\\frac12", "\\frac{1}{3}", "\\dfrac{1}{2}",
-                          "\\frac{1}{2}"])  # fmt: skip
+    vote = majority_vote(
+        ["\\frac{1}{3}", "\\frac12", "\\frac{1}{3}", "\\dfrac{1}{2}", "\\frac{1}{2}"]
+    )
     assert (vote.agreement, vote.tie) == ("3/5", False)
     assert vote.answer in ("\\frac12", "\\dfrac{1}{2}", "\\frac{1}{2}")
     assert majority_vote(["0.5", "x = \\frac{1}{2}", "\\frac{1}{2}", "2"]).agreement == "3/4"

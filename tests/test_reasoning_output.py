@@ -34,12 +34,22 @@ def test_terminal_output_has_thinking_line_rendered_solution_and_answer_line(
 ):
     child = pexpect.spawn(
         PHI4,
-        ["solve", "What is 12*13?", "-m", str(tiny_reasoning_model), "-t", "0", "-n", "400",
-         "--think-budget", "300"],
+        [
+            "solve",
+            "What is 12*13?",
+            "-m",
+            str(tiny_reasoning_model),
+            "-t",
+            "0",
+            "-n",
+            "400",
+            "--think-budget",
+            "300",
+        ],
         encoding="utf-8",
         dimensions=(24, 100),
         timeout=60,
-    )  # fmt: skip
+    )
     child.expect(pexpect.EOF)
     child.close()
     screen = child.before
@@ -97,9 +107,18 @@ def test_show_reasoning_goes_to_stderr_and_never_stdout(tiny_reasoning_model: Pa
 @pytest.mark.daemon
 def test_think_budget_closes_thinking_on_the_tiny_model(tiny_reasoning_model: Path):
     result = run_phi4(
-        "solve", "What is 12*13?", "-m", str(tiny_reasoning_model), "-t", "0", "-n", "30",
-        "--think-budget", "8", "--json",
-    )  # fmt: skip
+        "solve",
+        "What is 12*13?",
+        "-m",
+        str(tiny_reasoning_model),
+        "-t",
+        "0",
+        "-n",
+        "30",
+        "--think-budget",
+        "8",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
     stats = record["stats"]
@@ -147,9 +166,19 @@ def test_file_answers_in_input_order_with_a_failing_line_in_the_middle(
     long_line = " ".join(["twelve times thirteen"] * 100)  # far beyond a 128-token context
     problems.write_text(f"What is 1+1?\n\nWhat is 2+2?\n{long_line}\nWhat is 3+3?\n")
     result = run_phi4(
-        "solve", "--file", str(problems), "--jsonl", "-m", str(tiny_model), "-n", "4",
-        "-t", "0", "--n-ctx", "128",
-    )  # fmt: skip
+        "solve",
+        "--file",
+        str(problems),
+        "--jsonl",
+        "-m",
+        str(tiny_model),
+        "-n",
+        "4",
+        "-t",
+        "0",
+        "--n-ctx",
+        "128",
+    )
     assert result.returncode == 1, "the exit code says a problem failed"
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["line"] for r in records] == [1, 3, 4, 5]
@@ -165,9 +194,16 @@ def test_file_answers_in_input_order_with_a_failing_line_in_the_middle(
 @pytest.mark.daemon
 def test_each_line_from_stdin_with_answer_only_keeps_one_line_per_problem(tiny_model: Path):
     result = run_phi4(
-        "solve", "-", "--each-line", "--answer-only", "-m", str(tiny_model), "-n", "3",
+        "solve",
+        "-",
+        "--each-line",
+        "--answer-only",
+        "-m",
+        str(tiny_model),
+        "-n",
+        "3",
         input="a\nb\nc\n",
-    )  # fmt: skip
+    )
     assert result.stdout.count("\n") == 3
     # No line stated an answer: as for one question, --answer-only exits 1 and says why per line.
     assert result.returncode == 1, result.stderr
@@ -179,10 +215,17 @@ def test_file_output_survives_head(tiny_model: Path, tmp_path: Path):
     problems = tmp_path / "p.txt"
     problems.write_text("\n".join(f"Problem {i}" for i in range(20)))
     pipeline = subprocess.run(
-        ["bash", "-c", f'"{PHI4}" solve -f "{problems}" --jsonl -m "{tiny_model}" -n 50 '
-         '</dev/null | head -1; echo "rc=${PIPESTATUS[0]}" >&2'],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            "bash",
+            "-c",
+            f'"{PHI4}" solve -f "{problems}" --jsonl -m "{tiny_model}" -n 50 '
+            '</dev/null | head -1; echo "rc=${PIPESTATUS[0]}" >&2',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert json.loads(pipeline.stdout)["line"] == 1
     assert "Traceback" not in pipeline.stderr
     assert "rc=0" in pipeline.stderr
@@ -193,10 +236,22 @@ def test_ctrl_c_cancels_every_problem_of_a_file(tiny_model: Path, tmp_path: Path
     problems = tmp_path / "p.txt"
     problems.write_text("\n".join(f"Count to {i}" for i in range(10)))
     proc = subprocess.Popen(
-        [PHI4, "solve", "-f", str(problems), "-m", str(tiny_model), "-n", "90000",
-         "--n-ctx", "100000"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            PHI4,
+            "solve",
+            "-f",
+            str(problems),
+            "-m",
+            str(tiny_model),
+            "-n",
+            "90000",
+            "--n-ctx",
+            "100000",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         status = run_phi4("status", "--json")
@@ -221,9 +276,18 @@ def test_ctrl_c_cancels_every_problem_of_a_file(tiny_model: Path, tmp_path: Path
 @pytest.mark.daemon
 def test_samples_vote_and_report_agreement(tiny_model: Path):
     result = run_phi4(
-        "solve", "What is 12*13?", "-m", str(tiny_model), "-n", "6", "--samples", "3",
-        "--seed", "1", "--json",
-    )  # fmt: skip
+        "solve",
+        "What is 12*13?",
+        "-m",
+        str(tiny_model),
+        "-n",
+        "6",
+        "--samples",
+        "3",
+        "--seed",
+        "1",
+        "--json",
+    )
     # The tiny model states no answer: the record is printed all the same, and the vote's lack
     # of an answer is a failure (tests/test_vote_exits.py).
     assert result.returncode == 1, result.stderr
@@ -259,13 +323,17 @@ def test_answer_only_output_lines_up_with_input_lines_blank_ones_included(
     # Before: a blank line between problems shifted every later answer up one line.
     problems = tmp_path / "gaps.txt"
     problems.write_text("What is 1+1?\n\n\nWhat is 2+2?\n\nWhat is 3+3?\n\n")
-    result = run_phi4("solve", "-f", str(problems), "--answer-only", "-m", str(tiny_model),
-                      "-n", "2")  # fmt: skip
+    result = run_phi4(
+        "solve", "-f", str(problems), "--answer-only", "-m", str(tiny_model), "-n", "2"
+    )
     lines = result.stdout.split("\n")[:-1]
     assert len(lines) == len(problems.read_text().split("\n")[:-1]) == 7
     assert [n for n, text in enumerate(lines, 1) if text] == [], "the tiny model states no answer"
-    warned = {int(w.split()[2].rstrip(":")) for w in result.stderr.splitlines()
-              if w.startswith("phi4: line ")}  # fmt: skip
+    warned = {
+        int(w.split()[2].rstrip(":"))
+        for w in result.stderr.splitlines()
+        if w.startswith("phi4: line ")
+    }
     assert warned == {1, 4, 6}, "each problem's line number, as in the input"
     jsonl = run_phi4("solve", "-f", str(problems), "--jsonl", "-m", str(tiny_model), "-n", "2")
     assert [json.loads(r)["line"] for r in jsonl.stdout.splitlines()] == [1, 4, 6]
@@ -281,7 +349,8 @@ def test_an_answer_cut_off_at_max_tokens_is_said_in_a_pipe_as_at_a_terminal(tiny
     assert piped.stderr == (
         "phi4: no final answer: the answer was cut off at --max-tokens (raise it)\n"
     )
-    as_json = run_phi4("solve", "What is 7*8?", "-m", str(tiny_model), "-n", "3", "-t", "0",
-                       "--json")  # fmt: skip
+    as_json = run_phi4(
+        "solve", "What is 7*8?", "-m", str(tiny_model), "-n", "3", "-t", "0", "--json"
+    )
     assert as_json.returncode == 0 and as_json.stderr == ""
     assert json.loads(as_json.stdout)["stats"]["finish_reason"] == "length"

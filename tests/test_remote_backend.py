@@ -44,22 +44,34 @@ def backend(tiny_model: Path) -> Iterator[str]:
 
 
 def test_solve_through_a_remote_server_without_a_daemon(backend: str):
-    result = run_phi4("solve", "What is 12*13?", "--backend", backend, "-m", "tiny", "-t", "0",
-                      "-n", "8")  # fmt: skip
+    result = run_phi4(
+        "solve", "What is 12*13?", "--backend", backend, "-m", "tiny", "-t", "0", "-n", "8"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "starting the phi4 daemon" not in result.stderr
     assert run_phi4("status").returncode == 3, "no local daemon was started"
-    record = json.loads(run_phi4("solve", "2+2?", "--backend", backend, "-m", "tiny", "-n", "4",
-                                 "--json").stdout)  # fmt: skip
+    record = json.loads(
+        run_phi4("solve", "2+2?", "--backend", backend, "-m", "tiny", "-n", "4", "--json").stdout
+    )
     assert record["solution"] and record["stats"]["completion_tokens"] == 4
     assert record["stats"]["finish_reason"] == "length"
 
 
 def test_backend_from_env_and_reasoning_handling(backend: str):
     # A model named as a reasoning model: its text is thinking until </think>, as locally.
-    result = run_phi4("solve", "What is 12*13?", "-m", "tiny-reasoning", "-t", "0", "-n", "6",
-                      "--answer-only", env={"PHI4_BACKEND": backend})  # fmt: skip
+    result = run_phi4(
+        "solve",
+        "What is 12*13?",
+        "-m",
+        "tiny-reasoning",
+        "-t",
+        "0",
+        "-n",
+        "6",
+        "--answer-only",
+        env={"PHI4_BACKEND": backend},
+    )
     assert result.returncode == 1
     assert "thinking did not finish" in result.stderr
 
@@ -67,12 +79,21 @@ def test_backend_from_env_and_reasoning_handling(backend: str):
 def test_file_and_chat_through_a_remote_server(backend: str, tmp_path: Path):
     problems = tmp_path / "p.txt"
     problems.write_text("one\ntwo\n")
-    batch = run_phi4("solve", "-f", str(problems), "--jsonl", "--backend", backend, "-m", "tiny",
-                     "-n", "3")  # fmt: skip
+    batch = run_phi4(
+        "solve", "-f", str(problems), "--jsonl", "--backend", backend, "-m", "tiny", "-n", "3"
+    )
     assert batch.returncode == 0, batch.stderr
     assert [json.loads(line)["line"] for line in batch.stdout.splitlines()] == [1, 2]
-    chat = run_phi4("chat", "--backend", backend, "-m", "tiny", "-n", "3",
-                    input="hello\nand again\n/save remote\n")  # fmt: skip
+    chat = run_phi4(
+        "chat",
+        "--backend",
+        backend,
+        "-m",
+        "tiny",
+        "-n",
+        "3",
+        input="hello\nand again\n/save remote\n",
+    )
     assert chat.returncode == 0, chat.stderr
     assert "saved as remote" in chat.stderr  # (stdout piped: it holds the answers)
 
@@ -92,8 +113,17 @@ ANSWER = ["The answer is ", "$\\boxed{156}$."]
 
 
 def _solve(url: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 120) -> Any:
-    return run_phi4("solve", "What is 12*13?", "--backend", url, "-m", "phi4-mini-reasoning",
-                    *extra, env=env, timeout=timeout)  # fmt: skip
+    return run_phi4(
+        "solve",
+        "What is 12*13?",
+        "--backend",
+        url,
+        "-m",
+        "phi4-mini-reasoning",
+        *extra,
+        env=env,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize("field_name", ["reasoning_content", "reasoning"])
@@ -114,8 +144,9 @@ def test_thinking_in_its_own_field_keeps_the_answer(field_name: str):
         assert (stats["prompt_tokens"], stats["completion_tokens"]) == (20, 5)
         assert (stats["reasoning_tokens"], stats["answer_tokens"]) == (3, 2)
         assert stats["thinking_unfinished"] is False
-        chat = run_phi4("chat", "--backend", server.url, "-m", "phi4-mini-reasoning",
-                        input="What is 12*13?\n")  # fmt: skip
+        chat = run_phi4(
+            "chat", "--backend", server.url, "-m", "phi4-mini-reasoning", input="What is 12*13?\n"
+        )
         assert chat.returncode == 0, chat.stderr
         assert "The answer is $\\boxed{156}$." in chat.stdout
 
@@ -132,21 +163,26 @@ def test_inline_thinking_is_still_split():
 
 
 def _failing(lines: list[str | Step]) -> Any:
-    return lambda _body: [chunk({"role": "assistant", "content": ""}),
-                          chunk({"content": "The answer"}), *lines]  # fmt: skip
+    return lambda _body: [
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"content": "The answer"}),
+        *lines,
+    ]
 
 
 @pytest.mark.parametrize(
     ("lines", "phrase"),
     [
         ([data("{not json")], "the backend sent a malformed event: '{not json'"),
-        ([data({"error": {"message": "KV cache full", "code": 500}})],
-         "the backend reported an error mid-answer: KV cache full"),
+        (
+            [data({"error": {"message": "KV cache full", "code": 500}})],
+            "the backend reported an error mid-answer: KV cache full",
+        ),
         ([Step(drop=True)], "the backend closed the stream before the answer was complete"),
         ([Step(sleep=3)], "sent nothing for 1 s"),
     ],
     ids=["malformed-chunk", "in-stream-error", "dropped-connection", "stalled"],
-)  # fmt: skip
+)
 def test_a_broken_stream_is_one_line_and_exit_5(lines: list[str | Step], phrase: str):
     # Before: a malformed chunk was "internal error: JSONDecodeError", exit 1; an in-stream error
     # was ignored (exit 0 with a partial answer).
@@ -180,8 +216,12 @@ def test_think_budget_is_enforced_for_a_remote_engine():
     # server is asked again with the thinking closed, as the start of the assistant's reply.
     def script(body: dict[str, Any]) -> list[str | Step]:
         if body["messages"][-1]["role"] == "assistant":
-            return [chunk({"content": "So "}), chunk({"content": "$\\boxed{7}$."}),
-                    chunk({}, "stop"), data("[DONE]")]  # fmt: skip
+            return [
+                chunk({"content": "So "}),
+                chunk({"content": "$\\boxed{7}$."}),
+                chunk({}, "stop"),
+                data("[DONE]"),
+            ]
         endless = [chunk({"reasoning_content": f"step {i}. "}) for i in range(50)]
         return [*endless, chunk({}, "length"), data("[DONE]")]
 
@@ -210,9 +250,23 @@ def test_zero_think_budget_skips_thinking_remotely():
 
 def test_think_budget_against_a_real_server(backend: str):
     # llama_cpp.server knows no think budget either: the stream is cut and asked again.
-    record = json.loads(run_phi4("solve", "What is 12*13?", "-m", "tiny-reasoning", "-t", "0",
-                                 "-n", "12", "--think-budget", "3", "--json",
-                                 "--backend", backend).stdout)  # fmt: skip
+    record = json.loads(
+        run_phi4(
+            "solve",
+            "What is 12*13?",
+            "-m",
+            "tiny-reasoning",
+            "-t",
+            "0",
+            "-n",
+            "12",
+            "--think-budget",
+            "3",
+            "--json",
+            "--backend",
+            backend,
+        ).stdout
+    )
     stats = record["stats"]
     assert stats["budget_reached"] is True and stats["thinking_unfinished"] is False
     assert stats["reasoning_tokens"] == 3
@@ -270,8 +324,16 @@ def test_answer_only_lines_keep_their_input_lines(tmp_path: Path):
     problems = tmp_path / "gaps.txt"
     problems.write_text("What is 1+1?\n\n\nWhat is 2+2?\n\nWhat is 3+3?\n\n")
     with scripted_server(script) as server:
-        result = run_phi4("solve", "-f", str(problems), "--answer-only", "--backend", server.url,
-                          "-m", "phi4-mini-reasoning")  # fmt: skip
+        result = run_phi4(
+            "solve",
+            "-f",
+            str(problems),
+            "--answer-only",
+            "--backend",
+            server.url,
+            "-m",
+            "phi4-mini-reasoning",
+        )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n") == ["2", "", "", "4", "", "6", "", ""]
 
@@ -295,17 +357,24 @@ def test_solve_asks_for_a_boxed_answer_unless_told_not_to(phi4_home: Path):
 
 def test_eval_grades_answers_as_a_mathematician_would_and_resumes(tmp_path: Path):
     # Each problem's "model answer" is scripted: right, right in another form, wrong, unboxed.
-    said = {"one half": "\\boxed{0.5}", "two": "\\boxed{2}", "three": "\\boxed{4}",
-            "four": "four"}  # fmt: skip
+    said = {"one half": "\\boxed{0.5}", "two": "\\boxed{2}", "three": "\\boxed{4}", "four": "four"}
 
     def script(body: dict[str, Any]) -> list[str | Step]:
         problem = body["messages"][-1]["content"].split("\n\n")[0]
         return separated("reasoning_content", ["Think."], [f"So ${said[problem]}$."])
 
     problems = tmp_path / "set.jsonl"
-    problems.write_text("".join(json.dumps(row) + "\n" for row in [
-        {"problem": "one half", "answer": "\\frac{1}{2}"}, {"problem": "two", "answer": "2"},
-        {"problem": "three", "answer": "3"}, {"problem": "four", "answer": "4"}]))  # fmt: skip
+    problems.write_text(
+        "".join(
+            json.dumps(row) + "\n"
+            for row in [
+                {"problem": "one half", "answer": "\\frac{1}{2}"},
+                {"problem": "two", "answer": "2"},
+                {"problem": "three", "answer": "3"},
+                {"problem": "four", "answer": "4"},
+            ]
+        )
+    )
     args = ["eval", str(problems), "--backend", "URL", "-m", "phi4-mini-reasoning", "--json"]
     with scripted_server(script) as server:
         args[3] = server.url
@@ -320,9 +389,10 @@ def test_eval_grades_answers_as_a_mathematician_would_and_resumes(tmp_path: Path
         )
         assert result["accuracy"] == 0.5
         # Appended as each finishes (problems are asked at once): in any order.
-        records = sorted((json.loads(line) for line in
-                          Path(result["results"]).read_text().splitlines()),
-                         key=lambda r: r["line"])  # fmt: skip
+        records = sorted(
+            (json.loads(line) for line in Path(result["results"]).read_text().splitlines()),
+            key=lambda r: r["line"],
+        )
         assert [(r["line"], r["status"]) for r in records] == [
             (1, "correct"),
             (2, "correct"),
@@ -338,8 +408,10 @@ def test_eval_grades_answers_as_a_mathematician_would_and_resumes(tmp_path: Path
 
 def test_eval_with_samples_reports_pass_at_k_and_reads_csv(tmp_path: Path):
     # By problem, since all six samples are asked at once.
-    answers = {"seven?": ["\\boxed{7}", "\\boxed{8}", "\\boxed{8}"],
-               "five?": ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}"]}  # fmt: skip
+    answers = {
+        "seven?": ["\\boxed{7}", "\\boxed{8}", "\\boxed{8}"],
+        "five?": ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}"],
+    }
     lock = threading.Lock()
 
     def script(body: dict[str, Any]) -> list[str | Step]:
@@ -383,8 +455,17 @@ def test_eval_resumes_only_matching_records(tmp_path: Path):
         return separated("reasoning_content", ["Think."], ["$\\boxed{1}$"])
 
     with scripted_server(script) as server:
-        base = ["eval", str(problems), "--backend", server.url, "-m", "m", "-o", str(results),
-                "--json"]  # fmt: skip
+        base = [
+            "eval",
+            str(problems),
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-o",
+            str(results),
+            "--json",
+        ]
         assert json.loads(run_phi4(*base).stdout)["correct"] == 1
         sent = len(server.bodies)
         other_k = run_phi4(*base, "-k", "3", "--all")
@@ -407,19 +488,36 @@ def test_eval_resumes_only_matching_records(tmp_path: Path):
 # --- a hostile engine: nothing it sends can hang, bloat or crash the client --------------------
 
 # Runs a command and reports, as its last stderr line, the peak memory of that command (KiB).
-_MEASURED = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
-             "print('maxrss-kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "
-             "file=sys.stderr); sys.exit(code)")  # fmt: skip
+_MEASURED = (
+    "import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+    "print('maxrss-kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "
+    "file=sys.stderr); sys.exit(code)"
+)
 RSS_BOUND_KIB = 256 * 1024  # generous: the client peaks near 40 MiB here; before, 3.2 GB
 
 
 def _solve_measured(url: str, *extra: str, env: dict[str, str]) -> tuple[Any, int]:
     result = subprocess.run(
-        [sys.executable, "-c", _MEASURED, PHI4, "solve", "What is 12*13?", "--backend", url,
-         "-m", "m", *extra],
-        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-        env={**os.environ, **env}, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            _MEASURED,
+            PHI4,
+            "solve",
+            "What is 12*13?",
+            "--backend",
+            url,
+            "-m",
+            "m",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **env},
+        check=False,
+    )
     *lines, last = result.stderr.splitlines()
     assert last.startswith("maxrss-kib "), result.stderr
     result.stderr = "\n".join(lines)
@@ -488,8 +586,9 @@ def test_a_stream_that_never_finishes_ends_at_the_total_deadline():
             yield Step(sleep=0.2)
 
     with scripted_server(script) as server:
-        result = _solve(server.url, env={"PHI4_BACKEND_TIMEOUT": "5s",
-                                         "PHI4_BACKEND_DEADLINE": "2s"})  # fmt: skip
+        result = _solve(
+            server.url, env={"PHI4_BACKEND_TIMEOUT": "5s", "PHI4_BACKEND_DEADLINE": "2s"}
+        )
     assert result.returncode == 5, result.stderr
     assert "took more than 2 s in all (PHI4_BACKEND_DEADLINE" in _one_error_line(result)
 
@@ -500,8 +599,11 @@ def test_a_stream_silent_past_the_deadline_ends_at_the_deadline():
         return [chunk({"content": "The answer"}), Step(sleep=60)]
 
     with scripted_server(script) as server:
-        result = _solve(server.url, env={"PHI4_BACKEND_TIMEOUT": "30s",
-                                         "PHI4_BACKEND_DEADLINE": "2s"}, timeout=25)  # fmt: skip
+        result = _solve(
+            server.url,
+            env={"PHI4_BACKEND_TIMEOUT": "30s", "PHI4_BACKEND_DEADLINE": "2s"},
+            timeout=25,
+        )
     assert result.returncode == 5, result.stderr
     assert "took more than 2 s in all" in _one_error_line(result)
 
@@ -560,22 +662,36 @@ _NAN = float("nan")
 @pytest.mark.parametrize(
     "extra",
     [
-        {"usage": {"prompt_tokens": "many", "completion_tokens": _NAN,
-                   "completion_tokens_details": {"reasoning_tokens": 1e300},
-                   "prompt_tokens_details": "none"}},
-        {"usage": {"prompt_tokens": -5, "completion_tokens": float("inf"),
-                   "completion_tokens_details": [1]},
-         "timings": {"prompt_ms": "fast", "predicted_ms": -1, "cache_n": _NAN, "prompt_n": {}}},
+        {
+            "usage": {
+                "prompt_tokens": "many",
+                "completion_tokens": _NAN,
+                "completion_tokens_details": {"reasoning_tokens": 1e300},
+                "prompt_tokens_details": "none",
+            }
+        },
+        {
+            "usage": {
+                "prompt_tokens": -5,
+                "completion_tokens": float("inf"),
+                "completion_tokens_details": [1],
+            },
+            "timings": {"prompt_ms": "fast", "predicted_ms": -1, "cache_n": _NAN, "prompt_n": {}},
+        },
         {"usage": [], "timings": {"prompt_ms": float("inf"), "predicted_ms": 1e308}},
         {"usage": {"completion_tokens": True, "prompt_tokens": 10**30}},
     ],
     ids=["strings-nan-huge", "negative-inf-lists", "not-objects", "bool-and-huge-int"],
-)  # fmt: skip
+)
 def test_wrong_typed_stats_are_ignored(extra: dict[str, Any]):
     # Before: ValueError, OverflowError or TypeError, shown as "internal error".
     def script(_body: dict[str, Any]) -> list[str | Step | Head]:
-        return [chunk({"content": "So "}), chunk({"content": "$\\boxed{156}$."}),
-                chunk({}, "stop", **extra), data("[DONE]")]  # fmt: skip
+        return [
+            chunk({"content": "So "}),
+            chunk({"content": "$\\boxed{156}$."}),
+            chunk({}, "stop", **extra),
+            data("[DONE]"),
+        ]
 
     with scripted_server(script) as server:
         result = _solve(server.url, "--json", "-m", "m")  # not a reasoning model: all answer
@@ -583,8 +699,10 @@ def test_wrong_typed_stats_are_ignored(extra: dict[str, Any]):
     stats = json.loads(result.stdout)["stats"]
     assert stats["completion_tokens"] == 2, "counted from the stream"
     assert stats["prompt_tokens"] == 0 and stats["cached_tokens"] == 0
-    assert all(math.isfinite(stats[key]) and stats[key] >= 0
-               for key in ("prompt_eval_s", "decode_s", "total_s"))  # fmt: skip
+    assert all(
+        math.isfinite(stats[key]) and stats[key] >= 0
+        for key in ("prompt_eval_s", "decode_s", "total_s")
+    )
 
 
 _MALFORMED = "the backend sent a malformed event"
@@ -601,12 +719,23 @@ _MALFORMED = "the backend sent a malformed event"
         (chunk({}, 7), "sent a finish_reason that is not text"),  # type: ignore[arg-type]
         (data('{"usage": {"prompt_tokens": ' + "9" * 5000 + "}}"), _MALFORMED),
         (data("[" * 100_000 + "]" * 100_000), _MALFORMED),
-        (data({"error": {"message": ["a", "\x1b[2J"], "code": 1e999}}),
-         'reported an error mid-answer: ["a", "\\u001b[2J"]'),
+        (
+            data({"error": {"message": ["a", "\x1b[2J"], "code": 1e999}}),
+            'reported an error mid-answer: ["a", "\\u001b[2J"]',
+        ),
     ],
-    ids=["choices-object", "choice-string", "delta-list", "content-number", "reasoning-object",
-         "finish-number", "digits-past-int-limit", "deep-nesting", "error-not-text"],
-)  # fmt: skip
+    ids=[
+        "choices-object",
+        "choice-string",
+        "delta-list",
+        "content-number",
+        "reasoning-object",
+        "finish-number",
+        "digits-past-int-limit",
+        "deep-nesting",
+        "error-not-text",
+    ],
+)
 def test_wrong_typed_content_is_one_line_naming_the_engine_and_exit_5(line: str, phrase: str):
     with scripted_server(_failing([line])) as server:
         result = _solve(server.url)
@@ -641,9 +770,13 @@ def test_a_server_that_takes_the_connection_but_never_answers_is_unreachable_exi
 def test_a_refused_connection_is_unreachable_exit_3():
     port = free_port()  # closed again: nothing listens there
     # Waits longer than a socket timeout can hold are taken as the longest that fits.
-    result = _solve(f"http://127.0.0.1:{port}/v1", env={
-        "PHI4_BACKEND_TIMEOUT": "99999999999999999999s",
-        "PHI4_BACKEND_DEADLINE": "99999999999999999999s"})  # fmt: skip
+    result = _solve(
+        f"http://127.0.0.1:{port}/v1",
+        env={
+            "PHI4_BACKEND_TIMEOUT": "99999999999999999999s",
+            "PHI4_BACKEND_DEADLINE": "99999999999999999999s",
+        },
+    )
     assert result.returncode == 3, result.stderr
     assert f"cannot reach the backend http://127.0.0.1:{port}/v1" in _one_error_line(result)
 
@@ -655,8 +788,10 @@ def _busy_then(statuses: list[tuple[int, dict[str, str]]]) -> Any:
     def script(_body: dict[str, Any]) -> list[str | Step | Head]:
         refusal = next(refusals, None)
         if refusal is not None:
-            return [Head(refusal[0], {"Content-Type": "application/json", **refusal[1]}),
-                    json.dumps({"error": {"message": "busy, try later"}})]  # fmt: skip
+            return [
+                Head(refusal[0], {"Content-Type": "application/json", **refusal[1]}),
+                json.dumps({"error": {"message": "busy, try later"}}),
+            ]
         return separated("reasoning_content", ["Hm."], ["$\\boxed{156}$"])
 
     return script
@@ -705,16 +840,27 @@ def test_a_remote_prompt_found_cached_is_not_counted_as_evaluated():
     # Before: "prompt tokens: 50 (49 cached, 50 evaluated)" against phi4 serve, whose usage
     # says what was cached but gives no llama-server timings; and "seed None" in the footer.
     def script(_body: dict[str, Any]) -> list[str | Step | Head]:
-        usage = {"prompt_tokens": 50, "completion_tokens": 2,
-                 "prompt_tokens_details": {"cached_tokens": 49}}  # fmt: skip
-        return [chunk({"content": "So "}), chunk({"content": "$\\boxed{4}$."}), chunk({}, "stop"),
-                data({"choices": [], "usage": usage}), data("[DONE]")]  # fmt: skip
+        usage = {
+            "prompt_tokens": 50,
+            "completion_tokens": 2,
+            "prompt_tokens_details": {"cached_tokens": 49},
+        }
+        return [
+            chunk({"content": "So "}),
+            chunk({"content": "$\\boxed{4}$."}),
+            chunk({}, "stop"),
+            data({"choices": [], "usage": usage}),
+            data("[DONE]"),
+        ]
 
     with scripted_server(script) as server:
         result = _solve(server.url, "--json", "-m", "m")
         shown = _solve(server.url, "-v", "-m", "m")
     stats = json.loads(result.stdout)["stats"]
     assert (stats["prompt_tokens"], stats["cached_tokens"], stats["prompt_eval_tokens"]) == (
-        50, 49, 1)  # fmt: skip
+        50,
+        49,
+        1,
+    )
     assert "50 (49 cached, 1 evaluated)" in shown.stderr, shown.stderr
     assert "seed None" not in shown.stderr

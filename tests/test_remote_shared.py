@@ -84,8 +84,9 @@ def test_a_live_choice_read_slowly_holds_a_bounded_queue_and_loses_nothing():
         # Choice 1 waits behind (its answer is behind the flood in the stream), but nothing
         # deadlocks: the live sample of choice 0 reads on, and everything comes, in order.
         answered: list[list[str]] = []
-        reader = threading.Thread(target=lambda: answered.extend(contents(c) for c in second
-                                                                 if c is not None))  # fmt: skip
+        reader = threading.Thread(
+            target=lambda: answered.extend(contents(c) for c in second if c is not None)
+        )
         reader.start()
         assert contents(next(first)) == [""]
         pieces = [text for chunk in first if chunk is not None for text in contents(chunk)]

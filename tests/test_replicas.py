@@ -42,8 +42,11 @@ def doubled(body: dict[str, Any]) -> str:
 def answer_lines(body: dict[str, Any], pieces: int = 3) -> list[str | Step]:
     lines: list[str | Step] = [chunk({"role": "assistant", "content": ""})]
     lines += [chunk({"reasoning_content": f"step {k}. "}) for k in range(pieces)]
-    lines += [chunk({"content": f"So $\\boxed{{{doubled(body)}}}$."}), chunk({}, "stop"),
-              data("[DONE]")]  # fmt: skip
+    lines += [
+        chunk({"content": f"So $\\boxed{{{doubled(body)}}}$."}),
+        chunk({}, "stop"),
+        data("[DONE]"),
+    ]
     return lines
 
 
@@ -55,8 +58,17 @@ def problems_file(tmp_path: Path, n: int) -> Path:
 
 def solve_file(urls: list[str], path: Path, *extra: str, **kwargs: Any) -> Any:
     backends = [arg for url in urls for arg in ("--backend", url)]
-    return run_phi4("solve", "-f", str(path), *backends, "-m", "phi4-mini-reasoning",
-                    "--no-instruction", *extra, **kwargs)  # fmt: skip
+    return run_phi4(
+        "solve",
+        "-f",
+        str(path),
+        *backends,
+        "-m",
+        "phi4-mini-reasoning",
+        "--no-instruction",
+        *extra,
+        **kwargs,
+    )
 
 
 class Gate:
@@ -107,8 +119,9 @@ def test_sixteen_problems_are_asked_at_once_and_printed_in_order(tmp_path: Path)
 def test_backend_concurrency_bounds_the_requests_at_once(tmp_path: Path):
     gate = Gate(3)
     with scripted_server(gated(gate)) as server:
-        result = solve_file([server.url], problems_file(tmp_path, 9), "--answer-only",
-                            "--backend-concurrency", "3")  # fmt: skip
+        result = solve_file(
+            [server.url], problems_file(tmp_path, 9), "--answer-only", "--backend-concurrency", "3"
+        )
     assert result.returncode == 0, result.stderr
     assert gate.peak == 3
     assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 10)]
@@ -132,8 +145,13 @@ def test_backend_concurrency_from_the_environment_and_its_bad_value(tmp_path: Pa
 def test_two_replicas_share_the_work_and_the_summary_says_how(tmp_path: Path):
     gates = [Gate(4), Gate(4)]
     with scripted_server(gated(gates[0])) as a, scripted_server(gated(gates[1])) as b:
-        result = solve_file([a.url, b.url], problems_file(tmp_path, 16), "--answer-only",
-                            "--backend-concurrency", "4")  # fmt: skip
+        result = solve_file(
+            [a.url, b.url],
+            problems_file(tmp_path, 16),
+            "--answer-only",
+            "--backend-concurrency",
+            "4",
+        )
         assert result.returncode == 0, result.stderr
         assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 17)]
         assert len(a.bodies) + len(b.bodies) == 16, "each problem asked once"
@@ -149,8 +167,9 @@ def test_replicas_from_the_config_file(tmp_path: Path, phi4_home: Path):
         config = phi4_home / "config" / "config.toml"
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(f'backends = ["{a.url}", "{b.url}"]\nbackend_concurrency = 2\n')
-        result = run_phi4("solve", "-f", str(problems_file(tmp_path, 8)), "-a",
-                          "-m", "phi4-mini-reasoning")  # fmt: skip
+        result = run_phi4(
+            "solve", "-f", str(problems_file(tmp_path, 8)), "-a", "-m", "phi4-mini-reasoning"
+        )
         assert result.returncode == 0, result.stderr
         assert len(a.bodies) + len(b.bodies) == 8 and a.bodies and b.bodies
 
@@ -174,8 +193,7 @@ def test_a_replica_that_refuses_connections_costs_nothing(tmp_path: Path):
 def test_a_replica_that_never_takes_the_connection_costs_its_timeout_once(tmp_path: Path):
     with never_accepting(backlog_full=True) as stuck, scripted_server(answer_lines) as good:
         env = {**os.environ, "PHI4_BACKEND_TIMEOUT": "2s"}
-        result = solve_file([stuck, good.url], problems_file(tmp_path, 6), "--answer-only",
-                            env=env)  # fmt: skip
+        result = solve_file([stuck, good.url], problems_file(tmp_path, 6), "--answer-only", env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 7)]
 
@@ -228,8 +246,9 @@ def test_a_stream_cut_mid_answer_of_one_question_is_not_shown_twice():
         yield from [chunk({"content": "So far"}), Step(drop=True)]
 
     with scripted_server(cut) as a, scripted_server(answer_lines) as b:
-        result = run_phi4("solve", "What is 1+1?", "--backend", a.url, "--backend", b.url,
-                          "-m", "phi4-mini")  # fmt: skip
+        result = run_phi4(
+            "solve", "What is 1+1?", "--backend", a.url, "--backend", b.url, "-m", "phi4-mini"
+        )
     assert result.returncode == 5
     assert "the backend closed the stream before the answer was complete" in result.stderr
     assert result.stdout.count("So far") <= 1 and "\\boxed" not in result.stdout
@@ -253,8 +272,9 @@ def test_429_and_503_slow_the_client_and_every_problem_is_answered(tmp_path: Pat
         return list(answer_lines(body))
 
     with scripted_server(busy_at_first) as server:
-        result = solve_file([server.url], problems_file(tmp_path, 8), "--answer-only",
-                            "--backend-concurrency", "4")  # fmt: skip
+        result = solve_file(
+            [server.url], problems_file(tmp_path, 8), "--answer-only", "--backend-concurrency", "4"
+        )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [str(2 * i) for i in range(1, 9)]
     assert refused == {"429": 3, "503": 2}
@@ -319,24 +339,29 @@ def test_status_shows_each_replicas_load_from_its_metrics():
     scrapes = itertools.count()
 
     def llama_server() -> str:
-        return ("# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 3\n"
-                "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 1\n"
-                "# TYPE llamacpp:tokens_predicted_total counter\n"
-                f"llamacpp:tokens_predicted_total {1000 + 40 * next(scrapes)}\n")  # fmt: skip
+        return (
+            "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 3\n"
+            "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 1\n"
+            "# TYPE llamacpp:tokens_predicted_total counter\n"
+            f"llamacpp:tokens_predicted_total {1000 + 40 * next(scrapes)}\n"
+        )
 
     def vllm() -> str:
-        return ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{m="a"} 0\n'
-                "# TYPE vllm:request_success counter\n"
-                'vllm:request_success_total{finished_reason="stop"} 5\n'
-                'vllm:request_success_total{finished_reason="length"} 2\n')  # fmt: skip
+        return (
+            '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{m="a"} 0\n'
+            "# TYPE vllm:request_success counter\n"
+            'vllm:request_success_total{finished_reason="stop"} 5\n'
+            'vllm:request_success_total{finished_reason="length"} 2\n'
+        )
 
     with (
         scripted_server(answer_lines, metrics=llama_server) as a,
         scripted_server(answer_lines, metrics=vllm) as b,
         scripted_server(answer_lines) as bare,
     ):
-        result = run_phi4("status", "--backend", a.url, "--backend", b.url, "--backend",
-                          bare.url, "--json")  # fmt: skip
+        result = run_phi4(
+            "status", "--backend", a.url, "--backend", b.url, "--backend", bare.url, "--json"
+        )
         shown = run_phi4("status", "--backend", a.url, "--backend", b.url, "--backend", bare.url)
     assert result.returncode == 0, result.stderr
     first, second, third = json.loads(result.stdout)["replicas"]
@@ -386,10 +411,29 @@ def test_killing_one_of_two_real_engines_mid_run_loses_no_problem(
     path = tmp_path / "forty.txt"
     path.write_text("".join(f"What is {i}*13?\n" for i in range(1, 41)))
     proc = subprocess.Popen(
-        [PHI4, "solve", "-f", str(path), "--jsonl", "--backend", victim_url, "--backend",
-         survivor_url, "-m", "tiny", "-t", "0", "-n", "24", "--backend-concurrency", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            PHI4,
+            "solve",
+            "-f",
+            str(path),
+            "--jsonl",
+            "--backend",
+            victim_url,
+            "--backend",
+            survivor_url,
+            "-m",
+            "tiny",
+            "-t",
+            "0",
+            "-n",
+            "24",
+            "--backend-concurrency",
+            "4",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and proc.stderr is not None
     errors: list[str] = []
     reader = threading.Thread(target=lambda: errors.append(proc.stderr.read()))  # type: ignore[union-attr]
@@ -448,8 +492,12 @@ def test_phi4_serve_as_a_replica_decodes_concurrent_requests_together(
 ):
     from tests.test_http_api import start_server
 
-    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--parallel", "4",
-                    "--n-ctx", "8192").returncode == 0  # fmt: skip
+    assert (
+        run_phi4(
+            "daemon", "start", "-m", str(tiny_model), "--parallel", "4", "--n-ctx", "8192"
+        ).returncode
+        == 0
+    )
     proc, url = start_server(tiny_model)
     try:
         path = tmp_path / "eight.txt"
@@ -458,9 +506,24 @@ def test_phi4_serve_as_a_replica_decodes_concurrent_requests_together(
         # 64 KiB (eight 1,500-token records), and the run would wait on it for ever.
         with open(tmp_path / "out", "w") as out_file, open(tmp_path / "err", "w") as err_file:
             run = subprocess.Popen(
-                [PHI4, "solve", "-f", str(path), "--jsonl", "--backend", f"{url}/v1", "-m",
-                 "tiny-phi3", "-t", "0", "-n", "1500"], stdout=out_file, stderr=err_file,
-            )  # fmt: skip
+                [
+                    PHI4,
+                    "solve",
+                    "-f",
+                    str(path),
+                    "--jsonl",
+                    "--backend",
+                    f"{url}/v1",
+                    "-m",
+                    "tiny-phi3",
+                    "-t",
+                    "0",
+                    "-n",
+                    "1500",
+                ],
+                stdout=out_file,
+                stderr=err_file,
+            )
         most = 0
         while run.poll() is None:
             status = json.loads(run_phi4("status", "--json").stdout or "{}")
@@ -493,8 +556,12 @@ def test_a_client_that_hangs_up_on_phi4_serve_cancels_its_request(
 
     assert run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "8192").returncode == 0
     proc, url = start_server(tiny_model)
-    body = {"model": "default", "max_tokens": 8000, "temperature": 0,
-            "messages": [{"role": "user", "content": "Count to a million."}]}  # fmt: skip
+    body = {
+        "model": "default",
+        "max_tokens": 8000,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Count to a million."}],
+    }
 
     def errors() -> dict[str, int]:
         status = json.loads(run_phi4("status", "--json").stdout or "{}")
@@ -513,7 +580,7 @@ def test_a_client_that_hangs_up_on_phi4_serve_cancels_its_request(
             httpx.Client(timeout=60) as client,
             client.stream(
                 "POST", f"{url}/v1/chat/completions", json={**body, "stream": True}
-            ) as response,  # fmt: skip
+            ) as response,
         ):
             assert response.status_code == 200
             next(response.iter_lines())  # the answer has begun; now hang up
@@ -552,8 +619,7 @@ def _broken(kind: str) -> Any:
     def script(_body: dict[str, Any]) -> list[str | Step | Head]:
         if kind == "500":
             return [Head(500), '{"error": {"message": "internal server error"}}']
-        return [chunk({"role": "assistant", "content": ""}), "data: {not json\n\n",
-                data("[DONE]")]  # fmt: skip
+        return [chunk({"role": "assistant", "content": ""}), "data: {not json\n\n", data("[DONE]")]
 
     return script
 
@@ -563,8 +629,9 @@ def _broken(kind: str) -> Any:
 @pytest.mark.daemon
 def test_a_replica_up_but_broken_hands_every_problem_to_the_healthy_one(kind: str, tmp_path: Path):
     with scripted_server(_broken(kind)) as broken, scripted_server(answer_lines) as good:
-        result = solve_file([broken.url, good.url], problems_file(tmp_path, 20), "--jsonl",
-                            "--verbose", timeout=240)  # fmt: skip
+        result = solve_file(
+            [broken.url, good.url], problems_file(tmp_path, 20), "--jsonl", "--verbose", timeout=240
+        )
         asked = [question_of(b) for b in broken.bodies]
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]

@@ -60,16 +60,24 @@ def requests(draw: st.DrawFn) -> tuple[str, SolveParams]:
         ask=draw(ASKS),
         model=draw(st.one_of(st.none(), st.just("/models/m.gguf"))),
         keep_alive=draw(st.one_of(st.none(), st.sampled_from([0.0, 90.0, -1.0]))),
-        priority=PRIORITY_INTERACTIVE if op == Op.CHAT else draw(st.sampled_from(
-            sorted(PRIORITIES.values()))),
+        priority=PRIORITY_INTERACTIVE
+        if op == Op.CHAT
+        else draw(st.sampled_from(sorted(PRIORITIES.values()))),
         session="s1" if op == Op.CHAT else None,
-        history=tuple(message for question, answer in turns if op == Op.CHAT for message in (
-            {"role": "user", "content": question}, {"role": "assistant", "content": answer})),
+        history=tuple(
+            message
+            for question, answer in turns
+            if op == Op.CHAT
+            for message in (
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": answer},
+            )
+        ),
         confidence=draw(st.booleans()) or floor is not None,
         confidence_floor=floor,
         logprobs=draw(st.one_of(st.none(), st.integers(0, MAX_TOP_LOGPROBS))),
         sample_group=draw(st.one_of(st.none(), st.integers(0, 10))),
-    )  # fmt: skip
+    )
     return op, params
 
 
@@ -86,8 +94,9 @@ def test_the_wire_form_reads_back_as_the_request_whatever_the_daemon_defaults(
 
 
 def test_a_load_reads_back_as_a_load():
-    load = SolveParams("", model="/models/m.gguf", keep_alive=60.0, load_only=True,
-                       priority=PRIORITY_INTERACTIVE)  # fmt: skip
+    load = SolveParams(
+        "", model="/models/m.gguf", keep_alive=60.0, load_only=True, priority=PRIORITY_INTERACTIVE
+    )
     assert to_wire(Op.LOAD, load) == {"model": "/models/m.gguf", "keep_alive": 60.0}
     assert parse_params(Op.LOAD, to_wire(Op.LOAD, load), Ask()) == load
 
@@ -97,8 +106,9 @@ def test_what_a_request_does_not_say_is_the_daemons_setting():
     params = parse_params(Op.SOLVE, {"prompt": "2+2", "top_p": 0.5}, daemon)
     assert params.ask == daemon._replace(top_p=0.5)
     # A null takes the daemon's where the row cannot be None, and is None where it can.
-    nulls = parse_params(Op.SOLVE, {"prompt": "2+2", "temperature": None, "seed": None,
-                                    "think_budget": None}, daemon)  # fmt: skip
+    nulls = parse_params(
+        Op.SOLVE, {"prompt": "2+2", "temperature": None, "seed": None, "think_budget": None}, daemon
+    )
     assert (nulls.ask.temperature, nulls.ask.seed, nulls.ask.think_budget) == (0.2, None, None)
 
 

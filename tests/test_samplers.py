@@ -20,8 +20,9 @@ QUESTION = "Explain step by step how to compute 17*23."
 
 def answer(model: Path, *args: str, env: dict[str, str] | None = None) -> str:
     """The whole text of one deterministic answer (the same whatever ran before)."""
-    result = run_phi4("solve", QUESTION, "-m", str(model), "-n", "24", "--deterministic",
-                      "--json", *args, env=env)  # fmt: skip
+    result = run_phi4(
+        "solve", QUESTION, "-m", str(model), "-n", "24", "--deterministic", "--json", *args, env=env
+    )
     assert result.returncode in (0, 1), result.stderr
     record = json.loads(result.stdout)
     assert record["stats"]["completion_tokens"] > 0, record
@@ -51,8 +52,10 @@ def test_each_sampler_changes_the_daemons_answer_however_it_is_set(tiny_model: P
     assert answer(tiny_model, "-t", "1.5", "--seed", "3", "--min-p", "0", "--top-k", "1") == greedy
     hot = answer(tiny_model, "-t", "1.5", "--seed", "3", "--min-p", "0")
     assert hot != greedy, "without it the hot answer is not the greedy one"
-    assert answer(tiny_model, "-t", "1.5", "--seed", "3", "--min-p", "0",
-                  env={"PHI4_TOP_K": "1"}) == greedy  # fmt: skip
+    assert (
+        answer(tiny_model, "-t", "1.5", "--seed", "3", "--min-p", "0", env={"PHI4_TOP_K": "1"})
+        == greedy
+    )
 
 
 @pytest.mark.daemon
@@ -81,15 +84,32 @@ def test_a_remote_server_is_sent_the_samplers_under_its_names_only_when_on(tmp_p
     with scripted_server(script) as server:
         base = ("solve", "2+2?", "--backend", server.url, "-m", "m", "--answer-only")
         assert run_phi4(*base).returncode == 0
-        on = run_phi4(*base, "--min-p", "0.05", "--repeat-penalty", "1.1", "--deterministic",
-                      "--presence-penalty", "0.5", "--frequency-penalty", "-0.25",
-                      "--top-k", "40")  # fmt: skip
+        on = run_phi4(
+            *base,
+            "--min-p",
+            "0.05",
+            "--repeat-penalty",
+            "1.1",
+            "--deterministic",
+            "--presence-penalty",
+            "0.5",
+            "--frequency-penalty",
+            "-0.25",
+            "--top-k",
+            "40",
+        )
         assert on.returncode == 0, on.stderr
         plain, sent = server.bodies
     # phi4's own deterministic is not sent: a strict server (OpenAI's) refuses what it lacks.
     assert "deterministic" not in sent
-    assert not {"min_p", "repeat_penalty", "repetition_penalty", "presence_penalty",
-                "frequency_penalty", "top_k"} & set(plain), plain  # fmt: skip
+    assert not {
+        "min_p",
+        "repeat_penalty",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "top_k",
+    } & set(plain), plain
     assert sent["top_k"] == 40, "a top_k given is sent; unset, the server keeps its own"
     assert (sent["min_p"], sent["repeat_penalty"], sent["repetition_penalty"]) == (0.05, 1.1, 1.1)
     assert (sent["presence_penalty"], sent["frequency_penalty"]) == (0.5, -0.25)
@@ -99,8 +119,11 @@ def test_a_remote_server_is_sent_the_samplers_under_its_names_only_when_on(tmp_p
 def test_phi4_serve_reads_the_samplers_by_their_openai_names_and_checks_them():
     from phi4cli.serve.openai_request import ApiError, chat_params
 
-    body = {"messages": [{"role": "user", "content": "2+2?"}], "min_p": 0.1,
-            "repetition_penalty": 1.2}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "2+2?"}],
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+    }
     params = chat_params(body, "m", Settings()).ask
     assert (params.min_p, params.repeat_penalty) == (0.1, 1.2)
     assert chat_params({**body, "repeat_penalty": 1.3}, "m", Settings()).ask.repeat_penalty == 1.3
@@ -113,16 +136,20 @@ def test_phi4_serve_reads_the_samplers_by_their_openai_names_and_checks_them():
     for bad in (1.5, -2):
         with pytest.raises(ApiError, match=r"'top_k' must be a whole number from -1"):
             chat_params({**body, "top_k": bad}, "m", Settings())
-    penalized = chat_params({**body, "presence_penalty": 1.5, "frequency_penalty": -2}, "m",
-                            Settings()).ask  # fmt: skip
+    penalized = chat_params(
+        {**body, "presence_penalty": 1.5, "frequency_penalty": -2}, "m", Settings()
+    ).ask
     assert (penalized.presence_penalty, penalized.frequency_penalty) == (1.5, -2)
     with pytest.raises(ApiError, match=r"'frequency_penalty' must be a number from -2\.0 to 2"):
         chat_params({**body, "frequency_penalty": 2.5}, "m", Settings())
     # Each refusal names the field as the request spelled it, in the message and in `param`
     # (a found-by-trial gap: a huge max_tokens or a boolean seed came back without `param`).
-    for sent, field in (({"max_tokens": float("inf")}, "max_tokens"), ({"seed": True}, "seed"),
-                        ({"max_completion_tokens": 0}, "max_completion_tokens"),
-                        ({"repetition_penalty": 5}, "repetition_penalty")):  # fmt: skip
+    for sent, field in (
+        ({"max_tokens": float("inf")}, "max_tokens"),
+        ({"seed": True}, "seed"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"repetition_penalty": 5}, "repetition_penalty"),
+    ):
         with pytest.raises(ApiError) as caught:
             chat_params({**body, "repeat_penalty": None, **sent}, "m", Settings())
         assert caught.value.param == field and caught.value.message.startswith(f"'{field}' must")
@@ -138,8 +165,14 @@ def test_the_daemon_checks_the_samplers_and_takes_its_defaults():
     sent = parse_solve_params({"prompt": "x", "min_p": 0, "repeat_penalty": 1}, defaults)
     assert (sent.ask.min_p, sent.ask.repeat_penalty) == (0.0, 1.0)
     # A penalty of 0 would divide logits by 0 (llama.cpp wants it above 0): 0.5 at least.
-    for bad in ({"min_p": -0.1}, {"min_p": "0.1"}, {"repeat_penalty": 3}, {"repeat_penalty": True},
-                {"repeat_penalty": 0}, {"repeat_penalty": 0.4}):  # fmt: skip
+    for bad in (
+        {"min_p": -0.1},
+        {"min_p": "0.1"},
+        {"repeat_penalty": 3},
+        {"repeat_penalty": True},
+        {"repeat_penalty": 0},
+        {"repeat_penalty": 0.4},
+    ):
         with pytest.raises(ProtocolViolation, match=f"'{next(iter(bad))}'"):
             parse_solve_params({"prompt": "x", **bad}, defaults)
 

@@ -42,8 +42,21 @@ def takes_n(body: dict[str, Any]) -> Iterator[str | Step]:
 
 def test_samples_go_as_one_request_with_n_and_vote_as_before():
     with scripted_server(takes_n) as server:
-        done = run_phi4("solve", "What is 2+2?", "--samples", "4", "--all", "--backend",
-                        server.url, "-m", "m", "--seed", "7", "--json", timeout=100)  # fmt: skip
+        done = run_phi4(
+            "solve",
+            "What is 2+2?",
+            "--samples",
+            "4",
+            "--all",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "--seed",
+            "7",
+            "--json",
+            timeout=100,
+        )
     assert done.returncode == 0, done.stderr
     (body,) = server.bodies
     assert body["n"] == 4 and body["seed"] == 7, body  # choice i is seed 7 + i, as phi4 serve's
@@ -65,19 +78,34 @@ def answers_one_choice(body: dict[str, Any]) -> Iterator[str | Step]:
     return choices_answering(["4"])  # whatever n says
 
 
-@pytest.mark.parametrize("server_script", [refuses_n, answers_one_choice],
-                         ids=["refuses", "ignores"])  # fmt: skip
+@pytest.mark.parametrize(
+    "server_script", [refuses_n, answers_one_choice], ids=["refuses", "ignores"]
+)
 def test_an_engine_that_does_not_take_n_gets_each_sample_alone_and_is_not_asked_again(
     server_script: Any, tmp_path: Path
 ):
     problems = tmp_path / "two.jsonl"
-    problems.write_text('{"problem": "What is 2+2?", "answer": "4"}\n'
-                        '{"problem": "What is 1+3?", "answer": "4"}\n')  # fmt: skip
+    problems.write_text(
+        '{"problem": "What is 2+2?", "answer": "4"}\n{"problem": "What is 1+3?", "answer": "4"}\n'
+    )
     results = tmp_path / "results.jsonl"
     with scripted_server(server_script) as server:
-        done = run_phi4("eval", str(problems), "-k", "3", "--all", "--backend", server.url,
-                        "-m", "m", "--backend-concurrency", "3", "-o", str(results),
-                        timeout=100)  # fmt: skip
+        done = run_phi4(
+            "eval",
+            str(problems),
+            "-k",
+            "3",
+            "--all",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "--backend-concurrency",
+            "3",
+            "-o",
+            str(results),
+            timeout=100,
+        )
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["status"] for r in records] == ["correct", "correct"]
@@ -108,8 +136,18 @@ def test_an_early_stop_hangs_the_shared_request_up():
     # Without a max_tokens the slow choices stream for ever: the run ends only because the
     # vote, settled by the first four, hangs the shared request up.
     with scripted_server(fast_and_endless) as server:
-        done = run_phi4("solve", "What is 2+2?", "--samples", "8", "--backend", server.url,
-                        "-m", "m", "--json", timeout=100)  # fmt: skip
+        done = run_phi4(
+            "solve",
+            "What is 2+2?",
+            "--samples",
+            "8",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "--json",
+            timeout=100,
+        )
     assert done.returncode == 0, done.stderr
     (body,) = server.bodies
     assert body["n"] == 8
@@ -133,9 +171,24 @@ def test_phi4_with_phi4_serve_asks_for_the_samples_in_one_request(tiny_model: Pa
             return found.get("requests", 0.0), found.get("choices", 0.0)
 
         before = counts()
-        done = run_phi4("solve", "What is 12*13?", "--samples", "4", "--all", "--backend",
-                        f"{url}/v1", "-m", "tiny-phi3", "-n", "8", "--seed", "3", "--loop", "off",
-                        "--json")  # fmt: skip
+        done = run_phi4(
+            "solve",
+            "What is 12*13?",
+            "--samples",
+            "4",
+            "--all",
+            "--backend",
+            f"{url}/v1",
+            "-m",
+            "tiny-phi3",
+            "-n",
+            "8",
+            "--seed",
+            "3",
+            "--loop",
+            "off",
+            "--json",
+        )
         after = counts()
     finally:
         proc.send_signal(signal.SIGINT)
@@ -178,8 +231,9 @@ def test_a_choice_whose_sample_left_is_dropped_not_buffered():
     from tests.test_remote_backend import _solve_measured
 
     with scripted_server(floods_a_left_choice) as server:
-        done, rss_kib = _solve_measured(server.url, "--samples", "2", "--all", "-n", "50",
-                                        "--json", env={})  # fmt: skip
+        done, rss_kib = _solve_measured(
+            server.url, "--samples", "2", "--all", "-n", "50", "--json", env={}
+        )
     assert "Traceback" not in done.stderr and "internal error" not in done.stderr, done.stderr
     (body,) = server.bodies
     assert body["n"] == 2

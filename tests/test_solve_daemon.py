@@ -248,8 +248,18 @@ def test_smollm2_greedy_answers_two_plus_two(smollm2_model: Path):
     # Sized to what the model writes: without the step-by-step instruction SmolLM2's greedy
     # answer is one sentence ("The answer to this classic math problem is 4.", 12 tokens); with
     # it, 48 tokens were once cut before the 4.
-    result = run_phi4("solve", "What is 2+2?", "-m", "smollm2-135m", "-t", "0", "-n", "64",
-                      "--no-instruction", "--json")  # fmt: skip
+    result = run_phi4(
+        "solve",
+        "What is 2+2?",
+        "-m",
+        "smollm2-135m",
+        "-t",
+        "0",
+        "-n",
+        "64",
+        "--no-instruction",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
     assert record["stats"]["finish_reason"] == "stop", "the answer ended by itself, not cut"
@@ -294,16 +304,27 @@ def test_question_from_stdin_only_when_asked(tiny_model: Path, tmp_path: Path):
     questions = tmp_path / "q.txt"
     questions.write_text("What is 1+1?\nWhat is 2+2?\nWhat is 3+3?\n")
     loop = subprocess.run(
-        ["bash", "-c", f'while read -r q; do {PHI4} solve "$q" -m {tiny_model} -n 2 --json '
-                       f"| {sys.executable} -c 'import json, sys; "
-                       f"print(json.dumps(json.load(sys.stdin)[\"question\"]))'; "
-                       f"done < {questions}"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            "bash",
+            "-c",
+            f'while read -r q; do {PHI4} solve "$q" -m {tiny_model} -n 2 --json '
+            f"| {sys.executable} -c 'import json, sys; "
+            f'print(json.dumps(json.load(sys.stdin)["question"]))\'; '
+            f"done < {questions}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert loop.stdout.splitlines() == ['"What is 1+1?"', '"What is 2+2?"', '"What is 3+3?"']
     # Before, this waited for the end of input, though the question is an argument.
-    with subprocess.Popen([PHI4, *solve_args(tiny_model, "-n", "2")], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, text=True) as never_closed:  # fmt: skip
+    with subprocess.Popen(
+        [PHI4, *solve_args(tiny_model, "-n", "2")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as never_closed:
         assert never_closed.stdout is not None
         assert never_closed.wait(timeout=30) == 0
         assert never_closed.stdout.read()
@@ -412,8 +433,13 @@ def test_another_uid_is_refused_even_if_the_socket_is_reachable(tiny_model: Path
     )
     connected = subprocess.run(
         [python, "-c", client, str(phi4_home / "run" / "daemon.sock")],
-        user=65534, group=65534, capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
+        user=65534,
+        group=65534,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert connected.stdout, connected.stderr
     event = json.loads(connected.stdout)
     assert event["event"] == "error" and event["code"] == "forbidden", event
@@ -579,15 +605,32 @@ def test_phi4_stop_during_a_file_loses_no_problem(
 ):
     # Before: 4 records came out of 40, the rest got nothing, "the daemon stopped twice": the
     # retry on a fresh daemon never sent anything.
-    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--parallel", "1",
-                    "--n-ctx", "1024").returncode == 0  # fmt: skip
+    assert (
+        run_phi4(
+            "daemon", "start", "-m", str(tiny_model), "--parallel", "1", "--n-ctx", "1024"
+        ).returncode
+        == 0
+    )
     problems = tmp_path / "p.txt"
     problems.write_text("".join(f"Problem {i}: count.\n" for i in range(12)))
     proc = subprocess.Popen(
-        [PHI4, "solve", "-f", str(problems), "--jsonl", "-m", str(tiny_model), "-n", "300",
-         "-t", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            PHI4,
+            "solve",
+            "-f",
+            str(problems),
+            "--jsonl",
+            "-m",
+            str(tiny_model),
+            "-n",
+            "300",
+            "-t",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     first = proc.stdout.readline()  # one answered: the others are running or queued
     assert run_phi4("stop").returncode == 0
@@ -605,13 +648,20 @@ def test_phi4_stop_during_a_file_loses_no_problem(
 
 def test_a_queued_solve_survives_phi4_stop(tiny_model: Path, phi4_home: Path):
     assert run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "4096").returncode == 0
-    long = subprocess.Popen([PHI4, "solve", "Count.", "-m", str(tiny_model), "-n", "3000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    long = subprocess.Popen(
+        [PHI4, "solve", "Count.", "-m", str(tiny_model), "-n", "3000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert long.stdout is not None
     long.stdout.read(1)  # it is answering, and its reservation leaves no room for the next
-    queued = subprocess.Popen([PHI4, "solve", "Wait.", "-m", str(tiny_model), "-n", "1500",
-                               "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)  # fmt: skip
+    queued = subprocess.Popen(
+        [PHI4, "solve", "Wait.", "-m", str(tiny_model), "-n", "1500", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 20
     while not (json.loads(run_phi4("status", "--json").stdout).get("waiting")):
         assert time.monotonic() < deadline, "the second solve never queued"
@@ -631,9 +681,16 @@ def test_a_frozen_daemon_is_reported_and_stop_kills_it(tiny_model: Path, phi4_ho
     os.kill(pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        checks = [subprocess.Popen([PHI4, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   stdin=subprocess.DEVNULL, text=True)
-                  for args in (["status"], solve_args(tiny_model, "-n", "2"))]  # fmt: skip
+        checks = [
+            subprocess.Popen(
+                [PHI4, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                text=True,
+            )
+            for args in (["status"], solve_args(tiny_model, "-n", "2"))
+        ]
         for check in checks:
             _out, err = check.communicate(timeout=60)
             assert check.returncode == 3, err
@@ -655,9 +712,18 @@ def test_stop_signals_no_process_named_by_a_planted_status_file(phi4_home: Path)
     run = phi4_home / "run"
     try:
         with holding_daemon_lock(run):
-            (run / "daemon.json").write_text(json.dumps(
-                {"pid": victim.pid, "socket": str(run / "daemon.sock"), "protocol": 1,
-                 "state": "ready", "model": None, "started_at": 0}))  # fmt: skip
+            (run / "daemon.json").write_text(
+                json.dumps(
+                    {
+                        "pid": victim.pid,
+                        "socket": str(run / "daemon.sock"),
+                        "protocol": 1,
+                        "state": "ready",
+                        "model": None,
+                        "started_at": 0,
+                    }
+                )
+            )
             result = run_phi4("stop")
             assert result.returncode == 3
             assert f"pid {victim.pid} in {run / 'daemon.json'} is not a phi4 daemon" in (
@@ -704,14 +770,18 @@ def test_another_users_socket_gets_no_question(tiny_model: Path, tmp_path: Path,
     log.chmod(0o666)
     if owner == "attacker":
         os.chown(run, 65534, 65534)  # the attacker made the directory
-    forger = subprocess.Popen([sys.executable, "-c", FORGER, str(run / "daemon.sock"), str(log)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    forger = subprocess.Popen(
+        [sys.executable, "-c", FORGER, str(run / "daemon.sock"), str(log)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert forger.stdout is not None and forger.stdout.readline().strip() == "listening"
         if owner == "victim":
             run.chmod(0o700)  # ours, private: only the socket in it is the attacker's
-        result = run_phi4("solve", "my secret question", "-m", str(tiny_model),
-                          env={"PHI4_HOME": str(home)})  # fmt: skip
+        result = run_phi4(
+            "solve", "my secret question", "-m", str(tiny_model), env={"PHI4_HOME": str(home)}
+        )
         assert result.returncode == 3, result.stderr
         assert "forged" not in result.stdout
         expected = "is not a directory of yours" if owner == "attacker" else "another user's"
@@ -725,12 +795,19 @@ def test_another_users_socket_gets_no_question(tiny_model: Path, tmp_path: Path,
 
 def test_eval_through_the_daemon_resumes_after_an_interruption(tiny_model: Path, tmp_path: Path):
     problems = tmp_path / "set.jsonl"
-    problems.write_text("".join(json.dumps({"problem": f"Count to {n}.", "answer": str(n)}) + "\n"
-                                for n in range(1, 7)))  # fmt: skip
+    problems.write_text(
+        "".join(
+            json.dumps({"problem": f"Count to {n}.", "answer": str(n)}) + "\n" for n in range(1, 7)
+        )
+    )
     results = tmp_path / "out.jsonl"
     args = [PHI4, "eval", str(problems), "-m", str(tiny_model), "-n", "400", "-o", str(results)]
-    assert run_phi4("daemon", "start", "-m", str(tiny_model), "--parallel", "1",
-                    "--n-ctx", "1024").returncode == 0  # fmt: skip
+    assert (
+        run_phi4(
+            "daemon", "start", "-m", str(tiny_model), "--parallel", "1", "--n-ctx", "1024"
+        ).returncode
+        == 0
+    )
     first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not results.exists() or not results.read_text().strip():
@@ -754,17 +831,25 @@ def test_eval_through_the_daemon_resumes_after_an_interruption(tiny_model: Path,
 @pytest.mark.smollm2
 def test_eval_with_smollm2_prints_the_table(smollm2_model: Path, tmp_path: Path):
     problems = tmp_path / "quiz.jsonl"
-    problems.write_text('{"problem": "What is 2+2?", "answer": "4"}\n'
-                        '{"problem": "What is 3+5?", "answer": "8"}\n')  # fmt: skip
+    problems.write_text(
+        '{"problem": "What is 2+2?", "answer": "4"}\n{"problem": "What is 3+5?", "answer": "8"}\n'
+    )
     result = run_phi4("eval", str(problems), "-m", str(smollm2_model), "-t", "0", "-n", "64")
     assert result.returncode == 0, result.stderr
-    counts = {label: int(count) for label, count in
-              re.findall(r"^(problems|correct|wrong|no answer|truncated|errors) +(\d+)",
-                         result.stdout, re.MULTILINE)}  # fmt: skip
+    counts = {
+        label: int(count)
+        for label, count in re.findall(
+            r"^(problems|correct|wrong|no answer|truncated|errors) +(\d+)",
+            result.stdout,
+            re.MULTILINE,
+        )
+    }
     assert counts["problems"] == 2
     assert sum(counts[k] for k in ("correct", "wrong", "no answer", "truncated", "errors")) == 2
-    records = [json.loads(line) for line in
-               (tmp_path / "quiz.jsonl.results.jsonl").read_text().splitlines()]  # fmt: skip
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "quiz.jsonl.results.jsonl").read_text().splitlines()
+    ]
     assert sorted(r["line"] for r in records) == [1, 2]
     assert all(r["status"] in ("correct", "wrong", "no_answer", "truncated") for r in records)
 

@@ -187,8 +187,7 @@ def test_acceptance_counts_a_window_of_drafts():
 
 def _answers(model: Path, mode: str) -> list[tuple[str, Stats]]:
     """Two requests at once, sampled with seeds, on a model that thinks in a loop."""
-    engine = LlamaEngine(Settings(n_ctx=4096, threads=1, ramdisk="off", parallel=2,
-                                  speculate=mode))  # fmt: skip
+    engine = LlamaEngine(Settings(n_ctx=4096, threads=1, ramdisk="off", parallel=2, speculate=mode))
     engine.load(model)
     try:
         texts: dict[int, list[str]] = {1: [], 2: []}
@@ -220,8 +219,10 @@ def test_a_looping_answer_drafts_and_draws_the_same_text(tmp_path: Path):
     assert [text for text, _ in drafted] == [text for text, _ in plain]
     assert all(len(text) > 100 for text, _ in plain)
     assert all(stats.draft_accepted > 0 for _, stats in drafted), drafted
-    assert all(s.completion_tokens == p.completion_tokens
-               for (_, s), (_, p) in zip(drafted, plain, strict=True))  # fmt: skip
+    assert all(
+        s.completion_tokens == p.completion_tokens
+        for (_, s), (_, p) in zip(drafted, plain, strict=True)
+    )
     assert all(stats.draft_tokens == 0 for _, stats in plain)
 
 
@@ -231,8 +232,18 @@ QUESTION = "Count from one to thirty in words, one number per line."
 
 
 def _solve(model: Path, mode: str, *extra: str) -> tuple[str, dict[str, Any]]:
-    done = run_phi4("solve", QUESTION, "-m", str(model), "-n", "160", "--json", *extra,
-                    env={"PHI4_SPECULATE": mode}, timeout=300)  # fmt: skip
+    done = run_phi4(
+        "solve",
+        QUESTION,
+        "-m",
+        str(model),
+        "-n",
+        "160",
+        "--json",
+        *extra,
+        env={"PHI4_SPECULATE": mode},
+        timeout=300,
+    )
     assert done.returncode in (0, 1), done.stderr  # (SmolLM2 may state no boxed answer)
     reply = json.loads(done.stdout)
     return reply["answer"], reply["stats"]

@@ -18,14 +18,21 @@ from phi4cli.daemon import statefile
 from phi4cli.daemon.statefile import StateDirError, StateFileError
 from tests.conftest import both_kv_layouts, run_phi4
 
-IDENTITY = {"model_path": "/m/a.gguf", "model_bytes": 1234, "n_ctx": 1024, "kv_layout": "shared",
-            "slots": 4, "flash_attn": "auto"}  # fmt: skip
+IDENTITY = {
+    "model_path": "/m/a.gguf",
+    "model_bytes": 1234,
+    "n_ctx": 1024,
+    "kv_layout": "shared",
+    "slots": 4,
+    "flash_attn": "auto",
+}
 TOKENS = [1, 32010, 450, 29871, 7]
 PAYLOAD = bytes(range(256)) * 40
 
 
-def _file(identity: dict[str, Any] = IDENTITY, tokens: list[int] = TOKENS,
-          payload: bytes = PAYLOAD) -> bytes:  # fmt: skip
+def _file(
+    identity: dict[str, Any] = IDENTITY, tokens: list[int] = TOKENS, payload: bytes = PAYLOAD
+) -> bytes:
     return statefile.encode_header(identity, tokens, payload) + payload
 
 
@@ -46,8 +53,13 @@ def _rewrite_header(data: bytes, change: Callable[[dict[str, Any]], None]) -> by
     change(header)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (end - 16 - len(raw))  # JSON may end in blanks
-    return (data[:12] + len(raw).to_bytes(4, "little") + raw
-            + zlib.crc32(raw).to_bytes(4, "little") + data[end + 4 :])  # fmt: skip
+    return (
+        data[:12]
+        + len(raw).to_bytes(4, "little")
+        + raw
+        + zlib.crc32(raw).to_bytes(4, "little")
+        + data[end + 4 :]
+    )
 
 
 def _other_model(header: dict[str, Any]) -> None:
@@ -119,8 +131,11 @@ def test_a_state_file_of_other_tokens_or_another_version_is_refused():
     end = _header_end(not_json)
     raw = b"[" + not_json[17:end]
     with pytest.raises(StateFileError, match="not JSON"):
-        statefile.decode(not_json[:16] + raw + zlib.crc32(raw).to_bytes(4, "little")
-                         + not_json[end + 4 :], IDENTITY, TOKENS)  # fmt: skip
+        statefile.decode(
+            not_json[:16] + raw + zlib.crc32(raw).to_bytes(4, "little") + not_json[end + 4 :],
+            IDENTITY,
+            TOKENS,
+        )
     for field, bad in (("payload_bytes", -1), ("n_tokens", "5"), ("payload_crc32", True)):
         forged = _rewrite_header(_file(), lambda h, f=field, b=bad: h.__setitem__(f, b))
         with pytest.raises(StateFileError, match=f"{field} is not a count"):
@@ -174,11 +189,17 @@ def test_state_files_are_written_private_and_read_only_when_regular_and_ours(tmp
 # --- the real daemon ------------------------------------------------------------------------
 
 
-def _turn(connection: Any, message: str, history: list[dict[str, str]],
-          max_tokens: int) -> tuple[str, dict[str, Any]]:  # fmt: skip
+def _turn(
+    connection: Any, message: str, history: list[dict[str, str]], max_tokens: int
+) -> tuple[str, dict[str, Any]]:
     """One turn of chat "c" over the protocol: return (answer text, stats)."""
-    request = {"session": "c", "message": message, "history": history, "temperature": 0,
-               "max_tokens": max_tokens}  # fmt: skip
+    request = {
+        "session": "c",
+        "message": message,
+        "history": history,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
     events = list(connection.request("chat", request))
     assert events[-1].kind == "done", events[-1]
     text = "".join(e.text for e in events if e.kind == "token")
@@ -187,8 +208,11 @@ def _turn(connection: Any, message: str, history: list[dict[str, str]],
 
 def _solve(connection: Any, max_tokens: int) -> dict[str, Any]:
     """A greedy solve to its last token: return its stats (an error or a cut fails the test)."""
-    events = list(connection.request("solve", {"prompt": "What is 2+2?", "temperature": 0,
-                                               "max_tokens": max_tokens}))  # fmt: skip
+    events = list(
+        connection.request(
+            "solve", {"prompt": "What is 2+2?", "temperature": 0, "max_tokens": max_tokens}
+        )
+    )
     assert events[-1].kind == "done", events[-1]
     return next(e.stats.to_dict() for e in events if e.kind == "stats")
 
@@ -199,8 +223,9 @@ def _evict_chat(socket_path: Path) -> None:
     from phi4cli.engines.daemon_link import DaemonConnection
 
     with DaemonConnection.open(socket_path) as connection:
-        for event in connection.request("solve", {"prompt": "Go on.", "temperature": 0,
-                                                  "max_tokens": 900}):  # fmt: skip
+        for event in connection.request(
+            "solve", {"prompt": "Go on.", "temperature": 0, "max_tokens": 900}
+        ):
             if event.kind == "token" or event.terminal:
                 break
 
@@ -247,8 +272,10 @@ def test_a_damaged_swapped_chat_is_re_read_and_the_daemon_answers_everyone(
     with DaemonConnection.open(socket_path) as chat, DaemonConnection.open(socket_path) as other:
         pid = chat.call("status").result["pid"]
         first, _ = _turn(chat, "Count to ten.", [], 200)
-        history = [{"role": "user", "content": "Count to ten."},
-                   {"role": "assistant", "content": first}]  # fmt: skip
+        history = [
+            {"role": "user", "content": "Count to ten."},
+            {"role": "assistant", "content": first},
+        ]
         second, _ = _turn(chat, "And back?", history, 40)  # from the conversation's cells
 
         # A good file restores (the checks pass what phi4 wrote), and answers the same.
@@ -280,8 +307,9 @@ def test_a_damaged_swapped_chat_is_re_read_and_the_daemon_answers_everyone(
             lines = [line for line in logged if "removed unusable saved state" in line]
             assert reason in lines[-1], (name, lines[-1:])
             # (With one stream, the other client's solve may swap the chat out again: a new file.)
-            swapped_again = any("swapped session c out" in line
-                                for line in logged[logged.index(lines[-1]) :])  # fmt: skip
+            swapped_again = any(
+                "swapped session c out" in line for line in logged[logged.index(lines[-1]) :]
+            )
             assert swapped_again or not os.path.lexists(state), f"{name}: the bad file is removed"
         assert chat.call("status").result["pid"] == pid, "the daemon never went down"
     assert len(lines) == len(CHAT_DAMAGES), "one log line for each bad file"
@@ -311,8 +339,10 @@ def test_a_damaged_saved_system_prompt_state_is_recomputed_at_the_next_start(
     # Real states of another model, and of this model in the other KV layout.
     foreign = {}
     streams = ("--kv-layout", "streams")
-    for name, model, options in (("other_model", tiny_reasoning_model, ()),
-                                 ("other_layout", tiny_model, streams)):  # fmt: skip
+    for name, model, options in (
+        ("other_model", tiny_reasoning_model, ()),
+        ("other_layout", tiny_model, streams),
+    ):
         assert warm(model, *options)["prefill"] == "computed"
         stop()
         (made,) = states.glob("system-*.state")
@@ -337,8 +367,11 @@ def test_a_damaged_saved_system_prompt_state_is_recomputed_at_the_next_start(
         assert warm(tiny_model)["prefill"] == "computed", f"{name}: recomputed at start"
         assert solve() == reference, f"{name}: the answer is as if the state were good"
         stop()
-        lines = [line for line in log.read_text().splitlines()
-                 if f"removed unusable saved state {state}" in line]  # fmt: skip
+        lines = [
+            line
+            for line in log.read_text().splitlines()
+            if f"removed unusable saved state {state}" in line
+        ]
         assert reason in lines[-1], (name, lines[-1:])
         assert state.read_bytes() != damaged, f"{name}: a good state is saved in its place"
     assert len(lines) == len(damages)
@@ -382,11 +415,15 @@ def test_a_real_models_damaged_chat_state_is_re_read(smollm2_model: Path, phi4_h
     with DaemonConnection.open(socket_path) as chat:
         pid = chat.call("status").result["pid"]
         first, _ = _turn(chat, "Write a long story about a cat.", [], 100)
-        history = [{"role": "user", "content": "Write a long story about a cat."},
-                   {"role": "assistant", "content": first}]  # fmt: skip
+        history = [
+            {"role": "user", "content": "Write a long story about a cat."},
+            {"role": "assistant", "content": first},
+        ]
         second, _ = _turn(chat, "Go on.", history, 20)
-        for name, damage in (("half", lambda d: d[: len(d) // 2]),
-                             ("flipped_payload", lambda d: _flip(d, len(d) // 2))):  # fmt: skip
+        for name, damage in (
+            ("half", lambda d: d[: len(d) // 2]),
+            ("flipped_payload", lambda d: _flip(d, len(d) // 2)),
+        ):
             _evict_chat(socket_path)
             (state,) = sessions.glob("session-*.state")
             assert state.stat().st_size > 1 << 20, "a real state: megabytes"

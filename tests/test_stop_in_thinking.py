@@ -28,8 +28,9 @@ def plain_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`phi4 serve` on a model not named as a reasoning model that writes THINKING, a
     ``</think>`` it never opened, and ANSWER."""
     folder = tmp_path_factory.mktemp("models")
-    model = write_text_script_model(folder / "plain-script.gguf", THINKING, ANSWER,
-                                    name="plain-script")  # fmt: skip
+    model = write_text_script_model(
+        folder / "plain-script.gguf", THINKING, ANSWER, name="plain-script"
+    )
     with serving_apart(model) as url:
         yield url
 
@@ -39,10 +40,15 @@ def plain_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_a_stop_string_in_thinking_never_opened_does_not_cut_it_through_serve(plain_server: str):
     # Before: the stop matched in the thinking: the request ended there, the thinking came back
     # as content ("First a "), finish_reason "stop", no reasoning_content.
-    client = openai.OpenAI(base_url=f"{plain_server}/v1", api_key="unused", max_retries=0,
-                           timeout=120)  # fmt: skip
-    asked: dict[str, Any] = {"model": "plain-script", "temperature": 0, "max_tokens": 200,
-                             "messages": [{"role": "user", "content": "What is 3+4?"}]}  # fmt: skip
+    client = openai.OpenAI(
+        base_url=f"{plain_server}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    asked: dict[str, Any] = {
+        "model": "plain-script",
+        "temperature": 0,
+        "max_tokens": 200,
+        "messages": [{"role": "user", "content": "What is 3+4?"}],
+    }
     plain = client.chat.completions.create(**asked)
     said = plain.choices[0].message
     assert said.model_extra is not None

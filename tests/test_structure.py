@@ -37,8 +37,9 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[s
                 parts = parts[: len(parts) - (node.level - 1)]
                 base = ".".join(parts + ([node.module] if node.module else []))
             # `from phi4cli import protocol` imports the module phi4cli.core.protocol.
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
-                       for a in node.names]  # fmt: skip
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
         else:
             continue
         for target in targets:
@@ -110,9 +111,14 @@ def test_no_import_cycle_between_the_rooms():
 # The layers, lowest first (docs/architecture.md's module map): a room imports its own and those
 # below it; rooms on one level (the daemon and the engines) may import each other's modules
 # only where no cycle comes of it (the engines start the daemon through daemon.spawn).
-LAYERS = (("phi4cli.core",), ("phi4cli.text",), ("phi4cli.daemon", "phi4cli.engines"),
-          ("phi4cli.serve",), ("phi4cli.client",),
-          ("phi4cli.entry", "phi4cli.docs", "phi4cli.__main__"))  # fmt: skip
+LAYERS = (
+    ("phi4cli.core",),
+    ("phi4cli.text",),
+    ("phi4cli.daemon", "phi4cli.engines"),
+    ("phi4cli.serve",),
+    ("phi4cli.client",),
+    ("phi4cli.entry", "phi4cli.docs", "phi4cli.__main__"),
+)
 
 
 def test_no_room_imports_one_above_it():
@@ -135,8 +141,10 @@ def test_no_room_imports_one_above_it():
                     upward.append(f"{path.relative_to(ROOT)}:{line}: {module} -> {target}")
     assert upward == []
     # It sees the imports it judges: the client stands on every room below it.
-    assert {("phi4cli.client", room) for room in ("phi4cli.core", "phi4cli.text",
-            "phi4cli.engines", "phi4cli.serve")} <= crossings  # fmt: skip
+    assert {
+        ("phi4cli.client", room)
+        for room in ("phi4cli.core", "phi4cli.text", "phi4cli.engines", "phi4cli.serve")
+    } <= crossings
 
 
 def test_the_checker_finds_a_cycle():
@@ -182,13 +190,24 @@ def test_only_config_reads_phi4_variables():
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             read = (
-                (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                 and environ(node.func.value) and node.args and phi4_name(node.args[0]))
-                or (isinstance(node, ast.Subscript) and environ(node.value)
-                    and phi4_name(node.slice))
-                or (isinstance(node, ast.Compare) and phi4_name(node.left)
-                    and any(environ(c) for c in node.comparators))
-            )  # fmt: skip
+                (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and environ(node.func.value)
+                    and node.args
+                    and phi4_name(node.args[0])
+                )
+                or (
+                    isinstance(node, ast.Subscript)
+                    and environ(node.value)
+                    and phi4_name(node.slice)
+                )
+                or (
+                    isinstance(node, ast.Compare)
+                    and phi4_name(node.left)
+                    and any(environ(c) for c in node.comparators)
+                )
+            )
             if read:
                 readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")  # type: ignore[attr-defined]
     assert readers == []
@@ -207,13 +226,22 @@ def test_only_the_protocol_reads_a_request_as_a_dict():
     allowed = {"phi4cli.core.protocol", "phi4cli.serve.openai_request"}
 
     def read(node: ast.AST) -> str | None:
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("get", "pop") and isinstance(node.func.value, ast.Name)
-                and node.func.value.id in holders and node.args
-                and isinstance(node.args[0], ast.Constant)):  # fmt: skip
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("get", "pop")
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in holders
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             return str(node.args[0].value)
-        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
-                and node.value.id in holders and isinstance(node.slice, ast.Constant)):  # fmt: skip
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in holders
+            and isinstance(node.slice, ast.Constant)
+        ):
             return str(node.slice.value)
         return None
 

@@ -42,12 +42,26 @@ def run_suite(tmp_path: Path, body: str, ignore_sigint: bool = False) -> tuple[i
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "-p", "tests.conftest",
-         "-p", "no:cacheprovider", "-q", str(test_file)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-c",
+            str(ROOT / "pyproject.toml"),
+            "-p",
+            "tests.conftest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            str(test_file),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "HYGIENE_NOTES": str(notes)},
         preexec_fn=ignored if ignore_sigint else None,
-    )  # fmt: skip
+    )
     return done.returncode, done.stdout + done.stderr, notes.read_text().splitlines()
 
 
@@ -130,7 +144,9 @@ def test_a_killed_suites_leftovers_are_killed_by_the_next(tmp_path: Path):
 def test_children_can_be_interrupted_when_the_suite_ignores_sigint(tmp_path: Path):
     # `pytest &` in a script starts it with SIGINT ignored, and SIG_IGN is inherited: a phi4
     # that a Ctrl-C test interrupts would never see the signal.
-    status, output, notes = run_suite(tmp_path, """
+    status, output, notes = run_suite(
+        tmp_path,
+        """
         import signal
         def test_child():
             child = subprocess.run([sys.executable, "-c", "import signal; print(signal"
@@ -138,6 +154,8 @@ def test_children_can_be_interrupted_when_the_suite_ignores_sigint(tmp_path: Pat
                                    capture_output=True, text=True, check=True)
             note(child.stdout.strip())
             note(str(signal.getsignal(signal.SIGINT) is signal.SIG_IGN))
-    """, ignore_sigint=True)  # fmt: skip
+    """,
+        ignore_sigint=True,
+    )
     assert status == 0, output
     assert notes == ["True", "False"]

@@ -154,20 +154,44 @@ LISTS = """1. For any a and b, a * b = b * a, so 3 * 8 = 24 as well.
 @pytest.mark.parametrize(
     ("solution", "kept", "gone"),
     [
-        (PRODUCTS, ["First 12*13 = 156, then 156*2 = 312.", "312 = 2*3*4*13",
-                    "since 2*3*4 = 24 and 24*13 = 312.", "Step 1:", "So the answer is 312."],
-         ["**", "1213", "1562"]),
-        (VIETA, ["Let the roots be x_1 and x_2.", "• x_1 + x_2 = 5", "• x_1*x_2 = 6",
-                 "(x_1 + x_2)*(x_1 + x_2) = 25", "25 - 2*6 = 13", "Final Answer:",
-                 "The product is 6."],
-         ["**"]),
-        (LISTS, ["a * b = b * a, so 3 * 8 = 24", "2**3 = 8, and 4**2 = 16.",
-                 "If x<y and y>z, then a₁ = 2 and the snake_case_name stays.",
-                 "n*m and a_b", "Note: the total is 2*(3+4) = 14."],
-         ["\\*", "\\<"]),
+        (
+            PRODUCTS,
+            [
+                "First 12*13 = 156, then 156*2 = 312.",
+                "312 = 2*3*4*13",
+                "since 2*3*4 = 24 and 24*13 = 312.",
+                "Step 1:",
+                "So the answer is 312.",
+            ],
+            ["**", "1213", "1562"],
+        ),
+        (
+            VIETA,
+            [
+                "Let the roots be x_1 and x_2.",
+                "• x_1 + x_2 = 5",
+                "• x_1*x_2 = 6",
+                "(x_1 + x_2)*(x_1 + x_2) = 25",
+                "25 - 2*6 = 13",
+                "Final Answer:",
+                "The product is 6.",
+            ],
+            ["**"],
+        ),
+        (
+            LISTS,
+            [
+                "a * b = b * a, so 3 * 8 = 24",
+                "2**3 = 8, and 4**2 = 16.",
+                "If x<y and y>z, then a₁ = 2 and the snake_case_name stays.",
+                "n*m and a_b",
+                "Note: the total is 2*(3+4) = 14.",
+            ],
+            ["\\*", "\\<"],
+        ),
     ],
     ids=["products", "subscripts-and-bullets", "spaced-products-powers-html-code"],
-)  # fmt: skip
+)
 def test_the_terminal_keeps_every_operand_and_operator_of_the_math(
     solution: str, kept: list[str], gone: list[str]
 ):
@@ -247,8 +271,14 @@ def test_thinking_that_never_reached_an_answer_leaves_its_trace_once():
 # --- end to end through a hostile OpenAI-compatible backend -------------------------------------
 
 THINKING = ["Let me see: 12*13", CLIPBOARD[:9], CLIPBOARD[9:] + " is 156.", TITLE]
-ANSWER = ["First 12*13 = 156.", CLIPBOARD[:12], CLIPBOARD[12:] + " then ", CLEAR + C1_CSI,
-          RLO + "so $\\boxed{156", TITLE + "}$."]  # fmt: skip
+ANSWER = [
+    "First 12*13 = 156.",
+    CLIPBOARD[:12],
+    CLIPBOARD[12:] + " then ",
+    CLEAR + C1_CSI,
+    RLO + "so $\\boxed{156",
+    TITLE + "}$.",
+]
 
 
 @pytest.fixture
@@ -258,8 +288,9 @@ def hostile() -> Iterator[str]:
 
 
 def _solve(url: str, *extra: str, env: dict[str, str] | None = None) -> Any:
-    return run_phi4("solve", "What is 12*13?", "--backend", url, "-m", "phi4-mini-reasoning",
-                    *extra, env=env)  # fmt: skip
+    return run_phi4(
+        "solve", "What is 12*13?", "--backend", url, "-m", "phi4-mini-reasoning", *extra, env=env
+    )
 
 
 @pytest.mark.daemon
@@ -293,8 +324,7 @@ def test_samples_and_a_file_of_problems_reach_a_pipe_clean(hostile: str, tmp_pat
     problems = tmp_path / "problems.txt"
     problems.write_text("What is 12*13?\nAnd 13*12?\n")
     for extra in ([], ["-a"]):
-        result = run_phi4("solve", "-f", str(problems), "--backend", hostile, "-m", "phi4",
-                          *extra)  # fmt: skip
+        result = run_phi4("solve", "-f", str(problems), "--backend", hostile, "-m", "phi4", *extra)
         assert result.returncode == 0, result.stderr
         assert_no_escape_at_all(result.stdout + result.stderr, f"--file {extra}")
         assert "156\ufffd" in result.stdout
@@ -326,8 +356,9 @@ def test_raw_output_writes_the_model_text_unchanged_to_a_pipe_only(hostile: str)
 def test_piped_chat_and_a_saved_system_prompt_reach_the_terminal_clean(hostile: str):
     store = ChatStore(get_paths().data_dir / "chats")
     store.save(Conversation(name="evil", model="phi4-mini-reasoning", system="be" + CLIPBOARD))
-    result = run_phi4("chat", "--backend", hostile, "--resume", "evil",
-                      input="/show\n/system\nWhat is 12*13?\n")  # fmt: skip
+    result = run_phi4(
+        "chat", "--backend", hostile, "--resume", "evil", input="/show\n/system\nWhat is 12*13?\n"
+    )
     assert result.returncode == 0, result.stderr
     assert_no_escape_at_all(result.stdout, "chat stdout")
     assert_no_escape_at_all(result.stderr, "chat stderr")
@@ -374,8 +405,11 @@ def test_a_backends_long_error_message_reaches_stderr_clean():
     assert "the backend answered 500: model overloaded \ufffd" in result.stderr
     assert_no_escape_at_all(result.stderr, "stderr")
 
-    in_stream = [chunk({"content": "The answer"}), data({"error": {"message": message}}),
-                 Step(drop=True)]  # fmt: skip
+    in_stream = [
+        chunk({"content": "The answer"}),
+        data({"error": {"message": message}}),
+        Step(drop=True),
+    ]
     with scripted_server(lambda _body: in_stream) as server:
         result = _solve(server.url)
     assert result.returncode == 5, result.stderr
@@ -403,8 +437,15 @@ def test_settings_show_a_system_prompt_clean():
 
 
 def test_tables_are_cleaned():
-    summary = {"problems": 2, "correct": 1, "wrong": 1, "no_answer": 0, "truncated": 0,
-               "error": 0, "mean_reasoning_tokens": 3.0}  # fmt: skip
+    summary = {
+        "problems": 2,
+        "correct": 1,
+        "wrong": 1,
+        "no_answer": 0,
+        "truncated": 0,
+        "error": 0,
+        "mean_reasoning_tokens": 3.0,
+    }
     table = format_eval(summary, 1.0, "quiz" + TITLE + ".results.jsonl")
     assert "quiz\ufffd.results.jsonl" in table
     warm = format_warm({"model": "m" + CLIPBOARD, "load_s": 0.1})
@@ -482,8 +523,13 @@ def _fourteen_lines_then_wait(_body: dict[str, Any]) -> list[str | Step]:
 def test_ctrl_c_while_solve_streams_leaves_what_streamed_and_says_it_stopped():
     # Before: the live region was taken down, erasing the 14 lines; only the exit 130 was left.
     with scripted_server(_fourteen_lines_then_wait) as server:
-        child = pexpect.spawn(PHI4, ["solve", "Count", "--backend", server.url, "-m", "m"],
-                              encoding="utf-8", dimensions=(40, 100), timeout=60)  # fmt: skip
+        child = pexpect.spawn(
+            PHI4,
+            ["solve", "Count", "--backend", server.url, "-m", "m"],
+            encoding="utf-8",
+            dimensions=(40, 100),
+            timeout=60,
+        )
         child.logfile_read = transcript = io.StringIO()
         child.expect_exact("Line 14 of the answer.")
         time.sleep(0.3)

@@ -57,8 +57,15 @@ def joined(solution: str, width: int = 80) -> list[str]:
 def test_each_line_the_model_wrote_is_a_line_on_the_terminal():
     # Before: "The numbers: 1 2 3 Step one: x = 2 Step two: y = 3 So 5." on one line.
     shown = rendered(LINES)
-    assert shown[:7] == ["The numbers:", "1", "2", "3", "Step one: x = 2", "Step two: y = 3",
-                         "So 5."]  # fmt: skip
+    assert shown[:7] == [
+        "The numbers:",
+        "1",
+        "2",
+        "3",
+        "Step one: x = 2",
+        "Step two: y = 3",
+        "So 5.",
+    ]
     # What Markdown makes of the source is the same; only the soft breaks are made hard.
     assert markdown_source(LINES) == LINES.replace("$\\boxed{5}$", "5")
 
@@ -92,8 +99,11 @@ def test_each_shape_keeps_its_lines_and_its_rendering():
         return [line.strip() for line in rendered(SHAPES[name]) if line.strip()]
 
     assert shown("list") == ["Steps:", "• add 2", "• then 3", "1 one", "2 two"]
-    assert rendered(SHAPES["lazy continuation"])[1:4] == [" • a long item", "   goes on here",
-                                                          " • and the next"]  # fmt: skip
+    assert rendered(SHAPES["lazy continuation"])[1:4] == [
+        " • a long item",
+        "   goes on here",
+        " • and the next",
+    ]
     for table in ("table", "table after a line"):  # a table, not its source
         assert shown(table)[1:4] == ["x  y", "────", "1  2"], shown(table)
     assert shown("code") == ["Run:", "x = 1", "y = 2", "then", "read it"]
@@ -144,8 +154,9 @@ STREAMED = [Event(EventKind.TOKEN, text=f"Line {i} of the answer.\n") for i in r
 
 def _solve(backend: _Backend, terminal: bool) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    env = Environment(io.StringIO(), out, err, stdout_isatty=terminal, stderr_isatty=terminal,
-                      colour=False)  # fmt: skip
+    env = Environment(
+        io.StringIO(), out, err, stdout_isatty=terminal, stderr_isatty=terminal, colour=False
+    )
     job = SolveJob(backend, env, SolveParams("", Ask(temperature=0.0), model="m"))  # type: ignore[arg-type]
     status = report(lambda: solve_one(job, "Count.", OutputMode()), out, err)
     return status, out.getvalue(), err.getvalue()
@@ -153,13 +164,21 @@ def _solve(backend: _Backend, terminal: bool) -> tuple[int, str, str]:
 
 GONE = "the daemon went away mid-answer: the daemon closed the connection unexpectedly"
 CASES = {  # the error event that ends the answer, or the error raised; the exit status
-    "stopped": (Event.error(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; the answer "
-                            "was cut short"), None, ExitStatus.DAEMON_UNAVAILABLE),
+    "stopped": (
+        Event.error(
+            ErrorCode.SHUTTING_DOWN, "the daemon is shutting down; the answer was cut short"
+        ),
+        None,
+        ExitStatus.DAEMON_UNAVAILABLE,
+    ),
     "killed": (Event.error(ErrorCode.SHUTTING_DOWN, GONE), None, ExitStatus.DAEMON_UNAVAILABLE),
-    "hung up": (Event.error(ErrorCode.BACKEND_ERROR, "the connection to the backend broke"),
-                None, ExitStatus.ENGINE_FAILURE),
+    "hung up": (
+        Event.error(ErrorCode.BACKEND_ERROR, "the connection to the backend broke"),
+        None,
+        ExitStatus.ENGINE_FAILURE,
+    ),
     "frozen": (None, "the daemon sent nothing for 90 s", ExitStatus.DAEMON_UNAVAILABLE),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
@@ -171,15 +190,15 @@ def test_an_answer_cut_short_stays_with_one_line_saying_so(
     monkeypatch.setenv("FORCE_COLOR", "1")  # rich draws its live region into the StringIO
     error, frozen, expected = case
     raises = DaemonFrozenError(frozen) if frozen else None
-    status, out, err = _solve(_Backend([*STREAMED, *([error] if error else [])], raises),
-                              terminal)  # fmt: skip
+    status, out, err = _solve(_Backend([*STREAMED, *([error] if error else [])], raises), terminal)
     assert status == expected, err
     if terminal:
         assert "\x1b[2K" in out, "the live region was shown, then taken down"
         out = out[out.rindex("\x1b[2K") :]  # what is left on the screen
     lines = [line.rstrip() for line in plain(Text.from_ansi(out).plain).split("\n")]
-    assert [line for line in lines if line.startswith("Line")] == \
-        [f"Line {i} of the answer." for i in range(1, 6)], out  # fmt: skip
+    assert [line for line in lines if line.startswith("Line")] == [
+        f"Line {i} of the answer." for i in range(1, 6)
+    ], out
     assert out.endswith("\n")
     said = err.strip().splitlines()
     assert len(said) == 1 and said[0].startswith("phi4: error: "), err
@@ -216,12 +235,24 @@ def test_solve_and_chat_at_a_terminal_show_the_lines_as_written():
     with scripted_server(_line_by_line) as server:
         screen = _on_screen(in_pty(PHI4, ["solve", "Count", "--backend", server.url, "-m", "m"]))
         at = screen.index("The numbers:")
-        assert screen[at : at + 7] == ["The numbers:", "1", "2", "3", "Step one: x = 2",
-                                       "Step two: y = 3", "So 5."], screen  # fmt: skip
+        assert screen[at : at + 7] == [
+            "The numbers:",
+            "1",
+            "2",
+            "3",
+            "Step one: x = 2",
+            "Step two: y = 3",
+            "So 5.",
+        ], screen
         assert any(line.startswith("Answer: 5") for line in screen[at + 7 :]), screen
 
-        child = pexpect.spawn(PHI4, ["chat", "--backend", server.url, "-m", "m"],
-                              encoding="utf-8", dimensions=(40, 100), timeout=90)  # fmt: skip
+        child = pexpect.spawn(
+            PHI4,
+            ["chat", "--backend", server.url, "-m", "m"],
+            encoding="utf-8",
+            dimensions=(40, 100),
+            timeout=90,
+        )
         child.logfile_read = transcript = io.StringIO()
         child.expect_exact("Ctrl-D to leave")
         child.sendline("Count")
@@ -232,8 +263,14 @@ def test_solve_and_chat_at_a_terminal_show_the_lines_as_written():
         child.close()
     shown = _on_screen(reply)
     at = shown.index("The numbers:")
-    assert shown[at : at + 6] == ["The numbers:", "1", "2", "3", "Step one: x = 2",
-                                  "Step two: y = 3"], shown  # fmt: skip
+    assert shown[at : at + 6] == [
+        "The numbers:",
+        "1",
+        "2",
+        "3",
+        "Step one: x = 2",
+        "Step two: y = 3",
+    ], shown
 
 
 def _fourteen_lines_then_hang_up(_body: dict[str, Any]) -> list[str | Step]:
@@ -246,8 +283,13 @@ def _fourteen_lines_then_hang_up(_body: dict[str, Any]) -> list[str | Step]:
 @pytest.mark.daemon
 def test_a_server_that_hangs_up_mid_answer_leaves_what_streamed():
     with scripted_server(_fourteen_lines_then_hang_up) as server:
-        child = pexpect.spawn(PHI4, ["solve", "Count", "--backend", server.url, "-m", "m"],
-                              encoding="utf-8", dimensions=(40, 100), timeout=60)  # fmt: skip
+        child = pexpect.spawn(
+            PHI4,
+            ["solve", "Count", "--backend", server.url, "-m", "m"],
+            encoding="utf-8",
+            dimensions=(40, 100),
+            timeout=60,
+        )
         child.logfile_read = transcript = io.StringIO()
         child.expect(pexpect.EOF)
         child.close()
@@ -263,8 +305,13 @@ def test_a_server_that_hangs_up_mid_answer_leaves_what_streamed():
 @pytest.mark.daemon
 def test_a_chat_reply_cut_short_stays_and_the_chat_goes_on():
     with scripted_server(_fourteen_lines_then_hang_up) as server:
-        child = pexpect.spawn(PHI4, ["chat", "--backend", server.url, "-m", "m"],
-                              encoding="utf-8", dimensions=(40, 100), timeout=90)  # fmt: skip
+        child = pexpect.spawn(
+            PHI4,
+            ["chat", "--backend", server.url, "-m", "m"],
+            encoding="utf-8",
+            dimensions=(40, 100),
+            timeout=90,
+        )
         child.logfile_read = transcript = io.StringIO()
         child.expect_exact("Ctrl-D to leave")
         child.sendline("Count")
@@ -281,8 +328,10 @@ def test_a_chat_reply_cut_short_stays_and_the_chat_goes_on():
     assert shown == [f"Line {i} of the answer." for i in range(1, 15)], screen
     # (What follows the line on the screen — the prompt's own cursor moves — is not the test's.)
     errors = [line.strip() for line in screen if line.startswith("phi4: error:")]
-    assert errors == ["phi4: error: the backend closed the stream before the answer was "
-                      "complete; the answer above is unfinished"], screen  # fmt: skip
+    assert errors == [
+        "phi4: error: the backend closed the stream before the answer was "
+        "complete; the answer above is unfinished"
+    ], screen
     below = next(i for i, line in enumerate(screen) if line.startswith("phi4: error:"))
     assert below > screen.index("Line 14 of the answer."), "said below it"
 
@@ -292,9 +341,13 @@ def streaming(tiny_model: Path) -> Iterator[pexpect.spawn]:
     """``phi4 solve`` at a terminal, streaming a long answer of the tiny model from a warm
     daemon, once the live region shows some of it."""
     assert run_phi4("warm", "-m", str(tiny_model)).returncode == 0
-    child = pexpect.spawn(PHI4, ["solve", "Count.", "-m", str(tiny_model), "-n", "6000", "-t",
-                                 "1", "--seed", "3"], encoding="utf-8", dimensions=(40, 100),
-                          timeout=60)  # fmt: skip
+    child = pexpect.spawn(
+        PHI4,
+        ["solve", "Count.", "-m", str(tiny_model), "-n", "6000", "-t", "1", "--seed", "3"],
+        encoding="utf-8",
+        dimensions=(40, 100),
+        timeout=60,
+    )
     child.logfile_read = io.StringIO()
     child.expect_exact("\x1b[2K")  # the live region, redrawn
     child.expect(r"\w{3}")  # and text in it
@@ -311,8 +364,11 @@ def _daemon_pid() -> int:
 
 def _last_frame(transcript: str) -> str:
     """The live region as it was last drawn: the text between the last two erases."""
-    frames = [frame for frame in re.split(r"\r?(?:\x1b\[2K|\x1b\[1A)+", transcript)
-              if plain(frame).strip()]  # fmt: skip
+    frames = [
+        frame
+        for frame in re.split(r"\r?(?:\x1b\[2K|\x1b\[1A)+", transcript)
+        if plain(frame).strip()
+    ]
     return frames[-2]
 
 

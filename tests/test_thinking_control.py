@@ -67,8 +67,9 @@ def script_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _solve(model: Path, *args: str) -> tuple[Any, dict[str, Any]]:
-    done = run_phi4("solve", "What is 2+2?", "-m", str(model), "-t", "0", "--json", *args,
-                    timeout=120)  # fmt: skip
+    done = run_phi4(
+        "solve", "What is 2+2?", "-m", str(model), "-t", "0", "--json", *args, timeout=120
+    )
     record = json.loads(done.stdout)
     return done, record
 
@@ -106,8 +107,18 @@ def test_a_looping_thought_is_caught_before_max_tokens_and_answered(
     assert (stats["loop"], stats["finish_reason"]) == ("answered", "stop"), stats
     assert stats["loop_at"] < 400 and stats["completion_tokens"] < 400
     assert record["solution"].strip() == ANSWER.strip()
-    verbose = run_phi4("solve", "What is 2+2?", "-m", str(script_models["loops"]), "-t", "0",
-                       "-n", "3000", "--verbose", timeout=120)  # fmt: skip
+    verbose = run_phi4(
+        "solve",
+        "What is 2+2?",
+        "-m",
+        str(script_models["loops"]),
+        "-t",
+        "0",
+        "-n",
+        "3000",
+        "--verbose",
+        timeout=120,
+    )
     assert f"looped at {stats['loop_at']:,}: ended, the model answered" in verbose.stderr
     # --loop stop: stopped there, and said so; off: it runs to --max-tokens.
     stopped, record = _solve(script_models["loops"], "-n", "3000", "--loop", "stop")
@@ -138,8 +149,9 @@ def _looping_server(body: dict[str, Any]) -> list[str | Step]:
     if body["messages"][-1]["role"] == "assistant":
         return [chunk({"content": " So $\\boxed{4}$."}), chunk({}, "stop"), data("[DONE]")]
     text, _ = looping_trace(random.Random(3), 300, 40, 4000)
-    return separated("reasoning_content", [w + " " for w in text.split()], ["Never said."],
-                     with_usage=False)  # fmt: skip
+    return separated(
+        "reasoning_content", [w + " " for w in text.split()], ["Never said."], with_usage=False
+    )
 
 
 def _served(script: Any, *args: str) -> tuple[Any, list[dict[str, Any]]]:
@@ -267,8 +279,11 @@ def _answer_looping_server(body: dict[str, Any]) -> list[str | Step]:
     """No thinking: the answer itself says the same sentence again and again."""
     sentence = "The answer is clearly large and I keep saying so because it is big ."
     words = (sentence + " ") * 100
-    return [*(chunk({"content": w + " "}) for w in words.split()), chunk({}, "stop"),
-            data("[DONE]")]  # fmt: skip
+    return [
+        *(chunk({"content": w + " "}) for w in words.split()),
+        chunk({}, "stop"),
+        data("[DONE]"),
+    ]
 
 
 @pytest.mark.timeout(300)
@@ -278,8 +293,12 @@ def test_a_loop_in_the_answer_exits_1_and_says_so_in_every_mode(mode: list[str])
     done, _ = _served(_answer_looping_server, "What is big?", *mode)
     assert done.returncode == 1, done.stderr
     # No thinking here: the hint is not the thinking's (--loop answer), which cannot help.
-    assert done.stderr.count("the answer repeated itself and was stopped (ask again, or with "
-                             "--samples)") == 1, done.stderr  # fmt: skip
+    assert (
+        done.stderr.count(
+            "the answer repeated itself and was stopped (ask again, or with --samples)"
+        )
+        == 1
+    ), done.stderr
     assert "--loop answer" not in done.stderr
     if mode == ["--json"]:
         record = json.loads(done.stdout)
@@ -317,8 +336,11 @@ def test_a_cut_loop_whose_answer_states_none_exits_1_and_says_so(mode: list[str]
 def _boxed_answer_looping_server(body: dict[str, Any]) -> list[str | Step]:
     """No thinking: the answer states 4, then says so again and again."""
     words = "So the answer is $\\boxed{4}$ and I am sure of it, let me say it again. " * 80
-    return [*(chunk({"content": w + " "}) for w in words.split()), chunk({}, "stop"),
-            data("[DONE]")]  # fmt: skip
+    return [
+        *(chunk({"content": w + " "}) for w in words.split()),
+        chunk({}, "stop"),
+        data("[DONE]"),
+    ]
 
 
 @pytest.mark.timeout(300)
@@ -350,8 +372,10 @@ def _refusing_to_continue_server(body: dict[str, Any]) -> list[str | Step | Head
     user's (a 400); asked afresh by a user's turn for the final answer, it answers."""
     last = body["messages"][-1]
     if last["role"] == "assistant":
-        return [Head(400), json.dumps({"error": {"message": "the last message must be the "
-                                                 "user's"}})]  # fmt: skip
+        return [
+            Head(400),
+            json.dumps({"error": {"message": "the last message must be the user's"}}),
+        ]
     if last["content"].startswith("Stop thinking now."):
         return [chunk({"content": " So $\\boxed{4}$."}), chunk({}, "stop"), data("[DONE]")]
     return _looping_server(body)

@@ -28,47 +28,102 @@ CAUGHT = "caught"  # in the stats: the tokens written when the last "loop" step 
 
 
 TABLE: list[tuple[str, tuple[int | None, int, str], list[Step_], dict[str, Any]]] = [
-    ("a budget closes the thinking once", (10, 0, "answer"),
-     [("count", (9, True), Act.GO_ON), ("count", (10, True), Act.ANSWER),
-      ("closed", (True,), Act.GO_ON), ("count", (11, True), Act.GO_ON)],
-     {"budget_reached": True, "loop": None, "loop_at": None, "waits": 0}),
-    ("a budget with no room to close lets the thinking run", (10, 0, "answer"),
-     [("count", (10, True), Act.ANSWER), ("closed", (False,), Act.GO_ON)],
-     {"budget_reached": False, "loop": None, "loop_at": None, "waits": 0}),
-    ("an early end of thinking becomes Wait, at most MAX_WAITS times", (None, 100, "answer"),
-     [*[x for _ in range(MAX_WAITS) for x in (("closing", (5, ), Act.WAIT),
-                                             ("waited", (), None))],
-      ("closing", (50,), Act.GO_ON)],
-     {"budget_reached": False, "loop": None, "loop_at": None, "waits": MAX_WAITS}),
-    ("no Wait for an answer with no thinking, nor past --min-think", (None, 100, "answer"),
-     [("closing", (0,), Act.GO_ON), ("closing", (100,), Act.GO_ON)],
-     {"budget_reached": False, "loop": None, "loop_at": None, "waits": 0}),
-    ("no Wait after phi4 closed the thinking for a budget", (10, 100, "answer"),
-     [("count", (10, True), Act.ANSWER), ("closed", (True,), Act.GO_ON),
-      ("closing", (10,), Act.GO_ON)],
-     {"budget_reached": True, "loop": None, "loop_at": None, "waits": 0}),
-    ("a loop in the thinking is answered, a loop in the answer stopped", (None, 0, "answer"),
-     [("loop", (True,), Act.ANSWER), ("closed", (True,), Act.GO_ON),
-      ("loop", (False,), Act.STOP), ("text", (LOOP, False, 999), Act.GO_ON)],
-     {"budget_reached": False, "loop": "stopped", "loop_at": CAUGHT, "waits": 0}),
-    ("--loop stop stops a loop in the thinking", (None, 0, "stop"),
-     [("loop", (True,), Act.STOP)],
-     {"budget_reached": False, "loop": "stopped", "loop_at": CAUGHT, "waits": 0}),
-    ("a loop that cannot be closed is stopped", (None, 0, "answer"),
-     [("loop", (True,), Act.ANSWER), ("closed", (False,), Act.STOP)],
-     {"budget_reached": False, "loop": "stopped", "loop_at": CAUGHT, "waits": 0}),
-    ("no Wait after phi4 closed a looping thinking", (None, 100, "answer"),
-     [("loop", (True,), Act.ANSWER), ("closed", (True,), Act.GO_ON),
-      ("closing", (10,), Act.GO_ON)],
-     {"budget_reached": False, "loop": "answered", "loop_at": CAUGHT, "waits": 0}),
-    ("--loop off lets it run", (None, 0, "off"),
-     [("text", (LOOP, True, 12 * i), Act.GO_ON) for i in range(1, 200)],
-     {"budget_reached": False, "loop": None, "loop_at": None, "waits": 0}),
-    ("no budget after a loop was answered", (20, 0, "answer"),
-     [("loop", (True,), Act.ANSWER), ("closed", (True,), Act.GO_ON),
-      ("count", (30, True), Act.GO_ON)],
-     {"budget_reached": False, "loop": "answered", "loop_at": CAUGHT, "waits": 0}),
-]  # fmt: skip
+    (
+        "a budget closes the thinking once",
+        (10, 0, "answer"),
+        [
+            ("count", (9, True), Act.GO_ON),
+            ("count", (10, True), Act.ANSWER),
+            ("closed", (True,), Act.GO_ON),
+            ("count", (11, True), Act.GO_ON),
+        ],
+        {"budget_reached": True, "loop": None, "loop_at": None, "waits": 0},
+    ),
+    (
+        "a budget with no room to close lets the thinking run",
+        (10, 0, "answer"),
+        [("count", (10, True), Act.ANSWER), ("closed", (False,), Act.GO_ON)],
+        {"budget_reached": False, "loop": None, "loop_at": None, "waits": 0},
+    ),
+    (
+        "an early end of thinking becomes Wait, at most MAX_WAITS times",
+        (None, 100, "answer"),
+        [
+            *[
+                x
+                for _ in range(MAX_WAITS)
+                for x in (("closing", (5,), Act.WAIT), ("waited", (), None))
+            ],
+            ("closing", (50,), Act.GO_ON),
+        ],
+        {"budget_reached": False, "loop": None, "loop_at": None, "waits": MAX_WAITS},
+    ),
+    (
+        "no Wait for an answer with no thinking, nor past --min-think",
+        (None, 100, "answer"),
+        [("closing", (0,), Act.GO_ON), ("closing", (100,), Act.GO_ON)],
+        {"budget_reached": False, "loop": None, "loop_at": None, "waits": 0},
+    ),
+    (
+        "no Wait after phi4 closed the thinking for a budget",
+        (10, 100, "answer"),
+        [
+            ("count", (10, True), Act.ANSWER),
+            ("closed", (True,), Act.GO_ON),
+            ("closing", (10,), Act.GO_ON),
+        ],
+        {"budget_reached": True, "loop": None, "loop_at": None, "waits": 0},
+    ),
+    (
+        "a loop in the thinking is answered, a loop in the answer stopped",
+        (None, 0, "answer"),
+        [
+            ("loop", (True,), Act.ANSWER),
+            ("closed", (True,), Act.GO_ON),
+            ("loop", (False,), Act.STOP),
+            ("text", (LOOP, False, 999), Act.GO_ON),
+        ],
+        {"budget_reached": False, "loop": "stopped", "loop_at": CAUGHT, "waits": 0},
+    ),
+    (
+        "--loop stop stops a loop in the thinking",
+        (None, 0, "stop"),
+        [("loop", (True,), Act.STOP)],
+        {"budget_reached": False, "loop": "stopped", "loop_at": CAUGHT, "waits": 0},
+    ),
+    (
+        "a loop that cannot be closed is stopped",
+        (None, 0, "answer"),
+        [("loop", (True,), Act.ANSWER), ("closed", (False,), Act.STOP)],
+        {"budget_reached": False, "loop": "stopped", "loop_at": CAUGHT, "waits": 0},
+    ),
+    (
+        "no Wait after phi4 closed a looping thinking",
+        (None, 100, "answer"),
+        [
+            ("loop", (True,), Act.ANSWER),
+            ("closed", (True,), Act.GO_ON),
+            ("closing", (10,), Act.GO_ON),
+        ],
+        {"budget_reached": False, "loop": "answered", "loop_at": CAUGHT, "waits": 0},
+    ),
+    (
+        "--loop off lets it run",
+        (None, 0, "off"),
+        [("text", (LOOP, True, 12 * i), Act.GO_ON) for i in range(1, 200)],
+        {"budget_reached": False, "loop": None, "loop_at": None, "waits": 0},
+    ),
+    (
+        "no budget after a loop was answered",
+        (20, 0, "answer"),
+        [
+            ("loop", (True,), Act.ANSWER),
+            ("closed", (True,), Act.GO_ON),
+            ("count", (30, True), Act.GO_ON),
+        ],
+        {"budget_reached": False, "loop": "answered", "loop_at": CAUGHT, "waits": 0},
+    ),
+]
 
 
 @pytest.mark.parametrize(("name", "args", "steps", "stats"), TABLE, ids=[t[0] for t in TABLE])
@@ -87,8 +142,13 @@ def test_the_policy_decides_by_the_table(
             assert act is expected, (name, tokens, act)
             caught = tokens
             continue
-        act = {"text": policy.text, "count": policy.counted, "closed": policy.closed,
-               "closing": policy.closing, "waited": policy.waited}[kind](*values)  # fmt: skip
+        act = {
+            "text": policy.text,
+            "count": policy.counted,
+            "closed": policy.closed,
+            "closing": policy.closing,
+            "waited": policy.waited,
+        }[kind](*values)
         if expected is not None:
             assert act is expected, (name, kind, values, act)
     expected = {"answered_early": False, **stats}  # (answer now: tests/test_answer_now.py)
@@ -161,11 +221,29 @@ COMPARED = ("loop", "loop_at", "waits", "budget_reached", "finish_reason")
 def test_the_daemon_and_a_remote_engine_decide_alike(
     script_models: dict[str, Path], model: str, args: list[str]
 ):
-    local = run_phi4("solve", "What is 2+2?", "-m", str(script_models[model]), "-t", "0",
-                     "--json", *args, timeout=120)  # fmt: skip
+    local = run_phi4(
+        "solve",
+        "What is 2+2?",
+        "-m",
+        str(script_models[model]),
+        "-t",
+        "0",
+        "--json",
+        *args,
+        timeout=120,
+    )
     with scripted_server(_server_like(script_models[model], model == "loops")) as server:
-        remote = run_phi4("solve", "What is 2+2?", "--backend", server.url, "-m", "m",
-                          "--json", *args, timeout=120)  # fmt: skip
+        remote = run_phi4(
+            "solve",
+            "What is 2+2?",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "--json",
+            *args,
+            timeout=120,
+        )
     daemon, served = json.loads(local.stdout), json.loads(remote.stdout)
     assert local.returncode == remote.returncode, (local.stderr, remote.stderr)
     assert daemon["answer"] == served["answer"]
@@ -196,8 +274,9 @@ def test_a_loop_the_rule_cut_is_said_on_stderr_though_an_answer_came(tmp_path: P
     from tests.tinymodel import write_text_script_model
 
     head = "Think first. "
-    model = write_text_script_model(tmp_path / "loop.gguf", head + LOOPING, " So $\\boxed{7}$.",
-                                    loop_from=len(head))  # fmt: skip
+    model = write_text_script_model(
+        tmp_path / "loop.gguf", head + LOOPING, " So $\\boxed{7}$.", loop_from=len(head)
+    )
     with scripted_server(_looping_server) as server:
         for engine in (["-m", str(model), "-t", "0"], ["--backend", server.url, "-m", "m"]):
             for mode in ([], ["-a"]):

@@ -41,9 +41,14 @@ class Ticks:
 
 def governor(ticks: Ticks, threads: int = 2, adapt: bool = True) -> ThreadGovernor:
     return ThreadGovernor(
-        threads, adapt=adapt, cores=2, cpus=frozenset({0, 1}),
-        cpu_ticks=lambda cpus, nice: ticks.busy, own_ticks=lambda: ticks.own, tick_hz=HZ,
-    )  # fmt: skip
+        threads,
+        adapt=adapt,
+        cores=2,
+        cpus=frozenset({0, 1}),
+        cpu_ticks=lambda cpus, nice: ticks.busy,
+        own_ticks=lambda: ticks.own,
+        tick_hz=HZ,
+    )
 
 
 def decode(
@@ -242,9 +247,16 @@ def test_the_stat_reader_counts_the_busy_columns_of_the_allowed_cpus(
 # --- the governor measures itself ----------------------------------------------------------------
 
 
-def answer(gov: ThreadGovernor, ticks: Ticks, now: float, seconds: float,
-           step_s: dict[int, float], others: float = 0.0, batch: int = 1,
-           answering: bool = True) -> tuple[float, list[int]]:  # fmt: skip
+def answer(
+    gov: ThreadGovernor,
+    ticks: Ticks,
+    now: float,
+    seconds: float,
+    step_s: dict[int, float],
+    others: float = 0.0,
+    batch: int = 1,
+    answering: bool = True,
+) -> tuple[float, list[int]]:
     """Decode for ``seconds``, a step taking ``step_s[threads]``: the end, and each step's
     thread count."""
     counts = []

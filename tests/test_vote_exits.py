@@ -32,36 +32,62 @@ def _strict(text: str) -> Any:
 
 
 def _piece(text: str, field: str = "content", finish: str | None = None) -> str:
-    return data({"id": "c1", "object": "chat.completion.chunk", "model": "m",
-                 "choices": [{"index": 0, "delta": {field: text},
-                              "finish_reason": finish}]})  # fmt: skip
+    return data(
+        {
+            "id": "c1",
+            "object": "chat.completion.chunk",
+            "model": "m",
+            "choices": [{"index": 0, "delta": {field: text}, "finish_reason": finish}],
+        }
+    )
 
 
 def _unstated(body: dict[str, Any]) -> list[str | Step | Head]:
     """Every sample thinks and writes a solution that states no final answer; no logprobs,
     asked for or not (as a server without them does)."""
-    return [_piece(" Think.", "reasoning_content"), _piece("It is between 6 and 8."),
-            _piece("", finish="stop"), data("[DONE]")]  # fmt: skip
+    return [
+        _piece(" Think.", "reasoning_content"),
+        _piece("It is between 6 and 8."),
+        _piece("", finish="stop"),
+        data("[DONE]"),
+    ]
 
 
 def _unstated_but_sure(body: dict[str, Any]) -> list[str | Step | Head]:
     """As :func:`_unstated`, each token with its logprobs: confidences, and no answer to weigh."""
     tops = [-0.01, -6.0, -9.0]
-    return [_with_logprobs(" Think.", tops, "reasoning_content"),
-            _with_logprobs("It is between 6 and 8.", tops),
-            _with_logprobs("", tops, finish="stop"), data("[DONE]")]  # fmt: skip
+    return [
+        _with_logprobs(" Think.", tops, "reasoning_content"),
+        _with_logprobs("It is between 6 and 8.", tops),
+        _with_logprobs("", tops, finish="stop"),
+        data("[DONE]"),
+    ]
 
 
-NO_ANSWER = ("phi4: no final answer: none of the 3 samples stated one (as \\boxed{...} or "
-             '"the final answer is"): ask again, or with more --samples')  # fmt: skip
+NO_ANSWER = (
+    "phi4: no final answer: none of the 3 samples stated one (as \\boxed{...} or "
+    '"the final answer is"): ask again, or with more --samples'
+)
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.daemon
 def test_a_vote_without_any_answer_exits_1_with_one_line_in_every_output_mode():
     with scripted_server(_unstated) as server:
-        base = ("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "3",
-                "--seed", "1", "--loop", "off")  # fmt: skip
+        base = (
+            "solve",
+            "3 plus 4?",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-k",
+            "3",
+            "--seed",
+            "1",
+            "--loop",
+            "off",
+        )
         plain = run_phi4(*base, timeout=60)
         only = run_phi4(*base, "-a", timeout=60)
         record = run_phi4(*base, "--json", timeout=60)
@@ -69,8 +95,10 @@ def test_a_vote_without_any_answer_exits_1_with_one_line_in_every_output_mode():
     for done in (plain, only, record, every):
         assert done.returncode == 1, (done.stdout, done.stderr)
         assert done.stderr.splitlines() == [NO_ANSWER], done.stderr
-    assert plain.stdout.splitlines() == ["It is between 6 and 8.",
-                                         "Answer: (none) (0/3 samples agree)"]  # fmt: skip
+    assert plain.stdout.splitlines() == [
+        "It is between 6 and 8.",
+        "Answer: (none) (0/3 samples agree)",
+    ]
     assert only.stdout == every.stdout == "\n"  # a line, as one question's -a prints
     parsed = _strict(record.stdout)
     assert (parsed["answer"], parsed["agreement"]) == (None, "0/3")
@@ -88,11 +116,13 @@ def test_at_a_terminal_a_vote_without_any_answer_says_why_and_exits_1(
 
     monkeypatch.setenv("TERM", "xterm")
     out, err = io.StringIO(), io.StringIO()
-    env = Environment(io.StringIO(), out, err, stdout_isatty=True, stderr_isatty=False,
-                      colour=False)  # fmt: skip
+    env = Environment(
+        io.StringIO(), out, err, stdout_isatty=True, stderr_isatty=False, colour=False
+    )
     with scripted_server(_unstated) as server:
-        options = SolveOptions(prompt="3 plus 4?", model="m", samples=3, backend=[server.url],
-                               seed=1, loop="off")  # fmt: skip
+        options = SolveOptions(
+            prompt="3 plus 4?", model="m", samples=3, backend=[server.url], seed=1, loop="off"
+        )
         assert run_solve(options, env) == 1, err.getvalue()
     shown = " ".join(out.getvalue().split())  # (rich wraps the line to its width)
     assert NO_ANSWER.removeprefix("phi4: ") + " (0/3 samples agree)" in shown, shown
@@ -103,8 +133,22 @@ def test_at_a_terminal_a_vote_without_any_answer_says_why_and_exits_1(
 @pytest.mark.daemon
 def test_a_vote_says_weighted_by_confidence_only_where_a_confidence_weighed(script: Any):
     with scripted_server(script) as server:
-        base = ("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k", "3",
-                "--seed", "1", "--loop", "off", "--vote", "confidence")  # fmt: skip
+        base = (
+            "solve",
+            "3 plus 4?",
+            "--backend",
+            server.url,
+            "-m",
+            "m",
+            "-k",
+            "3",
+            "--seed",
+            "1",
+            "--loop",
+            "off",
+            "--vote",
+            "confidence",
+        )
         plain = run_phi4(*base, timeout=60)
         record = run_phi4(*base, "--json", timeout=60)
     # No sample stated an answer (and the first server sent no logprobs): nothing was weighed.
@@ -145,9 +189,22 @@ def test_a_sample_cancelled_by_the_early_stop_shows_no_answer_in_json():
     release = threading.Event()
     try:
         with scripted_server(_partly_cancelled(release)) as server:
-            done = run_phi4("solve", "3 plus 4?", "--backend", server.url, "-m", "m", "-k",
-                            "6", "--seed", "1", "--loop", "off", "--json",
-                            timeout=90)  # fmt: skip
+            done = run_phi4(
+                "solve",
+                "3 plus 4?",
+                "--backend",
+                server.url,
+                "-m",
+                "m",
+                "-k",
+                "6",
+                "--seed",
+                "1",
+                "--loop",
+                "off",
+                "--json",
+                timeout=90,
+            )
             release.set()
     finally:
         release.set()
@@ -196,19 +253,22 @@ def test_a_traces_sums_stay_finite_with_huge_token_confidences():
 
 def test_json_output_writes_a_number_that_is_not_finite_as_null():
     record = {"a": float("nan"), "b": [1.5, float("inf")], "c": {"d": float("-inf")}, "e": "x"}
-    assert _strict(json_text(record)) == {"a": None, "b": [1.5, None], "c": {"d": None},
-                                          "e": "x"}  # fmt: skip
+    assert _strict(json_text(record)) == {"a": None, "b": [1.5, None], "c": {"d": None}, "e": "x"}
 
 
 def _huge_logprobs(body: dict[str, Any]) -> list[str | Step | Head]:
     """Every token's top logprobs are -1e308 and -0.01: each token's confidence 5e307 as a plain
     mean, so a few of them sum past the largest float."""
     tops = [-1e308, -0.01]
-    return [_with_logprobs(" Think", tops, "reasoning_content"),
-            _with_logprobs(" more.", tops, "reasoning_content"),
-            _with_logprobs("So ", tops), _with_logprobs("$\\boxed{7}$", tops),
-            _with_logprobs(".", tops), _with_logprobs("", tops, finish="stop"),
-            data("[DONE]")]  # fmt: skip
+    return [
+        _with_logprobs(" Think", tops, "reasoning_content"),
+        _with_logprobs(" more.", tops, "reasoning_content"),
+        _with_logprobs("So ", tops),
+        _with_logprobs("$\\boxed{7}$", tops),
+        _with_logprobs(".", tops),
+        _with_logprobs("", tops, finish="stop"),
+        data("[DONE]"),
+    ]
 
 
 @pytest.mark.timeout(200)
@@ -222,12 +282,30 @@ def test_huge_logprobs_give_a_finite_confidence_and_strict_json(tmp_path: Path):
     with scripted_server(_huge_logprobs) as server:
         base = ("--backend", server.url, "-m", "m", "--seed", "1", "--loop", "off")
         one = run_phi4("solve", "3 plus 4?", *base, "--json", timeout=60)
-        voted = run_phi4("solve", "3 plus 4?", *base, "-k", "3", "--all", "--vote",
-                         "confidence", "--json", timeout=60)  # fmt: skip
-        each = run_phi4("solve", "-f", str(lines), "--jsonl", *base, "--verbose",
-                        timeout=60)  # fmt: skip
-        graded = run_phi4("eval", str(problems), *base, "-o", str(results), "--json",
-                          "--vote", "confidence", timeout=60)  # fmt: skip
+        voted = run_phi4(
+            "solve",
+            "3 plus 4?",
+            *base,
+            "-k",
+            "3",
+            "--all",
+            "--vote",
+            "confidence",
+            "--json",
+            timeout=60,
+        )
+        each = run_phi4("solve", "-f", str(lines), "--jsonl", *base, "--verbose", timeout=60)
+        graded = run_phi4(
+            "eval",
+            str(problems),
+            *base,
+            "-o",
+            str(results),
+            "--json",
+            "--vote",
+            "confidence",
+            timeout=60,
+        )
     for done in (one, voted, each, graded):
         assert done.returncode == 0, done.stderr
     expected = pytest.approx((MAX_CONFIDENCE + 0.01) / 2)

@@ -146,10 +146,17 @@ def test_staging_leaves_a_copy_another_daemon_has_loaded_and_a_copy_being_writte
         os.utime(model, ns=(number + 1, number + 1))
     loaded = ramdisk.stage(first_model, "on", directory).path
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import mmap, sys, time; f = open(sys.argv[1], 'rb'); "
-         "m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); print('mapped', flush=True); "
-         "time.sleep(60)", str(loaded)], stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import mmap, sys, time; f = open(sys.argv[1], 'rb'); "
+            "m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); print('mapped', flush=True); "
+            "time.sleep(60)",
+            str(loaded),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     writing = directory / f".{loaded.name}.{holder.pid}.abc123.part"  # a live writer's
     abandoned = directory / f".{loaded.name}.{2**22 + 1}.abc123.part"  # no such process
     writing.write_bytes(b"half")
@@ -226,10 +233,11 @@ def test_concurrent_streams_are_decoded_together_and_match_their_solo_output(
     assert run_phi4("daemon", "start", "-m", str(smollm2_model), "--parallel", "4").returncode == 0
     alone = [json.loads(run_phi4("solve", q, *args).stdout) for q in questions]
     procs = [
-        subprocess.Popen([PHI4, "solve", q, *args], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [PHI4, "solve", q, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
+        )
         for q in questions
-    ]  # fmt: skip
+    ]
     together = [json.loads(proc.communicate(timeout=120)[0]) for proc in procs]
     assert [r["solution"] for r in together] == [r["solution"] for r in alone]
     # Two slots were busy at once: the two answers were decoded in the same batches.
@@ -240,8 +248,9 @@ def test_concurrent_streams_are_decoded_together_and_match_their_solo_output(
 
 @pytest.mark.daemon
 def test_a_hung_up_request_frees_its_reservation_for_the_next(tiny_model: Path, phi4_home: Path):
-    started = run_phi4("daemon", "start", "-m", str(tiny_model), "--parallel", "1",
-                       "--n-ctx", "100000")  # fmt: skip
+    started = run_phi4(
+        "daemon", "start", "-m", str(tiny_model), "--parallel", "1", "--n-ctx", "100000"
+    )
     assert started.returncode == 0
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(str(phi4_home / "run" / "daemon.sock"))

@@ -174,10 +174,19 @@ def write_tiny_phi3(
     # The name must not contain "phi3": llama.cpp then looks up a "</s>" token this vocab lacks.
     # One with "reasoning" in it is taken for a model that thinks first, like Phi-4-mini-reasoning.
     add_phi3_metadata(
-        writer, name=name, embed=embed, layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn,
-        n_rot=n_rot, file_type=gguf.LlamaFileType.ALL_F32, tokens=tokens, types=types,
+        writer,
+        name=name,
+        embed=embed,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn=ffn,
+        n_rot=n_rot,
+        file_type=gguf.LlamaFileType.ALL_F32,
+        tokens=tokens,
+        types=types,
         merges=merges,
-    )  # fmt: skip
+    )
 
     def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
@@ -249,8 +258,7 @@ def write_script_model(path: Path, thinking: str, answer: str, *, loops: bool = 
         if successors.setdefault(token, following) != following:
             raise ValueError(f"token {vocab.detokenize([token])!r} repeats in the script")
     vocab.close()
-    return write_tiny_phi3(path, name="tiny-reasoning-script", successors=successors,
-                           corpus=corpus)  # fmt: skip
+    return write_tiny_phi3(path, name="tiny-reasoning-script", successors=successors, corpus=corpus)
 
 
 def unique_pieces(text: str, taken: set[str]) -> list[str]:
@@ -321,8 +329,9 @@ def write_text_script_model(
     for token, following in pairs:
         if successors.setdefault(token, following) != following:
             raise ValueError(f"token {token} repeats in the script")
-    return write_tiny_phi3(path, name=name, successors=successors, corpus=corpus,
-                           pieces=pieces, embed=128)  # fmt: skip
+    return write_tiny_phi3(
+        path, name=name, successors=successors, corpus=corpus, pieces=pieces, embed=128
+    )
 
 
 if __name__ == "__main__":

@@ -74,8 +74,9 @@ def normal_trace(rng: random.Random, words: int) -> str:
     return "\n\n".join(parts) if rng.random() < 0.5 else " ".join(parts)
 
 
-def looping_trace(rng: random.Random, before: int, period: int, words: int,
-                  mutate: float = 0.0) -> tuple[str, int]:  # fmt: skip
+def looping_trace(
+    rng: random.Random, before: int, period: int, words: int, mutate: float = 0.0
+) -> tuple[str, int]:
     """A trace of ``before`` words, then a span of about ``period`` words repeated until
     ``words`` words in all, each word of each repeat changed with chance ``mutate``; with the
     number of words before the loop begins."""

@@ -28,8 +28,9 @@ def clear_caches(paths: Paths, say: Announce) -> tuple[int, int, int]:
         elif directory.is_dir():
             # The staging dir is the user's, shared by every install (PHI4_HOME): a copy that a
             # running daemon has loaded stays, or its RAM would stay taken and the file gone.
-            in_use = {path: pid for path, pid in mapped_by(directory).items()
-                      if path.suffix == ".gguf"}  # fmt: skip
+            in_use = {
+                path: pid for path, pid in mapped_by(directory).items() if path.suffix == ".gguf"
+            }
     failed: list[tuple[Path, OSError]] = []
     staged = remove_staged(in_use=in_use, failed=failed)
     problems = [("staged model copy", path, exc) for path, exc in failed]
@@ -50,9 +51,16 @@ def clear_caches(paths: Paths, say: Announce) -> tuple[int, int, int]:
         from phi4cli.core.atomicfile import UnwritableError
 
         what, path, error = problems[0]
-        raise UnwritableError(path, what, error, verb="remove", detail=(
-            f" (removed {staged} staged model copies, {counts[0]} saved prompt states and "
-            f"{counts[1]} swapped-out chat sessions)"))  # fmt: skip
+        raise UnwritableError(
+            path,
+            what,
+            error,
+            verb="remove",
+            detail=(
+                f" (removed {staged} staged model copies, {counts[0]} saved prompt states and "
+                f"{counts[1]} swapped-out chat sessions)"
+            ),
+        )
     return staged, counts[0], counts[1]
 
 

@@ -62,15 +62,30 @@ class Conversation:
         """Read a saved conversation; raise ValueError naming what is wrong with it."""
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
-        _check(data, {"name": str, "model": str}, {"system": (str, type(None)),
-               "settings": dict, "turns": list, "dropped": int, "session": str,
-               "created": (int, float), "updated": (int, float), "format": int})  # fmt: skip
+        _check(
+            data,
+            {"name": str, "model": str},
+            {
+                "system": (str, type(None)),
+                "settings": dict,
+                "turns": list,
+                "dropped": int,
+                "session": str,
+                "created": (int, float),
+                "updated": (int, float),
+                "format": int,
+            },
+        )
         turns = []
         for index, turn in enumerate(data.get("turns", [])):
             if not isinstance(turn, dict):
                 raise ValueError(f"turn {index + 1} is not a JSON object")
-            _check(turn, {"question": str, "answer": str}, {"reasoning": str, "stats": dict,
-                   "interrupted": bool}, f"turn {index + 1}: ")  # fmt: skip
+            _check(
+                turn,
+                {"question": str, "answer": str},
+                {"reasoning": str, "stats": dict, "interrupted": bool},
+                f"turn {index + 1}: ",
+            )
             turns.append(Turn(**turn))
         _check_values(data, len(turns))
         fields = {k: v for k, v in data.items() if k not in ("format", "turns", "settings")}
@@ -131,8 +146,9 @@ def _bad_text(value: object) -> str | None:
     return where or "a value"
 
 
-def _check(data: dict[str, Any], required: dict[str, Any], optional: dict[str, Any],
-           where: str = "") -> None:  # fmt: skip
+def _check(
+    data: dict[str, Any], required: dict[str, Any], optional: dict[str, Any], where: str = ""
+) -> None:
     """Raise ValueError for a missing, unknown or mistyped field."""
     for key in required:
         if key not in data:

@@ -154,12 +154,21 @@ def solve(
     from phi4cli.core.inputs import join_words
 
     options = SolveOptions(
-        prompt=join_words(prompt), model=model, show_reasoning=show_reasoning,
-        answer_only=answer_only, as_json=as_json, file=file, each_line=each_line, jsonl=jsonl,
-        samples=samples, all_samples=all_samples, no_instruction=no_instruction, verbose=verbose,
+        prompt=join_words(prompt),
+        model=model,
+        show_reasoning=show_reasoning,
+        answer_only=answer_only,
+        as_json=as_json,
+        file=file,
+        each_line=each_line,
+        jsonl=jsonl,
+        samples=samples,
+        all_samples=all_samples,
+        no_instruction=no_instruction,
+        verbose=verbose,
         raw_output=raw_output,
         **answer,
-    )  # fmt: skip
+    )
     return run_solve(options, _env())
 
 
@@ -247,15 +256,17 @@ def eval_(
     with contextlib.suppress(OSError):  # (a results file not there yet: it is made)
         if os.path.samefile(file, results):
             # Else each record was appended to the problems, and the next run refused them.
-            raise UsageError(f"-o {results} is the problems file itself; give the results "
-                             "another file")  # fmt: skip
+            raise UsageError(
+                f"-o {results} is the problems file itself; give the results another file"
+            )
     # With samples, each one's confidence is recorded (sample_details), as solve --json shows
     # it: what replaying --vote confidence or --stop-unsure offline needs (bench/votes.py).
     job = make_job(env, model, dict(answer), no_instruction, confidence=samples > 1)
     policy = MismatchPolicy(restart=restart, force=force_resume)
     try:
-        tally, seconds = run_eval(job, problems, count, samples, results, jsonl, policy,
-                                  every=all_samples)  # fmt: skip
+        tally, seconds = run_eval(
+            job, problems, count, samples, results, jsonl, policy, every=all_samples
+        )
     except KeyboardInterrupt:
         say(f"interrupted: what was finished is in {results}; run the same command to resume")
         raise
@@ -328,15 +339,18 @@ def chat(
     env = _env()
     env.raw_output = raw_output
     backend_ = make_backend(paths, settings, model_path, env.notice)
-    repl = ChatRepl(env, backend_, settings, str(model_path), conversation, store,
-                    show_reasoning, verbose)  # fmt: skip
+    repl = ChatRepl(
+        env, backend_, settings, str(model_path), conversation, store, show_reasoning, verbose
+    )
     interactive = bool(env.stdin_isatty)
     if interactive:
         _print(clean_text(f"phi4 chat · {model_path.name} · /help for commands, Ctrl-D to leave"))
     if conversation.turns:  # (with stdout piped, on stderr: stdout holds the answers)
         turns = counted(len(conversation.turns), "turn")
-        _print(clean_text(f"resumed {conversation.name}: {turns}"),
-               file=None if env.stdout_isatty else env.stderr)  # fmt: skip
+        _print(
+            clean_text(f"resumed {conversation.name}: {turns}"),
+            file=None if env.stdout_isatty else env.stderr,
+        )
     if interactive:
         paths.state_dir.mkdir(parents=True, exist_ok=True)
         reader = prompt_reader(paths.state_dir / "chat_history")
@@ -413,8 +427,19 @@ def serve(
     aliases = [alias.name for alias in ALIASES.values() if alias_path(alias, paths) == model_path]
     backend_ = DaemonBackend(paths, settings, model_path, say)
     try:
-        serve_http(backend_, settings, model_path, name, http, api_key, say,
-                   allow_host or (), allow_origin or (), any_local_user, aliases)  # fmt: skip
+        serve_http(
+            backend_,
+            settings,
+            model_path,
+            name,
+            http,
+            api_key,
+            say,
+            allow_host or (),
+            allow_origin or (),
+            any_local_user,
+            aliases,
+        )
     except KeyboardInterrupt:
         return
 
@@ -430,8 +455,11 @@ def config_show(as_json: JsonOption = False) -> None:
 
     sources = setting_sources(get_paths().config_file)
     if as_json:
-        _print(json.dumps({k: {"value": v, "source": src} for k, (v, src) in sources.items()},
-                         indent=2))  # fmt: skip
+        _print(
+            json.dumps(
+                {k: {"value": v, "source": src} for k, (v, src) in sources.items()}, indent=2
+            )
+        )
         return
     from phi4cli.client.render import format_settings
 
@@ -603,8 +631,11 @@ def status(
         found = _status_of(get_paths())
     except DaemonUnavailableError as error:
         if as_json:  # a script reading stdout gets an answer too (the exit status is still 3)
-            _print(json.dumps({"running": False, "state": "not running", "reason": str(error)},
-                             indent=2))  # fmt: skip
+            _print(
+                json.dumps(
+                    {"running": False, "state": "not running", "reason": str(error)}, indent=2
+                )
+            )
         raise
     _print_status(found, as_json)
 
@@ -729,8 +760,9 @@ def warm(
             _print(f"the daemon is loading {model_path.name}; `phi4 status` shows its progress")
         return
     started = time.monotonic()
-    timings, spawned = load_model(paths, settings, model_path, daemon["keep_alive"] is not None,
-                                  say)  # fmt: skip
+    timings, spawned = load_model(
+        paths, settings, model_path, daemon["keep_alive"] is not None, say
+    )
     timings["wall_s"] = round(time.monotonic() - started, 4)
     # A daemon this command started loaded the model as it started: that load was ours.
     timings["already_loaded"] = bool(timings.get("already_loaded")) and not spawned
@@ -758,8 +790,10 @@ def cache_clear() -> None:
     _print(f"removed {copies}, {saved} and {chats}")
     kept = clear_daemon_prompts(paths)
     if kept is not None:
-        _print(f"emptied the daemon's prompt cache: {counted(kept['prompts'], 'prompt')}, "
-               f"{human_bytes(kept['bytes'])}")  # fmt: skip
+        _print(
+            f"emptied the daemon's prompt cache: {counted(kept['prompts'], 'prompt')}, "
+            f"{human_bytes(kept['bytes'])}"
+        )
 
 
 @app.command()

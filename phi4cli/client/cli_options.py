@@ -23,8 +23,9 @@ def _complete_model(incomplete: str) -> list[tuple[str, str]]:
 def complete_alias(incomplete: str) -> list[tuple[str, str]]:
     from phi4cli.core.models import ALIASES
 
-    return [(name, alias.description) for name, alias in ALIASES.items()
-            if name.startswith(incomplete)]  # fmt: skip
+    return [
+        (name, alias.description) for name, alias in ALIASES.items() if name.startswith(incomplete)
+    ]
 
 
 def complete_setting_key(incomplete: str) -> list[str]:
@@ -71,16 +72,23 @@ def setting_option(key: str, **extra: Any) -> Any:
 
 
 # The type of an option's value, by ``Setting.option``; None: not given (the setting stands).
-_OPTION_TYPES: dict[str, Any] = {"int": int | None, "float": float | None, "str": str | None,
-                                 "bool": bool | None, "list": list[str] | None}  # fmt: skip
+_OPTION_TYPES: dict[str, Any] = {
+    "int": int | None,
+    "float": float | None,
+    "str": str | None,
+    "bool": bool | None,
+    "list": list[str] | None,
+}
 ModelOption = Annotated[str | None, setting_option("model", autocompletion=_complete_model)]
 KeepAliveOption = Annotated[str | None, setting_option("keep_alive")]
 RawOutputOption = Annotated[
     bool,
-    typer.Option("--raw-output",
-                 help="Write the model's text to stdout unchanged, control characters and "
-                      "escape sequences included, when stdout is not a terminal."),
-]  # fmt: skip
+    typer.Option(
+        "--raw-output",
+        help="Write the model's text to stdout unchanged, control characters and "
+        "escape sequences included, when stdout is not a terminal.",
+    ),
+]
 ShowReasoningOption = Annotated[
     bool,
     typer.Option("--show-reasoning", "-r", help="Stream the model's thinking (dimmed, stderr)."),
@@ -91,8 +99,9 @@ ShowReasoningOption = Annotated[
 # signature, where Typer finds them, and hands them to the command as one dict.
 SHARED_OPTIONS: dict[str, Any] = {
     row.key: Annotated[_OPTION_TYPES[row.option], setting_option(row.key)]
-    for row in SETTINGS if row.flags
-}  # fmt: skip
+    for row in SETTINGS
+    if row.flags
+}
 SHARED_OPTIONS["model"] = ModelOption
 # Every command that asks for answers (solve, chat, eval) takes these; chat not those of votes,
 # as it samples each message once.
@@ -116,11 +125,16 @@ def with_options(
         hints = typing.get_type_hints(func, include_extras=True)  # this module's are text
         parameters = list(inspect.signature(func).parameters.values())
         receiver = parameters[0].name
-        own = [p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
-               for p in parameters[1:]]  # fmt: skip
-        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                   annotation=SHARED_OPTIONS[name])
-                 for name in group]  # fmt: skip
+        own = [
+            p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in parameters[1:]
+        ]
+        added = [
+            inspect.Parameter(
+                name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=SHARED_OPTIONS[name]
+            )
+            for name in group
+        ]
 
         @functools.wraps(func)
         def command(**kwargs: Any) -> Any:

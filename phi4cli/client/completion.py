@@ -54,8 +54,9 @@ def models(incomplete: str) -> list[tuple[str, str]]:
     """The model aliases, ``.gguf`` files and directories that start with ``incomplete``."""
     from phi4cli.core.models import ALIASES
 
-    found = [(name, alias.description) for name, alias in ALIASES.items()
-             if name.startswith(incomplete)]  # fmt: skip
+    found = [
+        (name, alias.description) for name, alias in ALIASES.items() if name.startswith(incomplete)
+    ]
     directory, _, prefix = incomplete.rpartition("/")
     if directory == "" and incomplete.startswith("/"):
         directory = "/"
@@ -83,8 +84,9 @@ def aliases(incomplete: str) -> list[tuple[str, str]]:
     """The model aliases that start with ``incomplete``, with what each is."""
     from phi4cli.core.models import ALIASES
 
-    return [(name, alias.description) for name, alias in ALIASES.items()
-            if name.startswith(incomplete)]  # fmt: skip
+    return [
+        (name, alias.description) for name, alias in ALIASES.items() if name.startswith(incomplete)
+    ]
 
 
 def _split(line: str) -> list[str]:
@@ -124,8 +126,9 @@ def _values(kind: Any, incomplete: str, positionals: list[str], shell: str) -> l
         found = [(name, None) for name in chats(incomplete)]
     else:
         return None
-    return [(value, _help_for(shell, help_)) for value, help_ in found
-            if value.startswith(incomplete)]  # fmt: skip
+    return [
+        (value, _help_for(shell, help_)) for value, help_ in found if value.startswith(incomplete)
+    ]
 
 
 def _help_for(shell: str, text: str | None) -> str | None:
@@ -209,14 +212,22 @@ def _names(node: Mapping[str, Any], incomplete: str, given: set[str], shell: str
         for param, names, helps, multiple in node["order"]:
             if param in given and not multiple:
                 continue
-            found += [(name, helps[form] if helps else None) for name in names
-                      if name.startswith(incomplete)]  # fmt: skip
+            found += [
+                (name, helps[form] if helps else None)
+                for name in names
+                if name.startswith(incomplete)
+            ]
     return found
 
 
 def _zsh(value: str) -> str:
-    return (value.replace('"', '""').replace("'", "''").replace("$", "\\$")
-            .replace("`", "\\`").replace(":", r"\\:"))  # fmt: skip
+    return (
+        value.replace('"', '""')
+        .replace("'", "''")
+        .replace("$", "\\$")
+        .replace("`", "\\`")
+        .replace(":", r"\\:")
+    )
 
 
 def answer(environ: Mapping[str, str]) -> tuple[str | None, int] | None:
@@ -247,8 +258,9 @@ def answer(environ: Mapping[str, str]) -> tuple[str | None, int] | None:
     if found is None:
         return None
     if shell == "zsh":
-        shown = [f'"{_zsh(value)}":"{help_}"' if help_ else f'"{_zsh(value)}"'
-                 for value, help_ in found]  # fmt: skip
+        shown = [
+            f'"{_zsh(value)}":"{help_}"' if help_ else f'"{_zsh(value)}"' for value, help_ in found
+        ]
         if not shown:
             return "_files", 0
         return "_arguments '*: :((" + "\n".join(shown) + "))'", 0

@@ -88,8 +88,9 @@ def _write_key(config_file: Path, key: str, value: str, parsed: Any) -> None:
     _write_config(config_file, text.encode(), 0o644, "config file", config_file)
 
 
-def _edited(text: str, config_file: Path, key: str, line: str | None,
-            data: dict[str, Any]) -> str | None:  # fmt: skip
+def _edited(
+    text: str, config_file: Path, key: str, line: str | None, data: dict[str, Any]
+) -> str | None:
     """The config file's ``text`` with ``key``'s one line replaced by ``line`` (or removed when
     None, or added at the end when absent), so that the user's comments and order are kept;
     None when that edit would not read back as ``data`` (a value over several lines, a
@@ -167,8 +168,9 @@ def edit_config(path: Path, editor: str, say: Callable[[str], None]) -> None:
                 answer = input("Edit again? [Y/n] ").strip().lower()
                 if answer.startswith("n"):
                     raise ConfigError(f"{path} is unchanged") from None
-        _write_config(path, read_user_file(draft, "config file's draft"), 0o644, "config file",
-                      path)  # fmt: skip
+        _write_config(
+            path, read_user_file(draft, "config file's draft"), 0o644, "config file", path
+        )
     finally:
         with contextlib.suppress(OSError):  # (a read-only disk, where none was made)
             draft.unlink(missing_ok=True)
@@ -213,6 +215,7 @@ def started_with(given: str, settings: Settings) -> Settings:
         values = None
     if not isinstance(values, dict) or not set(values) <= set(DAEMON_START):
         raise UsageError(f"--settings must be a JSON object of {', '.join(DAEMON_START)}")
-    checked: dict[str, Any] = {key: parse_setting(key, value, "--settings")
-                               for key, value in values.items()}  # fmt: skip
+    checked: dict[str, Any] = {
+        key: parse_setting(key, value, "--settings") for key, value in values.items()
+    }
     return settings._replace(**checked)

@@ -77,8 +77,12 @@ def run_reporting(run: Callable[[], int | None], fast_exit: bool = False) -> NoR
     sys.exit(status)
 
 
-def report(run: Callable[[], int | None], stdout: TextIO | None, stderr: TextIO,
-           reraise: Callable[[], bool] = lambda: False) -> int:  # fmt: skip
+def report(
+    run: Callable[[], int | None],
+    stdout: TextIO | None,
+    stderr: TextIO,
+    reraise: Callable[[], bool] = lambda: False,
+) -> int:
     """Run a command; return the documented exit status for whatever happened, having said
     on ``stderr`` what went wrong (a traceback too with ``PHI4_DEBUG``). An unexpected error is
     raised instead where ``reraise()`` says so (the ``phi4`` process: Python prints it)."""
@@ -125,8 +129,10 @@ def report(run: Callable[[], int | None], stdout: TextIO | None, stderr: TextIO,
             import traceback
 
             traceback.print_exc(file=stderr)
-        say(f"internal error: {type(exc).__name__}: {exc} (PHI4_DEBUG=1 shows the traceback)",
-            file=stderr)  # fmt: skip
+        say(
+            f"internal error: {type(exc).__name__}: {exc} (PHI4_DEBUG=1 shows the traceback)",
+            file=stderr,
+        )
         return ExitStatus.ERROR
 
 
@@ -135,8 +141,13 @@ def output_problem(exc: BaseException, stdout: TextIO | None) -> str | None:
     (``phi4 solve ... > out.txt`` on a full disk, ``> /dev/full``), else None."""
     from phi4cli.core.atomicfile import DISK_ERRNOS, write_problem
 
-    if not isinstance(exc, OSError) or exc.errno not in DISK_ERRNOS or exc.filename is not None \
-            or stdout is None or not _refuses(stdout, exc.errno):  # fmt: skip
+    if (
+        not isinstance(exc, OSError)
+        or exc.errno not in DISK_ERRNOS
+        or exc.filename is not None
+        or stdout is None
+        or not _refuses(stdout, exc.errno)
+    ):
         return None
     import stat
 

@@ -83,21 +83,28 @@ class Problems:
             # A CSV's line ends are translated ("\r\n", "\r": "\n"), as read_text() did.
             # utf-8-sig: a spreadsheet's "CSV UTF-8" starts with a byte order mark, which
             # would be read as part of the first column's name.
-            with (path.open(encoding="utf-8-sig", newline=None) if is_csv else
-                  path.open("rb")) as handle:  # fmt: skip
+            with (
+                path.open(encoding="utf-8-sig", newline=None) if is_csv else path.open("rb")
+            ) as handle:
                 rows = _csv_rows(path, handle) if is_csv else _json_lines(path, handle)
                 try:
                     for line, row in rows:
                         if not isinstance(row, dict):
-                            raise UsageError(f"{path}:{line}: expected an object with "
-                                             f"{problem_field!r} and {answer_field!r}")  # fmt: skip
+                            raise UsageError(
+                                f"{path}:{line}: expected an object with "
+                                f"{problem_field!r} and {answer_field!r}"
+                            )
                         problem, reference = row.get(problem_field), row.get(answer_field)
                         if not isinstance(problem, str) or not problem.strip():
-                            raise UsageError(f"{path}:{line}: " + _missing(
-                                row, problem_field, "--problem-field", is_csv))  # fmt: skip
+                            raise UsageError(
+                                f"{path}:{line}: "
+                                + _missing(row, problem_field, "--problem-field", is_csv)
+                            )
                         if reference is None or not str(reference).strip():
-                            raise UsageError(f"{path}:{line}: " + _missing(
-                                row, answer_field, "--answer-field", is_csv))  # fmt: skip
+                            raise UsageError(
+                                f"{path}:{line}: "
+                                + _missing(row, answer_field, "--answer-field", is_csv)
+                            )
                         yield Item(line, problem.strip(), str(reference).strip())
                 finally:
                     rows.close()
@@ -166,8 +173,10 @@ class Pending:
         while self._read <= index:
             item = next(self._rest, None)
             if item is None:
-                raise UsageError(f"{self._path} changed while eval read it (it holds fewer "
-                                 "problems now): run the same command to resume")  # fmt: skip
+                raise UsageError(
+                    f"{self._path} changed while eval read it (it holds fewer "
+                    "problems now): run the same command to resume"
+                )
             self._held[self._read] = item
             self._read += 1
         return self._held[index]
@@ -185,8 +194,12 @@ class Pending:
         self._rest.close()
 
 
-def judge(item: Item, outcomes: list[Outcome], same_answer: AnswerComparer | None = None,
-          weights: list[float] | None = None) -> dict[str, Any]:  # fmt: skip
+def judge(
+    item: Item,
+    outcomes: list[Outcome],
+    same_answer: AnswerComparer | None = None,
+    weights: list[float] | None = None,
+) -> dict[str, Any]:
     """One problem's record: the (voted) answer, its status, and for samples pass@k. Answers are
     compared by ``same_answer``, which counts those too costly to compare but as text;
     ``weights``: a confidence vote (``SolveJob.vote_weights``)."""
@@ -203,19 +216,23 @@ def judge(item: Item, outcomes: list[Outcome], same_answer: AnswerComparer | Non
         status = "no_answer"
     stats = [o.stats for o in outcomes if o.stats is not None]
     record: dict[str, Any] = {
-        "line": item.line, "problem": item.problem, "reference": item.reference,
-        "answer": answer, "status": status, "correct": status == "correct", "k": len(outcomes),
+        "line": item.line,
+        "problem": item.problem,
+        "reference": item.reference,
+        "answer": answer,
+        "status": status,
+        "correct": status == "correct",
+        "k": len(outcomes),
         "reasoning_tokens": sum(s.reasoning_tokens for s in stats),
         "completion_tokens": sum(s.completion_tokens for s in stats),
         "seconds": round(max((s.total_s or 0.0 for s in stats), default=0.0), 3),
-    }  # fmt: skip
+    }
     if len(outcomes) == 1 and stats:  # (a vote's samples each say theirs in sample_details)
         record["finish_reason"] = stats[0].finish_reason  # "length": cut off at --max-tokens
     confidences = [o.stats.lowest_group_confidence if o.stats else None for o in outcomes]
     if any(c is not None for c in confidences):  # each answer's (phi4cli.text.confidence)
         record["confidence"] = confidences if len(outcomes) > 1 else confidences[0]
-    checked = next((outcomes[i].check for i in vote.members if outcomes[i].check is not None),
-                   None)  # fmt: skip
+    checked = next((outcomes[i].check for i in vote.members if outcomes[i].check is not None), None)
     if checked is not None and answer is not None:  # the voted answer's, as checked
         record["check"] = checked.to_json()
     if len(outcomes) > 1:
@@ -256,9 +273,18 @@ RESULTS_FILE = "results file"  # what the refusals call it
 # run is this one's, so another model's verdicts are never reported as this model's.
 # Each request setting but the decoding recipe (deterministic), from the table of settings; one
 # at its "off" value (min_p 0) is left out, so that records made before it existed still match.
-RUN_KEYS = ("model", "model_file", "backend", "system", "instruction",
-            *(key for key in REQUEST_KEYS if key not in ("system", "deterministic")),
-            "samples", "adaptive", "vote", "stop_unsure")  # fmt: skip
+RUN_KEYS = (
+    "model",
+    "model_file",
+    "backend",
+    "system",
+    "instruction",
+    *(key for key in REQUEST_KEYS if key not in ("system", "deterministic")),
+    "samples",
+    "adaptive",
+    "vote",
+    "stop_unsure",
+)
 # Enough of a GGUF to cover its header and metadata: a file replaced in place under the same
 # size and mtime still differs here.
 _HEAD_BYTES = 1 << 20
@@ -282,15 +308,22 @@ def run_identity(job: SolveJob, samples: int, adaptive: bool = False) -> dict[st
     backend = (
         # Replicas of one model, in any order: the same run.
         " ".join(sorted(_without_secrets(e.url) for e in job.backend.engines))
-        if isinstance(job.backend, RemoteBackend) else None
-    )  # fmt: skip
+        if isinstance(job.backend, RemoteBackend)
+        else None
+    )
     asked = job.request.ask._asdict()
     identity: dict[str, Any] = {key: asked[key] for key in RUN_KEYS if key in asked}
     model_file = None if backend or model is None else model_file_identity(Path(model))
-    identity.update(model=model, backend=backend, instruction=job.instruction, samples=samples,
-                    model_file=model_file, adaptive=adaptive or None,
-                    vote=job.vote if samples > 1 else "count",
-                    stop_unsure=job.stop_unsure and samples > WARMUP)  # fmt: skip
+    identity.update(
+        model=model,
+        backend=backend,
+        instruction=job.instruction,
+        samples=samples,
+        model_file=model_file,
+        adaptive=adaptive or None,
+        vote=job.vote if samples > 1 else "count",
+        stop_unsure=job.stop_unsure and samples > WARMUP,
+    )
 
     # A setting at its "off" and a run that is not adaptive say nothing: records made before
     # either existed (all K samples, no min_p) still match.
@@ -341,8 +374,9 @@ class EarlierResults(NamedTuple):
     differences: tuple[str, ...]  # how the first foreign record's run differs, in words
 
 
-def read_earlier(lines: Iterable[str], problems: Iterable[Item], run: dict[str, Any],
-                 keep: bool = False) -> EarlierResults:  # fmt: skip
+def read_earlier(
+    lines: Iterable[str], problems: Iterable[Item], run: dict[str, Any], keep: bool = False
+) -> EarlierResults:
     """Sort the records of ``lines`` (a results file) into this run's for these problems, their
     reference answers and number of samples, and other runs'; a problem whose text or reference
     changed, an error, or a damaged record is solved again. This run's records are kept as the
@@ -372,9 +406,14 @@ def read_earlier(lines: Iterable[str], problems: Iterable[Item], run: dict[str, 
             else:
                 unlabelled += 1
         problem, reference = record.get("problem"), record.get("reference")
-        complete = (record.get("status") in STATUSES and record.get("k") == run["samples"]
-                    and all(isinstance(record.get(key), int)
-                            for key in ("reasoning_tokens", "completion_tokens")))  # fmt: skip
+        complete = (
+            record.get("status") in STATUSES
+            and record.get("k") == run["samples"]
+            and all(
+                isinstance(record.get(key), int)
+                for key in ("reasoning_tokens", "completion_tokens")
+            )
+        )
         if not (complete and isinstance(problem, str) and isinstance(reference, str)):
             continue
         if record["status"] == "error":  # errors are tried again
@@ -420,8 +459,11 @@ def describe_differences(theirs: dict[str, Any], run: dict[str, Any]) -> tuple[s
             said.append(f"another {key}")
         elif key == "adaptive":
             if theirs.get("samples") == run.get("samples"):  # else the samples say it
-                said.append("samples stopped once settled, not all K" if old else
-                            "all K samples, not stopped once settled (--all)")  # fmt: skip
+                said.append(
+                    "samples stopped once settled, not all K"
+                    if old
+                    else "all K samples, not stopped once settled (--all)"
+                )
         else:
             said.append(f"{key} {_short(key, old)}, not {_short(key, new)}")
     return tuple(said) or ("other settings",)
@@ -442,12 +484,16 @@ def _mismatch_message(output: Path, earlier: EarlierResults) -> str:
     many = earlier.foreign != 1
     count = f"{earlier.foreign} result{'s' if many else ''}"
     if earlier.unlabelled == earlier.foreign:
-        what = (f"{count} that {'do' if many else 'does'} not say which model and settings made "
-                f"{'them' if many else 'it'} (an older phi4?)")  # fmt: skip
+        what = (
+            f"{count} that {'do' if many else 'does'} not say which model and settings made "
+            f"{'them' if many else 'it'} (an older phi4?)"
+        )
     else:
         what = f"{count} of another run ({'; '.join(earlier.differences)})"
-    return (f"the results file {output} holds {what}: --restart starts it over, --force-resume "
-            "counts them as this run's, or -o names another file")  # fmt: skip
+    return (
+        f"the results file {output} holds {what}: --restart starts it over, --force-resume "
+        "counts them as this run's, or -o names another file"
+    )
 
 
 def result_line(record: dict[str, Any]) -> str:
@@ -461,8 +507,9 @@ def _lines(records: list[dict[str, Any]]) -> bytes:
     return "".join(result_line(r) + "\n" for r in records).encode()
 
 
-def open_results(output: Path, problems: Problems, run: dict[str, Any], policy: MismatchPolicy
-                 ) -> tuple[BinaryIO, dict[int, dict[str, Any]], int]:  # fmt: skip
+def open_results(
+    output: Path, problems: Problems, run: dict[str, Any], policy: MismatchPolicy
+) -> tuple[BinaryIO, dict[int, dict[str, Any]], int]:
     """The results file open to append to, this run's records already in it, by line (as
     much of each as the summary counts), and how many bytes of a last record cut short were
     cut off it.
@@ -485,12 +532,17 @@ def open_results(output: Path, problems: Problems, run: dict[str, Any], policy: 
     results.close()
     # Forced: the other runs' records become this run's, so that the next rerun resumes them
     # too, each saying which run it came from; the rest (stale records, other problems) goes.
-    done = {line: {**record, "run": run, "adopted_from": record.get("run")}
-            for line, record in earlier.adoptable.items()}  # fmt: skip
+    done = {
+        line: {**record, "run": run, "adopted_from": record.get("run")}
+        for line, record in earlier.adoptable.items()
+    }
     done.update(earlier.done)
     kept = [done[item.line] for item in problems if item.line in done]
-    return (replace_user_file(output, RESULTS_FILE, _lines(kept)),
-            {line: _counted(record) for line, record in done.items()}, 0)  # fmt: skip
+    return (
+        replace_user_file(output, RESULTS_FILE, _lines(kept)),
+        {line: _counted(record) for line, record in done.items()},
+        0,
+    )
 
 
 def _end_on_a_line(results: BinaryIO) -> int:
@@ -545,8 +597,10 @@ def _text_lines(results: BinaryIO, output: Path) -> Iterator[str]:
         try:
             yield raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise RefusedFileError(f"the results file {output} is not UTF-8 text (not phi4's?): "
-                                   "move it away, or --restart replaces it") from None  # fmt: skip
+            raise RefusedFileError(
+                f"the results file {output} is not UTF-8 text (not phi4's?): "
+                "move it away, or --restart replaces it"
+            ) from None
 
 
 def run_eval(
@@ -573,8 +627,10 @@ def run_eval(
     except OSError as exc:  # (ending a last line: a full disk)
         raise UnwritableError(output, RESULTS_FILE, exc, instead=ANOTHER_FILE) from None
     if cut:
-        job.announce(f"{output} ended in a record cut short ({cut:,} bytes, a run stopped while "
-                     "writing it): cut off, its problem is solved again")  # fmt: skip
+        job.announce(
+            f"{output} ended in a record cut short ({cut:,} bytes, a run stopped while "
+            "writing it): cut off, its problem is solved again"
+        )
     tally = Tally()
     for record in earlier.values():
         tally.add(record)
@@ -595,8 +651,12 @@ def run_eval(
         i, k = divmod(index, samples)  # request index: problem i's sample k
         # A problem's samples are one group: a remote engine that takes ``n`` is asked for
         # them in one request.
-        return job.params(todo[i].problem, PRIORITY_BULK, i if samples > 1 else None,
-                          None if seed is None else sample_seed(seed, k))  # fmt: skip
+        return job.params(
+            todo[i].problem,
+            PRIORITY_BULK,
+            i if samples > 1 else None,
+            None if seed is None else sample_seed(seed, k),
+        )
 
     requests = Requests(request, len(todo) * samples)
     stops: dict[int, EarlyStop] = {}  # by problem being answered
@@ -625,17 +685,20 @@ def run_eval(
         if stop is None:
             first = i * samples  # its samples' request indices follow
             stop = stops[i] = EarlyStop(
-                samples, compare, (lambda s: flight[0].cancel(first + s)) if adaptive else None,
+                samples,
+                compare,
+                (lambda s: flight[0].cancel(first + s)) if adaptive else None,
                 (lambda s, floor: flight[0].adjust(first + s, floor))
-                if job.stop_unsure and samples > WARMUP else None)  # fmt: skip
+                if job.stop_unsure and samples > WARMUP
+                else None,
+            )
         stop.end(k, outcome)
         if len(stop.ended) < samples:
             return
         del stops[i]
         judged = [outcomes.pop((i, s)) for s in range(samples)]
         used = [o for s, o in enumerate(judged) if s not in stop.stopped]
-        record = {**judge(todo[i], used, compare, job.vote_weights(used)), "k": samples,
-                  "run": run}  # fmt: skip
+        record = {**judge(todo[i], used, compare, job.vote_weights(used)), "k": samples, "run": run}
         if samples > 1:
             record["samples_used"] = len(used)
             if job.stop_unsure and samples > WARMUP:
@@ -682,18 +745,32 @@ def _unwritable(output: Path, exc: OSError, line: int, tally: Tally) -> Unwritab
     problem and what the file keeps (whole records only: see :func:`_append`)."""
     kept = sum(tally.counts.values())
     return UnwritableError(
-        output, RESULTS_FILE, exc, instead=ANOTHER_FILE,
+        output,
+        RESULTS_FILE,
+        exc,
+        instead=ANOTHER_FILE,
         detail=f"; stopped at line {line}'s record (the {kept:,} judged before it are whole "
         "lines in the file, and the same command resumes from them)",
-    )  # fmt: skip
+    )
 
 
 def _counted(record: dict[str, Any]) -> dict[str, Any]:
     """What :class:`Tally` counts of a record: the rest is in the results file."""
-    return {key: record[key] for key in ("line", "status", "reasoning_tokens", "pass_at_k",
-                                         "k", "samples_used", "samples_unsure",
-                                         "completion_tokens", "check")
-            if key in record}  # fmt: skip
+    return {
+        key: record[key]
+        for key in (
+            "line",
+            "status",
+            "reasoning_tokens",
+            "pass_at_k",
+            "k",
+            "samples_used",
+            "samples_unsure",
+            "completion_tokens",
+            "check",
+        )
+        if key in record
+    }
 
 
 class Tally:
@@ -722,7 +799,9 @@ class Tally:
         if verdict in self.checks:
             self.checks[verdict] += 1
             self.wrong_verdicts += (verdict, record["status"]) in (
-                ("verified", "wrong"), ("refuted", "correct"))  # fmt: skip
+                ("verified", "wrong"),
+                ("refuted", "correct"),
+            )
         self.reasoning_tokens += record["reasoning_tokens"]
         self.completion_tokens += record.get("completion_tokens", 0)
         self.samples_used += record.get("samples_used", record.get("k", 1))

@@ -109,8 +109,7 @@ class AnswerNow:
     with each event: a key pressed before the thinking began (typed ahead) or after it ended
     is discarded."""
 
-    def __init__(self, keys: AnswerKeys, ask: Callable[[], None],
-                 told: Callable[[], None]) -> None:  # fmt: skip
+    def __init__(self, keys: AnswerKeys, ask: Callable[[], None], told: Callable[[], None]) -> None:
         self.keys, self.ask, self.told = keys, ask, told
         self.thinking = False  # the model thinks: reasoning came, no answer yet
         self.asked = False

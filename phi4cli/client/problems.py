@@ -40,8 +40,9 @@ class ProblemFeed(Sequence["SolveParams | Event"]):  # a string: typing is not i
         self.failure: str | None = None  # why the input could not be read to its end
         self._printed = 0
         self._changed = threading.Condition()
-        self._thread = threading.Thread(target=self._read, args=(source,), daemon=True,
-                                        name="phi4-input")  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._read, args=(source,), daemon=True, name="phi4-input"
+        )
         self._thread.start()
 
     def _read(self, source: Any) -> None:
@@ -113,8 +114,10 @@ def _lines_of(raw: bytes | str, where: str, number: int) -> list[str | Event]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            message = (f"{where} line {number} is not valid UTF-8 (byte 0x{raw[exc.start]:02x}): "
-                       f"{HOW_TO_FIX}")  # fmt: skip
+            message = (
+                f"{where} line {number} is not valid UTF-8 (byte 0x{raw[exc.start]:02x}): "
+                f"{HOW_TO_FIX}"
+            )
             return [Event.error(ErrorCode.BAD_REQUEST, message)]
     else:
         try:

@@ -77,8 +77,9 @@ class FileProgress:
     console, never onto the bar's line.
     """
 
-    def __init__(self, total: int | None, env: Environment, label: str = "solving",
-                 budget: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, total: int | None, env: Environment, label: str = "solving", budget: int | None = None
+    ) -> None:
         self.total = total  # None: not known yet (a pipe); :meth:`reading` follows the input
         self._feed: ProblemFeed | None = None
         self.env = env
@@ -108,9 +109,14 @@ class FileProgress:
                 transient=True,
             )
             self._progress.start()
-            self._task = self._progress.add_task(self.label, total=self.total or 1, activity="",
-                                                 done=0, of=self._of(),
-                                                 known=self.total is not None)  # fmt: skip
+            self._task = self._progress.add_task(
+                self.label,
+                total=self.total or 1,
+                activity="",
+                done=0,
+                of=self._of(),
+                known=self.total is not None,
+            )
             self._progress.refresh()  # 0/N at once, not at the first tick
             self.env.print_above_live = self._print_above
         return self
@@ -168,8 +174,9 @@ class FileProgress:
         done = self._done
         if self.total is None and self._feed is not None:
             known = self._feed.ended
-            self._progress.update(self._task, total=max(len(self._feed), 1), of=self._of(),
-                                  known=known)  # fmt: skip
+            self._progress.update(
+                self._task, total=max(len(self._feed), 1), of=self._of(), known=known
+            )
         self._progress.update(self._task, completed=done + partial, done=done)
 
     def _show_activity(self) -> None:
@@ -251,14 +258,20 @@ class ProgressNotice:
                 f"context and {event.get('free', 0):,} are free until a running one finishes",
             )
         elif kind == EventKind.PROGRESS and event.get("stage") in ("loading", "warming"):
-            self._loading(event.get("model"), str(event.get("stage")),
-                          f"loading {event.get('model', 'the model')}...")  # fmt: skip
+            self._loading(
+                event.get("model"),
+                str(event.get("stage")),
+                f"loading {event.get('model', 'the model')}...",
+            )
         elif kind == EventKind.PROGRESS and event.get("stage") == "ready":
             if self._load_line is not None and self._load_line.shown:  # reading the question
                 self._load_line.start(event.get("model"), "ready")
         elif kind == EventKind.ACCEPTED and event.get("state") in ("loading", "warming"):
-            self._loading(event.get("model"), str(event.get("state")),
-                          "waiting for the daemon to load the model...")  # fmt: skip
+            self._loading(
+                event.get("model"),
+                str(event.get("state")),
+                "waiting for the daemon to load the model...",
+            )
         elif kind in (EventKind.REASONING, EventKind.TOKEN, EventKind.RETRACT) or kind.terminal:
             self.stop()
 
@@ -301,8 +314,9 @@ class LoadLine:
         from rich.spinner import Spinner
 
         console = Console(file=self._env.stderr, force_terminal=True)
-        self._live = Live(Spinner("dots", text=self), console=console, transient=True,
-                          refresh_per_second=4)  # fmt: skip
+        self._live = Live(
+            Spinner("dots", text=self), console=console, transient=True, refresh_per_second=4
+        )
         self._live.start(refresh=True)
         self._env.print_above_live = printer(console)
 
@@ -326,8 +340,10 @@ class LoadLine:
 
         now = time.monotonic()
         model = self._model
-        doing = {"starting": "starting the daemon", "loading": f"loading {model}",
-                 "warming": f"warming up {model}",
-                 "ready": f"{model} is loaded, reading the question"}.get(
-            self._state, f"waiting for {model}")  # fmt: skip
+        doing = {
+            "starting": "starting the daemon",
+            "loading": f"loading {model}",
+            "warming": f"warming up {model}",
+            "ready": f"{model} is loaded, reading the question",
+        }.get(self._state, f"waiting for {model}")
         return Text(f"{doing}… {now - self._began:.0f} s")

@@ -234,8 +234,10 @@ def loop_cut(outcome: Outcome) -> str | None:
     if stats is None or stats.loop != "answered" or outcome.answer is None:
         return None
     at = f" after {stats.loop_at:,} tokens" if stats.loop_at else ""
-    return (f"the thinking repeated itself and was ended{at}, so the model answered from what "
-            "it had (--loop off lets it run)")  # fmt: skip
+    return (
+        f"the thinking repeated itself and was ended{at}, so the model answered from what "
+        "it had (--loop off lets it run)"
+    )
 
 
 def no_vote_reason(samples: Sequence[Outcome]) -> str:
@@ -248,13 +250,16 @@ def no_vote_reason(samples: Sequence[Outcome]) -> str:
         return f"{head}, each was stopped as unsure (ask again without --stop-unsure)"
     unfinished = sum(o.thinking_unfinished for o in ended)
     if unfinished:
-        return (f"{head}, the thinking of {unfinished} did not finish (raise --max-tokens or "
-                "--think-budget)")  # fmt: skip
+        return (
+            f"{head}, the thinking of {unfinished} did not finish (raise --max-tokens or "
+            "--think-budget)"
+        )
     if ended and all(o.stats is not None and o.stats.loop == "stopped" for o in ended):
-        return (f"{head}, each repeated itself and was stopped (--loop answer ends looping "
-                "thinking so the model answers)")  # fmt: skip
-    return (f"{head} (as \\boxed{{...}} or \"the final answer is\"): ask again, or with more "
-            "--samples")  # fmt: skip
+        return (
+            f"{head}, each repeated itself and was stopped (--loop answer ends looping "
+            "thinking so the model answers)"
+        )
+    return f'{head} (as \\boxed{{...}} or "the final answer is"): ask again, or with more --samples'
 
 
 class PlainPresenter:
@@ -433,8 +438,7 @@ class TerminalPresenter:
             self._thought_s = time.monotonic() - self._started
             early = self._answering_now if early is None else early
             said = " (answered early)" if early else ""
-            self.err.print(f"Thought for {self._thought_s:.1f} s{said}", style="dim",
-                           markup=False)  # fmt: skip
+            self.err.print(f"Thought for {self._thought_s:.1f} s{said}", style="dim", markup=False)
 
     def print_outcome(
         self,
@@ -505,21 +509,35 @@ def plan_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
     layers = plan.get("gpu_layers", 0)
     many = "s" if plan["parallel"] != 1 else ""
     if plan.get("kv_layout") == "streams":
-        at_once = (f"{plan['slots']} request{'s' if plan['slots'] != 1 else ''}, a stream of "
-                   f"{plan['request_capacity']:,} tokens each (kv_layout streams)")  # fmt: skip
+        at_once = (
+            f"{plan['slots']} request{'s' if plan['slots'] != 1 else ''}, a stream of "
+            f"{plan['request_capacity']:,} tokens each (kv_layout streams)"
+        )
     else:
-        at_once = (f"{plan['parallel']} such request{many}; up to {plan['slots']} shorter ones "
-                   "(one shared cache)")  # fmt: skip
+        at_once = (
+            f"{plan['parallel']} such request{many}; up to {plan['slots']} shorter ones "
+            "(one shared cache)"
+        )
     rows = [
-        ("KV cache", f"{plan['n_ctx']:,} tokens x {human_bytes(plan['kv_bytes_per_token'])} "
-                     f"({plan['kv_cache_type']}) = {human_bytes(plan['kv_bytes'])}"
-                     + (", set by n_ctx" if plan.get("n_ctx_source") == "setting" else "")),
-        ("per request", f"{plan['request_tokens']:,} tokens (prompt, thinking and answer) "
-                        "unless --max-tokens says otherwise"),
+        (
+            "KV cache",
+            f"{plan['n_ctx']:,} tokens x {human_bytes(plan['kv_bytes_per_token'])} "
+            f"({plan['kv_cache_type']}) = {human_bytes(plan['kv_bytes'])}"
+            + (", set by n_ctx" if plan.get("n_ctx_source") == "setting" else ""),
+        ),
+        (
+            "per request",
+            f"{plan['request_tokens']:,} tokens (prompt, thinking and answer) "
+            "unless --max-tokens says otherwise",
+        ),
         ("at once", at_once),
-        ("offload", f"{'all' if layers < 0 else layers} layers on {plan.get('device')}"
-                    if layers else "none (CPU)"),
-    ]  # fmt: skip
+        (
+            "offload",
+            f"{'all' if layers < 0 else layers} layers on {plan.get('device')}"
+            if layers
+            else "none (CPU)",
+        ),
+    ]
     return rows + [("note", note) for note in plan.get("notes", [])]
 
 
@@ -541,13 +559,21 @@ def format_warm(timings: dict[str, Any]) -> str:
         ("stage to RAM", stage),
         ("load (mmap)", f"{timings.get('load_s', 0):.2f} s" + (", mlock" if mlock else "")),
         ("warm-up decode", f"{timings.get('warmup_s', 0):.3f} s"),
-        ("system prompt", f"{timings.get('prefill_s', 0):.3f} s "
-                          f"({timings.get('system_tokens', 0)} tokens, {prefill_how})"),
+        (
+            "system prompt",
+            f"{timings.get('prefill_s', 0):.3f} s "
+            f"({timings.get('system_tokens', 0)} tokens, {prefill_how})",
+        ),
         ("total", f"{sum(steps):.2f} s"),
-    ]  # fmt: skip
+    ]
     if timings.get("start_cells"):
-        rows.append(("", f"(answers from {timings['start_cells']:,} cells while the whole KV "
-                         "cache is made in the background)"))  # fmt: skip
+        rows.append(
+            (
+                "",
+                f"(answers from {timings['start_cells']:,} cells while the whole KV "
+                "cache is made in the background)",
+            )
+        )
     if timings.get("already_loaded"):
         rows.append(("", "(already warm: these are the timings of its load)"))
     rows += plan_rows(timings.get("memory") or {})
@@ -614,31 +640,51 @@ def format_status(status: dict[str, Any]) -> str:
         ("context", f"{status['n_ctx']:,} tokens" if status.get("n_ctx") else "planned at load"),
     ]
     if memory:
-        rows.append(("kv now", f"{memory['reserved_tokens']:,} reserved by {memory['running']} "
-                               f"running, {memory['free_tokens']:,} free, "
-                               f"{memory['idle_cached_tokens']:,} cached for reuse"))  # fmt: skip
+        rows.append(
+            (
+                "kv now",
+                f"{memory['reserved_tokens']:,} reserved by {memory['running']} "
+                f"running, {memory['free_tokens']:,} free, "
+                f"{memory['idle_cached_tokens']:,} cached for reuse",
+            )
+        )
         kept = memory.get("prompt_cache")
         if kept:
-            rows.append(("prompts", f"{kept['prompts']:,} kept in RAM, "
-                                    f"{human_bytes(kept['bytes'])} of "
-                                    f"{human_bytes(kept['max_bytes'])}; put back "
-                                    f"{counted(kept['hits'], 'time')} "
-                                    f"({kept['hit_tokens']:,} tokens not read again)"))  # fmt: skip
+            rows.append(
+                (
+                    "prompts",
+                    f"{kept['prompts']:,} kept in RAM, "
+                    f"{human_bytes(kept['bytes'])} of "
+                    f"{human_bytes(kept['max_bytes'])}; put back "
+                    f"{counted(kept['hits'], 'time')} "
+                    f"({kept['hit_tokens']:,} tokens not read again)",
+                )
+            )
         speculation = memory.get("speculation")
         if speculation:
             rows.append(("speculation", _speculation_row(speculation)))
         growing = memory.get("context_growing_s")
         if growing is not None:
-            rows.append(("kv growing", f"answering from {memory['context_cells']:,} of its "
-                                       f"{memory['n_ctx']:,} cells while the whole context is "
-                                       f"made (for {human_seconds(growing)}; requests may "
-                                       "reserve the whole)"))  # fmt: skip
+            rows.append(
+                (
+                    "kv growing",
+                    f"answering from {memory['context_cells']:,} of its "
+                    f"{memory['n_ctx']:,} cells while the whole context is "
+                    f"made (for {human_seconds(growing)}; requests may "
+                    "reserve the whole)",
+                )
+            )
     if memory.get("threads"):
         rows.append(("threads", _threads_row(memory)))
     waiting = status.get("waiting")
     if waiting:
-        rows.append(("waiting", f"for memory: the next request needs {waiting['needed']:,} "
-                                f"tokens, {waiting['free']:,} are free"))  # fmt: skip
+        rows.append(
+            (
+                "waiting",
+                f"for memory: the next request needs {waiting['needed']:,} "
+                f"tokens, {waiting['free']:,} are free",
+            )
+        )
     rows += plan_rows(memory.get("plan") or {})
     rows += [("socket", status.get("socket")), ("log", status.get("log"))]
     if status.get("error"):
@@ -670,8 +716,10 @@ def format_setting(key: str, value: Any) -> str:
 def format_settings(sources: dict[str, tuple[Any, str]]) -> str:
     """`phi4 config show`: each setting, its value and where the value comes from."""
     width = max(map(len, sources))
-    lines = [f"{key:<{width}}  {format_setting(key, value):<24}  {source}"
-             for key, (value, source) in sources.items()]  # fmt: skip
+    lines = [
+        f"{key:<{width}}  {format_setting(key, value):<24}  {source}"
+        for key, (value, source) in sources.items()
+    ]
     return clean_text("\n".join(lines))  # a system prompt in the config is anyone's text
 
 
@@ -699,28 +747,41 @@ def counted(number: int, one: str, many: str | None = None) -> str:
     return f"{number} {one if number == 1 else many or one + 's'}"
 
 
-def format_chat_show(conversation: Any, stats: Stats, model: str, settings: str,
-                     n_ctx: object) -> str:  # fmt: skip
+def format_chat_show(
+    conversation: Any, stats: Stats, model: str, settings: str, n_ctx: object
+) -> str:
     """The chat's `/show`: the conversation, its model and settings, context use and cache."""
     used = stats.context_used
-    return format_rows([
-        ("conversation", f"{conversation.name} ({counted(len(conversation.turns), 'turn')})"),
-        ("model", model),
-        ("system", conversation.system or "(the model default)"),
-        ("settings", settings),
-        ("context", f"{used} of {n_ctx} tokens used" if used
-         else f"{n_ctx} tokens, unused" if isinstance(n_ctx, int) else f"{n_ctx}, unused"),
-        ("cached", f"{stats.cached_tokens} tokens of the last prompt came from cache"),
-        ("dropped", f"{conversation.dropped} oldest turn(s) no longer in the model's context"),
-    ], gap=1)  # fmt: skip
+    return format_rows(
+        [
+            ("conversation", f"{conversation.name} ({counted(len(conversation.turns), 'turn')})"),
+            ("model", model),
+            ("system", conversation.system or "(the model default)"),
+            ("settings", settings),
+            (
+                "context",
+                f"{used} of {n_ctx} tokens used"
+                if used
+                else f"{n_ctx} tokens, unused"
+                if isinstance(n_ctx, int)
+                else f"{n_ctx}, unused",
+            ),
+            ("cached", f"{stats.cached_tokens} tokens of the last prompt came from cache"),
+            ("dropped", f"{conversation.dropped} oldest turn(s) no longer in the model's context"),
+        ],
+        gap=1,
+    )
 
 
 def format_chat_list(entries: list[tuple[str, int, float]]) -> str:
     """The chat's `/list`: (name, turns, seconds since last saved), most recent first."""
     if not entries:
         return "no saved conversations"
-    return clean_text("\n".join(f"{name}  {turns} turns, {human_seconds(age)} ago"
-                     for name, turns, age in entries))  # fmt: skip
+    return clean_text(
+        "\n".join(
+            f"{name}  {turns} turns, {human_seconds(age)} ago" for name, turns, age in entries
+        )
+    )
 
 
 def format_eval(summary: dict[str, Any], seconds: float, output: object) -> str:
@@ -748,12 +809,14 @@ def format_eval(summary: dict[str, Any], seconds: float, output: object) -> str:
         if summary.get("samples_unsure"):
             used += f"; {summary['samples_unsure']:,} stopped as unsure"
         rows.insert(3, ("samples", used))
-    rows.append(("thinking", f"{summary['mean_reasoning_tokens']:,.0f} tokens a solution on "
-                             "average"))  # fmt: skip
+    rows.append(
+        ("thinking", f"{summary['mean_reasoning_tokens']:,.0f} tokens a solution on average")
+    )
     if "completion_tokens" in summary:
         by = "by the samples taken" if "samples" in summary else "in all"
-        rows.append(("tokens", f"{summary['completion_tokens']:,} written {by} (thinking "
-                               "included)"))  # fmt: skip
+        rows.append(
+            ("tokens", f"{summary['completion_tokens']:,} written {by} (thinking included)")
+        )
     confidence = summary.get("mean_confidence")
     if confidence:
 
@@ -766,9 +829,14 @@ def format_eval(summary: dict[str, Any], seconds: float, output: object) -> str:
     checks = summary.get("checks")
     if checks:
         decided = checks["verified"] + checks["refuted"]
-        rows.append(("checked", f"{decided:,} answers decided: {checks['verified']:,} verified, "
-                                f"{checks['refuted']:,} refuted; {checks['wrong_verdicts']:,} "
-                                "against the references"))  # fmt: skip
+        rows.append(
+            (
+                "checked",
+                f"{decided:,} answers decided: {checks['verified']:,} verified, "
+                f"{checks['refuted']:,} refuted; {checks['wrong_verdicts']:,} "
+                "against the references",
+            )
+        )
     rows += [("time", f"{human_seconds(seconds)} this run"), ("results", str(output))]
     return format_rows(rows)
 
@@ -791,10 +859,15 @@ def format_replicas(replicas: list[dict[str, Any]]) -> str:
 def _replica_load(replica: dict[str, Any]) -> str:
     """ "in flight 3, waiting 0, answered 120, 45.2 tokens/s": what the server's /metrics says
     (a part it does not publish is left out)."""
-    parts = [f"{label} {int(replica[key]):,}"
-             for key, label in (("in_flight", "in flight"), ("waiting", "waiting"),
-                                ("answered", "answered"))
-             if replica.get(key) is not None]  # fmt: skip
+    parts = [
+        f"{label} {int(replica[key]):,}"
+        for key, label in (
+            ("in_flight", "in flight"),
+            ("waiting", "waiting"),
+            ("answered", "answered"),
+        )
+        if replica.get(key) is not None
+    ]
     if replica.get("tokens_per_s") is not None:
         parts.append(f"{replica['tokens_per_s']:g} tokens/s")
     return ", ".join(parts) if parts else "(it publishes no load metrics)"

@@ -146,8 +146,10 @@ class ChatRepl:
             try:
                 self.store.save(self.conversation)
             except Phi4Error as exc:
-                self.env.notice(f"error: {exc}; what it holds since it was last saved is in "
-                                "the answers above only")  # fmt: skip
+                self.env.notice(
+                    f"error: {exc}; what it holds since it was last saved is in "
+                    "the answers above only"
+                )
                 return 1
         return 1 if self.failed else 0
 
@@ -158,9 +160,10 @@ class ChatRepl:
         # prompt-toolkit takes Ctrl-C itself while it reads (as a key); any other reader's
         # wait (a pipe) is one a Ctrl-C may break.
         reading: Callable[[], contextlib.AbstractContextManager[None]] = (
-            contextlib.nullcontext if getattr(read, "handles_ctrl_c", False)
+            contextlib.nullcontext
+            if getattr(read, "handles_ctrl_c", False)
             else self.interrupts.allowed
-        )  # fmt: skip
+        )
         self.interrupts.install()
         try:
             while True:
@@ -179,8 +182,10 @@ class ChatRepl:
                     return
                 line, replaced = replace_bad(line)  # typed bytes that are not UTF-8
                 if replaced:
-                    self.env.notice("your input is not valid UTF-8; its bad bytes are read as "
-                                    "U+FFFD, the replacement character")  # fmt: skip
+                    self.env.notice(
+                        "your input is not valid UTF-8; its bad bytes are read as "
+                        "U+FFFD, the replacement character"
+                    )
                 if not line.strip():
                     continue
                 if line.strip().startswith("/"):
@@ -204,8 +209,13 @@ class ChatRepl:
             return presenter
         if self._answers_shown:  # piped: a blank line between answers, or they run together
             self.env.stdout.write("\n")
-        return PlainPresenter(self.env.stdout, self.env.stderr, self.show_reasoning, verbose=False,
-                              raw=self.env.raw_stdout)  # fmt: skip
+        return PlainPresenter(
+            self.env.stdout,
+            self.env.stderr,
+            self.show_reasoning,
+            verbose=False,
+            raw=self.env.raw_stdout,
+        )
 
     def sampling(self) -> dict[str, Any]:
         values = {key: getattr(self.settings, key) for key in SETTABLE}
@@ -215,9 +225,14 @@ class ChatRepl:
     def _request(self, question: str) -> SolveParams:
         asked = {k: v for k, v in self.conversation.settings.items() if k in Ask._fields}
         ask = Ask.of(self.settings)._replace(**asked, system=self.conversation.system)
-        return SolveParams(question, ask, self.model, priority=PRIORITY_INTERACTIVE,
-                           session=self.conversation.session,
-                           history=tuple(self.conversation.history()))  # fmt: skip
+        return SolveParams(
+            question,
+            ask,
+            self.model,
+            priority=PRIORITY_INTERACTIVE,
+            session=self.conversation.session,
+            history=tuple(self.conversation.history()),
+        )
 
     def ask(self, question: str) -> None:
         """Answer one message; keep the turn in the conversation (and save it)."""
@@ -246,8 +261,10 @@ class ChatRepl:
             # goes on, and the next message starts a fresh daemon with the whole transcript.
             # What streamed stays on the screen, as after Ctrl-C (a live region would be erased).
             presenter.show_partial(outcome)
-            self.env.notice(f"error: {chat_hints(unfinished(outcome, str(exc)))}; this question "
-                            "is not kept (ask it again)")  # fmt: skip
+            self.env.notice(
+                f"error: {chat_hints(unfinished(outcome, str(exc)))}; this question "
+                "is not kept (ask it again)"
+            )
             self.failed += 1
             return
         except RequestError as exc:  # refused before it was sent (too long): the chat goes on
@@ -401,8 +418,9 @@ class ChatRepl:
             self.store.save(self.conversation)
         except Phi4Error as exc:
             if not self.unsaved:  # (said once, not after every answer)
-                self.env.notice(f"{exc}; the conversation is kept in memory and saved again "
-                                "after each answer")  # fmt: skip
+                self.env.notice(
+                    f"{exc}; the conversation is kept in memory and saved again after each answer"
+                )
             self.unsaved = True
         else:
             self.unsaved = False
@@ -424,8 +442,11 @@ class ChatRepl:
     def _help(self, _argument: str) -> None:
         out = self.env.stdout
         print(format_rows([(c.name, c.help) for c in COMMANDS]), file=out)
-        print('Multi-line input: start and end it with """, or press Alt-Enter (Esc Enter) '
-              "for a new line. Ctrl-C stops an answer.", file=out)  # fmt: skip
+        print(
+            'Multi-line input: start and end it with """, or press Alt-Enter (Esc Enter) '
+            "for a new line. Ctrl-C stops an answer.",
+            file=out,
+        )
 
     def _reset(self, _argument: str) -> None:
         old = self.conversation
@@ -556,21 +577,29 @@ class SlashCommand(NamedTuple):
 COMMANDS = (
     SlashCommand("/help", "show this help", ChatRepl._help),
     SlashCommand("/reset", "start a new conversation (same model and settings)", ChatRepl._reset),
-    SlashCommand("/system", "/system TEXT sets the system prompt; /system - restores the "
-                 "model's own", ChatRepl._system),
+    SlashCommand(
+        "/system",
+        "/system TEXT sets the system prompt; /system - restores the model's own",
+        ChatRepl._system,
+    ),
     SlashCommand("/set", f"/set {'|'.join(SETTABLE)} VALUE", ChatRepl._set),
-    SlashCommand("/show", "model, settings, context used of n_ctx, cached tokens, dropped turns",
-                 ChatRepl._show),
+    SlashCommand(
+        "/show",
+        "model, settings, context used of n_ctx, cached tokens, dropped turns",
+        ChatRepl._show,
+    ),
     SlashCommand("/retry", "sample the last answer again", ChatRepl._retry),
     SlashCommand("/save", "/save NAME saves the conversation under NAME", ChatRepl._save),
     SlashCommand("/load", "/load NAME continues a saved conversation", ChatRepl._load),
     SlashCommand("/list", "list saved conversations", ChatRepl._list),
     SlashCommand("/stats", "statistics of the last answer", ChatRepl._stats),
-    SlashCommand("/reasoning", "/reasoning on|off shows the model's thinking, or folds it into "
-                 "one line", ChatRepl._reasoning),
-    SlashCommand("/exit", "leave (also /bye, /quit or Ctrl-D)", ChatRepl._exit,
-                 ("/bye", "/quit")),
-)  # fmt: skip
+    SlashCommand(
+        "/reasoning",
+        "/reasoning on|off shows the model's thinking, or folds it into one line",
+        ChatRepl._reasoning,
+    ),
+    SlashCommand("/exit", "leave (also /bye, /quit or Ctrl-D)", ChatRepl._exit, ("/bye", "/quit")),
+)
 COMMAND_NAMES = {name: c for c in COMMANDS for name in (c.name, *c.aliases)}
 
 
@@ -637,8 +666,10 @@ def line_reader(
         number += 1
         line, replaced = replace_bad(line)
         if replaced and notice is not None:
-            notice(f"stdin line {number} is not valid UTF-8; its bad bytes are read as "
-                   "U+FFFD, the replacement character")  # fmt: skip
+            notice(
+                f"stdin line {number} is not valid UTF-8; its bad bytes are read as "
+                "U+FFFD, the replacement character"
+            )
         if echo is not None:
             print(clean_text(f"{prompt}{line.rstrip()}"), file=echo)
         return line.rstrip("\n")

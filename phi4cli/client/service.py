@@ -13,11 +13,23 @@ def unit_text(model_path: Path, keep_alive: str, home: str | None) -> str:
     """The unit: its description names the model, its command runs this Python's phi4 daemon
     with ``PHI4_HOME`` when one is set, each word quoted as systemd reads it back."""
     environment = f"Environment={_unit_word(f'PHI4_HOME={home}')}\n" if home is not None else ""
-    described = _unit_word(f"phi4 daemon: {model_path.name} kept resident for phi4 solve and chat",
-                           quote=False)  # fmt: skip
-    command = " ".join(_unit_word(word) for word in (
-        sys.executable, "-m", "phi4cli", "daemon", "run", "--model", str(model_path),
-        "--keep-alive", keep_alive))  # fmt: skip
+    described = _unit_word(
+        f"phi4 daemon: {model_path.name} kept resident for phi4 solve and chat", quote=False
+    )
+    command = " ".join(
+        _unit_word(word)
+        for word in (
+            sys.executable,
+            "-m",
+            "phi4cli",
+            "daemon",
+            "run",
+            "--model",
+            str(model_path),
+            "--keep-alive",
+            keep_alive,
+        )
+    )
     return (
         "[Unit]\n"
         f"Description={described}\n\n"

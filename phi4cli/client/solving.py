@@ -99,8 +99,10 @@ class SolveJob(NamedTuple):
         for outcome in outcomes:
             weight = outcome.stats.lowest_group_confidence if outcome.stats else None
             if weight is None and outcome.answer is not None:
-                self.env.notice_once("an answer has no confidence (its server sent no "
-                                     "logprobs): the vote counts samples")  # fmt: skip
+                self.env.notice_once(
+                    "an answer has no confidence (its server sent no "
+                    "logprobs): the vote counts samples"
+                )
                 return None
             weights.append(weight or 0.0)  # (an answer of None does not vote)
         if not any(w > 0 for w, o in zip(weights, outcomes, strict=True) if o.answer is not None):
@@ -111,8 +113,13 @@ class SolveJob(NamedTuple):
     def seed(self) -> int | None:
         return self.request.ask.seed
 
-    def params(self, question: str, priority: int | None = None, sample_group: int | None = None,
-               seed: int | None = None) -> SolveParams:  # fmt: skip
+    def params(
+        self,
+        question: str,
+        priority: int | None = None,
+        sample_group: int | None = None,
+        seed: int | None = None,
+    ) -> SolveParams:
         """The request for ``question`` (the instruction after it): at ``priority``, one of
         ``sample_group``'s samples, or with its own ``seed`` (sample k's of a seeded run)."""
         prompt = f"{question}\n\n{self.instruction}" if self.instruction else question
@@ -252,8 +259,11 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
         spinner.stop()
         if presenter.presenter is not None:
             presenter.presenter.show_partial(outcome)
-        job.announce("stopped (Ctrl-C): the answer above is unfinished" if outcome.solution.strip()
-                     else "stopped (Ctrl-C) before the answer began")  # fmt: skip
+        job.announce(
+            "stopped (Ctrl-C): the answer above is unfinished"
+            if outcome.solution.strip()
+            else "stopped (Ctrl-C) before the answer began"
+        )
         raise
     except Phi4Error as error:  # mid-answer: a daemon that froze, or sent garbage
         loading.stop()
@@ -286,11 +296,21 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     # An answer cut off at --max-tokens is said in a pipe too, as at a terminal (--json has
     # its finish_reason).
     plain_terminal = not (mode.as_json or mode.answer_only) and job.env.terminal
-    cut_off = (outcome.answer is None and outcome.stats is not None
-               and outcome.stats.finish_reason == "length" and not mode.as_json)  # fmt: skip
-    if (not plain_terminal and (outcome.thinking_unfinished or outcome.looped or cut_off
-                                or (mode.answer_only and outcome.answer is None))) \
-            or (plain_terminal and outcome.looped and outcome.answer is not None):  # fmt: skip
+    cut_off = (
+        outcome.answer is None
+        and outcome.stats is not None
+        and outcome.stats.finish_reason == "length"
+        and not mode.as_json
+    )
+    if (
+        not plain_terminal
+        and (
+            outcome.thinking_unfinished
+            or outcome.looped
+            or cut_off
+            or (mode.answer_only and outcome.answer is None)
+        )
+    ) or (plain_terminal and outcome.looped and outcome.answer is not None):
         job.announce(no_answer_reason(outcome))
     elif (cut := loop_cut(outcome)) is not None:  # (in every mode: only --json's stats said it)
         job.announce(cut)
@@ -323,8 +343,9 @@ def _verdict_line(check: Check | None) -> str | None:
     return None if check is None else check_line(check)
 
 
-def _keep_partial(presenter: PlainPresenter | TerminalPresenter | None, outcome: Outcome,
-                  error: Phi4Error) -> None:  # fmt: skip
+def _keep_partial(
+    presenter: PlainPresenter | TerminalPresenter | None, outcome: Outcome, error: Phi4Error
+) -> None:
     """An error ended the answer: what streamed of it stays on the screen, as after Ctrl-C
     (a live region would be erased), and ``error``'s line, said last, says it is unfinished."""
     if presenter is not None:
@@ -349,8 +370,10 @@ def votes(outcomes: Sequence[Outcome]) -> list[str | None]:
 def checked_agreement(outcomes: Sequence[Outcome], answers: Sequence[str | None]) -> str:
     """What the checks did to a vote, for its agreement line: ``, 2 refuted set aside``, or
     nothing (a verified winner says so in its check, beside the answer)."""
-    dropped = sum(o.refuted and o.answer is not None and a is None
-                  for o, a in zip(outcomes, answers, strict=True))  # fmt: skip
+    dropped = sum(
+        o.refuted and o.answer is not None and a is None
+        for o, a in zip(outcomes, answers, strict=True)
+    )
     if dropped:
         return f", {dropped} refuted set aside"
     return ""
@@ -366,9 +389,13 @@ class EarlyStop:
     have ended, the floor their confidences set (``confidence.floor_from``) goes to each
     sample not ended; one that falls below it ends ``unsure`` and does not vote."""
 
-    def __init__(self, samples: int, compare: AnswerComparer,
-                 cancel: Callable[[int], None] | None,
-                 adjust: Callable[[int, float], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        samples: int,
+        compare: AnswerComparer,
+        cancel: Callable[[int], None] | None,
+        adjust: Callable[[int, float], None] | None = None,
+    ) -> None:
         self.samples, self.compare, self.cancel, self.adjust = samples, compare, cancel, adjust
         self.ended: set[int] = set()
         self.answers: list[str | None] = []  # of the samples that vote, as they ended
@@ -393,8 +420,7 @@ class EarlyStop:
             # A failed sample's partial trace says nothing: it is counted, with no answer; a
             # refuted answer does not vote.
             refuted = outcome.refuted
-            self.answers.append(outcome.answer if outcome.error is None and not refuted
-                                else None)  # fmt: skip
+            self.answers.append(outcome.answer if outcome.error is None and not refuted else None)
             if outcome.error is None:  # (a failed one's partial trace says nothing)
                 self._warm(outcome)
         left = self.samples - len(self.ended)
@@ -423,8 +449,9 @@ class EarlyStop:
                 self.adjust(i, floor)
 
 
-def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
-                  every: bool = False) -> int:  # fmt: skip
+def solve_samples(
+    job: SolveJob, question: str, samples: int, mode: OutputMode, every: bool = False
+) -> int:
     """Solve the same question up to ``samples`` times and majority-vote the answers. Unless
     ``every``, sampling stops once the vote is settled (:func:`reasoning.vote_settled`, the
     Beta rule of Adaptive-Consistency): the samples not finished then are cancelled, their
@@ -433,15 +460,19 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
     seed = job.seed
     # One group: a remote engine that takes ``n`` is asked for them in one request.
     requests = [
-        job.params(question, seed=None if seed is None else sample_seed(seed, i),
-                   sample_group=0)
+        job.params(question, seed=None if seed is None else sample_seed(seed, i), sample_group=0)
         for i in range(samples)
-    ]  # fmt: skip
+    ]
     flight: list[Flight] = []
     compare = AnswerComparer()
-    stop = EarlyStop(samples, compare, None if every else lambda k: flight[0].cancel(k),
-                     (lambda k, floor: flight[0].adjust(k, floor))
-                     if job.stop_unsure and samples > WARMUP else None)  # fmt: skip
+    stop = EarlyStop(
+        samples,
+        compare,
+        None if every else lambda k: flight[0].cancel(k),
+        (lambda k, floor: flight[0].adjust(k, floor))
+        if job.stop_unsure and samples > WARMUP
+        else None,
+    )
     spinner = StderrStatus(job.env, f"sampling… 0/{samples} done")
     loading = ProgressNotice(job.announce, LoadLine(job.env, spinner))
 
@@ -468,8 +499,10 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
     failed = [o for o in used if o.error is not None]
     if failed:
         # The vote is over the samples that answered; say what the others met, once.
-        job.announce(f"{len(failed)} of {len(used)} samples failed and are not counted: "
-                     f"{failed[0].exception()}")  # fmt: skip
+        job.announce(
+            f"{len(failed)} of {len(used)} samples failed and are not counted: "
+            f"{failed[0].exception()}"
+        )
     weights = job.vote_weights(used)
     voted = votes(used)
     vote = majority_vote(voted, equal=compare, weights=weights)
@@ -477,8 +510,9 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
     if notice:
         job.announce(notice)
     # "4/4 samples agree, stopped after 4 of 8": the early stop said where the vote is.
-    agree = f"{vote.agreement} samples agree" + (f", stopped after {len(used)} of {samples}"
-                                                 if stop.stopped else "")  # fmt: skip
+    agree = f"{vote.agreement} samples agree" + (
+        f", stopped after {len(used)} of {samples}" if stop.stopped else ""
+    )
     if stop.unsure:
         agree += f", {len(stop.unsure)} stopped as unsure"
     if weights is not None:  # (None where no confidence weighed: a vote by count)
@@ -490,8 +524,9 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
     status = ExitStatus.OK if missing is None else ExitStatus.ERROR
     # Shown: a sample that gave the winning answer in the form reported, else any that agreed.
     agreeing = [used[i] for i in vote.members]
-    winner = next((o for o in agreeing if o.answer == vote.answer),
-                  agreeing[0] if agreeing else good[0])  # fmt: skip
+    winner = next(
+        (o for o in agreeing if o.answer == vote.answer), agreeing[0] if agreeing else good[0]
+    )
     if mode.as_json:
         record = winner.to_json()
         record.update(
@@ -503,15 +538,18 @@ def solve_samples(job: SolveJob, question: str, samples: int, mode: OutputMode,
             vote="confidence" if weights is not None else "count",
             # A cancelled sample was cut off mid-way: what it had written states no answer.
             samples=[
-                {"answer": None if o.index in stop.stopped else o.answer,
-                 "seed": o.stats.seed if o.stats else None,
-                 "error": None if o.index in stop.stopped else o.to_json().get("error"),
-                 "cancelled": o.index in stop.stopped, "unsure": o.index in stop.unsure,
-                 "check": None if o.check is None else o.check.to_json(),
-                 "stats": o.stats_dict}
+                {
+                    "answer": None if o.index in stop.stopped else o.answer,
+                    "seed": o.stats.seed if o.stats else None,
+                    "error": None if o.index in stop.stopped else o.to_json().get("error"),
+                    "cancelled": o.index in stop.stopped,
+                    "unsure": o.index in stop.unsure,
+                    "check": None if o.check is None else o.check.to_json(),
+                    "stats": o.stats_dict,
+                }
                 for o in outcomes
             ],
-        )  # fmt: skip
+        )
         if job.stop_unsure and samples > WARMUP:
             record["confidence_floor"] = stop.floor
         _print_json(job, record)
@@ -564,8 +602,9 @@ def solve_file(job: SolveJob, opened: Opened, mode: OutputMode, jsonl: bool) -> 
             opened.stream.close()
 
 
-def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: OutputMode,
-                jsonl: bool) -> int:  # fmt: skip
+def _solve_feed(
+    job: SolveJob, feed: ProblemFeed, known: int | None, mode: OutputMode, jsonl: bool
+) -> int:
     pending: dict[int, Outcome] = {}  # problems begun and not printed yet
     flagged: list[Printed] = []  # of those printed, what the exit status looks at
     count = 0  # problems begun
@@ -583,10 +622,15 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
         refuted += outcome.refuted
         # Only what the exit status needs is kept, and only of the problems it looks at: a run
         # of a million holds its problems in flight and a window of text read ahead.
-        if outcome.error is not None or outcome.thinking_unfinished or outcome.answer is None \
-                or outcome.looped:  # fmt: skip
-            flagged.append(Printed(outcome.error, outcome.thinking_unfinished, outcome.answer,
-                                   outcome.looped))  # fmt: skip
+        if (
+            outcome.error is not None
+            or outcome.thinking_unfinished
+            or outcome.answer is None
+            or outcome.looped
+        ):
+            flagged.append(
+                Printed(outcome.error, outcome.thinking_unfinished, outcome.answer, outcome.looped)
+            )
         line = feed.numbers[index]
         feed.printed(index)
         failed += outcome.error is not None
@@ -644,8 +688,11 @@ def _solve_feed(job: SolveJob, feed: ProblemFeed, known: int | None, mode: Outpu
             job.run(feed, on_event, restart=True, feed=feed)
     except KeyboardInterrupt:
         # Said once the bar is gone; the exit status is 130 all the same.
-        done = (f"{next_to_print} of {counted(known, 'problem')}" if known is not None
-                else counted(next_to_print, "problem"))  # fmt: skip
+        done = (
+            f"{next_to_print} of {counted(known, 'problem')}"
+            if known is not None
+            else counted(next_to_print, "problem")
+        )
         job.announce(f"stopped (Ctrl-C) after {done}; the rest were not answered")
         raise
     if feed.failure is not None:
@@ -768,9 +815,16 @@ def make_job(
         from phi4cli.engines.checker import Checker
 
         checker = Checker()
-    return SolveJob(backend, env, request, instruction=instruction, vote=settings.vote,
-                    stop_unsure=settings.stop_unsure, check=settings.check,
-                    checker=checker)  # fmt: skip
+    return SolveJob(
+        backend,
+        env,
+        request,
+        instruction=instruction,
+        vote=settings.vote,
+        stop_unsure=settings.stop_unsure,
+        check=settings.check,
+        checker=checker,
+    )
 
 
 def check_options(o: SolveOptions) -> None:

@@ -39,22 +39,30 @@ class UnwritableError(Phi4Error):
     Data until the door that shows it: the file, what it is for, the error; :meth:`instead`
     adds the command's own way out (another file, a setting)."""
 
-    def __init__(self, path: Path | str, what: str, error: OSError, verb: str = "write",
-                 instead: str | None = None, detail: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: Path | str,
+        what: str,
+        error: OSError,
+        verb: str = "write",
+        instead: str | None = None,
+        detail: str = "",
+    ) -> None:
         self.path, self.what, self.error, self.verb = path, what, error, verb
         self.detail = detail
-        super().__init__(f"cannot {verb} the {what} {path}: "
-                         f"{write_problem(error, path, instead)}{detail}")  # fmt: skip
+        super().__init__(
+            f"cannot {verb} the {what} {path}: {write_problem(error, path, instead)}{detail}"
+        )
 
     def instead(self, instead: str) -> UnwritableError:
         """The same error, saying ``instead`` as the way out beside freeing space."""
-        return UnwritableError(self.path, self.what, self.error, self.verb, instead,
-                               self.detail)  # fmt: skip
+        return UnwritableError(self.path, self.what, self.error, self.verb, instead, self.detail)
 
 
 # What a failed write says about the disk or the directory rather than the file's content.
-DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
-                         errno.EFBIG})  # fmt: skip
+DISK_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+)
 
 
 def write_problem(exc: OSError, path: Path | str, instead: str | None = None) -> str:
@@ -134,8 +142,9 @@ def read_user_file(path: Path, what: str) -> bytes:
     by others. A link of yours (a config kept with your dotfiles) is followed."""
     directory, name = _reach(path, what, "read", create=False, follow_last=True)
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     dir_fd=directory)  # fmt: skip
+        fd = os.open(
+            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=directory
+        )
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -146,8 +155,9 @@ def read_user_file(path: Path, what: str) -> bytes:
         info = os.fstat(fd)
         problem = "is not a regular file" if not stat.S_ISREG(info.st_mode) else changeable(info)
         if problem is not None:
-            raise RefusedFileError(f"the {what} {path} {problem}; phi4 will not read it: "
-                                   f"{_remedy(problem)}")  # fmt: skip
+            raise RefusedFileError(
+                f"the {what} {path} {problem}; phi4 will not read it: {_remedy(problem)}"
+            )
         return handle.read()
 
 
@@ -179,8 +189,9 @@ def open_user_file(path: Path, what: str) -> BinaryIO:
         problem = not_ours(os.fstat(fd))
         if problem is not None:
             remedy = "chmod go-w it" if "writable" in problem else "remove it"
-            raise RefusedFileError(f"the {what} {path} {problem}; phi4 will not use it: "
-                                   f"{remedy}, or name another file")  # fmt: skip
+            raise RefusedFileError(
+                f"the {what} {path} {problem}; phi4 will not use it: {remedy}, or name another file"
+            )
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         return os.fdopen(fd, "r+b")
     except BaseException:
@@ -197,8 +208,7 @@ def _open_or_create(directory: int, name: str, path: Path, what: str) -> int:
         except OSError as exc:
             raise _refused(path, what, exc) from None
         try:
-            return os.open(name, _USER_FILE_FLAGS | os.O_CREAT | os.O_EXCL, 0o600,
-                           dir_fd=directory)  # fmt: skip
+            return os.open(name, _USER_FILE_FLAGS | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=directory)
         except FileExistsError:
             continue  # made between the two opens (a dangling link, maybe): look at it again
         except OSError as exc:
@@ -314,8 +324,7 @@ _MAX_LINKS = 40  # as the kernel allows in one lookup
 _MAX_SWAPS = 3  # a directory changed for a link between its stat and its open
 
 
-def _reach(path: Path, what: str, verb: str, *, create: bool,
-           follow_last: bool) -> tuple[int, str]:  # fmt: skip
+def _reach(path: Path, what: str, verb: str, *, create: bool, follow_last: bool) -> tuple[int, str]:
     """Return a descriptor of the directory that holds ``path``'s last component (the caller
     closes it) and that component's name, each directory on the way opened with O_NOFOLLOW
     from the one before and checked (:func:`changeable`); a link on the way is followed when
@@ -330,8 +339,11 @@ def _reach(path: Path, what: str, verb: str, *, create: bool,
         return _walk(os.fspath(path), create, follow_last)
     except _Untrusted as untrusted:
         where, problem = untrusted.where, untrusted.problem
-        remedy = (f"chmod go-w {where}, or use a directory of yours" if "writable" in problem
-                  else "use a directory of yours")  # fmt: skip
+        remedy = (
+            f"chmod go-w {where}, or use a directory of yours"
+            if "writable" in problem
+            else "use a directory of yours"
+        )
         raise RefusedFileError(
             f"{where} {problem}, so another user could change what the {what} {path} is; phi4 "
             f"will not {verb} it there: {remedy}"
@@ -368,8 +380,9 @@ def _walk(text: str, create: bool, follow_last: bool) -> tuple[int, str]:
     return found
 
 
-def _descend(stack: list[tuple[int, str]], pending: list[str], create: bool,
-             follow_last: bool) -> tuple[int, str]:  # fmt: skip
+def _descend(
+    stack: list[tuple[int, str]], pending: list[str], create: bool, follow_last: bool
+) -> tuple[int, str]:
     problem = changeable(os.fstat(stack[0][0]))
     if problem is not None:
         raise _Untrusted("/", problem)

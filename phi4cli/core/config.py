@@ -46,19 +46,24 @@ class Variable(NamedTuple):
 
 
 VARIABLES = (
-    Variable(("PHI4_HOME",), "Put every phi4 file under this directory (config, data, state, "
-             "cache, run)."),
+    Variable(
+        ("PHI4_HOME",),
+        "Put every phi4 file under this directory (config, data, state, cache, run).",
+    ),
     Variable(("PHI4_RAMDISK",), "Directory to stage the model in (default /dev/shm/phi4-UID)."),
-    Variable(("PHI4_BACKEND_KEY",), "API key sent to the --backend server (Authorization: "
-             "Bearer)."),
+    Variable(
+        ("PHI4_BACKEND_KEY",), "API key sent to the --backend server (Authorization: Bearer)."
+    ),
     Variable(("PHI4_API_KEY",), "The key phi4 serve --http requires, as --api-key."),
-    Variable(("PHI4_HTTP_HEADER_TIMEOUT", "PHI4_HTTP_BODY_TIMEOUT"), "Seconds an HTTP client of "
-             "phi4 serve has to send its headers (10) and its body (30)."),
+    Variable(
+        ("PHI4_HTTP_HEADER_TIMEOUT", "PHI4_HTTP_BODY_TIMEOUT"),
+        "Seconds an HTTP client of phi4 serve has to send its headers (10) and its body (30).",
+    ),
     Variable(("PHI4_DEBUG",), "Show tracebacks with errors."),
     Variable(("NO_COLOR",), "No colour at a terminal; bold, the live line and the layout stay."),
     Variable(("VISUAL", "EDITOR"), "The editor of phi4 config edit."),
     Variable(("HF_ENDPOINT",), "Hugging Face endpoint used by phi4 pull."),
-)  # fmt: skip
+)
 _DECLARED = {name for variable_ in VARIABLES for name in variable_.names}
 
 

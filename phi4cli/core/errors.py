@@ -186,37 +186,55 @@ def cli_words(fault: Fault, max_tokens: str = "--max-tokens") -> str:
     for the answer's tokens: a chat says ``max_tokens``, set with /set), and what to run."""
     lower = f"lower {max_tokens}, or restart the daemon with a larger one ({RESTART})"
     if fault.available is not None:
-        return (f"the request needs {fault.needed:,} tokens of context and only "
-                f"{fault.available:,} are free with nothing running; {lower}")  # fmt: skip
+        return (
+            f"the request needs {fault.needed:,} tokens of context and only "
+            f"{fault.available:,} are free with nothing running; {lower}"
+        )
     if fault.streams:
-        holds = (f"a request's stream of the daemon's context holds {fault.limit:,} (--n-ctx "
-                 f"{fault.n_ctx:,} over {fault.streams} streams)")  # fmt: skip
+        holds = (
+            f"a request's stream of the daemon's context holds {fault.limit:,} (--n-ctx "
+            f"{fault.n_ctx:,} over {fault.streams} streams)"
+        )
     elif fault.system:
-        holds = (f"the daemon's context holds {fault.n_ctx:,} ({fault.system:,} of them the "
-                 "system prompt's)")  # fmt: skip
+        holds = (
+            f"the daemon's context holds {fault.n_ctx:,} ({fault.system:,} of them the "
+            "system prompt's)"
+        )
     else:
         holds = f"the daemon's context holds {fault.limit:,} for one request"
     if fault.param == "max_tokens":
-        return (f"this request needs {fault.needed:,} tokens of context ({fault.prompt:,} of "
-                f"prompt + {fault.needed - fault.prompt:,} of {max_tokens}) but {holds}; "
-                f"{lower}")  # fmt: skip
-    return (f"the question is {fault.prompt:,} tokens but {holds}; shorten it, or restart the "
-            f"daemon with a larger context ({RESTART})")  # fmt: skip
+        return (
+            f"this request needs {fault.needed:,} tokens of context ({fault.prompt:,} of "
+            f"prompt + {fault.needed - fault.prompt:,} of {max_tokens}) but {holds}; "
+            f"{lower}"
+        )
+    return (
+        f"the question is {fault.prompt:,} tokens but {holds}; shorten it, or restart the "
+        f"daemon with a larger context ({RESTART})"
+    )
 
 
 def api_words(fault: Fault) -> tuple[str, str]:
     """A context fault as an OpenAI-shaped API says it: the message, and the ``param`` (the
     request field at fault)."""
     if fault.available is not None:
-        return (f"the request needs {fault.needed:,} tokens of context and only "
-                f"{fault.available:,} are free; lower max_tokens", "max_tokens")  # fmt: skip
+        return (
+            f"the request needs {fault.needed:,} tokens of context and only "
+            f"{fault.available:,} are free; lower max_tokens",
+            "max_tokens",
+        )
     if fault.param == "max_tokens":
-        return (f"this request needs {fault.needed:,} tokens of context ({fault.prompt:,} of "
-                f"messages + {fault.needed - fault.prompt:,} of max_tokens) but the model's "
-                f"context holds {fault.limit:,} for one request; lower max_tokens",
-                "max_tokens")  # fmt: skip
-    return (f"the messages are {fault.prompt:,} tokens but the model's context holds "
-            f"{fault.limit:,} for one request; shorten them", "messages")  # fmt: skip
+        return (
+            f"this request needs {fault.needed:,} tokens of context ({fault.prompt:,} of "
+            f"messages + {fault.needed - fault.prompt:,} of max_tokens) but the model's "
+            f"context holds {fault.limit:,} for one request; lower max_tokens",
+            "max_tokens",
+        )
+    return (
+        f"the messages are {fault.prompt:,} tokens but the model's context holds "
+        f"{fault.limit:,} for one request; shorten them",
+        "messages",
+    )
 
 
 def log_words(fault: Fault) -> str:

@@ -257,8 +257,17 @@ def _unreachable(endpoint: str, timeout: float = 5.0) -> str | None:
     import socket
     from urllib.parse import urlsplit
 
-    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY",
-                                              "http_proxy", "ALL_PROXY", "all_proxy")):  # fmt: skip
+    if any(
+        os.environ.get(name)
+        for name in (
+            "HTTPS_PROXY",
+            "https_proxy",
+            "HTTP_PROXY",
+            "http_proxy",
+            "ALL_PROXY",
+            "all_proxy",
+        )
+    ):
         return None
     parts = urlsplit(endpoint)
     host = parts.hostname

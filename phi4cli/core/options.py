@@ -288,211 +288,562 @@ class Setting(NamedTuple):
         return self.off is not NEVER_OFF and value == self.off
 
 
-_THREADS_ALLOWED = f"auto, or from 1 to {min(MAX_THREADS, 4 * (os.cpu_count() or 1))} " \
-    "(4 per CPU of this machine)"  # fmt: skip
+_THREADS_ALLOWED = (
+    f"auto, or from 1 to {min(MAX_THREADS, 4 * (os.cpu_count() or 1))} (4 per CPU of this machine)"
+)
 
 # In the order of the commands' help: the answer options, then the daemon's.
 SETTINGS = (
-    Setting("model", _model, "a model alias or a path to a .gguf", DEFAULT_MODEL, "str",
-            flags="--model -m", option="str", groups=("daemon",),
-            help="Model alias or path to a .gguf file [env PHI4_MODEL]."),
-    Setting("think_budget", _whole_or("off"), "a number of tokens (0 skips thinking), or none",
-            None, "int | None", REQUEST,
-            "After this many reasoning tokens the daemon closes the thinking; None: no budget.",
-            flags="--think-budget", option="int", low=0, groups=("answer",), settable=4,
-            wire=(0, MAX_COUNT),
-            help="End the thinking after N tokens; the model then answers "
-                 "[env PHI4_THINK_BUDGET]."),
-    Setting("min_think", _whole_or_zero, "a number of tokens (0: off)", 0, "int", REQUEST,
-            "An end of thinking before this many reasoning tokens is replaced by \"Wait\" "
-            "(s1's budget forcing); 0: the model ends its thinking when it will.",
-            flags="--min-think", option="int", low=0, groups=("answer",), settable=8, off=0,
-            wire=(0, MAX_COUNT),
-            help="Think at least N tokens: an earlier end of the thinking is replaced by "
-                 "\"Wait\" [default off]."),
-    Setting("loop", _one_of(*CHOICES["loop"]), "answer (end the thinking, the model answers), "
-            "stop, or off", "answer", "str", REQUEST,
-            "Thinking that repeats itself (phi4cli.text.loops): end it so the model answers, stop, "
-            "or let it run to max_tokens.", flags="--loop", option="str",
-            metavar="answer|stop|off", groups=("answer",), settable=9, off="off",
-            help="When the thinking repeats itself: end it so the model answers, stop, or let "
-                 "it run [default answer]."),
-    Setting("vote", _one_of(*CHOICES["vote"]), "count (each sample one vote) or confidence "
-            "(each weighs its confidence)", "count", "str",
-            comment="How --samples K votes: each sample one vote, or weighted by its confidence "
-                    "from the model's token probabilities (DeepConf).", flags="--vote",
-            option="str", metavar="count|confidence", groups=("answer",), off="count",
-            help="How --samples votes: a vote per sample, or each weighted by the model's "
-                 "confidence in it (DeepConf) [default count]."),
-    Setting("stop_unsure", _boolean, "true (a sample less sure than the first ones is stopped "
-            "and does not vote) or false", False, "bool",
-            comment="DeepConf online, with --samples K: a sample whose confidence falls below "
-                    "the question's first samples' is stopped, and does not vote.",
-            flags="--stop-unsure/--no-stop-unsure", option="bool", groups=("answer",),
-            off=False, help="With --samples: stop a sample whose confidence falls below what "
-                            "the first samples set; it does not vote (DeepConf online) "
-                            "[default false]."),
-    Setting("check", _one_of(*CHOICES["check"]), "auto (check each answer against the "
-            "problem where phi4 can), off, or strict (a refuted answer exits 1)", "auto", "str",
-            comment="Check each final answer against its problem (phi4cli.text.checking): "
-                    "verified, refuted or unchecked; strict: a refuted answer is an error.",
-            flags="--check", option="str", metavar="auto|off|strict", groups=("answer",),
-            settable=13, off="off",
-            help="Check the answer against the problem where phi4 can (SymPy): auto shows "
-                 "the verdict, strict makes a refuted answer exit 1 [default auto]."),
-    Setting("system", _optional_str, "text", None, "str | None", REQUEST,
-            "None: the chat template's own default system prompt (\"Your name is Phi, ...\").",
-            flags="--system -s", option="str", groups=("answer",),
-            help="Extra system prompt."),
-    Setting("temperature", _between(0.0, 5.0), "a number from 0 to 5", 0.8, "float", REQUEST,
-            flags="--temperature -t", option="float", groups=("answer",), settable=1,
-            sampling=True, wire=(0.0, 5.0), openai=("temperature",),
-            help="Sampling temperature; 0 is greedy [default 0.8]."),
-    Setting("top_p", _between(0.0, 1.0), "a number from 0 to 1", 0.95, "float", REQUEST,
-            flags="--top-p", option="float", groups=("answer",), settable=2, sampling=True,
-            wire=(0.0, 1.0), openai=("top_p",), help="Nucleus sampling [default 0.95]."),
-    Setting("top_k", _whole_or("default"), "a whole number (0: off), or default", None,
-            "int | None", REQUEST, "The likeliest this many tokens are drawn from; None: the "
-            "engine's default (the daemon's 50, as the model card; a server's own).",
-            flags="--top-k", option="int", low=0, groups=("answer",), settable=12,
-            sampling=True, wire=(-1, MAX_COUNT), openai=("top_k",), off=None, none="default",
-            help="Draw from the K likeliest tokens only (0: all) [default 50, as the model "
-                 "card; a --backend server's own]."),
-    Setting("min_p", _between(0.0, 1.0), "a number from 0 to 1 (0: off)", 0.0, "float", REQUEST,
-            "Tokens less likely than this share of the likeliest one's are never drawn.",
-            flags="--min-p", option="float", groups=("answer",), settable=6, sampling=True,
-            wire=(0.0, 1.0), openai=("min_p",), off=0.0,
-            help="Drop tokens less likely than P times the likeliest (0.05 is common) "
-                 "[default 0: off]."),
-    Setting("repeat_penalty", _between(0.5, 2.0), "a number from 0.5 to 2 (1: off)", 1.0, "float",
-            REQUEST, "Tokens of the last 64 are made this much less likely (1: not at all).",
-            flags="--repeat-penalty", option="float", groups=("answer",), settable=7,
-            sampling=True, wire=(0.5, 2.0), openai=("repeat_penalty", "repetition_penalty"),
-            off=1.0, help="Make the last 64 tokens this much less likely to repeat (1.1 is "
-                          "common) [default 1: off]."),
-    Setting("presence_penalty", _between(-2.0, 2.0), "a number from -2 to 2 (0: off)", 0.0,
-            "float", REQUEST, "A token among the last 64 has this taken from its logit "
-            "(OpenAI's presence penalty, over llama.cpp's window; 0: off).",
-            flags="--presence-penalty", option="float", groups=("answer",), settable=10,
-            sampling=True, wire=(-2.0, 2.0), openai=("presence_penalty",), off=0.0,
-            help="Take this from the logit of each token among the last 64 (OpenAI's "
-                 "presence penalty) [default 0: off]."),
-    Setting("frequency_penalty", _between(-2.0, 2.0), "a number from -2 to 2 (0: off)", 0.0,
-            "float", REQUEST, "A token among the last 64 has this times its count there taken "
-            "from its logit (OpenAI's frequency penalty, over llama.cpp's window; 0: off).",
-            flags="--frequency-penalty", option="float", groups=("answer",), settable=11,
-            sampling=True, wire=(-2.0, 2.0), openai=("frequency_penalty",), off=0.0,
-            help="Take this times its count among the last 64 tokens from each token's logit "
-                 "(OpenAI's frequency penalty) [default 0: off]."),
-    Setting("seed", _whole_or("random", MAX_SEED), f"a whole number from 0 to {MAX_SEED}, or "
-            "random", None, "int | None", REQUEST, flags="--seed", option="int",
-            groups=("answer",), settable=5, sampling=True, wire=(0, MAX_SEED), none="random",
-            openai=("seed",),
-            help="Random seed, for repeatable samples."),
-    Setting("max_tokens", _optional_positive_int, "a positive integer, or none", None,
-            "int | None", REQUEST, flags="--max-tokens -n", option="int", low=1,
-            groups=("answer",), settable=3, wire=(1, MAX_COUNT), openai=("max_tokens",),
-            help="Stop after this many tokens (thinking included)."),
-    Setting("deterministic", _boolean, "true (each request alone, from a clean cache: -t 0 "
-            "and --seed answers repeat) or false", False, "bool", REQUEST,
-            "Each request decoded alone from a clean KV cache: -t 0 and --seed N answers "
-            "repeat exactly.", flags="--deterministic/--no-deterministic", option="bool",
-            groups=("answer",), openai=("deterministic",), off=False, sent=False,
-            help="Decode each request alone from a clean cache, so -t 0 and --seed answers "
-                 "repeat exactly (slower under load) [default false]."),
-    Setting("keep_alive", parse_duration, "a duration such as 30m, 1h, 90s, 0 (unload now), "
-            "or -1 (forever; no other negative)", DEFAULT_KEEP_ALIVE, "float",
-            REQUEST, flags="--keep-alive", option="str", groups=("answer", "daemon"),
-            help="How long the daemon stays resident when idle: 30m, 1h, 0 (exit when idle), "
-                 "-1 (forever) [env PHI4_KEEP_ALIVE; default 30m]."),
-    Setting("n_ctx", _context_size, "auto (planned from free memory) or a number of tokens, "
-            f"at least {MIN_N_CTX} and at most {MAX_COUNT:,}", None, "int | None", DAEMON,
-            "KV cache cells shared by all requests; None: planned from the model and free "
-            "memory.", flags="--n-ctx", option="str", metavar="auto|N",
-            groups=("answer", "daemon"), none="auto",
-            help="KV cache tokens in all (shared by the requests, or split into their streams) "
-                 "of a daemon this command starts [default auto: planned from the model and "
-                 "free memory]."),
-    Setting("threads", _threads, _THREADS_ALLOWED, None, "int | None", DAEMON,
-            flags="--threads", option="int", groups=("answer", "daemon"),
-            doc_allowed="auto (the physical cores, fewer while other processes keep cores busy "
-                        "or while fewer measure faster), or from 1 to 4 per CPU of the machine "
-                        "(kept as set)",
-            help="CPU threads for a daemon this command starts [default: the physical cores, "
-                 "fewer while other processes keep cores busy or fewer measure faster]."),
-    Setting("ramdisk", _ramdisk_mode, "auto (stage on tmpfs if there is room), on or off",
-            "auto", "str", DAEMON, "stage the model on tmpfs: auto | on | off",
-            flags="--ramdisk/--no-ramdisk", option="bool", groups=("daemon",),
-            env="PHI4_RAMDISK_MODE",  # PHI4_RAMDISK names the directory, as llama.cpp users expect
-            help="Stage the model in RAM (tmpfs) first [config ramdisk=auto|on|off]."),
-    Setting("mlock", _boolean, "true or false", False, "bool", DAEMON,
-            "pin the model's pages in RAM", flags="--mlock/--no-mlock", option="bool",
-            groups=("daemon",), help="Pin the model's pages in RAM."),
-    Setting("overcommit", _boolean, "true (load an n_ctx or gpu_layers over the free memory) or "
-            "false", False, "bool", DAEMON,
-            "An explicit n_ctx whose KV cache is over the free memory, or gpu_layers over the "
-            "GPU's, is refused unless this is true.", flags="--overcommit/--no-overcommit",
-            option="bool", groups=("answer", "daemon"),
-            help="Load an --n-ctx whose KV cache is more than the free memory, or more GPU "
-                 "layers (gpu_layers) than fit on the GPU (refused otherwise, with the "
-                 "numbers)."),
-    Setting("max_queue", _positive_int, "a positive integer (requests)", 64, "int", DAEMON,
-            "requests waiting in the daemon before it answers busy", flags="--max-queue",
-            option="int", low=1, groups=("daemon",),
-            help="Requests waiting before the daemon answers busy [default 64]."),
-    Setting("parallel", _up_to(64), "a whole number from 1 to 64 (requests decoded together)", 4,
-            "int", DAEMON, "requests decoded together (slots of the one llama context)",
-            flags="--parallel", option="int", low=1, high=64, groups=("daemon",),
-            help="Long requests the memory plan makes room for at once; short ones pack in "
-                 "beyond [default 4]."),
-    Setting("kv_cache_type", _one_of(*CHOICES["kv_cache_type"]), "f16, q8_0 (half the memory) "
-            "or q4_0 (a quarter)", "f16", "str", DAEMON, "f16 | q8_0 | q4_0",
-            flags="--kv-cache-type", option="str", metavar="f16|q8_0|q4_0", groups=("daemon",),
-            help="KV cache type: q8_0 holds twice the context in the same memory, q4_0 four "
-                 "times [default f16]."),
-    Setting("kv_layout", _one_of(*CHOICES["kv_layout"]), "auto (streams for a reasoning model), "
-            "shared (one cache: short requests pack in) or streams (one per request: faster at "
-            "depth)", "auto", "str", DAEMON,
-            "auto | shared | streams: one KV cache for all, or one per request",
-            flags="--kv-layout", option="str", metavar="auto|shared|streams", groups=("daemon",),
-            help="KV cache layout: shared (one cache; short requests pack in) or streams (one "
-                 "per request; faster with several deep answers) [default auto: streams for a "
-                 "reasoning model]."),
-    Setting("speculate", _one_of(*CHOICES["speculate"]), "auto (draft where it measures "
-            "faster), on (draft always, for measuring) or off", "auto", "str", DAEMON,
-            "auto | on | off: exact self-speculation (drafts from text seen, verified)",
-            flags="--speculate", option="str", metavar="auto|on|off", groups=("daemon",),
-            help="Exact self-speculation: drafts read from the answer's own text, its sibling "
-                 "samples and recent answers, verified in the batch [default auto: only where "
-                 "this machine measures it faster]."),
-    Setting("gpu_layers", _gpu_layers, "auto (as many as fit), all, or a number of layers (0: "
-            "CPU)", "auto", "str | int", DAEMON, "auto | all | a number of layers",
-            flags="--gpu-layers", option="str", metavar="auto|all|N", groups=("daemon",),
-            help="Layers to offload to a GPU [default auto: as many as fit; 0 on a CPU-only "
-                 "build]."),
-    Setting("backend", _backend_urls, "the http(s) URL of an OpenAI-compatible server (several: "
-            "replicas), or none", None, "tuple[str, ...] | None",
-            comment="OpenAI-compatible servers to use instead of the daemon: one URL, or several "
-                    "(replicas of one model) separated by spaces.",
-            flags="--backend", option="list", metavar="URL", groups=("answer",),
-            help="Use this OpenAI-compatible server instead of the local daemon; give it again "
-                 "for replicas of the model, each sent requests at once [env PHI4_BACKEND; key "
-                 "from PHI4_BACKEND_KEY]."),
-    Setting("backend_concurrency", _positive_int, "a positive integer (requests at once per "
-            "backend)", 16, "int",
-            comment="Requests in flight at once on each of them: enough to fill a GPU server's "
-                    "batch.", flags="--backend-concurrency", option="int", metavar="N", low=1,
-            groups=("answer",), help="Requests in flight at once on each --backend [default: 16]."),
-    Setting("backend_timeout", _positive_duration, "a duration such as 300s or 10m", 300.0,
-            "float", comment="seconds a remote server may send no event before we give up"),
-    Setting("backend_deadline", _positive_duration, "a duration such as 1h or 30m", 3600.0,
-            "float", comment="seconds one remote request may take in all"),
-    Setting("instruction", _instruction, "text added after each question, or none",
-            DEFAULT_INSTRUCTION, "str | None",
-            comment="Added after each `phi4 solve` question: what Phi-4-mini-reasoning and "
-                    "DeepSeek-R1 were evaluated with, so answers end in \\boxed{} more often. "
-                    "None: the question alone."),
-)  # fmt: skip
+    Setting(
+        "model",
+        _model,
+        "a model alias or a path to a .gguf",
+        DEFAULT_MODEL,
+        "str",
+        flags="--model -m",
+        option="str",
+        groups=("daemon",),
+        help="Model alias or path to a .gguf file [env PHI4_MODEL].",
+    ),
+    Setting(
+        "think_budget",
+        _whole_or("off"),
+        "a number of tokens (0 skips thinking), or none",
+        None,
+        "int | None",
+        REQUEST,
+        "After this many reasoning tokens the daemon closes the thinking; None: no budget.",
+        flags="--think-budget",
+        option="int",
+        low=0,
+        groups=("answer",),
+        settable=4,
+        wire=(0, MAX_COUNT),
+        help="End the thinking after N tokens; the model then answers [env PHI4_THINK_BUDGET].",
+    ),
+    Setting(
+        "min_think",
+        _whole_or_zero,
+        "a number of tokens (0: off)",
+        0,
+        "int",
+        REQUEST,
+        'An end of thinking before this many reasoning tokens is replaced by "Wait" '
+        "(s1's budget forcing); 0: the model ends its thinking when it will.",
+        flags="--min-think",
+        option="int",
+        low=0,
+        groups=("answer",),
+        settable=8,
+        off=0,
+        wire=(0, MAX_COUNT),
+        help="Think at least N tokens: an earlier end of the thinking is replaced by "
+        '"Wait" [default off].',
+    ),
+    Setting(
+        "loop",
+        _one_of(*CHOICES["loop"]),
+        "answer (end the thinking, the model answers), stop, or off",
+        "answer",
+        "str",
+        REQUEST,
+        "Thinking that repeats itself (phi4cli.text.loops): end it so the model answers, stop, "
+        "or let it run to max_tokens.",
+        flags="--loop",
+        option="str",
+        metavar="answer|stop|off",
+        groups=("answer",),
+        settable=9,
+        off="off",
+        help="When the thinking repeats itself: end it so the model answers, stop, or let "
+        "it run [default answer].",
+    ),
+    Setting(
+        "vote",
+        _one_of(*CHOICES["vote"]),
+        "count (each sample one vote) or confidence (each weighs its confidence)",
+        "count",
+        "str",
+        comment="How --samples K votes: each sample one vote, or weighted by its confidence "
+        "from the model's token probabilities (DeepConf).",
+        flags="--vote",
+        option="str",
+        metavar="count|confidence",
+        groups=("answer",),
+        off="count",
+        help="How --samples votes: a vote per sample, or each weighted by the model's "
+        "confidence in it (DeepConf) [default count].",
+    ),
+    Setting(
+        "stop_unsure",
+        _boolean,
+        "true (a sample less sure than the first ones is stopped and does not vote) or false",
+        False,
+        "bool",
+        comment="DeepConf online, with --samples K: a sample whose confidence falls below "
+        "the question's first samples' is stopped, and does not vote.",
+        flags="--stop-unsure/--no-stop-unsure",
+        option="bool",
+        groups=("answer",),
+        off=False,
+        help="With --samples: stop a sample whose confidence falls below what "
+        "the first samples set; it does not vote (DeepConf online) "
+        "[default false].",
+    ),
+    Setting(
+        "check",
+        _one_of(*CHOICES["check"]),
+        "auto (check each answer against the "
+        "problem where phi4 can), off, or strict (a refuted answer exits 1)",
+        "auto",
+        "str",
+        comment="Check each final answer against its problem (phi4cli.text.checking): "
+        "verified, refuted or unchecked; strict: a refuted answer is an error.",
+        flags="--check",
+        option="str",
+        metavar="auto|off|strict",
+        groups=("answer",),
+        settable=13,
+        off="off",
+        help="Check the answer against the problem where phi4 can (SymPy): auto shows "
+        "the verdict, strict makes a refuted answer exit 1 [default auto].",
+    ),
+    Setting(
+        "system",
+        _optional_str,
+        "text",
+        None,
+        "str | None",
+        REQUEST,
+        'None: the chat template\'s own default system prompt ("Your name is Phi, ...").',
+        flags="--system -s",
+        option="str",
+        groups=("answer",),
+        help="Extra system prompt.",
+    ),
+    Setting(
+        "temperature",
+        _between(0.0, 5.0),
+        "a number from 0 to 5",
+        0.8,
+        "float",
+        REQUEST,
+        flags="--temperature -t",
+        option="float",
+        groups=("answer",),
+        settable=1,
+        sampling=True,
+        wire=(0.0, 5.0),
+        openai=("temperature",),
+        help="Sampling temperature; 0 is greedy [default 0.8].",
+    ),
+    Setting(
+        "top_p",
+        _between(0.0, 1.0),
+        "a number from 0 to 1",
+        0.95,
+        "float",
+        REQUEST,
+        flags="--top-p",
+        option="float",
+        groups=("answer",),
+        settable=2,
+        sampling=True,
+        wire=(0.0, 1.0),
+        openai=("top_p",),
+        help="Nucleus sampling [default 0.95].",
+    ),
+    Setting(
+        "top_k",
+        _whole_or("default"),
+        "a whole number (0: off), or default",
+        None,
+        "int | None",
+        REQUEST,
+        "The likeliest this many tokens are drawn from; None: the "
+        "engine's default (the daemon's 50, as the model card; a server's own).",
+        flags="--top-k",
+        option="int",
+        low=0,
+        groups=("answer",),
+        settable=12,
+        sampling=True,
+        wire=(-1, MAX_COUNT),
+        openai=("top_k",),
+        off=None,
+        none="default",
+        help="Draw from the K likeliest tokens only (0: all) [default 50, as the model "
+        "card; a --backend server's own].",
+    ),
+    Setting(
+        "min_p",
+        _between(0.0, 1.0),
+        "a number from 0 to 1 (0: off)",
+        0.0,
+        "float",
+        REQUEST,
+        "Tokens less likely than this share of the likeliest one's are never drawn.",
+        flags="--min-p",
+        option="float",
+        groups=("answer",),
+        settable=6,
+        sampling=True,
+        wire=(0.0, 1.0),
+        openai=("min_p",),
+        off=0.0,
+        help="Drop tokens less likely than P times the likeliest (0.05 is common) "
+        "[default 0: off].",
+    ),
+    Setting(
+        "repeat_penalty",
+        _between(0.5, 2.0),
+        "a number from 0.5 to 2 (1: off)",
+        1.0,
+        "float",
+        REQUEST,
+        "Tokens of the last 64 are made this much less likely (1: not at all).",
+        flags="--repeat-penalty",
+        option="float",
+        groups=("answer",),
+        settable=7,
+        sampling=True,
+        wire=(0.5, 2.0),
+        openai=("repeat_penalty", "repetition_penalty"),
+        off=1.0,
+        help="Make the last 64 tokens this much less likely to repeat (1.1 is "
+        "common) [default 1: off].",
+    ),
+    Setting(
+        "presence_penalty",
+        _between(-2.0, 2.0),
+        "a number from -2 to 2 (0: off)",
+        0.0,
+        "float",
+        REQUEST,
+        "A token among the last 64 has this taken from its logit "
+        "(OpenAI's presence penalty, over llama.cpp's window; 0: off).",
+        flags="--presence-penalty",
+        option="float",
+        groups=("answer",),
+        settable=10,
+        sampling=True,
+        wire=(-2.0, 2.0),
+        openai=("presence_penalty",),
+        off=0.0,
+        help="Take this from the logit of each token among the last 64 (OpenAI's "
+        "presence penalty) [default 0: off].",
+    ),
+    Setting(
+        "frequency_penalty",
+        _between(-2.0, 2.0),
+        "a number from -2 to 2 (0: off)",
+        0.0,
+        "float",
+        REQUEST,
+        "A token among the last 64 has this times its count there taken "
+        "from its logit (OpenAI's frequency penalty, over llama.cpp's window; 0: off).",
+        flags="--frequency-penalty",
+        option="float",
+        groups=("answer",),
+        settable=11,
+        sampling=True,
+        wire=(-2.0, 2.0),
+        openai=("frequency_penalty",),
+        off=0.0,
+        help="Take this times its count among the last 64 tokens from each token's logit "
+        "(OpenAI's frequency penalty) [default 0: off].",
+    ),
+    Setting(
+        "seed",
+        _whole_or("random", MAX_SEED),
+        f"a whole number from 0 to {MAX_SEED}, or random",
+        None,
+        "int | None",
+        REQUEST,
+        flags="--seed",
+        option="int",
+        groups=("answer",),
+        settable=5,
+        sampling=True,
+        wire=(0, MAX_SEED),
+        none="random",
+        openai=("seed",),
+        help="Random seed, for repeatable samples.",
+    ),
+    Setting(
+        "max_tokens",
+        _optional_positive_int,
+        "a positive integer, or none",
+        None,
+        "int | None",
+        REQUEST,
+        flags="--max-tokens -n",
+        option="int",
+        low=1,
+        groups=("answer",),
+        settable=3,
+        wire=(1, MAX_COUNT),
+        openai=("max_tokens",),
+        help="Stop after this many tokens (thinking included).",
+    ),
+    Setting(
+        "deterministic",
+        _boolean,
+        "true (each request alone, from a clean cache: -t 0 and --seed answers repeat) or false",
+        False,
+        "bool",
+        REQUEST,
+        "Each request decoded alone from a clean KV cache: -t 0 and --seed N answers "
+        "repeat exactly.",
+        flags="--deterministic/--no-deterministic",
+        option="bool",
+        groups=("answer",),
+        openai=("deterministic",),
+        off=False,
+        sent=False,
+        help="Decode each request alone from a clean cache, so -t 0 and --seed answers "
+        "repeat exactly (slower under load) [default false].",
+    ),
+    Setting(
+        "keep_alive",
+        parse_duration,
+        "a duration such as 30m, 1h, 90s, 0 (unload now), or -1 (forever; no other negative)",
+        DEFAULT_KEEP_ALIVE,
+        "float",
+        REQUEST,
+        flags="--keep-alive",
+        option="str",
+        groups=("answer", "daemon"),
+        help="How long the daemon stays resident when idle: 30m, 1h, 0 (exit when idle), "
+        "-1 (forever) [env PHI4_KEEP_ALIVE; default 30m].",
+    ),
+    Setting(
+        "n_ctx",
+        _context_size,
+        "auto (planned from free memory) or a number of tokens, "
+        f"at least {MIN_N_CTX} and at most {MAX_COUNT:,}",
+        None,
+        "int | None",
+        DAEMON,
+        "KV cache cells shared by all requests; None: planned from the model and free memory.",
+        flags="--n-ctx",
+        option="str",
+        metavar="auto|N",
+        groups=("answer", "daemon"),
+        none="auto",
+        help="KV cache tokens in all (shared by the requests, or split into their streams) "
+        "of a daemon this command starts [default auto: planned from the model and "
+        "free memory].",
+    ),
+    Setting(
+        "threads",
+        _threads,
+        _THREADS_ALLOWED,
+        None,
+        "int | None",
+        DAEMON,
+        flags="--threads",
+        option="int",
+        groups=("answer", "daemon"),
+        doc_allowed="auto (the physical cores, fewer while other processes keep cores busy "
+        "or while fewer measure faster), or from 1 to 4 per CPU of the machine "
+        "(kept as set)",
+        help="CPU threads for a daemon this command starts [default: the physical cores, "
+        "fewer while other processes keep cores busy or fewer measure faster].",
+    ),
+    Setting(
+        "ramdisk",
+        _ramdisk_mode,
+        "auto (stage on tmpfs if there is room), on or off",
+        "auto",
+        "str",
+        DAEMON,
+        "stage the model on tmpfs: auto | on | off",
+        flags="--ramdisk/--no-ramdisk",
+        option="bool",
+        groups=("daemon",),
+        env="PHI4_RAMDISK_MODE",  # PHI4_RAMDISK names the directory, as llama.cpp users expect
+        help="Stage the model in RAM (tmpfs) first [config ramdisk=auto|on|off].",
+    ),
+    Setting(
+        "mlock",
+        _boolean,
+        "true or false",
+        False,
+        "bool",
+        DAEMON,
+        "pin the model's pages in RAM",
+        flags="--mlock/--no-mlock",
+        option="bool",
+        groups=("daemon",),
+        help="Pin the model's pages in RAM.",
+    ),
+    Setting(
+        "overcommit",
+        _boolean,
+        "true (load an n_ctx or gpu_layers over the free memory) or false",
+        False,
+        "bool",
+        DAEMON,
+        "An explicit n_ctx whose KV cache is over the free memory, or gpu_layers over the "
+        "GPU's, is refused unless this is true.",
+        flags="--overcommit/--no-overcommit",
+        option="bool",
+        groups=("answer", "daemon"),
+        help="Load an --n-ctx whose KV cache is more than the free memory, or more GPU "
+        "layers (gpu_layers) than fit on the GPU (refused otherwise, with the "
+        "numbers).",
+    ),
+    Setting(
+        "max_queue",
+        _positive_int,
+        "a positive integer (requests)",
+        64,
+        "int",
+        DAEMON,
+        "requests waiting in the daemon before it answers busy",
+        flags="--max-queue",
+        option="int",
+        low=1,
+        groups=("daemon",),
+        help="Requests waiting before the daemon answers busy [default 64].",
+    ),
+    Setting(
+        "parallel",
+        _up_to(64),
+        "a whole number from 1 to 64 (requests decoded together)",
+        4,
+        "int",
+        DAEMON,
+        "requests decoded together (slots of the one llama context)",
+        flags="--parallel",
+        option="int",
+        low=1,
+        high=64,
+        groups=("daemon",),
+        help="Long requests the memory plan makes room for at once; short ones pack in "
+        "beyond [default 4].",
+    ),
+    Setting(
+        "kv_cache_type",
+        _one_of(*CHOICES["kv_cache_type"]),
+        "f16, q8_0 (half the memory) or q4_0 (a quarter)",
+        "f16",
+        "str",
+        DAEMON,
+        "f16 | q8_0 | q4_0",
+        flags="--kv-cache-type",
+        option="str",
+        metavar="f16|q8_0|q4_0",
+        groups=("daemon",),
+        help="KV cache type: q8_0 holds twice the context in the same memory, q4_0 four "
+        "times [default f16].",
+    ),
+    Setting(
+        "kv_layout",
+        _one_of(*CHOICES["kv_layout"]),
+        "auto (streams for a reasoning model), "
+        "shared (one cache: short requests pack in) or streams (one per request: faster at "
+        "depth)",
+        "auto",
+        "str",
+        DAEMON,
+        "auto | shared | streams: one KV cache for all, or one per request",
+        flags="--kv-layout",
+        option="str",
+        metavar="auto|shared|streams",
+        groups=("daemon",),
+        help="KV cache layout: shared (one cache; short requests pack in) or streams (one "
+        "per request; faster with several deep answers) [default auto: streams for a "
+        "reasoning model].",
+    ),
+    Setting(
+        "speculate",
+        _one_of(*CHOICES["speculate"]),
+        "auto (draft where it measures faster), on (draft always, for measuring) or off",
+        "auto",
+        "str",
+        DAEMON,
+        "auto | on | off: exact self-speculation (drafts from text seen, verified)",
+        flags="--speculate",
+        option="str",
+        metavar="auto|on|off",
+        groups=("daemon",),
+        help="Exact self-speculation: drafts read from the answer's own text, its sibling "
+        "samples and recent answers, verified in the batch [default auto: only where "
+        "this machine measures it faster].",
+    ),
+    Setting(
+        "gpu_layers",
+        _gpu_layers,
+        "auto (as many as fit), all, or a number of layers (0: CPU)",
+        "auto",
+        "str | int",
+        DAEMON,
+        "auto | all | a number of layers",
+        flags="--gpu-layers",
+        option="str",
+        metavar="auto|all|N",
+        groups=("daemon",),
+        help="Layers to offload to a GPU [default auto: as many as fit; 0 on a CPU-only build].",
+    ),
+    Setting(
+        "backend",
+        _backend_urls,
+        "the http(s) URL of an OpenAI-compatible server (several: replicas), or none",
+        None,
+        "tuple[str, ...] | None",
+        comment="OpenAI-compatible servers to use instead of the daemon: one URL, or several "
+        "(replicas of one model) separated by spaces.",
+        flags="--backend",
+        option="list",
+        metavar="URL",
+        groups=("answer",),
+        help="Use this OpenAI-compatible server instead of the local daemon; give it again "
+        "for replicas of the model, each sent requests at once [env PHI4_BACKEND; key "
+        "from PHI4_BACKEND_KEY].",
+    ),
+    Setting(
+        "backend_concurrency",
+        _positive_int,
+        "a positive integer (requests at once per backend)",
+        16,
+        "int",
+        comment="Requests in flight at once on each of them: enough to fill a GPU server's batch.",
+        flags="--backend-concurrency",
+        option="int",
+        metavar="N",
+        low=1,
+        groups=("answer",),
+        help="Requests in flight at once on each --backend [default: 16].",
+    ),
+    Setting(
+        "backend_timeout",
+        _positive_duration,
+        "a duration such as 300s or 10m",
+        300.0,
+        "float",
+        comment="seconds a remote server may send no event before we give up",
+    ),
+    Setting(
+        "backend_deadline",
+        _positive_duration,
+        "a duration such as 1h or 30m",
+        3600.0,
+        "float",
+        comment="seconds one remote request may take in all",
+    ),
+    Setting(
+        "instruction",
+        _instruction,
+        "text added after each question, or none",
+        DEFAULT_INSTRUCTION,
+        "str | None",
+        comment="Added after each `phi4 solve` question: what Phi-4-mini-reasoning and "
+        "DeepSeek-R1 were evaluated with, so answers end in \\boxed{} more often. "
+        "None: the question alone.",
+    ),
+)
 
 SETTING = {setting.key: setting for setting in SETTINGS}
 # Settings every command that asks for answers (solve, chat, eval) takes as options.
@@ -540,12 +891,16 @@ def generated_records() -> str:
         "",
         "class Settings(NamedTuple):",
     ]
-    named = {DEFAULT_MODEL: "DEFAULT_MODEL", DEFAULT_INSTRUCTION: "DEFAULT_INSTRUCTION",
-             DEFAULT_KEEP_ALIVE: "DEFAULT_KEEP_ALIVE"}  # fmt: skip
+    named = {
+        DEFAULT_MODEL: "DEFAULT_MODEL",
+        DEFAULT_INSTRUCTION: "DEFAULT_INSTRUCTION",
+        DEFAULT_KEEP_ALIVE: "DEFAULT_KEEP_ALIVE",
+    }
     for setting in SETTINGS:
         if setting.comment:
-            lines += textwrap.wrap(setting.comment, 96, initial_indent="    # ",
-                                   subsequent_indent="    # ")  # fmt: skip
+            lines += textwrap.wrap(
+                setting.comment, 96, initial_indent="    # ", subsequent_indent="    # "
+            )
         default = named.get(setting.default, repr(setting.default))
         lines.append(f"    {setting.key}: {setting.type} = {default}")
     said = "The sampler's settings of one request (a part of its ``Ask``)."
@@ -553,20 +908,32 @@ def generated_records() -> str:
     for setting in SETTINGS:
         if setting.sampling:
             lines.append(f"    {setting.key}: {setting.type} = {setting.default!r}")
-    said = ("What one request asks of the engine that answers it (the table's request rows):\n"
-            "    filled by the client, checked on the wire by ``protocol.parse_ask``, read by the\n"
-            '    daemon and the remote engine alike."""')  # fmt: skip
+    said = (
+        "What one request asks of the engine that answers it (the table's request rows):\n"
+        "    filled by the client, checked on the wire by ``protocol.parse_ask``, read by the\n"
+        '    daemon and the remote engine alike."""'
+    )
     lines += ["", "", "class Ask(NamedTuple):", f'    """{said}', ""]
     for key in REQUEST_KEYS:
         setting = SETTING[key]
-        assert setting.wire is not None or setting.type not in ("int", "int | None", "float"), \
-            f"{key}: a number of the request without wire bounds"  # fmt: skip
+        assert setting.wire is not None or setting.type not in ("int", "int | None", "float"), (
+            f"{key}: a number of the request without wire bounds"
+        )
         default = named.get(setting.default, repr(setting.default))
         lines.append(f"    {key}: {setting.type} = {default}")
-    lines += ["", "    @property", "    def sampling(self) -> Sampling:",
-              "        return Sampling(", *(f"            {k}=self.{k}," for k in SAMPLING_KEYS),
-              "        )", "", "    @classmethod", "    def of(cls, settings: Settings) -> Ask:",
-              '        """What ``settings`` ask of a request that does not say otherwise."""',
-              "        return cls(", *(f"            {k}=settings.{k}," for k in REQUEST_KEYS),
-              "        )"]  # fmt: skip
+    lines += [
+        "",
+        "    @property",
+        "    def sampling(self) -> Sampling:",
+        "        return Sampling(",
+        *(f"            {k}=self.{k}," for k in SAMPLING_KEYS),
+        "        )",
+        "",
+        "    @classmethod",
+        "    def of(cls, settings: Settings) -> Ask:",
+        '        """What ``settings`` ask of a request that does not say otherwise."""',
+        "        return cls(",
+        *(f"            {k}=settings.{k}," for k in REQUEST_KEYS),
+        "        )",
+    ]
     return "\n".join(lines) + "\n"

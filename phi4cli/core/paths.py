@@ -205,10 +205,12 @@ def get_paths() -> Paths:
     if dirs is None:
         import platformdirs
 
-        dirs = [Path(platformdirs.user_config_dir(APP_NAME)),
-                Path(platformdirs.user_data_dir(APP_NAME)),
-                Path(platformdirs.user_state_dir(APP_NAME)),
-                Path(platformdirs.user_cache_dir(APP_NAME))]  # fmt: skip
+        dirs = [
+            Path(platformdirs.user_config_dir(APP_NAME)),
+            Path(platformdirs.user_data_dir(APP_NAME)),
+            Path(platformdirs.user_state_dir(APP_NAME)),
+            Path(platformdirs.user_cache_dir(APP_NAME)),
+        ]
         _remember_dirs(runtime, inputs, dirs)
     config, data, state, cache = dirs
     return Paths(config, data, state, cache, runtime)

@@ -191,8 +191,7 @@ class Event(NamedTuple):
 
     def to_wire(self) -> JSON:
         text = {"text": self.text} if self.text or self.kind in _TEXT_KINDS else {}
-        return {"v": PROTOCOL_VERSION, "id": self.id, "event": self.kind.value, **text,
-                **self.data}  # fmt: skip
+        return {"v": PROTOCOL_VERSION, "id": self.id, "event": self.kind.value, **text, **self.data}
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.data.get(key, default)
@@ -248,8 +247,11 @@ class Request(NamedTuple):
 PRIORITY_INTERACTIVE: Final = 0
 PRIORITY_SOLVE: Final = 1
 PRIORITY_BULK: Final = 2
-PRIORITIES: Final = {"interactive": PRIORITY_INTERACTIVE, "solve": PRIORITY_SOLVE,
-                     "bulk": PRIORITY_BULK}  # fmt: skip
+PRIORITIES: Final = {
+    "interactive": PRIORITY_INTERACTIVE,
+    "solve": PRIORITY_SOLVE,
+    "bulk": PRIORITY_BULK,
+}
 
 
 class SolveParams(NamedTuple):
@@ -416,8 +418,11 @@ def parse_solve_params(params: Mapping[str, Any], defaults: Ask) -> SolveParams:
         raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'confidence' must be true or false")
     floor = confidence_floor(params)
     logprobs = params.get("logprobs")
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):  # fmt: skip
+    if logprobs is not None and (
+        isinstance(logprobs, bool)
+        or not isinstance(logprobs, int)
+        or not 0 <= logprobs <= MAX_TOP_LOGPROBS
+    ):
         raise ProtocolViolation(
             ErrorCode.BAD_REQUEST,
             f"'logprobs' must be a number of likeliest tokens from 0 to {MAX_TOP_LOGPROBS}, "
@@ -458,8 +463,7 @@ def to_wire(op: str, params: SolveParams) -> JSON:
     else:
         wire = {**params.ask._asdict(), "priority": _PRIORITY_NAMES[params.priority]}
         if op == Op.CHAT:
-            wire.update(session=params.session, message=params.prompt,
-                        history=list(params.history))  # fmt: skip
+            wire.update(session=params.session, message=params.prompt, history=list(params.history))
         else:
             wire["prompt"] = params.prompt
         if params.model is not None:
@@ -483,8 +487,10 @@ def _check_text(params: Mapping[str, Any]) -> None:
 
 
 def _not_unicode(where: str) -> str:
-    return f"{where} is not valid Unicode text (it holds a lone surrogate such as \\ud800); " \
-        "send UTF-8 text"  # fmt: skip
+    return (
+        f"{where} is not valid Unicode text (it holds a lone surrogate such as \\ud800); "
+        "send UTF-8 text"
+    )
 
 
 def check_history(history: object) -> tuple[dict[str, str], ...]:
@@ -549,8 +555,9 @@ def parse_load_params(params: Mapping[str, Any], defaults: Ask) -> SolveParams:
 def parse_params(op: str, params: Mapping[str, Any], defaults: Ask) -> SolveParams:
     """Validate the wire form of a solve, chat or load request (``to_wire`` makes it) into
     its typed record; what it does not ask takes ``defaults`` (the daemon's, ``Ask.of``)."""
-    parse = {Op.SOLVE: parse_solve_params, Op.CHAT: parse_chat_params,
-             Op.LOAD: parse_load_params}[Op(op)]  # fmt: skip
+    parse = {Op.SOLVE: parse_solve_params, Op.CHAT: parse_chat_params, Op.LOAD: parse_load_params}[
+        Op(op)
+    ]
     return parse(params, defaults)
 
 

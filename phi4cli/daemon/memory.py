@@ -143,8 +143,11 @@ class MemoryPlan:
         return self.n_ctx // self.slots if self.kv_layout == "streams" else self.n_ctx
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "notes": list(self.notes),
-                "request_capacity": self.request_capacity}  # fmt: skip
+        return {
+            **asdict(self),
+            "notes": list(self.notes),
+            "request_capacity": self.request_capacity,
+        }
 
 
 def ram_headroom(machine: Machine) -> int:
@@ -270,7 +273,7 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
                 f"free memory holds {max(0, room_tokens):,} tokens of {kv_type} KV"
                 f" cache, fewer than {parallel} requests of {wanted_request:,}"
                 + ("; kv_cache_type = q8_0 holds twice as many" if kv_type == "f16" else "")
-            )  # fmt: skip
+            )
         n_ctx = min(n_ctx, parallel * shape.n_ctx_train)
     request_tokens = min(wanted_request, n_ctx)
 
@@ -336,8 +339,10 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
                             f"fit in {where}'s free memory"
                         )
             if not gpu_layers:
-                notes.append(f"no layer fits in {where}'s free memory beside a {n_ctx:,}-token "
-                             "KV cache: all on the CPU")  # fmt: skip
+                notes.append(
+                    f"no layer fits in {where}'s free memory beside a {n_ctx:,}-token "
+                    "KV cache: all on the CPU"
+                )
             elif gpu_layers < all_layers:
                 notes.append(
                     f"{gpu_layers} of {all_layers} layers fit in {where}'s free memory with a "
@@ -378,9 +383,11 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
             gpu_layers = -1  # llama.cpp's "all"
 
     if source == "setting" and gpu_layers == 0 and per_token * n_ctx > ram_room:
-        needed = (f"n_ctx {n_ctx:,} needs {per_token * n_ctx / GiB:.1f} GiB of {kv_type} KV "
-                  f"cache, but {max(0, ram_room) / GiB:.1f} GiB is free beside the model "
-                  f"(and {headroom / GiB:.1f} GiB kept for the rest of the machine)")  # fmt: skip
+        needed = (
+            f"n_ctx {n_ctx:,} needs {per_token * n_ctx / GiB:.1f} GiB of {kv_type} KV "
+            f"cache, but {max(0, ram_room) / GiB:.1f} GiB is free beside the model "
+            f"(and {headroom / GiB:.1f} GiB kept for the rest of the machine)"
+        )
         if not request.overcommit:
             # On a machine without a memory limit the OOM killer would pick a victim: maybe
             # not this daemon.

@@ -128,8 +128,9 @@ def stage(model: Path, mode: str, directory: Path | None = None) -> Staging:
             f"{HEADROOM_BYTES >> 20} MiB to spare"
         )
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.{os.getpid()}.",
-                                   suffix=".part")  # fmt: skip
+        fd, tmp = tempfile.mkstemp(
+            dir=directory, prefix=f".{target.name}.{os.getpid()}.", suffix=".part"
+        )
     except OSError as exc:  # a read-only or full filesystem
         return unstaged(f"cannot write in {directory}: {write_problem(exc, directory)}")
     try:

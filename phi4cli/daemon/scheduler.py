@@ -73,8 +73,12 @@ class JobQueue:
             self._stopping = True
             self._changed.notify()
 
-    def peek(self, block: bool, timeout: float | None = None,
-             running: Callable[[object], int] = lambda owner: 0) -> Job | None:  # fmt: skip
+    def peek(
+        self,
+        block: bool,
+        timeout: float | None = None,
+        running: Callable[[object], int] = lambda owner: 0,
+    ) -> Job | None:
         """Return the job to offer the engine next, leaving it queued (it may have to wait), or
         None once stopped: one of the owners with the fewest requests ``running``. Raise
         queue.Empty if there is none and not ``block``, or none came within ``timeout``."""
@@ -279,9 +283,11 @@ class RequestScheduler:
             self.memory = self._engine.memory()
             if held is None and not self._exclusive():
                 try:
-                    job = self._queue.peek(block=self._engine.active == 0,
-                                           timeout=TEND_S if tending else None,
-                                           running=self.running)  # fmt: skip
+                    job = self._queue.peek(
+                        block=self._engine.active == 0,
+                        timeout=TEND_S if tending else None,
+                        running=self.running,
+                    )
                 except queue.Empty:
                     pass
                 else:
@@ -350,9 +356,18 @@ class RequestScheduler:
                 if wait.reason == "memory" and job.waiting != wait:
                     # A slot wait is ordinary queueing (`accepted` said how many are ahead);
                     # waiting for memory is news worth a line.
-                    job.emit(Event(EventKind.PROGRESS, job.request_id,
-                                   data={"stage": "waiting", "reason": wait.reason,
-                                         "needed": wait.needed, "free": wait.free}))  # fmt: skip
+                    job.emit(
+                        Event(
+                            EventKind.PROGRESS,
+                            job.request_id,
+                            data={
+                                "stage": "waiting",
+                                "reason": wait.reason,
+                                "needed": wait.needed,
+                                "free": wait.free,
+                            },
+                        )
+                    )
                 job.waiting = wait
                 self.waiting = job
                 return _WAITING
@@ -363,8 +378,9 @@ class RequestScheduler:
             return _SETTLED
         except Exception:
             log.exception("request %r failed", job.request_id)
-            self._settle(job, ErrorCode.INTERNAL,
-                         "internal error in the daemon:\n" + traceback.format_exc())  # fmt: skip
+            self._settle(
+                job, ErrorCode.INTERNAL, "internal error in the daemon:\n" + traceback.format_exc()
+            )
             return _SETTLED
         return _ADMITTED
 
@@ -401,8 +417,10 @@ class RequestScheduler:
             # how much context it used.
             job.emit(Event.of_stats(stats, job.request_id))
             if job.cancelled.is_set():
-                job.fail(job.cancel_code, job.cancel_message
-                         or _CANCEL_MESSAGES.get(job.cancel_code, "cancelled"))  # fmt: skip
+                job.fail(
+                    job.cancel_code,
+                    job.cancel_message or _CANCEL_MESSAGES.get(job.cancel_code, "cancelled"),
+                )
             else:
                 job.done(finish_reason=stats.finish_reason)
 
@@ -430,8 +448,9 @@ class RequestScheduler:
         follows these; it need not read the status file)."""
         self._on_state(stage, path, None)
         for job in self._queue.snapshot():
-            job.emit(Event(EventKind.PROGRESS, job.request_id,
-                           data={"stage": stage, "model": str(path)}))  # fmt: skip
+            job.emit(
+                Event(EventKind.PROGRESS, job.request_id, data={"stage": stage, "model": str(path)})
+            )
 
     def _load(self, path: Path, fall_back: bool = True) -> bool:
         """Load (and warm) ``path``; on failure keep serving the model loaded before, if any

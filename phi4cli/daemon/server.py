@@ -143,8 +143,11 @@ class _Outbox:
     them go out together: one wake-up and one write per connection per decode step, not one per
     token, which on a small machine takes cores from llama.cpp's threads."""
 
-    def __init__(self, deliver: Callable[[Connection, Any, Event], None],
-                 undeliverable: Callable[[Connection, Any, Event], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        deliver: Callable[[Connection, Any, Event], None],
+        undeliverable: Callable[[Connection, Any, Event], None],
+    ) -> None:
         self.deliver, self.undeliverable = deliver, undeliverable
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it serves
         self._posted: list[tuple[Connection, Any, Event]] = []
@@ -214,8 +217,9 @@ class DaemonServer:
         self._stopped_in = ""  # the state a stop came in
         self._uid = os.getuid()
         self._last_beats = -1
-        self.scheduler = RequestScheduler(engine, model_path, settings.max_queue,
-                                          self._state_from_worker)  # fmt: skip
+        self.scheduler = RequestScheduler(
+            engine, model_path, settings.max_queue, self._state_from_worker
+        )
 
     # --- status -------------------------------------------------------------------------------
 
@@ -482,10 +486,18 @@ class DaemonServer:
         except QueueFullError as exc:
             raise ProtocolViolation(ErrorCode.BUSY, str(exc), request.id) from None
         connection.jobs[request.id] = job
-        loading = {"model": str(self.model_path)} if self.state in _LOADING and \
-            self.model_path is not None else {}  # fmt: skip
-        connection.send(Event(EventKind.ACCEPTED, request.id,
-                              data={"ahead": ahead, "state": self.state, **loading}))  # fmt: skip
+        loading = (
+            {"model": str(self.model_path)}
+            if self.state in _LOADING and self.model_path is not None
+            else {}
+        )
+        connection.send(
+            Event(
+                EventKind.ACCEPTED,
+                request.id,
+                data={"ahead": ahead, "state": self.state, **loading},
+            )
+        )
 
     def _undeliverable(self, connection: Connection, request_id: Any, event: Event) -> None:
         log.exception("request %r: cannot deliver a %r event", request_id, event.kind.value)
@@ -494,10 +506,14 @@ class DaemonServer:
             job.emit = _silent  # its answer is the error below: nothing more of it goes out
             self.scheduler.cancel(job)
         with contextlib.suppress(Exception):
-            connection.hold(Event.error(
-                ErrorCode.INTERNAL, "internal error in the daemon: an event of this request "
-                "could not be sent; the request was stopped (see the daemon's log)", request_id,
-            ))  # fmt: skip
+            connection.hold(
+                Event.error(
+                    ErrorCode.INTERNAL,
+                    "internal error in the daemon: an event of this request "
+                    "could not be sent; the request was stopped (see the daemon's log)",
+                    request_id,
+                )
+            )
 
     def _deliver(self, connection: Connection, request_id: Any, event: Event) -> None:
         connection.hold(event)
@@ -574,8 +590,9 @@ class DaemonServer:
             0o177
         )  # the socket is created 0600: no window where others can connect
         try:
-            server = await asyncio.start_unix_server(self._handle, path=os.fspath(sock_path),
-                                                     backlog=BACKLOG)  # fmt: skip
+            server = await asyncio.start_unix_server(
+                self._handle, path=os.fspath(sock_path), backlog=BACKLOG
+            )
         finally:
             os.umask(old_umask)
         os.chmod(sock_path, 0o600)
@@ -610,9 +627,11 @@ class DaemonServer:
                 # The engine thread is still inside llama.cpp (an uninterruptible load): freeing
                 # the model under it would crash, so leave without tearing anything down.
                 if loading:
-                    log.info("stopped during the model's %s (llama.cpp cannot be "
-                             "interrupted there): exiting without waiting for it",
-                             self._stopped_in)  # fmt: skip
+                    log.info(
+                        "stopped during the model's %s (llama.cpp cannot be "
+                        "interrupted there): exiting without waiting for it",
+                        self._stopped_in,
+                    )
                 else:
                     log.warning("the engine did not stop in time; exiting without unloading")
                 logging.shutdown()

@@ -141,8 +141,16 @@ def daemon_command(settings: Settings, model_path: Path | None) -> list[str]:
     # -P: not the working directory first on sys.path, so the daemon runs the same phi4 as the
     # client even when started inside a source checkout (it would be "another install").
     given = {key: getattr(settings, key) for key in DAEMON_START}
-    command = [sys.executable, "-P", "-m", "phi4cli", "daemon", "run", "--settings",
-               json.dumps(given, separators=(",", ":"))]  # fmt: skip
+    command = [
+        sys.executable,
+        "-P",
+        "-m",
+        "phi4cli",
+        "daemon",
+        "run",
+        "--settings",
+        json.dumps(given, separators=(",", ":")),
+    ]
     if model_path is not None:
         command += ["--model", str(model_path)]
     return command

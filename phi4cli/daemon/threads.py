@@ -204,8 +204,13 @@ class ThreadGovernor:
             self._best, self._trial = self.configured, None
         self._others = others
         if ceiling != self._ceiling:
-            log.info("at most %d of %d threads (other processes kept %.1f of %d CPUs busy)",
-                     ceiling, self.configured, others, len(self._cpus))  # fmt: skip
+            log.info(
+                "at most %d of %d threads (other processes kept %.1f of %d CPUs busy)",
+                ceiling,
+                self.configured,
+                others,
+                len(self._cpus),
+            )
         self._ceiling = ceiling
         return True
 
@@ -251,9 +256,16 @@ class ThreadGovernor:
             faster = base is not None and base[1] == batch and step * KEEP <= base[0]
             self._best = threads if faster else self._trial_from
             against = f"{batch / base[0]:.1f}" if base is not None and base[1] == batch else "?"
-            log.info("tried %s (%s): %.1f tokens/s against %s on %d; %s %d", _threads(threads),
-                     self._trial_why, batch / step, against, self._trial_from,
-                     "keeping" if faster else "back to", self._best)  # fmt: skip
+            log.info(
+                "tried %s (%s): %.1f tokens/s against %s on %d; %s %d",
+                _threads(threads),
+                self._trial_why,
+                batch / step,
+                against,
+                self._trial_from,
+                "keeping" if faster else "back to",
+                self._best,
+            )
             self._trial = None
             return
         if self._last_probe is None:
@@ -271,10 +283,10 @@ class ThreadGovernor:
                 stale = busy or now - self._last_probe > every
             if stale or (dropped and now - self._last_probe > PROBE_AFTER_DROP_S):
                 self._trial_why = (
-                    f"{threads} fell to {batch / step:.1f} tokens/s from "
-                    f"{batch / before[0]:.1f}" if dropped and before is not None
+                    f"{threads} fell to {batch / step:.1f} tokens/s from {batch / before[0]:.1f}"
+                    if dropped and before is not None
                     else "not measured lately"
-                )  # fmt: skip
+                )
                 self._trial, self._trial_from, self._last_probe = other, threads, now
                 return
 
@@ -286,8 +298,9 @@ class ThreadGovernor:
 
     def _given_up(self) -> int | None:
         """/proc could not be read: adapt no more, on the configured count (said once)."""
-        log.warning("cannot read how busy the CPUs are: decoding on %d threads from now on",
-                    self.configured)  # fmt: skip
+        log.warning(
+            "cannot read how busy the CPUs are: decoding on %d threads from now on", self.configured
+        )
         self._adapt = False
         return self._switch(self.configured)
 

@@ -63,9 +63,14 @@ class Backend(Protocol):
         """Send one solve or chat request and return its events."""
         ...
 
-    def run(self, requests: Sequence[SolveParams | Event], on_event: EventSink,
-            restart: bool = False, feed: Feed | None = None,
-            on_flight: FlightHook | None = None) -> None:  # fmt: skip
+    def run(
+        self,
+        requests: Sequence[SolveParams | Event],
+        on_event: EventSink,
+        restart: bool = False,
+        feed: Feed | None = None,
+        on_flight: FlightHook | None = None,
+    ) -> None:
         """Answer many solve requests, passing each event to ``on_event(index, event)``. With
         ``restart``, a request cut off mid-answer may be sent again after a ``restart`` event
         (the caller folds events and can drop what came before). With a ``feed``, ``requests``
@@ -120,17 +125,28 @@ class DaemonBackend:
     def connect(self) -> None:
         self._give_back(self._take())
 
-    def _flight(self, op: Op, requests: Sequence[SolveParams | Event], window: int, restart: bool,
-                feed: Feed | None = None) -> Flight:  # fmt: skip
+    def _flight(
+        self,
+        op: Op,
+        requests: Sequence[SolveParams | Event],
+        window: int,
+        restart: bool,
+        feed: Feed | None = None,
+    ) -> Flight:
         replica = DaemonReplica(self, window)
         return Flight(requests, [replica], replica, op=op, restart=restart, feed=feed)
 
     def stream(self, op: Op, params: SolveParams) -> FlightStream:
         return FlightStream(self._flight(op, [params], 1, restart=False))
 
-    def run(self, requests: Sequence[SolveParams | Event], on_event: EventSink,
-            restart: bool = False, feed: Feed | None = None,
-            on_flight: FlightHook | None = None) -> None:  # fmt: skip
+    def run(
+        self,
+        requests: Sequence[SolveParams | Event],
+        on_event: EventSink,
+        restart: bool = False,
+        feed: Feed | None = None,
+        on_flight: FlightHook | None = None,
+    ) -> None:
         flight = self._flight(Op.SOLVE, requests, self.window, restart, feed)
         if on_flight is not None:
             on_flight(flight)
@@ -264,9 +280,19 @@ class DaemonReplica(Replica):
     def recover(self, flight: Flight) -> None:
         self.recoveries += 1
         if self.recoveries > 1:
-            self.pending.append((self, None, Probe(False, Failure(
-                ErrorCode.SHUTTING_DOWN,
-                "the daemon stopped twice while answering; see its log"))))  # fmt: skip
+            self.pending.append(
+                (
+                    self,
+                    None,
+                    Probe(
+                        False,
+                        Failure(
+                            ErrorCode.SHUTTING_DOWN,
+                            "the daemon stopped twice while answering; see its log",
+                        ),
+                    ),
+                )
+            )
             return
         draining = self.state == "draining"
         self._drop_connection()
@@ -310,31 +336,47 @@ class RemoteBackend:
         from phi4cli.engines.remote import RemoteEngine
 
         urls = [urls] if isinstance(urls, str) else urls
-        self.engines = [RemoteEngine(url, model, api_key, timeout, deadline, announce,
-                                     connections=concurrency) for url in urls]  # fmt: skip
+        self.engines = [
+            RemoteEngine(url, model, api_key, timeout, deadline, announce, connections=concurrency)
+            for url in urls
+        ]
         self.engine = self.engines[0]
         self.concurrency = concurrency
         self.announce = announce
-        shown = " and ".join(e.url for e in self.engines) if len(urls) <= 3 else \
-            f"{self.engine.url} and {len(urls) - 1} more"  # fmt: skip
+        shown = (
+            " and ".join(e.url for e in self.engines)
+            if len(urls) <= 3
+            else f"{self.engine.url} and {len(urls) - 1} more"
+        )
         self.name = f"the backend {shown}"
         self.last_summary: list[JSON] = []
 
-    def _flight(self, op: Op, requests: Sequence[SolveParams | Event], restart: bool,
-                feed: Feed | None = None) -> Flight:  # fmt: skip
+    def _flight(
+        self,
+        op: Op,
+        requests: Sequence[SolveParams | Event],
+        restart: bool,
+        feed: Feed | None = None,
+    ) -> Flight:
         from phi4cli.engines.replicas import RemoteReplica, ReplicaInbox
 
         inbox = ReplicaInbox()
-        replicas: list[Replica] = [RemoteReplica(engine, self.concurrency, inbox)
-                                   for engine in self.engines]  # fmt: skip
+        replicas: list[Replica] = [
+            RemoteReplica(engine, self.concurrency, inbox) for engine in self.engines
+        ]
         return Flight(requests, replicas, inbox, op=op, restart=restart, feed=feed)
 
     def stream(self, op: Op, params: SolveParams) -> FlightStream:
         return FlightStream(self._flight(op, [params], restart=False))
 
-    def run(self, requests: Sequence[SolveParams | Event], on_event: EventSink,
-            restart: bool = False, feed: Feed | None = None,
-            on_flight: FlightHook | None = None) -> None:  # fmt: skip
+    def run(
+        self,
+        requests: Sequence[SolveParams | Event],
+        on_event: EventSink,
+        restart: bool = False,
+        feed: Feed | None = None,
+        on_flight: FlightHook | None = None,
+    ) -> None:
         flight = self._flight(Op.SOLVE, requests, restart, feed)
         if on_flight is not None:
             on_flight(flight)
@@ -358,9 +400,13 @@ class RemoteBackend:
         served = {tuple(r["models"]) for r in replicas if r.get("models")}
         only = next(iter(served)) if len(served) == 1 else ()
         model = only[0] if len(only) == 1 else self.engine.model
-        return {"state": "remote" if up else "down", "backend": self.engine.url,
-                "model": model, "model_asked": self.engine.model,
-                "replicas": replicas}  # fmt: skip
+        return {
+            "state": "remote" if up else "down",
+            "backend": self.engine.url,
+            "model": model,
+            "model_asked": self.engine.model,
+            "replicas": replicas,
+        }
 
     def close(self) -> None:
         for engine in self.engines:
@@ -385,9 +431,15 @@ def make_backend(
     if settings.backend:
         from phi4cli.engines.remote import backend_key
 
-        return RemoteBackend(list(settings.backend), str(model), backend_key(),
-                             settings.backend_timeout, settings.backend_deadline, announce,
-                             settings.backend_concurrency)  # fmt: skip
+        return RemoteBackend(
+            list(settings.backend),
+            str(model),
+            backend_key(),
+            settings.backend_timeout,
+            settings.backend_deadline,
+            announce,
+            settings.backend_concurrency,
+        )
     return DaemonBackend(paths, settings, Path(model), announce)
 
 
@@ -396,8 +448,12 @@ def load_model(
 ) -> tuple[dict[str, Any], bool]:
     """Have the daemon (started if need be) load and warm ``model_path``; return its load
     timings and whether this call started the daemon."""
-    params = SolveParams("", model=str(model_path), load_only=True,
-                         keep_alive=settings.keep_alive if set_keep_alive else None)  # fmt: skip
+    params = SolveParams(
+        "",
+        model=str(model_path),
+        load_only=True,
+        keep_alive=settings.keep_alive if set_keep_alive else None,
+    )
     # Through the backend, so a daemon on its way out is replaced as for any request.
     backend = DaemonBackend(paths, settings, model_path, announce)
     try:

@@ -104,8 +104,9 @@ class Checker:
         )
         self._worker = worker
         assert worker.stdout is not None
-        threading.Thread(target=self._read, args=(worker, worker.stdout), daemon=True,
-                         name="phi4-checker").start()  # fmt: skip
+        threading.Thread(
+            target=self._read, args=(worker, worker.stdout), daemon=True, name="phi4-checker"
+        ).start()
 
     def _read(self, worker: subprocess.Popen[bytes], stdout: IO[bytes]) -> None:
         assert self._arrived is not None

@@ -198,8 +198,10 @@ def _request_line(op: str, params: dict[str, Any] | None) -> tuple[int, bytes]:
 def foreign_socket(path: str, uid: int) -> str:
     """What is said of a socket another user's process serves (a runtime dir of ours, with a
     socket planted in it): no question is sent to it."""
-    return (f"the socket {path} is served by another user's process (uid {uid}); phi4 will not "
-            f"talk to it: remove {os.path.dirname(path)}, or set XDG_RUNTIME_DIR")  # fmt: skip
+    return (
+        f"the socket {path} is served by another user's process (uid {uid}); phi4 will not "
+        f"talk to it: remove {os.path.dirname(path)}, or set XDG_RUNTIME_DIR"
+    )
 
 
 def try_connect(paths: Paths) -> DaemonConnection | None:
@@ -489,10 +491,15 @@ def _warn_settings(running: dict[str, Any] | None, settings: Settings, announce:
     def shown(value: object) -> object:
         return "auto" if value is None else value
 
-    differ = [f"{key} {shown(running[key])} (yours {shown(getattr(settings, key))})"
-              for key in DAEMON_SETTINGS
-              if key in running and running[key] != getattr(settings, key)
-              and getattr(settings, key) != Settings._field_defaults[key]]  # fmt: skip
+    differ = [
+        f"{key} {shown(running[key])} (yours {shown(getattr(settings, key))})"
+        for key in DAEMON_SETTINGS
+        if key in running
+        and running[key] != getattr(settings, key)
+        and getattr(settings, key) != Settings._field_defaults[key]
+    ]
     if differ:
-        announce(f"the running daemon keeps the settings it started with: {', '.join(differ)}; "
-                 "`phi4 stop` first to change them")  # fmt: skip
+        announce(
+            f"the running daemon keeps the settings it started with: {', '.join(differ)}; "
+            "`phi4 stop` first to change them"
+        )

@@ -172,10 +172,16 @@ class Replica:
     def summary(self, elapsed: float) -> JSON:
         """What it did in a flight that has run ``elapsed`` seconds."""
         rate = self.tokens / elapsed if elapsed > 0 else None
-        return {"replica": self.name, "state": self.state, "in_flight": len(self.in_flight),
-                "sent": self.sent, "answered": self.answered, "failed": self.failed,
-                "tokens": self.tokens,
-                "tokens_per_s": None if rate is None else round(rate, 1)}  # fmt: skip
+        return {
+            "replica": self.name,
+            "state": self.state,
+            "in_flight": len(self.in_flight),
+            "sent": self.sent,
+            "answered": self.answered,
+            "failed": self.failed,
+            "tokens": self.tokens,
+            "tokens_per_s": None if rate is None else round(rate, 1),
+        }
 
 
 class Flight:
@@ -265,8 +271,9 @@ class Flight:
             # Nothing waits, runs or recovers, yet not all have ended (an interrupt between
             # two steps of the bookkeeping): end those rather than wait for nothing.
             for index in sorted(self.open):
-                self._finish(index, Event.error(ErrorCode.INTERNAL,
-                                                "the request was lost on its way"))  # fmt: skip
+                self._finish(
+                    index, Event.error(ErrorCode.INTERNAL, "the request was lost on its way")
+                )
             return
         paused = [r.not_before for r in self.replicas if r.state == UP and r.not_before > now]
         if paused:
@@ -325,8 +332,9 @@ class Flight:
     def _choose(self, now: float) -> tuple[Replica, int] | None:
         """The replica with the fewest in flight that has room, and the first waiting request
         it may take (one it was busy for goes to another)."""
-        open_ = sorted((r for r in self.replicas if r.room(now) > 0),
-                       key=lambda r: len(r.in_flight))  # fmt: skip
+        open_ = sorted(
+            (r for r in self.replicas if r.room(now) > 0), key=lambda r: len(r.in_flight)
+        )
         for replica in open_:
             if not self.avoid:
                 return replica, self.waiting[0]
@@ -352,8 +360,11 @@ class Flight:
         elif isinstance(item, Slow):
             self._slow(replica, serial, item)
         elif isinstance(item, Failure):
-            serials = [s for s, (_i, r) in self.live.items() if r is replica] if serial is None \
-                else [serial]  # fmt: skip
+            serials = (
+                [s for s, (_i, r) in self.live.items() if r is replica]
+                if serial is None
+                else [serial]
+            )
             serials = [s for s in serials if s in self.live]
             if not serials:
                 return  # an attempt already ended (cancelled): it says nothing of the replica
@@ -415,8 +426,11 @@ class Flight:
         if again and not self._someone_for(index, replica, failure):
             again = False
         if not again:
-            if failure.code == ErrorCode.UNREACHABLE and not self.live \
-                    and not any(r.worked for r in self.replicas):  # fmt: skip
+            if (
+                failure.code == ErrorCode.UNREACHABLE
+                and not self.live
+                and not any(r.worked for r in self.replicas)
+            ):
                 # No engine could be reached at all: that is the command's one error, not the
                 # same record for every request.
                 raise error_for(failure.code, failure.message)
@@ -432,8 +446,9 @@ class Flight:
     def _someone_for(self, index: int, failing: Replica, failure: Failure) -> bool:
         """Whether a replica may still take request ``index``, which ``failing`` could not do."""
         avoided = self.avoid.get(index, set())
-        others = any(r is not failing and r.state != DEAD and r not in avoided
-                     for r in self.replicas)  # fmt: skip
+        others = any(
+            r is not failing and r.state != DEAD and r not in avoided for r in self.replicas
+        )
         if failure.elsewhere:
             return others
         return others or failing.may_recover(failure)
@@ -450,8 +465,11 @@ class Flight:
         if not self.waiting:
             return  # nothing to send again: a recovery would only cost time
         for replica in self.replicas:
-            if replica.state in (DOWN, DRAINING) and not replica.in_flight \
-                    and not replica.recovering:  # fmt: skip
+            if (
+                replica.state in (DOWN, DRAINING)
+                and not replica.in_flight
+                and not replica.recovering
+            ):
                 replica.recovering = True
                 replica.recover(self)
 
@@ -471,7 +489,8 @@ class Flight:
         answered, that is the command's error instead."""
         failure = self.last_failure or next(
             (r.last_failure for r in self.replicas if r.last_failure is not None),
-            Failure(ErrorCode.INTERNAL, "no engine to send the request to"))  # fmt: skip
+            Failure(ErrorCode.INTERNAL, "no engine to send the request to"),
+        )
         if not any(r.worked for r in self.replicas):
             raise error_for(failure.code, failure.message)
         while self.waiting:

@@ -58,8 +58,7 @@ from phi4cli.text.thinking import Act, ThinkingPolicy
 # What a server that does not continue an assistant's message is asked once phi4 has closed the
 # thinking (a budget, a loop, the answer asked for now): the thinking so far is its turn, then
 # this one.
-FINAL_ANSWER_ASK = ("Stop thinking now. Give your final answer, with the final result in "
-                    "\\boxed{}.")  # fmt: skip
+FINAL_ANSWER_ASK = "Stop thinking now. Give your final answer, with the final result in \\boxed{}."
 CONNECT_TIMEOUT_S = 10.0  # at most; a shorter backend_timeout shortens it too
 # Pieces of text one request may stream when it sets no max_tokens: beyond any context these
 # servers run, so only an endless stream meets it.
@@ -96,8 +95,9 @@ def messages_for(params: SolveParams) -> list[dict[str, str]]:
 class ReplicaFault(Exception):
     """An attempt the server failed (see ``StreamFailure.fault``): for the flight to send again."""
 
-    def __init__(self, code: ErrorCode, message: str, down: bool, elsewhere: bool,
-                 stats: Event | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, code: ErrorCode, message: str, down: bool, elsewhere: bool, stats: Event | None = None
+    ) -> None:
         super().__init__(message)
         self.code, self.message, self.down, self.elsewhere = code, message, down, elsewhere
         self.stats = stats  # what the attempt cost, for its error record if it stays the end
@@ -188,8 +188,11 @@ class _Reader:
 
 
 def _kinds(pieces: list[tuple[str, str]]) -> list[tuple[EventKind, str]]:
-    names = {"answer": EventKind.TOKEN, "reasoning": EventKind.REASONING,
-             "retract": EventKind.RETRACT}  # fmt: skip
+    names = {
+        "answer": EventKind.TOKEN,
+        "reasoning": EventKind.REASONING,
+        "retract": EventKind.RETRACT,
+    }
     return [(names[kind], text) for kind, text in pieces]
 
 
@@ -237,10 +240,10 @@ class RemoteEngine:
                 headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
                 if self.api_key:
                     headers["Authorization"] = f"Bearer {self.api_key}"
-                timeout = httpx.Timeout(self.timeout,
-                                        connect=min(CONNECT_TIMEOUT_S, self.timeout))  # fmt: skip
-                limits = httpx.Limits(max_connections=self.connections + 4,
-                                      max_keepalive_connections=self.connections)  # fmt: skip
+                timeout = httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT_S, self.timeout))
+                limits = httpx.Limits(
+                    max_connections=self.connections + 4, max_keepalive_connections=self.connections
+                )
                 self._client = httpx.Client(timeout=timeout, headers=headers, limits=limits)
             return self._client
 
@@ -273,8 +276,12 @@ class RemoteEngine:
         return httpx.Client(timeout=min(timeout, self.timeout), headers=headers)
 
     def request_body(self, params: SolveParams, messages: list[dict[str, str]]) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": True,
-                                "stream_options": {"include_usage": True}}  # fmt: skip
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         from phi4cli.core.options import SETTING
 
         # Each setting the request asks with names on the OpenAI wire, unless it is off (a
@@ -288,8 +295,9 @@ class RemoteEngine:
             body.update(logprobs=True, top_logprobs=TOP_K)  # each token's likeliest, for it
         return body
 
-    def stream(self, params: SolveParams, attempt: Attempt,
-               member: ChunkSource | None = None) -> Iterator[Event]:  # fmt: skip
+    def stream(
+        self, params: SolveParams, attempt: Attempt, member: ChunkSource | None = None
+    ) -> Iterator[Event]:
         """Yield the events of one solve or chat request: ``reasoning``, ``token``, ``retract``,
         ``stats``, then ``done`` or ``error``. Closing the iterator, or cancelling ``attempt``
         (the flight's hold on it), closes the HTTP response, which stops the server's generation.
@@ -334,17 +342,20 @@ class RemoteEngine:
             if failure.fault is not None:
                 # A broken replica is marked down (probed before it is sent more) and not sent
                 # this request again: another one answers it, if there is another.
-                raise ReplicaFault(failure.code, failure.message,
-                                   down=failure.fault in ("down", "silent", "broken"),
-                                   elsewhere=failure.fault in ("busy", "silent", "broken"),
-                                   stats=Event.of_stats(state.stats(self, reader, params))
-                                   ) from None  # fmt: skip
+                raise ReplicaFault(
+                    failure.code,
+                    failure.message,
+                    down=failure.fault in ("down", "silent", "broken"),
+                    elsewhere=failure.fault in ("busy", "silent", "broken"),
+                    stats=Event.of_stats(state.stats(self, reader, params)),
+                ) from None
             yield Event.of_stats(state.stats(self, reader, params))
             yield Event.error(failure.code, failure.message)
             return
         except DaemonUnavailableError as error:
-            raise ReplicaFault(ErrorCode.UNREACHABLE, str(error), down=True,
-                               elsewhere=False) from None  # fmt: skip
+            raise ReplicaFault(
+                ErrorCode.UNREACHABLE, str(error), down=True, elsewhere=False
+            ) from None
         yield Event.of_stats(state.stats(self, reader, params))
         yield Event(EventKind.DONE, data={"finish_reason": state.finish})
 
@@ -413,16 +424,18 @@ class RemoteEngine:
         if self.continues:
             body = self._continuation(params, messages, closed, state)
             try:
-                answered = yield from self._answer_from(client, body, reader, state,
-                                                        continued=True)  # fmt: skip
+                answered = yield from self._answer_from(client, body, reader, state, continued=True)
             except StreamFailure as failure:
                 if failure.code != ErrorCode.BAD_REQUEST:
                     raise
                 self.continues = False  # (nothing of the refused request was passed on)
         if answered or state.cut or not self._tokens_left(params, state):
             return
-        fresh = [*messages, {"role": "assistant", "content": closed.rstrip()},
-                 {"role": "user", "content": FINAL_ANSWER_ASK}]  # fmt: skip
+        fresh = [
+            *messages,
+            {"role": "assistant", "content": closed.rstrip()},
+            {"role": "user", "content": FINAL_ANSWER_ASK},
+        ]
         yield from self._answer_from(client, self._rest(params, fresh, state), reader, state)
 
     def _answer_from(
@@ -498,8 +511,7 @@ class RemoteEngine:
                 for choice in choices_of(chunk, self.url):
                     if state.trace is not None:
                         _take_logprobs(choice, state.trace)
-                        if state.attempt is not None \
-                                and state.trace.below(state.attempt.floor):  # fmt: skip
+                        if state.attempt is not None and state.trace.below(state.attempt.floor):
                             # DeepConf online: too unsure to vote; leaving hangs up.
                             state.finish, state.cut = "unsure", True
                             return
@@ -557,10 +569,19 @@ def _take_logprobs(choice: dict[str, Any], trace: TraceConfidence) -> None:
     entries = logprobs.get("content") if isinstance(logprobs, dict) else None
     for entry in entries if isinstance(entries, list) else ():
         tops = entry.get("top_logprobs") if isinstance(entry, dict) else None
-        values: list[Any] = [top.get("logprob") for top in tops if isinstance(top, dict)] \
-            if isinstance(tops, list) else []  # fmt: skip
-        numbers = [float(v) for v in values if isinstance(v, (int, float))
-                   and not isinstance(v, bool) and math.isfinite(v) and v <= 0]  # fmt: skip
+        values: list[Any] = (
+            [top.get("logprob") for top in tops if isinstance(top, dict)]
+            if isinstance(tops, list)
+            else []
+        )
+        numbers = [
+            float(v)
+            for v in values
+            if isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            and v <= 0
+        ]
         confidence = from_logprobs(numbers)
         if confidence is not None:
             trace.add(confidence)
@@ -628,8 +649,13 @@ class StreamState:
         completion = count_of(usage.get("completion_tokens")) or self.completion_pieces
         reasoning = count_of(details.get("reasoning_tokens")) or reader.reasoning_pieces
         policy = self.policy
-        if policy.budget_reached or self.cut or policy.loop is not None or policy.waits \
-                or policy.answered_early:  # fmt: skip
+        if (
+            policy.budget_reached
+            or self.cut
+            or policy.loop is not None
+            or policy.waits
+            or policy.answered_early
+        ):
             # Cut off before its usage came (two requests, or the limit here): count the stream.
             completion, reasoning = self.completion_pieces, reader.reasoning_pieces
         first = self.first_token_s
@@ -640,8 +666,11 @@ class StreamState:
         if decode_s is None:
             decode_s = total - (first or total)
         prompt_details = usage.get("prompt_tokens_details")
-        cached = count_of(prompt_details.get("cached_tokens")) if isinstance(
-            prompt_details, dict) else None  # fmt: skip
+        cached = (
+            count_of(prompt_details.get("cached_tokens"))
+            if isinstance(prompt_details, dict)
+            else None
+        )
         if cached is None:
             cached = count_of(timings.get("cache_n")) or 0
         prompt = count_of(usage.get("prompt_tokens")) or 0
@@ -671,15 +700,22 @@ class StreamState:
             seed=params.ask.seed,
             model=f"{engine.model} at {engine.url}",
             **self._confidence(),
-            extra={"usage_reported": bool(usage),
-                   **({"confidence_unavailable": f"the backend {engine.url} sent no logprobs"}
-                      if self.trace is not None and not self.trace.tokens else {})},
-        )  # fmt: skip
+            extra={
+                "usage_reported": bool(usage),
+                **(
+                    {"confidence_unavailable": f"the backend {engine.url} sent no logprobs"}
+                    if self.trace is not None and not self.trace.tokens
+                    else {}
+                ),
+            },
+        )
 
     def _confidence(self) -> dict[str, Any]:
         """The Stats fields of the answer's confidence, where its server sent logprobs."""
         if self.trace is None or not self.trace.tokens:
             return {}
         stats = self.trace.stats()
-        return {"confidence": stats["confidence"],
-                "lowest_group_confidence": stats["lowest_group_confidence"]}  # fmt: skip
+        return {
+            "confidence": stats["confidence"],
+            "lowest_group_confidence": stats["lowest_group_confidence"],
+        }

@@ -114,8 +114,12 @@ class SharedRequest:
         choice holds CHOICE_QUEUE_CHARS unread; an end or a wake-up is handed at once."""
         with self._lock:
             waited = False
-            while watch is not None and self.queued[index] >= CHOICE_QUEUE_CHARS \
-                    and not self.left[index] and not self.attempt.cancelled:  # fmt: skip
+            while (
+                watch is not None
+                and self.queued[index] >= CHOICE_QUEUE_CHARS
+                and not self.left[index]
+                and not self.attempt.cancelled
+            ):
                 waited = True
                 self._room.wait(ROOM_POLL_S)
                 if time.monotonic() - watch.started > watch.deadline:
@@ -158,15 +162,21 @@ class SharedRequest:
                     if isinstance(usage, dict):
                         # The prompt's numbers are each sample's; the completions' are summed
                         # over the choices, so each sample counts its own.
-                        prompt = {k: usage[k] for k in ("prompt_tokens", "prompt_tokens_details")
-                                  if k in usage}  # fmt: skip
+                        prompt = {
+                            k: usage[k]
+                            for k in ("prompt_tokens", "prompt_tokens_details")
+                            if k in usage
+                        }
                         for index in range(self.count):
                             self._post(index, {"usage": prompt}, weight, watch)
                         release(watch)
                     for choice in choices_of(chunk, engine.url):
                         index = choice.get("index", 0)
-                        if not (isinstance(index, int) and not isinstance(index, bool)
-                                and 0 <= index < self.count):  # fmt: skip
+                        if not (
+                            isinstance(index, int)
+                            and not isinstance(index, bool)
+                            and 0 <= index < self.count
+                        ):
                             continue
                         self.heard[index] = True
                         if index in finished:

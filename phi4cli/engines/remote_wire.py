@@ -66,9 +66,14 @@ MAX_RETRY_WAIT_S = 60.0  # a longer Retry-After is not waited for
 MAX_STREAM_BYTES = 64 * 1024 * 1024  # one response stream in all
 RETRY_BACKOFF_S = 0.5  # the first wait when the server gives no Retry-After; doubled each time
 MAX_COUNT = 10**9  # a token count above this, as a NaN or a negative one, is not believed
-CODE_FOR_STATUS = {400: ErrorCode.BAD_REQUEST, 404: ErrorCode.BAD_REQUEST,
-                    413: ErrorCode.BAD_REQUEST, 429: ErrorCode.BUSY,
-                    503: ErrorCode.SHUTTING_DOWN, 504: ErrorCode.TIMEOUT}  # fmt: skip
+CODE_FOR_STATUS = {
+    400: ErrorCode.BAD_REQUEST,
+    404: ErrorCode.BAD_REQUEST,
+    413: ErrorCode.BAD_REQUEST,
+    429: ErrorCode.BUSY,
+    503: ErrorCode.SHUTTING_DOWN,
+    504: ErrorCode.TIMEOUT,
+}
 
 
 class StreamFailure(Exception):
@@ -92,9 +97,9 @@ def transport_failure(error: httpx.TransportError, watch: Watch) -> Exception:
     if isinstance(error, httpx.TimeoutException):
         return watch.silent() if watch.answered else watch.unanswered()
     if isinstance(error, httpx.SSEError):
-        return StreamFailure(ErrorCode.BACKEND_ERROR,
-                             f"the backend's reply is not a stream: {error}",
-                             fault="broken")  # fmt: skip
+        return StreamFailure(
+            ErrorCode.BACKEND_ERROR, f"the backend's reply is not a stream: {error}", fault="broken"
+        )
     return StreamFailure(
         ErrorCode.BACKEND_ERROR,
         f"the connection to the backend broke: {reason(error)}",
@@ -124,8 +129,9 @@ class Watch:
         self.alarm: Exception | None = None  # why the guard hung up, when it did
         self.state = state
         self._done = threading.Event()
-        self._guard = threading.Thread(target=self._hang_up_when_due, daemon=True,
-                                       name="phi4-backend-guard")  # fmt: skip
+        self._guard = threading.Thread(
+            target=self._hang_up_when_due, daemon=True, name="phi4-backend-guard"
+        )
 
     def __enter__(self) -> Watch:
         self._guard.start()
@@ -286,15 +292,14 @@ def parse_chunk(data: str, url: str) -> dict[str, Any]:
         malformed = f"the backend sent a malformed event: {shown!r}"
         raise StreamFailure(ErrorCode.BACKEND_ERROR, malformed, "broken") from None
     if not isinstance(chunk, dict):
-        raise StreamFailure(ErrorCode.BACKEND_ERROR,
-                            "the backend sent an event that is not an object",
-                            "broken")  # fmt: skip
+        raise StreamFailure(
+            ErrorCode.BACKEND_ERROR, "the backend sent an event that is not an object", "broken"
+        )
     error = chunk.get("error")
     if error:
         message = error.get("message") if isinstance(error, dict) else error
         status = error.get("code") if isinstance(error, dict) else None
-        code = CODE_FOR_STATUS.get(status if type(status) is int else 0,
-                                    ErrorCode.BACKEND_ERROR)  # fmt: skip
+        code = CODE_FOR_STATUS.get(status if type(status) is int else 0, ErrorCode.BACKEND_ERROR)
         shown = excerpt(message if isinstance(message, str) else json.dumps(message)[:1000])
         raise StreamFailure(code, f"the backend reported an error mid-answer: {shown}")
     return chunk
@@ -344,8 +349,15 @@ def http_failure(response: httpx.Response, text: str, whole: bool) -> StreamFail
     # for an upstream that died, say): that server failed, not the request. A 500 (or another
     # 5xx): the server is up but broken; another replica may answer, and when none does, it is
     # the request's error.
-    fault = ("busy" if status in (429, 503) else "down" if status in (502, 504)
-             else "broken" if status >= 500 else None)  # fmt: skip
+    fault = (
+        "busy"
+        if status in (429, 503)
+        else "down"
+        if status in (502, 504)
+        else "broken"
+        if status >= 500
+        else None
+    )
     return StreamFailure(code, f"the backend answered {status}: {shown}", fault)
 
 
@@ -377,17 +389,20 @@ def opened(
     attempt = next(attempts)
     while True:
         watch.ask()
-        with client.stream("POST", engine.endpoint, json=body,
-                           extensions={"trace": watch.trace}) as response:  # fmt: skip
+        with client.stream(
+            "POST", engine.endpoint, json=body, extensions={"trace": watch.trace}
+        ) as response:
             watch.answered = True
             watch.last_event = time.monotonic()
             encoding = response.headers.get("content-encoding", "identity").strip().lower()
             if encoding not in ("", "identity"):
                 # Not asked for, and a few KiB of it can inflate to gigabytes in one read.
                 shown = excerpt(encoding, 40)
-                raise StreamFailure(ErrorCode.BACKEND_ERROR,
-                               f"the backend {engine.url} sent a compressed answer ({shown}), "
-                               "which phi4 did not ask for")  # fmt: skip
+                raise StreamFailure(
+                    ErrorCode.BACKEND_ERROR,
+                    f"the backend {engine.url} sent a compressed answer ({shown}), "
+                    "which phi4 did not ask for",
+                )
             if response.status_code < 400:
                 stream = response.extensions.get("network_stream")
                 if stream is not None:
@@ -399,32 +414,43 @@ def opened(
             text, whole = read_bounded(response, watch)
             wait = retry_wait(response, attempt)
         failure = http_failure(response, text, whole)
-        if body.get("logprobs") and response.status_code in (400, 422) \
-                and "logprob" in failure.message.lower():  # fmt: skip
+        if (
+            body.get("logprobs")
+            and response.status_code in (400, 422)
+            and "logprob" in failure.message.lower()
+        ):
             # A server that gives no logprobs (or not 20): asked again without, and never
             # again for them; the answers then have no confidence.
             told, engine.gives_logprobs = not engine.gives_logprobs, False
             body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
             if engine.notice is not None and not told:
-                engine.notice(f"the backend {engine.url} gives no logprobs ({failure.message}); "
-                            "answers have no confidence")  # fmt: skip
+                engine.notice(
+                    f"the backend {engine.url} gives no logprobs ({failure.message}); "
+                    "answers have no confidence"
+                )
             continue  # (the same attempt number: a busy server's retries are not spent)
-        if wait is not None and watch.state.attempt is not None \
-                and watch.state.attempt.on_busy is not None:  # fmt: skip
+        if (
+            wait is not None
+            and watch.state.attempt is not None
+            and watch.state.attempt.on_busy is not None
+        ):
             watch.state.attempt.on_busy(wait)  # the flight sends less to this server now
         left = engine.deadline - (time.monotonic() - watch.started)
         if wait is None or attempt == MAX_RETRIES or wait > min(MAX_RETRY_WAIT_S, left):
             raise failure
         if engine.notice is not None and not engine.retry_told:
             engine.retry_told = True  # once per command, however many waits follow
-            engine.notice(f"the backend {engine.url} is busy ({response.status_code}); "
-                        f"asking again in {wait:g} s (up to {MAX_RETRIES} times)")  # fmt: skip
+            engine.notice(
+                f"the backend {engine.url} is busy ({response.status_code}); "
+                f"asking again in {wait:g} s (up to {MAX_RETRIES} times)"
+            )
         time.sleep(wait)
         attempt = next(attempts)
 
 
-def response_chunks(engine: Engine, client: httpx.Client, body: dict[str, Any],
-            watch: Watch) -> Iterator[dict[str, Any] | None]:  # fmt: skip
+def response_chunks(
+    engine: Engine, client: httpx.Client, body: dict[str, Any], watch: Watch
+) -> Iterator[dict[str, Any] | None]:
     """The chunks of the response to ``body``, parsed, then None for its ``[DONE]``; a
     failure of the server or of the connection is raised as StreamFailure (or
     DaemonUnavailableError: it was never reached)."""
@@ -455,6 +481,8 @@ def response_chunks(engine: Engine, client: httpx.Client, body: dict[str, Any],
     if not done and not watch.finished:
         if watch.alarm is not None:
             raise watch.alarm
-        raise StreamFailure(ErrorCode.BACKEND_ERROR,
-                       "the backend closed the stream before the answer was complete",
-                       fault="down")  # fmt: skip
+        raise StreamFailure(
+            ErrorCode.BACKEND_ERROR,
+            "the backend closed the stream before the answer was complete",
+            fault="down",
+        )

@@ -30,16 +30,30 @@ MAX_LISTED_MODELS = 16  # of a /v1/models list, the ids `phi4 status --backend` 
 # llama-server publishes its metrics with --metrics, SGLang with --enable-metrics; vLLM and
 # phi4 serve always; Ollama and LiteLLM publish none of these.
 LOAD_METRICS: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
-    "in_flight": (("phi4_requests_active", {}), ("llamacpp:requests_processing", {}),
-                  ("vllm:num_requests_running", {}), ("sglang:num_running_reqs", {})),
-    "waiting": (("phi4_queue_depth", {}), ("llamacpp:requests_deferred", {}),
-                ("vllm:num_requests_waiting", {}), ("sglang:num_queue_reqs", {})),
-    "answered": (("phi4_requests_total", {}), ("vllm:request_success_total", {}),
-                 ("sglang:num_requests_total", {})),
-    "tokens": (("phi4_tokens_total", {"kind": "completion"}),
-               ("llamacpp:tokens_predicted_total", {}), ("vllm:generation_tokens_total", {}),
-               ("sglang:generation_tokens_total", {})),
-}  # fmt: skip
+    "in_flight": (
+        ("phi4_requests_active", {}),
+        ("llamacpp:requests_processing", {}),
+        ("vllm:num_requests_running", {}),
+        ("sglang:num_running_reqs", {}),
+    ),
+    "waiting": (
+        ("phi4_queue_depth", {}),
+        ("llamacpp:requests_deferred", {}),
+        ("vllm:num_requests_waiting", {}),
+        ("sglang:num_queue_reqs", {}),
+    ),
+    "answered": (
+        ("phi4_requests_total", {}),
+        ("vllm:request_success_total", {}),
+        ("sglang:num_requests_total", {}),
+    ),
+    "tokens": (
+        ("phi4_tokens_total", {"kind": "completion"}),
+        ("llamacpp:tokens_predicted_total", {}),
+        ("vllm:generation_tokens_total", {}),
+        ("sglang:generation_tokens_total", {}),
+    ),
+}
 LOAD_WINDOW_S = 1.0  # tokens/s: the server's count of generated tokens over this long
 
 
@@ -93,11 +107,17 @@ class RemoteReplica(Replica):
     def flush(self) -> None:
         grouped, self._grouped = self._grouped, {}
         # At most MAX_SHARED choices a request (phi4 serve's and OpenAI's limit of n is 16).
-        parts = [members[at : at + MAX_SHARED] for members in grouped.values()
-                 for at in range(0, len(members), MAX_SHARED)]  # fmt: skip
+        parts = [
+            members[at : at + MAX_SHARED]
+            for members in grouped.values()
+            for at in range(0, len(members), MAX_SHARED)
+        ]
         for members in parts:
-            shared = shared_params([params for _serial, params, _attempt in members]) \
-                if len(members) > 1 else None  # fmt: skip
+            shared = (
+                shared_params([params for _serial, params, _attempt in members])
+                if len(members) > 1
+                else None
+            )
             if shared is None:
                 for serial, params, attempt in members:
                     self._start(serial, params, attempt, None)
@@ -107,13 +127,19 @@ class RemoteReplica(Replica):
                 self._start(serial, params, attempt, request.member(index))
             request.start()
 
-    def _start(self, serial: int, params: SolveParams, attempt: Attempt,
-               member: SharedMember | None) -> None:  # fmt: skip
-        threading.Thread(target=self._read, args=(serial, params, attempt, member), daemon=True,
-                         name="phi4-remote").start()  # fmt: skip
+    def _start(
+        self, serial: int, params: SolveParams, attempt: Attempt, member: SharedMember | None
+    ) -> None:
+        threading.Thread(
+            target=self._read,
+            args=(serial, params, attempt, member),
+            daemon=True,
+            name="phi4-remote",
+        ).start()
 
-    def _read(self, serial: int, params: SolveParams, attempt: Attempt,
-              member: SharedMember | None) -> None:  # fmt: skip
+    def _read(
+        self, serial: int, params: SolveParams, attempt: Attempt, member: SharedMember | None
+    ) -> None:
         try:
             for event in self.engine.stream(params, attempt, member):
                 if attempt.cancelled:
@@ -122,9 +148,19 @@ class RemoteReplica(Replica):
         except ReplicaFault as fault:
             if attempt.cancelled:
                 return  # the hang-up was ours: it says nothing of the server
-            self.inbox.put((self, serial, Failure(fault.code, fault.message, down=fault.down,
-                                                  elsewhere=fault.elsewhere,
-                                                  stats=fault.stats)))  # fmt: skip
+            self.inbox.put(
+                (
+                    self,
+                    serial,
+                    Failure(
+                        fault.code,
+                        fault.message,
+                        down=fault.down,
+                        elsewhere=fault.elsewhere,
+                        stats=fault.stats,
+                    ),
+                )
+            )
         except Exception as error:  # a bug here must not leave the request without an end
             self.inbox.put(
                 (
@@ -180,8 +216,9 @@ class RemoteReplica(Replica):
                 if reason is None:
                     self.inbox.put((self, None, Probe(True)))
                     return
-            gone = Failure(ErrorCode.UNREACHABLE,
-                           f"the backend {self.engine.url} went away: {reason}")  # fmt: skip
+            gone = Failure(
+                ErrorCode.UNREACHABLE, f"the backend {self.engine.url} went away: {reason}"
+            )
             self.inbox.put((self, None, Probe(False, failure or gone)))
 
         threading.Thread(target=probe, daemon=True, name="phi4-probe").start()
@@ -200,9 +237,12 @@ def probe_all(engines: list[RemoteEngine]) -> list[JSON]:
     def probe(i: int) -> None:
         started = time.monotonic()
         reason = probe_server(engines[i])
-        results[i] = {"replica": engines[i].url, "state": "up" if reason is None else "down",
-                      "reason": reason,
-                      "probe_s": round(time.monotonic() - started, 3)}  # fmt: skip
+        results[i] = {
+            "replica": engines[i].url,
+            "state": "up" if reason is None else "down",
+            "reason": reason,
+            "probe_s": round(time.monotonic() - started, 3),
+        }
         if reason is not None:
             return
         results[i]["models"] = served_models(engines[i])
@@ -272,8 +312,11 @@ def served_models(engine: RemoteEngine, timeout: float = 5.0) -> list[str] | Non
         return None
     from phi4cli.text.sanitize import clean_text
 
-    ids = [clean_text(entry["id"]) for entry in entries
-           if isinstance(entry, dict) and isinstance(entry.get("id"), str)]  # fmt: skip
+    ids = [
+        clean_text(entry["id"])
+        for entry in entries
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str)
+    ]
     return ids[:MAX_LISTED_MODELS] or None
 
 
@@ -289,14 +332,16 @@ def load_of(engine: RemoteEngine, timeout: float = 5.0) -> dict[str, float]:
     text = body.decode("utf-8", "replace")
     found: dict[str, float] = {}
     try:
-        samples = [s for family in text_string_to_metric_families(text)
-                   for s in family.samples]  # fmt: skip
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
     except (ValueError, TypeError, IndexError):
         return {}  # not Prometheus text after all
     for key, names in LOAD_METRICS.items():
         for name, labels in names:
-            values = [s.value for s in samples if s.name == name
-                      and all(s.labels.get(k) == v for k, v in labels.items())]  # fmt: skip
+            values = [
+                s.value
+                for s in samples
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+            ]
             if values and all(math.isfinite(v) and v >= 0 for v in values):
                 found[key] = sum(values)
                 break

@@ -154,15 +154,17 @@ class PeerGate:
     address's) slow connections cannot fill the server while its owner waits. ``owner_only``:
     the server answers only its owner (no --api-key, no --any-local-user)."""
 
-    def __init__(self, owner_only: bool, peer_uid: PeerUid = peer_uid_from_proc,
-                 owner_uid: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, owner_only: bool, peer_uid: PeerUid = peer_uid_from_proc, owner_uid: int | None = None
+    ) -> None:
         self.owner_only, self.peer_uid = owner_only, peer_uid
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
         self.open: dict[tuple[str, object], int] = {}
         self.refused = 0
 
-    def admit(self, client: tuple[str, int] | None,
-              server: tuple[str, int | None] | None) -> tuple[str, object] | None:  # fmt: skip
+    def admit(
+        self, client: tuple[str, int] | None, server: tuple[str, int | None] | None
+    ) -> tuple[str, object] | None:
         """The peer a new connection counts against, or None to close it now."""
         peer = self._peer(client, server)
         if peer == ("uid", self.owner_uid):
@@ -185,8 +187,9 @@ class PeerGate:
         else:
             self.open.pop(peer, None)
 
-    def _peer(self, client: tuple[str, int] | None,
-              server: tuple[str, int | None] | None) -> tuple[str, object]:  # fmt: skip
+    def _peer(
+        self, client: tuple[str, int] | None, server: tuple[str, int | None] | None
+    ) -> tuple[str, object]:
         if client is None or server is None or server[1] is None:
             return ("address", None)
         address = _ip(client[0])
@@ -305,10 +308,13 @@ class AccessPolicy:
 def _refusal(status: int, message: str, kind: str) -> tuple[dict[str, Any], bytes]:
     body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
     start = {
-        "type": "http.response.start", "status": status,
-        "headers": [(b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode())],
-    }  # fmt: skip
+        "type": "http.response.start",
+        "status": status,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+    }
     return start, body
 
 
@@ -337,10 +343,18 @@ class AccessGuard:
             return
         cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
         if scope["method"] == "OPTIONS":  # a preflight from an allowed origin
-            await send({"type": "http.response.start", "status": 204, "headers": [*cors,
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 204,
+                    "headers": [
+                        *cors,
                         (b"access-control-allow-methods", b"GET, POST"),
                         (b"access-control-allow-headers", b"authorization, content-type"),
-                        (b"access-control-max-age", b"600")]})  # fmt: skip
+                        (b"access-control-max-age", b"600"),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": b""})
             return
 

@@ -109,18 +109,25 @@ class DaemonCollector:
         except Phi4Error:
             status = {}
         metrics = status.get("metrics") or {}
-        yield GaugeMetricFamily("phi4_up", "Whether the daemon answers (1) or not (0).",
-                                value=1 if status else 0)  # fmt: skip
-        yield CounterMetricFamily("phi4_requests", "Requests the daemon finished.",
-                                  value=metrics.get("requests", 0))  # fmt: skip
-        yield GaugeMetricFamily("phi4_queue_depth", "Requests waiting for a slot.",
-                                value=status.get("queued", 0))  # fmt: skip
-        yield GaugeMetricFamily("phi4_requests_active", "Requests being answered.",
-                                value=status.get("requests_active", 0))  # fmt: skip
+        yield GaugeMetricFamily(
+            "phi4_up", "Whether the daemon answers (1) or not (0).", value=1 if status else 0
+        )
+        yield CounterMetricFamily(
+            "phi4_requests", "Requests the daemon finished.", value=metrics.get("requests", 0)
+        )
+        yield GaugeMetricFamily(
+            "phi4_queue_depth", "Requests waiting for a slot.", value=status.get("queued", 0)
+        )
+        yield GaugeMetricFamily(
+            "phi4_requests_active",
+            "Requests being answered.",
+            value=status.get("requests_active", 0),
+        )
         tokens = CounterMetricFamily(
-            "phi4_tokens", "Tokens by kind: prompt, cached (of the prompt), completion.",
+            "phi4_tokens",
+            "Tokens by kind: prompt, cached (of the prompt), completion.",
             labels=["kind"],
-        )  # fmt: skip
+        )
         for kind in ("prompt", "cached", "completion"):
             tokens.add_metric([kind], metrics.get(f"{kind}_tokens", 0))
         yield tokens
@@ -129,24 +136,37 @@ class DaemonCollector:
         ]
         buckets.append(("+Inf", metrics.get("requests", 0)))
         yield HistogramMetricFamily(
-            "phi4_request_duration_seconds", "Time from a request's start to its end.",
-            buckets=buckets, sum_value=metrics.get("latency_sum_s", 0.0),
-        )  # fmt: skip
+            "phi4_request_duration_seconds",
+            "Time from a request's start to its end.",
+            buckets=buckets,
+            sum_value=metrics.get("latency_sum_s", 0.0),
+        )
         kept = (status.get("memory") or {}).get("prompt_cache") or {}
-        yield GaugeMetricFamily("phi4_prompt_cache_bytes", "Bytes of prompts kept in RAM.",
-                                value=kept.get("bytes", 0))  # fmt: skip
-        yield GaugeMetricFamily("phi4_prompt_cache_prompts", "Prompts kept in RAM.",
-                                value=kept.get("prompts", 0))  # fmt: skip
-        yield CounterMetricFamily("phi4_prompt_cache_hits",
-                                  "Prompts put back from RAM rather than read again.",
-                                  value=kept.get("hits", 0))  # fmt: skip
+        yield GaugeMetricFamily(
+            "phi4_prompt_cache_bytes", "Bytes of prompts kept in RAM.", value=kept.get("bytes", 0)
+        )
+        yield GaugeMetricFamily(
+            "phi4_prompt_cache_prompts", "Prompts kept in RAM.", value=kept.get("prompts", 0)
+        )
+        yield CounterMetricFamily(
+            "phi4_prompt_cache_hits",
+            "Prompts put back from RAM rather than read again.",
+            value=kept.get("hits", 0),
+        )
         speculation = (status.get("memory") or {}).get("speculation") or {}
-        yield CounterMetricFamily("phi4_draft_tokens", "Drafted tokens verified (speculation).",
-                                  value=speculation.get("draft_tokens", 0))  # fmt: skip
-        yield CounterMetricFamily("phi4_draft_accepted", "Drafted tokens kept (speculation).",
-                                  value=speculation.get("draft_accepted", 0))  # fmt: skip
-        errors = CounterMetricFamily("phi4_errors", "Requests that ended in an error, by code.",
-                                     labels=["code"])  # fmt: skip
+        yield CounterMetricFamily(
+            "phi4_draft_tokens",
+            "Drafted tokens verified (speculation).",
+            value=speculation.get("draft_tokens", 0),
+        )
+        yield CounterMetricFamily(
+            "phi4_draft_accepted",
+            "Drafted tokens kept (speculation).",
+            value=speculation.get("draft_accepted", 0),
+        )
+        errors = CounterMetricFamily(
+            "phi4_errors", "Requests that ended in an error, by code.", labels=["code"]
+        )
         for code, count in (metrics.get("errors") or {}).items():
             errors.add_metric([code], count)
         yield errors
@@ -175,11 +195,17 @@ def create_app(
     checker = None if settings.check == "off" else Checker()
     registry = CollectorRegistry()
     registry.register(DaemonCollector(backend))
-    http_requests = Counter("phi4_http_requests", "HTTP requests served, by path and status.",
-                            ["path", "status"], registry=registry)  # fmt: skip
-    chat_choices = Counter("phi4_http_chat_choices",
-                           "Choices chat completion requests asked for (n each), each a daemon "
-                           "request.", registry=registry)  # fmt: skip
+    http_requests = Counter(
+        "phi4_http_requests",
+        "HTTP requests served, by path and status.",
+        ["path", "status"],
+        registry=registry,
+    )
+    chat_choices = Counter(
+        "phi4_http_chat_choices",
+        "Choices chat completion requests asked for (n each), each a daemon request.",
+        registry=registry,
+    )
 
     def authorized(request: Request) -> bool:
         if api_key is None:
@@ -187,8 +213,9 @@ def create_app(
         offered = request.headers.get("authorization", "")
         return hmac.compare_digest(offered.encode(), f"Bearer {api_key}".encode())
 
-    def route(handler: Callable[[Request], Any], path: str | None = None
-              ) -> Callable[[Request], Any]:  # fmt: skip
+    def route(
+        handler: Callable[[Request], Any], path: str | None = None
+    ) -> Callable[[Request], Any]:
         """``handler`` behind the API key, its errors in the API's shape, counted by ``path``
         (the request's own unless given: a path that holds a client's words is counted under
         its template, so that no client can grow the metrics without bound)."""
@@ -228,8 +255,12 @@ def create_app(
         # one, but this asks for one by its name.
         model_id = request.path_params["model_id"]
         if not model_id:
-            raise ApiError(404, "no model named: ask for /v1/models/NAME, or /v1/models for the "
-                           "list", code="model_not_found", param="model")  # fmt: skip
+            raise ApiError(
+                404,
+                "no model named: ask for /v1/models/NAME, or /v1/models for the list",
+                code="model_not_found",
+                param="model",
+            )
         check_model({"model": model_id}, model_name, served)
         return JSONResponse(entry)
 
@@ -283,10 +314,12 @@ def create_app(
         chat_choices.inc(len(chat_request.params))
         # The daemon counts a request's choices, each a daemon request of its own, against the
         # share of the HTTP connection that asked: one client, as a command's connection is.
-        share = "http " + (f"{request.client.host}:{request.client.port}"
-                           if request.client is not None else "?")  # fmt: skip
-        streams = [backend.stream(Op.CHAT, params._replace(share=share))
-                   for params in chat_request.params]  # fmt: skip
+        share = "http " + (
+            f"{request.client.host}:{request.client.port}" if request.client is not None else "?"
+        )
+        streams = [
+            backend.stream(Op.CHAT, params._replace(share=share)) for params in chat_request.params
+        ]
         # Up to the daemon's acceptance of each: a refusal (bad request, busy) is an HTTP status.
         firsts = await asyncio.gather(*(_first_events(s) for s in streams), return_exceptions=True)
         refused: BaseException | Event | None = next(
@@ -323,14 +356,19 @@ def create_app(
                         close_when_read(read, stream)
                 raise ApiError.of(refused_late)
         asked = chat_request.params[0].logprobs is not None
-        choices = [Choice(i, stream, chat_request.stops, asked, chat_request.stream)
-                   for i, stream in enumerate(streams)]  # fmt: skip
-        completion = Completion(model_name, choices, chat_request.include_usage, checker,
-                                chat_request.params[0].prompt)  # fmt: skip
+        choices = [
+            Choice(i, stream, chat_request.stops, asked, chat_request.stream)
+            for i, stream in enumerate(streams)
+        ]
+        completion = Completion(
+            model_name, choices, chat_request.include_usage, checker, chat_request.params[0].prompt
+        )
         if chat_request.stream:
-            return StreamingResponse(completion.sse(first, pending),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+            return StreamingResponse(
+                completion.sse(first, pending),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         failed = await _unless_disconnected(request, streams, completion.fold(first))
         if failed is not None:
             assert failed.outcome.error is not None
@@ -341,17 +379,22 @@ def create_app(
     async def http_error(request: Request, exc: Exception) -> Response:
         # Starlette's own 404 and 405, in the API's JSON shape.
         assert isinstance(exc, HTTPException)
-        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")\
-            .response()  # fmt: skip
+        return ApiError(
+            exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"
+        ).response()
 
-    app = Starlette(routes=[
-        Route("/health", route(health), methods=["GET"]),
-        Route("/metrics", route(metrics), methods=["GET"]),
-        Route("/v1/models", route(models), methods=["GET"]),
-        Route("/v1/models/{model_id:path}", route(one_model, "/v1/models/{id}"),
-              methods=["GET"]),
-        Route("/v1/chat/completions", route(chat), methods=["POST"]),
-    ], exception_handlers={HTTPException: http_error})  # fmt: skip
+    app = Starlette(
+        routes=[
+            Route("/health", route(health), methods=["GET"]),
+            Route("/metrics", route(metrics), methods=["GET"]),
+            Route("/v1/models", route(models), methods=["GET"]),
+            Route(
+                "/v1/models/{model_id:path}", route(one_model, "/v1/models/{id}"), methods=["GET"]
+            ),
+            Route("/v1/chat/completions", route(chat), methods=["POST"]),
+        ],
+        exception_handlers={HTTPException: http_error},
+    )
     return AccessGuard(app, access)
 
 
@@ -373,20 +416,24 @@ async def _unless_disconnected(request: Request, streams: list[RequestStream], w
     return result
 
 
-async def _past_admission(streams: list[RequestStream], first: list[list[Event]]
-                          ) -> dict[int, asyncio.Future[list[Event]]]:  # fmt: skip
+async def _past_admission(
+    streams: list[RequestStream], first: list[list[Event]]
+) -> dict[int, asyncio.Future[list[Event]]]:
     """Read on past each accepted request's acceptance, up to its first text or its end, for
     up to ADMIT_WAIT_S: the daemon refuses a prompt too long for the context when it admits
     the request, moments after accepting it when it is idle. What came is added to ``first``;
     the reads still in flight are returned, by choice, for the stream to take over. No text
     is held back by this: it goes out as soon as it comes either way."""
-    reads = {index: asyncio.ensure_future(_first_events(stream))
-             for index, stream in enumerate(streams)
-             if not (first[index] and first[index][-1].terminal)}  # fmt: skip
+    reads = {
+        index: asyncio.ensure_future(_first_events(stream))
+        for index, stream in enumerate(streams)
+        if not (first[index] and first[index][-1].terminal)
+    }
     if reads:  # (the choices share one prompt: the first of them to be admitted or refused
         # says it for all, and the text of one is not held back for another's)
-        await asyncio.wait(reads.values(), timeout=ADMIT_WAIT_S,
-                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        await asyncio.wait(
+            reads.values(), timeout=ADMIT_WAIT_S, return_when=asyncio.FIRST_COMPLETED
+        )
     pending: dict[int, asyncio.Future[list[Event]]] = {}
     for index, read in reads.items():
         if not read.done():
@@ -529,13 +576,19 @@ def serve(
         allow_origins,
         owner_only=not api_key and not any_local_user,
     )
-    app = create_app(backend, settings, str(model_path), model_name, created, api_key, access,
-                     aliases)  # fmt: skip
+    app = create_app(
+        backend, settings, str(model_path), model_name, created, api_key, access, aliases
+    )
     shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=5,
-                            http=_header_deadline_protocol(PeerGate(access.owner_uid is not None)),
-                            limit_concurrency=MAX_CONNECTIONS)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=5,
+        http=_header_deadline_protocol(PeerGate(access.owner_uid is not None)),
+        limit_concurrency=MAX_CONNECTIONS,
+    )
     server = uvicorn.Server(config)
     announce(f"serving the OpenAI API on http://{shown}:{bound_port}/v1 (Ctrl-C stops)")
 

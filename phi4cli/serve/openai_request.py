@@ -50,12 +50,19 @@ class ApiError(Exception):
         fault = error.fault
         if fault is not None:
             message, param = api_words(fault)
-        return cls(status, message, "invalid_request_error" if status < 500 else "server_error",
-                   param=param)  # fmt: skip
+        return cls(
+            status,
+            message,
+            "invalid_request_error" if status < 500 else "server_error",
+            param=param,
+        )
 
     def body(self) -> dict[str, Any]:
-        error: dict[str, Any] = {"message": self.message, "type": self.kind,
-                                 "code": self.code or self.status}  # fmt: skip
+        error: dict[str, Any] = {
+            "message": self.message,
+            "type": self.kind,
+            "code": self.code or self.status,
+        }
         if self.param is not None:
             error["param"] = self.param
         return {"error": error}
@@ -102,8 +109,9 @@ def check_model(body: dict[str, Any], model_name: str, served: frozenset[str]) -
             404,
             f"the model {shown!r} is not served here: this server serves {model_name!r} "
             "(ask for that name, or 'default')",
-            code="model_not_found", param="model",
-        )  # fmt: skip
+            code="model_not_found",
+            param="model",
+        )
 
 
 MAX_NAME_SHOWN = 100  # characters of a model name not served that its 404 quotes
@@ -178,8 +186,11 @@ def _message_text(message: Any, index: int) -> str:
     if isinstance(content, list):
         texts: list[str] = []
         for at, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):  # fmt: skip
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
                 raise ApiError(
                     400,
                     f"'messages[{index}].content[{at}]' is not supported: only text parts "
@@ -239,20 +250,27 @@ def read_chat_request(body: dict[str, Any], model: str, settings: Settings) -> C
     stream = bool(body.get("stream"))
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
-        raise ApiError(400, "'stream_options' must be an object, given only with 'stream': true",
-                       param="stream_options")  # fmt: skip
+        raise ApiError(
+            400,
+            "'stream_options' must be an object, given only with 'stream': true",
+            param="stream_options",
+        )
     include_usage = (options or {}).get("include_usage")
     include_usage = False if include_usage is None else include_usage  # (null: not given)
     if not isinstance(include_usage, bool):
-        raise ApiError(400, "'stream_options.include_usage' must be true or false",
-                       param="stream_options.include_usage")  # fmt: skip
+        raise ApiError(
+            400,
+            "'stream_options.include_usage' must be true or false",
+            param="stream_options.include_usage",
+        )
     seed = params.ask.seed
     each = tuple(
-        params._replace(session=uuid.uuid4().hex if i else params.session,
-                        ask=params.ask._replace(seed=None if seed is None
-                                                else sample_seed(seed, i)))
+        params._replace(
+            session=uuid.uuid4().hex if i else params.session,
+            ask=params.ask._replace(seed=None if seed is None else sample_seed(seed, i)),
+        )
         for i in range(choices)
-    )  # fmt: skip
+    )
     return ChatRequest(each, stops, stream, include_usage)
 
 
@@ -262,10 +280,14 @@ def _logprobs(body: dict[str, Any]) -> int | None:
     asked, top = body.get("logprobs"), body.get("top_logprobs")
     if asked is not None and not isinstance(asked, bool):
         raise ApiError(400, "'logprobs' must be true or false", param="logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int)
-                            or not 0 <= top <= MAX_TOP_LOGPROBS):  # fmt: skip
-        raise ApiError(400, "'top_logprobs' must be a whole number from 0 to "
-                       f"{MAX_TOP_LOGPROBS}", param="top_logprobs")  # fmt: skip
+    if top is not None and (
+        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS
+    ):
+        raise ApiError(
+            400,
+            f"'top_logprobs' must be a whole number from 0 to {MAX_TOP_LOGPROBS}",
+            param="top_logprobs",
+        )
     if top and not asked:  # as OpenAI: top_logprobs goes with logprobs true
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return (top or 0) if asked else None
@@ -291,8 +313,9 @@ def chat_params(body: dict[str, Any], model: str, settings: Settings) -> SolvePa
             turns.append({"role": role, "content": content})
         else:
             tools = ": this server calls no tools" if role in ("tool", "function") else ""
-            raise ApiError(400, f"unsupported message role {role!r}{tools}",
-                           param=f"messages[{index}].role")  # fmt: skip
+            raise ApiError(
+                400, f"unsupported message role {role!r}{tools}", param=f"messages[{index}].role"
+            )
     if not turns or turns[-1]["role"] != "user":
         raise ApiError(400, "the last message must be the user's", param="messages")
     # Read here, not by the daemon: a 1 for true, or n = 2 answered with one choice, would be

@@ -84,8 +84,14 @@ class Choice:
     """One choice of a completion: its daemon request's events folded, its answer up to the
     first stop string, how it ended and, when asked for, its answer tokens' logprobs."""
 
-    def __init__(self, index: int, stream: RequestStream, stops: tuple[str, ...],
-                 logprobs: bool = False, streamed: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        index: int,
+        stream: RequestStream,
+        stops: tuple[str, ...],
+        logprobs: bool = False,
+        streamed: bool = False,
+    ) -> None:
         self.index, self.stream = index, stream
         self.outcome = Outcome(index=index, question="")
         self.stops = StopStrings(stops)
@@ -212,9 +218,12 @@ def _usage(choices: list[Choice]) -> dict[str, Any]:
     prompt = stats[0].prompt_tokens if stats else 0
     completion = sum(s.completion_tokens for s in stats)
     cached = min((s.cached_tokens for s in stats), default=0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def close_when_read(future: asyncio.Future[Any], stream: RequestStream) -> None:
@@ -229,9 +238,10 @@ def close_when_read(future: asyncio.Future[Any], stream: RequestStream) -> None:
 
 
 async def _events(
-    choices: list[Choice], first: list[list[Event]],
+    choices: list[Choice],
+    first: list[list[Event]],
     pending: dict[int, asyncio.Future[list[Event]]] | None = None,
-) -> AsyncGenerator[tuple[Choice, Event]]:  # fmt: skip
+) -> AsyncGenerator[tuple[Choice, Event]]:
     """Each choice's events as they come, interleaved, beginning with those already read (and
     those of the reads ``pending``, by choice, each a list up to a first event that is not
     progress); the caller folds each before asking for the next. A choice whose daemon went
@@ -286,8 +296,14 @@ async def _events(
 class Completion:
     """One chat completion's answer, whole or as chunks: its choices interleaved."""
 
-    def __init__(self, model_name: str, choices: list[Choice], include_usage: bool,
-                 checker: Checker | None = None, question: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_name: str,
+        choices: list[Choice],
+        include_usage: bool,
+        checker: Checker | None = None,
+        question: str = "",
+    ) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.model_name = model_name
@@ -318,32 +334,60 @@ class Completion:
 
     def whole(self) -> dict[str, Any]:
         return {
-            "id": self.id, "object": "chat.completion", "created": self.created,
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
             "model": self.model_name,
-            "choices": [{"index": c.index, "message": c.message(),
-                         "logprobs": _logprobs_of(c.logprobs),
-                         "finish_reason": c.finish_reason, **_checked(c)}
-                        for c in self.choices],
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": c.message(),
+                    "logprobs": _logprobs_of(c.logprobs),
+                    "finish_reason": c.finish_reason,
+                    **_checked(c),
+                }
+                for c in self.choices
+            ],
             "usage": _usage(self.choices),
-        }  # fmt: skip
+        }
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        chunk: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
-                                 "created": self.created, "model": self.model_name,
-                                 "choices": choices}  # fmt: skip
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model_name,
+            "choices": choices,
+        }
         if self.include_usage:  # as OpenAI: null on every chunk but the last
             chunk["usage"] = usage
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
-    def _delta(self, index: int, delta: dict[str, Any], finish: str | None = None,
-               logprobs: list[dict[str, Any]] | None = None,
-               extra: dict[str, Any] | None = None) -> bytes:  # fmt: skip
-        return self._chunk([{"index": index, "delta": delta, "logprobs": _logprobs_of(logprobs),
-                             "finish_reason": finish, **(extra or {})}])  # fmt: skip
+    def _delta(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        finish: str | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> bytes:
+        return self._chunk(
+            [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": _logprobs_of(logprobs),
+                    "finish_reason": finish,
+                    **(extra or {}),
+                }
+            ]
+        )
 
-    async def sse(self, first: list[list[Event]],
-                  pending: dict[int, asyncio.Future[list[Event]]] | None = None
-                  ) -> AsyncIterator[bytes]:  # fmt: skip
+    async def sse(
+        self,
+        first: list[list[Event]],
+        pending: dict[int, asyncio.Future[list[Event]]] | None = None,
+    ) -> AsyncIterator[bytes]:
         """The answer as server-sent events, each choice's chunks carrying its ``index``. An
         error after the stream began (the daemon stopped or died, the request was cancelled)
         is sent as an ``error`` object, and the stream ends without ``[DONE]``, as OpenAI's own
@@ -360,8 +404,9 @@ class Completion:
                     break
                 if event.terminal:
                     await self.check(choice)
-                    yield self._delta(choice.index, {}, choice.finish_reason,
-                                      extra=_checked(choice))  # fmt: skip
+                    yield self._delta(
+                        choice.index, {}, choice.finish_reason, extra=_checked(choice)
+                    )
         if failed is not None:
             assert failed.outcome.error is not None
             error = ApiError.of(failed.outcome.error)

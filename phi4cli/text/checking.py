@@ -60,15 +60,41 @@ NO_ANSWER = "no answer to check"
 # --- reading the text: LaTeX, Unicode and plain text to one plain syntax ----------------------
 
 _UNICODE = {
-    "\u00d7": "*", "\u22c5": "*", "\u00b7": "*", "\u2219": "*", "\u00f7": "/", "\u2212": "-",
-    "\u2013": "-", "\u2264": "<=", "\u2265": ">=", "\u2260": "!=", "\u03c0": "pi",
-    "\u221e": "oo", "\u00b2": "^2", "\u00b3": "^3", "\u00b9": "^1",
-    "\u2070": "^0", "\u2074": "^4", "\u2075": "^5", "\u2076": "^6", "\u2077": "^7",
-    "\u2078": "^8", "\u2079": "^9", "\u00bd": "((1)/(2))", "\u2153": "((1)/(3))",
-    "\u00bc": "((1)/(4))", "\u00be": "((3)/(4))", "\u222a": " U ", "\u00b1": "+-",
-    "\u2205": "{}", "\u2192": "->",
-    "\u2032": "'", "\u00a0": " ", "\u2009": " ", "\u202f": " ",
-}  # fmt: skip
+    "\u00d7": "*",
+    "\u22c5": "*",
+    "\u00b7": "*",
+    "\u2219": "*",
+    "\u00f7": "/",
+    "\u2212": "-",
+    "\u2013": "-",
+    "\u2264": "<=",
+    "\u2265": ">=",
+    "\u2260": "!=",
+    "\u03c0": "pi",
+    "\u221e": "oo",
+    "\u00b2": "^2",
+    "\u00b3": "^3",
+    "\u00b9": "^1",
+    "\u2070": "^0",
+    "\u2074": "^4",
+    "\u2075": "^5",
+    "\u2076": "^6",
+    "\u2077": "^7",
+    "\u2078": "^8",
+    "\u2079": "^9",
+    "\u00bd": "((1)/(2))",
+    "\u2153": "((1)/(3))",
+    "\u00bc": "((1)/(4))",
+    "\u00be": "((3)/(4))",
+    "\u222a": " U ",
+    "\u00b1": "+-",
+    "\u2205": "{}",
+    "\u2192": "->",
+    "\u2032": "'",
+    "\u00a0": " ",
+    "\u2009": " ",
+    "\u202f": " ",
+}
 
 # Commands dropped (spacing, sizes) and commands that become plain words or operators.
 _DROPPED = re.compile(
@@ -76,19 +102,75 @@ _DROPPED = re.compile(
     r"operatorname|quad|qquad)(?![A-Za-z])|\\[,;:! ]"
 )
 _WORDS = {
-    "cdot": "*", "times": "*", "ast": "*", "div": "/", "pi": "pi", "infty": "oo",
-    "le": "<=", "leq": "<=", "leqslant": "<=", "ge": ">=", "geq": ">=", "geqslant": ">=",
-    "ne": "!=", "neq": "!=", "lt": "<", "gt": ">", "cup": " U ", "pm": "+-", "mp": "-+",
-    "emptyset": "{}", "varnothing": "{}", "to": "->", "rightarrow": "->", "in": " in ",
-    "sin": "sin", "cos": "cos", "tan": "tan", "cot": "cot", "sec": "sec", "csc": "csc",
-    "arcsin": "asin", "arccos": "acos", "arctan": "atan", "sinh": "sinh", "cosh": "cosh",
-    "tanh": "tanh", "ln": "ln", "log": "log", "exp": "exp", "gcd": "gcd", "lcm": "lcm",
-    "bmod": " mod ", "mod": " mod ", "land": " and ", "lor": " or ", "dots": "...",
-    "ldots": "...", "cdots": "...", "mathbb": "", "text": "", "textbf": "", "mathbf": "",
-    "mbox": "", "textnormal": "", "dfrac": "frac", "tfrac": "frac", "frac": "frac",
-    "sqrt": "sqrt", "binom": "binom", "dbinom": "binom", "tbinom": "binom", "pmod": "pmod",
-    "int": "int", "sum": "sum", "lim": "lim", "boxed": "", "quad": " ", "prime": "'",
-}  # fmt: skip
+    "cdot": "*",
+    "times": "*",
+    "ast": "*",
+    "div": "/",
+    "pi": "pi",
+    "infty": "oo",
+    "le": "<=",
+    "leq": "<=",
+    "leqslant": "<=",
+    "ge": ">=",
+    "geq": ">=",
+    "geqslant": ">=",
+    "ne": "!=",
+    "neq": "!=",
+    "lt": "<",
+    "gt": ">",
+    "cup": " U ",
+    "pm": "+-",
+    "mp": "-+",
+    "emptyset": "{}",
+    "varnothing": "{}",
+    "to": "->",
+    "rightarrow": "->",
+    "in": " in ",
+    "sin": "sin",
+    "cos": "cos",
+    "tan": "tan",
+    "cot": "cot",
+    "sec": "sec",
+    "csc": "csc",
+    "arcsin": "asin",
+    "arccos": "acos",
+    "arctan": "atan",
+    "sinh": "sinh",
+    "cosh": "cosh",
+    "tanh": "tanh",
+    "ln": "ln",
+    "log": "log",
+    "exp": "exp",
+    "gcd": "gcd",
+    "lcm": "lcm",
+    "bmod": " mod ",
+    "mod": " mod ",
+    "land": " and ",
+    "lor": " or ",
+    "dots": "...",
+    "ldots": "...",
+    "cdots": "...",
+    "mathbb": "",
+    "text": "",
+    "textbf": "",
+    "mathbf": "",
+    "mbox": "",
+    "textnormal": "",
+    "dfrac": "frac",
+    "tfrac": "frac",
+    "frac": "frac",
+    "sqrt": "sqrt",
+    "binom": "binom",
+    "dbinom": "binom",
+    "tbinom": "binom",
+    "pmod": "pmod",
+    "int": "int",
+    "sum": "sum",
+    "lim": "lim",
+    "boxed": "",
+    "quad": " ",
+    "prime": "'",
+}
 
 
 class _Unreadable(Exception):
@@ -169,8 +251,9 @@ def plain(text: str) -> str:
                     raise _Unreadable("\\sqrt[ without ]")
                 index, at = text[at + 1 : close], close + 1
             inner, at = _group(text, at)
-            out.append(f"sqrt({plain(inner)})" if index is None
-                       else f"root({plain(inner)},{plain(index)})")  # fmt: skip
+            out.append(
+                f"sqrt({plain(inner)})" if index is None else f"root({plain(inner)},{plain(index)})"
+            )
         elif mapped == "pmod":
             inner, at = _group(text, at)
             out.append(f" mod ({plain(inner)})")
@@ -186,15 +269,36 @@ def plain(text: str) -> str:
 # also what makes it safe to hand to SymPy's parser, which evaluates Python: no name but these,
 # no dot outside a number, no quote, bracket, underscore or attribute.
 _FUNCTIONS = (
-    "sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "sinh", "cosh", "tanh",
-    "log", "exp", "sqrt", "root", "gcd", "lcm", "binomial", "factorial", "Abs", "Mod",
-)  # fmt: skip
+    "sin",
+    "cos",
+    "tan",
+    "cot",
+    "sec",
+    "csc",
+    "asin",
+    "acos",
+    "atan",
+    "sinh",
+    "cosh",
+    "tanh",
+    "log",
+    "exp",
+    "sqrt",
+    "root",
+    "gcd",
+    "lcm",
+    "binomial",
+    "factorial",
+    "Abs",
+    "Mod",
+)
 _NAMES = {*_FUNCTIONS, "pi", "oo", "E", "I"}
 _TOKEN = re.compile(r"\s*(?:(\d+\.\d*|\.\d+|\d+)|([A-Za-z]+)|(\*\*|[-+*/^(),!]))")
 
 
-def _parse(expression: str, variables: frozenset[str] = frozenset("xyzabcnkmtuvw"),
-           evaluate: bool = True) -> Any:  # fmt: skip
+def _parse(
+    expression: str, variables: frozenset[str] = frozenset("xyzabcnkmtuvw"), evaluate: bool = True
+) -> Any:
     """An expression of the plain syntax as SymPy's (numbers exact: ``0.1`` is 1/10). Raise
     _Unreadable for anything but numbers, the known functions and constants, single-letter
     variables among ``variables``, and ``+ - * / ^ ( ) , !`` — and for what reads two ways
@@ -264,11 +368,16 @@ def _parse(expression: str, variables: frozenset[str] = frozenset("xyzabcnkmtuvw
     local: dict[str, Any] = {name: sympy.Symbol(name) for name in set(names) if len(name) == 1}
     local.update({name: getattr(sympy, name) for name in _FUNCTIONS})
     local.update({"E": sympy.E, "I": sympy.I, "pi": sympy.pi, "oo": sympy.oo})
-    transformations = (*standard_transformations, implicit_multiplication_application,
-                       convert_xor, rationalize)  # fmt: skip
+    transformations = (
+        *standard_transformations,
+        implicit_multiplication_application,
+        convert_xor,
+        rationalize,
+    )
     try:
-        value = parse_expr(source, local_dict=local, transformations=transformations,
-                           evaluate=evaluate)  # fmt: skip
+        value = parse_expr(
+            source, local_dict=local, transformations=transformations, evaluate=evaluate
+        )
     except (SyntaxError, TypeError, ValueError, AttributeError, IndexError) as error:
         raise _Unreadable(f"cannot parse {expression!r}") from error
     if not isinstance(value, sympy.Expr):
@@ -298,13 +407,20 @@ def _unclear_tokens(tokens: list[tuple[str, str, bool]]) -> None:
                 raise _Unreadable("numbers side by side")
             if token.endswith("."):
                 raise _Unreadable(f"{token} followed by more")
-            if after[0] == "name" and after[1][0] in "eE" and not after[2] and (
-                any(c.isdigit() for c in after[1]) or (then is not None and then[0] == "number")
-            ):  # fmt: skip
+            if (
+                after[0] == "name"
+                and after[1][0] in "eE"
+                and not after[2]
+                and (
+                    any(c.isdigit() for c in after[1]) or (then is not None and then[0] == "number")
+                )
+            ):
                 raise _Unreadable("a number in e-notation")
-        if kind == "name" and token in (*_FUNCTIONS, "ln", "log") and (
-            after is None or after[1] != "("
-        ):  # fmt: skip
+        if (
+            kind == "name"
+            and token in (*_FUNCTIONS, "ln", "log")
+            and (after is None or after[1] != "(")
+        ):
             if after is None or after[0] == "op":
                 raise _Unreadable(f"{token} without its argument")
             if then is not None and then[1] not in ends:
@@ -377,8 +493,9 @@ def _unary_function(text: str) -> bool:
     return bool(re.search(r"\b(?:sin|cos|tan|log|ln|exp|sqrt)\s+\d+\s*[A-Za-z(]", text))
 
 
-def expression(text: str, variables: frozenset[str] = frozenset("xyzabcnkmtuvw"),
-               evaluate: bool = True) -> Any:  # fmt: skip
+def expression(
+    text: str, variables: frozenset[str] = frozenset("xyzabcnkmtuvw"), evaluate: bool = True
+) -> Any:
     """LaTeX, Unicode or plain text as a SymPy expression (``evaluate``: False, as written);
     raise _Unreadable."""
     flat = plain(text)
@@ -603,38 +720,53 @@ _LEAD = r"(?:what\s+is|what's|compute|calculate|evaluate|find|determine|give)"
 _ARITHMETIC = re.compile(rf"^(?:{_LEAD})(?:\s+the\s+value\s+of)?\s*:?\s*(?P<e>.+?)\s*[?.]?$", re.I)
 _REMAINDER = re.compile(
     r"^(?:what\s+is|find|compute|determine)\s+the\s+remainder\s+when\s+(?P<a>.+?)\s+is\s+"
-    r"divided\s+by\s+(?P<b>.+?)\s*[?.]?$", re.I)  # fmt: skip
+    r"divided\s+by\s+(?P<b>.+?)\s*[?.]?$",
+    re.I,
+)
 _GCD = re.compile(
     r"^(?:what\s+is|find|compute|determine)\s+the\s+(?P<f>greatest\s+common\s+(?:divisor|factor)|"
     r"gcd|least\s+common\s+multiple|lcm)\s+of\s+(?P<a>.+?)\s+and\s+(?P<b>.+?)\s*[?.]?$",
-    re.I)  # fmt: skip
+    re.I,
+)
 _SOLVE = re.compile(
     r"^(?:solve(?:\s+for\s+(?P<v1>[a-z]))?(?:\s+the\s+(?:equation|inequality|system)s?)?|"
     r"find\s+all\s+(?P<real>real\s+)?(?:solutions|roots|values\s+of\s+(?P<v2>[a-z]))"
     r"(?:\s+(?:to|of|that\s+satisfy|satisfying))?(?:\s+the\s+(?:equation|inequality|system))?|"
     r"find\s+all\s+(?P<real2>real\s+)?(?:numbers\s+)?(?P<v3>[a-z])\s+(?:such\s+that|for\s+which|"
     r"with)|find\s+the\s+(?:roots|zeros|solutions)\s+of(?:\s+the\s+equation)?)"
-    r"\s*:?\s*(?P<body>.+?)(?:,?\s+for\s+(?P<v4>[a-z]))?\s*[?.]?$", re.I)  # fmt: skip
+    r"\s*:?\s*(?P<body>.+?)(?:,?\s+for\s+(?P<v4>[a-z]))?\s*[?.]?$",
+    re.I,
+)
 _DERIVATIVE = re.compile(
     r"^(?:(?:find|compute|what\s+is|calculate|determine|give)\s+the\s+derivative\s+of|"
     r"differentiate)\s*:?\s*(?:(?:f|g|y)\s*(?:\(x\))?\s*=\s*)?(?P<e>.+?)"
-    r"(?:\s+with\s+respect\s+to\s+x)?\s*[?.]?$", re.I)  # fmt: skip
+    r"(?:\s+with\s+respect\s+to\s+x)?\s*[?.]?$",
+    re.I,
+)
 _INTEGRAL_WORDS = re.compile(
     r"^(?:(?:find|compute|evaluate|calculate|what\s+is)\s+)?(?:the\s+)?"
     r"(?:(?:indefinite\s+)?integral|antiderivative)\s+of\s+(?P<e>.+?)"
     r"(?:\s+(?:with\s+respect\s+to|dx|d\s*x)\s*x?)?\s*[?.]?$|"
-    r"^integrate\s*:?\s*(?P<e2>.+?)(?:\s+with\s+respect\s+to\s+x)?\s*[?.]?$", re.I)  # fmt: skip
+    r"^integrate\s*:?\s*(?P<e2>.+?)(?:\s+with\s+respect\s+to\s+x)?\s*[?.]?$",
+    re.I,
+)
 _CALCULUS = re.compile(
     r"^(?:(?:find|compute|evaluate|calculate|determine|what\s+is|integrate)\s*(?:the\s+value\s+of"
     r"|the\s+integral|the\s+limit|the\s+sum)?\s*:?\s*)?(?P<e>.*(?:\\int|\\lim|\\sum|\\frac\{d\}"
-    r"\{dx\}|d/dx).*?)\s*[?.]?$", re.I | re.S)  # fmt: skip
+    r"\{dx\}|d/dx).*?)\s*[?.]?$",
+    re.I | re.S,
+)
 _ALGEBRA = re.compile(
     r"^(?P<verb>simplify|expand|factor|factorise|factorize|fully\s+factor|factor\s+completely)"
     r"(?:\s+(?:completely|fully))?(?:\s+the\s+expression)?\s*:?\s*(?P<e>.+?)"
-    r"(?:\s+completely)?\s*[?.]?$", re.I)  # fmt: skip
+    r"(?:\s+completely)?\s*[?.]?$",
+    re.I,
+)
 _LIMIT_WORDS = re.compile(
     r"^(?:find|compute|evaluate|what\s+is)\s+the\s+limit\s+of\s+(?P<e>.+?)\s+as\s+(?P<v>[a-z])\s+"
-    r"(?:approaches|goes\s+to|tends\s+to)\s+(?P<a>.+?)\s*[?.]?$", re.I)  # fmt: skip
+    r"(?:approaches|goes\s+to|tends\s+to)\s+(?P<a>.+?)\s*[?.]?$",
+    re.I,
+)
 
 
 # Sentences and phrases that ask for a form of the answer, not another value: taken off the end
@@ -645,15 +777,21 @@ _FORM = re.compile(
     r"(?:as\s+a\s+common\s+fraction|in\s+simplest\s+(?:radical\s+)?form|"
     r"(?:using|in)\s+interval\s+notation|,?\s*separated\s+by\s+commas)\s*\.?"
     r"|\s+(?:as\s+a\s+common\s+fraction|in\s+simplest\s+(?:radical\s+)?form|"
-    r"in\s+interval\s+notation)(?=\s*[?.]?\s*$))+\s*$", re.I)  # fmt: skip
+    r"in\s+interval\s+notation)(?=\s*[?.]?\s*$))+\s*$",
+    re.I,
+)
 
 
 def _problem_text(problem: str) -> str:
     text = re.sub(r"\s+", " ", problem.strip())
     text = re.sub(r"\$\s*([a-z])\s*\$", r"\1", text)  # "values of $x$": the letter
-    text = re.sub(r"^(simplify|solve|expand|factor|evaluate|compute)\s+the\s+following"
-                  r"(?:\s+(?:expression|equation|inequality))?(?:\s+(?:in|for)\s+[a-z])?\s*:?",
-                  r"\1 ", text, flags=re.I)  # fmt: skip
+    text = re.sub(
+        r"^(simplify|solve|expand|factor|evaluate|compute)\s+the\s+following"
+        r"(?:\s+(?:expression|equation|inequality))?(?:\s+(?:in|for)\s+[a-z])?\s*:?",
+        r"\1 ",
+        text,
+        flags=re.I,
+    )
     return _FORM.sub("", text).strip()
 
 
@@ -725,8 +863,9 @@ def _remainder(text: str, answer: str) -> Check | None:
     a, b = expression(match["a"], frozenset()), expression(match["b"], frozenset())
     if not (a.is_integer and b.is_integer and a >= 0 and b > 0):
         return unchecked("the remainder of numbers that are not whole and positive")
-    return _against(sympy.Mod(a, b), answer,
-                    f"{_plain_shown(match['a'])} mod {_plain_shown(match['b'])}")  # fmt: skip
+    return _against(
+        sympy.Mod(a, b), answer, f"{_plain_shown(match['a'])} mod {_plain_shown(match['b'])}"
+    )
 
 
 def _gcd(text: str, answer: str) -> Check | None:
@@ -784,8 +923,11 @@ def _arithmetic(text: str, answer: str) -> Check | None:
     if match is None:
         return None
     body = match["e"]
-    mod = re.match(r"^(?P<a>.+?)\s*(?:\\pmod\s*\{(?P<p>[^{}]+)\}|\\bmod|\\mod|\bmod\b)\s*"
-                   r"(?P<b>[^{}]*)$", body)  # fmt: skip
+    mod = re.match(
+        r"^(?P<a>.+?)\s*(?:\\pmod\s*\{(?P<p>[^{}]+)\}|\\bmod|\\mod|\bmod\b)\s*"
+        r"(?P<b>[^{}]*)$",
+        body,
+    )
     try:
         if mod is not None:
             import sympy
@@ -797,8 +939,11 @@ def _arithmetic(text: str, answer: str) -> Check | None:
             b = expression(mod["p"] or mod["b"], frozenset())
             if not (a.is_integer and b.is_integer and a >= 0 and b > 0):
                 return unchecked("a remainder of numbers that are not whole and positive")
-            return _against(sympy.Mod(a, b), answer, f"{_plain_shown(mod['a'])} mod "
-                            f"{_plain_shown(mod['p'] or mod['b'])}")  # fmt: skip
+            return _against(
+                sympy.Mod(a, b),
+                answer,
+                f"{_plain_shown(mod['a'])} mod {_plain_shown(mod['p'] or mod['b'])}",
+            )
         value = _closed_sum(body) if "\\sum" in body else expression(body, frozenset())
     except _Unreadable:
         return None  # not arithmetic: words, or a kind below
@@ -829,8 +974,9 @@ def _closed_sum(body: str) -> Any:
     import sympy
 
     flat = plain(body)
-    match = re.fullmatch(r"sum\s*_\s*\(\s*([a-z])\s*=\s*([^()]+)\)\s*\^\s*(\(?[^()\s]+\)?)\s*(.+)",
-                         flat)  # fmt: skip
+    match = re.fullmatch(
+        r"sum\s*_\s*\(\s*([a-z])\s*=\s*([^()]+)\)\s*\^\s*(\(?[^()\s]+\)?)\s*(.+)", flat
+    )
     if match is None:
         return None
     var, low, high, term = match.groups()
@@ -877,8 +1023,9 @@ def _solve(text: str, answer: str) -> Check | None:
         return unchecked("the problem's equations could not be read")
     named = match["v1"] or match["v2"] or match["v3"] or match["v4"]
     real = bool(match["real"] or match["real2"])
-    sides = [(expression(lhs, _LETTERS), op, expression(rhs, _LETTERS))
-             for lhs, op, rhs in relations]  # fmt: skip
+    sides = [
+        (expression(lhs, _LETTERS), op, expression(rhs, _LETTERS)) for lhs, op, rhs in relations
+    ]
     # Where a side is undefined as written: SymPy cancels (x-3)^2/(x-3) as it parses.
     poles = _poles([text for lhs, _, rhs in relations for text in (lhs, rhs)])
     unknowns = sorted({s for lhs, _, rhs in sides for s in (lhs - rhs).free_symbols}, key=str)
@@ -924,8 +1071,9 @@ def _at_pole(poles: list[Any], x: Any, value: Any) -> str | None:
 _LETTERS = frozenset("abcdfghjklmnpqrstuvwxyz")  # (e and i are constants)
 
 
-def _equation(side: tuple[Any, str, Any], x: Any, answer: str, real: bool,
-              poles: list[Any]) -> Check:  # fmt: skip
+def _equation(
+    side: tuple[Any, str, Any], x: Any, answer: str, real: bool, poles: list[Any]
+) -> Check:
     import sympy
 
     left, _, right = side
@@ -937,15 +1085,19 @@ def _equation(side: tuple[Any, str, Any], x: Any, answer: str, real: bool,
         if value.free_symbols:
             return unchecked("the answer's values are not numbers")
         try:
-            residual = sympy.simplify((left - right).subs(x, value)) if len(values) < 6 else (
-                (left - right).subs(x, value))  # fmt: skip
+            residual = (
+                sympy.simplify((left - right).subs(x, value))
+                if len(values) < 6
+                else ((left - right).subs(x, value))
+            )
         except (ArithmeticError, TypeError, ValueError):
             return unchecked("the equation could not be evaluated at the answer")
         at = [side.subs(x, value) for side in (left, right)]
         pole = _at_pole(poles, x, value)
         if pole is None:
-            return unchecked(f"could not tell whether the equation is defined at {x} = "
-                             f"{shown(value)}")  # fmt: skip
+            return unchecked(
+                f"could not tell whether the equation is defined at {x} = {shown(value)}"
+            )
         if pole == "same" or any(v.has(sympy.zoo, sympy.nan) for v in at):
             # Undefined there as written (a division by zero): not a solution.
             return Check(REFUTED, f"{x} = {shown(value)} is outside the equation's domain")
@@ -955,8 +1107,11 @@ def _equation(side: tuple[Any, str, Any], x: Any, answer: str, real: bool,
             return Check(REFUTED, f"{x} = {shown(value)} is not real")
         verdict = _compare(residual, sympy.Integer(0))
         if verdict == "apart":
-            return Check(REFUTED, f"{x} = {shown(value)} does not satisfy {relation} (the left "
-                                  f"side is {_short(at[0])})")  # fmt: skip
+            return Check(
+                REFUTED,
+                f"{x} = {shown(value)} does not satisfy {relation} (the left "
+                f"side is {_short(at[0])})",
+            )
         if verdict is None:
             return unchecked(f"could not tell whether {x} = {shown(value)} satisfies {relation}")
     distinct = _distinct(values)
@@ -972,8 +1127,9 @@ def _equation(side: tuple[Any, str, Any], x: Any, answer: str, real: bool,
     denominator = sympy.denom(sympy.together(left - right))
     roots = []
     for root in _poly_roots(poly):
-        at_pole = _compare(denominator.subs(x, root), sympy.Integer(0)) if denominator.has(
-            x) else "apart"  # fmt: skip
+        at_pole = (
+            _compare(denominator.subs(x, root), sympy.Integer(0)) if denominator.has(x) else "apart"
+        )
         if at_pole == "apart":
             at_pole = _at_pole(poles, x, root)
         if at_pole is None:
@@ -985,11 +1141,17 @@ def _equation(side: tuple[Any, str, Any], x: Any, answer: str, real: bool,
     roots_word = "root" if len(values) == 1 else "roots"
     if _same_set(distinct, real_roots) or (not real and _same_set(distinct, roots)):
         others = "" if _same_set(distinct, roots) else " real"
-        return Check(VERIFIED, f"{every} {roots_word} satisfy {relation}, and it has no other"
-                     f"{others} roots" if len(values) > 1 else f"{x} = {shown(values[0])} "
-                     f"satisfies {relation}, its only{others} root")  # fmt: skip
-    missing = [r for r in (real_roots if real or _all_real(distinct) else roots)
-               if not any(_compare(r, v) == "same" for v in distinct)]  # fmt: skip
+        return Check(
+            VERIFIED,
+            f"{every} {roots_word} satisfy {relation}, and it has no other{others} roots"
+            if len(values) > 1
+            else f"{x} = {shown(values[0])} satisfies {relation}, its only{others} root",
+        )
+    missing = [
+        r
+        for r in (real_roots if real or _all_real(distinct) else roots)
+        if not any(_compare(r, v) == "same" for v in distinct)
+    ]
     if missing:
         return Check(REFUTED, f"{relation} also has the root {x} = {shown(missing[0])}")
     return unchecked(f"each value satisfies {relation}")
@@ -1034,18 +1196,25 @@ def _system(sides: list[tuple[Any, str, Any]], unknowns: list[Any], answer: str)
     for left, _, right in sides:
         verdict = _compare((left - right).subs(assignment), sympy.Integer(0))
         if verdict == "apart":
-            return Check(REFUTED, f"{_shown_assignment(assignment)} does not satisfy "
-                                  f"{shown(left)} = {shown(right)}")  # fmt: skip
+            return Check(
+                REFUTED,
+                f"{_shown_assignment(assignment)} does not satisfy {shown(left)} = {shown(right)}",
+            )
         if verdict is None:
             return unchecked("could not evaluate the system at the answer")
     differences = [lhs - rhs for lhs, _, rhs in sides]
     if all(sympy.Poly(d, *unknowns).is_linear for d in differences):
         matrix, _ = sympy.linear_eq_to_matrix(differences, unknowns)
         if matrix.rank() == len(unknowns):
-            return Check(VERIFIED, f"{_shown_assignment(assignment)} satisfies every equation, "
-                                   "the system's only solution")  # fmt: skip
-    return unchecked(f"{_shown_assignment(assignment)} satisfies every equation; other "
-                     "solutions were not looked for")  # fmt: skip
+            return Check(
+                VERIFIED,
+                f"{_shown_assignment(assignment)} satisfies every equation, "
+                "the system's only solution",
+            )
+    return unchecked(
+        f"{_shown_assignment(assignment)} satisfies every equation; other "
+        "solutions were not looked for"
+    )
 
 
 def _shown_assignment(assignment: dict[Any, Any]) -> str:
@@ -1086,8 +1255,7 @@ def _assignment(answer: str, unknowns: list[Any]) -> dict[Any, Any] | None:
         return None
 
 
-def _inequality(sides: list[tuple[Any, str, Any]], x: Any, answer: str,
-                poles: list[Any]) -> Check:  # fmt: skip
+def _inequality(sides: list[tuple[Any, str, Any]], x: Any, answer: str, poles: list[Any]) -> Check:
     import sympy
 
     ops = {"<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge}
@@ -1103,21 +1271,22 @@ def _inequality(sides: list[tuple[Any, str, Any]], x: Any, answer: str,
             solution = sympy.Complement(solution, zeros)
     for left, op, right in sides:
         relation = ops[op](left, right)
-        part = sympy.solve_univariate_inequality(relation, x, relational=False,
-                                                 domain=sympy.Reals)  # fmt: skip
+        part = sympy.solve_univariate_inequality(relation, x, relational=False, domain=sympy.Reals)
         solution = sympy.Intersection(solution, part)
     given = _answer_set(answer, x)
     if given is None:
         return unchecked("the answer is not a set of intervals")
     difference = sympy.SymmetricDifference(solution, given)
-    difference = sympy.simplify(difference) if not isinstance(difference, sympy.Set) else (
-        difference)  # fmt: skip
+    difference = (
+        sympy.simplify(difference) if not isinstance(difference, sympy.Set) else (difference)
+    )
     empty = difference.is_empty
     if empty is True:
         return Check(VERIFIED, f"the solution set is {_shown_set(solution)}")
     if empty is False:
-        return Check(REFUTED, f"the solution set is {_shown_set(solution)}, not "
-                              f"{_shown_set(given)}")  # fmt: skip
+        return Check(
+            REFUTED, f"the solution set is {_shown_set(solution)}, not {_shown_set(given)}"
+        )
     return unchecked("could not compare the answer's set with the solution set")
 
 
@@ -1162,14 +1331,16 @@ def _answer_set(answer: str, x: Any) -> Any:
         interval = re.fullmatch(r"([(\[])\s*(.+?)\s*,\s*(.+?)\s*([)\]])", piece)
         if interval is not None:
             lo, hi = _parse(interval[2], frozenset()), _parse(interval[3], frozenset())
-            part = sympy.Interval(lo, hi, interval[1] == "(" or lo == -sympy.oo,
-                                  interval[4] == ")" or hi == sympy.oo)  # fmt: skip
+            part = sympy.Interval(
+                lo, hi, interval[1] == "(" or lo == -sympy.oo, interval[4] == ")" or hi == sympy.oo
+            )
         else:
             parts = re.split(r"(<=|>=|<|>)", piece)
             ops = {"<": sympy.Lt, "<=": sympy.Le, ">": sympy.Gt, ">=": sympy.Ge}
             if len(parts) == 3 and name in (parts[0].strip(), parts[2].strip()):
-                relation = ops[parts[1]](_parse(parts[0], frozenset({name})),
-                                         _parse(parts[2], frozenset({name})))  # fmt: skip
+                relation = ops[parts[1]](
+                    _parse(parts[0], frozenset({name})), _parse(parts[2], frozenset({name}))
+                )
                 part = relation.as_set()
             elif len(parts) == 5 and parts[2].strip() == name:
                 low = ops[parts[1]](_parse(parts[0], frozenset()), x)
@@ -1206,8 +1377,9 @@ def _derivative(text: str, answer: str) -> Check | None:
     return unchecked("could not compare the answer with the derivative")
 
 
-def _function_answer(answer: str, prefix: str, allowed: set[Any], constant: bool = False,
-                     evaluate: bool = True) -> Any:  # fmt: skip
+def _function_answer(
+    answer: str, prefix: str, allowed: set[Any], constant: bool = False, evaluate: bool = True
+) -> Any:
     """The expression an answer gives (``f'(x) = ...`` taken off; with ``constant``, an
     antiderivative's ``+ C`` too; ``evaluate`` False: as written, 2(x - 2) not made 2x - 4),
     or None."""
@@ -1234,9 +1406,13 @@ def _antiderivative(text: str, answer: str) -> Check | None:
     if match is not None:
         body = match["e"] or match["e2"]
     else:
-        indefinite = re.fullmatch(r"(?:(?:find|compute|evaluate|calculate|what\s+is)\s+)?"
-                                  r"(?:the\s+integral\s*:?\s*)?\$?\s*\\int\s*(?![_^])(?P<e>.+?)"
-                                  r"\\?,?\s*d\s*x\s*\$?\s*[?.]?", text, re.I)  # fmt: skip
+        indefinite = re.fullmatch(
+            r"(?:(?:find|compute|evaluate|calculate|what\s+is)\s+)?"
+            r"(?:the\s+integral\s*:?\s*)?\$?\s*\\int\s*(?![_^])(?P<e>.+?)"
+            r"\\?,?\s*d\s*x\s*\$?\s*[?.]?",
+            text,
+            re.I,
+        )
         if indefinite is not None:
             body = indefinite["e"]
     if body is None:
@@ -1245,8 +1421,10 @@ def _antiderivative(text: str, answer: str) -> Check | None:
 
     body = re.sub(r"(?:\\,|\s)*d\s*x\s*\$?$", "", body.strip().rstrip("$").strip())
     x = sympy.Symbol("x")
-    f = expression(body.strip().lstrip("\\int").strip() if body.strip().startswith("\\int")
-                   else body, frozenset("x"))  # fmt: skip
+    f = expression(
+        body.strip().lstrip("\\int").strip() if body.strip().startswith("\\int") else body,
+        frozenset("x"),
+    )
     if f.free_symbols - {x}:
         return unchecked("an integrand in more than x")
     given = _function_answer(answer, r"(?:F\s*\(x\))", {x}, constant=True)
@@ -1256,8 +1434,10 @@ def _antiderivative(text: str, answer: str) -> Check | None:
     if verdict == "same":
         return Check(VERIFIED, "d/dx of the answer is the integrand")
     if verdict == "apart":
-        return Check(REFUTED, f"d/dx of the answer is {shown(sympy.diff(given, x))}, not the "
-                              f"integrand {shown(f)}")  # fmt: skip
+        return Check(
+            REFUTED,
+            f"d/dx of the answer is {shown(sympy.diff(given, x))}, not the integrand {shown(f)}",
+        )
     return unchecked("could not compare the answer's derivative with the integrand")
 
 
@@ -1273,18 +1453,23 @@ def _calculus(text: str, answer: str) -> Check | None:
     if match is None:
         return None
     flat = plain(match["e"])
-    integral = re.fullmatch(r"int\s*_\s*(\(.+?\)|[^\s^]+)\s*\^\s*(\(.+?\)|[^\s(]+)\s*(.+?)\s*"
-                            r"d\s*([a-z])", flat)  # fmt: skip
+    integral = re.fullmatch(
+        r"int\s*_\s*(\(.+?\)|[^\s^]+)\s*\^\s*(\(.+?\)|[^\s(]+)\s*(.+?)\s*"
+        r"d\s*([a-z])",
+        flat,
+    )
     if integral is not None:
         low, high, body, var = integral.groups()
         return _definite(low, high, body, var, answer)
-    limit = re.fullmatch(r"lim\s*_\s*\(\s*([a-z])\s*->\s*([^()]+?)\s*(\^\s*[-+]|[-+])?\s*\)\s*(.+)",
-                         flat)  # fmt: skip
+    limit = re.fullmatch(
+        r"lim\s*_\s*\(\s*([a-z])\s*->\s*([^()]+?)\s*(\^\s*[-+]|[-+])?\s*\)\s*(.+)", flat
+    )
     if limit is not None:
         var, point, side, body = limit.groups()
         return _limit(body, var, point, (side or "").replace("^", "").strip(), answer)
-    series = re.fullmatch(r"sum\s*_\s*\(\s*([a-z])\s*=\s*([^()]+)\)\s*\^\s*(\(?\s*oo\s*\)?)\s*(.+)",
-                          flat)  # fmt: skip
+    series = re.fullmatch(
+        r"sum\s*_\s*\(\s*([a-z])\s*=\s*([^()]+)\)\s*\^\s*(\(?\s*oo\s*\)?)\s*(.+)", flat
+    )
     if series is not None:
         return _series(series[1], series[2], series[4], answer)
     derivative = re.fullmatch(r"(?:\(\(d\)/\(dx\)\)|d/dx)\s*(.+)", flat)
@@ -1426,8 +1611,9 @@ def _algebra(text: str, answer: str) -> Check | None:
         return unchecked("could not compare the answer with the expression")
     if verb.startswith("simplify"):
         return Check(VERIFIED, f"the answer equals {shown(problem)}")
-    written_form = _function_answer(answer, r"(?:[a-z]\s*(?:\([a-z]\))?)", set(symbols),
-                                    evaluate=False)  # fmt: skip
+    written_form = _function_answer(
+        answer, r"(?:[a-z]\s*(?:\([a-z]\))?)", set(symbols), evaluate=False
+    )
     if written_form is None:
         return unchecked("the answer equals the expression; its form could not be read")
     if verb.startswith("expand"):
@@ -1435,23 +1621,26 @@ def _algebra(text: str, answer: str) -> Check | None:
             (isinstance(node, sympy.Pow) and isinstance(node.base, sympy.Add))
             or (isinstance(node, sympy.Mul) and any(isinstance(a, sympy.Add) for a in node.args))
             for node in sympy.preorder_traversal(written_form)
-        ):  # fmt: skip
+        ):
             return Check(VERIFIED, f"the answer is {shown(problem)} expanded")
         return unchecked("the answer equals the expression but is not expanded")
     # Factor: equal, and in as many irreducible factors (over the rationals) as it has.
     if len(symbols) != 1 or not problem.is_polynomial(*symbols):
-        return unchecked("the answer equals the expression; whether it is factored completely "
-                         "was not checked")  # fmt: skip
+        return unchecked(
+            "the answer equals the expression; whether it is factored completely was not checked"
+        )
     _, factors = sympy.factor_list(sympy.expand(problem))
     wanted = sum(power for _, power in factors)
     written = _written_factors(written_form)
     if not _primitive_factors(written_form, symbols[0]):
-        return unchecked("the answer equals the expression; a factor of it has a common factor "
-                         "left (2x - 4)")  # fmt: skip
+        return unchecked(
+            "the answer equals the expression; a factor of it has a common factor left (2x - 4)"
+        )
     if written == wanted:
         return Check(VERIFIED, f"the answer is {shown(problem)} in {wanted} irreducible factors")
-    return unchecked(f"the answer equals the expression, but {shown(sympy.factor(problem))} "
-                     "has more factors")  # fmt: skip
+    return unchecked(
+        f"the answer equals the expression, but {shown(sympy.factor(problem))} has more factors"
+    )
 
 
 def _primitive_factors(value: Any, x: Any) -> bool:
@@ -1489,9 +1678,16 @@ def _written_factors(value: Any) -> int:
 _EXACT_KINDS: tuple[Callable[[str, str], Check | None], ...] = (_remainder, _gcd, _arithmetic)
 
 _KINDS: tuple[Callable[[str, str], Check | None], ...] = (
-    _remainder, _gcd, _solve, _derivative, _antiderivative, _limit_words, _algebra, _calculus,
+    _remainder,
+    _gcd,
+    _solve,
+    _derivative,
+    _antiderivative,
+    _limit_words,
+    _algebra,
+    _calculus,
     _arithmetic,
-)  # fmt: skip
+)
 
 
 # --- the worker ------------------------------------------------------------------------------

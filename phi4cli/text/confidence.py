@@ -186,6 +186,8 @@ class TraceConfidence:
         def rounded(value: float | None) -> float | None:
             return None if value is None else round(value, 4)
 
-        return {"confidence": rounded(self.mean),
-                "lowest_group_confidence": rounded(self.lowest_group),
-                "confidence_tokens": self.tokens}  # fmt: skip
+        return {
+            "confidence": rounded(self.mean),
+            "lowest_group_confidence": rounded(self.lowest_group),
+            "confidence_tokens": self.tokens,
+        }

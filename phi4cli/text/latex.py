@@ -21,9 +21,21 @@ _SUBSCRIPT = str.maketrans(_SUB_FROM, _SUB_TO)
 _SUPER_CHARS = set(_SUPER_FROM)
 _SUB_CHARS = set(_SUB_FROM)
 # Big operators whose bounds are written as sub- and superscripts.
-_BIG = {"sum": "∑", "prod": "∏", "int": "∫", "iint": "∬", "iiint": "∭", "oint": "∮",
-        "bigcup": "\u22c3", "bigcap": "\u22c2", "lim": "lim", "max": "max", "min": "min",
-        "sup": "sup", "inf": "inf"}  # fmt: skip
+_BIG = {
+    "sum": "∑",
+    "prod": "∏",
+    "int": "∫",
+    "iint": "∬",
+    "iiint": "∭",
+    "oint": "∮",
+    "bigcup": "\u22c3",
+    "bigcap": "\u22c2",
+    "lim": "lim",
+    "max": "max",
+    "min": "min",
+    "sup": "sup",
+    "inf": "inf",
+}
 
 # Where math may open: $$, \[, \( or $ (a $ after \ or $ opens nothing).
 _MATH_OPEN = re.compile(r"\$\$|\\\[|\\\(|(?<![\\$])\$")
@@ -36,8 +48,10 @@ class _Closers:
     never closed, which is quadratic (10 KB of ``\\[`` took 2 s)."""
 
     def __init__(self, text: str) -> None:
-        self._at = {mark: [m.start() for m in re.finditer(f"(?={re.escape(mark)})", text)]
-                    for mark in ("$$", "\\]", "\\)")}  # fmt: skip
+        self._at = {
+            mark: [m.start() for m in re.finditer(f"(?={re.escape(mark)})", text)]
+            for mark in ("$$", "\\]", "\\)")
+        }
 
     def after(self, mark: str, start: int) -> int:
         """The first index >= start where ``mark`` occurs, or -1."""
@@ -131,8 +145,9 @@ def _scripts(math: str) -> str:
         if raw.startswith("\\") and raw[1:].isalpha() and raw not in ("\\infty", "\\prime"):
             continue  # ^\command with arguments: leave it to the parser
         body = math_to_unicode(raw) if "\\" in raw or "{" in raw else _scripts(raw.strip())
-        table, chars = (_SUPERSCRIPT, _SUPER_CHARS) if match.group(0) == "^" else (
-            _SUBSCRIPT, _SUB_CHARS)  # fmt: skip
+        table, chars = (
+            (_SUPERSCRIPT, _SUPER_CHARS) if match.group(0) == "^" else (_SUBSCRIPT, _SUB_CHARS)
+        )
         if body and set(body) <= chars:
             shown = body.translate(table)
         else:
@@ -213,8 +228,11 @@ def _environments(math: str) -> str:
     bracketed matrices)."""
 
     def rows(body: str) -> list[list[str]]:
-        return [[cell.strip() for cell in row.split("&")]
-                for row in re.split(r"\\\\", body) if row.strip()]  # fmt: skip
+        return [
+            [cell.strip() for cell in row.split("&")]
+            for row in re.split(r"\\\\", body)
+            if row.strip()
+        ]
 
     def cases(match: re.Match[str]) -> str:
         parts = []
@@ -229,8 +247,7 @@ def _environments(math: str) -> str:
         return "|" + "; ".join(" ".join(row) for row in rows(match.group(1))) + "|"
 
     math = re.sub(r"\\begin\{cases\}(.*?)\\end\{cases\}", cases, math, flags=re.DOTALL)
-    return re.sub(r"\\begin\{vmatrix\}(.*?)\\end\{vmatrix\}", determinant, math,
-                  flags=re.DOTALL)  # fmt: skip
+    return re.sub(r"\\begin\{vmatrix\}(.*?)\\end\{vmatrix\}", determinant, math, flags=re.DOTALL)
 
 
 def _group_fractions(math: str) -> str:
@@ -252,8 +269,11 @@ def _group_fractions(math: str) -> str:
             before = math[position : match.start()]
             fraction = math[match.start() : end]
             after = math[end:]
-            if re.match(r"[a-zA-Z(]|\\(?:sqrt|pi|theta|alpha|beta|gamma|phi|omega|lambda|mu)"
-                        r"(?![a-zA-Z])", after):  # fmt: skip
+            if re.match(
+                r"[a-zA-Z(]|\\(?:sqrt|pi|theta|alpha|beta|gamma|phi|omega|lambda|mu)"
+                r"(?![a-zA-Z])",
+                after,
+            ):
                 fraction = f"({fraction})"
             if before[-1:].isdigit():
                 before += " "
@@ -443,9 +463,13 @@ def math_to_unicode(math: str) -> str:
     return re.sub(r"[ \t]+", " ", text).strip()
 
 
-def _wrap_outside_math(text: str, pattern: re.Pattern[str],
-                       extent: Callable[[re.Match[str]], int | None], opening: str,
-                       closing: str) -> str:  # fmt: skip
+def _wrap_outside_math(
+    text: str,
+    pattern: re.Pattern[str],
+    extent: Callable[[re.Match[str]], int | None],
+    opening: str,
+    closing: str,
+) -> str:
     """Wrap each match of ``pattern`` that is not inside math in ``opening``...``closing``, up
     to where ``extent`` says it ends (None: it is left as it is)."""
     spans = [(start, end) for start, end, _kind, _math in _math_matches(text)]

@@ -226,11 +226,14 @@ class LoopDetector:
             ``at`` ended before; None where it did not (within NGRAM words of a change)."""
             key, back = keys[at], at + period
             return (
-                period if keys[back] == key
-                else period - 1 if keys[back - 1] == key
-                else period + 1 if keys[back + 1] == key
+                period
+                if keys[back] == key
+                else period - 1
+                if keys[back - 1] == key
+                else period + 1
+                if keys[back + 1] == key
                 else None
-            )  # fmt: skip
+            )
 
         lags: list[int | None] = []
         for start in range(0, COPIES * period, period):

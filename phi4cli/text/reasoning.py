@@ -587,8 +587,11 @@ def _parsed(answer: str) -> Any:
         return []
 
 
-def majority_vote(answers: Sequence[str | None], equal: Equal = same_answer,
-                  weights: Sequence[float] | None = None) -> Vote:  # fmt: skip
+def majority_vote(
+    answers: Sequence[str | None],
+    equal: Equal = same_answer,
+    weights: Sequence[float] | None = None,
+) -> Vote:
     """Vote over sample answers (None = no answer): equal answers (``equal``) count together,
     and the winner is reported in its most common written form; ties go to the answer that came
     first. With ``weights`` (one per answer: DeepConf's confidence-weighted vote), the answer
@@ -625,8 +628,9 @@ def majority_vote(answers: Sequence[str | None], equal: Equal = same_answer,
     best = max(forms.values())
     form = next(w for w in written if forms[normalize_answer(w)] == best)
     others = sorted((len(members) for members in classes if members is not winner), reverse=True)
-    return Vote(form, top, len(answers), len(leaders) > 1, tuple(winner),
-                others[0] if others else 0)  # fmt: skip
+    return Vote(
+        form, top, len(answers), len(leaders) > 1, tuple(winner), others[0] if others else 0
+    )
 
 
 # Stop once the leader leads with 93%: 3 of 3 agreeing. Adaptive-Consistency's paper uses 95%

@@ -142,6 +142,10 @@ class ThinkingPolicy:
 
     def stats(self) -> dict[str, object]:
         """The request's Stats fields this policy decides."""
-        return {"budget_reached": self.budget_reached, "loop": self.loop,
-                "loop_at": self.loop_at, "waits": self.waits,
-                "answered_early": self.answered_early}  # fmt: skip
+        return {
+            "budget_reached": self.budget_reached,
+            "loop": self.loop,
+            "loop_at": self.loop_at,
+            "waits": self.waits,
+            "answered_early": self.answered_early,
+        }

@@ -225,9 +225,15 @@ class LlamaEngine:
             tokens = prompts.question(params)
         room = capacity - len(tokens)
         # What does not fit, as data: each door words it (the CLI its flags, serve OpenAI's).
-        fault = Fault("prompt", len(tokens), capacity, prompt=len(tokens), n_ctx=model.n_ctx,
-                      streams=len(self._slots) if cells.streams else 0,
-                      system=0 if cells.streams else len(cells.system_tokens))  # fmt: skip
+        fault = Fault(
+            "prompt",
+            len(tokens),
+            capacity,
+            prompt=len(tokens),
+            n_ctx=model.n_ctx,
+            streams=len(self._slots) if cells.streams else 0,
+            system=0 if cells.streams else len(cells.system_tokens),
+        )
         if room < 1:  # the prompt alone: no --max-tokens would make it fit
             raise ContextOverflowError(fault)
         if max_tokens is not None:
@@ -333,8 +339,11 @@ class LlamaEngine:
         """Decode one batch for all active slots; return the requests that finished, with their
         stats. A request whose job was cancelled finishes here, within one step."""
         model, _ = self._loaded()
-        finished = [self._finish(slot, "cancelled") for slot in self._slots
-                    if slot.run is not None and slot.run.job.cancelled.is_set()]  # fmt: skip
+        finished = [
+            self._finish(slot, "cancelled")
+            for slot in self._slots
+            if slot.run is not None and slot.run.job.cancelled.is_set()
+        ]
         chunks: list[tuple[Slot, list[int], bool]] = []  # slot, tokens to feed, prompt done
         answering = [s for s in self._slots if s.run is not None and s.run.prompt_s is not None]
         reading = [s for s in self._slots if s.run is not None and s.run.prompt_s is None]
@@ -387,8 +396,10 @@ class LlamaEngine:
         if not entries:
             return finished
         if model.growing is not None:  # the whole context once made, or now if these need it
-            adding = {slot.seq: count + len(drafts[slot][0] if slot in drafts else ())
-                      for slot, count, _ in fed}  # fmt: skip
+            adding = {
+                slot.seq: count + len(drafts[slot][0] if slot in drafts else ())
+                for slot, count, _ in fed
+            }
             model.grow(wait=not self._loaded_cells().holds(model.cells_now, adding))
         if model.shrunk:  # it could not be made: nothing is decoded that the small one cannot hold
             model.shrunk = False
@@ -433,8 +444,9 @@ class LlamaEngine:
         from), as long as the gate says (none where drafting does not pay); for one that drafts
         none, a shadow draft, judged by the tokens it then emits."""
         gate = self._gate
-        answering = [slot for slot, _, _ in chunks
-                     if slot.run is not None and slot.run.prompt_s is not None]  # fmt: skip
+        answering = [
+            slot for slot, _, _ in chunks if slot.run is not None and slot.run.prompt_s is not None
+        ]
         drafters: list[Drafter | None] = []
         for slot in answering:
             run = slot.run
@@ -456,8 +468,9 @@ class LlamaEngine:
                 continue
             context = [*slot.tokens[-NGRAM_MAX:], *slot.pending]
             # Within the request's reservation and budget, and the batch.
-            limit = min(length, room, run.max_len - len(slot.tokens) - 2,
-                        run.budget - run.generated - 1)  # fmt: skip
+            limit = min(
+                length, room, run.max_len - len(slot.tokens) - 2, run.budget - run.generated - 1
+            )
             if limit > 0:
                 whole, source = drafter.draft(context, DRAFT_MAX)
                 if whole:
@@ -493,8 +506,12 @@ class LlamaEngine:
             outcome = self._advance(slot, index + i)
             if outcome is not None or i == len(draft):
                 break
-            if (run.finish_reason is not None or slot.pending != [draft[i]]
-                    or len(slot.tokens) != length or run.generated != generated + 1):  # fmt: skip
+            if (
+                run.finish_reason is not None
+                or slot.pending != [draft[i]]
+                or len(slot.tokens) != length
+                or run.generated != generated + 1
+            ):
                 # A token not the draft's, the daemon's own after it, or tokens taken back
                 # (a Wait): its cells are no longer the draft's.
                 break
@@ -578,15 +595,20 @@ class LlamaEngine:
                     cells.drop(slot, 0)
         else:
             cells.reclaim(0, None)
-        why = (f"the daemon could not make its whole context (its log says why) and the "
-               f"{model.n_ctx:,}-token one it answers from cannot hold this request; lower "
-               "--max-tokens, or restart the daemon (phi4 stop)")  # fmt: skip
+        why = (
+            f"the daemon could not make its whole context (its log says why) and the "
+            f"{model.n_ctx:,}-token one it answers from cannot hold this request; lower "
+            "--max-tokens, or restart the daemon (phi4 stop)"
+        )
         finished = []
         running = [s for s in self._slots if s.run is not None]
         for slot in sorted(running, key=lambda s: s.run.started if s.run else 0.0, reverse=True):
             assert slot.run is not None
-            if (slot.run.reserved <= capacity) if cells.streams else \
-                    (cells.committed() <= capacity):  # fmt: skip
+            if (
+                (slot.run.reserved <= capacity)
+                if cells.streams
+                else (cells.committed() <= capacity)
+            ):
                 continue
             slot.run.job.cancel(ErrorCode.CONTEXT_OVERFLOW, why)
             finished.append(self._finish(slot, "context"))
@@ -648,32 +670,34 @@ class LlamaEngine:
         )
         now = time.monotonic()
         # What Stats names goes in its fields, the rest (restores, the slot) in its extra.
-        return run.job, Stats.from_mapping({
-            **chat,
-            "prompt_tokens": len(run.prompt),
-            "cached_tokens": run.cached,
-            "prompt_eval_tokens": len(run.prompt) - run.cached,
-            "prompt_eval_s": round(run.prompt_s or (now - run.started), 4),
-            "completion_tokens": run.generated,
-            "reasoning_tokens": run.reasoning_tokens,
-            "answer_tokens": run.generated - run.reasoning_tokens,
-            **run.policy.stats(),
-            **(run.trace.stats() if run.trace is not None else {}),
-            "thinking_unfinished": run.splitter.unfinished,
-            "decode_s": round(now - run.decode_started, 4) if prefilled else 0.0,
-            "draft_tokens": run.drafter.drafted if run.drafter is not None else 0,
-            "draft_accepted": run.drafter.accepted if run.drafter is not None else 0,
-            "first_token_s": None if run.first_token_s is None else round(run.first_token_s, 4),
-            "total_s": round(now - run.started, 4),
-            "finish_reason": reason,
-            "max_tokens": run.budget,
-            "restored_tokens": run.restored,
-            "restore_s": round(run.restore_s, 4),
-            "reserved_tokens": run.reserved,
-            "seed": run.seed,
-            "slot": slot.seq,
-            "model": str(model.path),
-        })  # fmt: skip
+        return run.job, Stats.from_mapping(
+            {
+                **chat,
+                "prompt_tokens": len(run.prompt),
+                "cached_tokens": run.cached,
+                "prompt_eval_tokens": len(run.prompt) - run.cached,
+                "prompt_eval_s": round(run.prompt_s or (now - run.started), 4),
+                "completion_tokens": run.generated,
+                "reasoning_tokens": run.reasoning_tokens,
+                "answer_tokens": run.generated - run.reasoning_tokens,
+                **run.policy.stats(),
+                **(run.trace.stats() if run.trace is not None else {}),
+                "thinking_unfinished": run.splitter.unfinished,
+                "decode_s": round(now - run.decode_started, 4) if prefilled else 0.0,
+                "draft_tokens": run.drafter.drafted if run.drafter is not None else 0,
+                "draft_accepted": run.drafter.accepted if run.drafter is not None else 0,
+                "first_token_s": None if run.first_token_s is None else round(run.first_token_s, 4),
+                "total_s": round(now - run.started, 4),
+                "finish_reason": reason,
+                "max_tokens": run.budget,
+                "restored_tokens": run.restored,
+                "restore_s": round(run.restore_s, 4),
+                "reserved_tokens": run.reserved,
+                "seed": run.seed,
+                "slot": slot.seq,
+                "model": str(model.path),
+            }
+        )
 
 
 def check_model_file(path: Path, whole: bool = True) -> None:
@@ -713,8 +737,13 @@ def _make_sampler(sampling: Sampling, seed: int, n_vocab: int) -> Any:
     then top-k, top-p, min-p and the temperature before the draw."""
     sampler = llama_internals.LlamaSampler()
     if sampling.repeat_penalty != 1.0 or sampling.frequency_penalty or sampling.presence_penalty:
-        sampler.add_penalties(n_vocab, REPEAT_LAST_N, sampling.repeat_penalty,
-                              sampling.frequency_penalty, sampling.presence_penalty)  # fmt: skip
+        sampler.add_penalties(
+            n_vocab,
+            REPEAT_LAST_N,
+            sampling.repeat_penalty,
+            sampling.frequency_penalty,
+            sampling.presence_penalty,
+        )
     if sampling.temperature <= 0.0:
         sampler.add_greedy()
     else:

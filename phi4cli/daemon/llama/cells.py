@@ -137,12 +137,18 @@ class KVCells:
         stat = path.stat()
         key = hashlib.sha256(
             json.dumps(
-                [str(path), stat.st_size, stat.st_mtime_ns, prefix, llama_cpp.__version__,
-                 self.model.plan.kv_cache_type,
-                 # llama.cpp loads a state only into as many streams as it was saved from
-                 [self.model.plan.slots] if self.streams else []],
+                [
+                    str(path),
+                    stat.st_size,
+                    stat.st_mtime_ns,
+                    prefix,
+                    llama_cpp.__version__,
+                    self.model.plan.kv_cache_type,
+                    # llama.cpp loads a state only into as many streams as it was saved from
+                    [self.model.plan.slots] if self.streams else [],
+                ],
             ).encode()
-        ).hexdigest()[:24]  # fmt: skip
+        ).hexdigest()[:24]
         return self.state_dir / f"system-{key}.state"
 
     def capacity(self) -> int:
@@ -183,8 +189,9 @@ class KVCells:
         swapped = self.swap.get(params.session)
         if swapped is None:
             return None
-        held = max((common_prefix(s.tokens, tokens) for s in self.slots if s.run is None),
-                   default=0)  # fmt: skip
+        held = max(
+            (common_prefix(s.tokens, tokens) for s in self.slots if s.run is None), default=0
+        )
         usable = common_prefix(swapped.tokens, tokens)  # a /retry continues from an earlier turn
         return swapped if usable >= held + SWAP_MIN_TOKENS else None
 
@@ -206,8 +213,12 @@ class KVCells:
             size = model.save_seq(slot.seq, slot.tokens, path)
             if size is not None:
                 self.swap.add(session.id, slot.tokens, size)
-                log.info("swapped session %s out (%d tokens, %.3f s)", session.id,
-                         len(slot.tokens), time.monotonic() - started)  # fmt: skip
+                log.info(
+                    "swapped session %s out (%d tokens, %.3f s)",
+                    session.id,
+                    len(slot.tokens),
+                    time.monotonic() - started,
+                )
         elif session is None:
             self._keep_prompt(slot, keep)
         slot.session = None

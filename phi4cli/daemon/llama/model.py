@@ -88,11 +88,16 @@ _log_callback = llama_cpp.llama_log_callback(_log_filter)  # kept: llama.cpp hol
 llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
 
 DECODE_OK, DECODE_NO_KV_SPACE = 0, 1
-_GGML_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
-               "q4_0": llama_cpp.GGML_TYPE_Q4_0}  # fmt: skip
-_FLASH_ATTN = {"on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-               "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-               "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO}  # fmt: skip
+_GGML_TYPES = {
+    "f16": llama_cpp.GGML_TYPE_F16,
+    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
+_FLASH_ATTN = {
+    "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+}
 # ggml_backend_dev_type: CPU, GPU, IGPU (integrated, host memory), ACCEL, META
 _GPU_DEVICE_TYPES = (1, 2)
 
@@ -116,8 +121,10 @@ def gpu_devices() -> tuple[Device, ...]:
         ggml.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
         ggml.ggml_backend_dev_description.restype = ctypes.c_char_p
         ggml.ggml_backend_dev_memory.argtypes = [
-            ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t),
-        ]  # fmt: skip
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.POINTER(ctypes.c_size_t),
+        ]
         devices = []
         for index in range(ggml.ggml_backend_dev_count()):
             handle = ggml.ggml_backend_dev_get(index)
@@ -275,17 +282,31 @@ class LoadedModel:
             small, self.context = self.context, whole
             small.close()
             llama_cpp.llama_set_n_threads(whole.ctx, self.threads, self.threads)
-            log.info("the whole context of %d cells is ready (made in %.2f s beside the first "
-                     "answers; waited %.2f s for it)", self.plan.n_ctx, growing.seconds,
-                     waited)  # fmt: skip
+            log.info(
+                "the whole context of %d cells is ready (made in %.2f s beside the first "
+                "answers; waited %.2f s for it)",
+                self.plan.n_ctx,
+                growing.seconds,
+                waited,
+            )
             return
         if whole is not None:
             whole.close()
         cells = growing.start_cells
-        log.warning("could not make the whole context of %d cells (%s); answering from one of %d",
-                    self.plan.n_ctx, problem, cells)  # fmt: skip
-        small = replace(self.plan, n_ctx=cells, notes=(*self.plan.notes, f"context kept at "
-                        f"{cells} cells: the whole one could not be made"))  # fmt: skip
+        log.warning(
+            "could not make the whole context of %d cells (%s); answering from one of %d",
+            self.plan.n_ctx,
+            problem,
+            cells,
+        )
+        small = replace(
+            self.plan,
+            n_ctx=cells,
+            notes=(
+                *self.plan.notes,
+                f"context kept at {cells} cells: the whole one could not be made",
+            ),
+        )
         self.plan = replace(small, request_tokens=min(small.request_tokens, small.request_capacity))
         self.info["memory"] = self.plan.as_dict()  # (what status shows of the plan)
         self.shrunk = True
@@ -561,12 +582,24 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
             first, lambda: _make_context(model, plan, plan.n_ctx, n_batch, threads)
         )
     load_s = time.monotonic() - started
-    log.info("loaded %s from %s in %.2f s (threads %d, n_ctx %d, %d slots, %s KV %s, gpu layers "
-             "%d)", path, staging.path, load_s, threads, plan.n_ctx, plan.slots,
-             plan.kv_cache_type, plan.kv_layout, plan.gpu_layers)  # fmt: skip
+    log.info(
+        "loaded %s from %s in %.2f s (threads %d, n_ctx %d, %d slots, %s KV %s, gpu layers %d)",
+        path,
+        staging.path,
+        load_s,
+        threads,
+        plan.n_ctx,
+        plan.slots,
+        plan.kv_cache_type,
+        plan.kv_layout,
+        plan.gpu_layers,
+    )
     if first is not None:
-        log.info("answering from a context of %d cells while the whole one of %d is made",
-                 first, plan.n_ctx)  # fmt: skip
+        log.info(
+            "answering from a context of %d cells while the whole one of %d is made",
+            first,
+            plan.n_ctx,
+        )
     info = {
         "model": str(path),
         "loaded_from": str(staging.path),
@@ -583,9 +616,17 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
         "memory": plan.as_dict(),
     }
     return LoadedModel(
-        path=path, model=model, context=context, batch=batch, plan=plan, n_batch=n_batch,
-        thinks=shape.thinks, info=info, threads=threads, growing=growing,
-    )  # fmt: skip
+        path=path,
+        model=model,
+        context=context,
+        batch=batch,
+        plan=plan,
+        n_batch=n_batch,
+        thinks=shape.thinks,
+        info=info,
+        threads=threads,
+        growing=growing,
+    )
 
 
 def _make_context(model: Any, plan: MemoryPlan, n_ctx: int, n_batch: int, threads: int) -> Any:

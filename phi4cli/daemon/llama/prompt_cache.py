@@ -107,6 +107,10 @@ class PromptCache:
 
     def usage(self) -> dict[str, int]:
         with self._lock:
-            return {"prompts": len(self._entries), "bytes": self._bytes,
-                    "max_bytes": self.max_bytes, "hits": self.hits,
-                    "hit_tokens": self.hit_tokens}  # fmt: skip
+            return {
+                "prompts": len(self._entries),
+                "bytes": self._bytes,
+                "max_bytes": self.max_bytes,
+                "hits": self.hits,
+                "hit_tokens": self.hit_tokens,
+            }

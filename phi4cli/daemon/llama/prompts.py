@@ -105,8 +105,9 @@ class Prompts:
         tokens: list[int] = []
         for text, template in pieces:
             if text:
-                tokens += self.model.tokenize(text, add_bos=add_bos and not tokens,
-                                              special=template)  # fmt: skip
+                tokens += self.model.tokenize(
+                    text, add_bos=add_bos and not tokens, special=template
+                )
         return tokens if tokens or not add_bos else self.model.tokenize("")
 
     def question(self, params: SolveParams) -> list[int]:
@@ -167,8 +168,11 @@ class Prompts:
         session = self.sessions.get(params.session)
         # A deterministic turn is rendered from the transcript, as a fresh daemon would: the
         # session's tokens hold what this daemon happened to generate (its thinking too).
-        base = (session.continues(self.model.path, params.ask.system, history)
-                if session and not params.ask.deterministic else None)  # fmt: skip
+        base = (
+            session.continues(self.model.path, params.ask.system, history)
+            if session and not params.ask.deterministic
+            else None
+        )
         tokens: list[int] | None = None
         dropped, rebuilt = 0, False
         if base is not None and self.glue is not None and session is not None:
@@ -265,13 +269,16 @@ class Prompts:
                 id=params.session,
                 model=Path(self.model.path),
                 system=params.ask.system,
-                messages=[*history, {"role": "user", "content": params.prompt},
-                          {"role": "assistant", "content": answer}],
+                messages=[
+                    *history,
+                    {"role": "user", "content": params.prompt},
+                    {"role": "assistant", "content": answer},
+                ],
                 tokens=tokens,
                 turn_ends=turn_ends,
                 dropped_turns=(old.dropped_turns if old else 0) + plan.dropped_turns,
             )
-        )  # fmt: skip
+        )
         return {
             "session": params.session,
             "turn": turn,

@@ -152,8 +152,11 @@ class Drafter:
         recent occurrence of the longest ending of it found, the request's own text first."""
         best: tuple[int, int] | None = None
         chosen, source = self.own, ""
-        for name, indexes in (("own", (self.own,)), ("siblings", self.siblings),
-                              ("pool", self.pool)):  # fmt: skip
+        for name, indexes in (
+            ("own", (self.own,)),
+            ("siblings", self.siblings),
+            ("pool", self.pool),
+        ):
             for index in indexes:
                 found = index.find(context)
                 if found is not None and (best is None or found[1] > best[1]):

@@ -109,8 +109,9 @@ class RunWriter:
         if act is Act.ANSWER:
             act = run.policy.closed(self._close_thinking(slot))
             if run.policy.answered_early and act is Act.GO_ON and run.policy.loop is None:
-                log.info("the answer was asked for now at %d tokens: ended the thinking",
-                         run.generated)  # fmt: skip
+                log.info(
+                    "the answer was asked for now at %d tokens: ended the thinking", run.generated
+                )
             elif run.policy.loop == "answered" and act is Act.GO_ON:
                 log.info("the thinking looped at %d tokens: ended it", run.generated)
         if act is Act.STOP:
@@ -187,7 +188,10 @@ class RunWriter:
 
         def shown(token_id: int, logprob: float) -> dict[str, Any]:
             piece = prompts.piece(token_id)
-            return {"token": piece.decode("utf-8", "replace"), "logprob": logprob,
-                    "bytes": list(piece)}  # fmt: skip
+            return {
+                "token": piece.decode("utf-8", "replace"),
+                "logprob": logprob,
+                "bytes": list(piece),
+            }
 
         return {**shown(token, chosen), "top_logprobs": [shown(t, lp) for t, lp in likeliest]}
