@@ -13,6 +13,7 @@ from phi4cli.client.repl import chat_words
 from phi4cli.core import errors
 from phi4cli.core.errors import ErrorCode, Fault, RequestError, error_for
 from phi4cli.core.protocol import Event
+from phi4cli.engines.outcome import Outcome
 from phi4cli.serve.openai_request import ApiError
 
 TOO_MANY = Fault("max_tokens", 5_100, 4_096, prompt=100, n_ctx=16_384, streams=4)
@@ -100,3 +101,22 @@ def test_serve_names_the_param_from_the_fault_whatever_the_command_line_says(
     # Without a fault (an older daemon) the message is passed on and no param is guessed.
     plain = ApiError.of(Event.error(ErrorCode.CONTEXT_OVERFLOW, "lower --max-tokens"))
     assert plain.param is None and plain.message == "lower --max-tokens"
+
+
+def test_a_file_of_problems_and_its_records_say_a_fault_the_command_lines_way():
+    # `solve --file` lines, --jsonl and eval records print the error of each problem: the
+    # command line's words, not the daemon log's.
+    outcome = Outcome(index=0, question="q")
+    outcome.apply(over_the_wire(Event.error(ErrorCode.CONTEXT_OVERFLOW, "log words", 0, TOO_MANY)))
+    assert outcome.error_message == errors.cli_words(TOO_MANY)
+    assert outcome.to_json()["error"]["message"] == errors.cli_words(TOO_MANY)
+
+
+def test_a_context_the_daemon_could_not_make_is_said_by_each_door():
+    shrunk = Fault("max_tokens", 3_000, 2_048, prompt=100, n_ctx=2_048, shrunk=True)
+    said = str(error_for(ErrorCode.CONTEXT_OVERFLOW, "x", shrunk))
+    assert said.startswith("the daemon could not make its whole context (its log says why)")
+    assert "lower --max-tokens, or restart the daemon (phi4 stop)" in said
+    message, param = errors.api_words(shrunk)
+    assert param == "max_tokens" and "lower max_tokens" in message and "--" not in message
+    assert over_the_wire(Event.error(ErrorCode.CONTEXT_OVERFLOW, "x", 1, shrunk)).fault == shrunk

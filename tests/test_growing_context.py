@@ -258,6 +258,10 @@ def test_requests_the_small_context_cannot_hold_end_when_the_whole_one_cannot_be
             break
     assert sorted(job.request_id for job, _ in finished) == [0, 1]
     assert all(job.cancel_code == ErrorCode.CONTEXT_OVERFLOW for job in jobs)
+    # Said as data: each door words it (serve names max_tokens in its 400).
+    faults = [job.cancel_fault for job in jobs if job.cancel_fault is not None]
+    assert faults and all(f.shrunk and f.param == "max_tokens" for f in faults)
+    assert all(f.needed > f.limit for f in faults)
     assert all("could not make its whole context" in (job.cancel_message or "") for job in jobs)
     assert engine.active == 0
     assert answers(engine, 1)[0], "the small context still answers what it holds"

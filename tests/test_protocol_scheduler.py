@@ -303,6 +303,7 @@ def test_a_job_that_could_never_fit_is_refused_without_waiting():
         "n_ctx": 0,
         "streams": 0,
         "system": 0,
+        "shrunk": False,
     }
     assert "needs 11 tokens of context" in refused["message"]
     scheduler.stop(5)

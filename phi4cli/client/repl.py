@@ -608,8 +608,10 @@ def chat_words(error: Phi4Error) -> str:
     (the answer's tokens named as /set names them), else from the command line's words."""
     if error.fault is None:
         return chat_hints(str(error))
-    said = cli_words(error.fault, max_tokens="max_tokens")
-    return f"{said} (in this chat: /set max_tokens N)" if "max_tokens" in said else said
+    fault = error.fault
+    said = cli_words(fault, max_tokens="max_tokens")
+    lowers = fault.param == "max_tokens" or fault.available is not None
+    return f"{said} (in this chat: /set max_tokens N)" if lowers else said
 
 
 def chat_hints(message: str) -> str:

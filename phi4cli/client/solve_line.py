@@ -1,8 +1,8 @@
 """``phi4 solve``'s command line read from a table generated from the Typer command
-(``_solve_options``, kept current by ``python -m phi4cli.docs`` and a test), without Typer: by
-the full client's fast entry (``phi4cli.entry``) and by the daemon for the thin client
-(``served``). Anything it is not sure of (``--help``, an unknown option, a value Typer would
-refuse) it leaves to Typer, which then says exactly what it always says."""
+(``_solve_options``, kept current by ``python -m phi4cli.docs`` and a test), without Typer, by
+the fast entry (``phi4cli.entry``), so that a warm solve does not import Typer. Anything it is
+not sure of (``--help``, an unknown option, a value Typer would refuse) it leaves to Typer,
+which then says exactly what it always says."""
 
 from __future__ import annotations
 

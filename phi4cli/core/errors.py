@@ -163,6 +163,9 @@ class Fault(NamedTuple):
     n_ctx: int = 0
     streams: int = 0  # the context split into this many streams (0: one shared cache)
     system: int = 0
+    # The daemon could not make its whole context and answers from a smaller one (``n_ctx``),
+    # which cannot hold this request (its log says why).
+    shrunk: bool = False
 
     def to_wire(self) -> dict[str, object]:
         return {key: value for key, value in self._asdict().items() if value is not None}
@@ -173,7 +176,8 @@ class Fault(NamedTuple):
         if not isinstance(data, dict) or not isinstance(data.get("param"), str):
             return None
         known = {k: v for k, v in data.items() if k in cls._fields}
-        if any(not isinstance(v, int) for k, v in known.items() if k != "param" and v is not None):
+        numbers = [v for k, v in known.items() if k != "param" and v is not None]
+        if any(not isinstance(v, int) for v in numbers):  # (bool, for shrunk, is an int)
             return None
         return cls(**known)
 
@@ -185,6 +189,12 @@ def cli_words(fault: Fault, max_tokens: str = "--max-tokens") -> str:
     """A context fault as the command line says it: its flags (``max_tokens`` names the one
     for the answer's tokens: a chat says ``max_tokens``, set with /set), and what to run."""
     lower = f"lower {max_tokens}, or restart the daemon with a larger one ({RESTART})"
+    if fault.shrunk:
+        return (
+            f"the daemon could not make its whole context (its log says why) and the "
+            f"{fault.n_ctx:,}-token one it answers from cannot hold this request; lower "
+            f"{max_tokens}, or restart the daemon (phi4 stop)"
+        )
     if fault.available is not None:
         return (
             f"the request needs {fault.needed:,} tokens of context and only "
@@ -217,6 +227,12 @@ def cli_words(fault: Fault, max_tokens: str = "--max-tokens") -> str:
 def api_words(fault: Fault) -> tuple[str, str]:
     """A context fault as an OpenAI-shaped API says it: the message, and the ``param`` (the
     request field at fault)."""
+    if fault.shrunk:
+        return (
+            f"the server could not make its whole context and the {fault.n_ctx:,}-token one it "
+            "answers from cannot hold this request; lower max_tokens",
+            "max_tokens",
+        )
     if fault.available is not None:
         return (
             f"the request needs {fault.needed:,} tokens of context and only "

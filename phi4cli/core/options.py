@@ -16,7 +16,7 @@ OpenAI wire. Everything else is derived from the table:
 - what a chat may ``/set`` (``chats``, ``repl``), and what an eval's results say made them.
 
 Adding a sampler is a row here and its use in ``daemon/llama/batch.py``. This module imports
-only leaves (the protocol reads it), and no ``typing`` at run time (the fast path reads it).
+only leaves (the protocol reads it).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any, Final, NamedTuple
 
 from phi4cli.core._settings import Ask
 from phi4cli.core.errors import ErrorCode as ErrorCode  # the wire's error codes
-from phi4cli.core.errors import Fault, Phi4Error, error_for
+from phi4cli.core.errors import Fault, Phi4Error, cli_words, error_for
 from phi4cli.core.options import MAX_COUNT
 
 PROTOCOL_VERSION: Final = 1
@@ -214,6 +214,12 @@ class Event(NamedTuple):
     def fault(self) -> Fault | None:
         """An error event's facts (the field at fault, the numbers), where it gives them."""
         return Fault.from_wire(self.data.get("fault"))
+
+    @property
+    def said(self) -> str:
+        """An error event as the command line words it: from its fault, else its message."""
+        fault = self.fault
+        return self.message if fault is None else cli_words(fault)
 
     def exception(self) -> Phi4Error:
         """An error event as the exception the CLI reports (worded from its fault)."""

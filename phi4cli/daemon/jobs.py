@@ -117,6 +117,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     cancel_code: ErrorCode = ErrorCode.CANCELLED
     cancel_message: str | None = None
+    cancel_fault: Fault | None = None
     seq: int = field(default_factory=lambda: next(_job_seq))
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0
@@ -139,9 +140,15 @@ class Job:
         if self.confidence_floor is None:
             self.confidence_floor = self.params.confidence_floor
 
-    def cancel(self, code: ErrorCode = ErrorCode.CANCELLED, message: str | None = None) -> None:
+    def cancel(
+        self,
+        code: ErrorCode = ErrorCode.CANCELLED,
+        message: str | None = None,
+        fault: Fault | None = None,
+    ) -> None:
         self.cancel_code = code
         self.cancel_message = message  # what the client is told, if not the code's usual words
+        self.cancel_fault = fault  # its facts, for each client to word them
         self.cancelled.set()
 
     def emit_token(self, kind: str, text: str, logprobs: list[Any] | None = None) -> None:

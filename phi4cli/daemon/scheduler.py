@@ -420,6 +420,7 @@ class RequestScheduler:
                 job.fail(
                     job.cancel_code,
                     job.cancel_message or _CANCEL_MESSAGES.get(job.cancel_code, "cancelled"),
+                    job.cancel_fault,
                 )
             else:
                 job.done(finish_reason=stats.finish_reason)

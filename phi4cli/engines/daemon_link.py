@@ -115,7 +115,7 @@ class DaemonConnection:
         request_id, line = _request_line(op, params)
         try:
             self._write(line)
-        except OSError as exc:  # ConnectionError: a channel's daemon is on its way out
+        except OSError as exc:  # ConnectionError: the daemon hung up
             raise DaemonGoneError(f"lost the connection to the daemon: {exc}") from None
         return request_id
 

@@ -90,7 +90,7 @@ class Outcome:
 
     @property
     def error_message(self) -> str:
-        return "" if self.error is None else self.error.message
+        return "" if self.error is None else self.error.said
 
     def fail(self, code: ErrorCode, message: str) -> None:
         self.apply(Event.error(code, message))
@@ -158,7 +158,7 @@ class Outcome:
         if self.check is not None:
             record["check"] = self.check.to_json()
         if self.error is not None:
-            record["error"] = {"code": self.error.code.value, "message": self.error.message}
+            record["error"] = {"code": self.error.code.value, "message": self.error.said}
         return record
 
     @property

@@ -29,7 +29,7 @@ from llama_cpp import _internals as llama_internals
 
 from phi4cli.core._settings import Sampling
 from phi4cli.core.config import Settings
-from phi4cli.core.errors import Fault
+from phi4cli.core.errors import Fault, log_words
 from phi4cli.core.machine import physical_cores
 from phi4cli.core.protocol import ErrorCode, Stats
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
@@ -595,11 +595,6 @@ class LlamaEngine:
                     cells.drop(slot, 0)
         else:
             cells.reclaim(0, None)
-        why = (
-            f"the daemon could not make its whole context (its log says why) and the "
-            f"{model.n_ctx:,}-token one it answers from cannot hold this request; lower "
-            "--max-tokens, or restart the daemon (phi4 stop)"
-        )
         finished = []
         running = [s for s in self._slots if s.run is not None]
         for slot in sorted(running, key=lambda s: s.run.started if s.run else 0.0, reverse=True):
@@ -610,7 +605,15 @@ class LlamaEngine:
                 else (cells.committed() <= capacity)
             ):
                 continue
-            slot.run.job.cancel(ErrorCode.CONTEXT_OVERFLOW, why)
+            fault = Fault(
+                "max_tokens",
+                slot.run.reserved,
+                capacity,
+                n_ctx=model.n_ctx,
+                prompt=len(slot.run.prompt),
+                shrunk=True,
+            )
+            slot.run.job.cancel(ErrorCode.CONTEXT_OVERFLOW, log_words(fault), fault)
             finished.append(self._finish(slot, "context"))
         return finished
 

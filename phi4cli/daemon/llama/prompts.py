@@ -190,9 +190,13 @@ class Prompts:
             if dropped or base is not None:
                 session = None  # what is left was rendered afresh: its turn ends are not known
         if len(tokens) >= n_ctx:
-            raise ContextOverflowError(
-                Fault("prompt", len(tokens), n_ctx, prompt=len(tokens), n_ctx=n_ctx)
+            plan = self.model.plan
+            streams = plan.slots if plan.kv_layout == "streams" else 0
+            # (Shared: the cells one request may hold, the system prompt's left out.)
+            fault = Fault(
+                "prompt", len(tokens), n_ctx, prompt=len(tokens), n_ctx=plan.n_ctx, streams=streams
             )
+            raise ContextOverflowError(fault)
         return tokens, ChatPlan(history, dropped, rebuilt, session)
 
     def _rendered(self, params: SolveParams, history: list[Message]) -> list[int]:
