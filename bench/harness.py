@@ -10,7 +10,6 @@ or batching speeds waits for phi4's whole context too, or its first rounds pay f
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ PHI4 = [sys.executable, "-m", "phi4cli"]
 
 def start_daemon(model: Path | str, env: Mapping[str, str], args: Sequence[str] = ()) -> None:
     """``phi4 daemon start -m MODEL ARGS`` under ``env``, returning once the whole context is
-    made (``status --json`` has no ``context_growing_s`` any more)."""
+    made (its status has no ``context_growing_s`` any more)."""
     subprocess.run(
         [*PHI4, "daemon", "start", "-m", str(model), *args],
         env=dict(env),
@@ -33,13 +32,17 @@ def start_daemon(model: Path | str, env: Mapping[str, str], args: Sequence[str] 
 
 
 def wait_whole_context(env: Mapping[str, str], timeout: float = 600.0) -> float:
-    """Wait until the daemon answers from its whole context; return the seconds waited."""
+    """Wait until the daemon of ``env``'s ``PHI4_HOME`` answers from its whole context; return
+    the seconds waited. (Asked over its socket from this process: a ``phi4 status`` process
+    every half second would take a core from the making it waits for.)"""
+    from phi4cli.core.protocol import Op
+    from phi4cli.engines.daemon_link import DaemonConnection
+
+    socket_path = Path(env["PHI4_HOME"]) / "run" / "daemon.sock"
     started = time.monotonic()
     while True:
-        status = subprocess.run(
-            [*PHI4, "status", "--json"], env=dict(env), capture_output=True, text=True, check=True
-        )
-        memory = json.loads(status.stdout).get("memory") or {}
+        with DaemonConnection.open(socket_path) as connection:
+            memory = connection.call(Op.STATUS).result.get("memory") or {}
         if "context_growing_s" not in memory:
             return time.monotonic() - started
         if time.monotonic() - started > timeout:
