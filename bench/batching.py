@@ -46,9 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.harness import start_daemon  # noqa: E402
-from bench.speed import QUESTION  # noqa: E402
+from bench.speed import PHI4, QUESTION  # noqa: E402
 
-PHI4 = [sys.executable, "-m", "phi4cli"]
 # Problem text for long prompts: numbered sentences, so that no two questions share a prefix.
 SENTENCE = (
     "Step {n} of problem {i}: the sequence a_{n} = {a} * a_{m} + {b} is taken modulo "

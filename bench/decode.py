@@ -27,8 +27,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.speed import PHI4  # noqa: E402
+
 QUESTION = "Write a long story about numbers."
-PHI4 = [sys.executable, "-m", "phi4cli"]
 IN_PROCESS = r"""
 import sys, time, llama_cpp
 model, question, threads, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

@@ -11,12 +11,11 @@ or batching speeds waits for phi4's whole context too, or its first rounds pay f
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-PHI4 = [sys.executable, "-m", "phi4cli"]
+from bench.speed import PHI4
 
 
 def start_daemon(model: Path | str, env: Mapping[str, str], args: Sequence[str] = ()) -> None:

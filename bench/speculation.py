@@ -45,11 +45,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.speed import PHI4  # noqa: E402
 from phi4cli.daemon.llama import speculation as spec  # noqa: E402
 from phi4cli.daemon.llama.prompt_cache import common_prefix  # noqa: E402
 
 CORPUS = ROOT / "tests" / "data" / "real_traces" / "traces.jsonl"
-PHI4 = [sys.executable, "-m", "phi4cli"]
 QUESTIONS = {
     "counting": "Count from one to one hundred in words, one number per line.",
     "story": "Write a long story about a lighthouse keeper and the sea.",
