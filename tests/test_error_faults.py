@@ -103,6 +103,30 @@ def test_serve_names_the_param_from_the_fault_whatever_the_command_line_says(
     assert plain.param is None and plain.message == "lower --max-tokens"
 
 
+@pytest.mark.parametrize(
+    ("sent", "param"),
+    [({"max_completion_tokens": 0}, "max_completion_tokens"), ({"max_tokens": -1}, "max_tokens")],
+)
+def test_serve_names_a_bad_field_from_the_refusals_data_not_its_words(
+    monkeypatch: pytest.MonkeyPatch, sent: dict[str, object], param: str
+):
+    # The daemon's words for a bad field change to ones that do not begin with its name; serve
+    # still names the field as the request spelled it, from the refusal's param and detail.
+    from phi4cli.core import protocol
+    from phi4cli.core.config import Settings
+    from phi4cli.serve.openai_request import chat_params
+
+    def reworded(cls: type[protocol.ProtocolViolation], name: str, detail: str, request_id=None):
+        return cls(ErrorCode.BAD_REQUEST, f"bad value: {detail}", request_id, name, detail)
+
+    monkeypatch.setattr(protocol.ProtocolViolation, "field", classmethod(reworded))
+    body = {"model": "m", "messages": [{"role": "user", "content": "1+1?"}], **sent}
+    with pytest.raises(ApiError) as caught:
+        chat_params(body, "m", Settings())
+    assert caught.value.param == param
+    assert caught.value.message.startswith(f"'{param}' must be a whole number from 1 to")
+
+
 def test_a_file_of_problems_and_its_records_say_a_fault_the_command_lines_way():
     # `solve --file` lines, --jsonl and eval records print the error of each problem: the
     # command line's words, not the daemon log's.

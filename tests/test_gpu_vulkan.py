@@ -171,7 +171,7 @@ def test_layers_that_do_not_fit_the_device_are_refused_with_the_numbers():
     line = started.stderr.strip().splitlines()[-1]
     print("\n" + line)
     assert "33 of 33 layers with a " in line and "GiB on llvmpipe" in line, line
-    fits = int(re.search(r"--gpu-layers (\d+) \(fits", line).group(1))  # type: ignore[union-attr]
+    fits = int(re.search(r"--gpu-layers (\d+) fits", line).group(1))  # type: ignore[union-attr]
     assert 1 < fits < 33 and "--overcommit" in line
     assert run_phi4("stop", env=env).returncode == 0
     # The advice, taken, loads.

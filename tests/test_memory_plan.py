@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from phi4cli.core.errors import api_words, cli_words
 from phi4cli.core.machine import read_meminfo
 from phi4cli.daemon.memory import (
     CTX_ALIGN,
@@ -17,6 +18,7 @@ from phi4cli.daemon.memory import (
     MemoryPlan,
     MemoryRequest,
     ModelShape,
+    PlanRefused,
     plan_memory,
 )
 from tests.conftest import run_phi4
@@ -148,9 +150,18 @@ def test_an_explicit_context_is_honoured():
     assert plan.request_tokens == 4096 and plan.parallel == 1
     # Before: a 16 GiB KV cache with 5 GiB free got only a note, and llama.cpp allocated it
     # (on a machine without a memory limit, the OOM killer picks a victim).
-    with pytest.raises(ValueError, match=r"n_ctx 131,072 needs 16\.0 GiB of f16 KV cache") as exc:
+    with pytest.raises(PlanRefused, match=r"n_ctx 131,072 needs 16\.0 GiB of f16 KV cache") as exc:
         plan_memory(PHI4_MINI, machine(7.7, 5.0), MemoryRequest(n_ctx=131072))
-    assert "--overcommit" in str(exc.value) and "fits)" in str(exc.value)
+    # What was asked and what fits travel as data; each door words them (the log both names).
+    fault = exc.value.fault
+    assert (fault.param, fault.needed) == ("n_ctx", 131072) and 0 < fault.limit < 131072
+    assert f"n_ctx = {fault.limit:,} (--n-ctx {fault.limit:,}) fits" in str(exc.value)
+    assert "overcommit (--overcommit)" in str(exc.value)
+    assert f"--n-ctx {fault.limit:,} fits" in cli_words(fault) and "--overcommit" in cli_words(
+        fault
+    )
+    said, param = api_words(fault)
+    assert param is None and "--" not in said and f"n_ctx = {fault.limit:,} fits" in said
     huge = plan_memory(PHI4_MINI, machine(7.7, 5.0), MemoryRequest(n_ctx=131072, overcommit=True))
     assert huge.n_ctx == 131072 and any("may swap" in note for note in huge.notes)
 
@@ -305,8 +316,10 @@ def test_a_tiny_device_gets_no_layers():
     plan = plan_memory(PHI4_MINI, gpu_machine(0.4), MemoryRequest())
     assert plan.gpu_layers == 0 and plan.device is None
     assert any("no layer fits in NVIDIA Test's free memory" in note for note in plan.notes)
-    with pytest.raises(ValueError, match="no layer fits beside this context: use --gpu-layers 0"):
+    with pytest.raises(PlanRefused) as refused:
         plan_memory(PHI4_MINI, gpu_machine(0.4), MemoryRequest(gpu_layers=4))
+    assert refused.value.fault[:3] == ("gpu_layers", 4, 0)
+    assert "no layer fits beside this context: use --gpu-layers 0" in cli_words(refused.value.fault)
 
 
 def test_all_layers_size_the_context_to_the_device():
@@ -319,13 +332,14 @@ def test_all_layers_size_the_context_to_the_device():
 def test_layers_asked_for_that_do_not_fit_the_device_are_refused_with_the_numbers():
     # Before: a note that they "may not fit", then llama.cpp failing part-way through the load
     # (or, where a driver lends host memory, thrashing). Now the plan refuses with what fits.
-    with pytest.raises(ValueError) as exc:
+    with pytest.raises(PlanRefused) as exc:
         plan_memory(PHI4_MINI, gpu_machine(2.0), MemoryRequest(gpu_layers="all"))
-    message = str(exc.value)
+    message = cli_words(exc.value.fault)
     assert "33 of 33 layers with a " in message
     assert "GiB on NVIDIA Test, which has 1.5 GiB free" in message
     fits = plan_memory(PHI4_MINI, gpu_machine(2.0), MemoryRequest()).gpu_layers
-    assert 0 < fits < 32 and f"--gpu-layers {fits} (fits;" in message and "--overcommit" in message
+    assert exc.value.fault[:3] == ("gpu_layers", 33, fits)
+    assert 0 < fits < 32 and f"--gpu-layers {fits} fits" in message and "--overcommit" in message
     # The advice holds: that many layers load; one more is refused; --overcommit loads anyway.
     taken = plan_memory(PHI4_MINI, gpu_machine(2.0), MemoryRequest(gpu_layers=fits))
     assert taken.gpu_layers == fits
@@ -400,7 +414,7 @@ def test_an_explicit_context_over_the_free_memory_is_refused_with_the_numbers(ti
     assert started.returncode == 5, started.stderr
     line = started.stderr.strip().splitlines()[-1]
     assert "n_ctx 2,000,000,000 needs" in line and "GiB is free beside the model" in line
-    assert "fits)" in line and "--overcommit" in line
+    assert "fits," in line and "--overcommit" in line
     assert "failed" in run_phi4("status").stdout
     assert run_phi4("stop").returncode == 0
     fine = run_phi4("solve", "hi", "-m", str(tiny_model), "-n", "2", "--n-ctx", "1024")

@@ -191,11 +191,11 @@ def _markdown(solution: str) -> Any:
 def unfinished(outcome: Outcome, message: str) -> str:
     """The line for an error that ended ``outcome`` after some of its solution was shown (the
     daemon stopped or crashed, a connection lost, a server that hung up): ``message``, and that
-    the answer above is unfinished, as a Ctrl-C's line says (unless ``message`` says it)."""
-    said = "the answer above is unfinished"
-    if not outcome.solution.strip() or "cut short" in message or said in message:
+    the answer above is unfinished, as a Ctrl-C's line says. (Decided from what was shown: no
+    door's words are read.)"""
+    if not outcome.solution.strip():
         return message
-    return f"{message}; {said}"
+    return f"{message}; the answer above is unfinished"
 
 
 def no_answer_reason(outcome: Outcome) -> str:

@@ -5,7 +5,10 @@ table from a code to the exception the CLI raises (so its exit status) and the H
 from __future__ import annotations
 
 from enum import IntEnum, StrEnum
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 class ErrorCode(StrEnum):
@@ -153,7 +156,12 @@ class Fault(NamedTuple):
 
     Context faults count tokens: the request ``needed`` so many, and one request may hold
     ``limit`` (a stream's cells with ``streams``, else the context less the system prompt's
-    ``system`` cells), or ``available`` were free with nothing running."""
+    ``system`` cells), or ``available`` were free with nothing running.
+
+    A memory plan the daemon refused to load (``param`` ``n_ctx`` or ``gpu_layers``, the daemon's
+    settings) says what was asked (``needed``: tokens of context, or layers) and what fits
+    (``limit``; 0: no layer), and its ``facts`` in words that name no door's flags (the bytes
+    needed and free)."""
 
     param: str  # "max_tokens" (lower it) or "prompt" (too long on its own): the wire's names
     needed: int = 0
@@ -166,9 +174,10 @@ class Fault(NamedTuple):
     # The daemon could not make its whole context and answers from a smaller one (``n_ctx``),
     # which cannot hold this request (its log says why).
     shrunk: bool = False
+    facts: str = ""
 
     def to_wire(self) -> dict[str, object]:
-        return {key: value for key, value in self._asdict().items() if value is not None}
+        return {key: value for key, value in self._asdict().items() if value not in (None, "")}
 
     @classmethod
     def from_wire(cls, data: object) -> Fault | None:
@@ -176,10 +185,45 @@ class Fault(NamedTuple):
         if not isinstance(data, dict) or not isinstance(data.get("param"), str):
             return None
         known = {k: v for k, v in data.items() if k in cls._fields}
-        numbers = [v for k, v in known.items() if k != "param" and v is not None]
+        numbers = [v for k, v in known.items() if k not in _WORDS and v is not None]
         if any(not isinstance(v, int) for v in numbers):  # (bool, for shrunk, is an int)
             return None
+        if not isinstance(known.get("facts", ""), str):
+            return None
         return cls(**known)
+
+
+_WORDS = ("param", "facts")  # a Fault's fields that are words, not numbers
+PLAN_PARAMS = ("n_ctx", "gpu_layers")  # the daemon's settings a memory plan can refuse
+
+
+def _plan_words(fault: Fault, flag: Callable[[str, str], str]) -> str:
+    """A refused memory plan: its facts and what to change, each setting as ``flag(name,
+    value)`` says it (``--n-ctx 4,096`` on the command line)."""
+    anyway = f"or load it anyway with {flag('overcommit', '')}"
+    if fault.param == "n_ctx":
+        return (
+            f"{fault.facts}; {flag('n_ctx', f'{fault.limit:,}')} fits, "
+            f"{flag('kv_cache_type', 'q8_0')} halves the memory, {anyway}"
+        )
+    advice = (
+        f"{flag('gpu_layers', str(fault.limit))} fits (what auto chooses)"
+        if fault.limit
+        else f"no layer fits beside this context: use {flag('gpu_layers', '0')}"
+    )
+    return f"{fault.facts}; {advice}, a smaller {flag('n_ctx', '')}, {anyway}"
+
+
+def _cli_flag(name: str, value: str) -> str:
+    return " ".join(part for part in ("--" + name.replace("_", "-"), value) if part)
+
+
+def _setting(name: str, value: str) -> str:
+    return f"{name} = {value}" if value else name
+
+
+def _both(name: str, value: str) -> str:
+    return f"{_setting(name, value)} ({_cli_flag(name, value)})"
 
 
 RESTART = "phi4 stop; phi4 daemon start --n-ctx N"
@@ -188,6 +232,8 @@ RESTART = "phi4 stop; phi4 daemon start --n-ctx N"
 def cli_words(fault: Fault, max_tokens: str = "--max-tokens") -> str:
     """A context fault as the command line says it: its flags (``max_tokens`` names the one
     for the answer's tokens: a chat says ``max_tokens``, set with /set), and what to run."""
+    if fault.param in PLAN_PARAMS:
+        return f"cannot plan memory for the model: {_plan_words(fault, _cli_flag)}"
     lower = f"lower {max_tokens}, or restart the daemon with a larger one ({RESTART})"
     if fault.shrunk:
         return (
@@ -224,9 +270,11 @@ def cli_words(fault: Fault, max_tokens: str = "--max-tokens") -> str:
     )
 
 
-def api_words(fault: Fault) -> tuple[str, str]:
-    """A context fault as an OpenAI-shaped API says it: the message, and the ``param`` (the
-    request field at fault)."""
+def api_words(fault: Fault) -> tuple[str, str | None]:
+    """A fault as an OpenAI-shaped API says it: the message, and the ``param`` (the request
+    field at fault; none for the server's own settings)."""
+    if fault.param in PLAN_PARAMS:
+        return f"the server cannot load its model: {_plan_words(fault, _setting)}", None
     if fault.shrunk:
         return (
             f"the server could not make its whole context and the {fault.n_ctx:,}-token one it "
@@ -256,6 +304,8 @@ def api_words(fault: Fault) -> tuple[str, str]:
 def log_words(fault: Fault) -> str:
     """A context fault as the daemon's log (and its error event's message, for a client that
     does not read the fault) says it: both doors' names."""
+    if fault.param in PLAN_PARAMS:
+        return _plan_words(fault, _both)  # (the log's line names the model file before it)
     return cli_words(fault, max_tokens="max_tokens (--max-tokens)")
 
 

@@ -78,13 +78,30 @@ class EventKind(StrEnum):
 
 
 class ProtocolViolation(Exception):
-    """A request that cannot be served; carries the error code and the request id if known."""
+    """A request that cannot be served; carries the error code and the request id if known,
+    and for a field at fault its wire name (``param``) and what is wrong with it (``detail``),
+    so that a door that names the field its own way (serve: ``max_completion_tokens``) words it
+    from these, not from ``message``."""
 
-    def __init__(self, code: ErrorCode, message: str, request_id: Any = None) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        request_id: Any = None,
+        param: str | None = None,
+        detail: str = "",
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.request_id = request_id
+        self.param = param
+        self.detail = detail
+
+    @classmethod
+    def field(cls, param: str, detail: str, request_id: Any = None) -> ProtocolViolation:
+        """A bad request: field ``param`` ``detail`` (say, "must be true or false")."""
+        return cls(ErrorCode.BAD_REQUEST, f"'{param}' {detail}", request_id, param, detail)
 
 
 # --- statistics ---------------------------------------------------------------------------------
@@ -310,9 +327,7 @@ def confidence_floor(params: Mapping[str, Any]) -> float | None:
         or not isinstance(value, (int, float))
         or not -largest <= value <= largest
     ):
-        raise ProtocolViolation(
-            ErrorCode.BAD_REQUEST, "'confidence_floor' must be a number, or null"
-        )
+        raise ProtocolViolation.field("confidence_floor", "must be a number, or null")
     return float(value)
 
 
@@ -320,16 +335,14 @@ def answer_now(params: Mapping[str, Any]) -> bool:
     """An ``adjust``'s ``answer_now``: true, false or absent (false)."""
     value = params.get("answer_now", False)
     if not isinstance(value, bool):
-        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'answer_now' must be true or false")
+        raise ProtocolViolation.field("answer_now", "must be true or false")
     return value
 
 
 def _number(params: Mapping[str, Any], key: str, low: float, high: float) -> float:
     value = params.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ProtocolViolation(
-            ErrorCode.BAD_REQUEST, f"'{key}' must be a number from {low} to {high}"
-        )
+        raise ProtocolViolation.field(key, f"must be a number from {low} to {high}")
     return float(value)
 
 
@@ -340,9 +353,7 @@ def _optional_int(
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ProtocolViolation(
-            ErrorCode.BAD_REQUEST, f"'{key}' must be a whole number from {low} to {high}"
-        )
+        raise ProtocolViolation.field(key, f"must be a whole number from {low} to {high}")
     return value
 
 
@@ -369,17 +380,15 @@ def parse_ask(params: Mapping[str, Any], defaults: Ask) -> Ask:
                 given[key] = _number(params, key, low, high)
         elif row.type == "bool":
             if not isinstance(value, bool):
-                raise ProtocolViolation(ErrorCode.BAD_REQUEST, f"'{key}' must be true or false")
+                raise ProtocolViolation.field(key, "must be true or false")
             given[key] = value
         elif key in CHOICES:
             if value not in CHOICES[key]:
-                raise ProtocolViolation(
-                    ErrorCode.BAD_REQUEST, f"'{key}' must be one of {', '.join(CHOICES[key])}"
-                )
+                raise ProtocolViolation.field(key, f"must be one of {', '.join(CHOICES[key])}")
             given[key] = value
         else:  # text
             if not isinstance(value, str):
-                raise ProtocolViolation(ErrorCode.BAD_REQUEST, f"'{key}' must be a string or null")
+                raise ProtocolViolation.field(key, "must be a string or null")
             given[key] = value or None
     return defaults._replace(**given)
 
@@ -395,7 +404,7 @@ def parse_solve_params(params: Mapping[str, Any], defaults: Ask) -> SolveParams:
     _check_text(params)
     prompt = params.get("prompt")
     if not isinstance(prompt, str):
-        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'prompt' (the question) must be a string")
+        raise ProtocolViolation.field("prompt", "(the question) must be a string")
     if not prompt.strip():
         raise ProtocolViolation(ErrorCode.BAD_REQUEST, "empty question: give a problem to solve")
     if len(prompt) > MAX_PROMPT_CHARS:
@@ -405,23 +414,21 @@ def parse_solve_params(params: Mapping[str, Any], defaults: Ask) -> SolveParams:
         )
     model = params.get("model")
     if model is not None and (not isinstance(model, str) or not model):
-        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'model' must be a path to a .gguf file")
+        raise ProtocolViolation.field("model", "must be a path to a .gguf file")
     keep_alive = params.get("keep_alive")
     try:
         keep_alive_s = None if keep_alive is None else parse_duration(keep_alive)
     except ValueError:
-        raise ProtocolViolation(
-            ErrorCode.BAD_REQUEST,
-            "'keep_alive' must be a duration like 30m or 0, or -1 (forever)",
+        raise ProtocolViolation.field(
+            "keep_alive",
+            "must be a duration like 30m or 0, or -1 (forever)",
         ) from None
     priority = params.get("priority", "solve")
     if not isinstance(priority, str) or priority not in PRIORITIES:
-        raise ProtocolViolation(
-            ErrorCode.BAD_REQUEST, f"'priority' must be one of {', '.join(PRIORITIES)}"
-        )
+        raise ProtocolViolation.field("priority", f"must be one of {', '.join(PRIORITIES)}")
     confidence = params.get("confidence", False)
     if not isinstance(confidence, bool):
-        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'confidence' must be true or false")
+        raise ProtocolViolation.field("confidence", "must be true or false")
     floor = confidence_floor(params)
     logprobs = params.get("logprobs")
     if logprobs is not None and (
@@ -429,10 +436,9 @@ def parse_solve_params(params: Mapping[str, Any], defaults: Ask) -> SolveParams:
         or not isinstance(logprobs, int)
         or not 0 <= logprobs <= MAX_TOP_LOGPROBS
     ):
-        raise ProtocolViolation(
-            ErrorCode.BAD_REQUEST,
-            f"'logprobs' must be a number of likeliest tokens from 0 to {MAX_TOP_LOGPROBS}, "
-            "or null",
+        raise ProtocolViolation.field(
+            "logprobs",
+            f"must be a number of likeliest tokens from 0 to {MAX_TOP_LOGPROBS}, or null",
         )
     return SolveParams(
         prompt=prompt,
@@ -450,9 +456,9 @@ def parse_solve_params(params: Mapping[str, Any], defaults: Ask) -> SolveParams:
 def _share(params: Mapping[str, Any]) -> str | None:
     value = params.get("share")
     if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_SHARE_CHARS):
-        raise ProtocolViolation(
-            ErrorCode.BAD_REQUEST,
-            f"'share' must be a name of 1 to {MAX_SHARE_CHARS} characters, or null",
+        raise ProtocolViolation.field(
+            "share",
+            f"must be a name of 1 to {MAX_SHARE_CHARS} characters, or null",
         )
     return value
 
@@ -512,9 +518,9 @@ def check_history(history: object) -> tuple[dict[str, str], ...]:
                 and isinstance(message.get("content"), str)
             )
     if not valid:
-        raise ProtocolViolation(
-            ErrorCode.BAD_REQUEST,
-            "'history' must be complete turns: user, assistant, user, assistant, ...",
+        raise ProtocolViolation.field(
+            "history",
+            "must be complete turns: user, assistant, user, assistant, ...",
         )
     assert isinstance(history, list)
     return tuple({"role": m["role"], "content": m["content"]} for m in history)
@@ -528,16 +534,15 @@ def parse_chat_params(params: Mapping[str, Any], defaults: Ask) -> SolveParams:
     _check_text(params)
     session = params.get("session")
     if not isinstance(session, str) or not SESSION_ID.fullmatch(session):
-        raise ProtocolViolation(
-            ErrorCode.BAD_REQUEST,
-            "'session' must be 1 to 128 letters, digits and . _ : - (starting with a letter or "
-            "digit)",
+        raise ProtocolViolation.field(
+            "session",
+            "must be 1 to 128 letters, digits and . _ : - (starting with a letter or digit)",
         )
     history = params.get("history", [])
     if isinstance(history, list) and len(history) > MAX_HISTORY_MESSAGES:
-        raise ProtocolViolation(
-            ErrorCode.BAD_REQUEST,
-            f"'history' holds {len(history):,} messages; the limit is {MAX_HISTORY_MESSAGES:,} "
+        raise ProtocolViolation.field(
+            "history",
+            f"holds {len(history):,} messages; the limit is {MAX_HISTORY_MESSAGES:,} "
             "(send the most recent turns only)",
         )
     turns = check_history(history)
@@ -551,7 +556,7 @@ def parse_load_params(params: Mapping[str, Any], defaults: Ask) -> SolveParams:
     """Validate a load request (``model``); raise ProtocolViolation(bad_request)."""
     model = params.get("model")
     if not isinstance(model, str) or not model:
-        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'model' must be a path to a .gguf file")
+        raise ProtocolViolation.field("model", "must be a path to a .gguf file")
     request = {"prompt": "-", "model": model, "priority": "interactive"}
     if "keep_alive" in params:
         request["keep_alive"] = params["keep_alive"]
@@ -728,5 +733,5 @@ def parse_request(line: bytes) -> Request:
         )
     params = message.get("params", {})
     if not isinstance(params, dict):
-        raise ProtocolViolation(ErrorCode.BAD_REQUEST, "'params' must be a JSON object", request_id)
+        raise ProtocolViolation.field("params", "must be a JSON object", request_id)
     return Request(id=request_id, op=op, params=params)

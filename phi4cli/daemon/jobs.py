@@ -23,7 +23,12 @@ Emit = Callable[[Event], None]  # a request's events, as records: the server wri
 
 
 class ModelLoadError(Exception):
-    """The engine could not load a model; the message says why, for the user."""
+    """The engine could not load a model; the message says why, for the user, and a memory
+    plan it refused says it as data too (``fault``)."""
+
+    def __init__(self, message: str, fault: Fault | None = None) -> None:
+        super().__init__(message)
+        self.fault = fault
 
 
 class ContextOverflowError(Exception):

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from phi4cli.core.errors import Fault, log_words
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -190,6 +192,15 @@ def _blocks(gpu_layers: int) -> int:
 
 def _align_down(tokens: int) -> int:
     return max(CTX_ALIGN, tokens // CTX_ALIGN * CTX_ALIGN)
+
+
+class PlanRefused(ValueError):
+    """A plan that would not fit (and ``overcommit`` was not asked): its ``fault`` says what was
+    asked and what fits; the message is the daemon log's words for it."""
+
+    def __init__(self, fault: Fault) -> None:
+        super().__init__(log_words(fault))
+        self.fault = fault
 
 
 def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> MemoryPlan:
@@ -369,15 +380,7 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
                         fits = all_layers if auto.gpu_layers < 0 else auto.gpu_layers
                     except ValueError:  # this context does not fit the RAM either
                         fits = 0
-                    advice = (
-                        f"use --gpu-layers {fits} (fits; what auto chooses)"
-                        if fits
-                        else "no layer fits beside this context: use --gpu-layers 0"
-                    )
-                    raise ValueError(
-                        f"{needed}; {advice}, a smaller --n-ctx, or load it anyway with "
-                        "--overcommit"
-                    )
+                    raise PlanRefused(Fault("gpu_layers", wanted_layers, fits, facts=needed))
                 notes.append(f"{needed}; loaded anyway (overcommit)")
         if gpu_layers == all_layers:
             gpu_layers = -1  # llama.cpp's "all"
@@ -392,10 +395,7 @@ def plan_memory(shape: ModelShape, machine: Machine, request: MemoryRequest) -> 
             # On a machine without a memory limit the OOM killer would pick a victim: maybe
             # not this daemon.
             fits = max(0, _align_down(int(max(0, ram_room) / per_token)))
-            raise ValueError(
-                f"{needed}; lower it (--n-ctx {fits:,} fits), use --kv-cache-type q8_0 (half "
-                "the memory), or load it anyway with --overcommit"
-            )
+            raise PlanRefused(Fault("n_ctx", n_ctx, fits, facts=needed))
         notes.append(f"{needed}; loaded anyway (overcommit): the machine may swap")
     slots = max(parallel, min(MAX_SLOTS, n_ctx // MIN_RESERVATION))
     parallel_fit = max(1, n_ctx // request_tokens)

@@ -26,7 +26,8 @@ log = logging.getLogger("phi4.daemon")
 
 
 _CANCEL_MESSAGES = {
-    ErrorCode.SHUTTING_DOWN: "the daemon is shutting down; the answer was cut short",
+    # (A client that showed part of the answer says that it is unfinished.)
+    ErrorCode.SHUTTING_DOWN: "the daemon is shutting down",
     # Only the engine's last resort when llama.cpp finds no room although reservations fit.
     ErrorCode.CONTEXT_OVERFLOW: "the daemon's KV cache ran out of room unexpectedly; try again",
 }
@@ -178,6 +179,7 @@ class RequestScheduler:
         self._thread = threading.Thread(target=self._run, name="phi4-engine", daemon=True)
         self.last_load: dict[str, Any] = {}
         self.last_error: str | None = None
+        self.last_fault: Fault | None = None  # the last load's refusal, as data
         self.waiting: Job | None = None  # the next job, if it is waiting for room
         # The engine's KV cache use, as of the last step (read by `status` from another thread).
         self.memory: dict[str, Any] = {}
@@ -333,7 +335,10 @@ class RequestScheduler:
                     return _HELD
                 if not self._load(model):  # (it tells the waiting requests, this one too)
                     self._settle(
-                        job, ErrorCode.MODEL_ERROR, self.last_error or f"cannot load {model}"
+                        job,
+                        ErrorCode.MODEL_ERROR,
+                        self.last_error or f"cannot load {model}",
+                        self.last_fault,
                     )
                     return _SETTLED
                 load_s = float(self.last_load.get("load_s", 0.0))
@@ -471,6 +476,7 @@ class RequestScheduler:
                 if isinstance(exc, ModelLoadError)
                 else (f"loading {path} failed: {type(exc).__name__}: {exc}")
             )
+            self.last_fault = exc.fault if isinstance(exc, ModelLoadError) else None
             if self._engine.model_path == previous and previous is not None:
                 self.last_error = error  # refused before unloading: the old model serves on
                 self._on_state("ready", previous, None)
@@ -484,6 +490,6 @@ class RequestScheduler:
             self.last_error = error
             self._on_state("failed", path, self.last_error)
             return False
-        self.last_error = None
+        self.last_error, self.last_fault = None, None
         self._loading("ready", path)
         return True

@@ -440,7 +440,8 @@ class DaemonServer:
             floor = protocol.confidence_floor(request.params)
             now = protocol.answer_now(request.params)
         except ProtocolViolation as exc:
-            raise ProtocolViolation(exc.code, exc.message, request.id) from None
+            exc.request_id = request.id
+            raise
         # Only a request that works out its confidence can be stopped by it.
         adjusted = False
         if job is not None and job.params.confidence and "confidence_floor" in request.params:
@@ -467,7 +468,8 @@ class DaemonServer:
         try:
             params = protocol.parse_params(request.op, request.params, self.asked)
         except ProtocolViolation as exc:
-            raise ProtocolViolation(exc.code, exc.message, request.id) from None
+            exc.request_id = request.id
+            raise
         if params.keep_alive is not None:
             self.keep_alive = params.keep_alive
         self.last_activity = time.monotonic()
@@ -702,9 +704,7 @@ def _target(connection: Connection, request: Request) -> Job | None:
     has ended or never was."""
     target = request.params.get("target")
     if not isinstance(target, (str, int)) or isinstance(target, bool):
-        raise ProtocolViolation(
-            ErrorCode.BAD_REQUEST, "'target' must be the id of a request", request.id
-        )
+        raise ProtocolViolation.field("target", "must be the id of a request", request.id)
     return connection.jobs.get(target)
 
 

@@ -347,9 +347,7 @@ def chat_params(body: dict[str, Any], model: str, settings: Settings) -> SolvePa
     try:
         return parse_chat_params(params, Ask.of(settings))
     except ProtocolViolation as exc:
-        named = re.match(r"'([a-z_]+)'", exc.message)
-        field = field_of.get(named[1], named[1]) if named else None
-        message = exc.message
-        if named and field != named[1]:
-            message = f"'{field}'" + message[named.end() :]
-        raise ApiError(400, message, param=field) from None
+        if exc.param is None:
+            raise ApiError(400, exc.message) from None
+        field = field_of.get(exc.param, exc.param)
+        raise ApiError(400, f"'{field}' {exc.detail}", param=field) from None

@@ -34,6 +34,7 @@ from phi4cli.daemon.memory import (
     MemoryPlan,
     MemoryRequest,
     ModelShape,
+    PlanRefused,
     plan_memory,
     start_cells,
 )
@@ -555,6 +556,9 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
                 gpu_layers=settings.gpu_layers,
             ),
         )
+    except PlanRefused as exc:
+        model.close()
+        raise ModelLoadError(f"cannot plan memory for {path}: {exc}", exc.fault) from None
     except ValueError as exc:
         model.close()
         raise ModelLoadError(f"cannot plan memory for {path}: {exc}") from None
