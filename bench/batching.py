@@ -124,8 +124,8 @@ def spread_out(ask: Callable[[int], None], k: int, spread: float) -> float:
 def phi4_round(home: Path, prompts: list[str], tokens: int, spread: float = 0.0) -> dict[str, Any]:
     """len(prompts) greedy solves sent at once over one connection, or, with ``spread``, each
     on its own, evenly over that many seconds."""
+    from phi4cli.backends.daemon_link import DaemonConnection
     from phi4cli.core.protocol import Event, EventKind
-    from phi4cli.engines.daemon_link import DaemonConnection
 
     k = len(prompts)
     produced: list[int] = [0] * k

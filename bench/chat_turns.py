@@ -47,7 +47,7 @@ def phi4_turns(
     home: Path, model: Path, turns: int, max_tokens: int
 ) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """Play the conversation through the daemon; return per-turn rows and the history."""
-    from phi4cli.engines.daemon_link import DaemonConnection
+    from phi4cli.backends.daemon_link import DaemonConnection
 
     connection = DaemonConnection.open(home / "run" / "daemon.sock")
     history: list[dict[str, str]] = []

@@ -6,7 +6,7 @@ verdicts are wrong (which must be none).
 On the rows of MATH-500 and GSM8K kept in ``bench/data`` (their provenance and licences are in
 ``bench/data/README.md``), split by row number: even rows are *dev* (what the checker's rules were
 written and corrected on), odd rows the *hold-out* (reported, never tuned on). For each problem
-the checker (``phi4cli.engines.checker.Checker``: its worker process, each check bounded to a
+the checker (``phi4cli.text.checker.Checker``: its worker process, each check bounded to a
 second, as ``phi4 solve`` runs it) is given:
 
 - the dataset's reference answer, which is right: ``refuted`` is a wrong verdict;
@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from phi4cli.engines.checker import Checker  # noqa: E402
+from phi4cli.text.checker import Checker  # noqa: E402
 
 DATA = ROOT / "bench" / "data"
 RESULTS = ROOT / "bench" / "results"

@@ -51,8 +51,8 @@ print(best)
 
 def daemon_stats(home: Path, question: str, tokens: int) -> Any:
     """The stats of the daemon's greedy answer of ``tokens`` tokens to ``question``."""
+    from phi4cli.backends.daemon_link import DaemonConnection
     from phi4cli.core.protocol import EventKind
-    from phi4cli.engines.daemon_link import DaemonConnection
 
     with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
         stats = None

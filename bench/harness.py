@@ -34,8 +34,8 @@ def wait_whole_context(env: Mapping[str, str], timeout: float = 600.0) -> float:
     """Wait until the daemon of ``env``'s ``PHI4_HOME`` answers from its whole context; return
     the seconds waited. (Asked over its socket from this process: a ``phi4 status`` process
     every half second would take a core from the making it waits for.)"""
+    from phi4cli.backends.daemon_link import DaemonConnection
     from phi4cli.core.protocol import Op
-    from phi4cli.engines.daemon_link import DaemonConnection
 
     socket_path = Path(env["PHI4_HOME"]) / "run" / "daemon.sock"
     started = time.monotonic()

@@ -183,7 +183,7 @@ def crowd(connection: Any, max_tokens: int) -> None:
 
 
 def chat_restore(model: Path, chat_tokens: int) -> dict[str, Any]:
-    from phi4cli.engines.daemon_link import DaemonConnection
+    from phi4cli.backends.daemon_link import DaemonConnection
 
     env = fresh_home()
     n_ctx = chat_tokens + 1024

@@ -57,8 +57,8 @@ Ask = Callable[[str, int, Callable[[float], None]], None]
 
 @contextmanager
 def phi4_engine(model: Path, threads: int) -> Iterator[Ask]:
+    from phi4cli.backends.daemon_link import DaemonConnection
     from phi4cli.core.protocol import EventKind
-    from phi4cli.engines.daemon_link import DaemonConnection
 
     home = Path(tempfile.mkdtemp(prefix="p4rider-", dir="/tmp"))
     env = {**os.environ, "PHI4_HOME": str(home)}

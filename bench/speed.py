@@ -97,7 +97,7 @@ def in_process(model: Path, threads: int, tokens: int) -> dict[str, float]:
 
 def concurrent(home: Path, k: int, tokens: int) -> float:
     """Aggregate completion tokens/s of k solves sent at once over one connection."""
-    from phi4cli.engines.daemon_link import DaemonConnection
+    from phi4cli.backends.daemon_link import DaemonConnection
 
     with DaemonConnection.open(home / "run" / "daemon.sock") as connection:
         started = time.monotonic()

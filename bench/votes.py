@@ -40,9 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.adaptive_samples import MEDIAN_TOKENS, MIXTURES, TOKENS_SIGMA, draw_problem  # noqa: E402
+from phi4cli.backends.outcome import Outcome  # noqa: E402
 from phi4cli.client.solving import EarlyStop, votes  # noqa: E402
 from phi4cli.core.protocol import Stats  # noqa: E402
-from phi4cli.engines.outcome import Outcome  # noqa: E402
 from phi4cli.text.checking import Check  # noqa: E402
 from phi4cli.text.reasoning import AnswerComparer, majority_vote  # noqa: E402
 

@@ -129,10 +129,10 @@ def test_through_the_daemon_a_settled_vote_cancels_the_samples_still_to_come(
     # daemon, its socket and its cancellation are the real ones.
     import io
 
+    from phi4cli.backends import outcome
     from phi4cli.client.environment import Environment
     from phi4cli.client.solving import SolveOptions, run_solve
     from phi4cli.core.paths import get_paths
-    from phi4cli.engines import outcome
 
     monkeypatch.setattr(outcome, "extract_final_answer", lambda text: "7" if text else None)
     # A context that holds one such request at a time: the samples run one after another, so

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from phi4cli.backends.outcome import Outcome
 from phi4cli.core._settings import Ask
 from phi4cli.core.protocol import EventKind, Op, SolveParams, Stats
-from phi4cli.engines.outcome import Outcome
 from phi4cli.text.thinking import Act, ThinkingPolicy
 from tests.conftest import run_phi4
 from tests.scripted_server import Step, chunk, data, scripted_server
@@ -214,9 +214,9 @@ def _answered_early(outcome: Outcome) -> Stats:
 @pytest.mark.timeout(300)
 @pytest.mark.daemon
 def test_a_backend_stream_answers_now_through_the_daemon(endless_model: Path):
+    from phi4cli.backends.daemon import DaemonBackend
     from phi4cli.core.config import Settings
     from phi4cli.core.paths import get_paths
-    from phi4cli.engines.backends import DaemonBackend
 
     assert run_phi4("daemon", "start", "-m", str(endless_model)).returncode == 0
     settings = Settings(model=str(endless_model))
@@ -231,7 +231,7 @@ def test_a_backend_stream_answers_now_through_the_daemon(endless_model: Path):
 @pytest.mark.timeout(300)
 @pytest.mark.daemon
 def test_a_backend_stream_answers_now_through_a_remote_engine():
-    from phi4cli.engines.backends import RemoteBackend
+    from phi4cli.backends.remote_backend import RemoteBackend
 
     with scripted_server(endless_server) as server:
         backend = RemoteBackend(server.url, "m", None, 30.0)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pexpect
 import pytest
 
+from phi4cli.backends.outcome import Outcome
 from phi4cli.client.keys import ANSWER_NOW_HINT, AnswerNow
 from phi4cli.core.protocol import Event, EventKind, Stats
-from phi4cli.engines.outcome import Outcome
 from tests.conftest import PHI4, run_phi4
 from tests.pty_screen import plain
 from tests.scripted_server import scripted_server

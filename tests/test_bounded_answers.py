@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from phi4cli.backends.outcome import Outcome, exit_status
 from phi4cli.core.protocol import Event, EventKind
-from phi4cli.engines.outcome import Outcome, exit_status
 from phi4cli.text.latex import latex_to_unicode, math_to_unicode
 from phi4cli.text.reasoning import (
     AnswerComparer,

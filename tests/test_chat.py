@@ -20,13 +20,13 @@ import pytest
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
+from phi4cli.backends.daemon import DaemonBackend
 from phi4cli.client.chats import ChatStore, Conversation, Turn
 from phi4cli.client.environment import Environment
 from phi4cli.client.repl import AtomicFileHistory, ChatRepl, prompt_reader, read_message
 from phi4cli.core.config import Settings
 from phi4cli.core.paths import get_paths
 from phi4cli.daemon.sessions import ChatSession, SessionStore
-from phi4cli.engines.backends import DaemonBackend
 from tests.conftest import PHI4, run_phi4
 
 

@@ -1,4 +1,4 @@
-"""Checked answers (phi4cli.text.checking, phi4cli.engines.checker): each kind of problem decided
+"""Checked answers (phi4cli.text.checking, phi4cli.text.checker): each kind of problem decided
 right, what cannot be decided left unchecked — never a wrong verdict, on hand-written cases, on
 random problems with known answers, and on the public MATH-500 and GSM8K rows with their
 reference answers (right) and perturbed ones (wrong); a check bounded in time by its worker; and
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phi4cli.engines.checker import Checker
+from phi4cli.text.checker import Checker
 from phi4cli.text.checking import REFUTED, UNCHECKED, VERIFIED, check, checkable
 from tests.conftest import run_phi4
 from tests.scripted_server import scripted_server, separated

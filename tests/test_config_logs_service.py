@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from phi4cli.daemon.spawn import LOG_MAX_BYTES, rotate_log
+from phi4cli.backends.spawn import LOG_MAX_BYTES, rotate_log
 from tests.conftest import PHI4, run_phi4
 
 

@@ -1,4 +1,4 @@
-"""The one request path (phi4cli.engines.dispatch) with fake replicas: the window, the choice of
+"""The one request path (phi4cli.backends.dispatch) with fake replicas: the window, the choice of
 replica, exactly one terminal event per request, the resend rule and its bound, restarts, busy
 answers, cancellation. The real daemon and real servers go through the same Flight in
 test_solve_daemon, test_chat, test_remote_backend and test_replicas; here each rule is pinned down
@@ -15,9 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from phi4cli.backends.dispatch import DEAD, Delivery, Failure, Probe, Replica, Slow
+from phi4cli.backends.flight import Flight
 from phi4cli.core.errors import DaemonUnavailableError, Phi4Error
 from phi4cli.core.protocol import ErrorCode, Event, EventKind
-from phi4cli.engines.dispatch import DEAD, Delivery, Failure, Flight, Probe, Replica, Slow
 
 # What one attempt does: the items its replica delivers, in order.
 Script = Callable[["FakeReplica", int, dict[str, Any]], list[Any]]

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
+from phi4cli.backends.outcome import Outcome
 from phi4cli.client.repl import chat_words
 from phi4cli.core import errors
 from phi4cli.core.errors import ErrorCode, Fault, RequestError, error_for
 from phi4cli.core.protocol import Event
-from phi4cli.engines.outcome import Outcome
 from phi4cli.serve.openai_request import ApiError
 
 TOO_MANY = Fault("max_tokens", 5_100, 4_096, prompt=100, n_ctx=16_384, streams=4)

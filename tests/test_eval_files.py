@@ -297,12 +297,12 @@ def test_a_hard_link_to_a_file_of_yours_is_not_appended_to(tiny_model: Path, sha
 def test_a_backend_url_is_recorded_without_its_password():
     import io
 
+    from phi4cli.backends.remote_backend import RemoteBackend
     from phi4cli.client.environment import Environment
     from phi4cli.client.grading import run_identity
     from phi4cli.client.solving import SolveJob
     from phi4cli.core._settings import Ask
     from phi4cli.core.protocol import SolveParams
-    from phi4cli.engines.backends import RemoteBackend
 
     backend = RemoteBackend("http://me:s3cret@127.0.0.1:8080/v1", "m", "sk-key", 5.0)
     env = Environment(io.StringIO(), io.StringIO(), io.StringIO())

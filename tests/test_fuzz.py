@@ -250,9 +250,9 @@ def test_the_http_api_answers_any_body_without_a_500(
     import anyio
     import httpx2
 
+    from phi4cli.backends.daemon import DaemonBackend
     from phi4cli.core.config import Settings
     from phi4cli.core.paths import get_paths
-    from phi4cli.engines.backends import DaemonBackend
     from phi4cli.serve.http_access import AccessPolicy
     from phi4cli.serve.http_api import create_app
 

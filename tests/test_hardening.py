@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from phi4cli.backends.daemon import DaemonBackend
 from phi4cli.client.chats import ChatStore, Conversation
 from phi4cli.client.environment import Environment
 from phi4cli.client.repl import ChatRepl
 from phi4cli.core.config import Settings
 from phi4cli.core.paths import get_paths
-from phi4cli.engines.backends import DaemonBackend
 from tests.conftest import holding_daemon_lock, run_phi4
 
 

@@ -16,10 +16,10 @@ import pytest
 from rich.console import Console
 from rich.text import Text
 
+from phi4cli.backends.outcome import Outcome
 from phi4cli.client.environment import Environment
 from phi4cli.client.render import TerminalPresenter, _markdown
 from phi4cli.core.protocol import Event, EventKind
-from phi4cli.engines.outcome import Outcome
 from phi4cli.text import sanitize
 from tests.conftest import PHI4, run_phi4
 from tests.pty_screen import chat_in_pty, in_pty, plain

@@ -513,7 +513,7 @@ def test_phi4_serve_refuses_the_same_requests_with_400(daemon: Any, tiny_model: 
     import anyio
     import httpx2
 
-    from phi4cli.engines.backends import DaemonBackend
+    from phi4cli.backends.daemon import DaemonBackend
     from phi4cli.serve.http_access import AccessPolicy
     from phi4cli.serve.http_api import create_app
 

@@ -576,9 +576,9 @@ def test_a_peer_whose_uid_cannot_be_told_is_refused_fail_closed(tiny_model: Path
     import anyio
     import httpx2
 
+    from phi4cli.backends.daemon import DaemonBackend
     from phi4cli.core.config import Settings
     from phi4cli.core.paths import get_paths
-    from phi4cli.engines.backends import DaemonBackend
     from phi4cli.serve.http_access import AccessPolicy
     from phi4cli.serve.http_api import create_app
 

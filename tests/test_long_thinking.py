@@ -181,7 +181,7 @@ def _turn(
 def test_an_evicted_chat_is_restored_from_disk_not_re_read(
     tiny_model: Path, phi4_home: Path, layout: tuple[str, ...]
 ):
-    from phi4cli.engines.daemon_link import DaemonConnection
+    from phi4cli.backends.daemon_link import DaemonConnection
 
     started = run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "1024", *layout)
     assert started.returncode == 0, started.stderr
@@ -295,7 +295,7 @@ def test_streams_give_each_long_thinker_a_stream_of_its_own(
 def test_a_chat_longer_than_its_stream_drops_its_oldest_turns(tiny_model: Path, phi4_home: Path):
     # Two streams of 512: a conversation fills its stream, not the whole context, and goes on
     # without its oldest turns rather than failing.
-    from phi4cli.engines.daemon_link import DaemonConnection
+    from phi4cli.backends.daemon_link import DaemonConnection
 
     started = run_phi4(
         "daemon",

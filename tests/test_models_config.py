@@ -324,10 +324,10 @@ def test_a_daemon_is_started_with_the_clients_settings_in_one_argument(tmp_path:
     # Before, spawn turned Settings back into ten flags by hand, which the daemon parsed again.
     import json
 
+    from phi4cli.backends.spawn import daemon_command
     from phi4cli.client.config_writing import started_with as _started_with
     from phi4cli.core.errors import ConfigError, UsageError
     from phi4cli.core.options import DAEMON_START
-    from phi4cli.daemon.spawn import daemon_command
 
     client = Settings(
         keep_alive=FOREVER,

@@ -391,8 +391,8 @@ def test_peer_check_compares_the_connecting_uid():
 
 def test_status_json_shape_is_stable():
     # The status file is read by clients of other versions; keep its keys.
+    from phi4cli.backends.spawn import DaemonStatus, read_status
     from phi4cli.core.paths import get_paths
-    from phi4cli.daemon.spawn import DaemonStatus, read_status
 
     paths = get_paths()
     paths.ensure_runtime_dir()
@@ -566,8 +566,8 @@ def test_a_long_waiting_job_is_taken_before_newer_urgent_ones(monkeypatch):
 
 
 def test_a_silent_daemon_is_reported_frozen_not_waited_for_forever():
+    from phi4cli.backends.daemon_link import DaemonConnection
     from phi4cli.core.errors import DaemonFrozenError
-    from phi4cli.engines.daemon_link import DaemonConnection
 
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with right:

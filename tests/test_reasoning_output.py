@@ -12,8 +12,8 @@ from pathlib import Path
 import pexpect
 import pytest
 
+from phi4cli.backends.outcome import Outcome
 from phi4cli.core.protocol import Event, EventKind
-from phi4cli.engines.outcome import Outcome
 from tests.conftest import PHI4, run_phi4
 
 ANSI = "\x1b["

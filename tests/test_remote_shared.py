@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from phi4cli.backends.remote import Attempt, RemoteServer, StreamState
+from phi4cli.backends.remote_shared import CHOICE_QUEUE_CHARS, CHUNK_OVERHEAD, SharedRequest
 from phi4cli.core.protocol import Ask, SolveParams
-from phi4cli.engines.remote import Attempt, RemoteEngine, StreamState
-from phi4cli.engines.remote_shared import CHOICE_QUEUE_CHARS, CHUNK_OVERHEAD, SharedRequest
 from tests.scripted_server import Step, data, scripted_server
 from tests.test_samples_n import piece
 
@@ -35,7 +35,7 @@ def flood_then_answer(body: dict[str, Any]) -> Iterator[str | Step]:
 
 def shared_pair(url: str) -> tuple[SharedRequest, list[Iterator[dict[str, Any] | None]]]:
     """A started request of two choices, and each sample's chunks."""
-    shared = SharedRequest(RemoteEngine(url, "m"), SolveParams("q", Ask()), 2)
+    shared = SharedRequest(RemoteServer(url, "m"), SolveParams("q", Ask()), 2)
     readers = []
     for index in range(2):
         state = StreamState(time.monotonic())

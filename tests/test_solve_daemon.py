@@ -874,8 +874,8 @@ def test_a_burst_of_connections_waits_in_the_backlog_and_a_full_one_is_said_with
     # `phi4 serve` opens a connection for each choice: eight clients asking n=16 make 128 at
     # once. asyncio's backlog of 100 turned the rest away (EAGAIN), and the 503 named the
     # daemon's socket. Held still (SIGSTOP), the daemon accepts none: all wait in its backlog.
+    from phi4cli.backends import daemon_link
     from phi4cli.core.errors import DaemonUnavailableError
-    from phi4cli.engines import daemon_link
 
     assert run_phi4("daemon", "start", "-m", str(tiny_model)).returncode == 0
     pid = int(status(phi4_home)["pid"])  # type: ignore[call-overload]

@@ -220,7 +220,7 @@ def _solve(connection: Any, max_tokens: int) -> dict[str, Any]:
 def _evict_chat(socket_path: Path) -> None:
     """Admit a solve that needs nearly every cell, so the idle chat is swapped out to disk,
     and hang up once it answers (which cancels it)."""
-    from phi4cli.engines.daemon_link import DaemonConnection
+    from phi4cli.backends.daemon_link import DaemonConnection
 
     with DaemonConnection.open(socket_path) as connection:
         for event in connection.request(
@@ -263,7 +263,7 @@ CHAT_DAMAGES: list[tuple[str, Callable[[Path, bytes], None], str]] = [
 def test_a_damaged_swapped_chat_is_re_read_and_the_daemon_answers_everyone(
     tiny_model: Path, phi4_home: Path, layout: tuple[str, ...]
 ):
-    from phi4cli.engines.daemon_link import DaemonConnection
+    from phi4cli.backends.daemon_link import DaemonConnection
 
     started = run_phi4("daemon", "start", "-m", str(tiny_model), "--n-ctx", "1024", *layout)
     assert started.returncode == 0, started.stderr
@@ -406,7 +406,7 @@ def test_whatever_is_planted_among_swapped_chats_a_daemon_starts_and_clears_it(
 def test_a_real_models_damaged_chat_state_is_re_read(smollm2_model: Path, phi4_home: Path):
     # SmolLM2's states are megabytes of real KV: half of one, or one flipped bit in it, used to
     # abort the daemon or to continue the chat from garbage cells.
-    from phi4cli.engines.daemon_link import DaemonConnection
+    from phi4cli.backends.daemon_link import DaemonConnection
 
     started = run_phi4("daemon", "start", "-m", str(smollm2_model), "--n-ctx", "1024")
     assert started.returncode == 0, started.stderr

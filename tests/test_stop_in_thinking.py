@@ -86,7 +86,7 @@ def _inline(pieces: list[str]) -> Any:
 def _folded(pieces: list[str], stops: tuple[str, ...]) -> tuple[Choice, str, str]:
     """A choice of `phi4 serve` folded from a remote engine's stream of a server that writes
     ``pieces`` inline, for a model named "plain"; with the content and reasoning it sent."""
-    from phi4cli.engines.backends import RemoteBackend
+    from phi4cli.backends.remote_backend import RemoteBackend
 
     with scripted_server(_inline(pieces)) as server:
         backend = RemoteBackend(server.url, "plain", None, 30.0)

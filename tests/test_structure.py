@@ -104,17 +104,16 @@ def test_no_import_cycle_among_the_modules():
 
 
 def test_no_import_cycle_between_the_rooms():
-    # Each subpackage (client, serve, engines, daemon, text, core) as one room.
+    # Each subpackage (client, serve, backends, daemon, text, core) as one room.
     assert cycle(graph(group=True)) is None
 
 
 # The layers, lowest first (docs/architecture.md's module map): a room imports its own and those
-# below it; rooms on one level (the daemon and the engines) may import each other's modules
-# only where no cycle comes of it (the engines start the daemon through daemon.spawn).
+# below it; the rooms on one level (the daemon and the backends) import nothing of each other.
 LAYERS = (
     ("phi4cli.core",),
     ("phi4cli.text",),
-    ("phi4cli.daemon", "phi4cli.engines"),
+    ("phi4cli.daemon", "phi4cli.backends"),
     ("phi4cli.serve",),
     ("phi4cli.client",),
     ("phi4cli.entry", "phi4cli.docs", "phi4cli.__main__"),
@@ -140,10 +139,15 @@ def test_no_room_imports_one_above_it():
                 if level[sink] > level[source]:
                     upward.append(f"{path.relative_to(ROOT)}:{line}: {module} -> {target}")
     assert upward == []
+    # The daemon and the backends, side by side, import nothing of each other (a client starts a
+    # daemon with backends.spawn, and runs one with `phi4 daemon run` from the client room).
+    assert not {("phi4cli.daemon", "phi4cli.backends"), ("phi4cli.backends", "phi4cli.daemon")} & (
+        crossings
+    )
     # It sees the imports it judges: the client stands on every room below it.
     assert {
         ("phi4cli.client", room)
-        for room in ("phi4cli.core", "phi4cli.text", "phi4cli.engines", "phi4cli.serve")
+        for room in ("phi4cli.core", "phi4cli.text", "phi4cli.backends", "phi4cli.serve")
     } <= crossings
 
 

@@ -21,11 +21,11 @@ from rich.console import Console
 from rich.markdown import Markdown
 from rich.text import Text
 
+from phi4cli.backends.outcome import Outcome
 from phi4cli.client.chats import ChatStore, Conversation
 from phi4cli.client.render import TerminalPresenter, format_eval, format_warm, markdown_source
 from phi4cli.core.paths import get_paths
 from phi4cli.core.protocol import Event, EventKind
-from phi4cli.engines.outcome import Outcome
 from phi4cli.text.sanitize import REPLACEMENT, TextCleaner, clean_text, json_safe
 from tests.conftest import PHI4, run_phi4
 from tests.pty_screen import chat_in_pty, in_pty

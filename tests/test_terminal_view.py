@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markdown import Markdown
 from rich.text import Text
 
+from phi4cli.backends.outcome import Outcome
 from phi4cli.client.environment import Environment
 from phi4cli.client.exits import report
 from phi4cli.client.render import TerminalPresenter, _markdown, markdown_source
@@ -28,7 +29,6 @@ from phi4cli.client.solving import OutputMode, SolveJob, solve_one
 from phi4cli.core._settings import Ask
 from phi4cli.core.errors import DaemonFrozenError, ErrorCode, ExitStatus
 from phi4cli.core.protocol import Event, EventKind, SolveParams
-from phi4cli.engines.outcome import Outcome
 from tests.conftest import PHI4, run_phi4
 from tests.pty_screen import in_pty, plain
 from tests.scripted_server import Step, chunk, data, scripted_server

@@ -307,12 +307,12 @@ def chat(
     raw_output: RawOutputOption = False,
 ) -> int:
     """Chat: a streaming REPL whose conversation stays cached in the daemon."""
+    from phi4cli.backends.backend import make_backend
     from phi4cli.client.chats import ChatStore, Conversation, default_name
     from phi4cli.client.render import counted
     from phi4cli.client.repl import ChatRepl, line_reader, prompt_reader
     from phi4cli.client.solving import check_sent_text
     from phi4cli.core.models import resolve_model
-    from phi4cli.engines.backends import make_backend
 
     if resume and continue_last:
         raise UsageError("give --resume NAME or --continue, not both")
@@ -410,8 +410,8 @@ def serve(
 ) -> None:
     """Expose the daemon as an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models,
     /health, /metrics)."""
+    from phi4cli.backends.daemon import DaemonBackend
     from phi4cli.core.models import ALIASES, alias_path, resolve_model
-    from phi4cli.engines.backends import DaemonBackend
     from phi4cli.serve.http_access import check_allowances
     from phi4cli.serve.http_api import check_address
     from phi4cli.serve.http_api import serve as serve_http
@@ -592,7 +592,7 @@ def daemon_install_service(
 
 
 def _status_of(paths: Paths) -> dict[str, Any]:
-    from phi4cli.engines.daemon_link import daemon_status
+    from phi4cli.backends.daemon_link import daemon_status
 
     return daemon_status(paths)
 
@@ -643,9 +643,9 @@ def status(
 def _print_backend_status(urls: list[str], as_json: bool) -> None:
     """`phi4 status --backend A --backend B`: each replica probed (``/health``, else
     ``/v1/models``); exit 3 when none is up."""
+    from phi4cli.backends.remote import backend_key
+    from phi4cli.backends.remote_backend import RemoteBackend
     from phi4cli.core.config import parse_setting
-    from phi4cli.engines.backends import RemoteBackend
-    from phi4cli.engines.remote import backend_key
 
     paths = get_paths()
     settings = _settings(paths)
@@ -679,7 +679,7 @@ def daemon_status(as_json: JsonOption = False) -> None:
 @daemon_app.command("stop")
 def daemon_stop() -> None:
     """Stop the daemon, also in the middle of a generation."""
-    from phi4cli.engines.daemon_link import stop_daemon
+    from phi4cli.backends.daemon_link import stop_daemon
 
     pid = stop_daemon(get_paths(), announce=say)
     _print("no daemon was running" if pid is None else f"daemon stopped (pid {pid})")
@@ -701,11 +701,11 @@ def _daemon_setup(daemon: OptionGroup, **overrides: object) -> tuple[Paths, Sett
 @with_daemon_options
 def daemon_start(daemon: OptionGroup) -> None:
     """Start the daemon in the background and wait until its model is loaded."""
-    from phi4cli.engines.daemon_link import daemon_status
+    from phi4cli.backends.daemon_link import daemon_status
 
     paths, settings, model_path = _daemon_setup(daemon)
     set_keep_alive = daemon["keep_alive"] is not None
-    from phi4cli.engines.backends import load_model
+    from phi4cli.backends.backend import load_model
 
     load = load_model(paths, settings, model_path, set_keep_alive, say)[0]
     current = daemon_status(paths)
@@ -745,13 +745,13 @@ def warm(
     as_json: Annotated[bool, typer.Option("--json", help="Print the timings as JSON.")] = False,
 ) -> None:
     """Start the daemon if needed, stage and load the model, prewarm it, and report timings."""
+    from phi4cli.backends.backend import load_model
+    from phi4cli.backends.daemon_link import connect_checked
     from phi4cli.client.render import format_warm
-    from phi4cli.engines.backends import load_model
-    from phi4cli.engines.daemon_link import connect_checked
 
     paths, settings, model_path = _daemon_setup(daemon)
     if no_wait:
-        from phi4cli.engines.daemon_link import daemon_status
+        from phi4cli.backends.daemon_link import daemon_status
 
         connect_checked(paths, settings, model_path, say).close()
         if daemon_status(paths).get("state") == "ready":  # (it said "loading" when it was not)
@@ -777,8 +777,8 @@ app.add_typer(cache_app, name="cache")
 def cache_clear() -> None:
     """Remove staged model copies (RAM), saved system-prompt states and swapped-out chats, and
     empty the running daemon's prompt cache."""
+    from phi4cli.backends.daemon_link import clear_daemon_prompts
     from phi4cli.client.caches import clear_caches
-    from phi4cli.engines.daemon_link import clear_daemon_prompts
 
     paths = get_paths()
     staged, states, sessions = clear_caches(paths, say)

@@ -11,12 +11,12 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn, TextIO
 
-from phi4cli.engines.dispatch import Announce as Announce  # what says a line to the user
+from phi4cli.backends.dispatch import Announce as Announce  # what says a line to the user
 
 
 def notice_line(message: str) -> str:
     """A ``phi4:`` line as it is shown: cleaned, since an error's text may carry a model's or a
-    remote engine's words."""
+    remote server's words."""
     from phi4cli.text.sanitize import clean_text
 
     return f"phi4: {clean_text(message)}"

@@ -19,6 +19,7 @@ from collections.abc import Container, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
+from phi4cli.backends.outcome import Outcome
 from phi4cli.client.progress import FileProgress, ProgressNotice
 from phi4cli.client.solving import EarlyStop, Requests, SolveJob, json_text, votes
 from phi4cli.core.atomicfile import (
@@ -30,12 +31,11 @@ from phi4cli.core.atomicfile import (
 from phi4cli.core.errors import UsageError
 from phi4cli.core.options import REQUEST_KEYS, SETTING, sample_seed
 from phi4cli.core.protocol import PRIORITY_BULK, Event, SolveParams
-from phi4cli.engines.outcome import Outcome
 from phi4cli.text.confidence import WARMUP
 from phi4cli.text.reasoning import AnswerComparer, majority_vote
 
 if TYPE_CHECKING:
-    from phi4cli.engines.dispatch import Flight
+    from phi4cli.backends.flight import Flight
 
 STATUSES = ("correct", "wrong", "no_answer", "truncated", "error")
 
@@ -300,14 +300,14 @@ class MismatchPolicy(NamedTuple):
 
 def run_identity(job: SolveJob, samples: int, adaptive: bool = False) -> dict[str, Any]:
     """What decides a run's answers: the model (its path or name, and for a local file its size,
-    mtime and a hash of its first MiB), the remote engine's URL, the system prompt, the
+    mtime and a hash of its first MiB), the remote server's URL, the system prompt, the
     instruction and the sampling settings. As JSON would read it back, to compare with records."""
-    from phi4cli.engines.backends import RemoteBackend
+    from phi4cli.backends.remote_backend import RemoteBackend
 
     model = job.request.model
     backend = (
         # Replicas of one model, in any order: the same run.
-        " ".join(sorted(_without_secrets(e.url) for e in job.backend.engines))
+        " ".join(sorted(_without_secrets(e.url) for e in job.backend.servers))
         if isinstance(job.backend, RemoteBackend)
         else None
     )
@@ -649,7 +649,7 @@ def run_eval(
 
     def request(index: int) -> SolveParams:
         i, k = divmod(index, samples)  # request index: problem i's sample k
-        # A problem's samples are one group: a remote engine that takes ``n`` is asked for
+        # A problem's samples are one group: a remote server that takes ``n`` is asked for
         # them in one request.
         return job.params(
             todo[i].problem,

@@ -23,7 +23,7 @@ class ProblemFeed(Sequence["SolveParams | Event"]):  # a string: typing is not i
     million lines is never held at once (at most :data:`AHEAD` problems ahead of the output).
 
     It is the run's list of requests, growing as lines come (``len`` is what has come so far,
-    ``ended`` once the input has), and the flight's :class:`~phi4cli.engines.dispatch.Feed`. Lines
+    ``ended`` once the input has), and the flight's :class:`~phi4cli.backends.dispatch.Feed`. Lines
     are numbered as ``str.splitlines`` numbers them. A line of a pipe that is not UTF-8 is that
     problem's error (the lines before it were already on their way); a file's, and a file's on
     stdin, are refused before anything is sent (:func:`open_problems`).

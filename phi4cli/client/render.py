@@ -6,9 +6,9 @@ import re
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
+from phi4cli.backends.outcome import Outcome
 from phi4cli.client.environment import Environment
 from phi4cli.core.protocol import Event, EventKind, Stats
-from phi4cli.engines.outcome import Outcome
 from phi4cli.text.sanitize import TextCleaner, clean_text, terminal_text
 
 if TYPE_CHECKING:

@@ -19,6 +19,8 @@ from prompt_toolkit.completion import CompleteEvent, Completer, Completion
 from prompt_toolkit.document import Document
 from prompt_toolkit.history import FileHistory
 
+from phi4cli.backends.backend import Backend, RequestStream
+from phi4cli.backends.outcome import Outcome
 from phi4cli.client.chats import ChatStore, Conversation, Turn, default_name
 from phi4cli.client.environment import Environment
 from phi4cli.client.exits import Announce, say
@@ -41,9 +43,7 @@ from phi4cli.core.errors import DaemonGoneError, Phi4Error, RequestError, cli_wo
 from phi4cli.core.inputs import replace_bad
 from phi4cli.core.options import SETTABLE, SETTING
 from phi4cli.core.protocol import PRIORITY_INTERACTIVE, ErrorCode, Op, SolveParams, Stats
-from phi4cli.engines.backends import Backend, RequestStream
-from phi4cli.engines.checker import Checker
-from phi4cli.engines.outcome import Outcome
+from phi4cli.text.checker import Checker
 from phi4cli.text.sanitize import clean_text
 
 PROMPT = "phi4> "

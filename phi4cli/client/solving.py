@@ -9,6 +9,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from phi4cli.backends.backend import Backend
+from phi4cli.backends.outcome import Outcome, exit_status
 from phi4cli.client._solve_options import SolveOptions as SolveOptions  # generated from the command
 from phi4cli.client.environment import Environment
 from phi4cli.client.progress import FileProgress, LoadLine, ProgressNotice, StderrStatus
@@ -25,20 +27,19 @@ from phi4cli.core._settings import Ask
 from phi4cli.core.errors import ExitStatus, Phi4Error, UsageError
 from phi4cli.core.options import sample_seed
 from phi4cli.core.protocol import PRIORITY_BULK, Event, SolveParams
-from phi4cli.engines.backends import Backend
-from phi4cli.engines.outcome import Outcome, exit_status
 from phi4cli.text.confidence import WARMUP
 from phi4cli.text.reasoning import AnswerComparer, majority_vote, vote_settled
 from phi4cli.text.sanitize import clean_text, json_safe
 
 if TYPE_CHECKING:
+    from phi4cli.backends.dispatch import EventSink, Feed
+    from phi4cli.backends.flight import Flight, FlightHook
     from phi4cli.client.keys import AnswerKeys
     from phi4cli.client.problems import (  # imported where --file reads, not before
         Opened,
         ProblemFeed,
     )
-    from phi4cli.engines.checker import Checker
-    from phi4cli.engines.dispatch import EventSink, Feed, Flight, FlightHook
+    from phi4cli.text.checker import Checker
     from phi4cli.text.checking import Check
 
 
@@ -458,7 +459,7 @@ def solve_samples(
     memory freed at once, and the vote is over those that finished."""
     outcomes = [Outcome(index=i, question=question) for i in range(samples)]
     seed = job.seed
-    # One group: a remote engine that takes ``n`` is asked for them in one request.
+    # One group: a remote server that takes ``n`` is asked for them in one request.
     requests = [
         job.params(question, seed=None if seed is None else sample_seed(seed, i), sample_group=0)
         for i in range(samples)
@@ -792,9 +793,9 @@ def make_job(
     """Settings, model and backend for a command that solves (solve, eval): what each request
     it sends shares; ``confidence``: each answer's confidence is worked out (for what shows
     it), at a pass over the vocabulary per token."""
+    from phi4cli.backends.backend import make_backend
     from phi4cli.core.config import load_settings, set_in_environment
     from phi4cli.core.models import resolve_model
-    from phi4cli.engines.backends import make_backend
 
     paths = env.paths
     settings = load_settings(paths.config_file, {"model": model, **answer_options})
@@ -812,7 +813,7 @@ def make_job(
     instruction = None if no_instruction else settings.instruction
     checker = None
     if settings.check != "off":
-        from phi4cli.engines.checker import Checker
+        from phi4cli.text.checker import Checker
 
         checker = Checker()
     return SolveJob(

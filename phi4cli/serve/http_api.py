@@ -1,6 +1,6 @@
 """``phi4 serve --http``: the resident daemon behind an OpenAI-compatible HTTP API.
 
-Starlette on uvicorn, over the daemon :class:`~phi4cli.engines.backends.Backend`: each choice of an
+Starlette on uvicorn, over the daemon :class:`~phi4cli.backends.backend.Backend`: each choice of an
 HTTP request (``n`` of them) is one daemon request over the Unix socket, so the HTTP side keeps no
 model state of its own — the daemon's slots, prefix cache and scheduling serve HTTP clients as they
 serve `phi4 solve`. Which of OpenAI's fields are honoured, refused or ignored: docs/openai.md.
@@ -36,6 +36,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from phi4cli.backends.backend import Backend, RequestStream
+from phi4cli.backends.dispatch import Announce
 from phi4cli.core.config import Settings, parse_duration, variable
 from phi4cli.core.errors import ConfigError, ErrorCode, Phi4Error, RequestError, UsageError
 from phi4cli.core.protocol import (
@@ -43,9 +45,6 @@ from phi4cli.core.protocol import (
     EventKind,
     Op,
 )
-from phi4cli.engines.backends import Backend, RequestStream
-from phi4cli.engines.checker import Checker
-from phi4cli.engines.dispatch import Announce
 from phi4cli.serve.http_access import AccessGuard, AccessPolicy, PeerGate, port_number
 from phi4cli.serve.openai_request import (
     ApiError,
@@ -55,6 +54,7 @@ from phi4cli.serve.openai_request import (
     without_paths,
 )
 from phi4cli.serve.openai_response import Choice, Completion, close_when_read, next_event
+from phi4cli.text.checker import Checker
 
 MAX_BODY_BYTES = 4 << 20
 # How long a streamed answer's headers wait for the daemon to admit its request (or to write

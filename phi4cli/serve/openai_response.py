@@ -15,6 +15,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from phi4cli.backends.backend import RequestStream
+from phi4cli.backends.outcome import Outcome
 from phi4cli.core.errors import Phi4Error
 from phi4cli.core.protocol import (
     ErrorCode,
@@ -22,10 +24,8 @@ from phi4cli.core.protocol import (
     EventKind,
     Stats,
 )
-from phi4cli.engines.backends import RequestStream
-from phi4cli.engines.checker import Checker
-from phi4cli.engines.outcome import Outcome
 from phi4cli.serve.openai_request import ApiError, without_paths
+from phi4cli.text.checker import Checker
 from phi4cli.text.checking import Check
 from phi4cli.text.reasoning import GrowingText, extract_final_answer
 

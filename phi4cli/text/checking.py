@@ -22,7 +22,7 @@ where SymPy decides cheaply, else at random points to 50 digits (two analytic ex
 at random points to 40 digits are the same; ones apart by more than 1e-10 differ).
 
 :func:`check` has no bound of its own: SymPy can take long, or much memory, on a pathological
-input. :mod:`phi4cli.engines.checker` runs it in a worker process with limits on both; this
+input. :mod:`phi4cli.text.checker` runs it in a worker process with limits on both; this
 module's ``main`` is that worker's loop. :func:`checkable` says, without importing SymPy,
 whether a problem is of a kind this room knows (so a worker is started only for those).
 """

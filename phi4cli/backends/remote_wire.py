@@ -1,8 +1,8 @@
-"""The wire of a remote engine: the bounds of one request's responses (time to the status line,
+"""The wire of a remote server: the bounds of one request's responses (time to the status line,
 silence between events, the whole request's deadline, sizes) kept by a guard that hangs up,
 and the checks of what a server sends (a chunk, its choices, a delta; an error answer, a
 Retry-After; usage numbers worth believing). What a stream means — thinking, answer, the
-policy — is the engine's (``remote.py``)."""
+policy — is the server's (``remote.py``)."""
 
 from __future__ import annotations
 
@@ -29,15 +29,15 @@ class AskAlone(Exception):
 
 
 class Endpoint(Protocol):
-    """What a Watch needs of an engine: its address and its time limits."""
+    """What a Watch needs of an server: its address and its time limits."""
 
     url: str
     timeout: float
     deadline: float
 
 
-class Engine(Endpoint, Protocol):
-    """What asking a server needs of its engine (``remote.RemoteEngine``): where to post, whether
+class Server(Endpoint, Protocol):
+    """What asking a server needs of its server (``remote.RemoteServer``): where to post, whether
     it still asks for logprobs, and where to say a wait."""
 
     @property
@@ -117,8 +117,8 @@ class Watch:
     Use as a context manager: the guard runs inside it.
     """
 
-    def __init__(self, engine: Endpoint, state: WatchedState) -> None:
-        self.url, self.timeout, self.deadline = engine.url, engine.timeout, engine.deadline
+    def __init__(self, server: Endpoint, state: WatchedState) -> None:
+        self.url, self.timeout, self.deadline = server.url, server.timeout, server.deadline
         self.started = state.started  # the deadline counts from the request's start
         self.asked = time.monotonic()  # when the latest attempt was sent
         self.last_event = self.asked
@@ -379,7 +379,7 @@ def seconds_of(millis: Any) -> float | None:
 
 @contextmanager
 def opened(
-    engine: Engine, client: httpx.Client, body: dict[str, Any], watch: Watch
+    server: Server, client: httpx.Client, body: dict[str, Any], watch: Watch
 ) -> Iterator[httpx.Response]:
     """The response to ``body`` once the server accepts it: a 429 or 503 is asked again, up
     to MAX_RETRIES times, after its Retry-After (or a short backoff). Raise StreamFailure for a
@@ -390,7 +390,7 @@ def opened(
     while True:
         watch.ask()
         with client.stream(
-            "POST", engine.endpoint, json=body, extensions={"trace": watch.trace}
+            "POST", server.endpoint, json=body, extensions={"trace": watch.trace}
         ) as response:
             watch.answered = True
             watch.last_event = time.monotonic()
@@ -400,7 +400,7 @@ def opened(
                 shown = excerpt(encoding, 40)
                 raise StreamFailure(
                     ErrorCode.BACKEND_ERROR,
-                    f"the backend {engine.url} sent a compressed answer ({shown}), "
+                    f"the backend {server.url} sent a compressed answer ({shown}), "
                     "which phi4 did not ask for",
                 )
             if response.status_code < 400:
@@ -421,11 +421,11 @@ def opened(
         ):
             # A server that gives no logprobs (or not 20): asked again without, and never
             # again for them; the answers then have no confidence.
-            told, engine.gives_logprobs = not engine.gives_logprobs, False
+            told, server.gives_logprobs = not server.gives_logprobs, False
             body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
-            if engine.notice is not None and not told:
-                engine.notice(
-                    f"the backend {engine.url} gives no logprobs ({failure.message}); "
+            if server.notice is not None and not told:
+                server.notice(
+                    f"the backend {server.url} gives no logprobs ({failure.message}); "
                     "answers have no confidence"
                 )
             continue  # (the same attempt number: a busy server's retries are not spent)
@@ -435,13 +435,13 @@ def opened(
             and watch.state.attempt.on_busy is not None
         ):
             watch.state.attempt.on_busy(wait)  # the flight sends less to this server now
-        left = engine.deadline - (time.monotonic() - watch.started)
+        left = server.deadline - (time.monotonic() - watch.started)
         if wait is None or attempt == MAX_RETRIES or wait > min(MAX_RETRY_WAIT_S, left):
             raise failure
-        if engine.notice is not None and not engine.retry_told:
-            engine.retry_told = True  # once per command, however many waits follow
-            engine.notice(
-                f"the backend {engine.url} is busy ({response.status_code}); "
+        if server.notice is not None and not server.retry_told:
+            server.retry_told = True  # once per command, however many waits follow
+            server.notice(
+                f"the backend {server.url} is busy ({response.status_code}); "
                 f"asking again in {wait:g} s (up to {MAX_RETRIES} times)"
             )
         time.sleep(wait)
@@ -449,14 +449,14 @@ def opened(
 
 
 def response_chunks(
-    engine: Engine, client: httpx.Client, body: dict[str, Any], watch: Watch
+    server: Server, client: httpx.Client, body: dict[str, Any], watch: Watch
 ) -> Iterator[dict[str, Any] | None]:
     """The chunks of the response to ``body``, parsed, then None for its ``[DONE]``; a
     failure of the server or of the connection is raised as StreamFailure (or
     DaemonUnavailableError: it was never reached)."""
     done = False
     try:
-        with opened(engine, client, body, watch) as response:
+        with opened(server, client, body, watch) as response:
             watched = cast(httpx.Response, WatchedResponse(response, watch))
             for sse in httpx.EventSource(watched, max_event_size=MAX_EVENT_BYTES):
                 watch.last_event = time.monotonic()
@@ -465,7 +465,7 @@ def response_chunks(
                     done = True
                     yield None
                     return
-                yield parse_chunk(sse.data, engine.url)
+                yield parse_chunk(sse.data, server.url)
     except httpx.TransportError as error:  # timeouts, broken connections, bad streams
         if watch.finished and not isinstance(error, httpx.SSEError):
             # The answer ended, then the server went quiet or hung up instead of sending

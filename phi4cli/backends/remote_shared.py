@@ -26,16 +26,16 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from phi4cli.core.errors import DaemonUnavailableError
-from phi4cli.core.protocol import ErrorCode, SolveParams
-from phi4cli.engines.remote import (
+from phi4cli.backends.remote import (
     Attempt,
-    RemoteEngine,
+    RemoteServer,
     StreamState,
     messages_for,
     wants_confidence,
 )
-from phi4cli.engines.remote_wire import AskAlone, StreamFailure, Watch, choices_of, response_chunks
+from phi4cli.backends.remote_wire import AskAlone, StreamFailure, Watch, choices_of, response_chunks
+from phi4cli.core.errors import DaemonUnavailableError
+from phi4cli.core.protocol import ErrorCode, SolveParams
 from phi4cli.text.confidence import TraceConfidence
 
 MAX_SHARED = 16  # samples of a question asked in one request (its n), at most
@@ -55,8 +55,8 @@ class SharedRequest:
     its first leg (an answer asked for after a budget, a "Wait") it asks on its own. What the
     request may hold: see the module's docstring."""
 
-    def __init__(self, engine: RemoteEngine, params: SolveParams, count: int) -> None:
-        self.engine, self.params, self.count = engine, params, count
+    def __init__(self, server: RemoteServer, params: SolveParams, count: int) -> None:
+        self.server, self.params, self.count = server, params, count
         # Each choice's chunks not yet read, with the weight each counts (see _post).
         self.inboxes: list[deque[tuple[Any, int]]] = [deque() for _ in range(count)]
         self.queued = [0] * count  # the weight each choice holds unread
@@ -135,8 +135,8 @@ class SharedRequest:
     def _read(self) -> None:
         if self.attempt.cancelled:
             return  # every sample left before it was asked (none thinks, say): nothing to ask
-        engine = self.engine
-        body = engine.request_body(self.params, messages_for(self.params))
+        server = self.server
+        body = server.request_body(self.params, messages_for(self.params))
         body["n"] = self.count
         ended: tuple[str, Exception | None] = ("end", None)
         # A choice's last chunk waits here while nothing else comes: the usage, which a server
@@ -151,8 +151,8 @@ class SharedRequest:
             held.clear()
 
         try:
-            with Watch(engine, self.state) as watch:
-                for chunk in response_chunks(engine, engine.http_client(), body, watch):
+            with Watch(server, self.state) as watch:
+                for chunk in response_chunks(server, server.http_client(), body, watch):
                     if self.attempt.cancelled or chunk is None:
                         break
                     # Each choice's share counts the whole event: what one holds is bounded
@@ -170,7 +170,7 @@ class SharedRequest:
                         for index in range(self.count):
                             self._post(index, {"usage": prompt}, weight, watch)
                         release(watch)
-                    for choice in choices_of(chunk, engine.url):
+                    for choice in choices_of(chunk, server.url):
                         index = choice.get("index", 0)
                         if not (
                             isinstance(index, int)
@@ -193,7 +193,7 @@ class SharedRequest:
                 release(watch)
         except StreamFailure as failure:
             if failure.code == ErrorCode.BAD_REQUEST:  # (n refused, say): each asks alone
-                engine.takes_n = False
+                server.takes_n = False
                 ended = ("alone", None)
             else:
                 ended = ("fail", failure)
@@ -203,14 +203,14 @@ class SharedRequest:
             ended = (
                 "fail",
                 StreamFailure(
-                    ErrorCode.INTERNAL, f"reading the backend {engine.url} failed: {error!r}"
+                    ErrorCode.INTERNAL, f"reading the backend {server.url} failed: {error!r}"
                 ),
             )
         if ended[0] == "end" and not self.attempt.cancelled:
             if all(self.heard):
-                engine.takes_n = True
+                server.takes_n = True
             elif self.heard[0] and not any(self.heard[1:]):
-                engine.takes_n = False  # it answered one choice: n is not what it reads
+                server.takes_n = False  # it answered one choice: n is not what it reads
         for index in range(self.count):
             alone = ended[0] == "end" and not self.heard[index] and not self.attempt.cancelled
             self._post(index, ("alone", None) if alone else ended)

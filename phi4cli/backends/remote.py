@@ -1,4 +1,4 @@
-"""Remote engines: `--backend URL` sends `phi4 solve` and `phi4 chat` to any OpenAI-compatible
+"""Remote servers: `--backend URL` sends `phi4 solve` and `phi4 chat` to any OpenAI-compatible
 server (llama.cpp's llama-server, vLLM, Ollama, llama-cpp-python's server, another `phi4 serve`)
 instead of the local daemon, producing the same events, so output, reasoning handling and exit
 codes match.
@@ -37,10 +37,8 @@ from typing import Any, Protocol
 
 import httpx2 as httpx
 
-from phi4cli.core.errors import DaemonUnavailableError
-from phi4cli.core.protocol import ErrorCode, Event, EventKind, SolveParams, Stats
-from phi4cli.engines.dispatch import Announce
-from phi4cli.engines.remote_wire import (
+from phi4cli.backends.dispatch import Announce
+from phi4cli.backends.remote_wire import (
     AskAlone,
     StreamFailure,
     Watch,
@@ -51,6 +49,8 @@ from phi4cli.engines.remote_wire import (
     response_chunks,
     seconds_of,
 )
+from phi4cli.core.errors import DaemonUnavailableError
+from phi4cli.core.protocol import ErrorCode, Event, EventKind, SolveParams, Stats
 from phi4cli.text.confidence import TOP_K, TraceConfidence, from_logprobs
 from phi4cli.text.reasoning import THINK_CLOSE, THINK_OPEN, ThinkSplitter, model_thinks
 from phi4cli.text.thinking import Act, ThinkingPolicy
@@ -196,7 +196,7 @@ def _kinds(pieces: list[tuple[str, str]]) -> list[tuple[EventKind, str]]:
     return [(names[kind], text) for kind, text in pieces]
 
 
-class RemoteEngine:
+class RemoteServer:
     """One OpenAI-compatible server, with the model name it serves."""
 
     def __init__(
@@ -232,7 +232,7 @@ class RemoteEngine:
         self._client_lock = threading.Lock()
 
     def http_client(self) -> httpx.Client:
-        """The engine's one HTTP client: its connection pool is shared by every request in
+        """The server's one HTTP client: its connection pool is shared by every request in
         flight (httpx's pool is thread-safe), so a run of thousands opens few connections."""
         with self._client_lock:
             if self._client is None:
@@ -638,7 +638,7 @@ class StreamState:
         if isinstance(timings, dict):
             self.timings = timings
 
-    def stats(self, engine: RemoteEngine, reader: _Reader, params: SolveParams) -> Stats:
+    def stats(self, server: RemoteServer, reader: _Reader, params: SolveParams) -> Stats:
         """The request's Stats: the server's numbers where it reported believable ones (a
         count that is not a whole number from 0 to 10**9, or a time that is not a finite
         positive number, is ignored), else what the stream showed."""
@@ -698,12 +698,12 @@ class StreamState:
             total_s=round(total, 4),
             finish_reason=self.finish if self.finish in ("length", "loop", "unsure") else "stop",
             seed=params.ask.seed,
-            model=f"{engine.model} at {engine.url}",
+            model=f"{server.model} at {server.url}",
             **self._confidence(),
             extra={
                 "usage_reported": bool(usage),
                 **(
-                    {"confidence_unavailable": f"the backend {engine.url} sent no logprobs"}
+                    {"confidence_unavailable": f"the backend {server.url} sent no logprobs"}
                     if self.trace is not None and not self.trace.tokens
                     else {}
                 ),

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from phi4cli import __version__
+from phi4cli.backends import spawn
+from phi4cli.backends.dispatch import Announce
 from phi4cli.core import protocol
 from phi4cli.core.config import DAEMON_SETTINGS, Settings
 from phi4cli.core.errors import (
@@ -28,8 +30,6 @@ from phi4cli.core.errors import (
 )
 from phi4cli.core.paths import Paths, check_socket_path, install_id, is_our_daemon, peer_uid
 from phi4cli.core.protocol import ErrorCode, Event, EventKind, Op
-from phi4cli.daemon import spawn
-from phi4cli.engines.dispatch import Announce
 
 START_TIMEOUT = 60.0
 STOP_SPAWN_WAIT_S = 10.0  # how long `phi4 stop` waits for a client starting a daemon

@@ -12,11 +12,11 @@ import time
 
 import httpx2 as httpx
 
+from phi4cli.backends.dispatch import Closing, Delivery, Failure, Probe, Replica, Slow
+from phi4cli.backends.remote import Attempt, RemoteServer, ReplicaFault
+from phi4cli.backends.remote_shared import MAX_SHARED, SharedMember, SharedRequest, shared_params
+from phi4cli.backends.remote_wire import reason
 from phi4cli.core.protocol import JSON, ErrorCode, Event, SolveParams
-from phi4cli.engines.dispatch import Delivery, Failure, Flight, Probe, Replica, Slow
-from phi4cli.engines.remote import Attempt, RemoteEngine, ReplicaFault
-from phi4cli.engines.remote_shared import MAX_SHARED, SharedMember, SharedRequest, shared_params
-from phi4cli.engines.remote_wire import reason
 
 # A replica that went away mid-run is probed this long after (seconds, one after another)
 # before it is given up on for the run: about 15 s in all, time for a server to restart.
@@ -81,10 +81,10 @@ class RemoteReplica(Replica):
     reading its stream (httpx is blocking; a few dozen threads cost little next to a model's
     answer), and what comes goes to the flight's inbox."""
 
-    def __init__(self, engine: RemoteEngine, window: int, inbox: ReplicaInbox) -> None:
+    def __init__(self, server: RemoteServer, window: int, inbox: ReplicaInbox) -> None:
         super().__init__(window)
-        self.engine, self.inbox = engine, inbox
-        self.name = engine.url
+        self.server, self.inbox = server, inbox
+        self.name = server.url
         self.attempts: dict[int, Attempt] = {}
         # Samples of one question sent in this round, by their group: asked together at flush.
         self._grouped: dict[int, list[tuple[int, SolveParams, Attempt]]] = {}
@@ -97,7 +97,7 @@ class RemoteReplica(Replica):
         attempt.floor = params.confidence_floor  # (an adjust later replaces it)
         self.attempts[serial] = attempt
         group = params.sample_group
-        if group is not None and self.engine.takes_n is not False:
+        if group is not None and self.server.takes_n is not False:
             # One of several samples of a question: sent with the others given to this server
             # in the same round, as one request with n (see flush).
             self._grouped.setdefault(group, []).append((serial, params, attempt))
@@ -122,7 +122,7 @@ class RemoteReplica(Replica):
                 for serial, params, attempt in members:
                     self._start(serial, params, attempt, None)
                 continue
-            request = SharedRequest(self.engine, shared, len(members))
+            request = SharedRequest(self.server, shared, len(members))
             for index, (serial, params, attempt) in enumerate(members):
                 self._start(serial, params, attempt, request.member(index))
             request.start()
@@ -141,7 +141,7 @@ class RemoteReplica(Replica):
         self, serial: int, params: SolveParams, attempt: Attempt, member: SharedMember | None
     ) -> None:
         try:
-            for event in self.engine.stream(params, attempt, member):
+            for event in self.server.stream(params, attempt, member):
                 if attempt.cancelled:
                     return
                 self.inbox.put((self, serial, event))
@@ -168,7 +168,7 @@ class RemoteReplica(Replica):
                     serial,
                     Failure(
                         ErrorCode.INTERNAL,
-                        f"reading the backend {self.engine.url} failed: {error!r}",
+                        f"reading the backend {self.server.url} failed: {error!r}",
                     ),
                 )
             )
@@ -200,7 +200,7 @@ class RemoteReplica(Replica):
         # connection that failed says too little.
         return self.worked or failure.code != ErrorCode.UNREACHABLE or bool(self.in_flight)
 
-    def recover(self, flight: Flight) -> None:
+    def recover(self, flight: Closing) -> None:
         failure = self.last_failure
         if failure is not None and not self.may_recover(failure):
             self.inbox.put((self, None, Probe(False, failure)))
@@ -212,12 +212,12 @@ class RemoteReplica(Replica):
                 time.sleep(delay)
                 if flight.closed:
                     return
-                reason = probe_server(self.engine)
+                reason = probe_server(self.server)
                 if reason is None:
                     self.inbox.put((self, None, Probe(True)))
                     return
             gone = Failure(
-                ErrorCode.UNREACHABLE, f"the backend {self.engine.url} went away: {reason}"
+                ErrorCode.UNREACHABLE, f"the backend {self.server.url} went away: {reason}"
             )
             self.inbox.put((self, None, Probe(False, failure or gone)))
 
@@ -228,35 +228,35 @@ class RemoteReplica(Replica):
             attempt.cancel()
 
 
-def probe_all(engines: list[RemoteEngine]) -> list[JSON]:
+def probe_all(servers: list[RemoteServer]) -> list[JSON]:
     """Each server's state now (``phi4 status --backend``): up or down, how long the probe
     took and, where the server publishes metrics, its requests in flight, waiting and answered
     and the tokens a second it generates (over :data:`LOAD_WINDOW_S`); all probed at once."""
-    results: list[JSON] = [{} for _ in engines]
+    results: list[JSON] = [{} for _ in servers]
 
     def probe(i: int) -> None:
         started = time.monotonic()
-        reason = probe_server(engines[i])
+        reason = probe_server(servers[i])
         results[i] = {
-            "replica": engines[i].url,
+            "replica": servers[i].url,
             "state": "up" if reason is None else "down",
             "reason": reason,
             "probe_s": round(time.monotonic() - started, 3),
         }
         if reason is not None:
             return
-        results[i]["models"] = served_models(engines[i])
-        first = load_of(engines[i])
+        results[i]["models"] = served_models(servers[i])
+        first = load_of(servers[i])
         results[i].update({key: first.get(key) for key in LOAD_METRICS})
         if "tokens" in first:
             time.sleep(LOAD_WINDOW_S)
-            later = load_of(engines[i])
+            later = load_of(servers[i])
             if "tokens" in later:
                 rate = max(0.0, later["tokens"] - first["tokens"]) / LOAD_WINDOW_S
                 results[i]["tokens_per_s"] = round(rate, 1)
         results[i].setdefault("tokens_per_s", None)
 
-    threads = [threading.Thread(target=probe, args=(i,), daemon=True) for i in range(len(engines))]
+    threads = [threading.Thread(target=probe, args=(i,), daemon=True) for i in range(len(servers))]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -264,14 +264,14 @@ def probe_all(engines: list[RemoteEngine]) -> list[JSON]:
     return results
 
 
-def probe_server(engine: RemoteEngine, timeout: float = 5.0) -> str | None:
+def probe_server(server: RemoteServer, timeout: float = 5.0) -> str | None:
     """Whether the server is there and ready: None when it is, else why not. ``/health``
     (llama-server, vLLM, SGLang, phi4 serve) answering 200 says ready and 503 not yet;
     a server without that route is asked for ``/v1/models`` (Ollama, LiteLLM); one that
     answers HTTP but has neither route counts as there."""
     try:
-        with engine.side_client(timeout) as client:
-            for url in (engine.root + "/health", engine.v1 + "/models"):
+        with server.side_client(timeout) as client:
+            for url in (server.root + "/health", server.v1 + "/models"):
                 status = client.get(url).status_code
                 if status < 300:
                     return None
@@ -282,12 +282,12 @@ def probe_server(engine: RemoteEngine, timeout: float = 5.0) -> str | None:
         return f"cannot reach it: {reason(error)}"
 
 
-def _small_page(engine: RemoteEngine, url: str, timeout: float) -> bytes | None:
+def _small_page(server: RemoteServer, url: str, timeout: float) -> bytes | None:
     """The body of a 200 answer to GET ``url``, read as it comes and only so much (at most
     MAX_METRICS_BYTES: a side look must not become a large download); None otherwise."""
     body = bytearray()
     try:
-        with engine.side_client(timeout) as client, client.stream("GET", url) as response:
+        with server.side_client(timeout) as client, client.stream("GET", url) as response:
             if response.status_code != 200:
                 return None
             for piece in response.iter_bytes():
@@ -299,10 +299,10 @@ def _small_page(engine: RemoteEngine, url: str, timeout: float) -> bytes | None:
     return bytes(body)
 
 
-def served_models(engine: RemoteEngine, timeout: float = 5.0) -> list[str] | None:
+def served_models(server: RemoteServer, timeout: float = 5.0) -> list[str] | None:
     """The model ids the server lists at ``/v1/models`` (what it serves, whatever name a
     request carries), or None when it lists none that can be read."""
-    body = _small_page(engine, engine.v1 + "/models", timeout)
+    body = _small_page(server, server.v1 + "/models", timeout)
     try:
         listed = json.loads(body) if body is not None else None
     except ValueError:
@@ -320,13 +320,13 @@ def served_models(engine: RemoteEngine, timeout: float = 5.0) -> list[str] | Non
     return ids[:MAX_LISTED_MODELS] or None
 
 
-def load_of(engine: RemoteEngine, timeout: float = 5.0) -> dict[str, float]:
+def load_of(server: RemoteServer, timeout: float = 5.0) -> dict[str, float]:
     """What the server says of its own load at ``/metrics`` (Prometheus text): requests in
     flight and waiting, requests answered and tokens generated since it started, where it
     publishes them (:data:`LOAD_METRICS`); empty when it has no such page."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    body = _small_page(engine, engine.root + "/metrics", timeout)
+    body = _small_page(server, server.root + "/metrics", timeout)
     if body is None:
         return {}
     text = body.decode("utf-8", "replace")

@@ -1,11 +1,5 @@
-"""One interface for whatever answers: the local daemon, or remote OpenAI-compatible servers.
-
-``solve``, ``--samples``, ``--file``, ``chat`` and ``serve`` hold a :class:`Backend` and never ask
-which one it is. A backend streams one request's events (``stream``), answers many at once
-(``run``), and reports its status. Both go through the one request path, a
-:class:`~phi4cli.engines.dispatch.Flight` over replicas: here the daemon as one
-(``DaemonReplica``); the remote servers' replicas are in ``phi4cli.engines.replicas``.
-"""
+"""The local daemon as a backend: started when needed, its requests over one connection (a
+flight's one replica, replaced by a fresh daemon when it goes away)."""
 
 from __future__ import annotations
 
@@ -14,81 +8,24 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from phi4cli.core.config import Settings
-from phi4cli.core.errors import DaemonGoneError, RequestError
-from phi4cli.core.paths import Paths
-from phi4cli.core.protocol import JSON, ErrorCode, Event, EventKind, Op, SolveParams, to_wire
-from phi4cli.engines.dispatch import (
+from phi4cli.backends.dispatch import (
     Announce,
+    Closing,
     Delivery,
     EventSink,
     Failure,
     Feed,
-    Flight,
-    FlightHook,
-    FlightStream,
     Probe,
     Replica,
     Slow,
 )
-
-
-class RequestStream(Protocol):
-    """The events of one request, ending with exactly one ``done`` or ``error``."""
-
-    def __iter__(self) -> RequestStream: ...
-
-    def __next__(self) -> Event: ...
-
-    def cancel(self) -> None:
-        """Ask the engine to stop; the events go on to the terminal one (partial answer kept)."""
-        ...
-
-    def answer_now(self) -> None:
-        """Ask the engine to close the thinking so the model answers from what it has (as a
-        think budget reached does); nothing changes once the thinking is over."""
-        ...
-
-    def close(self) -> None:
-        """Hang up: the request is cancelled and no more events come."""
-        ...
-
-
-class Backend(Protocol):
-    name: str  # for messages: "the daemon", "the backend URL"
-
-    def stream(self, op: Op, params: SolveParams) -> RequestStream:
-        """Send one solve or chat request and return its events."""
-        ...
-
-    def run(
-        self,
-        requests: Sequence[SolveParams | Event],
-        on_event: EventSink,
-        restart: bool = False,
-        feed: Feed | None = None,
-        on_flight: FlightHook | None = None,
-    ) -> None:
-        """Answer many solve requests, passing each event to ``on_event(index, event)``. With
-        ``restart``, a request cut off mid-answer may be sent again after a ``restart`` event
-        (the caller folds events and can drop what came before). With a ``feed``, ``requests``
-        grows as the feed adds to it, until it ends (lines read from a pipe); a request that is
-        an error event is not sent, and ends with it. ``on_flight`` is handed the flight before
-        anything is sent, so that ``on_event`` may cancel requests it no longer needs."""
-        ...
-
-    def connect(self) -> None:
-        """Get ready now (start the daemon, load the model) rather than on the first request."""
-        ...
-
-    def status(self) -> JSON: ...
-
-    def close(self) -> None: ...
-
-
-# --- the local daemon ---------------------------------------------------------------------------
+from phi4cli.backends.flight import Flight, FlightHook, FlightStream
+from phi4cli.core.config import Settings
+from phi4cli.core.errors import DaemonGoneError, RequestError
+from phi4cli.core.paths import Paths
+from phi4cli.core.protocol import JSON, ErrorCode, Event, EventKind, Op, SolveParams, to_wire
 
 
 class DaemonBackend:
@@ -111,7 +48,7 @@ class DaemonBackend:
         self._lock = threading.Lock()
 
     def _take(self) -> Any:
-        from phi4cli.engines.daemon_link import connect_checked
+        from phi4cli.backends.daemon_link import connect_checked
 
         with self._lock:
             if self._idle:
@@ -153,7 +90,7 @@ class DaemonBackend:
         flight.run(on_event)
 
     def status(self) -> JSON:
-        from phi4cli.engines.daemon_link import daemon_status
+        from phi4cli.backends.daemon_link import daemon_status
 
         return daemon_status(self.paths)
 
@@ -246,7 +183,7 @@ class DaemonReplica(Replica):
             del self.serial_of[request_id], self.id_of[serial]
         if code == ErrorCode.BUSY:
             # Its queue is full (other clients too): keep fewer in flight, send this one later.
-            from phi4cli.engines.daemon_link import BUSY_RETRY_S
+            from phi4cli.backends.daemon_link import BUSY_RETRY_S
 
             return self, serial, Slow(BUSY_RETRY_S, requeue=True)
         if code == ErrorCode.SHUTTING_DOWN:
@@ -277,7 +214,7 @@ class DaemonReplica(Replica):
     def may_recover(self, failure: Failure) -> bool:
         return self.recoveries < 1
 
-    def recover(self, flight: Flight) -> None:
+    def recover(self, flight: Closing) -> None:
         self.recoveries += 1
         if self.recoveries > 1:
             self.pending.append(
@@ -298,7 +235,7 @@ class DaemonReplica(Replica):
         self._drop_connection()
         self.backend.close()
         if draining:
-            from phi4cli.engines.daemon_link import wait_until_gone
+            from phi4cli.backends.daemon_link import wait_until_gone
 
             wait_until_gone(self.backend.paths)
             self.backend.announce("the daemon was shutting down; starting a fresh one...")
@@ -315,152 +252,3 @@ class DaemonReplica(Replica):
             self.connection = None
         else:
             self._drop_connection()  # hanging up cancels what still runs
-
-
-# --- remote servers -----------------------------------------------------------------------------
-
-
-class RemoteBackend:
-    """One or more OpenAI-compatible servers (replicas of one model); no daemon involved."""
-
-    def __init__(
-        self,
-        urls: list[str] | str,
-        model: str,
-        api_key: str | None,
-        timeout: float,
-        deadline: float = 3600.0,
-        announce: Announce | None = None,
-        concurrency: int = 16,
-    ) -> None:
-        from phi4cli.engines.remote import RemoteEngine
-
-        urls = [urls] if isinstance(urls, str) else urls
-        self.engines = [
-            RemoteEngine(url, model, api_key, timeout, deadline, announce, connections=concurrency)
-            for url in urls
-        ]
-        self.engine = self.engines[0]
-        self.concurrency = concurrency
-        self.announce = announce
-        shown = (
-            " and ".join(e.url for e in self.engines)
-            if len(urls) <= 3
-            else f"{self.engine.url} and {len(urls) - 1} more"
-        )
-        self.name = f"the backend {shown}"
-        self.last_summary: list[JSON] = []
-
-    def _flight(
-        self,
-        op: Op,
-        requests: Sequence[SolveParams | Event],
-        restart: bool,
-        feed: Feed | None = None,
-    ) -> Flight:
-        from phi4cli.engines.replicas import RemoteReplica, ReplicaInbox
-
-        inbox = ReplicaInbox()
-        replicas: list[Replica] = [
-            RemoteReplica(engine, self.concurrency, inbox) for engine in self.engines
-        ]
-        return Flight(requests, replicas, inbox, op=op, restart=restart, feed=feed)
-
-    def stream(self, op: Op, params: SolveParams) -> FlightStream:
-        return FlightStream(self._flight(op, [params], restart=False))
-
-    def run(
-        self,
-        requests: Sequence[SolveParams | Event],
-        on_event: EventSink,
-        restart: bool = False,
-        feed: Feed | None = None,
-        on_flight: FlightHook | None = None,
-    ) -> None:
-        flight = self._flight(Op.SOLVE, requests, restart, feed)
-        if on_flight is not None:
-            on_flight(flight)
-        try:
-            flight.run(on_event)
-        finally:
-            self.last_summary = flight.summary()
-        if len(self.engines) > 1 and self.announce is not None and len(requests) > 1:
-            self.announce("replicas: " + "; ".join(_replica_line(r) for r in self.last_summary))
-
-    def connect(self) -> None:
-        pass  # nothing to start: the first request finds out whether the server answers
-
-    def status(self) -> JSON:
-        from phi4cli.engines.replicas import probe_all
-
-        replicas = probe_all(self.engines)
-        up = sum(1 for r in replicas if r["state"] == "up")
-        # What the servers serve (a llama-server answers any model name with its one model),
-        # where every replica that lists its models lists the same one; else the name asked.
-        served = {tuple(r["models"]) for r in replicas if r.get("models")}
-        only = next(iter(served)) if len(served) == 1 else ()
-        model = only[0] if len(only) == 1 else self.engine.model
-        return {
-            "state": "remote" if up else "down",
-            "backend": self.engine.url,
-            "model": model,
-            "model_asked": self.engine.model,
-            "replicas": replicas,
-        }
-
-    def close(self) -> None:
-        for engine in self.engines:
-            engine.close()
-
-
-def _replica_line(part: JSON) -> str:
-    rate = f", {part['tokens_per_s']:g} tokens/s" if part["tokens_per_s"] else ""
-    line = f"{part['replica']} answered {part['answered']}{rate}"
-    if part["failed"]:
-        line += f", {part['failed']} failed"
-    return line + (f" ({part['state']})" if part["state"] != "up" else "")
-
-
-def make_backend(
-    paths: Paths,
-    settings: Settings,
-    model: Path | str,
-    announce: Announce,
-) -> Backend:
-    """The backend the settings ask for: ``settings.backend`` (a URL) or the local daemon."""
-    if settings.backend:
-        from phi4cli.engines.remote import backend_key
-
-        return RemoteBackend(
-            list(settings.backend),
-            str(model),
-            backend_key(),
-            settings.backend_timeout,
-            settings.backend_deadline,
-            announce,
-            settings.backend_concurrency,
-        )
-    return DaemonBackend(paths, settings, Path(model), announce)
-
-
-def load_model(
-    paths: Paths, settings: Settings, model_path: Path, set_keep_alive: bool, announce: Announce
-) -> tuple[dict[str, Any], bool]:
-    """Have the daemon (started if need be) load and warm ``model_path``; return its load
-    timings and whether this call started the daemon."""
-    params = SolveParams(
-        "",
-        model=str(model_path),
-        load_only=True,
-        keep_alive=settings.keep_alive if set_keep_alive else None,
-    )
-    # Through the backend, so a daemon on its way out is replaced as for any request.
-    backend = DaemonBackend(paths, settings, model_path, announce)
-    try:
-        stream = backend.stream(Op.LOAD, params)
-        *_, terminal = stream
-    finally:
-        backend.close()
-    if terminal.kind == EventKind.ERROR:
-        raise terminal.exception()
-    return terminal.result, stream.spawned
