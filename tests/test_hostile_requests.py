@@ -25,9 +25,10 @@ from phi4cli.core import protocol
 from phi4cli.core._settings import Ask
 from phi4cli.core.config import Settings
 from phi4cli.core.paths import get_paths
+from phi4cli.daemon.connections import Connection
 from phi4cli.daemon.llama.prompts import Prompts
 from phi4cli.daemon.scheduler import QueueFullError
-from phi4cli.daemon.server import Connection, DaemonServer
+from phi4cli.daemon.server import DaemonServer
 from tests.conftest import exchange, run_phi4
 from tests.test_protocol_scheduler import Collector, FakeEngine, busy_scheduler
 

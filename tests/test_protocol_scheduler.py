@@ -16,6 +16,7 @@ import pytest
 from phi4cli.core import protocol
 from phi4cli.core._settings import Ask
 from phi4cli.core.errors import Fault
+from phi4cli.core.paths import peer_uid
 from phi4cli.core.protocol import (
     PRIORITY_BULK,
     PRIORITY_INTERACTIVE,
@@ -24,9 +25,9 @@ from phi4cli.core.protocol import (
     parse_solve_params,
 )
 from phi4cli.daemon import scheduler as scheduler_module
+from phi4cli.daemon.connections import peer_allowed
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, Wait
 from phi4cli.daemon.scheduler import JobQueue, QueueFullError, RequestScheduler
-from phi4cli.daemon.server import peer_allowed, peer_uid
 from tests.conftest import run_phi4
 
 
@@ -584,7 +585,8 @@ def test_a_silent_daemon_is_reported_frozen_not_waited_for_forever():
 def test_heartbeats_go_out_only_while_the_engine_goes_round():
     from types import SimpleNamespace
 
-    from phi4cli.daemon.server import Connection, DaemonServer
+    from phi4cli.daemon.connections import Connection
+    from phi4cli.daemon.server import DaemonServer
 
     class Writer:
         def __init__(self) -> None:
