@@ -1,5 +1,5 @@
 """Votes replayed as the CLI runs them: the early stop of ``solve -k`` / ``eval -k`` (the CLI's own
-``phi4cli.client.solving.EarlyStop``, not a copy of its rule) fed each problem's samples in the
+``phi4cli.client.voting.EarlyStop``, not a copy of its rule) fed each problem's samples in the
 order they finished, the samples it cancels paying for the tokens they had written by then.
 
     python bench/votes.py simulate [--problems 2000] [--k 8] [--parallel 4] [--seeds 5]
@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.adaptive_samples import MEDIAN_TOKENS, MIXTURES, TOKENS_SIGMA, draw_problem  # noqa: E402
 from phi4cli.backends.outcome import Outcome  # noqa: E402
-from phi4cli.client.solving import EarlyStop, votes  # noqa: E402
+from phi4cli.client.voting import EarlyStop, votes  # noqa: E402
 from phi4cli.core.protocol import Stats  # noqa: E402
-from phi4cli.text.checking import Check  # noqa: E402
+from phi4cli.text.check_verdicts import Check  # noqa: E402
 from phi4cli.text.reasoning import AnswerComparer, majority_vote  # noqa: E402
 
 RATE = 10.0  # tokens a second a stream decodes, in the simulation (only the order matters)
@@ -114,7 +114,7 @@ def replay(samples: list[Sample], compare: Any, stop_unsure: bool = False) -> Re
         share = min(1.0, max(0.0, ran / took)) if took > 0 else 0.0
         tokens += round(sample.tokens * share)
     kept = [i for i in range(k) if i not in stop.stopped and i not in stop.unsure]
-    # The vote as the CLI takes it (solving.votes: a verified answer first, a refuted one not).
+    # The vote as the CLI takes it (voting.votes: a verified answer first, a refuted one not).
     voting = votes([_outcome(i, samples[i], False) for i in kept])
     full = majority_vote(
         votes([_outcome(i, s, False) for i, s in enumerate(samples)]), equal=compare

@@ -465,7 +465,7 @@ def test_the_terminal_view_of_two_thousand_nested_powers_is_quick():
 
     from rich.console import Console
 
-    from phi4cli.client.render import TerminalPresenter
+    from phi4cli.client.presenters import TerminalPresenter
 
     presenter = TerminalPresenter(show_reasoning=False, verbose=False)
     buffer = io.StringIO()

@@ -229,7 +229,8 @@ def test_help_completion_and_dispatch_come_from_one_table(tiny_model: Path):
     from prompt_toolkit.completion import CompleteEvent
     from prompt_toolkit.document import Document
 
-    from phi4cli.client.repl import COMMANDS, SlashCompleter
+    from phi4cli.client.chat_commands import COMMANDS
+    from phi4cli.client.repl import SlashCompleter
 
     repl, out, _err = make_repl(tiny_model)
     assert repl.command("/help") is True

@@ -19,8 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from phi4cli.text.check_verdicts import REFUTED, UNCHECKED, VERIFIED
 from phi4cli.text.checker import Checker
-from phi4cli.text.checking import REFUTED, UNCHECKED, VERIFIED, check, checkable
+from phi4cli.text.checking import check, checkable
 from tests.conftest import run_phi4
 from tests.scripted_server import scripted_server, separated
 

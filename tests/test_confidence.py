@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from phi4cli.backends.outcome import Outcome
-from phi4cli.client.solving import EarlyStop
+from phi4cli.client.voting import EarlyStop
 from phi4cli.core.protocol import ErrorCode, Event, EventKind, Stats
 from phi4cli.text.confidence import (
     GROUP,

@@ -284,7 +284,7 @@ def test_every_toml_example_is_a_config_phi4_accepts(tmp_path: Path):
 
 
 def test_the_chat_page_lists_every_slash_command_and_what_set_takes():
-    from phi4cli.client.repl import COMMANDS
+    from phi4cli.client.chat_commands import COMMANDS
     from phi4cli.core.options import SETTABLE
 
     text = (DOC_ROOT / "docs" / "chat.md").read_text()

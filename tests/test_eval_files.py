@@ -299,8 +299,8 @@ def test_a_backend_url_is_recorded_without_its_password():
 
     from phi4cli.backends.remote_backend import RemoteBackend
     from phi4cli.client.environment import Environment
-    from phi4cli.client.grading import run_identity
-    from phi4cli.client.solving import SolveJob
+    from phi4cli.client.eval_results import run_identity
+    from phi4cli.client.solve_job import SolveJob
     from phi4cli.core._settings import Ask
     from phi4cli.core.protocol import SolveParams
 
@@ -322,7 +322,7 @@ def test_a_backend_url_is_recorded_without_its_password():
 def test_a_rewritten_results_file_escapes_what_the_appended_lines_escape():
     # Before: --force-resume's rewrite wrote json.dumps(...).encode(): a lone surrogate from a
     # problem's JSON was an "internal error", and a C1 character went into the file raw.
-    from phi4cli.client.grading import _lines
+    from phi4cli.client.eval_results import _lines
 
     written = _lines([{"reference": "\ud800", "answer": "\x9b31m"}])
     assert b"\\ud800" in written and b"\\u009b" in written and b"\xc2\x9b" not in written
@@ -333,7 +333,7 @@ def test_a_rewritten_results_file_escapes_what_the_appended_lines_escape():
 
 
 def test_eval_holds_only_the_problems_being_solved_and_skips_those_already_done(tmp_path: Path):
-    from phi4cli.client.grading import Pending, Problems
+    from phi4cli.client.eval_problems import Pending, Problems
 
     rows = [{"problem": f"p{i}", "answer": str(i)} for i in range(1, 1001)]
     path = _write_problems(tmp_path / "set.jsonl", rows)
@@ -356,7 +356,7 @@ def test_eval_holds_only_the_problems_being_solved_and_skips_those_already_done(
 
 
 def test_an_input_that_shrinks_while_eval_reads_it_stops_with_one_line(tmp_path: Path):
-    from phi4cli.client.grading import Pending, Problems
+    from phi4cli.client.eval_problems import Pending, Problems
     from phi4cli.core.errors import UsageError
 
     path = _write_problems(tmp_path / "set.jsonl")
@@ -370,7 +370,7 @@ def test_an_input_that_shrinks_while_eval_reads_it_stops_with_one_line(tmp_path:
 
 @pytest.mark.daemon
 def test_eval_numbers_lines_as_before_and_names_a_line_that_is_not_utf8(tmp_path: Path):
-    from phi4cli.client.grading import Problems
+    from phi4cli.client.eval_problems import Problems
     from phi4cli.core.errors import UsageError
 
     # Lines are numbered as str.splitlines numbers them: "\r" and a blank line count.
@@ -413,7 +413,8 @@ def test_eval_numbers_lines_as_before_and_names_a_line_that_is_not_utf8(tmp_path
 
 
 def test_a_problem_changed_and_changed_back_resumes_its_record():
-    from phi4cli.client.grading import RUN_KEYS, Item, read_earlier
+    from phi4cli.client.eval_problems import Item
+    from phi4cli.client.eval_results import RUN_KEYS, read_earlier
 
     run = {**dict.fromkeys(RUN_KEYS), "samples": 1, "model": "m"}
 

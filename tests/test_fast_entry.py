@@ -238,7 +238,7 @@ def test_the_typer_commands_write_through_the_environment_main_is_given(tmp_path
     # One Environment per run, made by the entry and handed down: solve and eval print there.
     import io
 
-    from phi4cli.client import cli
+    from phi4cli.client import cli, cli_env
     from phi4cli.client.environment import Environment
     from tests.scripted_server import scripted_server, separated
 
@@ -257,7 +257,7 @@ def test_the_typer_commands_write_through_the_environment_main_is_given(tmp_path
                 assert exited.value.code == 0, err.getvalue()
                 printed.append(out.getvalue())
         finally:
-            cli._environment = None  # as a later command run some other way would find it
+            cli_env.use_environment(None)  # as a later command run some other way finds it
     answer, summary = printed
     assert answer == "4\n"
     assert json.loads(summary)["correct"] == 1

@@ -125,7 +125,7 @@ def _rendered(solution: str) -> list[str]:
 
     from rich.console import Console
 
-    from phi4cli.client.render import _markdown
+    from phi4cli.client.presenters import _markdown
 
     console = Console(width=80, force_terminal=False, record=True, file=io.StringIO())
     console.print(_markdown(solution))

@@ -248,7 +248,7 @@ def test_a_record_cut_short_by_a_full_disk_is_cut_off_again(
 ):
     # The in-process check of what the tmpfs test shows: a write that stops part-way leaves
     # the file as it was before the record, whatever the disk.
-    from phi4cli.client import grading
+    from phi4cli.client import eval_results
 
     path = tmp_path / "out.jsonl"
     path.write_bytes(b'{"line": 1}\n')
@@ -262,9 +262,9 @@ def test_a_record_cut_short_by_a_full_disk_is_cut_off_again(
 
     real_write = os.write
     with path.open("r+b") as results:
-        monkeypatch.setattr(grading.os, "write", half_then_full)
+        monkeypatch.setattr(eval_results.os, "write", half_then_full)
         with pytest.raises(OSError):
-            grading._append(results, b'{"line": 2, "answer": "a long record"}\n')
+            eval_results.append_lines(results, b'{"line": 2, "answer": "a long record"}\n')
     assert written and path.read_bytes() == b'{"line": 1}\n'
 
 

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from phi4cli.backends.outcome import Outcome
 from phi4cli.client.environment import Environment
-from phi4cli.client.render import TerminalPresenter, _markdown
+from phi4cli.client.presenters import TerminalPresenter, _markdown
 from phi4cli.core.protocol import Event, EventKind
 from phi4cli.text import sanitize
 from tests.conftest import PHI4, run_phi4

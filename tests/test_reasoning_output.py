@@ -64,7 +64,7 @@ def test_terminal_output_has_thinking_line_rendered_solution_and_answer_line(
 def test_terminal_presenter_renders_markdown_math_and_highlights_the_answer(monkeypatch):
     from rich.console import Console
 
-    from phi4cli.client.render import TerminalPresenter
+    from phi4cli.client.presenters import TerminalPresenter
 
     presenter = TerminalPresenter(show_reasoning=False, verbose=False)
     buffer = io.StringIO()

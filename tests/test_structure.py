@@ -171,12 +171,16 @@ def test_the_protocol_stands_on_leaves_only():
     known = modules()
     protocol = "phi4cli.core.protocol"
     taken = {target for target, _line in imports(protocol, known[protocol], known)}
-    leaves = ("errors", "durations", "inputs", "options", "_settings")
+    leaves = ("errors", "durations", "inputs", "options", "option_values", "_settings")
     assert taken <= {f"phi4cli.core.{leaf}" for leaf in leaves}
     # The table of settings it checks requests by stands on leaves too.
-    for table in ("phi4cli.core.options", "phi4cli.core._settings"):
+    for table in ("phi4cli.core.options", "phi4cli.core.option_values", "phi4cli.core._settings"):
         under = {target for target, _line in imports(table, known[table], known)}
-        assert under <= {"phi4cli.core.durations", "phi4cli.core.options"}, table
+        assert under <= {
+            "phi4cli.core.durations",
+            "phi4cli.core.option_values",
+            "phi4cli.core.options",
+        }, table
 
 
 def test_only_config_reads_phi4_variables():

@@ -23,7 +23,8 @@ from rich.text import Text
 
 from phi4cli.backends.outcome import Outcome
 from phi4cli.client.chats import ChatStore, Conversation
-from phi4cli.client.render import TerminalPresenter, format_eval, format_warm, markdown_source
+from phi4cli.client.presenters import TerminalPresenter, markdown_source
+from phi4cli.client.render import format_eval, format_warm
 from phi4cli.core.paths import get_paths
 from phi4cli.core.protocol import Event, EventKind
 from phi4cli.text.sanitize import REPLACEMENT, TextCleaner, clean_text, json_safe

@@ -24,8 +24,9 @@ from rich.text import Text
 from phi4cli.backends.outcome import Outcome
 from phi4cli.client.environment import Environment
 from phi4cli.client.exits import report
-from phi4cli.client.render import TerminalPresenter, _markdown, markdown_source
-from phi4cli.client.solving import OutputMode, SolveJob, solve_one
+from phi4cli.client.presenters import TerminalPresenter, _markdown, markdown_source
+from phi4cli.client.solve_job import OutputMode, SolveJob
+from phi4cli.client.solving import solve_one
 from phi4cli.core._settings import Ask
 from phi4cli.core.errors import DaemonFrozenError, ErrorCode, ExitStatus
 from phi4cli.core.protocol import Event, EventKind, SolveParams

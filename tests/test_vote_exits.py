@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from phi4cli.client.solving import json_text
+from phi4cli.client.solve_job import json_text
 from phi4cli.text.confidence import MAX_CONFIDENCE, TraceConfidence, from_logprobs
 from tests.conftest import run_phi4
 from tests.scripted_server import Head, Step, data, scripted_server

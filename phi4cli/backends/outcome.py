@@ -14,7 +14,7 @@ from phi4cli.text.reasoning import GrowingText, extract_final_answer
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from phi4cli.text.checking import Check
+    from phi4cli.text.check_verdicts import Check
 
     class Answered(Protocol):
         """What the exit status asks of a request's result (an Outcome, or what is kept of it)."""
@@ -164,14 +164,14 @@ class Outcome:
     @property
     def refuted(self) -> bool:
         """Its answer was checked and found wrong."""
-        from phi4cli.text.checking import REFUTED
+        from phi4cli.text.check_verdicts import REFUTED
 
         return self.check is not None and self.check.verdict == REFUTED
 
     @property
     def verified(self) -> bool:
         """Its answer was checked and found right."""
-        from phi4cli.text.checking import VERIFIED
+        from phi4cli.text.check_verdicts import VERIFIED
 
         return self.check is not None and self.check.verdict == VERIFIED
 

@@ -10,10 +10,9 @@ import os
 import re
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple, TextIO
+from typing import Any, TextIO
 
 from prompt_toolkit.completion import CompleteEvent, Completer, Completion
 from prompt_toolkit.document import Document
@@ -21,27 +20,19 @@ from prompt_toolkit.history import FileHistory
 
 from phi4cli.backends.backend import Backend, RequestStream
 from phi4cli.backends.outcome import Outcome
-from phi4cli.client.chats import ChatStore, Conversation, Turn, default_name
+from phi4cli.client.chat_commands import COMMAND_NAMES
+from phi4cli.client.chats import ChatStore, Conversation, Turn
 from phi4cli.client.environment import Environment
 from phi4cli.client.exits import Announce, say
 from phi4cli.client.keys import ANSWER_NOW_HINT, AnswerKeys, AnswerNow
-from phi4cli.client.render import (
-    PlainPresenter,
-    TerminalPresenter,
-    counted,
-    format_chat_list,
-    format_chat_show,
-    format_rows,
-    format_stats,
-    loop_cut,
-    unfinished,
-)
+from phi4cli.client.presenters import PlainPresenter, TerminalPresenter, loop_cut, unfinished
+from phi4cli.client.render import format_stats
 from phi4cli.core._settings import Ask
 from phi4cli.core.atomicfile import RefusedFileError, read_user_file, write_atomic, write_problem
-from phi4cli.core.config import Settings, parse_setting
+from phi4cli.core.config import Settings
 from phi4cli.core.errors import DaemonGoneError, Phi4Error, RequestError, cli_words
 from phi4cli.core.inputs import replace_bad
-from phi4cli.core.options import SETTABLE, SETTING
+from phi4cli.core.options import SETTABLE
 from phi4cli.core.protocol import PRIORITY_INTERACTIVE, ErrorCode, Op, SolveParams, Stats
 from phi4cli.text.checker import Checker
 from phi4cli.text.sanitize import clean_text
@@ -126,9 +117,9 @@ class ChatRepl:
         self.store = store
         self.show_reasoning = show_reasoning
         self.verbose = verbose
-        self._last_stats: Stats | None = None
+        self.last_stats: Stats | None = None  # the last answer's, for /show and /stats
         self._answers_shown = 0
-        self._n_ctx: int | None = None  # the daemon's, as the last answer said, across /reset
+        self.daemon_n_ctx: int | None = None  # the daemon's, as the last answer said, across /reset
         self.failed = 0  # messages that ended in an error
         self.unsaved = False  # the last autosave failed (a full disk): tried again at the end
         self.interrupts = Interrupts()
@@ -331,7 +322,7 @@ class ChatRepl:
             if cut is not None:
                 self.env.notice(cut)
             if not self.env.terminal and outcome.check is not None:
-                from phi4cli.client.render import check_line
+                from phi4cli.client.presenters import check_line
 
                 said = check_line(outcome.check)
                 if said is not None:
@@ -392,7 +383,7 @@ class ChatRepl:
         self._answers_shown += 1
         conversation.turns.append(turn)
         if stats is not None:
-            self._last_stats = stats
+            self.last_stats = stats
         dropped = stats.dropped_turns if stats is not None else 0
         if dropped:
             conversation.dropped = min(len(conversation.turns) - 1, conversation.dropped + dropped)
@@ -435,172 +426,6 @@ class ChatRepl:
             self.env.notice(f"unknown command {name}; /help lists them")
             return True
         return found.handler(self, argument.strip()) is not False
-
-    def _exit(self, _argument: str) -> bool:
-        return False
-
-    def _help(self, _argument: str) -> None:
-        out = self.env.stdout
-        print(format_rows([(c.name, c.help) for c in COMMANDS]), file=out)
-        print(
-            'Multi-line input: start and end it with """, or press Alt-Enter (Esc Enter) '
-            "for a new line. Ctrl-C stops an answer.",
-            file=out,
-        )
-
-    def _reset(self, _argument: str) -> None:
-        old = self.conversation
-        self.conversation = Conversation(
-            name=default_name(), model=old.model, system=old.system, settings=dict(old.settings)
-        )
-        self._forget_context()
-        self._done("new conversation (same model and settings)")
-
-    def _done(self, message: str) -> None:
-        """Say what a command did: on stdout at a terminal, on stderr when stdout is piped (it
-        then holds the answers and what was asked for, as /show or /list, only)."""
-        out = self.env.stdout if self.env.stdout_isatty else self.env.stderr
-        print(clean_text(message), file=out, flush=True)
-
-    def _forget_context(self) -> None:
-        """A new or loaded conversation: the last answer's context figures were another
-        conversation's (/show said "2,000 of 4,096 tokens used" after /reset); n_ctx stays."""
-        if self._last_stats is not None:
-            self._n_ctx = self._last_stats.n_ctx
-        self._last_stats = None
-
-    def _system(self, argument: str) -> None:
-        if not argument:
-            system = self.conversation.system or "(the model default)"
-            print(clean_text(f"system prompt: {system}"), file=self.env.stdout)
-        else:
-            self.conversation.system = None if argument == "-" else argument
-            self._done("system prompt set; it applies from the next answer")
-
-    def _stats(self, _argument: str) -> None:
-        shown = format_stats(self._last_stats) if self._last_stats else "no answer yet"
-        print(shown, file=self.env.stdout)
-
-    def _reasoning(self, argument: str) -> None:
-        if argument not in ("on", "off"):
-            self.env.notice("usage: /reasoning on|off")
-            return
-        self.show_reasoning = argument == "on"
-        self._done(f"reasoning {'shown' if self.show_reasoning else 'folded'}")
-
-    def _set(self, argument: str) -> None:
-        key, _, value = argument.partition(" ")
-        if key not in SETTABLE or not value.strip():
-            self.env.notice(f"usage: /set {'|'.join(SETTABLE)} VALUE")
-            return
-        try:
-            parsed = parse_setting(key, value.strip(), f"/set {key}")
-        except Phi4Error as exc:
-            self.env.notice(str(exc))
-            return
-        self.conversation.settings[key] = parsed
-        self._done(f"{key} = {parsed}")
-
-    def _show(self, _argument: str = "") -> None:
-        stats = self._last_stats or Stats()
-        n_ctx = stats.n_ctx or self._n_ctx or self.settings.n_ctx or "auto (planned by the daemon)"
-        settings = ", ".join(
-            f"{k}={v}" for k, v in self.sampling().items() if not SETTING[k].is_off(v)
-        )  # off: not said
-        shown = format_chat_show(self.conversation, stats, self.model, settings, n_ctx)
-        print(shown, file=self.env.stdout)
-
-    def _retry(self, _argument: str = "") -> None:
-        conversation = self.conversation
-        if not conversation.turns:
-            self.env.notice("nothing to retry yet")
-            return
-        last = conversation.turns.pop()
-        dropped = conversation.dropped
-        conversation.dropped = min(dropped, len(conversation.turns))
-        before = len(conversation.turns)
-        self.ask(last.question)
-        if len(conversation.turns) == before:  # no new answer: keep the old one
-            conversation.turns.append(last)
-            conversation.dropped = dropped
-
-    def _save(self, name: str) -> None:
-        if not name:
-            self.env.notice("usage: /save NAME")
-            return
-        old = self.conversation.name
-        self.conversation.name = name
-        try:
-            path = self.store.save(self.conversation)
-        except Phi4Error as exc:
-            self.conversation.name = old
-            self.env.notice(str(exc))
-            return
-        if old != name and old.startswith("chat-"):
-            self.store.delete(old)  # the autosave under the generated name is now this one
-        self._done(f"saved as {name} ({path})")
-
-    def _load(self, name: str) -> None:
-        if not name:
-            self.env.notice("usage: /load NAME")
-            return
-        try:
-            self.conversation = self.store.load(name)
-        except Phi4Error as exc:
-            self.env.notice(str(exc))
-            return
-        self._forget_context()
-        self._done(f"loaded {name}: {counted(len(self.conversation.turns), 'turn')}")
-
-    def _list(self, _argument: str = "") -> None:
-        entries = []
-        for name in self.store.names():
-            try:
-                saved = self.store.load(name)
-            except Phi4Error:
-                continue
-            entries.append((name, len(saved.turns), max(0.0, time.time() - saved.updated)))
-        print(format_chat_list(entries), file=self.env.stdout)
-
-
-class SlashCommand(NamedTuple):
-    """One of the chat's slash commands: what ``/help`` says of it, what Tab completes, and the
-    method that runs it (given the rest of the line; False leaves the chat)."""
-
-    name: str
-    help: str
-    handler: Callable[[ChatRepl, str], bool | None]
-    aliases: tuple[str, ...] = ()
-
-
-# The chat's commands: /help, completion and dispatch are all read from this table.
-COMMANDS = (
-    SlashCommand("/help", "show this help", ChatRepl._help),
-    SlashCommand("/reset", "start a new conversation (same model and settings)", ChatRepl._reset),
-    SlashCommand(
-        "/system",
-        "/system TEXT sets the system prompt; /system - restores the model's own",
-        ChatRepl._system,
-    ),
-    SlashCommand("/set", f"/set {'|'.join(SETTABLE)} VALUE", ChatRepl._set),
-    SlashCommand(
-        "/show",
-        "model, settings, context used of n_ctx, cached tokens, dropped turns",
-        ChatRepl._show,
-    ),
-    SlashCommand("/retry", "sample the last answer again", ChatRepl._retry),
-    SlashCommand("/save", "/save NAME saves the conversation under NAME", ChatRepl._save),
-    SlashCommand("/load", "/load NAME continues a saved conversation", ChatRepl._load),
-    SlashCommand("/list", "list saved conversations", ChatRepl._list),
-    SlashCommand("/stats", "statistics of the last answer", ChatRepl._stats),
-    SlashCommand(
-        "/reasoning",
-        "/reasoning on|off shows the model's thinking, or folds it into one line",
-        ChatRepl._reasoning,
-    ),
-    SlashCommand("/exit", "leave (also /bye, /quit or Ctrl-D)", ChatRepl._exit, ("/bye", "/quit")),
-)
-COMMAND_NAMES = {name: c for c in COMMANDS for name in (c.name, *c.aliases)}
 
 
 def chat_words(error: Phi4Error) -> str:

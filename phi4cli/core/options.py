@@ -11,130 +11,34 @@ OpenAI wire. Everything else is derived from the table:
 - the config parser, the environment variables and their docs (``config``);
 - the Typer options and their groups (``cli``), and from those the fast ``solve`` entry's
   table, the man page and the completions (all generated);
-- what each request sends (``solving.make_job``), what the daemon accepts (``protocol``),
+- what each request sends (``solve_job.make_job``), what the daemon accepts (``protocol``),
   what a remote server is sent (``remote``) and what ``phi4 serve --http`` reads (``http_api``);
 - what a chat may ``/set`` (``chats``, ``repl``), and what an eval's results say made them.
 
-Adding a sampler is a row here and its use in ``daemon/llama/batch.py``. This module imports
-only leaves (the protocol reads it).
+Adding a sampler is a row here and its use in ``daemon/llama/batch.py``. The parsers the rows
+name, and the limits they check, are ``option_values``'s. This module imports only leaves (the
+protocol reads it).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from phi4cli.core import option_values
 from phi4cli.core.durations import parse_duration
+from phi4cli.core.option_values import MAX_COUNT, MAX_SEED, MIN_N_CTX
 
 DEFAULT_MODEL = "phi4-mini-reasoning"
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 DEFAULT_KEEP_ALIVE = 30 * 60.0
-MIN_N_CTX = 64  # below this no question fits beside a system prompt (and llama.cpp may abort)
-MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS
-# The most any count of tokens, layers or requests may be: llama.cpp keeps them in int32.
-MAX_COUNT = 2**31 - 1
-# llama.cpp's seeds are uint32, and 2**32 - 1 there means "draw a random one".
-MAX_SEED = 2**32 - 2
-# Text of a number longer than this is refused before it is converted: no setting's range
-# needs more, and int() stops at 4,300 digits with an error of its own.
-_MAX_NUMBER_TEXT = 40
 
 # How long a value lives: the daemon's life (read when it starts), one request (sent with
 # each), or the client's (never leaves it).
 DAEMON, REQUEST, CLIENT = "daemon", "request", "client"
 
 
-# --- parsers: text (or a TOML value) -> value; ValueError for what is not allowed ----------------
-
-
-def _whole_number(value: object, low: int, high: int) -> int:
-    """Return ``value`` (an int, or text of one) as a whole number from ``low`` to ``high``.
-
-    Raise ValueError for anything else (a bool, a fraction, text too long for any number in
-    range), checked before it is converted: never OverflowError, nor int()'s digit limit.
-    """
-    if isinstance(value, (bool, float)):
-        raise ValueError(value)
-    if isinstance(value, int):
-        number = value
-    else:
-        text = str(value).strip()
-        if len(text) > _MAX_NUMBER_TEXT:
-            raise ValueError(value)
-        number = int(text)
-    if not low <= number <= high:
-        raise ValueError(value)
-    return number
-
-
-def _real_number(value: object, low: float, high: float) -> float:
-    """Return ``value`` (a number, or text of one) as a float from ``low`` to ``high``.
-
-    Raise ValueError for anything else (a bool, inf, NaN, a 400-digit int, long text),
-    checked before it is converted: never OverflowError.
-    """
-    if isinstance(value, bool):
-        raise ValueError(value)
-    if isinstance(value, (int, float)):
-        number: float = value
-    else:
-        text = str(value).strip()
-        if len(text) > _MAX_NUMBER_TEXT:
-            raise ValueError(value)
-        number = float(text)
-    if not low <= number <= high:  # NaN fails it too
-        raise ValueError(value)
-    return float(number)
-
-
-def _positive_int(value: object) -> int:
-    return _whole_number(value, 1, MAX_COUNT)
-
-
-def _up_to(high: int) -> Callable[[object], int]:
-    """A parser for a whole number from 1 to ``high``."""
-
-    def parse(value: object) -> int:
-        return _whole_number(value, 1, high)
-
-    return parse
-
-
-def _optional_positive_int(value: object) -> int | None:
-    if value is None or str(value).strip().lower() in {"", "none", "auto", "0"}:
-        return None
-    return _positive_int(value)
-
-
-def _context_size(value: object) -> int | None:
-    if value is None or str(value).strip().lower() in {"", "auto", "0"}:
-        return None
-    number = _positive_int(value)
-    if number < MIN_N_CTX:
-        raise ValueError(value)
-    return number
-
-
-def _threads(value: object) -> int | None:
-    """Up to 4 threads per CPU of this machine (and ggml's 512): more only crash llama.cpp."""
-    number = _optional_positive_int(value)
-    if number is not None and number > min(MAX_THREADS, 4 * (os.cpu_count() or 1)):
-        raise ValueError(value)
-    return number
-
-
-def _one_of(*choices: str) -> Callable[[object], str]:
-    """A parser for a setting that is one of ``choices`` (any case)."""
-
-    def parse(value: object) -> str:
-        text = str(value).strip().lower()
-        if text not in choices:
-            raise ValueError(value)
-        return text
-
-    return parse
-
+# --- the parsers of single settings (the shared ones are in ``option_values``) ----------------
 
 # The settings whose values are a fixed set (also what shell completion offers).
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -149,95 +53,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _gpu_layers(value: object) -> str | int:
-    if isinstance(value, bool):
-        raise ValueError(value)
-    text = str(value).strip().lower()
-    if text in ("auto", "all"):
-        return text
-    return _whole_number(text, 0, MAX_COUNT)
-
-
-def _between(low: float, high: float) -> Callable[[object], float]:
-    """A parser for a number from ``low`` to ``high``."""
-
-    def parse(value: object) -> float:
-        return _real_number(value, low, high)
-
-    return parse
-
-
-def _whole_or(word: str, high: int = MAX_COUNT) -> Callable[[object], int | None]:
-    """A parser for a whole number from 0 to ``high``, or none (also said as ``word``:
-    random, off)."""
-
-    def parse(value: object) -> int | None:
-        text = value.strip().lower() if isinstance(value, str) else value
-        if text is None or text in ("", "none", word):
-            return None
-        return _whole_number(value, 0, high)
-
-    return parse
-
-
-def _whole_or_zero(value: object) -> int:
-    """A whole number >= 0; none and off are 0."""
-    return _whole_or("off")(value) or 0
-
-
 def _ramdisk_mode(value: object) -> str:
     if isinstance(value, bool):  # `ramdisk = true` in TOML
         return "on" if value else "off"
-    return _one_of(*CHOICES["ramdisk"])(value)
-
-
-def _positive_duration(value: object) -> float:
-    seconds = parse_duration(value)
-    if seconds <= 0:
-        raise ValueError(value)
-    return seconds
-
-
-def _instruction(value: object) -> str | None:
-    text = None if value is None else str(value).strip()
-    return None if not text or text.lower() == "none" else text
-
-
-def _backend_urls(value: object) -> tuple[str, ...] | None:
-    """One URL, or several (replicas of one model): a list (TOML, repeated --backend) or text
-    with spaces or commas between them; each checked once, here, and kept in order without
-    repeats."""
-    items = value if isinstance(value, (list, tuple)) else [value]
-    urls: list[str] = []
-    for item in items:
-        text = _optional_str(item)
-        if text is None or text.lower() == "none":
-            continue
-        for url in text.replace(",", " ").split():
-            from urllib.parse import urlsplit
-
-            parts = urlsplit(url)  # raises ValueError for a malformed one ("http://[::1")
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(value)
-            if url not in urls:
-                urls.append(url)
-    return tuple(urls) or None
-
-
-def _boolean(value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(value)
-
-
-def _optional_str(value: object) -> str | None:
-    text = None if value is None else str(value)
-    return text or None
+    return option_values.one_of(*CHOICES["ramdisk"])(value)
 
 
 def _model(value: object) -> str:
@@ -288,10 +107,6 @@ class Setting(NamedTuple):
         return self.off is not NEVER_OFF and value == self.off
 
 
-_THREADS_ALLOWED = (
-    f"auto, or from 1 to {min(MAX_THREADS, 4 * (os.cpu_count() or 1))} (4 per CPU of this machine)"
-)
-
 # In the order of the commands' help: the answer options, then the daemon's.
 SETTINGS = (
     Setting(
@@ -307,7 +122,7 @@ SETTINGS = (
     ),
     Setting(
         "think_budget",
-        _whole_or("off"),
+        option_values.whole_or("off"),
         "a number of tokens (0 skips thinking), or none",
         None,
         "int | None",
@@ -323,7 +138,7 @@ SETTINGS = (
     ),
     Setting(
         "min_think",
-        _whole_or_zero,
+        option_values.whole_or_zero,
         "a number of tokens (0: off)",
         0,
         "int",
@@ -342,7 +157,7 @@ SETTINGS = (
     ),
     Setting(
         "loop",
-        _one_of(*CHOICES["loop"]),
+        option_values.one_of(*CHOICES["loop"]),
         "answer (end the thinking, the model answers), stop, or off",
         "answer",
         "str",
@@ -360,7 +175,7 @@ SETTINGS = (
     ),
     Setting(
         "vote",
-        _one_of(*CHOICES["vote"]),
+        option_values.one_of(*CHOICES["vote"]),
         "count (each sample one vote) or confidence (each weighs its confidence)",
         "count",
         "str",
@@ -376,7 +191,7 @@ SETTINGS = (
     ),
     Setting(
         "stop_unsure",
-        _boolean,
+        option_values.boolean,
         "true (a sample less sure than the first ones is stopped and does not vote) or false",
         False,
         "bool",
@@ -392,7 +207,7 @@ SETTINGS = (
     ),
     Setting(
         "check",
-        _one_of(*CHOICES["check"]),
+        option_values.one_of(*CHOICES["check"]),
         "auto (check each answer against the "
         "problem where phi4 can), off, or strict (a refuted answer exits 1)",
         "auto",
@@ -410,7 +225,7 @@ SETTINGS = (
     ),
     Setting(
         "system",
-        _optional_str,
+        option_values.optional_str,
         "text",
         None,
         "str | None",
@@ -423,7 +238,7 @@ SETTINGS = (
     ),
     Setting(
         "temperature",
-        _between(0.0, 5.0),
+        option_values.between(0.0, 5.0),
         "a number from 0 to 5",
         0.8,
         "float",
@@ -439,7 +254,7 @@ SETTINGS = (
     ),
     Setting(
         "top_p",
-        _between(0.0, 1.0),
+        option_values.between(0.0, 1.0),
         "a number from 0 to 1",
         0.95,
         "float",
@@ -455,7 +270,7 @@ SETTINGS = (
     ),
     Setting(
         "top_k",
-        _whole_or("default"),
+        option_values.whole_or("default"),
         "a whole number (0: off), or default",
         None,
         "int | None",
@@ -477,7 +292,7 @@ SETTINGS = (
     ),
     Setting(
         "min_p",
-        _between(0.0, 1.0),
+        option_values.between(0.0, 1.0),
         "a number from 0 to 1 (0: off)",
         0.0,
         "float",
@@ -496,7 +311,7 @@ SETTINGS = (
     ),
     Setting(
         "repeat_penalty",
-        _between(0.5, 2.0),
+        option_values.between(0.5, 2.0),
         "a number from 0.5 to 2 (1: off)",
         1.0,
         "float",
@@ -515,7 +330,7 @@ SETTINGS = (
     ),
     Setting(
         "presence_penalty",
-        _between(-2.0, 2.0),
+        option_values.between(-2.0, 2.0),
         "a number from -2 to 2 (0: off)",
         0.0,
         "float",
@@ -535,7 +350,7 @@ SETTINGS = (
     ),
     Setting(
         "frequency_penalty",
-        _between(-2.0, 2.0),
+        option_values.between(-2.0, 2.0),
         "a number from -2 to 2 (0: off)",
         0.0,
         "float",
@@ -555,7 +370,7 @@ SETTINGS = (
     ),
     Setting(
         "seed",
-        _whole_or("random", MAX_SEED),
+        option_values.whole_or("random", MAX_SEED),
         f"a whole number from 0 to {MAX_SEED}, or random",
         None,
         "int | None",
@@ -572,7 +387,7 @@ SETTINGS = (
     ),
     Setting(
         "max_tokens",
-        _optional_positive_int,
+        option_values.optional_positive_int,
         "a positive integer, or none",
         None,
         "int | None",
@@ -588,7 +403,7 @@ SETTINGS = (
     ),
     Setting(
         "deterministic",
-        _boolean,
+        option_values.boolean,
         "true (each request alone, from a clean cache: -t 0 and --seed answers repeat) or false",
         False,
         "bool",
@@ -619,7 +434,7 @@ SETTINGS = (
     ),
     Setting(
         "n_ctx",
-        _context_size,
+        option_values.context_size,
         "auto (planned from free memory) or a number of tokens, "
         f"at least {MIN_N_CTX} and at most {MAX_COUNT:,}",
         None,
@@ -637,8 +452,8 @@ SETTINGS = (
     ),
     Setting(
         "threads",
-        _threads,
-        _THREADS_ALLOWED,
+        option_values.threads,
+        option_values.THREADS_ALLOWED,
         None,
         "int | None",
         DAEMON,
@@ -667,7 +482,7 @@ SETTINGS = (
     ),
     Setting(
         "mlock",
-        _boolean,
+        option_values.boolean,
         "true or false",
         False,
         "bool",
@@ -680,7 +495,7 @@ SETTINGS = (
     ),
     Setting(
         "overcommit",
-        _boolean,
+        option_values.boolean,
         "true (load an n_ctx or gpu_layers over the free memory) or false",
         False,
         "bool",
@@ -696,7 +511,7 @@ SETTINGS = (
     ),
     Setting(
         "max_queue",
-        _positive_int,
+        option_values.positive_int,
         "a positive integer (requests)",
         64,
         "int",
@@ -710,7 +525,7 @@ SETTINGS = (
     ),
     Setting(
         "parallel",
-        _up_to(64),
+        option_values.up_to(64),
         "a whole number from 1 to 64 (requests decoded together)",
         4,
         "int",
@@ -726,7 +541,7 @@ SETTINGS = (
     ),
     Setting(
         "kv_cache_type",
-        _one_of(*CHOICES["kv_cache_type"]),
+        option_values.one_of(*CHOICES["kv_cache_type"]),
         "f16, q8_0 (half the memory) or q4_0 (a quarter)",
         "f16",
         "str",
@@ -741,7 +556,7 @@ SETTINGS = (
     ),
     Setting(
         "kv_layout",
-        _one_of(*CHOICES["kv_layout"]),
+        option_values.one_of(*CHOICES["kv_layout"]),
         "auto (streams for a reasoning model), "
         "shared (one cache: short requests pack in) or streams (one per request: faster at "
         "depth)",
@@ -759,7 +574,7 @@ SETTINGS = (
     ),
     Setting(
         "speculate",
-        _one_of(*CHOICES["speculate"]),
+        option_values.one_of(*CHOICES["speculate"]),
         "auto (draft where it measures faster), on (draft always, for measuring) or off",
         "auto",
         "str",
@@ -775,7 +590,7 @@ SETTINGS = (
     ),
     Setting(
         "gpu_layers",
-        _gpu_layers,
+        option_values.gpu_layers,
         "auto (as many as fit), all, or a number of layers (0: CPU)",
         "auto",
         "str | int",
@@ -789,7 +604,7 @@ SETTINGS = (
     ),
     Setting(
         "backend",
-        _backend_urls,
+        option_values.backend_urls,
         "the http(s) URL of an OpenAI-compatible server (several: replicas), or none",
         None,
         "tuple[str, ...] | None",
@@ -805,7 +620,7 @@ SETTINGS = (
     ),
     Setting(
         "backend_concurrency",
-        _positive_int,
+        option_values.positive_int,
         "a positive integer (requests at once per backend)",
         16,
         "int",
@@ -819,7 +634,7 @@ SETTINGS = (
     ),
     Setting(
         "backend_timeout",
-        _positive_duration,
+        option_values.positive_duration,
         "a duration such as 300s or 10m",
         300.0,
         "float",
@@ -827,7 +642,7 @@ SETTINGS = (
     ),
     Setting(
         "backend_deadline",
-        _positive_duration,
+        option_values.positive_duration,
         "a duration such as 1h or 30m",
         3600.0,
         "float",
@@ -835,7 +650,7 @@ SETTINGS = (
     ),
     Setting(
         "instruction",
-        _instruction,
+        option_values.instruction,
         "text added after each question, or none",
         DEFAULT_INSTRUCTION,
         "str | None",

@@ -23,7 +23,7 @@ from typing import Any, Final, NamedTuple
 from phi4cli.core._settings import Ask
 from phi4cli.core.errors import ErrorCode as ErrorCode  # the wire's error codes
 from phi4cli.core.errors import Fault, Phi4Error, cli_words, error_for
-from phi4cli.core.options import MAX_COUNT
+from phi4cli.core.option_values import MAX_COUNT
 
 PROTOCOL_VERSION: Final = 1
 # A request line longer than this is refused: questions are short, and an unbounded line would let

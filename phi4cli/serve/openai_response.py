@@ -25,8 +25,8 @@ from phi4cli.core.protocol import (
     Stats,
 )
 from phi4cli.serve.openai_request import ApiError, without_paths
+from phi4cli.text.check_verdicts import Check
 from phi4cli.text.checker import Checker
-from phi4cli.text.checking import Check
 from phi4cli.text.reasoning import GrowingText, extract_final_answer
 
 

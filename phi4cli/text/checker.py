@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING
 if TYPE_CHECKING:
     import subprocess
 
-    from phi4cli.text.checking import Check
+    from phi4cli.text.check_verdicts import Check
 
 CHECK_S = 1.0  # the longest an answer waits for its check
 START_S = 5.0  # the longest a worker may take to load SymPy, from when it was started
@@ -53,7 +53,8 @@ class Checker:
 
     def check(self, problem: str, answer: str | None) -> Check:
         """The verdict on ``answer`` to ``problem``, within ``seconds`` once the worker is up."""
-        from phi4cli.text.checking import NO_ANSWER, NOT_A_KIND, checkable, unchecked
+        from phi4cli.text.check_verdicts import unchecked
+        from phi4cli.text.checking import NO_ANSWER, NOT_A_KIND, checkable
 
         if answer is None or not answer.strip():
             return unchecked(NO_ANSWER)
@@ -63,7 +64,7 @@ class Checker:
             try:
                 return self._ask(problem, answer)
             except OSError:
-                from phi4cli.text.checking import unchecked
+                from phi4cli.text.check_verdicts import unchecked
 
                 self._stop()
                 return unchecked("the checker could not be started")
@@ -132,7 +133,7 @@ class Checker:
     def _ask(self, problem: str, answer: str) -> Check:
         import json
 
-        from phi4cli.text.checking import UNCHECKED, VERDICTS, Check, unchecked
+        from phi4cli.text.check_verdicts import UNCHECKED, VERDICTS, Check, unchecked
 
         self._start()
         worker = self._worker

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +33,12 @@ from phi4cli.core.machine import physical_cores
 from phi4cli.core.protocol import ErrorCode, Stats
 from phi4cli.daemon.jobs import ContextOverflowError, Job, ModelLoadError, SolveParams, Wait
 from phi4cli.daemon.llama.cells import KVCells
+from phi4cli.daemon.llama.drafting import Speculator
 from phi4cli.daemon.llama.model import DECODE_NO_KV_SPACE, DECODE_OK, LoadedModel, load_model
 from phi4cli.daemon.llama.prompt_cache import common_prefix
 from phi4cli.daemon.llama.prompts import ChatPlan, Prompts
 from phi4cli.daemon.llama.slots import Prepared, Run, Slot
-from phi4cli.daemon.llama.speculation import (
-    DRAFT_MAX,
-    NGRAM_MAX,
-    POOL_RUNS,
-    POOL_TOKENS,
-    Drafter,
-    Gate,
-    NgramIndex,
-)
+from phi4cli.daemon.llama.speculation import Drafter
 from phi4cli.daemon.llama.writing import RunWriter
 from phi4cli.daemon.sessions import SwapStore
 from phi4cli.daemon.threads import ThreadGovernor
@@ -59,9 +51,6 @@ log = logging.getLogger("phi4.engine")
 # The model card samples with transformers' defaults besides temperature/top_p, i.e. top_k=50.
 TOP_K = 50
 REPEAT_LAST_N = 64  # tokens the repeat penalty looks back over (llama-server's default)
-# Prompt tokens another request's cache must hold beyond a reading one's to be shared with it
-# rather than read (_share_prompts).
-SHARE_MIN = 16
 # Prompt tokens read per step while other requests are answering.
 PREFILL_CHUNK = 64
 # Room kept for the tokens that close the thinking when a think budget is reached; they are the
@@ -94,8 +83,7 @@ class LlamaEngine:
         self._whole: set[tuple[int, ...]] = set()  # files loaded whole (_file_identity)
         # Exact self-speculation: whether and how far to draft, and answers lately finished
         # to draft from (speculation.py).
-        self._gate = Gate(settings.speculate)
-        self._pool: deque[NgramIndex] = deque(maxlen=POOL_RUNS)
+        self._spec = Speculator(settings.speculate)
 
     @property
     def model_path(self) -> Path | None:
@@ -116,7 +104,7 @@ class LlamaEngine:
         return {
             **self._cells.usage(),
             "plan": self._model.info["memory"],
-            "speculation": self._gate.describe(),
+            "speculation": self._spec.gate.describe(),
             **(self._governor.describe() if self._governor is not None else {}),
         }
 
@@ -157,8 +145,7 @@ class LlamaEngine:
         self._writer = RunWriter(model, self._prompts)
         self._loads += 1
         self._swap.clear()  # another model's (or an earlier daemon's) states are of no use
-        self._gate = Gate(self.settings.speculate)  # (its costs and answers were another's)
-        self._pool.clear()
+        self._spec.reset(self.settings.speculate)
         self._cells = KVCells(model, self._prompts, self._swap, self.state_dir)
         self._governor = ThreadGovernor(
             model.info["threads"], adapt=self.settings.threads is None, cores=physical_cores()
@@ -202,53 +189,6 @@ class LlamaEngine:
 
     # --- admitting requests -------------------------------------------------------------------
 
-    def _prepare(self, params: SolveParams) -> Prepared:
-        """Work out a request's tokens and generation budget.
-
-        The budget is ``max_tokens`` if given, else what fills the plan's per-request tokens
-        (at least a quarter of them, for a long conversation). Raise ContextOverflowError when
-        the request could never fit in the context, even alone.
-        """
-        model, prompts = self._loaded()
-        cells = self._loaded_cells()
-        capacity = cells.capacity()
-        # Shared layout: the plan's requests share what the system prompt leaves, so that as many
-        # as it says fit at once (4 x 4,096 of 16,384 cells did not fit beside its 24).
-        share = capacity if cells.streams else capacity // max(1, model.plan.parallel)
-        default = min(model.plan.request_tokens, share)
-        chat: ChatPlan | None = None
-        max_tokens = params.ask.max_tokens
-        if params.session is not None:
-            # Trimmed to what admit() checks, so a chat that must drop turns drops enough.
-            tokens, chat = prompts.chat_turn(params, max_tokens or default // 4, capacity)
-        else:
-            tokens = prompts.question(params)
-        room = capacity - len(tokens)
-        # What does not fit, as data: each door words it (the CLI its flags, serve OpenAI's).
-        fault = Fault(
-            "prompt",
-            len(tokens),
-            capacity,
-            prompt=len(tokens),
-            n_ctx=model.n_ctx,
-            streams=len(self._slots) if cells.streams else 0,
-            system=0 if cells.streams else len(cells.system_tokens),
-        )
-        if room < 1:  # the prompt alone: no --max-tokens would make it fit
-            raise ContextOverflowError(fault)
-        if max_tokens is not None:
-            if max_tokens > room:
-                raise ContextOverflowError(
-                    fault._replace(param="max_tokens", needed=len(tokens) + max_tokens)
-                )
-            budget = max_tokens
-        else:
-            budget = min(room, max(default - len(tokens), default // 4))
-        if budget < 1:
-            raise ContextOverflowError(fault)
-        extra = min(THINK_CLOSE_ROOM, room - budget) if params.ask.think_budget is not None else 0
-        return Prepared(self._loads, tokens, budget, extra, chat)
-
     def admit(self, job: Job) -> Wait | None:
         """Put a request into a free slot if its reservation fits; else say why it waits.
 
@@ -257,7 +197,8 @@ class LlamaEngine:
         model, _ = self._loaded()
         cells = self._loaded_cells()
         if job.prepared is None or job.prepared.loaded != self._loads:
-            job.prepared = self._prepare(job.params)
+            _, prompts = self._loaded()
+            job.prepared = prepare(job.params, model, prompts, cells, self._loads)
         prepared: Prepared = job.prepared
         tokens = prepared.tokens
         needed = len(tokens) + prepared.budget + prepared.extra
@@ -298,40 +239,18 @@ class LlamaEngine:
         slot.shared = min(slot.shared, keep)
         slot.pending = tokens[keep:]
         cells.reclaim(needed, slot)
-        params = job.params
-        sampling = params.ask.sampling
-        seed = sampling.seed if sampling.seed is not None else random.getrandbits(31)
         streaming = any(s.run is not None and s.run.prompt_s is not None for s in self._slots)
-        slot.run = Run(
-            job=job,
-            prompt=tokens,
-            cached=keep,
-            chat=prepared.chat,
-            seed=seed,
-            sampler=_make_sampler(sampling, seed, model.model.n_vocab()),
-            budget=prepared.budget,
-            max_len=len(tokens) + prepared.budget + prepared.extra,
-            reserved=needed,
-            splitter=ThinkSplitter(starts_in_reasoning=model.thinks),
-            policy=ThinkingPolicy.asked(params.ask),
-            trace=TraceConfidence() if params.confidence else None,
-            restored=restored,
-            restore_s=restore_s,
+        drafting = not deterministic and self._spec.gate.watching
+        slot.run = _new_run(
+            job,
+            prepared,
+            keep,
+            model,
+            restored=(restored, restore_s),
             behind_stream=streaming,
-            drafter=None if deterministic or not self._gate.watching else self._drafter(tokens),
+            drafter=self._spec.drafter(tokens, self._slots) if drafting else None,
         )
         return None
-
-    def _drafter(self, prompt: list[int]) -> Drafter:
-        """A new request's drafting, linked with its siblings' (running requests with the same
-        prompt: K samples of one question) and the pool of recent answers."""
-        drafter = Drafter(pool=self._pool)
-        for slot in self._slots:
-            other = slot.run.drafter if slot.run is not None else None
-            if other is not None and slot.run is not None and slot.run.prompt == prompt:
-                drafter.siblings.append(other.own)
-                other.siblings.append(drafter.own)
-        return drafter
 
     # --- the step loop ------------------------------------------------------------------------
 
@@ -347,7 +266,7 @@ class LlamaEngine:
         chunks: list[tuple[Slot, list[int], bool]] = []  # slot, tokens to feed, prompt done
         answering = [s for s in self._slots if s.run is not None and s.run.prompt_s is not None]
         reading = [s for s in self._slots if s.run is not None and s.run.prompt_s is None]
-        waiting = self._share_prompts(reading)
+        waiting = self._loaded_cells().share_prompts(reading, model)
         reading = [s for s in reading if s not in waiting]
         ahead = _ahead_of_streams(reading)
         if ahead:
@@ -379,7 +298,8 @@ class LlamaEngine:
             if chunk:
                 chunks.append((slot, chunk, len(chunk) == len(slot.pending)))
                 used += len(chunk)
-        drafts = self._drafts(chunks, self.n_batch - used) if self._gate.watching else {}
+        spec = self._spec
+        drafts = spec.drafts(chunks, self.n_batch - used) if spec.gate.watching else {}
         # In sequence order: with a stream per slot, llama.cpp splits a batch into runs of
         # consecutive sequences, one pass over the weights each.
         chunks.sort(key=lambda item: item[0].seq)
@@ -428,151 +348,16 @@ class LlamaEngine:
             del slot.pending[:count]
             if logits_index >= 0:
                 if slot in drafts:
-                    outcome = self._verify(slot, logits_index, *drafts[slot])
+                    outcome = spec.verify(
+                        slot, logits_index, *drafts[slot], model=model, advance=self._advance
+                    )
                 else:
                     outcome = self._advance(slot, logits_index)
                 if outcome is not None:
                     finished.append(outcome)
-        if self._gate.watching:  # (the step's cost: its decode, and each position's draw)
-            self._gate.decoded(len(entries), time.perf_counter() - started)
+        if spec.gate.watching:  # (the step's cost: its decode, and each position's draw)
+            spec.gate.decoded(len(entries), time.perf_counter() - started)
         return finished
-
-    def _drafts(
-        self, chunks: list[tuple[Slot, list[int], bool]], room: int
-    ) -> dict[Slot, tuple[list[int], str]]:
-        """Each answering request's draft this step, verified in this batch (with where it came
-        from), as long as the gate says (none where drafting does not pay); for one that drafts
-        none, a shadow draft, judged by the tokens it then emits."""
-        gate = self._gate
-        answering = [
-            slot for slot, _, _ in chunks if slot.run is not None and slot.run.prompt_s is not None
-        ]
-        drafters: list[Drafter | None] = []
-        for slot in answering:
-            run = slot.run
-            assert run is not None
-            drafter = run.drafter
-            if drafter is not None:  # (every step: tokens taken back show here)
-                drafter.follow(slot.tokens)
-                judged = drafter.shadow_judged(drafter.own.tokens, slot.pending)
-                if judged is not None:
-                    gate.judge(drafter, *judged)
-            if drafter is None or run.finish_reason is not None or len(slot.pending) != 1:
-                drafters.append(None)
-                continue
-            drafters.append(drafter)
-        drafts: dict[Slot, tuple[list[int], str]] = {}
-        for slot, drafter, length in zip(answering, drafters, gate.lengths(drafters), strict=True):
-            run = slot.run
-            if drafter is None or run is None:
-                continue
-            context = [*slot.tokens[-NGRAM_MAX:], *slot.pending]
-            # Within the request's reservation and budget, and the batch.
-            limit = min(
-                length, room, run.max_len - len(slot.tokens) - 2, run.budget - run.generated - 1
-            )
-            if limit > 0:
-                whole, source = drafter.draft(context, DRAFT_MAX)
-                if whole:
-                    cut = drafter.shadow_judged(drafter.own.tokens, slot.pending, cut=True)
-                    if cut is not None:  # (a shadow still open: judged as far as known)
-                        gate.judge(drafter, *cut)
-                    drafts[slot] = (whole[:limit], source)
-                    room -= len(drafts[slot][0])
-                    # The rest is judged in the shadow if all of this is kept (_verify).
-                    drafter.shadow, drafter.shadow_source = whole[limit:], source
-                    continue
-            if not drafter.shadow:
-                drafter.shadow, drafter.shadow_source = drafter.draft(context, DRAFT_MAX)
-                drafter.shadow_at, drafter.shadow_prior = len(slot.tokens) + 1, (0, 0)
-                if not drafter.shadow:
-                    gate.judge(drafter, "", 0, 0)  # (a step with nothing to draft counts too)
-        return drafts
-
-    def _verify(self, slot: Slot, index: int, draft: list[int], source: str) -> Any:
-        """Sample the slot's next token at ``index`` and each drafted one's after it with the
-        request's own sampler, in order, keeping the drafted tokens only while each is the token
-        drawn (each emitted token is drawn as it would be without a draft); remove the cells of
-        the rest. Return the finished request, if it finished."""
-        model, _ = self._loaded()
-        run = slot.run
-        assert run is not None and run.drafter is not None
-        drafter = run.drafter
-        drafter.drafted += len(draft)
-        kept = 0
-        outcome = None
-        for i in range(len(draft) + 1):
-            length, generated = len(slot.tokens), run.generated
-            outcome = self._advance(slot, index + i)
-            if outcome is not None or i == len(draft):
-                break
-            if (
-                run.finish_reason is not None
-                or slot.pending != [draft[i]]
-                or len(slot.tokens) != length
-                or run.generated != generated + 1
-            ):
-                # A token not the draft's, the daemon's own after it, or tokens taken back
-                # (a Wait): its cells are no longer the draft's.
-                break
-            slot.tokens.append(slot.pending.pop())  # its cell holds it already
-            kept += 1
-            drafter.accepted += 1
-        model.seq_rm(slot.seq, len(slot.tokens))
-        self._gate.verified(len(draft), kept)
-        rest = drafter.shadow
-        if kept == len(draft) and rest and outcome is None:
-            # All kept: the draft's unverified rest is judged by the tokens that follow (the
-            # first of them is the token drawn after the draft, pending now).
-            drafter.shadow_at, drafter.shadow_prior = len(slot.tokens), (len(draft), kept)
-        else:
-            drafter.shadow = []
-            self._gate.judge(drafter, source, len(draft) + len(rest), kept)
-        return outcome
-
-    def _share_prompts(self, reading: list[Slot]) -> set[Slot]:
-        """Prompts read once: a reading request whose prompt another slot's cache holds further
-        (the same question, K samples of it, serve's ``n`` choices) takes those cells from it —
-        shared, not copied, in the unified cache — instead of reading them; one that another
-        request admitted before it is still reading further waits for it, rather than read the
-        same tokens beside it. Return the slots that wait this step. (Not with a stream per
-        slot, whose cells cannot be shared; not for a deterministic request, which reads its
-        prompt afresh.)"""
-        cells = self._loaded_cells()
-        if cells.streams or not reading:
-            return set()
-        model, _ = self._loaded()
-        waiting: set[Slot] = set()
-        readers = sorted(reading, key=lambda s: s.run.started if s.run is not None else 0.0)
-        for index, slot in enumerate(readers):
-            run = slot.run
-            assert run is not None
-            if run.job.params.ask.deterministic:
-                continue
-            limit = len(run.prompt) - 1  # (its last token is read: sampling needs its logits)
-            have = len(slot.tokens)
-            source, held = None, have
-            for other in self._slots:
-                if other is slot or (
-                    other.run is not None and other.run.job.params.ask.deterministic
-                ):
-                    continue
-                shared = min(common_prefix(other.tokens, run.prompt), limit)
-                if shared > held:
-                    source, held = other, shared
-            if source is not None and held >= have + SHARE_MIN:
-                model.seq_cp(source.seq, slot.seq, held, start=have)
-                slot.tokens.extend(run.prompt[have:held])
-                del slot.pending[: held - have]
-                run.cached += held - have
-                have = held
-            for other in readers[:index]:
-                assert other.run is not None
-                ahead = min(common_prefix(other.run.prompt, run.prompt), limit)
-                if other.pending and ahead >= have + SHARE_MIN and len(other.tokens) < ahead:
-                    waiting.add(slot)
-                    break
-        return waiting
 
     def _follow_the_cores(self, model: LoadedModel, hold: bool) -> None:
         """Before a decode: the thread count the governor asks for (the configured one with
@@ -657,9 +442,8 @@ class LlamaEngine:
         assert self._writer is not None
         self._writer.flush(run)
         run.sampler.close()
-        if run.drafter is not None and run.generated and len(slot.tokens) <= POOL_TOKENS:
-            run.drafter.follow(slot.tokens)
-            self._pool.append(run.drafter.own)  # (an answer to draft later ones from)
+        if run.drafter is not None:
+            self._spec.keep(run.drafter, slot.tokens, run.generated)
         slot.pending = []
         slot.run = None
         slot.last_used = time.monotonic()
@@ -671,36 +455,91 @@ class LlamaEngine:
             if run.chat is not None and prefilled
             else {}
         )
-        now = time.monotonic()
-        # What Stats names goes in its fields, the rest (restores, the slot) in its extra.
-        return run.job, Stats.from_mapping(
-            {
-                **chat,
-                "prompt_tokens": len(run.prompt),
-                "cached_tokens": run.cached,
-                "prompt_eval_tokens": len(run.prompt) - run.cached,
-                "prompt_eval_s": round(run.prompt_s or (now - run.started), 4),
-                "completion_tokens": run.generated,
-                "reasoning_tokens": run.reasoning_tokens,
-                "answer_tokens": run.generated - run.reasoning_tokens,
-                **run.policy.stats(),
-                **(run.trace.stats() if run.trace is not None else {}),
-                "thinking_unfinished": run.splitter.unfinished,
-                "decode_s": round(now - run.decode_started, 4) if prefilled else 0.0,
-                "draft_tokens": run.drafter.drafted if run.drafter is not None else 0,
-                "draft_accepted": run.drafter.accepted if run.drafter is not None else 0,
-                "first_token_s": None if run.first_token_s is None else round(run.first_token_s, 4),
-                "total_s": round(now - run.started, 4),
-                "finish_reason": reason,
-                "max_tokens": run.budget,
-                "restored_tokens": run.restored,
-                "restore_s": round(run.restore_s, 4),
-                "reserved_tokens": run.reserved,
-                "seed": run.seed,
-                "slot": slot.seq,
-                "model": str(model.path),
-            }
-        )
+        return run.job, run.stats(reason, chat, slot.seq, str(model.path))
+
+
+def _new_run(
+    job: Job,
+    prepared: Prepared,
+    cached: int,
+    model: LoadedModel,
+    restored: tuple[int, float],
+    behind_stream: bool,
+    drafter: Drafter | None,
+) -> Run:
+    """A request admitted into a slot: its sampler (its seed drawn if it gave none), its
+    thinking's splitter and policy, its confidence trace if asked for; ``cached`` of its prompt
+    tokens in the slot already, ``restored`` (tokens, seconds) from a saved state."""
+    params, tokens = job.params, prepared.tokens
+    sampling = params.ask.sampling
+    seed = sampling.seed if sampling.seed is not None else random.getrandbits(31)
+    return Run(
+        job=job,
+        prompt=tokens,
+        cached=cached,
+        chat=prepared.chat,
+        seed=seed,
+        sampler=_make_sampler(sampling, seed, model.model.n_vocab()),
+        budget=prepared.budget,
+        max_len=len(tokens) + prepared.budget + prepared.extra,
+        reserved=len(tokens) + prepared.budget + prepared.extra,
+        splitter=ThinkSplitter(starts_in_reasoning=model.thinks),
+        policy=ThinkingPolicy.asked(params.ask),
+        trace=TraceConfidence() if params.confidence else None,
+        restored=restored[0],
+        restore_s=restored[1],
+        behind_stream=behind_stream,
+        drafter=drafter,
+    )
+
+
+def prepare(
+    params: SolveParams, model: LoadedModel, prompts: Prompts, cells: KVCells, loads: int
+) -> Prepared:
+    """Work out a request's tokens and generation budget (``loads``: the engine's models
+    loaded so far, which the result is good for).
+
+    The budget is ``max_tokens`` if given, else what fills the plan's per-request tokens
+    (at least a quarter of them, for a long conversation). Raise ContextOverflowError when
+    the request could never fit in the context, even alone.
+    """
+    capacity = cells.capacity()
+    # Shared layout: the plan's requests share what the system prompt leaves, so that as many
+    # as it says fit at once (4 x 4,096 of 16,384 cells did not fit beside its 24).
+    share = capacity if cells.streams else capacity // max(1, model.plan.parallel)
+    default = min(model.plan.request_tokens, share)
+    chat: ChatPlan | None = None
+    max_tokens = params.ask.max_tokens
+    if params.session is not None:
+        # Trimmed to what admit() checks, so a chat that must drop turns drops enough.
+        tokens, chat = prompts.chat_turn(params, max_tokens or default // 4, capacity)
+    else:
+        tokens = prompts.question(params)
+    room = capacity - len(tokens)
+    # What does not fit, as data: each door words it (the CLI its flags, serve OpenAI's).
+    fault = Fault(
+        "prompt",
+        len(tokens),
+        capacity,
+        prompt=len(tokens),
+        n_ctx=model.n_ctx,
+        streams=len(cells.slots) if cells.streams else 0,
+        system=0 if cells.streams else len(cells.system_tokens),
+    )
+    if room < 1:  # the prompt alone: no --max-tokens would make it fit
+        raise ContextOverflowError(fault)
+    if max_tokens is not None:
+        if max_tokens > room:
+            raise ContextOverflowError(
+                fault._replace(param="max_tokens", needed=len(tokens) + max_tokens)
+            )
+        budget = max_tokens
+    else:
+        budget = min(room, max(default - len(tokens), default // 4))
+    if budget < 1:
+        raise ContextOverflowError(fault)
+    extra = min(THINK_CLOSE_ROOM, room - budget) if params.ask.think_budget is not None else 0
+    return Prepared(loads, tokens, budget, extra, chat)
 
 
 def check_model_file(path: Path, whole: bool = True) -> None:

@@ -35,6 +35,11 @@ STREAM_REUSE_MIN = 256
 PROMPT_CACHE_BYTES = 1 << 30
 
 
+# Prompt tokens another request's cache must hold beyond a reading one's to be shared with it
+# rather than read (KVCells.share_prompts).
+SHARE_MIN = 16
+
+
 class KVCells:
     """The context's cells for one loaded model (see the module docstring)."""
 
@@ -362,3 +367,45 @@ class KVCells:
             slot.run, slot.pending, slot.tokens, slot.shared = None, [], [], 0
             slot.session, slot.prompt_len = None, 0
             model.seq_rm(slot.seq, 0)
+
+    def share_prompts(self, reading: list[Slot], model: LoadedModel) -> set[Slot]:
+        """Prompts read once: a reading request whose prompt another slot's cache holds further
+        (the same question, K samples of it, serve's ``n`` choices) takes those cells from it —
+        shared, not copied, in the unified cache — instead of reading them; one that another
+        request admitted before it is still reading further waits for it, rather than read the
+        same tokens beside it. Return the slots that wait this step. (Not with a stream per
+        slot, whose cells cannot be shared; not for a deterministic request, which reads its
+        prompt afresh.)"""
+        if self.streams or not reading:
+            return set()
+        waiting: set[Slot] = set()
+        readers = sorted(reading, key=lambda s: s.run.started if s.run is not None else 0.0)
+        for index, slot in enumerate(readers):
+            run = slot.run
+            assert run is not None
+            if run.job.params.ask.deterministic:
+                continue
+            limit = len(run.prompt) - 1  # (its last token is read: sampling needs its logits)
+            have = len(slot.tokens)
+            source, held = None, have
+            for other in self.slots:
+                if other is slot or (
+                    other.run is not None and other.run.job.params.ask.deterministic
+                ):
+                    continue
+                shared = min(common_prefix(other.tokens, run.prompt), limit)
+                if shared > held:
+                    source, held = other, shared
+            if source is not None and held >= have + SHARE_MIN:
+                model.seq_cp(source.seq, slot.seq, held, start=have)
+                slot.tokens.extend(run.prompt[have:held])
+                del slot.pending[: held - have]
+                run.cached += held - have
+                have = held
+            for other in readers[:index]:
+                assert other.run is not None
+                ahead = min(common_prefix(other.run.prompt, run.prompt), limit)
+                if other.pending and ahead >= have + SHARE_MIN and len(other.tokens) < ahead:
+                    waiting.add(slot)
+                    break
+        return waiting

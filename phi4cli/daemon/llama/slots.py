@@ -9,6 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from phi4cli.core.protocol import Stats
 from phi4cli.daemon.jobs import Job
 from phi4cli.daemon.llama.prompts import ChatPlan
 from phi4cli.daemon.llama.speculation import Drafter
@@ -65,6 +66,43 @@ class Run:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     # Its drafts (speculation.py), unless the daemon's speculate is off or it is deterministic.
     drafter: Drafter | None = None
+
+    def stats(self, reason: str, chat: dict[str, Any], seq: int, model: str) -> Stats:
+        """What it cost, as it ended (``reason``): its stats, with a chat turn's (``chat``), its
+        slot's sequence and the model file."""
+        now = time.monotonic()
+        prefilled = self.prompt_s is not None
+        # What Stats names goes in its fields, the rest (restores, the slot) in its extra.
+        return Stats.from_mapping(
+            {
+                **chat,
+                "prompt_tokens": len(self.prompt),
+                "cached_tokens": self.cached,
+                "prompt_eval_tokens": len(self.prompt) - self.cached,
+                "prompt_eval_s": round(self.prompt_s or (now - self.started), 4),
+                "completion_tokens": self.generated,
+                "reasoning_tokens": self.reasoning_tokens,
+                "answer_tokens": self.generated - self.reasoning_tokens,
+                **self.policy.stats(),
+                **(self.trace.stats() if self.trace is not None else {}),
+                "thinking_unfinished": self.splitter.unfinished,
+                "decode_s": round(now - self.decode_started, 4) if prefilled else 0.0,
+                "draft_tokens": self.drafter.drafted if self.drafter is not None else 0,
+                "draft_accepted": self.drafter.accepted if self.drafter is not None else 0,
+                "first_token_s": None
+                if self.first_token_s is None
+                else round(self.first_token_s, 4),
+                "total_s": round(now - self.started, 4),
+                "finish_reason": reason,
+                "max_tokens": self.budget,
+                "restored_tokens": self.restored,
+                "restore_s": round(self.restore_s, 4),
+                "reserved_tokens": self.reserved,
+                "seed": self.seed,
+                "slot": seq,
+                "model": model,
+            }
+        )
 
 
 @dataclass(eq=False)
