@@ -389,7 +389,7 @@ def test_a_finished_flight_keeps_nothing_per_request():
 
 def test_requests_that_come_as_the_feed_ends_are_sent_not_given_up_on():
     # Before: the last lines, taken in by the step's own look at the feed just as it ended,
-    # fell through to "no engine to send the request to".
+    # fell through to "no replica to send the request to".
     inbox = FakeInbox()
     answered: list[int] = []
     a = FakeReplica("a", 4, inbox, lambda r, s, p: answer(str(p["i"])))

@@ -135,6 +135,10 @@ class FakeEngine:
         if path.name == "unsupported.gguf":  # fails once the old model is gone
             self._model = None
             raise ModelLoadError(f"llama.cpp could not load {path}")
+        if path.name == "too-big.gguf":  # its memory plan refused, once the old model is gone
+            self._model = None
+            fault = Fault("n_ctx", 1 << 30, 4096, facts="it needs 64 GiB", model=path.name)
+            raise ModelLoadError(f"cannot plan memory for {path}: it needs 64 GiB", fault)
         self.loaded.append(path)
         self._model = path
         return {"load_s": 0.0}
@@ -358,6 +362,14 @@ def test_a_failed_load_is_a_model_error_and_the_loaded_model_serves_on():
     scheduler.submit(out.job(2, "z"))
     out.wait(2)
     assert out.terminal(2)[0]["event"] == "done"
+    # A refused memory plan keeps its fault while the old model is loaded again (its own load,
+    # which succeeds, cleared it before), so the command line words it with its flags.
+    scheduler.submit(out.job(3, "w", model=Path("/m/too-big.gguf")))
+    out.wait(3)
+    refused = protocol.Event.from_wire(out.terminal(3)[0])
+    assert refused.fault is not None and refused.fault.param == "n_ctx"
+    assert "--n-ctx 4096 fits" in str(refused.exception())
+    assert engine.model_path != Path("/m/too-big.gguf")
     scheduler.stop(5)
 
 

@@ -73,12 +73,6 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-# --- the local daemon ---------------------------------------------------------------------------
-
-
-# --- remote servers -----------------------------------------------------------------------------
-
-
 def make_backend(
     paths: Paths,
     settings: Settings,

@@ -120,7 +120,7 @@ class Replica:
     """One server a request can go to: its window and its counts. The transport is the
     subclass's: ``send`` starts an attempt whose events reach the flight's inbox."""
 
-    name: str = "the engine"
+    name: str = "the server"
 
     def __init__(self, window: int) -> None:
         self.limit = self.window = max(1, window)

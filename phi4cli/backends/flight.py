@@ -334,7 +334,7 @@ class Flight:
         answered, that is the command's error instead."""
         failure = self.last_failure or next(
             (r.last_failure for r in self.replicas if r.last_failure is not None),
-            Failure(ErrorCode.INTERNAL, "no engine to send the request to"),
+            Failure(ErrorCode.INTERNAL, "no replica to send the request to"),
         )
         if not any(r.worked for r in self.replicas):
             raise error_for(failure.code, failure.message)

@@ -2,7 +2,7 @@
 silence between events, the whole request's deadline, sizes) kept by a guard that hangs up,
 and the checks of what a server sends (a chunk, its choices, a delta; an error answer, a
 Retry-After; usage numbers worth believing). What a stream means — thinking, answer, the
-policy — is the server's (``remote.py``)."""
+policy — is ``remote.py``'s."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class AskAlone(Exception):
 
 
 class Endpoint(Protocol):
-    """What a Watch needs of an server: its address and its time limits."""
+    """What a Watch needs of a server: its address and its time limits."""
 
     url: str
     timeout: float
@@ -37,7 +37,7 @@ class Endpoint(Protocol):
 
 
 class Server(Endpoint, Protocol):
-    """What asking a server needs of its server (``remote.RemoteServer``): where to post, whether
+    """What asking a server needs of its ``remote.RemoteServer``: where to post, whether
     it still asks for logprobs, and where to say a wait."""
 
     @property

@@ -175,6 +175,7 @@ class Fault(NamedTuple):
     # which cannot hold this request (its log says why).
     shrunk: bool = False
     facts: str = ""
+    model: str = ""  # the model file's name (a plan fault's)
 
     def to_wire(self) -> dict[str, object]:
         return {key: value for key, value in self._asdict().items() if value not in (None, "")}
@@ -188,12 +189,12 @@ class Fault(NamedTuple):
         numbers = [v for k, v in known.items() if k not in _WORDS and v is not None]
         if any(not isinstance(v, int) for v in numbers):  # (bool, for shrunk, is an int)
             return None
-        if not isinstance(known.get("facts", ""), str):
+        if any(not isinstance(known.get(key, ""), str) for key in _WORDS):
             return None
         return cls(**known)
 
 
-_WORDS = ("param", "facts")  # a Fault's fields that are words, not numbers
+_WORDS = ("param", "facts", "model")  # a Fault's fields that are words, not numbers
 PLAN_PARAMS = ("n_ctx", "gpu_layers")  # the daemon's settings a memory plan can refuse
 
 
@@ -203,7 +204,7 @@ def _plan_words(fault: Fault, flag: Callable[[str, str], str]) -> str:
     anyway = f"or load it anyway with {flag('overcommit', '')}"
     if fault.param == "n_ctx":
         return (
-            f"{fault.facts}; {flag('n_ctx', f'{fault.limit:,}')} fits, "
+            f"{fault.facts}; {flag('n_ctx', str(fault.limit))} fits, "
             f"{flag('kv_cache_type', 'q8_0')} halves the memory, {anyway}"
         )
     advice = (
@@ -233,7 +234,9 @@ def cli_words(fault: Fault, max_tokens: str = "--max-tokens") -> str:
     """A context fault as the command line says it: its flags (``max_tokens`` names the one
     for the answer's tokens: a chat says ``max_tokens``, set with /set), and what to run."""
     if fault.param in PLAN_PARAMS:
-        return f"cannot plan memory for the model: {_plan_words(fault, _cli_flag)}"
+        return (
+            f"cannot plan memory for {fault.model or 'the model'}: {_plan_words(fault, _cli_flag)}"
+        )
     lower = f"lower {max_tokens}, or restart the daemon with a larger one ({RESTART})"
     if fault.shrunk:
         return (

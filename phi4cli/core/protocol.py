@@ -113,7 +113,7 @@ class ProtocolViolation(Exception):
 
 class Stats(NamedTuple):
     """What one answer cost: tokens by kind, timings, how it ended. The daemon measures all of it;
-    a remote engine fills what its server reports (``measured`` says which were counted here)."""
+    a remote server fills what it reports (``measured`` says which were counted here)."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0

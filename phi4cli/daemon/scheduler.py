@@ -476,18 +476,19 @@ class RequestScheduler:
                 if isinstance(exc, ModelLoadError)
                 else (f"loading {path} failed: {type(exc).__name__}: {exc}")
             )
-            self.last_fault = exc.fault if isinstance(exc, ModelLoadError) else None
+            fault = exc.fault if isinstance(exc, ModelLoadError) else None
             if self._engine.model_path == previous and previous is not None:
-                self.last_error = error  # refused before unloading: the old model serves on
+                # Refused before unloading: the old model serves on.
+                self.last_error, self.last_fault = error, fault
                 self._on_state("ready", previous, None)
                 return False
             self._engine.close()
             if fall_back and previous is not None and previous != path:
                 log.warning("%s; loading %s again", error, previous)
                 if self._load(previous, fall_back=False):
-                    self.last_error = error
+                    self.last_error, self.last_fault = error, fault  # (this load's, not that)
                     return False
-            self.last_error = error
+            self.last_error, self.last_fault = error, fault
             self._on_state("failed", path, self.last_error)
             return False
         self.last_error, self.last_fault = None, None

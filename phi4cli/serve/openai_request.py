@@ -69,7 +69,7 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         # Busy (a full queue, the daemon overwhelmed): when to ask again, as OpenAI's clients
-        # and phi4's remote server read it.
+        # and phi4's own --backend client read it.
         headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 

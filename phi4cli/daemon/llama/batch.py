@@ -194,10 +194,9 @@ class LlamaEngine:
 
         Raise ContextOverflowError when it could never fit, even alone.
         """
-        model, _ = self._loaded()
+        model, prompts = self._loaded()
         cells = self._loaded_cells()
         if job.prepared is None or job.prepared.loaded != self._loads:
-            _, prompts = self._loaded()
             job.prepared = prepare(job.params, model, prompts, cells, self._loads)
         prepared: Prepared = job.prepared
         tokens = prepared.tokens

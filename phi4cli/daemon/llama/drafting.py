@@ -93,7 +93,7 @@ class Speculator:
                         gate.judge(drafter, *cut)
                     drafts[slot] = (whole[:limit], source)
                     room -= len(drafts[slot][0])
-                    # The rest is judged in the shadow if all of this is kept (_verify).
+                    # The rest is judged in the shadow if all of this is kept (verify).
                     drafter.shadow, drafter.shadow_source = whole[limit:], source
                     continue
             if not drafter.shadow:

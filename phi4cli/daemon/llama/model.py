@@ -558,7 +558,8 @@ def load_model(path: Path, settings: Settings, n_batch: int = 512) -> LoadedMode
         )
     except PlanRefused as exc:
         model.close()
-        raise ModelLoadError(f"cannot plan memory for {path}: {exc}", exc.fault) from None
+        fault = exc.fault._replace(model=path.name)
+        raise ModelLoadError(f"cannot plan memory for {path}: {exc}", fault) from None
     except ValueError as exc:
         model.close()
         raise ModelLoadError(f"cannot plan memory for {path}: {exc}") from None
