@@ -6,6 +6,7 @@ tests. Read from the source with ``ast``, so nothing is imported to check it."""
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,10 +25,16 @@ def modules() -> dict[str, Path]:
     return found
 
 
+@functools.cache
+def nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of ``path``'s syntax tree (parsed once for all the tests here)."""
+    return tuple(ast.walk(ast.parse(path.read_text(encoding="utf-8"))))
+
+
 def imports(module: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str, int]]:
     """(module of the package it imports, line) for every import statement in ``path``."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in nodes(path):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -160,7 +167,7 @@ def test_the_checker_finds_a_cycle():
 def test_the_benches_take_no_private_names_from_the_tests():
     taken = []
     for path in sorted((ROOT / "bench").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in nodes(path):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests"):
                 taken += [f"{path.name}: {a.name}" for a in node.names if a.name.startswith("_")]
     assert taken == []
@@ -196,7 +203,7 @@ def test_only_config_reads_phi4_variables():
     for module, path in modules().items():
         if module == "phi4cli.core.config":
             continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in nodes(path):
             read = (
                 (
                     isinstance(node, ast.Call)
@@ -257,7 +264,7 @@ def test_only_the_protocol_reads_a_request_as_a_dict():
     for module, path in modules().items():
         if module in allowed:
             continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in nodes(path):
             key = read(node)
             if key in keys:
                 readers.append(f"{path.relative_to(ROOT)}:{node.lineno}: {key}")  # type: ignore[attr-defined]

@@ -278,8 +278,8 @@ PRIORITIES: Final = {
 
 
 class SolveParams(NamedTuple):
-    """A solve, chat or load request, typed: what the client fills, the daemon and the remote
-    engine read. Its wire form (a dict) is made by :func:`to_wire` and read back, checked, by
+    """A solve, chat or load request, typed: what the client fills, the daemon and a remote
+    server read. Its wire form (a dict) is made by :func:`to_wire` and read back, checked, by
     :func:`parse_params`, and by nothing else."""
 
     prompt: str  # the question (a chat's message); "" for a load
