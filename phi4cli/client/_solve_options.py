@@ -31,6 +31,7 @@ OPTIONS = {
     '--loop': ('loop', 'str', None),
     '--vote': ('vote', 'str', None),
     '--stop-unsure': ('stop_unsure', 'flag', None),
+    '--history': ('history', 'flag', None),
     '--check': ('check', 'str', None),
     '--system': ('system', 'str', None),
     '-s': ('system', 'str', None),
@@ -73,6 +74,7 @@ DEFAULTS = {
     'loop': None,
     'vote': None,
     'stop_unsure': None,
+    'history': None,
     'check': None,
     'system': None,
     'temperature': None,
@@ -119,6 +121,7 @@ class SolveOptions:
         loop: str | None = None,
         vote: str | None = None,
         stop_unsure: bool | None = None,
+        history: bool | None = None,
         check: str | None = None,
         system: str | None = None,
         temperature: float | None = None,
@@ -156,6 +159,7 @@ class SolveOptions:
         self.loop = loop
         self.vote = vote
         self.stop_unsure = stop_unsure
+        self.history = history
         self.check = check
         self.system = system
         self.temperature = temperature

@@ -29,6 +29,7 @@ from phi4cli.client.cli_daemon import (
     warm,
 )
 from phi4cli.client.cli_env import command_settings, print_out, run_env, use_environment
+from phi4cli.client.cli_history import answer_as_turn, history_app
 from phi4cli.client.cli_options import (
     ANSWER_OPTIONS,
     CHAT_OPTIONS,
@@ -305,6 +306,15 @@ def chat(
     continue_last: Annotated[
         bool, typer.Option("--continue", "-c", help="Reopen the most recent conversation.")
     ] = False,
+    from_history: Annotated[
+        int | None,
+        typer.Option(
+            "--from-history",
+            metavar="ID",
+            help="Go on from answer ID of `phi4 history`: its question and solution open the chat.",
+            show_default=False,
+        ),
+    ] = None,
     show_reasoning: ShowReasoningOption = False,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print statistics after each answer.")
@@ -316,11 +326,11 @@ def chat(
     from phi4cli.client.chats import ChatStore, Conversation, default_name
     from phi4cli.client.render import counted
     from phi4cli.client.repl import ChatRepl, line_reader, prompt_reader
-    from phi4cli.client.solve_job import check_sent_text
+    from phi4cli.client.solve_job import check_sent_text, open_history
     from phi4cli.core.models import resolve_model
 
-    if resume and continue_last:
-        raise UsageError("give --resume NAME or --continue, not both")
+    if sum((bool(resume), continue_last, from_history is not None)) > 1:
+        raise UsageError("give one of --resume NAME, --continue and --from-history ID")
     paths = get_paths()
     settings = command_settings(paths, model=model, **answer)
     check_sent_text(settings)
@@ -340,12 +350,22 @@ def chat(
         conversation = Conversation(
             name=default_name(), model=str(model_path), system=settings.system
         )
+        if from_history is not None:
+            conversation.turns.append(answer_as_turn(paths, from_history))
     conversation.model = str(model_path)
     env = run_env()
     env.raw_output = raw_output
     backend_ = make_backend(paths, settings, model_path, env.notice)
     repl = ChatRepl(
-        env, backend_, settings, str(model_path), conversation, store, show_reasoning, verbose
+        env,
+        backend_,
+        settings,
+        str(model_path),
+        conversation,
+        store,
+        show_reasoning,
+        verbose,
+        history=open_history(env) if settings.history else None,
     )
     interactive = bool(env.stdin_isatty)
     if interactive:
@@ -564,6 +584,7 @@ app.command()(status)
 app.command()(stop)
 app.command()(warm)
 app.add_typer(cache_app, name="cache")
+app.add_typer(history_app, name="history")
 app.command()(models)
 app.command()(pull)
 

@@ -24,6 +24,7 @@ from phi4cli.client.chat_commands import COMMAND_NAMES
 from phi4cli.client.chats import ChatStore, Conversation, Turn
 from phi4cli.client.environment import Environment
 from phi4cli.client.exits import Announce, say
+from phi4cli.client.history import History
 from phi4cli.client.keys import ANSWER_NOW_HINT, AnswerKeys, AnswerNow
 from phi4cli.client.presenters import PlainPresenter, TerminalPresenter, loop_cut, unfinished
 from phi4cli.client.render import format_stats
@@ -108,8 +109,10 @@ class ChatRepl:
         store: ChatStore,
         show_reasoning: bool = False,
         verbose: bool = False,
+        history: History | None = None,
     ) -> None:
         self.env = env
+        self.history = history  # where each answer is kept (None: history off)
         self.backend = backend
         self.settings = settings
         self.model = model  # the model's path (or, for a remote backend, its name there)
@@ -289,6 +292,8 @@ class ChatRepl:
             self._show_answer(outcome, presenter)
         turn = Turn(question, outcome.solution, outcome.reasoning, outcome.stats_dict, interrupted)
         self._record(turn, outcome.stats)
+        if self.history is not None:
+            self.history.add("chat", outcome, self.sampling(), self.model, self.conversation.name)
 
     def _checker_for(self, question: str) -> Checker | None:
         """The checker for ``question``'s answer, started now if it may be checked (SymPy loads

@@ -22,6 +22,7 @@ from phi4cli.text.sanitize import clean_text, json_safe
 if TYPE_CHECKING:
     from phi4cli.backends.dispatch import EventSink, Feed
     from phi4cli.backends.flight import FlightHook
+    from phi4cli.client.history import History
     from phi4cli.text.check_verdicts import Check
     from phi4cli.text.checker import Checker
 
@@ -52,6 +53,14 @@ class SolveJob(NamedTuple):
     stop_unsure: bool = False  # DeepConf online with --samples (options' "stop_unsure")
     check: str = "auto"  # answers checked against their problem: auto | off | strict
     checker: Checker | None = None  # the check's worker (None: check off)
+    history: History | None = None  # where each answer is kept (None: history off)
+
+    def remember(self, outcome: Outcome, kind: str = "solve", session: str | None = None) -> None:
+        """Keep ``outcome`` in the history (a ``kind`` of answer: solve, sample, eval), if it
+        is kept; a record that cannot be written is said in one line and skipped."""
+        if self.history is not None:
+            settings = self.request.ask._asdict()
+            self.history.add(kind, outcome, settings, self.request.model, session)
 
     def prepare_check(self, question: str) -> None:
         """A request for ``question`` has gone out (call it on its first event, not before the
@@ -265,4 +274,12 @@ def make_job(
         stop_unsure=settings.stop_unsure,
         check=settings.check,
         checker=checker,
+        history=open_history(env) if settings.history else None,
     )
+
+
+def open_history(env: Environment) -> History:
+    """The history database (opened on its first record), its failures said on ``env``."""
+    from phi4cli.client.history import History, history_path
+
+    return History(history_path(env.paths.data_dir), env.notice)

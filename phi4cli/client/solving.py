@@ -141,6 +141,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
         _keep_partial(presenter.presenter, outcome, failure)
         raise failure
     job.check_outcome(outcome)
+    job.remember(outcome)
     if mode.as_json:
         print_json_indented(job, outcome.to_json())
     elif mode.answer_only:
@@ -245,6 +246,7 @@ def _solve_feed(
         nonlocal failed, printed_line, refuted
         outcome = pending.pop(index)
         job.check_outcome(outcome)
+        job.remember(outcome)
         refuted += outcome.refuted
         # Only what the exit status needs is kept, and only of the problems it looks at: a run
         # of a million holds its problems in flight and a window of text read ahead.

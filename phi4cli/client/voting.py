@@ -160,6 +160,7 @@ def solve_samples(
         if outcomes[index].done:
             if index not in stop.stopped:
                 job.check_outcome(outcomes[index])
+                job.remember(outcomes[index], "sample")
             stop.end(index, outcomes[index])
             spinner.update(f"sampling… {len(stop.answers)}/{samples} done")
 

@@ -25,6 +25,9 @@ class Settings(NamedTuple):
     # DeepConf online, with --samples K: a sample whose confidence falls below the question's
     # first samples' is stopped, and does not vote.
     stop_unsure: bool = False
+    # Keep each answer (solve, chat, eval) in the history database that `phi4 history` lists and
+    # searches.
+    history: bool = True
     # Check each final answer against its problem (phi4cli.text.checking): verified, refuted or
     # unchecked; strict: a refuted answer is an error.
     check: str = 'auto'

@@ -206,6 +206,20 @@ SETTINGS = (
         "[default false].",
     ),
     Setting(
+        "history",
+        option_values.boolean,
+        "true (keep each answer in the history database) or false",
+        True,
+        "bool",
+        comment="Keep each answer (solve, chat, eval) in the history database that `phi4 "
+        "history` lists and searches.",
+        flags="--history/--no-history",
+        option="bool",
+        groups=("answer",),
+        help="Keep this answer in the history that `phi4 history` lists and searches "
+        "[default true].",
+    ),
+    Setting(
         "check",
         option_values.one_of(*CHOICES["check"]),
         "auto (check each answer against the "
