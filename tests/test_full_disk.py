@@ -335,6 +335,11 @@ def test_a_piped_chat_on_a_full_disk_answers_and_says_what_was_not_saved(tmpfs: 
     assert chat.returncode == 1, chat.stderr
     assert "7" in chat.stdout and "8" in chat.stdout, "every answer shown"
     lines = chat.stderr.splitlines()
+    # The history cannot keep the answers either: said once, not at every answer.
+    kept = [line for line in lines if "history" in line]
+    assert len(kept) == 1 and "not kept in the history" in kept[0], chat.stderr
+    assert "moved to" not in chat.stderr, "a full disk is not a damaged database"
+    lines = [line for line in lines if line not in kept]
     assert len(lines) == 2 and "Traceback" not in chat.stderr, chat.stderr  # said once, then
     assert "cannot save the conversation" in lines[0] and "no space left on" in lines[0]
     assert lines[1].startswith("phi4: error: cannot save the conversation")

@@ -72,14 +72,27 @@ def test_delete_one_then_all(tmp_path: Path):
     assert store.clear() == 2 and store.count() == 0
 
 
-def test_it_is_private_and_bounded(tmp_path: Path):
+def test_it_is_private_and_bounded_and_never_reuses_an_id(tmp_path: Path):
+    (tmp_path / "data").mkdir(mode=0o755)  # (the data directory, shared with models and chats)
     store = _store(tmp_path)
     for i in range(12):
         store.add("solve", _outcome(f"q{i}", "x"), {})
     assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
-    assert stat.S_IMODE(store.path.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(store.path.parent.stat().st_mode) == 0o700  # a directory of its own
+    assert stat.S_IMODE((tmp_path / "data").stat().st_mode) == 0o755  # left as it was
     assert store.prune(keep=5) == 7
     assert [e.question for e in store.recent(10)] == [f"q{i}" for i in range(11, 6, -1)]
+    newest = store.recent(1)[0].id
+    store.delete([newest])
+    assert store.add("solve", _outcome("after", "x"), {}) == newest + 1
+
+
+def test_text_sqlite_cannot_store_is_kept_readable(tmp_path: Path):
+    # A lone surrogate (a JSONL problem's escaped "\ud800") cannot be encoded as UTF-8: before,
+    # it raised out of the record and ended an eval run with an internal error.
+    store = _store(tmp_path)
+    kept = store.add("eval", _outcome("half \ud800 a pair", "x"), {})
+    assert kept is not None and store.get(kept).question == "half \ufffd a pair"  # type: ignore[union-attr]
 
 
 def test_a_damaged_database_is_moved_aside_and_a_new_one_started(tmp_path: Path):
@@ -93,6 +106,32 @@ def test_a_damaged_database_is_moved_aside_and_a_new_one_started(tmp_path: Path)
     aside = [p for p in path.parent.iterdir() if ".damaged-" in p.name]
     assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not")
     assert [e.answer for e in store.recent(5)] == ["1"]
+
+
+def test_a_busy_database_is_waited_for_said_once_and_never_moved_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import sqlite3
+
+    from phi4cli.client import history
+
+    said: list[str] = []
+    store = _store(tmp_path, said)
+    assert store.add("solve", _outcome("kept", "x"), {}) is not None
+    store.close()
+    monkeypatch.setattr(history, "BUSY_S", 0.1)
+    holder = sqlite3.connect(store.path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another client in the middle of a write
+    try:
+        busy = _store(tmp_path, said)
+        assert busy.add("solve", _outcome("a", "x"), {}) is None
+        assert busy.add("solve", _outcome("b", "x"), {}) is None
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert len(said) == 1 and "not kept in the history now" in said[0], said
+    assert not [p for p in store.path.parent.iterdir() if ".damaged-" in p.name]
+    assert [e.question for e in _store(tmp_path).recent(5)] == ["kept"]
 
 
 def _write_many(path: str, writer: int, count: int) -> None:
@@ -128,6 +167,8 @@ def _listed(*args: str) -> list[dict[str, object]]:
 def test_solve_chat_and_eval_answers_are_kept_and_found(
     tiny_model: Path, tmp_path: Path, phi4_home: Path
 ):
+    # Nothing kept yet: the list says so, and makes no database to say it.
+    assert _listed() == [] and not history_path(phi4_home / "data").exists()
     solved = run_phi4("solve", "What is 2+2?", "-m", str(tiny_model), "-n", "6")
     assert solved.returncode in (0, 1), solved.stderr
     skipped = run_phi4("solve", "Not kept", "-m", str(tiny_model), "-n", "4", "--no-history")

@@ -3,14 +3,16 @@ the newest listed, searched by their words, one shown whole, some or all deleted
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from phi4cli.client.cli_daemon import JsonOption
 from phi4cli.client.cli_env import print_out, run_env
-from phi4cli.core.errors import UsageError
+from phi4cli.core.errors import Phi4Error, UsageError
 from phi4cli.text.sanitize import clean_text
 
 if TYPE_CHECKING:
@@ -37,6 +39,18 @@ def _history() -> History:
 
     env = run_env()
     return History(history_path(env.paths.data_dir), env.notice)
+
+
+@contextlib.contextmanager
+def _said() -> Iterator[None]:
+    """A history that cannot be read or changed (busy, unreadable, on a full disk): one line,
+    exit 1."""
+    from phi4cli.client.history import HistoryError
+
+    try:
+        yield
+    except HistoryError as exc:
+        raise Phi4Error(str(exc)) from None
 
 
 def _checked_kind(kind: str | None) -> str | None:
@@ -81,8 +95,10 @@ def history(
     ID`). Kept as each answer finishes unless --no-history or `history = false`."""
     if ctx.invoked_subcommand is not None:
         return
-    store = _history()
-    _print_entries(store.recent(limit, _checked_kind(kind)), as_json, "no answers kept yet")
+    store, kind = _history(), _checked_kind(kind)
+    with _said():
+        found = store.recent(limit, kind) if store.exists else []
+    _print_entries(found, as_json, "no answers kept yet")
 
 
 @history_app.command("search")
@@ -95,8 +111,9 @@ def history_search(
     as_json: JsonOption = False,
 ) -> None:
     """The newest answers whose question, solution or answer hold every one of WORDS."""
-    text = " ".join(words)
-    found = _history().search(text, limit, _checked_kind(kind))
+    text, store, kind = " ".join(words), _history(), _checked_kind(kind)
+    with _said():
+        found = store.search(text, limit, kind) if store.exists else []
     _print_entries(found, as_json, f"no answer kept holds {text!r}")
 
 
@@ -106,7 +123,9 @@ def history_show(
     as_json: JsonOption = False,
 ) -> None:
     """One answer whole: its question, thinking, solution, answer, check, model and stats."""
-    entry = _history().get(entry_id)
+    store = _history()
+    with _said():
+        entry = store.get(entry_id) if store.exists else None
     if entry is None:
         raise UsageError(f"no answer {entry_id} in the history (`phi4 history` lists them)")
     if as_json:
@@ -138,7 +157,9 @@ def answer_as_turn(paths: Paths, entry_id: int) -> Turn:
     from phi4cli.client.chats import Turn
     from phi4cli.client.history import History, history_path
 
-    entry = History(history_path(paths.data_dir), run_env().notice).get(entry_id)
+    store = History(history_path(paths.data_dir), run_env().notice)
+    with _said():
+        entry = store.get(entry_id) if store.exists else None
     if entry is None:
         raise UsageError(f"no answer {entry_id} in the history (`phi4 history` lists them)")
     return Turn(entry.question, entry.solution, entry.thinking, dict(entry.stats))
@@ -154,6 +175,8 @@ def history_delete(
     """Delete answers from the history, by id, or all of them with --all."""
     if everything == bool(ids):
         raise UsageError("give the ids of the answers to delete, or --all (not both)")
-    store = _history()
-    gone = store.clear() if everything else store.delete(ids or [])
+    store, gone = _history(), 0
+    if store.exists:
+        with _said():
+            gone = store.clear() if everything else store.delete(ids or [])
     run_env().notice(f"deleted {gone} answer{'' if gone == 1 else 's'}")

@@ -193,7 +193,7 @@ def run_eval(
         stop = stops.get(i)
         if stop is None or k not in stop.stopped:
             job.check_outcome(outcome)
-            job.remember(outcome, "eval")
+            job.remember(outcome, "eval", session=problems.path.name)
         if stop is None:
             first = i * samples  # its samples' request indices follow
             stop = stops[i] = EarlyStop(

@@ -2,13 +2,16 @@
 problem) kept in a SQLite database in the user's data directory, written as each answer
 finishes, for `phi4 history` to list, search, show and delete.
 
-- **Private.** The file is 0600 in a 0700 directory: questions and answers are the user's.
+- **Private.** The file is 0600 in a 0700 directory of its own (``data/history/``): questions
+  and answers are the user's.
 - **Several clients at once.** The database is in WAL mode and a writer waits a few seconds for
-  another; a record that still cannot be written is skipped with one line, and the answer it is
-  of is never held up for it.
-- **Bounded.** The newest ``MAX_ENTRIES`` records are kept; older ones go as new ones come.
-- **A damaged database never blocks a solve.** It is moved aside (``history.db.damaged-TIME``),
-  said in one line, and a new one is started.
+  another; a record that still cannot be written is skipped, said in one line, and this process
+  keeps no more (so a busy or full disk costs one wait, not one at every answer).
+- **Bounded.** The newest ``MAX_ENTRIES`` records are kept; older ones go as new ones come. Ids
+  are never reused.
+- **A damaged database never blocks a solve.** A file that is not a database or is malformed
+  (not one that is busy, read-only or on a full disk) is moved aside
+  (``history.db.damaged-TIME``), said in one line, and a new one is started.
 - **Off** with ``--no-history`` or the setting ``history = false`` (``PHI4_HISTORY=0``).
 """
 
@@ -19,7 +22,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -34,7 +37,7 @@ KINDS = ("solve", "sample", "chat", "eval")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
-    id INTEGER PRIMARY KEY,
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
     at REAL NOT NULL,
     kind TEXT NOT NULL,
     question TEXT NOT NULL,
@@ -92,9 +95,13 @@ class Entry(NamedTuple):
         return self._asdict()
 
 
+class HistoryError(Exception):
+    """The history could not be read or changed (for `phi4 history`: one line)."""
+
+
 class History:
-    """The history database, open. Every method that writes says a failure in one line
-    (``notice``) and goes on; none raises for a database that is busy or damaged."""
+    """The history database. ``add`` says a failure in one line (``notice``) and goes on, and
+    never raises; the readers and ``delete`` raise HistoryError."""
 
     def __init__(self, path: Path, notice: Callable[[str], None]) -> None:
         self.path = path
@@ -102,31 +109,46 @@ class History:
         self._connection: sqlite3.Connection | None = None
         self._fts = False
         self._written = 0
+        self._failed = False  # a record could not be written (said once)
 
     # --- opening ----------------------------------------------------------------------------
+
+    @property
+    def exists(self) -> bool:
+        return self.path.exists()
 
     def _connect(self) -> sqlite3.Connection:
         if self._connection is not None:
             return self._connection
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with contextlib.suppress(OSError):
-            os.chmod(self.path.parent, 0o700)
+            os.chmod(self.path.parent, 0o700)  # (its own directory: nothing else is in it)
         try:
             connection = self._open()
         except sqlite3.DatabaseError as exc:
-            if isinstance(exc, sqlite3.OperationalError) and _busy(exc):
+            if not _damaged(exc):  # busy, a full disk, read-only: nothing wrong with the file
                 raise
-            aside = self.path.with_name(f"{self.path.name}.damaged-{int(time.time())}")
-            for suffix in ("", "-wal", "-shm"):
-                with contextlib.suppress(OSError):
-                    Path(f"{self.path}{suffix}").rename(f"{aside}{suffix}")
-            self._notice(
-                f"the history database {self.path} could not be read ({exc}); "
-                f"it was moved to {aside.name} and a new one started"
-            )
+            self._move_aside(exc)
             connection = self._open()
         self._connection = connection
         return connection
+
+    def _move_aside(self, exc: sqlite3.DatabaseError) -> None:
+        """The file is damaged: move it (and its WAL) aside, say so; raise ``exc`` when it
+        cannot be moved."""
+        self.close()
+        aside = self.path.with_name(f"{self.path.name}.damaged-{int(time.time())}")
+        try:
+            self.path.rename(aside)
+        except OSError:
+            raise exc from None
+        for suffix in ("-wal", "-shm"):
+            with contextlib.suppress(OSError):
+                Path(f"{self.path}{suffix}").rename(f"{aside}{suffix}")
+        self._notice(
+            f"the history database {self.path} could not be read ({exc}); "
+            f"it was moved to {aside.name} and a new one started"
+        )
 
     def _open(self) -> sqlite3.Connection:
         fresh = not self.path.exists()
@@ -139,7 +161,12 @@ class History:
             connection.execute("PRAGMA synchronous = NORMAL")
             connection.executescript(_SCHEMA)
             try:
+                had_index = connection.execute(
+                    "SELECT 1 FROM sqlite_master WHERE name = 'entries_fts'"
+                ).fetchone()
                 connection.executescript(_FTS)
+                if not had_index:  # (rows written where SQLite had no FTS5 are indexed now)
+                    connection.execute("INSERT INTO entries_fts (entries_fts) VALUES ('rebuild')")
                 self._fts = True
             except sqlite3.OperationalError as exc:
                 if "fts5" not in str(exc):
@@ -169,72 +196,98 @@ class History:
         session: str | None = None,
     ) -> int | None:
         """Keep ``outcome`` (its question, thinking, solution, answer, check, stats); return its
-        id, or None where it could not be written (said in one line)."""
+        id, or None where it could not be written (said in one line, once: after a failure
+        this process keeps no more)."""
+        if self._failed:
+            return None
         stats = outcome.stats_dict
         row = (
             time.time(),
             kind,
-            outcome.question,
-            outcome.reasoning,
-            outcome.solution,
-            outcome.answer,
+            _text(outcome.question),
+            _text(outcome.reasoning),
+            _text(outcome.solution),
+            _text(outcome.answer),
             outcome.check.verdict if outcome.check is not None else None,
             (outcome.stats.model if outcome.stats is not None else None) or model,
             session,
             json.dumps(settings, default=str),
             json.dumps(stats, default=str),
-            outcome.error.said if outcome.error is not None else None,
+            _text(outcome.error.said) if outcome.error is not None else None,
         )
         try:
-            connection = self._connect()
-            cursor = connection.execute(
-                "INSERT INTO entries (at, kind, question, thinking, solution, answer, verdict, "
-                "model, session, settings, stats, error) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                row,
-            )
-            self._written += 1
-            if self._written % PRUNE_EVERY == 1:
-                self.prune()
-            return cursor.lastrowid
-        except (sqlite3.Error, OSError) as exc:
-            self._notice(f"this answer was not kept in the history ({exc})")
-            return None
+            return self._insert(row)
+        except sqlite3.DatabaseError as exc:
+            if _damaged(exc):
+                try:  # damaged past its first pages: found only now
+                    self._move_aside(exc)
+                    return self._insert(row)
+                except (sqlite3.Error, OSError, ValueError) as again:
+                    exc = again  # type: ignore[assignment]
+            self._could_not(exc)
+        except (sqlite3.Error, OSError, ValueError) as exc:
+            self._could_not(exc)
+        return None
 
-    def prune(self, keep: int = MAX_ENTRIES) -> int:
-        """Delete all but the newest ``keep`` records; return how many went."""
+    def _could_not(self, exc: Exception) -> None:
+        self._failed = True
+        self._notice(f"answers are not kept in the history now ({_reason(exc)})")
+
+    def _insert(self, row: tuple[Any, ...]) -> int | None:
         connection = self._connect()
         cursor = connection.execute(
-            "DELETE FROM entries WHERE id NOT IN (SELECT id FROM entries ORDER BY id DESC LIMIT ?)",
-            (keep,),
+            "INSERT INTO entries (at, kind, question, thinking, solution, answer, verdict, "
+            "model, session, settings, stats, error) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            row,
+        )
+        entry_id = cursor.lastrowid
+        if entry_id is not None and entry_id % PRUNE_EVERY == 0:
+            self.prune()
+        return entry_id
+
+    def prune(self, keep: int = MAX_ENTRIES) -> int:
+        """Delete the records older than the newest ``keep`` ids; return how many went."""
+        connection = self._connect()
+        cursor = connection.execute(
+            "DELETE FROM entries WHERE id <= (SELECT max(id) FROM entries) - ?", (keep,)
         )
         return max(0, cursor.rowcount)
 
     def delete(self, ids: Iterable[int]) -> int:
         """Delete these records; return how many there were."""
-        connection = self._connect()
         gone = 0
-        for entry_id in ids:
-            gone += max(
-                0, connection.execute("DELETE FROM entries WHERE id = ?", (entry_id,)).rowcount
-            )
+        with self._using("change") as connection:
+            for entry_id in ids:
+                cursor = connection.execute("DELETE FROM entries WHERE id = ?", (entry_id,))
+                gone += max(0, cursor.rowcount)
         return gone
 
     def clear(self) -> int:
         """Delete every record; return how many there were."""
-        connection = self._connect()
-        gone = max(0, connection.execute("DELETE FROM entries").rowcount)
-        connection.execute("VACUUM")
+        with self._using("change") as connection:
+            gone = max(0, connection.execute("DELETE FROM entries").rowcount)
+        with contextlib.suppress(sqlite3.Error):  # (only the file's size: the rows are gone)
+            self._connect().execute("VACUUM")
         return gone
+
+    @contextlib.contextmanager
+    def _using(self, doing: str) -> Iterator[sqlite3.Connection]:
+        """The connection, for `phi4 history`: a failure is a HistoryError saying ``doing``."""
+        try:
+            yield self._connect()
+        except (sqlite3.Error, OSError) as exc:
+            raise HistoryError(f"cannot {doing} the history {self.path}: {_reason(exc)}") from None
 
     # --- reading ----------------------------------------------------------------------------
 
     def recent(self, limit: int, kind: str | None = None) -> list[Entry]:
         """The newest ``limit`` records (of ``kind``), newest first."""
         where, args = ("WHERE kind = ?", [kind]) if kind else ("", [])
-        rows = self._connect().execute(
-            f"SELECT {_COLUMNS} FROM entries {where} ORDER BY id DESC LIMIT ?", (*args, limit)
-        )
+        with self._using("read") as connection:
+            rows = connection.execute(
+                f"SELECT {_COLUMNS} FROM entries {where} ORDER BY id DESC LIMIT ?", (*args, limit)
+            ).fetchall()
         return [_entry(row) for row in rows]
 
     def search(self, text: str, limit: int, kind: str | None = None) -> list[Entry]:
@@ -243,44 +296,51 @@ class History:
         words = text.split()
         if not words:
             return self.recent(limit, kind)
-        connection = self._connect()
         extra, args = (" AND kind = ?", [kind]) if kind else ("", [])
+        with self._using("search") as connection:
+            return [_entry(row) for row in self._matching(connection, words, extra, args, limit)]
+
+    def _matching(
+        self,
+        connection: sqlite3.Connection,
+        words: list[str],
+        extra: str,
+        args: list[str],
+        limit: int,
+    ) -> list[tuple[Any, ...]]:
         if self._fts:
             # Each word a quoted phrase: what is typed is searched for, never read as a query.
             query = " ".join('"' + word.replace('"', '""') + '"' for word in words)
-            rows = connection.execute(
+            return connection.execute(
                 f"SELECT {_COLUMNS} FROM entries WHERE id IN "
                 f"(SELECT rowid FROM entries_fts WHERE entries_fts MATCH ?){extra} "
                 "ORDER BY id DESC LIMIT ?",
                 (query, *args, limit),
-            )
-        else:
-            like = " AND ".join(
-                "(question LIKE ? ESCAPE '\\' OR solution LIKE ? ESCAPE '\\' "
-                "OR coalesce(answer, '') LIKE ? ESCAPE '\\')"
-                for _ in words
-            )
-            patterns = [p for word in words for p in [_like(word)] * 3]
-            rows = connection.execute(
-                f"SELECT {_COLUMNS} FROM entries WHERE {like}{extra} ORDER BY id DESC LIMIT ?",
-                (*patterns, *args, limit),
-            )
-        return [_entry(row) for row in rows]
+            ).fetchall()
+        like = " AND ".join(
+            "(question LIKE ? ESCAPE '\\' OR solution LIKE ? ESCAPE '\\' "
+            "OR coalesce(answer, '') LIKE ? ESCAPE '\\')"
+            for _ in words
+        )
+        patterns = [p for word in words for p in [_like(word)] * 3]
+        return connection.execute(
+            f"SELECT {_COLUMNS} FROM entries WHERE {like}{extra} ORDER BY id DESC LIMIT ?",
+            (*patterns, *args, limit),
+        ).fetchall()
 
     def get(self, entry_id: int) -> Entry | None:
-        row = (
-            self._connect()
-            .execute(f"SELECT {_COLUMNS} FROM entries WHERE id = ?", (entry_id,))
-            .fetchone()
-        )
+        with self._using("read") as connection:
+            query = f"SELECT {_COLUMNS} FROM entries WHERE id = ?"
+            row = connection.execute(query, (entry_id,)).fetchone()
         return None if row is None else _entry(row)
 
     def count(self) -> int:
-        return int(self._connect().execute("SELECT count(*) FROM entries").fetchone()[0])
+        with self._using("read") as connection:
+            return int(connection.execute("SELECT count(*) FROM entries").fetchone()[0])
 
 
 def history_path(data_dir: Path) -> Path:
-    return data_dir / FILE_NAME
+    return data_dir / "history" / FILE_NAME
 
 
 def _entry(row: tuple[Any, ...]) -> Entry:
@@ -298,5 +358,23 @@ def _like(word: str) -> str:
     return f"%{escaped}%"
 
 
-def _busy(exc: sqlite3.OperationalError) -> bool:
-    return "locked" in str(exc) or "busy" in str(exc)
+def _damaged(exc: sqlite3.DatabaseError) -> bool:
+    """Whether the file itself is bad (not a database, or a malformed one), as opposed to a
+    database that is busy, on a full disk or read-only: only a bad file is moved aside."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+    return not isinstance(exc, sqlite3.OperationalError)
+
+
+def _text(value: str | None) -> str | None:
+    """``value`` as SQLite can store it: a lone surrogate (from a file's escaped JSON) as U+FFFD."""
+    from phi4cli.core.inputs import replace_bad
+
+    return None if value is None else replace_bad(value)[0]
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc)

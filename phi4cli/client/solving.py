@@ -139,9 +139,9 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     if outcome.error is not None:  # the daemon stopped or crashed, a server hung up, ...
         failure = outcome.exception()
         _keep_partial(presenter.presenter, outcome, failure)
+        job.remember(outcome)  # (with its error: what it wrote before it failed is kept too)
         raise failure
     job.check_outcome(outcome)
-    job.remember(outcome)
     if mode.as_json:
         print_json_indented(job, outcome.to_json())
     elif mode.answer_only:
@@ -149,6 +149,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
         job.print(answer_line(job, answer) if answer is not None else "")
     else:
         presenter.get().finish(outcome)
+    job.remember(outcome)  # (once shown: the answer never waits for its record)
     # Say it on stderr whenever no answer came because the thinking ran out (in a pipeline
     # stdout may be empty), and --answer-only always says why it printed an empty line. At a
     # terminal the presenter has said it in the output already.
