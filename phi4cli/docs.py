@@ -202,6 +202,8 @@ def solve_option_table() -> str:
         bounds = (param.type.min, param.type.max) if type_name == "int range" else None
         for name in param.opts:
             options[name] = (param.name, kind, bounds)
+        for name in getattr(param, "secondary_opts", []):  # --no-history: the flag's off form
+            options[name] = (param.name, "off", None)
         # Typer hands a repeatable option that was not given as an empty tuple.
         defaults[param.name] = () if kind == "list" and param.default is None else param.default
         python = {"flag": "bool", "int": "int", "float": "float", "str": "str"}.get(kind)
@@ -219,7 +221,7 @@ def solve_option_table() -> str:
         "",
         "from typing import Any",
         "",
-        "# option -> (parameter, kind: flag|int|float|str|list, (min, max) or None)",
+        "# option -> (parameter, kind: flag|off|int|float|str|list, (min, max) or None)",
         "OPTIONS = {",
         *(f"    {name!r}: {spec!r}," for name, spec in options.items()),
         "}",

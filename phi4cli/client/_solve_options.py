@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# option -> (parameter, kind: flag|int|float|str|list, (min, max) or None)
+# option -> (parameter, kind: flag|off|int|float|str|list, (min, max) or None)
 OPTIONS = {
     '--model': ('model', 'str', None),
     '-m': ('model', 'str', None),
@@ -31,7 +31,9 @@ OPTIONS = {
     '--loop': ('loop', 'str', None),
     '--vote': ('vote', 'str', None),
     '--stop-unsure': ('stop_unsure', 'flag', None),
+    '--no-stop-unsure': ('stop_unsure', 'off', None),
     '--history': ('history', 'flag', None),
+    '--no-history': ('history', 'off', None),
     '--check': ('check', 'str', None),
     '--system': ('system', 'str', None),
     '-s': ('system', 'str', None),
@@ -47,10 +49,12 @@ OPTIONS = {
     '--max-tokens': ('max_tokens', 'int', (1, None)),
     '-n': ('max_tokens', 'int', (1, None)),
     '--deterministic': ('deterministic', 'flag', None),
+    '--no-deterministic': ('deterministic', 'off', None),
     '--keep-alive': ('keep_alive', 'str', None),
     '--n-ctx': ('n_ctx', 'str', None),
     '--threads': ('threads', 'int', None),
     '--overcommit': ('overcommit', 'flag', None),
+    '--no-overcommit': ('overcommit', 'off', None),
     '--backend': ('backend', 'list', None),
     '--backend-concurrency': ('backend_concurrency', 'int', (1, None)),
 }

@@ -35,10 +35,10 @@ def parse_solve(args: list[str]) -> dict[str, Any] | None:
         if spec is None:
             return None  # --help, -h, a typo, combined flags: Typer's to answer
         dest, kind, bounds = spec
-        if kind == "flag":
+        if kind in ("flag", "off"):  # --history, --no-history
             if equals:
                 return None
-            values[dest] = True
+            values[dest] = kind == "flag"
             continue
         if equals:
             raw = attached
