@@ -84,6 +84,10 @@ def test_a_fresh_results_file_is_private_and_says_what_made_it(tiny_model: Path,
     assert stat.S_IMODE(results.stat().st_mode) == 0o600, "before: 644, as the umask made it"
     records = _records(results)
     assert [r["line"] for r in records] == [1, 2]
+    for record in records:  # what was written can be looked into, and a cut answer says so
+        assert isinstance(record["solution"], str) and record["solution"], record
+        if record["answer"] is None and record["finish_reason"] == "length":
+            assert record["status"] == "truncated", record  # (was: no_answer)
     run = records[0]["run"]
     assert run["model"] == str(tiny_model) and run["backend"] is None
     assert run["model_file"]["size"] == tiny_model.stat().st_size

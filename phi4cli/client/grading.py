@@ -56,17 +56,21 @@ def judge(
         status = "error"
     elif answer is not None:
         status = "correct" if same_answer(answer, item.reference) else "wrong"
-    elif all(o.thinking_unfinished or o.error is not None for o in outcomes):
-        status = "truncated"
+    elif all(o.error is not None or _ran_out(o) for o in outcomes):
+        status = "truncated"  # (every sample ran out of tokens: --max-tokens, not the model)
     else:
         status = "no_answer"
     stats = [o.stats for o in outcomes if o.stats is not None]
+    # The solution the answer came from (the vote's first member), else the first sample's: a
+    # "no answer" or "truncated" can be looked into. (The thinking is in `phi4 history`.)
+    shown = outcomes[vote.members[0]] if answer is not None and vote.members else outcomes[0]
     record: dict[str, Any] = {
         "line": item.line,
         "problem": item.problem,
         "reference": item.reference,
         "answer": answer,
         "status": status,
+        "solution": shown.solution if shown.error is None else None,
         "correct": status == "correct",
         "k": len(outcomes),
         "reasoning_tokens": sum(s.reasoning_tokens for s in stats),
@@ -91,6 +95,18 @@ def judge(
     if errors:
         record["errors"] = errors
     return record
+
+
+def _ran_out(outcome: Outcome) -> bool:
+    """It stated no answer because its tokens ran out: in its thinking, or in its answer (cut
+    off at --max-tokens)."""
+    if outcome.thinking_unfinished:
+        return True
+    return (
+        outcome.answer is None
+        and outcome.stats is not None
+        and (outcome.stats.finish_reason == "length")
+    )
 
 
 def sample_details(outcome: Outcome, ended_s: float, cancelled: bool) -> dict[str, Any]:

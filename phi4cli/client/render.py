@@ -386,7 +386,7 @@ def format_eval(summary: dict[str, Any], seconds: float, output: object) -> str:
         ("correct", share(summary["correct"])),
         ("wrong", share(summary["wrong"])),
         ("no answer", share(summary["no_answer"])),
-        ("truncated", share(summary["truncated"]) + "  (the thinking ran out of tokens)"),
+        ("truncated", share(summary["truncated"]) + "  (ran out of tokens: raise --max-tokens)"),
         ("errors", share(summary["error"])),
     ]
     if "samples" in summary:
