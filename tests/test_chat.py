@@ -222,6 +222,12 @@ def test_slash_command_errors_keep_the_repl_going(tiny_model: Path):
     assert "nothing to retry" in text
     assert "no answer yet" in out.getvalue()
     assert repl.command("/bye") is False
+    # Ollama's word and a slip of the keys (issue 53): /clear is /reset, /sav names /save.
+    assert repl.command("/clear") is True and "new conversation" in err.getvalue()
+    assert repl.command("/sav") is True
+    assert "unknown command /sav; did you mean /save? /help lists them" in err.getvalue()
+    frobnicate = next(line for line in err.getvalue().splitlines() if "/frobnicate" in line)
+    assert "did you mean" not in frobnicate  # (nothing close: no guess)
 
 
 def test_help_completion_and_dispatch_come_from_one_table(tiny_model: Path):

@@ -197,7 +197,12 @@ class SlashCommand(NamedTuple):
 # The chat's commands: /help, completion and dispatch are all read from this table.
 COMMANDS = (
     SlashCommand("/help", "show this help", _help),
-    SlashCommand("/reset", "start a new conversation (same model and settings)", _reset),
+    SlashCommand(
+        "/reset",
+        "start a new conversation, same model and settings (also /clear, as in ollama)",
+        _reset,
+        ("/clear",),
+    ),
     SlashCommand(
         "/system",
         "/system TEXT sets the system prompt; /system - restores the model's own",

@@ -428,7 +428,11 @@ class ChatRepl:
         name, _, argument = line.partition(" ")
         found = COMMAND_NAMES.get(name)
         if found is None:
-            self.env.notice(f"unknown command {name}; /help lists them")
+            import difflib
+
+            close = difflib.get_close_matches(name, COMMAND_NAMES, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}? " if close else ""
+            self.env.notice(f"unknown command {name}; {hint}/help lists them")
             return True
         return found.handler(self, argument.strip()) is not False
 
