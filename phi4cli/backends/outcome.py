@@ -125,6 +125,13 @@ class Outcome:
         return self.stats is not None and self.stats.thinking_unfinished
 
     @property
+    def cut_off(self) -> bool:
+        """It stated no answer because --max-tokens cut its answer (its thinking had ended)."""
+        return (
+            self.answer is None and self.stats is not None and self.stats.finish_reason == "length"
+        )
+
+    @property
     def answered_early(self) -> bool:
         """Its thinking was closed because the answer was asked for now (Enter while it
         thought): the model answered from what it had."""

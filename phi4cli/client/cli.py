@@ -324,9 +324,10 @@ def chat(
     """Chat: a streaming REPL whose conversation stays cached in the daemon."""
     from phi4cli.backends.backend import make_backend
     from phi4cli.client.chats import ChatStore, Conversation, default_name
+    from phi4cli.client.history import open_history
     from phi4cli.client.render import counted
     from phi4cli.client.repl import ChatRepl, line_reader, prompt_reader
-    from phi4cli.client.solve_job import check_sent_text, open_history
+    from phi4cli.client.solve_job import check_sent_text
     from phi4cli.core.models import resolve_model
 
     if sum((bool(resume), continue_last, from_history is not None)) > 1:
@@ -351,7 +352,7 @@ def chat(
             name=default_name(), model=str(model_path), system=settings.system
         )
         if from_history is not None:
-            conversation.turns.append(answer_as_turn(paths, from_history))
+            conversation.turns.append(answer_as_turn(from_history))
     conversation.model = str(model_path)
     env = run_env()
     env.raw_output = raw_output

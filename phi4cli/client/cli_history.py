@@ -18,7 +18,6 @@ from phi4cli.text.sanitize import clean_text
 if TYPE_CHECKING:
     from phi4cli.client.chats import Turn
     from phi4cli.client.history import Entry, History
-    from phi4cli.core.paths import Paths
 
 history_app = typer.Typer(
     help="The answers phi4 gave here (solve, chat, eval): list, search, show, delete.",
@@ -35,10 +34,9 @@ KindOption = Annotated[
 
 
 def _history() -> History:
-    from phi4cli.client.history import History, history_path
+    from phi4cli.client.history import open_history
 
-    env = run_env()
-    return History(history_path(env.paths.data_dir), env.notice)
+    return open_history(run_env())
 
 
 @contextlib.contextmanager
@@ -152,12 +150,11 @@ def history_show(
     print_out(clean_text("\n".join(lines)))
 
 
-def answer_as_turn(paths: Paths, entry_id: int) -> Turn:
+def answer_as_turn(entry_id: int) -> Turn:
     """Answer ``entry_id`` of the history as a chat's first turn (`phi4 chat --from-history`)."""
     from phi4cli.client.chats import Turn
-    from phi4cli.client.history import History, history_path
 
-    store = History(history_path(paths.data_dir), run_env().notice)
+    store = _history()
     with _said():
         entry = store.get(entry_id) if store.exists else None
     if entry is None:

@@ -56,7 +56,7 @@ def judge(
         status = "error"
     elif answer is not None:
         status = "correct" if same_answer(answer, item.reference) else "wrong"
-    elif all(o.error is not None or _ran_out(o) for o in outcomes):
+    elif all(o.error is not None or o.thinking_unfinished or o.cut_off for o in outcomes):
         status = "truncated"  # (every sample ran out of tokens: --max-tokens, not the model)
     else:
         status = "no_answer"
@@ -95,18 +95,6 @@ def judge(
     if errors:
         record["errors"] = errors
     return record
-
-
-def _ran_out(outcome: Outcome) -> bool:
-    """It stated no answer because its tokens ran out: in its thinking, or in its answer (cut
-    off at --max-tokens)."""
-    if outcome.thinking_unfinished:
-        return True
-    return (
-        outcome.answer is None
-        and outcome.stats is not None
-        and (outcome.stats.finish_reason == "length")
-    )
 
 
 def sample_details(outcome: Outcome, ended_s: float, cancelled: bool) -> dict[str, Any]:

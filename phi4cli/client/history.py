@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from phi4cli.backends.outcome import Outcome
+    from phi4cli.client.environment import Environment
 
 FILE_NAME = "history.db"
 MAX_ENTRIES = 10_000
@@ -341,6 +342,11 @@ class History:
 
 def history_path(data_dir: Path) -> Path:
     return data_dir / "history" / FILE_NAME
+
+
+def open_history(env: Environment) -> History:
+    """The user's history (opened on its first use), its failures said on ``env``."""
+    return History(history_path(env.paths.data_dir), env.notice)
 
 
 def _entry(row: tuple[Any, ...]) -> Entry:

@@ -274,12 +274,11 @@ def make_job(
         stop_unsure=settings.stop_unsure,
         check=settings.check,
         checker=checker,
-        history=open_history(env) if settings.history else None,
+        history=_history(env) if settings.history else None,
     )
 
 
-def open_history(env: Environment) -> History:
-    """The history database (opened on its first record), its failures said on ``env``."""
-    from phi4cli.client.history import History, history_path
+def _history(env: Environment) -> History:
+    from phi4cli.client.history import open_history  # (sqlite3 only where answers are kept)
 
-    return History(history_path(env.paths.data_dir), env.notice)
+    return open_history(env)

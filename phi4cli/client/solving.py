@@ -157,12 +157,7 @@ def solve_one(job: SolveJob, question: str, mode: OutputMode) -> int:
     # An answer cut off at --max-tokens is said in a pipe too, as at a terminal (--json has
     # its finish_reason).
     plain_terminal = not (mode.as_json or mode.answer_only) and job.env.terminal
-    cut_off = (
-        outcome.answer is None
-        and outcome.stats is not None
-        and outcome.stats.finish_reason == "length"
-        and not mode.as_json
-    )
+    cut_off = outcome.cut_off and not mode.as_json
     if (
         not plain_terminal
         and (
